@@ -1,0 +1,77 @@
+"""The one place adaptdist touches torch's private APIs.
+
+A torch upgrade that moves one of these should break this file only.
+Checked against torch 2.13.0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+
+def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
+    """Export ``module(*args)`` and its backward as one functional ATen graph.
+
+    Returns ``(GraphModule, GraphSignature)``; the signature lists parameters,
+    buffers, user inputs, buffer mutations, the loss output and which output is
+    which parameter's gradient. Source: ``torch._functorch.aot_autograd.aot_export_module``.
+    """
+    from torch._functorch.aot_autograd import aot_export_module
+
+    return aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
+
+
+def fake_tensor_mode() -> Any:
+    """A fresh FakeTensorMode (shapes and dtypes only, no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """Context manager: temporarily swap the module's parameters/buffers by name."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True)
+
+
+def fx_code_globals() -> dict[str, Any]:
+    """The names FX-generated code refers to (``torch``, ``device``, ``inf``, ...)."""
+    from torch.fx.graph import _custom_builtins
+
+    return {name: b.obj for name, b in _custom_builtins.items()}
+
+
+def register_process_group(name: str, group: Any) -> None:
+    """Make ``group`` resolvable by ``name`` in functional collectives (``_c10d_functional.*``)."""
+    torch._C._distributed_c10d._register_process_group(name, group)
+
+
+def unregister_all_process_groups() -> None:
+    torch._C._distributed_c10d._unregister_all_process_groups()
+
+
+def functional_all_reduce_op() -> Callable:
+    return torch.ops._c10d_functional.all_reduce.default
+
+
+def functional_wait_op() -> Callable:
+    return torch.ops._c10d_functional.wait_tensor.default
+
+
+@contextlib.contextmanager
+def no_dispatch():
+    from torch.utils._mode_utils import no_dispatch as _nd
+
+    with _nd():
+        yield

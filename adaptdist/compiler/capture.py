@@ -1,0 +1,267 @@
+"""Capture: a model, an example batch and a loss function -> one joint ATen graph.
+
+The joint graph computes, for one global batch, the loss and the gradient of
+every trainable parameter, with the loss function inside it (so later passes
+see exactly how the loss reduces over the batch). It is captured with
+``aot_export_module(trace_joint=True)`` under a FakeTensorMode, so capture
+needs no real memory and works the same for real, fake and meta models.
+
+Batch contract: ``batch`` is a tuple of tensors whose last element is the
+target; the step computes ``loss_fn(model(*batch[:-1]), batch[-1])``. Every
+batch tensor has the batch on dim 0.
+
+Graph contract (what every pass may rely on):
+    placeholders = [params..., buffers..., batch...] (roles in node.meta)
+    outputs      = (mutated buffers..., loss, grads of params...)
+Tied parameters (the same tensor under two names) appear once; their
+gradient contributions are summed in the graph.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from .. import _torch_compat as compat
+from .. import graph_meta as gmeta
+from ..errors import CaptureError
+
+
+@dataclass
+class CapturedGraph:
+    """The joint forward+backward graph of one training step, and what its inputs/outputs are.
+
+    Attributes:
+        gm: GraphModule with fake values in ``node.meta["val"]`` (global shapes).
+        param_fqns: trainable parameter names, in placeholder order.
+        frozen_param_fqns: parameters with ``requires_grad=False`` (inputs, no gradient).
+        buffer_fqns: buffer names, in placeholder order (after the parameters).
+        num_batch_inputs: number of batch tensors (after the buffers).
+        mutated_buffer_fqns: buffers the step updates, in output order (outputs first).
+        loss_output_index: index of the scalar loss among the outputs.
+        grad_output_index: {param fqn: output index of its gradient}.
+        batch_size: size of dim 0 shared by all batch tensors.
+        model_name: class name of the captured model (for messages).
+    """
+
+    gm: torch.fx.GraphModule
+    param_fqns: list[str]
+    frozen_param_fqns: list[str]
+    buffer_fqns: list[str]
+    num_batch_inputs: int
+    mutated_buffer_fqns: list[str]
+    loss_output_index: int
+    grad_output_index: dict[str, int]
+    batch_size: int
+    model_name: str
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def input_fqns(self) -> list[str]:
+        """Names of the state inputs (params, frozen params, buffers) in placeholder order."""
+        return [gmeta.get_fqn(n) for n in self.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(n) != "batch"]
+
+
+class _TrainStep(nn.Module):
+    """model + loss_fn as one module whose single output is the loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return (self.loss_fn(self.model(*batch[:-1]), batch[-1]),)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch and adaptdist: the user's construct."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" not in f and "/adaptdist/compiler/" not in f and "<eval_with_key>" not in f:
+            return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
+    return "(no user frame)"
+
+
+def _check_batch(batch: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(batch, torch.Tensor):
+        raise CaptureError(
+            "the example batch is a single tensor; pass a tuple (inputs..., target) so the loss "
+            "function receives the target"
+        )
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise CaptureError(
+            f"the example batch must be a tuple (inputs..., target) of at least 2 tensors, got {type(batch).__name__}"
+        )
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise CaptureError(f"batch element {i} is a {type(t).__name__}, not a tensor; pass tensors only")
+        if t.dim() == 0:
+            raise CaptureError(f"batch element {i} is a 0-d tensor; every batch tensor needs the batch on dim 0")
+    sizes = {t.shape[0] for t in batch}
+    if len(sizes) != 1:
+        raise CaptureError(
+            f"batch tensors disagree on dim 0 (the batch dim): shapes {[list(t.shape) for t in batch]}; "
+            "every batch tensor must have the batch on dim 0"
+        )
+    return tuple(batch)
+
+
+def _to_fake(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    if compat.is_fake(t):
+        return t
+    if t.device.type == "meta":
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return mode.from_tensor(t)
+
+
+def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
+    """Capture ``loss_fn(model(*batch[:-1]), batch[-1])`` and its backward as one joint graph.
+
+    Args:
+        model: the module; its parameters may be real, meta or fake tensors.
+        batch: tuple of tensors, the last is the target; dim 0 of each is the batch.
+        loss_fn: ``(model_output, target) -> scalar tensor``.
+
+    Returns:
+        CapturedGraph with global (unsharded) shapes in ``node.meta["val"]``.
+
+    Raises:
+        CaptureError: bad batch, a loss that is not a scalar, an unused trainable
+            parameter, or a construct the tracer cannot follow; names the module
+            and the source line, and says what to try.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise CaptureError(f"the loss function must be callable, got {type(loss_fn).__name__}")
+    batch = _check_batch(batch)
+    name = type(model).__name__
+    step = _TrainStep(model, loss_fn)
+    mode = compat.fake_tensor_mode()
+    state: dict[str, torch.Tensor] = {}
+    for n, p in step.named_parameters():
+        state[n] = nn.Parameter(_to_fake(mode, p.detach()), requires_grad=p.requires_grad)
+    for n, b in step.named_buffers():
+        state[n] = _to_fake(mode, b)
+    fake_batch = tuple(_to_fake(mode, t) for t in batch)
+
+    with mode, compat.reparametrize(step, state):
+        # Check the loss on fake tensors first, for a clear message.
+        try:
+            (loss,) = step(*fake_batch)
+        except Exception as e:  # the user's code failed: report where
+            raise CaptureError(
+                f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
+                f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
+            ) from e
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"shape {list(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CaptureError(
+                f"the loss function must return a floating-point scalar, got {got} for model {name}; "
+                "reduce it with .mean() or .sum()"
+            )
+        try:
+            gm, sig = compat.aot_export_joint(step, fake_batch, loss_index=0)
+        except Exception as e:
+            msg = str(e).split("\n")[0]
+            hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
+            if "did not receive a gradient" in str(e):
+                hint = ("A trainable parameter is unused by the loss: set requires_grad=False on it, "
+                        "or remove it from the model.")
+            raise CaptureError(
+                f"cannot capture {name} as one joint forward+backward graph; failed at {_user_frame(e)}: "
+                f"{type(e).__name__}: {msg}. {hint}"
+            ) from e
+    return _finish(gm, sig, step, batch, name)
+
+
+def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, name: str) -> CapturedGraph:
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    strip = len("model.")
+    for ph in placeholders:
+        if ph.name in sig.inputs_to_parameters:
+            gmeta.set_role(ph, "param", sig.inputs_to_parameters[ph.name][strip:])
+        elif ph.name in sig.inputs_to_buffers:
+            gmeta.set_role(ph, "buffer", sig.inputs_to_buffers[ph.name][strip:])
+        else:
+            gmeta.set_role(ph, "batch")
+    out_node = graph.output_node()
+    outs = list(out_node.args[0])
+    name_to_out = {n.name: i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node)}
+    bw = sig.backward_signature
+    grad_of: dict[str, torch.fx.Node] = {
+        p[strip:]: outs[name_to_out[g]]
+        for g, p in bw.gradients_to_parameters.items()
+    }
+    mutated = [outs[name_to_out[o]] for o in sig.buffers_to_mutate]
+    mutated_fqns = [sig.buffers_to_mutate[o][strip:] for o in sig.buffers_to_mutate]
+    loss_node = outs[name_to_out[bw.loss_output]]
+
+    # Tied parameters: aot lists each name; keep the first, sum gradients into it.
+    real_params = dict(step.named_parameters(remove_duplicate=False))
+    by_id: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for ph in placeholders:
+        if gmeta.get_role(ph) != "param":
+            continue
+        fqn = gmeta.get_fqn(ph)
+        key = id(real_params["model." + fqn])
+        if key in by_id:
+            tied[fqn] = by_id[key]
+        else:
+            by_id[key] = fqn
+    for dup, keep in tied.items():
+        dup_ph = next(p for p in placeholders if gmeta.get_fqn(p) == dup)
+        keep_ph = next(p for p in placeholders if gmeta.get_fqn(p) == keep)
+        dup_ph.replace_all_uses_with(keep_ph)
+        graph.erase_node(dup_ph)
+        if dup in grad_of and keep in grad_of:
+            with graph.inserting_before(out_node):
+                s = graph.call_function(torch.ops.aten.add.Tensor, (grad_of[keep], grad_of[dup]))
+            s.meta["val"] = grad_of[keep].meta["val"]
+            grad_of[keep] = s
+        elif dup in grad_of:
+            grad_of[keep] = grad_of[dup]
+        grad_of.pop(dup, None)
+
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    trainable = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) in grad_of]
+    frozen = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) not in grad_of]
+    # Placeholder order: trainable params, frozen params, buffers, batch.
+    order = {"param": 0, "buffer": 2, "batch": 3}
+    ranked = sorted(
+        placeholders,
+        key=lambda p: (order[gmeta.get_role(p)] + (1 if gmeta.get_fqn(p) in frozen else 0), placeholders.index(p)),
+    )
+    if ranked != placeholders:
+        first = next(iter(graph.nodes))
+        for p in ranked:
+            first.prepend(p)
+    new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
+    out_node.args = (tuple(new_outs),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return CapturedGraph(
+        gm=gm,
+        param_fqns=trainable,
+        frozen_param_fqns=frozen,
+        buffer_fqns=[gmeta.get_fqn(p) for p in ranked if gmeta.get_role(p) == "buffer"],
+        num_batch_inputs=len(batch),
+        mutated_buffer_fqns=mutated_fqns,
+        loss_output_index=len(mutated),
+        grad_output_index={f: len(mutated) + 1 + i for i, f in enumerate(trainable)},
+        batch_size=batch[0].shape[0],
+        model_name=name,
+        tied=tied,
+    )
+

@@ -1,0 +1,38 @@
+"""Typed, user-facing errors.
+
+Every error adaptdist raises for bad input derives from :class:`AdaptdistError`.
+Its message is one paragraph that names what is wrong (node, op, shapes, mesh,
+rank or file) and says what to try; the CLI prints it without a traceback.
+"""
+
+
+class AdaptdistError(Exception):
+    """Base class of all user-facing adaptdist errors."""
+
+
+class UsageError(AdaptdistError):
+    """A command-line option or API argument has an invalid value."""
+
+
+class CaptureError(AdaptdistError):
+    """The model, example batch or loss function could not be captured as one joint graph."""
+
+
+class ClusterSpecError(AdaptdistError):
+    """A cluster description (YAML file or arguments) is invalid."""
+
+
+class DataError(AdaptdistError):
+    """Training data is missing, empty, not text, or too short."""
+
+
+class UnsupportedOpError(AdaptdistError):
+    """An op in the joint graph has no sharding rule for the placements it receives."""
+
+
+class ProgramLoadError(AdaptdistError):
+    """Saved rank programs are missing, corrupted, or made for another setup."""
+
+
+class RuntimeLaunchError(AdaptdistError):
+    """Worker processes failed to start or one of them failed."""

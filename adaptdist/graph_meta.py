@@ -1,0 +1,112 @@
+"""The node.meta keys adaptdist reads and writes, with typed helpers.
+
+Nothing else in adaptdist invents node.meta keys. ``"val"`` is torch's own key
+(a fake or real tensor, or a tuple of them, carrying shape and dtype).
+
+Keys:
+    ``adaptdist.role``: for placeholders, one of ``"param"``, ``"buffer"``, ``"batch"``.
+    ``adaptdist.fqn``: for param/buffer placeholders, the module's qualified name.
+    ``adaptdist.placements``: the layout of the node's output: a tuple of
+        placements (one per mesh axis) or, for multi-output ops, a tuple of those.
+    ``adaptdist.redistribute``: {arg index: target placements} for inputs whose
+        producer layout differs from what this node needs (filled by propagation,
+        consumed by the redistribution pass).
+    ``adaptdist.collective``: marks nodes inserted by adaptdist (all_reduce, wait, slice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx
+
+from .placement import Placement
+
+ROLE = "adaptdist.role"
+FQN = "adaptdist.fqn"
+PLACEMENTS = "adaptdist.placements"
+REDISTRIBUTE = "adaptdist.redistribute"
+COLLECTIVE = "adaptdist.collective"
+RANK_SLICE = "adaptdist.rank_slice"
+
+Layout = tuple[Placement, ...]
+
+
+def val(node: torch.fx.Node) -> Any:
+    """The fake/real value of ``node`` (tensor, tuple, or scalar)."""
+    return node.meta.get("val")
+
+
+def shape_str(node: Any) -> str:
+    """A short description of a node's shape(s) for error messages."""
+    if not isinstance(node, torch.fx.Node):
+        return repr(node)
+    v = val(node)
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(
+            f"{list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x) for x in v
+        ) + ")"
+    return repr(v)
+
+
+def get_role(node: torch.fx.Node) -> str | None:
+    return node.meta.get(ROLE)
+
+
+def set_role(node: torch.fx.Node, role: str, fqn: str | None = None) -> None:
+    assert role in ("param", "buffer", "batch"), role
+    node.meta[ROLE] = role
+    if fqn is not None:
+        node.meta[FQN] = fqn
+
+
+def get_fqn(node: torch.fx.Node) -> str | None:
+    return node.meta.get(FQN)
+
+
+def get_placements(node: torch.fx.Node) -> Any:
+    return node.meta.get(PLACEMENTS)
+
+
+def set_placements(node: torch.fx.Node, layout: Any) -> None:
+    node.meta[PLACEMENTS] = layout
+
+
+def get_redistribute(node: torch.fx.Node) -> dict[int, Layout]:
+    return node.meta.get(REDISTRIBUTE, {})
+
+
+def set_redistribute(node: torch.fx.Node, needs: dict[int, Layout]) -> None:
+    if needs:
+        node.meta[REDISTRIBUTE] = needs
+    else:
+        node.meta.pop(REDISTRIBUTE, None)
+
+
+def mark_collective(node: torch.fx.Node, kind: str) -> None:
+    node.meta[COLLECTIVE] = kind
+
+
+def get_collective(node: torch.fx.Node) -> str | None:
+    return node.meta.get(COLLECTIVE)
+
+
+def set_rank_slice(node: torch.fx.Node, dim: int, axis: int) -> None:
+    """Mark a slice node whose bounds are each rank's shard of ``dim`` along mesh ``axis``."""
+    node.meta[RANK_SLICE] = (dim, axis)
+
+
+def get_rank_slice(node: torch.fx.Node) -> tuple[int, int] | None:
+    return node.meta.get(RANK_SLICE)
+
+
+def module_of(node: torch.fx.Node) -> str:
+    """The innermost module path a node came from, for error messages ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, cls = list(stack.values())[-1]
+    cls_name = getattr(cls, "__name__", str(cls)).split(".")[-1]
+    return f"{path} ({cls_name})"

@@ -1,0 +1,1 @@
+"""Built-in models for examples, tests and benchmarks."""
