@@ -12,6 +12,10 @@ Keys:
         producer layout differs from what this node needs (filled by propagation,
         consumed by the redistribution pass).
     ``adaptdist.collective``: marks nodes inserted by adaptdist (all_reduce, wait, slice).
+    ``adaptdist.rank_slice``: on a slice node, (tensor dim, mesh axis) whose bounds are each
+        rank's own shard (set by redistribution, filled in by localization).
+    ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
+        ``"loss"`` or ``"grad:<fqn>"``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ PLACEMENTS = "adaptdist.placements"
 REDISTRIBUTE = "adaptdist.redistribute"
 COLLECTIVE = "adaptdist.collective"
 RANK_SLICE = "adaptdist.rank_slice"
+OUTPUT_ROLES = "adaptdist.output_roles"
 
 Layout = tuple[Placement, ...]
 
@@ -110,3 +115,12 @@ def module_of(node: torch.fx.Node) -> str:
     path, cls = list(stack.values())[-1]
     cls_name = getattr(cls, "__name__", str(cls)).split(".")[-1]
     return f"{path} ({cls_name})"
+
+
+def set_output_roles(output_node: torch.fx.Node, roles: list[str]) -> None:
+    assert output_node.op == "output" and len(roles) == len(output_node.args[0])
+    output_node.meta[OUTPUT_ROLES] = list(roles)
+
+
+def get_output_roles(output_node: torch.fx.Node) -> list[str]:
+    return output_node.meta[OUTPUT_ROLES]

@@ -248,6 +248,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
             first.prepend(p)
     new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
     out_node.args = (tuple(new_outs),)
+    gmeta.set_output_roles(
+        out_node, [f"buffer:{f}" for f in mutated_fqns] + ["loss"] + [f"grad:{f}" for f in trainable]
+    )
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

@@ -1,0 +1,77 @@
+"""Codegen: a localized GraphModule -> a RankProgram with readable Python source.
+
+The source is FX's own code for the graph, as a class ``RankProgramModule``,
+with each value's local shape as a trailing comment::
+
+    mm = torch.ops.aten.mm.default(view, t)  # f32[8, 256]
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+
+from .. import __version__
+from .. import graph_meta as gmeta
+from ..program import RankProgram
+from ..passes.context import PassContext
+
+_ANNOTATED = re.compile(r'^(\s+)(\w+): "([^"]*)" = (.*)$')
+
+
+def program_source(gm: torch.fx.GraphModule, header: str) -> str:
+    """Readable, executable source for ``gm``; ``header`` becomes a leading comment block."""
+    where = {}
+    for n in gm.graph.nodes:
+        n.meta.pop("stack_trace", None)  # traces point into aot's re-trace, not user code
+        mod = gmeta.module_of(n)
+        if mod:
+            where[n.name] = mod
+    src = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+    lines = []
+    for line in src.splitlines():
+        m = _ANNOTATED.match(line)
+        if m:
+            indent, name, ann, rhs = m.groups()
+            line = f"{indent}{name} = {rhs}  # {ann}" + (f"  {where[name]}" if name in where else "")
+        elif line.strip() == "# No stacktrace found for following nodes":
+            continue
+        lines.append(line)
+    body = "\n".join(lines).replace("class GraphModule(torch.nn.Module):", "class RankProgramModule(torch.nn.Module):", 1)
+    head = "\n".join(f"# {h}" if h else "#" for h in header.splitlines())
+    return f"{head}\nimport torch\nfrom torch import device\n\n\n{body}\n"
+
+
+def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, input_fqns: list[str],
+                      param_fqns: list[str], num_batch_inputs: int, state: dict[str, torch.Tensor],
+                      tied: dict[str, str]) -> RankProgram:
+    """Wrap rank ``rank``'s localized graph as a RankProgram (code, state, constants)."""
+    roles = gmeta.get_output_roles(gm.graph.output_node())
+    off, size = ctx.shard_offsets()[rank], ctx.shard_sizes()[rank]
+    header = (
+        f"adaptdist {__version__} RankProgram, torch {torch.__version__}\n"
+        f"rank {rank} of {ctx.world_size}, mesh {ctx.mesh_axis}={ctx.world_size}, "
+        f"batch rows [{off}, {off + size}) of {ctx.batch_size}\n"
+        f"inputs: {len(input_fqns)} state tensors, then {num_batch_inputs} batch tensors\n"
+        f"outputs: {', '.join(roles[:4])}{', ...' if len(roles) > 4 else ''} ({len(roles)} in all)\n"
+        "Generated code: edit the model, not this file."
+    )
+    constants = {n.target: getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")}
+    return RankProgram(
+        rank=rank,
+        world_size=ctx.world_size,
+        mesh={ctx.mesh_axis: ctx.world_size},
+        group_names={ctx.mesh_axis: ctx.group_name},
+        input_fqns=list(input_fqns),
+        param_fqns=list(param_fqns),
+        num_batch_inputs=num_batch_inputs,
+        batch_slice=(off, size),
+        output_roles=list(roles),
+        code=program_source(gm, header),
+        module=gm,
+        state=state,
+        constants={k: v for k, v in constants.items() if isinstance(v, torch.Tensor)},
+        tied=dict(tied),
+    )

@@ -1,0 +1,43 @@
+"""What passes need to know besides the graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """Settings shared by the lowering passes.
+
+    Attributes:
+        world_size: number of ranks on the (1-D, data-parallel) mesh axis.
+        batch_size: global batch size (dim 0 of every batch input).
+        mesh_axis: name of the mesh axis the batch is sharded over.
+        bucket_bytes: target size of one gradient all_reduce bucket, bytes.
+    """
+
+    world_size: int
+    batch_size: int
+    mesh_axis: str = "dp"
+    bucket_bytes: int = 25 * 2**20
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+
+    @property
+    def group_name(self) -> str:
+        """The name functional collectives use for this mesh axis's process group."""
+        return f"adaptdist:{self.mesh_axis}"
+
+    def shard_sizes(self) -> list[int]:
+        """Local batch size of each rank, torch.chunk semantics (trailing ranks may get 0)."""
+        b, w = self.batch_size, self.world_size
+        chunk = -(-b // w) if b else 0
+        return [max(0, min(chunk, b - r * chunk)) for r in range(w)]
+
+    def shard_offsets(self) -> list[int]:
+        sizes = self.shard_sizes()
+        return [sum(sizes[:r]) for r in range(self.world_size)]

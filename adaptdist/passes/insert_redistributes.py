@@ -1,0 +1,124 @@
+"""Pass: insert the collective for every edge whose placements differ.
+
+Consumes ``adaptdist.redistribute`` (from propagation) and inserts, as
+functional collectives on the mesh axis's process group:
+
+* ``Partial -> Replicate``: ``all_reduce(sum)`` + ``wait_tensor``;
+* ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization;
+* ``Partial -> Shard(d)``: both of the above.
+
+Other transitions (``Shard -> Replicate`` needs an uneven all_gather) raise
+:class:`~adaptdist.errors.UnsupportedOpError` for now.
+
+Before/after::
+
+    div = aten.div.Tensor(nll_sum, total_weight)              # loss: f32[] P(sum)
+    return (div, ...)
+    # becomes
+    all_reduce = _c10d_functional.all_reduce(div, 'sum', 'adaptdist:dp')
+    wait_tensor = _c10d_functional.wait_tensor(all_reduce)    # f32[] R
+    return (wait_tensor, ...)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as compat
+from .. import graph_meta as gmeta
+from ..errors import UnsupportedOpError
+from ..placement import Partial, Replicate, Shard
+from .context import PassContext
+from .propagate_placements import placement_of
+
+aten = torch.ops.aten
+
+
+def _copy_meta(n: torch.fx.Node, src: torch.fx.Node) -> None:
+    n.meta["val"] = src.meta["val"]
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in src.meta:
+            n.meta[key] = src.meta[key]
+
+
+def all_reduce(graph: torch.fx.Graph, x: torch.fx.Node, group_name: str, *, wait_before: torch.fx.Node | None = None) -> torch.fx.Node:
+    """Insert ``all_reduce(x)`` after ``x`` and its ``wait_tensor`` (before ``wait_before`` if given)."""
+    with graph.inserting_after(x):
+        ar = graph.call_function(compat.functional_all_reduce_op(), (x, "sum", group_name))
+    _copy_meta(ar, x)
+    gmeta.mark_collective(ar, "all_reduce")
+    gmeta.set_placements(ar, (gmeta.get_placements(x)[0],))
+    ctx = graph.inserting_before(wait_before) if wait_before is not None else graph.inserting_after(ar)
+    with ctx:
+        w = graph.call_function(compat.functional_wait_op(), (ar,))
+    _copy_meta(w, x)
+    gmeta.mark_collective(w, "wait")
+    gmeta.set_placements(w, (Replicate(),))
+    return w
+
+
+def rank_slice(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, before: torch.fx.Node) -> torch.fx.Node:
+    """Insert a slice of ``x`` along ``dim`` that localization turns into this rank's shard."""
+    size = x.meta["val"].shape[dim]
+    with graph.inserting_before(before):
+        s = graph.call_function(aten.slice.Tensor, (x, dim, 0, size))
+    _copy_meta(s, x)
+    gmeta.mark_collective(s, "rank_slice")
+    gmeta.set_rank_slice(s, dim, 0)
+    gmeta.set_placements(s, (Shard(dim),))
+    return s
+
+
+def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
+             cache: dict) -> torch.fx.Node:
+    key = (src, target)
+    if key in cache:
+        return cache[key]
+    cur = placement_of(src)
+    node = src
+    if isinstance(cur, Partial):
+        node = all_reduce(graph, src, ctx.group_name)
+        cur = Replicate()
+    if isinstance(target, Shard) and isinstance(cur, Replicate):
+        node = rank_slice(graph, node, target.dim, before=consumer)
+        cur = target
+    if cur != target:
+        raise UnsupportedOpError(
+            f"node {consumer.name!r} ({consumer.target}) needs its input {src.name!r} "
+            f"({gmeta.shape_str(src)}) as {target!r} but it is {placement_of(src)!r}; that needs an "
+            "all_gather/all_to_all, which data-parallel lowering does not insert yet"
+        )
+    cache[key] = node
+    return node
+
+
+def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
+    """Insert collectives for recorded needs; returns ``(gm, changed)``.
+
+    Raises:
+        UnsupportedOpError: a needed transition has no collective here yet.
+    """
+    graph = gm.graph
+    cache: dict = {}
+    changed = False
+    for node in list(graph.nodes):
+        needs = gmeta.get_redistribute(node)
+        if not needs:
+            continue
+        args = [list(a) if isinstance(a, (list, tuple)) else a for a in node.args]
+        for path, layout in sorted(needs.items()):
+            src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
+            new = _convert(graph, src, layout[0], ctx, node, cache)
+            if len(path) == 1:
+                args[path[0]] = new
+            else:
+                args[path[0]][path[1]] = new
+        node.args = tuple(tuple(a) if isinstance(a, list) and isinstance(node.args[i], tuple) else a
+                          for i, a in enumerate(args))
+        gmeta.set_redistribute(node, {})
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm, changed

@@ -1,0 +1,89 @@
+"""Pass: annotate every node with its placement along the data-parallel mesh axis.
+
+Seeds: batch inputs ``Shard(0)``, parameters and buffers ``Replicate()``. One
+forward sweep in topological order applies :mod:`.sharding_rules` to each node;
+where a rule needs an input in another placement, the node records it under
+``adaptdist.redistribute`` (the redistribution pass inserts the collective).
+Graph outputs: the loss and mutated buffers need ``Replicate()``; gradients are
+left to the gradient-bucketing pass.
+
+Before/after (annotations only, the graph is unchanged)::
+
+    mm = aten.mm(view, t)          # view: f32[8, 64] S(0), t: f32[64, 256] R
+    # after: mm.meta["adaptdist.placements"] == (S(0),)
+    mm_1 = aten.mm(t_1, view_2)    # t_1: f32[64, 8] S(1), view_2: f32[8, 256] S(0)
+    # after: mm_1 -> (P(sum),)     (a weight gradient: a partial sum over ranks)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .. import graph_meta as gmeta
+from ..errors import UnsupportedOpError
+from ..placement import Partial, Replicate, Shard
+from .context import PassContext
+from .sharding_rules import apply_rule
+
+AXIS = 0  # the data-parallel mesh axis; an N-D mesh repeats this per axis
+
+
+def placement_of(node: torch.fx.Node):
+    """The placement (or tuple of placements, for multi-output ops) of ``node`` on the DP axis."""
+    layout = gmeta.get_placements(node)
+    if layout is None:
+        raise AssertionError(f"node {node.name} has no placement yet")
+    return layout[AXIS]
+
+
+def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
+    """Annotate placements; returns ``(gm, changed)`` where changed means annotations changed.
+
+    Raises:
+        UnsupportedOpError: an op has no rule for the placements it receives, or a
+            mutated buffer / the loss would end up sharded.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        old = gmeta.get_placements(node)
+        needs: dict = {}
+        if node.op == "placeholder":
+            role = gmeta.get_role(node)
+            out = Shard(0) if role == "batch" else Replicate()
+        elif node.op == "get_attr":
+            out = Replicate()
+        elif node.op == "call_function":
+            res = apply_rule(node, placement_of)
+            out, needs = res.out, res.needs
+        elif node.op == "output":
+            needs = _output_needs(node)
+            out = None
+        else:
+            raise UnsupportedOpError(f"node {node.name!r}: op kind {node.op!r} is not supported in joint graphs")
+        layout = (out,) if out is not None else None
+        gmeta.set_placements(node, layout)
+        old_needs = gmeta.get_redistribute(node)
+        new_needs = {path: (p,) for path, p in needs.items()}
+        gmeta.set_redistribute(node, new_needs)
+        changed |= old != layout or old_needs != new_needs
+    return gm, changed
+
+
+def _output_needs(node: torch.fx.Node) -> dict:
+    """The loss and mutated buffers must be replicated; gradients are handled by bucketing."""
+    outs = node.args[0]
+    roles = gmeta.get_output_roles(node)
+    needs = {}
+    for j, o in enumerate(outs):
+        if not isinstance(o, torch.fx.Node) or roles[j].startswith("grad:"):
+            continue
+        p = placement_of(o)
+        if isinstance(p, Shard):
+            raise UnsupportedOpError(
+                f"graph output {j} (node {o.name!r}, {gmeta.shape_str(o)}) would be sharded over the batch "
+                f"({p!r}); the loss must be a scalar and buffers must not be updated per sample"
+            )
+        if isinstance(p, Partial):
+            needs[(0, j)] = Replicate()
+    return needs

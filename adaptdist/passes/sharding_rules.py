@@ -1,0 +1,747 @@
+"""Per-op sharding rules along one mesh axis.
+
+A rule sees one node and the placement of each tensor argument along one mesh
+axis, and answers with the placement of each output and the placements it
+*needs* for arguments whose current placement it cannot consume (the
+redistribution pass later inserts the collective that converts them).
+
+Semantics follow DTensor (``torch/distributed/tensor/_ops``): a reduction over a
+sharded dim yields ``Partial("sum")``; a matmul contracting two sharded dims
+yields ``Partial``; ops linear in a ``Partial`` input keep it ``Partial``.
+Shards may be uneven (``torch.chunk``), so a ``mean`` over a sharded dim is not
+``Partial("avg")`` here: the globalize-reductions pass rewrites it as a sum
+divided by the global count.
+
+Errors: :class:`~adaptdist.errors.UnsupportedOpError` names the op, node, shapes
+and placements, and says what to try.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from .. import graph_meta as gmeta
+from ..errors import UnsupportedOpError
+from ..placement import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial("sum")
+
+ArgPath = tuple[int, ...]  # (i,) = args[i]; (i, j) = args[i][j]
+
+
+@dataclass
+class RuleResult:
+    """Output placement(s) and the placements needed for some arguments."""
+
+    out: Placement | tuple[Placement, ...]
+    needs: dict[ArgPath, Placement] = field(default_factory=dict)
+
+
+PlacementOf = Callable[[torch.fx.Node], Placement]
+
+
+def tensor_args(node: torch.fx.Node) -> list[tuple[ArgPath, torch.fx.Node]]:
+    """The fx.Node arguments of ``node`` with their positions (lists flattened one level)."""
+    out = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node):
+            out.append(((i,), a))
+        elif isinstance(a, (list, tuple)):
+            out.extend(((i, j), b) for j, b in enumerate(a) if isinstance(b, torch.fx.Node))
+    return out
+
+
+def shape(n: Any) -> tuple[int, ...]:
+    v = gmeta.val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOpError:
+    args = ", ".join(f"{a.name}: {gmeta.shape_str(a)} {pl(a)!r}" for _, a in tensor_args(node))
+    where = gmeta.module_of(node)
+    return UnsupportedOpError(
+        f"op {node.target} at node {node.name!r}{' in ' + where if where else ''} has no sharding rule for "
+        f"inputs ({args}): {why}. Try replicating what feeds it, or rewrite that part of the model "
+        "with supported ops (see adaptdist/passes/sharding_rules.py)."
+    )
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _norm_dims(dims: Any, ndim: int) -> list[int]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % ndim if ndim else 0 for d in dims)
+
+
+# ---------------------------------------------------------------- elementwise
+
+_LINEAR_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor}
+_LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten._to_copy.default, aten.alias.default,
+                 aten.detach.default, aten.mul.Scalar, aten.div.Scalar, aten.contiguous.default}
+
+
+def _partial_is_linear(node: torch.fx.Node, pls: list[tuple[ArgPath, torch.fx.Node, Placement]]) -> bool:
+    partial = [a for _, a, p in pls if isinstance(p, Partial)]
+    others = [p for _, a, p in pls if not isinstance(p, Partial)]
+    if node.target in _LINEAR_ALL_PARTIAL:
+        return not others
+    if node.target in _LINEAR_UNARY:
+        return True
+    if node.target == aten.mul.Tensor:
+        return len(partial) == 1 and all(isinstance(p, Replicate) for p in others)
+    if node.target == aten.div.Tensor:
+        return len(partial) == 1 and pls[0][2] == P and all(isinstance(p, Replicate) for p in others)
+    return False
+
+
+def _keep_first_partial(node: torch.fx.Node, pls: list[tuple[ArgPath, torch.fx.Node, Placement]]) -> dict | None:
+    """mul/div with several Partial args: keep arg 0 Partial, make the others Replicate."""
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or pls[0][2] != P:
+        return None
+    if any(isinstance(p, Shard) for _, _, p in pls):
+        return None
+    return {path: R for path, _, p in pls[1:] if isinstance(p, Partial)}
+
+
+def pointwise(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """Broadcasting elementwise ops: all sharded inputs must shard the same output dim."""
+    out_nd = len(shape(node))
+    pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
+    out_dims = {p.dim + out_nd - len(shape(a)) for _, a, p in pls if isinstance(p, Shard)}
+    if len(out_dims) > 1:
+        raise unsupported(node, pl, "inputs are sharded on different output dims")
+    needs: dict[ArgPath, Placement] = {}
+    if out_dims:
+        d = out_dims.pop()
+        for path, a, p in pls:
+            if isinstance(p, Shard):
+                continue
+            ad = d - (out_nd - len(shape(a)))
+            needs_shard = ad >= 0 and shape(a)[ad] != 1
+            if needs_shard:
+                needs[path] = Shard(ad)
+            elif isinstance(p, Partial):
+                needs[path] = R
+        return RuleResult(Shard(d), needs)
+    if any(isinstance(p, Partial) for _, _, p in pls):
+        if _partial_is_linear(node, pls):
+            return RuleResult(P)
+        keep = _keep_first_partial(node, pls)
+        if keep is not None:
+            return RuleResult(P, keep)
+        return RuleResult(R, {path: R for path, _, p in pls if isinstance(p, Partial)})
+    return RuleResult(R)
+
+
+def like_factory(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``ones_like`` & co: the layout of the input, but values do not depend on it (Partial -> R)."""
+    p = pl(node.args[0])
+    return RuleResult(p if isinstance(p, Shard) else R)
+
+
+def identity(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    return RuleResult(pl(node.args[0]))
+
+
+def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    if isinstance(p, Partial):
+        return RuleResult((R, R), {(0,): R})
+    return RuleResult((p, p))
+
+
+# ---------------------------------------------------------------- views
+
+
+def _view_out_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], d: int) -> int | None:
+    """The output dim that carries sharded input dim ``d``: the outermost dim of its merged
+    group (``[B, T] -> [B*T]``) or of its split (``[B*T] -> [B, T]``; localization checks
+    that every rank's shard splits evenly)."""
+    prefix = math.prod(in_shape[:d])
+    n = in_shape[d]
+    for od in range(len(out_shape)):
+        if math.prod(out_shape[:od]) != prefix or (out_shape[od] == 1 and n != 1):
+            continue
+        if out_shape[od] % max(n, 1) == 0 or n % out_shape[od] == 0:
+            return od
+    return None
+
+
+def view(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """view/reshape: a shard survives when the sharded dim is the outermost of a merged group."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    od = _view_out_dim(shape(node.args[0]), shape(node), p.dim)
+    if od is None:
+        raise unsupported(node, pl, f"the view splits sharded dim {p.dim} into several dims")
+    return RuleResult(Shard(od))
+
+
+def transpose(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    if node.target == aten.t.default:
+        perm = [1, 0] if nd == 2 else [0]
+    elif node.target == aten.permute.default:
+        perm = [d % nd for d in node.args[1]]
+    else:
+        a, b = node.args[1] % nd, node.args[2] % nd
+        perm = list(range(nd))
+        perm[a], perm[b] = perm[b], perm[a]
+    return RuleResult(Shard(perm.index(p.dim)))
+
+
+def unsqueeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    d = node.args[1] % (len(shape(node.args[0])) + 1)
+    return RuleResult(Shard(p.dim + 1 if d <= p.dim else p.dim))
+
+
+def squeeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    in_shape = shape(node.args[0])
+    dims = _arg(node, 1, "dim", None)
+    dims = [i for i, s in enumerate(in_shape) if s == 1] if dims is None else _norm_dims(dims, len(in_shape))
+    dims = [d for d in dims if in_shape[d] == 1]
+    if p.dim in dims:
+        raise unsupported(node, pl, "it squeezes the sharded dim")
+    return RuleResult(Shard(p.dim - sum(1 for d in dims if d < p.dim)))
+
+
+def expand(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    return RuleResult(Shard(p.dim + len(shape(node)) - len(shape(node.args[0]))))
+
+
+def select_like(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """select/slice/narrow/index_select along a dim other than the sharded one."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    dim = _arg(node, 1, "dim", 0) % nd
+    if dim == p.dim:
+        if node.target == aten.slice.Tensor and _is_full_slice(node):
+            return RuleResult(p)
+        raise unsupported(node, pl, f"it indexes the sharded dim {p.dim}")
+    if node.target == aten.select.int:
+        return RuleResult(Shard(p.dim - (1 if dim < p.dim else 0)))
+    if node.target == aten.index_select.default and not isinstance(pl(node.args[2]), Replicate):
+        return RuleResult(p, {(2,): R})
+    return RuleResult(p)
+
+
+def _is_full_slice(node: torch.fx.Node) -> bool:
+    size = shape(node.args[0])[node.args[1] % len(shape(node.args[0]))]
+    start = _arg(node, 2, "start", 0) or 0
+    end = _arg(node, 3, "end", None)
+    step = _arg(node, 4, "step", 1)
+    return start == 0 and (end is None or end >= size) and step == 1
+
+
+def split(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    p = pl(node.args[0])
+    n_out = len(gmeta.val(node))
+    if not isinstance(p, Shard):
+        return RuleResult((p,) * n_out)
+    nd = len(shape(node.args[0]))
+    dim = _arg(node, 2, "dim", 0) % nd
+    if node.target == aten.unbind.int:
+        dim = _arg(node, 1, "dim", 0) % nd
+        if dim == p.dim:
+            raise unsupported(node, pl, "it unbinds the sharded dim")
+        return RuleResult((Shard(p.dim - (1 if dim < p.dim else 0)),) * n_out)
+    if dim == p.dim:
+        raise unsupported(node, pl, "it splits the sharded dim")
+    return RuleResult((p,) * n_out)
+
+
+def cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """cat/stack: sharded inputs must share the dim; replicated ones are sliced to match."""
+    tensors = node.args[0]
+    nd = len(shape(tensors[0]))
+    dim = _arg(node, 1, "dim", 0)
+    stack = node.target == aten.stack.default
+    dim = dim % (nd + 1 if stack else nd)
+    pls = [pl(t) for t in tensors]
+    shard_dims = {p.dim for p in pls if isinstance(p, Shard)}
+    if len(shard_dims) > 1:
+        raise unsupported(node, pl, "inputs are sharded on different dims")
+    if shard_dims:
+        d = shard_dims.pop()
+        if d == dim and not stack:
+            raise unsupported(node, pl, "it concatenates along the sharded dim")
+        needs = {(0, j): Shard(d) for j, p in enumerate(pls) if not isinstance(p, Shard)}
+        return RuleResult(Shard(d + 1 if stack and dim <= d else d), needs)
+    if all(isinstance(p, Partial) for p in pls):
+        return RuleResult(P)
+    return RuleResult(R, {(0, j): R for j, p in enumerate(pls) if isinstance(p, Partial)})
+
+
+def getitem(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    src = node.args[0]
+    layout = pl(src)
+    return RuleResult(layout[node.args[1]] if isinstance(layout, tuple) else layout)
+
+
+# ---------------------------------------------------------------- reductions
+
+_SUM_LIKE = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+
+
+def reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """sum/mean over a sharded dim -> Partial; other reductions may not reduce the sharded dim."""
+    p = pl(node.args[0])
+    in_nd = len(shape(node.args[0]))
+    if node.target in (aten.sum.default, aten.mean.default):
+        dims, keepdim = list(range(in_nd)), False
+    else:
+        dims = _norm_dims(_arg(node, 1, "dim", None), in_nd)
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+    if isinstance(p, Partial):
+        if node.target in _SUM_LIKE:
+            return RuleResult(P)
+        return RuleResult(R, {(0,): R})
+    if not isinstance(p, Shard):
+        return RuleResult(R)
+    if p.dim in dims:
+        if node.target in _SUM_LIKE:
+            return RuleResult(P)
+        raise unsupported(node, pl, "it reduces over the sharded batch dim with a non-sum reduction")
+    return RuleResult(Shard(p.dim if keepdim else p.dim - sum(1 for d in dims if d < p.dim)))
+
+
+# ---------------------------------------------------------------- matmuls
+
+
+def _mm_core(node: torch.fx.Node, pl: PlacementOf, a_path: ArgPath, b_path: ArgPath, batch: bool) -> RuleResult:
+    a, b = node.args[a_path[0]], node.args[b_path[0]]
+    pa, pb = pl(a), pl(b)
+    off = 1 if batch else 0  # a: [.., m, k], b: [.., k, n]
+    m_dim, ka, kb, n_dim = off, off + 1, off, off + 1
+    if isinstance(pa, Partial) and isinstance(pb, Partial):
+        return RuleResult(P, {b_path: R})
+    if isinstance(pa, Partial):
+        return RuleResult(P, {} if isinstance(pb, Replicate) else {b_path: R})
+    if isinstance(pb, Partial):
+        return RuleResult(P, {} if isinstance(pa, Replicate) else {a_path: R})
+    sa = pa.dim if isinstance(pa, Shard) else None
+    sb = pb.dim if isinstance(pb, Shard) else None
+    if batch and (sa == 0 or sb == 0):
+        needs = {}
+        if sa != 0:
+            needs[a_path] = Shard(0)
+        if sb != 0:
+            needs[b_path] = Shard(0)
+        if (sa not in (0, None)) or (sb not in (0, None)):
+            raise unsupported(node, pl, "operands are sharded on the batch dim and another dim")
+        return RuleResult(Shard(0), needs)
+    if sa is None and sb is None:
+        return RuleResult(R)
+    if sa == m_dim and sb is None:
+        return RuleResult(Shard(m_dim))
+    if sa is None and sb == n_dim:
+        return RuleResult(Shard(n_dim))
+    if sa == ka and sb == kb:
+        return RuleResult(P)
+    if sa == ka and sb is None:
+        return RuleResult(P, {b_path: Shard(kb)})
+    if sa is None and sb == kb:
+        return RuleResult(P, {a_path: Shard(ka)})
+    raise unsupported(node, pl, "this combination of sharded operand dims needs a gather")
+
+
+def mm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    return _mm_core(node, pl, (0,), (1,), batch=False)
+
+
+def bmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    return _mm_core(node, pl, (0,), (1,), batch=True)
+
+
+def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """addmm/baddbmm(bias, a, b): the product's layout; the bias is sliced or must match."""
+    batch = node.target == aten.baddbmm.default
+    core = _mm_core(node, pl, (1,), (2,), batch=batch)
+    needs = dict(core.needs)
+    bias = node.args[0]
+    pbias = pl(bias)
+    out_nd = len(shape(node))
+    if isinstance(core.out, Partial):
+        if not isinstance(pbias, Partial):
+            raise unsupported(node, pl, "the product is Partial but the bias is not")
+        return RuleResult(P, needs)
+    if isinstance(core.out, Shard):
+        ad = core.out.dim - (out_nd - len(shape(bias)))
+        if ad >= 0 and shape(bias)[ad] != 1:
+            if not (isinstance(pbias, Shard) and pbias.dim == ad):
+                needs[(0,)] = Shard(ad)
+        elif not isinstance(pbias, Replicate):
+            needs[(0,)] = R
+        return RuleResult(core.out, needs)
+    if not isinstance(pbias, Replicate):
+        needs[(0,)] = R
+    return RuleResult(R, needs)
+
+
+# ---------------------------------------------------------------- nn ops
+
+
+def embedding(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    w, idx = node.args[0], node.args[1]
+    if not isinstance(pl(w), Replicate):
+        raise unsupported(node, pl, "the embedding table must be replicated")
+    p = pl(idx)
+    if isinstance(p, Partial):
+        return RuleResult(R, {(1,): R})
+    return RuleResult(p)
+
+
+def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    g, idx = node.args[0], node.args[1]
+    pg, pi = pl(g), pl(idx)
+    if isinstance(pg, Replicate) and isinstance(pi, Replicate):
+        return RuleResult(R)
+    if _arg(node, 4, "scale_grad_by_freq", False):
+        raise unsupported(node, pl, "scale_grad_by_freq counts words over the whole batch")
+    if isinstance(pg, Shard) and isinstance(pi, Shard) and pg.dim == pi.dim:
+        return RuleResult(P)
+    if isinstance(pg, Partial) and isinstance(pi, Replicate):
+        return RuleResult(P)
+    raise unsupported(node, pl, "gradient and indices are laid out differently")
+
+
+def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    x = node.args[0]
+    k = len(node.args[1])
+    p = pl(x)
+    needs = {(i,): R for i in (2, 3) if isinstance(node.args[i], torch.fx.Node) and not isinstance(pl(node.args[i]), Replicate)}
+    if isinstance(p, Partial):
+        needs[(0,)] = R
+        return RuleResult((R, R, R), needs)
+    if isinstance(p, Shard):
+        if p.dim >= len(shape(x)) - k:
+            raise unsupported(node, pl, "it normalizes over the sharded dim")
+        return RuleResult((p, p, p), needs)
+    return RuleResult((R, R, R), needs)
+
+
+def layer_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    acts = [0, 1, 3, 4]  # grad_out, input, mean, rstd
+    pls = {i: pl(node.args[i]) for i in acts}
+    shards = {p.dim for p in pls.values() if isinstance(p, Shard)}
+    needs: dict[ArgPath, Placement] = {}
+    for i in (5, 6):
+        if isinstance(node.args[i], torch.fx.Node) and not isinstance(pl(node.args[i]), Replicate):
+            needs[(i,)] = R
+    if not shards:
+        for i, p in pls.items():
+            if isinstance(p, Partial):
+                needs[(i,)] = R
+        return RuleResult((R, R, R), needs)
+    if len(shards) > 1:
+        raise unsupported(node, pl, "activations are sharded on different dims")
+    d = shards.pop()
+    for i, p in pls.items():
+        if not isinstance(p, Shard):
+            needs[(i,)] = Shard(d)
+    return RuleResult((Shard(d), P, P), needs)
+
+
+def softmax(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """_softmax/_log_softmax (x, dim) and their backward (grad, out, dim): the dim must not be sharded."""
+    is_bw = node.target in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+    x = node.args[0]
+    dim = node.args[2 if is_bw else 1] % max(len(shape(x)), 1)
+    acts = [0, 1] if is_bw else [0]
+    pls = [pl(node.args[i]) for i in acts]
+    shards = {p.dim for p in pls if isinstance(p, Shard)}
+    if not shards:
+        return RuleResult(R, {(i,): R for i, p in zip(acts, pls) if isinstance(p, Partial)})
+    d = shards.pop()
+    if d == dim or shards:
+        raise unsupported(node, pl, "softmax over the sharded dim")
+    return RuleResult(Shard(d), {(i,): Shard(d) for i, p in zip(acts, pls) if not isinstance(p, Shard)})
+
+
+def nll_loss_forward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """nll_loss(self [N, C, ...], target [N, ...], weight, reduction, ignore_index) -> (out, total_weight)."""
+    x, tgt = node.args[0], node.args[1]
+    reduction = node.args[3]
+    px, pt = pl(x), pl(tgt)
+    needs: dict[ArgPath, Placement] = {}
+    if isinstance(node.args[2], torch.fx.Node) and not isinstance(pl(node.args[2]), Replicate):
+        needs[(2,)] = R
+    if not isinstance(px, Shard) and not isinstance(pt, Shard):
+        if isinstance(px, Partial):
+            needs[(0,)] = R
+        return RuleResult((R, R), needs)
+    if len(shape(x)) < 2 or (isinstance(px, Shard) and px.dim != 0) or (isinstance(pt, Shard) and pt.dim != 0):
+        raise unsupported(node, pl, "only the batch dim (0) of the loss input may be sharded")
+    if not isinstance(px, Shard):
+        needs[(0,)] = Shard(0)
+    if not isinstance(pt, Shard):
+        needs[(1,)] = Shard(0)
+    if reduction == 0:  # none
+        return RuleResult((Shard(0), R), needs)
+    # sum: both outputs are partial sums; mean: rewritten by globalize_reductions to a
+    # partial sum divided by the all-reduced (replicated) total weight.
+    return RuleResult((P, P if reduction == 2 else R), needs)
+
+
+def nll_loss_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """nll_loss_backward(grad_out, self, target, weight, reduction, ignore_index, total_weight)."""
+    g, x, tgt, w, reduction, _, tw = node.args[:7]
+    px, pt = pl(x), pl(tgt)
+    needs: dict[ArgPath, Placement] = {}
+    if isinstance(w, torch.fx.Node) and not isinstance(pl(w), Replicate):
+        needs[(3,)] = R
+    if not isinstance(px, Shard) and not isinstance(pt, Shard):
+        for i in (0, 1, 6):
+            if isinstance(pl(node.args[i]), Partial):
+                needs[(i,)] = R
+        return RuleResult(R, needs)
+    if not isinstance(px, Shard):
+        needs[(1,)] = Shard(0)
+    if not isinstance(pt, Shard):
+        needs[(2,)] = Shard(0)
+    if reduction == 0:
+        if not isinstance(pl(g), Shard):
+            needs[(0,)] = Shard(0)
+    elif not isinstance(pl(g), Replicate):
+        needs[(0,)] = R
+    if reduction == 1 and not isinstance(pl(tw), Replicate):
+        needs[(6,)] = R
+    return RuleResult(Shard(0), needs)
+
+
+@dataclass(frozen=True)
+class _BatchMajor:
+    """Ops whose listed tensor args all carry the batch on dim 0 (attention, conv, pooling).
+
+    ``batch_args``: argument positions carrying the batch; other tensor args must be
+    replicated (weights). ``partial_outputs``: outputs that are weight gradients.
+    """
+
+    batch_args: tuple[int, ...]
+    num_outputs: int = 1
+    partial_outputs: tuple[int, ...] = ()
+
+    def __call__(self, node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        needs: dict[ArgPath, Placement] = {}
+        sharded = False
+        for path, a in tensor_args(node):
+            p = pl(a)
+            if path[0] in self.batch_args:
+                if isinstance(p, Shard) and p.dim == 0:
+                    sharded = True
+        for path, a in tensor_args(node):
+            p = pl(a)
+            if path[0] in self.batch_args and sharded:
+                if not (isinstance(p, Shard) and p.dim == 0):
+                    if shape(a) and shape(a)[0] != 1:
+                        needs[path] = Shard(0)
+                    elif not isinstance(p, Replicate):
+                        needs[path] = R
+                continue
+            if isinstance(p, Shard) and not sharded:
+                raise unsupported(node, pl, "only the batch dim (0) of activations may be sharded")
+            if not isinstance(p, Replicate):
+                needs[path] = R
+        if not sharded:
+            outs = tuple(R for _ in range(self.num_outputs))
+        else:
+            outs = tuple(P if i in self.partial_outputs else Shard(0) for i in range(self.num_outputs))
+        return RuleResult(outs if self.num_outputs > 1 else outs[0], needs)
+
+
+def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    x = node.args[0]
+    if isinstance(pl(x), Replicate):
+        n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
+        return RuleResult((R,) * n_out if n_out > 1 else R)
+    where = gmeta.module_of(node)
+    raise UnsupportedOpError(
+        f"BatchNorm in training mode at node {node.name!r}{' in ' + where if where else ''} (input "
+        f"{gmeta.shape_str(x)}) would compute its statistics per rank over a shard of the batch, which "
+        "differs from the single-process model. adaptdist refuses rather than train a different model: "
+        "replace BatchNorm with GroupNorm or LayerNorm, put the model in eval mode, or train on one rank."
+    )
+
+
+def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
+    """mse_loss, smooth_l1_loss, huber_loss, binary_cross_entropy(_with_logits) and their backward."""
+
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        reduction = _arg(node, reduction_pos, "reduction", 1)
+        acts = [i for i in range(reduction_pos) if isinstance(node.args[i], torch.fx.Node)]
+        grad_pos = 0 if backward else None
+        act_pls = {i: pl(node.args[i]) for i in acts if i != grad_pos}
+        shards = {p.dim for p in act_pls.values() if isinstance(p, Shard)}
+        needs: dict[ArgPath, Placement] = {}
+        if not shards:
+            for i in acts:
+                if isinstance(pl(node.args[i]), Partial):
+                    needs[(i,)] = R
+            return RuleResult(R, needs)
+        if len(shards) > 1:
+            raise unsupported(node, pl, "inputs are sharded on different dims")
+        d = shards.pop()
+        for i, p in act_pls.items():
+            if not isinstance(p, Shard) and shape(node.args[i]) and len(shape(node.args[i])) > d and shape(node.args[i])[d] != 1:
+                needs[(i,)] = Shard(d)
+            elif isinstance(p, Partial):
+                needs[(i,)] = R
+        if backward:
+            g = pl(node.args[0])
+            if reduction == 0 and not isinstance(g, Shard):
+                needs[(0,)] = Shard(d)
+            elif reduction != 0 and not isinstance(g, Replicate):
+                needs[(0,)] = R
+            return RuleResult(Shard(d), needs)
+        return RuleResult(Shard(d) if reduction == 0 else P, needs)
+
+    return rule
+
+
+# ---------------------------------------------------------------- the table
+
+RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
+    aten.view.default: view,
+    aten._unsafe_view.default: view,
+    aten.reshape.default: view,
+    aten.t.default: transpose,
+    aten.transpose.int: transpose,
+    aten.permute.default: transpose,
+    aten.unsqueeze.default: unsqueeze,
+    aten.squeeze.dim: squeeze,
+    aten.squeeze.dims: squeeze,
+    aten.squeeze.default: squeeze,
+    aten.expand.default: expand,
+    aten.select.int: select_like,
+    aten.slice.Tensor: select_like,
+    aten.narrow.default: select_like,
+    aten.index_select.default: select_like,
+    aten.split.Tensor: split,
+    aten.split_with_sizes.default: split,
+    aten.unbind.int: split,
+    aten.cat.default: cat,
+    aten.stack.default: cat,
+    aten.sum.dim_IntList: reduction,
+    aten.sum.default: reduction,
+    aten.mean.dim: reduction,
+    aten.mean.default: reduction,
+    aten.amax.default: reduction,
+    aten.amin.default: reduction,
+    aten.var.correction: reduction,
+    aten.prod.dim_int: reduction,
+    aten.mm.default: mm,
+    aten.bmm.default: bmm,
+    aten.addmm.default: addmm,
+    aten.baddbmm.default: addmm,
+    aten.embedding.default: embedding,
+    aten.embedding_dense_backward.default: embedding_backward,
+    aten.native_layer_norm.default: layer_norm,
+    aten.native_layer_norm_backward.default: layer_norm_backward,
+    aten._softmax.default: softmax,
+    aten._log_softmax.default: softmax,
+    aten._softmax_backward_data.default: softmax,
+    aten._log_softmax_backward_data.default: softmax,
+    aten.nll_loss_forward.default: nll_loss_forward,
+    aten.nll_loss2d_forward.default: nll_loss_forward,
+    aten.nll_loss_backward.default: nll_loss_backward,
+    aten.nll_loss2d_backward.default: nll_loss_backward,
+    aten.ones_like.default: like_factory,
+    aten.zeros_like.default: like_factory,
+    aten.empty_like.default: like_factory,
+    aten.full_like.default: like_factory,
+    aten.rand_like.default: like_factory,
+    aten.randn_like.default: like_factory,
+    aten._to_copy.default: identity,
+    aten.clone.default: identity,
+    aten.alias.default: identity,
+    aten.detach.default: identity,
+    aten.lift_fresh_copy.default: identity,
+    aten.native_dropout.default: dropout,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _BatchMajor((0, 1, 2, 5), 2),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _BatchMajor((0, 1, 2, 3, 4, 5, 8), 3),
+    aten.convolution.default: _BatchMajor((0,)),
+    aten.convolution_backward.default: _BatchMajor((0, 1), 3, partial_outputs=(1, 2)),
+    aten.max_pool2d_with_indices.default: _BatchMajor((0,), 2),
+    aten.max_pool2d_with_indices_backward.default: _BatchMajor((0, 1, 7)),
+    aten.avg_pool2d.default: _BatchMajor((0,)),
+    aten.avg_pool2d_backward.default: _BatchMajor((0, 1)),
+    aten._adaptive_avg_pool2d.default: _BatchMajor((0,)),
+    aten._adaptive_avg_pool2d_backward.default: _BatchMajor((0, 1)),
+    aten._native_batch_norm_legit_no_training.default: _BatchMajor((0,), 3),
+    aten._native_batch_norm_legit_functional.default: batch_norm_refused,
+    aten._native_batch_norm_legit.default: batch_norm_refused,
+    aten.native_batch_norm.default: batch_norm_refused,
+    aten.native_batch_norm_backward.default: batch_norm_refused,
+    aten.mse_loss.default: loss_with_reduction(2, backward=False),
+    aten.mse_loss_backward.default: loss_with_reduction(3, backward=True),
+    aten.smooth_l1_loss.default: loss_with_reduction(2, backward=False),
+    aten.smooth_l1_loss_backward.default: loss_with_reduction(3, backward=True),
+    aten.huber_loss.default: loss_with_reduction(2, backward=False),
+    aten.huber_loss_backward.default: loss_with_reduction(3, backward=True),
+    aten.binary_cross_entropy.default: loss_with_reduction(3, backward=False),
+    aten.binary_cross_entropy_backward.default: loss_with_reduction(4, backward=True),
+    aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
+}
+
+
+def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], RuleResult] | None:
+    """The rule for ``node``'s op: the table, then pointwise ops by torch's ``pointwise`` tag."""
+    import operator
+
+    if node.target is operator.getitem:
+        return getitem
+    rule = RULES.get(node.target)
+    if rule is not None:
+        return rule
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.pointwise in tags:
+        return pointwise
+    return None
+
+
+def apply_rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """Placement of ``node``'s output(s) along one mesh axis given its inputs' placements.
+
+    Ops without a rule are fine while all their tensor inputs are replicated
+    (then every rank computes the same value).
+
+    Raises:
+        UnsupportedOpError: the op has no rule and some input is sharded or partial.
+    """
+    rule = rule_for(node)
+    if rule is not None:
+        return rule(node, pl)
+    ins = [pl(a) for _, a in tensor_args(node)]
+    if all(isinstance(p, Replicate) for p in ins):
+        v = gmeta.val(node)
+        return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+    raise unsupported(node, pl, "no sharding rule is registered for this op")

@@ -1,0 +1,242 @@
+"""RankProgram: what one rank runs, and its on-disk format.
+
+A program directory holds::
+
+    manifest.json              format version, adaptdist/torch versions, world size,
+                               mesh, sha256 of every other file
+    rank{r}/program.py         the rank's generated Python source (local shapes as comments)
+    rank{r}/program.json       inputs, outputs, local batch slice (plain JSON)
+    rank{r}/state.safetensors  the parameters and buffers the rank holds at step 0
+    rank{r}/constants.safetensors   tensor constants the code refers to (if any)
+
+Rules that stay: the program is stored as source and executed only after its
+hash matches the manifest; tensors are stored as safetensors; nothing is
+pickled. Artifacts are code: the hashes catch corruption and mix-ups, not a
+malicious author; load programs only from sources you trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from safetensors.torch import load_file, save_file
+
+from . import __version__
+from . import _torch_compat as compat
+from .errors import ProgramLoadError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class RankProgram:
+    """One rank's training-step program.
+
+    Calling it runs one step: ``program(*state, *local_batch)`` returns the
+    outputs named by ``output_roles`` (``"buffer:<fqn>"``, ``"loss"``, ``"grad:<fqn>"``).
+
+    Attributes:
+        rank, world_size: this rank and the number of ranks.
+        mesh: mesh axis name -> size, e.g. ``{"dp": 2}``.
+        group_names: mesh axis name -> process-group name used by the code's collectives.
+        input_fqns: names of the state inputs (params, frozen params, buffers), in order.
+        param_fqns: the trainable parameters among them (the optimizer's), in order.
+        num_batch_inputs: number of batch tensors after the state inputs.
+        batch_slice: ``(offset, size)`` of this rank's rows of the global batch.
+        output_roles: role of each output.
+        code: the generated source (``program.py``).
+        module: the callable (a GraphModule when compiled, the exec'd source when loaded).
+        state: initial tensors by fqn, the rank's own shard (full tensors under DP).
+        constants: tensor constants the code reads as attributes.
+    """
+
+    rank: int
+    world_size: int
+    mesh: dict[str, int]
+    group_names: dict[str, str]
+    input_fqns: list[str]
+    param_fqns: list[str]
+    num_batch_inputs: int
+    batch_slice: tuple[int, int]
+    output_roles: list[str]
+    code: str
+    module: torch.nn.Module
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    def __call__(self, *args: torch.Tensor):
+        return self.module(*args)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule | None:
+        return self.module if isinstance(self.module, torch.fx.GraphModule) else None
+
+    @property
+    def loss_index(self) -> int:
+        return self.output_roles.index("loss")
+
+    def local_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of a global batch (dim 0)."""
+        off, size = self.batch_slice
+        return tuple(t[off:off + size] for t in batch)
+
+    def collectives(self) -> list[str]:
+        """The collectives this program issues, in order, as ``op(group, numel)`` strings."""
+        gm = self.graph_module
+        if gm is None:
+            return []
+        out = []
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target):
+                out.append(f"{n.target}({n.args[2]}, {n.args[0].meta['val'].numel()})")
+        return out
+
+    def __str__(self) -> str:
+        return self.code
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mesh": self.mesh,
+            "group_names": self.group_names,
+            "input_fqns": self.input_fqns,
+            "param_fqns": self.param_fqns,
+            "num_batch_inputs": self.num_batch_inputs,
+            "batch_slice": list(self.batch_slice),
+            "output_roles": self.output_roles,
+            "tied": self.tied,
+            "constants": sorted(self.constants),
+        }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None) -> Path:
+    """Write all ranks' programs and a manifest to ``directory``; returns its path."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    world = {p.world_size for p in programs.values()}
+    assert len(world) == 1 and sorted(programs) == list(range(world.pop()))
+    for r, prog in sorted(programs.items()):
+        rd = d / f"rank{r}"
+        rd.mkdir(exist_ok=True)
+        (rd / "program.py").write_text(prog.code)
+        (rd / "program.json").write_text(json.dumps(prog._meta(), indent=1))
+        save_file({k: v.detach().contiguous() for k, v in prog.state.items()}, str(rd / "state.safetensors"))
+        names = ["program.py", "program.json", "state.safetensors"]
+        if prog.constants:
+            save_file({k: v.contiguous() for k, v in prog.constants.items()}, str(rd / "constants.safetensors"))
+            names.append("constants.safetensors")
+        for name in names:
+            files[f"rank{r}/{name}"] = _sha256(rd / name)
+    any_prog = programs[0]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "adaptdist_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": any_prog.world_size,
+        "mesh": any_prog.mesh,
+        "files": files,
+        **(extra or {}),
+    }
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return d
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Read and check the manifest's format and torch version.
+
+    Raises:
+        ProgramLoadError: missing or unreadable manifest, other format version or torch version.
+    """
+    d = Path(directory)
+    mpath = d / MANIFEST
+    if not mpath.is_file():
+        raise ProgramLoadError(f"{str(mpath)!r} does not exist; is {str(d)!r} a directory written by adaptdist?")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProgramLoadError(f"{str(mpath)!r} is not valid JSON: {e}") from None
+    for key in ("format_version", "torch_version", "world_size", "files"):
+        if key not in manifest:
+            raise ProgramLoadError(f"{str(mpath)!r} lacks the field {key!r}; recompile the programs")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise ProgramLoadError(
+            f"{str(mpath)!r} has format version {manifest['format_version']}, this adaptdist reads "
+            f"{FORMAT_VERSION}; recompile the programs with this adaptdist"
+        )
+    if manifest["torch_version"] != torch.__version__:
+        raise ProgramLoadError(
+            f"{str(mpath)!r} was written with torch {manifest['torch_version']}, this is torch "
+            f"{torch.__version__}; recompile the programs with this torch"
+        )
+    return manifest
+
+
+def load_program(directory: str | os.PathLike, rank: int, world_size: int | None = None) -> RankProgram:
+    """Load rank ``rank``'s program after checking the manifest and every file's sha256.
+
+    Raises:
+        ProgramLoadError: a missing file, a hash mismatch, a format/torch version
+            mismatch, or a world size other than ``world_size``; names the file.
+    """
+    d = Path(directory)
+    manifest = read_manifest(d)
+    if world_size is not None and manifest["world_size"] != world_size:
+        raise ProgramLoadError(
+            f"programs in {str(d)!r} were compiled for world size {manifest['world_size']}, "
+            f"but this job has {world_size} ranks; recompile for {world_size} ranks"
+        )
+    if not 0 <= rank < manifest["world_size"]:
+        raise ProgramLoadError(f"rank {rank} is outside world size {manifest['world_size']} of {str(d)!r}")
+    prefix = f"rank{rank}/"
+    mine = {k: v for k, v in manifest["files"].items() if k.startswith(prefix)}
+    for rel, digest in sorted(mine.items()):
+        p = d / rel
+        if not p.is_file():
+            raise ProgramLoadError(f"{str(p)!r} is listed in the manifest but missing")
+        if _sha256(p) != digest:
+            raise ProgramLoadError(
+                f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or edited); recompile"
+            )
+    if prefix + "program.py" not in mine:
+        raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}program.py")
+    meta = json.loads((d / prefix / "program.json").read_text())
+    code = (d / prefix / "program.py").read_text()
+    module = module_from_source(code, str(d / prefix / "program.py"))
+    constants = {}
+    if (d / prefix / "constants.safetensors").is_file():
+        constants = load_file(str(d / prefix / "constants.safetensors"))
+        for k, v in constants.items():
+            setattr(module, k, v)
+    state = load_file(str(d / prefix / "state.safetensors"))
+    return RankProgram(
+        rank=meta["rank"], world_size=meta["world_size"], mesh=meta["mesh"], group_names=meta["group_names"],
+        input_fqns=meta["input_fqns"], param_fqns=meta["param_fqns"], num_batch_inputs=meta["num_batch_inputs"],
+        batch_slice=tuple(meta["batch_slice"]), output_roles=meta["output_roles"], code=code, module=module,
+        state=state, constants=constants, tied=meta.get("tied", {}),
+    )
+
+
+def module_from_source(code: str, filename: str) -> torch.nn.Module:
+    """Execute generated program source and instantiate its ``RankProgramModule`` class."""
+    namespace = compat.fx_code_globals()
+    exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - hash-checked generated code
+    return namespace["RankProgramModule"]()
