@@ -75,3 +75,10 @@ def no_dispatch():
 
     with _nd():
         yield
+
+
+def torch_dispatch_mode_base() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: sees every ATen op a region runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

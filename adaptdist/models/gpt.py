@@ -131,7 +131,16 @@ def data(batch_size: int, seq_len: int, path: str | None = None, seed: int = 0):
     Raises:
         DataError: the file is missing, empty, not UTF-8 text, or shorter than ``seq_len + 1`` bytes.
     """
-    from ..data.text import ByteCorpus
+    from adaptdist.data.text import ByteCorpus
 
     corpus = ByteCorpus.from_path(path) if path else ByteCorpus.embedded()
     return corpus.batches(batch_size, seq_len, seed=seed)
+
+
+def sample(model: GPT, num_bytes: int, seed: int = 0, prompt: str = "def ") -> str:
+    """Generate ``num_bytes`` bytes of text after ``prompt`` with the trained ``model``."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(list(prompt.encode("utf-8")), dtype=torch.long)
+    out = model.generate(ids, num_bytes, generator=g)
+    return bytes(out.tolist()).decode("utf-8", errors="replace")

@@ -1,0 +1,166 @@
+"""The ``adaptdist`` command.
+
+One grammar for every subcommand: the model is ``FILE.py:FACTORY`` (default
+``builtin:gpt``), the machines ``--cluster FILE`` or ``--nproc N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import AdaptdistError, UsageError
+
+
+def _positive(kind):
+    def conv(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+    return conv
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="builtin:gpt",
+                   help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn) (default: builtin:gpt)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--cluster", metavar="FILE", help="cluster YAML file (schema_version 1)")
+    g.add_argument("--nproc", type=int, default=None, help="number of local ranks (default 2)")
+    p.add_argument("--batch-size", type=_positive(int), default=16, help="global batch size (default 16)")
+    p.add_argument("--seq-len", type=_positive(int), default=128, help="sequence length (default 128)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs (pass timings)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="adaptdist", description="Automatic distributed training for PyTorch.")
+    sub = ap.add_subparsers(dest="command")
+    t = sub.add_parser("train", help="compile the model and train it on local ranks")
+    _add_common(t)
+    t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: embedded corpus)")
+    t.add_argument("--steps", type=_positive(int), default=300, help="training steps (default 300)")
+    t.add_argument("--lr", type=_positive(float), default=3e-3, help="learning rate (default 3e-3)")
+    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory (default runs/latest)")
+    t.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="gradient all_reduce bucket size, MiB")
+    t.add_argument("--threads-per-rank", type=_positive(int), default=None,
+                   help="torch threads per rank (default: cores // ranks, at least 1)")
+    t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
+    t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
+    t.add_argument("--dump-graphs", metavar="DIR", help="write the graph after each pass to DIR")
+    return ap
+
+
+def _cluster(args):
+    from .cluster import Cluster
+
+    if args.cluster:
+        return Cluster.from_yaml(args.cluster)
+    return Cluster.local(2 if args.nproc is None else args.nproc)
+
+
+def cmd_train(args) -> int:
+    import torch
+    from rich.console import Console
+    from safetensors.torch import load_file, save_file
+
+    from .compiler.data_parallel import compile_data_parallel
+    from .model_spec import ModelSpec
+    from .program import save_programs
+    from .runtime.launch import launch_local
+    from .runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
+
+    console = Console(stderr=True)
+    cluster = _cluster(args)
+    if cluster.device_kind != "cpu":
+        raise UsageError(f"{cluster!r}: only cpu (gloo) clusters are supported by `train` so far")
+    nproc = cluster.world_size
+    spec = ModelSpec.parse(args.model)
+    out = Path(args.out)
+    torch.manual_seed(args.seed)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    module = spec.module()
+    has_data = callable(getattr(module, "data", None))
+    if args.data and not has_data:
+        raise UsageError(f"--data was given but {spec.file} defines no data(batch_size, seq_len, path=...) function")
+    out.mkdir(parents=True, exist_ok=True)
+    data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
+                    path=args.data, seed=args.seed)
+    if not has_data:
+        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, str(out / "example_batch.safetensors"))
+        data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
+        console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
+    next(global_batches(data))  # fail here, with a clear error, on bad data
+
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"model {spec.text}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters; "
+                  f"{cluster!r}; global batch {args.batch_size} x {args.seq_len}")
+    t0 = time.perf_counter()
+    programs = compile_data_parallel(model, example, loss_fn, nproc, bucket_bytes=int(args.bucket_mb * 2**20),
+                                     dump_dir=args.dump_graphs)
+    save_programs(programs, out / "programs")
+    console.print(f"compiled data-parallel programs for {nproc} ranks in {time.perf_counter() - t0:.1f} s "
+                  f"-> {out / 'programs'} (read rank0/program.py)")
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
+                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
+                      backend=cluster.backend)
+    t0 = time.perf_counter()
+    results = launch_local(run_worker, (cfg,), nproc)
+    wall = time.perf_counter() - t0
+    r0 = results[0]
+    losses = r0["losses"]
+    first = losses[0]
+    last = sum(losses[-5:]) / min(5, len(losses))
+    summary = {
+        "steps": len(losses), "initial_loss": losses[0], "final_loss": losses[-1],
+        "last5_mean_loss": last, "last5_mean_over_initial": last / first,
+        "tokens_per_s": r0["tokens_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
+        "ranks": nproc, "threads_per_rank": threads,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    console.print(
+        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: loss {first:.3f} -> {last:.3f} "
+        f"(x{last / first:.2f}: first step vs mean of the last 5), {r0['tokens_per_s']:,.0f} tokens/s; "
+        f"checkpoint {out / 'checkpoint'}, weights {out / 'model.safetensors'}"
+    )
+    sample = getattr(module, "sample", None)
+    if args.sample_bytes > 0 and callable(sample):
+        state = load_file(str(out / "model.safetensors"))
+        missing = model.load_state_dict(state, strict=False).missing_keys
+        assert all(k in programs[0].tied for k in missing), missing
+        text = sample(model, args.sample_bytes, seed=args.seed)
+        console.rule("sample")
+        print(text)
+        console.rule()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        args = ap.parse_args(["train", *(argv or [])])
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return {"train": cmd_train}[args.command](args)
+    except AdaptdistError as e:
+        print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("adaptdist: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cost models (compute, communication, memory); the first arrives with the planner's issue."""

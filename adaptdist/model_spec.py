@@ -1,0 +1,72 @@
+"""Naming a model on the command line: ``FILE.py:FACTORY``.
+
+``FACTORY(batch_size, seq_len)`` returns ``(model, example_batch, loss_fn)``;
+the file may define ``data(batch_size, seq_len, path=None, seed=0)`` yielding
+global batches, and ``sample(model, num_bytes)`` returning text. The default,
+``builtin:gpt``, is adaptdist's own GPT on the embedded corpus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from .errors import UsageError
+
+BUILTIN = {"builtin:gpt": (Path(__file__).parent / "models" / "gpt.py", "factory")}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed ``FILE.py:FACTORY`` (or a built-in name)."""
+
+    file: Path
+    factory: str
+    text: str
+
+    @staticmethod
+    def parse(text: str) -> "ModelSpec":
+        """Parse and check that the file exists.
+
+        Raises:
+            UsageError: not of the form FILE.py:FACTORY, or the file does not exist.
+        """
+        if text in BUILTIN:
+            f, fn = BUILTIN[text]
+            return ModelSpec(f, fn, text)
+        file, sep, fn = text.rpartition(":")
+        if not sep or not file.endswith(".py") or not fn.isidentifier():
+            raise UsageError(
+                f"model {text!r} is not of the form FILE.py:FACTORY (e.g. mymodel.py:factory), "
+                f"nor a built-in ({', '.join(BUILTIN)})"
+            )
+        p = Path(file)
+        if not p.is_file():
+            raise UsageError(f"model file {file!r} does not exist")
+        return ModelSpec(p.resolve(), fn, text)
+
+    def module(self):
+        from .runtime.worker import load_module
+
+        return load_module(str(self.file), "adaptdist_model_module")
+
+    def build(self, batch_size: int, seq_len: int) -> tuple[nn.Module, tuple, Callable]:
+        """Call the factory and check what it returns.
+
+        Raises:
+            UsageError: the factory is missing or returns something other than (model, batch, loss_fn).
+        """
+        mod = self.module()
+        fn = getattr(mod, self.factory, None)
+        if not callable(fn):
+            raise UsageError(f"{self.file} has no function {self.factory!r}")
+        out: Any = fn(batch_size, seq_len)
+        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], nn.Module) and callable(out[2])):
+            raise UsageError(
+                f"{self.text}: the factory must return (model: nn.Module, example_batch: tuple, loss_fn), "
+                f"got {type(out).__name__}"
+            )
+        return out

@@ -1,0 +1,1 @@
+"""Runtime layer: launch ranks, run their programs in a step loop, checkpoint."""

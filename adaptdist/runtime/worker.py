@@ -1,0 +1,241 @@
+"""What each rank runs: load its RankProgram, train it for some steps, checkpoint.
+
+The optimizer is an ordinary ``torch.optim`` optimizer over the rank's own
+parameter tensors; the program returns the (already all-reduced) gradients,
+which are set as ``.grad`` before ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .. import _torch_compat as compat
+from ..errors import AdaptdistError, DataError
+from ..program import RankProgram, load_program
+from .memory import PeakMemory
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where global batches come from: ``module_file``'s ``function(batch_size, seq_len, path=, seed=)``,
+    or, with ``function=None``, the example batch saved at ``batch_file`` repeated."""
+
+    module_file: str
+    function: str | None
+    batch_size: int
+    seq_len: int
+    path: str | None = None
+    seed: int = 0
+    batch_file: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of the step loop (see ``adaptdist train --help``)."""
+
+    program_dir: str
+    out_dir: str
+    data: DataSpec
+    steps: int
+    lr: float
+    optimizer: str = "adamw"
+    seed: int = 0
+    threads_per_rank: int = 1
+    timeout_s: float = 300.0
+    backend: str = "gloo"
+    progress: bool = True
+    checkpoint: bool = True
+    measure_memory_step: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_module(path: str, name: str = "adaptdist_user_module"):
+    """Import a Python file by path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise AdaptdistError(f"cannot import {path!r} as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def global_batches(spec: DataSpec) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless global batches per ``spec`` (the same on every rank)."""
+    if spec.function is None:
+        from safetensors.torch import load_file
+
+        tensors = load_file(spec.batch_file)
+        return _repeat(tuple(tensors[f"b{i}"] for i in range(len(tensors))))
+    mod = load_module(spec.module_file, "adaptdist_data_module")
+    fn = getattr(mod, spec.function)
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "path" in params:
+        kwargs["path"] = spec.path
+    elif spec.path:
+        raise DataError(f"--data was given but {spec.module_file}:{spec.function} takes no 'path' argument")
+    if "seed" in params:
+        kwargs["seed"] = spec.seed
+    return iter(fn(spec.batch_size, spec.seq_len, **kwargs))
+
+
+def _repeat(batch: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
+    while True:
+        yield batch
+
+
+def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    raise AdaptdistError(f"unknown optimizer {name!r}; use sgd or adamw")
+
+
+class StepRunner:
+    """Holds one rank's state and optimizer and runs training steps of its program."""
+
+    def __init__(self, program: RankProgram, optimizer: str, lr: float):
+        self.program = program
+        self.state = {k: v.clone() for k, v in program.state.items()}
+        self.inputs = [self.state[f] for f in program.input_fqns]
+        self.params = [self.state[f] for f in program.param_fqns]
+        self.opt = make_optimizer(optimizer, self.params, lr)
+        self.grad_slots = [program.output_roles.index(f"grad:{f}") for f in program.param_fqns]
+        self.buffer_slots = [(i, r.split(":", 1)[1]) for i, r in enumerate(program.output_roles)
+                             if r.startswith("buffer:")]
+
+    def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
+        """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
+        outs = self.program(*self.inputs, *self.program.local_batch(global_batch))
+        for p, i in zip(self.params, self.grad_slots):
+            p.grad = outs[i]
+        self.opt.step()
+        for p in self.params:
+            p.grad = None
+        with torch.no_grad():
+            for i, fqn in self.buffer_slots:
+                self.state[fqn].copy_(outs[i])
+        return float(outs[self.program.loss_index])
+
+    def optimizer_state_by_fqn(self) -> dict:
+        sd = self.opt.state_dict()
+        return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+
+def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
+    return rank, world
+
+
+def _register_groups(program: RankProgram) -> None:
+    for axis, name in program.group_names.items():
+        compat.register_process_group(name, dist.group.WORLD)
+
+
+def run_worker(cfg: TrainConfig) -> dict[str, Any]:
+    """Entry point of one rank (called by the elastic agent). Returns metrics on rank 0."""
+    torch.set_num_threads(cfg.threads_per_rank)
+    torch.manual_seed(cfg.seed)
+    rank, world = _init_distributed(cfg)
+    try:
+        program = load_program(cfg.program_dir, rank, world_size=world)
+        _register_groups(program)
+        runner = StepRunner(program, cfg.optimizer, cfg.lr)
+        batches = global_batches(cfg.data)
+        tokens_per_step = cfg.data.batch_size * max(cfg.data.seq_len, 1)
+        losses, times = [], []
+        peak = None
+        bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0)
+        with bar:
+            for step in range(cfg.steps):
+                batch = next(batches)
+                t0 = time.perf_counter()
+                if cfg.measure_memory_step == step:
+                    with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+                        loss = runner.step(batch)
+                    peak = pm.report
+                else:
+                    loss = runner.step(batch)
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                times.append(dt)
+                bar.update(step + 1, loss, tokens_per_step / dt)
+        if cfg.checkpoint:
+            _checkpoint(cfg, runner, rank)
+        dist.barrier()
+        warm = times[min(2, len(times) - 1):] or times
+        return {
+            "rank": rank,
+            "losses": losses,
+            "step_time_s": statistics.median(warm),
+            "tokens_per_s": tokens_per_step / statistics.median(warm),
+            "peak_bytes": peak.peak_bytes if peak else None,
+            "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int) -> None:
+    """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    out = Path(cfg.out_dir)
+    state = {"model": dict(runner.state), "optim": runner.optimizer_state_by_fqn()}
+    dcp.save(state, checkpoint_id=str(out / "checkpoint"))
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in runner.state.items()}, str(out / "model.safetensors"))
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (step, loss, tokens/s); plain log lines when not a terminal."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self._p = None
+        self._last_log = 0.0
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        if self.console.is_terminal:
+            self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                               TimeRemainingColumn(), console=self.console)
+            self._task = self._p.add_task("train", total=self.total, loss=float("nan"), tps=0.0)
+            self._p.__enter__()
+        return self
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        if self._p is not None:
+            self._p.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
+        elif step == 1 or step == self.total or time.monotonic() - self._last_log > 5:
+            self._last_log = time.monotonic()
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)
+        return False
