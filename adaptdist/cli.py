@@ -79,7 +79,7 @@ def cmd_train(args) -> int:
     from .runtime.launch import launch_local
     from .runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)  # "m.py:factory: ..." must not become an emoji
     cluster = _cluster(args)
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: only cpu (gloo) clusters are supported by `train` so far")

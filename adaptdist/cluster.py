@@ -125,8 +125,14 @@ class Cluster:
             raise ClusterSpecError(f"cluster file {source!r}: expected a mapping at top level, got {type(doc).__name__}")
         if "schema_version" not in doc:
             raise fail("schema_version", f"is missing; add 'schema_version: {SCHEMA_VERSION}'")
-        if doc["schema_version"] != SCHEMA_VERSION:
+        if type(doc["schema_version"]) is not int or doc["schema_version"] != SCHEMA_VERSION:  # not True, 1.0
             raise fail("schema_version", f"is {doc['schema_version']!r}; this adaptdist reads version {SCHEMA_VERSION}")
+        unknown_top = set(doc) - {"schema_version", "hosts"}
+        if unknown_top:
+            raise ClusterSpecError(
+                f"cluster file {source!r}: unknown top-level keys {sorted(map(str, unknown_top))}; "
+                f"schema version {SCHEMA_VERSION} has only 'schema_version' and 'hosts'"
+            )
         hosts = doc.get("hosts")
         if hosts is None:
             raise fail("hosts", "is missing; list at least one host with name, device_kind, num_devices")

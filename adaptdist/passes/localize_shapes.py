@@ -44,6 +44,12 @@ _SHAPE_ARG = {
     aten.full.default: 0,
 }
 
+# Ops taking the batch size as an int argument: op -> arg position.
+_BATCH_INT_ARG = {
+    aten.native_group_norm.default: 3,
+    aten.native_group_norm_backward.default: 5,
+}
+
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A structural copy of ``gm`` whose nodes keep (shallow copies of) their meta."""
@@ -86,6 +92,11 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             local_size(node, g)  # checks divisibility
             start = g // B * off_r
             node.args = (node.args[0], dim, start, start + local_size(node, g))
+            changed = True
+            continue
+        if node.target in _BATCH_INT_ARG and isinstance(placement_of(node)[0], Shard):
+            pos = _BATCH_INT_ARG[node.target]
+            node.args = node.args[:pos] + (local_size(node, node.args[pos]),) + node.args[pos + 1:]
             changed = True
             continue
         pos = _SHAPE_ARG.get(node.target)

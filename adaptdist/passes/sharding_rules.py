@@ -301,6 +301,26 @@ def cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(R, {(0, j): R for j, p in enumerate(pls) if isinstance(p, Partial)})
 
 
+def gather_scatter(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """gather(x, dim, index) and scatter/scatter_add(x, dim, index, src) along an unsharded dim."""
+    acts = [(path, a) for path, a in tensor_args(node)]
+    nd = len(shape(node.args[0]))
+    dim = node.args[1] % max(nd, 1)
+    pls = {path: pl(a) for path, a in acts}
+    shards = {p.dim for p in pls.values() if isinstance(p, Shard)}
+    if not shards:
+        return RuleResult(R, {path: R for path, p in pls.items() if isinstance(p, Partial)})
+    d = shards.pop()
+    if shards or d == dim:
+        raise unsupported(node, pl, "it gathers/scatters along the sharded dim")
+    return RuleResult(Shard(d), {path: Shard(d) for path, p in pls.items() if not isinstance(p, Shard)})
+
+
+def new_factory(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """new_zeros & co: values do not depend on the input; the size argument is global."""
+    return RuleResult(R)
+
+
 def getitem(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     src = node.args[0]
     layout = pl(src)
@@ -674,6 +694,14 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.nll_loss2d_forward.default: nll_loss_forward,
     aten.nll_loss_backward.default: nll_loss_backward,
     aten.nll_loss2d_backward.default: nll_loss_backward,
+    aten.gather.default: gather_scatter,
+    aten.scatter.src: gather_scatter,
+    aten.scatter.value: gather_scatter,
+    aten.scatter_add.default: gather_scatter,
+    aten.new_zeros.default: new_factory,
+    aten.new_ones.default: new_factory,
+    aten.new_empty.default: new_factory,
+    aten.new_full.default: new_factory,
     aten.ones_like.default: like_factory,
     aten.zeros_like.default: like_factory,
     aten.empty_like.default: like_factory,
@@ -697,6 +725,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten._adaptive_avg_pool2d.default: _BatchMajor((0,)),
     aten._adaptive_avg_pool2d_backward.default: _BatchMajor((0, 1)),
     aten._native_batch_norm_legit_no_training.default: _BatchMajor((0,), 3),
+    aten.native_group_norm.default: _BatchMajor((0,), 3),
+    aten.native_group_norm_backward.default: _BatchMajor((0, 1, 2, 3), 3, partial_outputs=(1, 2)),
     aten._native_batch_norm_legit_functional.default: batch_norm_refused,
     aten._native_batch_norm_legit.default: batch_norm_refused,
     aten.native_batch_norm.default: batch_norm_refused,
