@@ -243,9 +243,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         key=lambda p: (order[gmeta.get_role(p)] + (1 if gmeta.get_fqn(p) in frozen else 0), placeholders.index(p)),
     )
     if ranked != placeholders:
-        first = next(iter(graph.nodes))
+        anchor = next(n for n in graph.nodes if n.op != "placeholder")
         for p in ranked:
-            first.prepend(p)
+            anchor.prepend(p)
     new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(

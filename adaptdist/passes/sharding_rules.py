@@ -599,6 +599,9 @@ class _BatchMajor:
 
 
 def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
+        # eval-mode BatchNorm: running statistics, nothing depends on other samples
+        return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
     x = node.args[0]
     if isinstance(pl(x), Replicate):
         n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1

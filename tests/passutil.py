@@ -1,0 +1,23 @@
+"""Helpers for pass tests: capture, run passes up to a point, simulate ranks."""
+
+from __future__ import annotations
+
+from adaptdist.compiler.capture import capture
+from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.passes.context import PassContext
+from adaptdist.passes.localize_shapes import copy_graph_module
+from adaptdist.runtime.simulate import simulate_ranks
+
+
+def captured_with_ctx(factory_out, world_size, bucket_bytes=25 * 2**20):
+    model, batch, loss_fn = factory_out
+    cg = capture(model, batch, loss_fn)
+    ctx = PassContext(world_size=world_size, batch_size=cg.batch_size, bucket_bytes=bucket_bytes)
+    return cg, copy_graph_module(cg.gm), ctx
+
+
+def simulate(model, batch, loss_fn, world_size, **kw):
+    """Compile DP programs and run all ranks in one process; returns (programs, outputs per rank)."""
+    progs = compile_data_parallel(model, batch, loss_fn, world_size, **kw)
+    ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
+    return progs, simulate_ranks([p.module for p in progs.values()], ins)

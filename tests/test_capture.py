@@ -1,0 +1,100 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist import graph_meta as gmeta
+from adaptdist.compiler.capture import capture
+from adaptdist.errors import CaptureError
+from models import mlp, tiny_gpt
+
+
+def test_joint_graph_records_roles_and_matches_eager():
+    model, batch, loss_fn = tiny_gpt(4, 8)
+    cg = capture(model, batch, loss_fn)
+    phs = list(cg.gm.graph.find_nodes(op="placeholder"))
+    assert [gmeta.get_role(p) for p in phs][-2:] == ["batch", "batch"]
+    assert cg.tied == {"head.weight": "tok_emb.weight"}
+    assert "head.weight" not in cg.param_fqns
+    assert all(isinstance(p.meta["val"], torch.Tensor) for p in phs)
+    assert cg.gm.graph.output_node().meta[gmeta.OUTPUT_ROLES][cg.loss_output_index] == "loss"
+    params = dict(model.named_parameters())
+    outs = cg.gm(*[params[f] for f in cg.input_fqns], *batch)
+    loss = loss_fn(model(batch[0]), batch[1])
+    loss.backward()
+    assert outs[cg.loss_output_index].item() == pytest.approx(loss.item(), abs=1e-6)
+    for fqn, i in cg.grad_output_index.items():
+        torch.testing.assert_close(outs[i], params[fqn].grad, atol=1e-6, rtol=1e-5)
+
+
+def test_capture_of_fake_and_meta_models_needs_no_real_memory():
+    with torch.device("meta"):
+        model = nn.Linear(4096, 4096)
+    x = torch.empty(8, 4096, device="meta")
+    y = torch.empty(8, 4096, device="meta")
+    cg = capture(model, (x, y), F.mse_loss)
+    v = next(iter(cg.gm.graph.find_nodes(op="placeholder"))).meta["val"]
+    assert tuple(v.shape) == (4096, 4096)
+    assert cg.param_fqns == ["weight", "bias"]
+
+
+def test_buffers_and_frozen_params_are_recorded():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+            self.register_buffer("scale", torch.full((3,), 2.0))
+
+        def forward(self, x):
+            return self.a(x) * self.scale + self.frozen
+
+    cg = capture(M(), (torch.randn(2, 3), torch.randn(2, 3)), F.mse_loss)
+    assert cg.param_fqns == ["a.weight", "a.bias"]
+    assert cg.frozen_param_fqns == ["frozen"]
+    assert cg.buffer_fqns == ["scale"]
+    assert cg.input_fqns == ["a.weight", "a.bias", "frozen", "scale"]
+
+
+def test_non_scalar_loss_is_refused():
+    model, batch, _ = mlp()
+    with pytest.raises(CaptureError, match="scalar"):
+        capture(model, batch, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+
+
+def test_bad_batch_is_refused():
+    model, (x, y), loss_fn = mlp()
+    with pytest.raises(CaptureError, match="tuple"):
+        capture(model, x, loss_fn)
+    with pytest.raises(CaptureError, match="dim 0"):
+        capture(model, (x, y[:3]), loss_fn)
+
+
+def test_data_dependent_control_flow_names_the_construct():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent: cannot be captured on fake tensors
+                return self.fc(x)
+            return -self.fc(x)
+
+    with pytest.raises(CaptureError) as e:
+        capture(Branchy(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    assert "Branchy" in str(e.value) and "x.sum() > 0" in str(e.value)
+
+
+def test_unused_parameter_says_what_to_try():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    with pytest.raises(CaptureError, match="requires_grad=False"):
+        capture(Unused(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)

@@ -1,0 +1,149 @@
+"""Bad command-line input: exit code 2 and a one-paragraph typed error, before any worker starts."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from adaptdist.cli import main
+
+NONSCALAR_MODEL = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    def factory(batch_size, seq_len):
+        model = nn.Linear(4, 3)
+        x = torch.randn(batch_size, 4)
+        y = torch.randint(0, 3, (batch_size,))
+        return model, (x, y), lambda out, t: F.cross_entropy(out, t, reduction="none")
+    """
+)
+
+
+def run_cli(capsys, tmp_path, *argv: str) -> str:
+    """Run ``adaptdist train ARGV`` in-process; check exit code 2 and one error paragraph; return it."""
+    out = tmp_path / "out"
+    rc = main(["train", *argv, "--out", str(out), "--steps", "1", "--sample-bytes", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("adaptdist: error: ")]
+    assert len(lines) == 1, err
+    # One paragraph: the error is the last thing printed, with no blank line inside it.
+    msg = err[err.index("adaptdist: error: "):].strip()
+    assert "\n\n" not in msg, err
+    assert not (out / "programs").exists(), "nothing may be compiled/saved before the error"
+    return msg
+
+
+def test_data_file_missing(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, "--data", str(tmp_path / "nope.txt"))
+    assert "DataError" in msg and "nope.txt" in msg and "does not exist" in msg
+
+
+def test_data_path_is_directory(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, "--data", str(tmp_path))
+    assert "DataError" in msg and "not a file" in msg
+
+
+def test_data_file_empty(capsys, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_bytes(b"")
+    msg = run_cli(capsys, tmp_path, "--data", str(f))
+    assert "DataError" in msg and "empty.txt" in msg and "empty" in msg
+
+
+def test_data_file_binary_nul(capsys, tmp_path):
+    f = tmp_path / "blob.bin"
+    f.write_bytes(b"PK\x03\x04\x00\x00\xff\xfe" * 16)
+    msg = run_cli(capsys, tmp_path, "--data", str(f))
+    assert "DataError" in msg and "blob.bin" in msg and "not text" in msg
+
+
+def test_data_file_not_utf8(capsys, tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin-1") * 4)
+    msg = run_cli(capsys, tmp_path, "--data", str(f))
+    assert "DataError" in msg and "latin1.txt" in msg and "UTF-8" in msg
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_nproc_not_positive(capsys, tmp_path, n):
+    msg = run_cli(capsys, tmp_path, "--nproc", n)
+    assert "ClusterSpecError" in msg and "--nproc" in msg and f"got {n}" in msg
+
+
+def test_seq_len_longer_than_data(capsys, tmp_path):
+    f = tmp_path / "tiny.txt"
+    f.write_bytes(b"hello wor\n")  # 10 bytes
+    msg = run_cli(capsys, tmp_path, "--data", str(f), "--seq-len", "64")
+    assert "DataError" in msg and "--seq-len 64" in msg and "tiny.txt" in msg and "10 bytes" in msg
+
+
+def test_loss_not_scalar(capsys, tmp_path):
+    f = tmp_path / "nonscalar.py"
+    f.write_text(NONSCALAR_MODEL)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory", "--batch-size", "4", "--seq-len", "2")
+    assert "CaptureError" in msg and "scalar" in msg and "shape [4]" in msg
+
+
+def test_cluster_field_missing(capsys, tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_text("schema_version: 1\nhosts:\n  - {name: localhost, device_kind: cpu}\n")
+    msg = run_cli(capsys, tmp_path, "--cluster", str(f))
+    assert "ClusterSpecError" in msg and "cluster.yaml" in msg
+    assert "hosts[0].num_devices" in msg and "missing" in msg
+
+
+def test_cluster_field_wrong_type(capsys, tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_text('schema_version: 1\nhosts:\n  - {name: localhost, device_kind: cpu, num_devices: "two"}\n')
+    msg = run_cli(capsys, tmp_path, "--cluster", str(f))
+    assert "ClusterSpecError" in msg and "cluster.yaml" in msg
+    assert "hosts[0].num_devices" in msg and "'two'" in msg
+
+
+def test_cluster_file_missing(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, "--cluster", str(tmp_path / "nope.yaml"))
+    assert "ClusterSpecError" in msg and "nope.yaml" in msg and "does not exist" in msg
+
+
+@pytest.mark.parametrize("spec", ["notaspec", "model.txt:factory", "model.py", "model.py:1bad"])
+def test_model_spec_malformed(capsys, tmp_path, spec):
+    msg = run_cli(capsys, tmp_path, spec)
+    assert "UsageError" in msg and repr(spec) in msg and "FILE.py:FACTORY" in msg
+
+
+def test_model_file_missing(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, f"{tmp_path / 'missing.py'}:factory")
+    assert "UsageError" in msg and "missing.py" in msg and "does not exist" in msg
+
+
+def test_model_factory_missing(capsys, tmp_path):
+    f = tmp_path / "nofactory.py"
+    f.write_text(NONSCALAR_MODEL)
+    msg = run_cli(capsys, tmp_path, f"{f}:build")
+    assert "UsageError" in msg and "nofactory.py" in msg and "'build'" in msg
+
+
+def test_data_without_data_function(capsys, tmp_path):
+    f = tmp_path / "nodata.py"
+    f.write_text(NONSCALAR_MODEL)
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory", "--data", str(text))
+    assert "UsageError" in msg and "--data" in msg and "data(" in msg
+
+
+def test_model_spec_not_shown_as_emoji(capsys, tmp_path):
+    """Rich must print 'x.py:factory' literally, not turn ':factory:' into an emoji."""
+    f = tmp_path / "nonscalar.py"
+    f.write_text(NONSCALAR_MODEL)
+    main(["train", f"{f}:factory", "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert "\U0001f3ed" not in err
+    assert "nonscalar.py:factory" in err.replace("\n", "")

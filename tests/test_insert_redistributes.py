@@ -1,0 +1,51 @@
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist import graph_meta as gmeta
+from adaptdist.passes.globalize_reductions import globalize_reductions
+from adaptdist.passes.insert_redistributes import insert_redistributes
+from adaptdist.passes.propagate_placements import placement_of, propagate_placements
+from adaptdist.placement import Replicate
+from models import mlp
+from passutil import captured_with_ctx, simulate
+from reference import eager_sgd
+
+
+def test_loss_gets_all_reduce_and_wait():
+    cg, gm, ctx = captured_with_ctx(mlp(), 2)
+    for p in (propagate_placements, globalize_reductions, propagate_placements):
+        gm, _ = p(gm, ctx)
+    gm, changed = insert_redistributes(gm, ctx)
+    assert changed
+    out = gm.graph.output_node()
+    loss = out.args[0][gmeta.get_output_roles(out).index("loss")]
+    assert "wait_tensor" in str(loss.target)
+    assert "all_reduce" in str(loss.args[0].target) and loss.args[0].args[2] == ctx.group_name
+    assert placement_of(loss) == Replicate()
+    assert not any(gmeta.get_redistribute(n) for n in gm.graph.nodes)
+
+
+class PerSampleTable(nn.Module):
+    """Adds a replicated [B, D] buffer to the batch: needs a rank-local slice."""
+
+    def __init__(self, batch_size):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.arange(batch_size * 4, dtype=torch.float32).view(batch_size, 4) / 10)
+
+    def forward(self, x):
+        return self.fc(x) + self.offset
+
+
+def test_replicated_tensor_is_sliced_to_each_ranks_rows():
+    torch.manual_seed(0)
+    model = PerSampleTable(5)
+    batch = (torch.randn(5, 4), torch.randn(5, 4))
+    progs, outs = simulate(model, batch, F.mse_loss, 2)
+    slices = [n for n in progs[1].module.graph.nodes if gmeta.get_rank_slice(n)]
+    assert slices and slices[0].args[2:] == (3, 5)  # rank 1 holds rows [3, 5)
+    hist, _ = eager_sgd(model, [batch], F.mse_loss, 0.1, 1)
+    assert abs(float(outs[1][0]) - hist[0][0]) < 1e-6
+    for r in range(2):
+        torch.testing.assert_close(outs[r][1], hist[0][1]["fc.weight"], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,32 @@
+import torch
+
+from adaptdist.passes.context import PassContext
+from models import convnet, tiny_gpt
+from passutil import simulate
+
+
+def test_torch_chunk_split_with_empty_rank():
+    ctx = PassContext(world_size=3, batch_size=4)
+    assert ctx.shard_sizes() == [len(c) for c in torch.arange(4).chunk(3)] + [0] * (3 - len(torch.arange(4).chunk(3)))
+    assert ctx.shard_sizes() == [2, 2, 0] and ctx.shard_offsets() == [0, 2, 4]
+    assert PassContext(world_size=2, batch_size=5).shard_sizes() == [3, 2]
+
+
+def test_each_rank_gets_its_local_shapes():
+    model, batch, loss_fn = tiny_gpt(5, 8)
+    progs, _ = simulate(model, batch, loss_fn, 2)
+    for r, rows in ((0, 3), (1, 2)):
+        views = [n for n in progs[r].module.graph.nodes if n.target == torch.ops.aten.view.default
+                 and n.args[1] and n.args[1][0] == rows * 8]
+        assert views, f"rank {r} should view [{rows} * 8, ...]"
+        batch_ph = list(progs[r].module.graph.find_nodes(op="placeholder"))[-1]
+        assert tuple(batch_ph.meta["val"].shape) == (rows, 8)
+        assert f"# i64[{rows}, 8]" in progs[r].code or f'"i64[{rows}, 8]"' in progs[r].code
+
+
+def test_rank_with_no_rows_runs_and_contributes_nothing():
+    model, batch, loss_fn = convnet(3)
+    progs, outs = simulate(model, batch, loss_fn, 4)
+    assert progs[3].batch_slice == (3, 0)
+    losses = {round(float(o[0]), 6) for o in outs}
+    assert len(losses) == 1

@@ -1,0 +1,57 @@
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist import graph_meta as gmeta
+from adaptdist.compiler.capture import capture
+from adaptdist.errors import UnsupportedOpError
+from adaptdist.passes.context import PassContext
+from adaptdist.passes.propagate_placements import placement_of, propagate_placements
+from adaptdist.placement import Partial, Replicate, Shard
+from models import convnet, mlp
+from passutil import captured_with_ctx
+
+
+def test_batch_sharded_params_replicated_weight_grads_partial():
+    cg, gm, ctx = captured_with_ctx(mlp(), 2)
+    gm, changed = propagate_placements(gm, ctx)
+    assert changed
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        want = Shard(0) if gmeta.get_role(ph) == "batch" else Replicate()
+        assert placement_of(ph) == want
+    out = gm.graph.output_node()
+    roles = gmeta.get_output_roles(out)
+    for o, role in zip(out.args[0], roles):
+        if role.startswith("grad:"):
+            assert placement_of(o) == Partial()
+    # the loss is a partial value and must be made replicated
+    assert gmeta.get_redistribute(out) == {(0, roles.index("loss")): (Replicate(),)}
+    # running it again changes nothing: annotations are a fixed point
+    assert propagate_placements(gm, ctx)[1] is False
+
+
+def test_training_batch_norm_is_refused_and_eval_is_fine():
+    model, batch, loss_fn = convnet(4, batch_norm=True)
+    cg = capture(model, batch, loss_fn)
+    with pytest.raises(UnsupportedOpError, match="BatchNorm"):
+        propagate_placements(cg.gm, PassContext(2, 4))
+    model.eval()
+    cg = capture(model, batch, loss_fn)
+    propagate_placements(cg.gm, PassContext(2, 4))
+
+
+def test_unknown_op_on_sharded_input_names_op_node_and_shapes():
+    class Sorts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), dim=0)  # cumulative over the batch: no rule
+
+    cg = capture(Sorts(), (torch.randn(6, 4), torch.randn(6, 4)), F.mse_loss)
+    with pytest.raises(UnsupportedOpError) as e:
+        propagate_placements(cg.gm, PassContext(2, 6))
+    msg = str(e.value)
+    assert "cumsum" in msg and "[6, 4]" in msg and "S(0)" in msg
