@@ -208,6 +208,9 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         raise ProgramLoadError(f"rank {rank} is outside world size {manifest['world_size']} of {str(d)!r}")
     prefix = f"rank{rank}/"
     mine = {k: v for k, v in manifest["files"].items() if k.startswith(prefix)}
+    for name in ("program.py", "program.json", "state.safetensors"):
+        if prefix + name not in mine:
+            raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}{name}; recompile the programs")
     for rel, digest in sorted(mine.items()):
         p = d / rel
         if not p.is_file():
@@ -216,13 +219,11 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
             raise ProgramLoadError(
                 f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or edited); recompile"
             )
-    if prefix + "program.py" not in mine:
-        raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}program.py")
     meta = json.loads((d / prefix / "program.json").read_text())
     code = (d / prefix / "program.py").read_text()
     module = module_from_source(code, str(d / prefix / "program.py"))
     constants = {}
-    if (d / prefix / "constants.safetensors").is_file():
+    if prefix + "constants.safetensors" in mine:
         constants = load_file(str(d / prefix / "constants.safetensors"))
         for k, v in constants.items():
             setattr(module, k, v)

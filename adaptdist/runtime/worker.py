@@ -115,12 +115,14 @@ class StepRunner:
         self.params = [self.state[f] for f in program.param_fqns]
         self.opt = make_optimizer(optimizer, self.params, lr)
         self.grad_slots = [program.output_roles.index(f"grad:{f}") for f in program.param_fqns]
+        self.last_grads: dict[str, torch.Tensor] = {}
         self.buffer_slots = [(i, r.split(":", 1)[1]) for i, r in enumerate(program.output_roles)
                              if r.startswith("buffer:")]
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
         outs = self.program(*self.inputs, *self.program.local_batch(global_batch))
+        self.last_grads = {f: outs[i] for f, i in zip(self.program.param_fqns, self.grad_slots)}
         for p, i in zip(self.params, self.grad_slots):
             p.grad = outs[i]
         self.opt.step()

@@ -1,0 +1,31 @@
+"""Worker functions for multi-process tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from adaptdist.program import load_program
+from adaptdist.runtime.worker import StepRunner, _register_groups
+
+
+def dp_sgd_worker(program_dir: str, batches: list, lr: float, steps: int, timeout_s: float = 30.0) -> dict:
+    """Run ``steps`` SGD steps of this rank's program; return losses, grads per step and final params."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        program = load_program(program_dir, rank, world_size=dist.get_world_size())
+        _register_groups(program)
+        runner = StepRunner(program, "sgd", lr)
+        losses, grads = [], []
+        for s in range(steps):
+            losses.append(runner.step(batches[s % len(batches)]))
+            grads.append({k: v.clone() for k, v in runner.last_grads.items()})
+        params = {f: runner.state[f].clone() for f in program.param_fqns}
+        return {"losses": losses, "grads": grads, "params": params, "rows": program.batch_slice}
+    finally:
+        dist.destroy_process_group()
