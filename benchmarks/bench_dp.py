@@ -1,0 +1,274 @@
+"""adaptdist data parallelism vs torch DistributedDataParallel, measured in one run.
+
+Same model (built-in GPT, default GPTConfig), same global batch, same number of
+ranks (gloo on CPU), same threads per rank, same optimizer (AdamW, lr 1e-3,
+weight_decay 0, i.e. adaptdist's ``make_optimizer("adamw")``), same data (the
+factory's example batch, repeated); each rank takes its ``torch.chunk`` of the
+global batch on both sides.
+
+Each repetition launches adaptdist and DDP as separate ``launch_local`` jobs
+(fresh processes each); the order alternates between repetitions (A,B then B,A)
+so neither side always runs first. Warm-up steps are excluded. Per step, the
+time is the slowest rank's. Reported: the median step time over all measured
+steps of all repetitions, the spread (min/max of per-repetition medians), tokens/s
+and their ratio, and peak memory per rank with ``adaptdist.runtime.memory.PeakMemory``
+(one extra step inside the dispatch mode, after the timed steps, not timed) with
+the process's max RSS beside it.
+
+    .venv/bin/python benchmarks/bench_dp.py [--nproc 2] [--batch-size 16] [--seq-len 128]
+        [--steps 30] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120]
+
+The workers live in this module; the ``__main__`` block re-imports this file as
+the module ``bench_dp`` (its directory is put on ``sys.path`` and ``PYTHONPATH``)
+so that the spawned ranks can unpickle them by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- workers (one per rank)
+
+def _setup(cfg: dict) -> tuple[int, int]:
+    torch.set_num_threads(cfg["threads"])
+    torch.manual_seed(cfg["seed"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["timeout_s"]))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _load_batch(cfg: dict) -> tuple[torch.Tensor, ...]:
+    from safetensors.torch import load_file
+
+    t = load_file(cfg["batch_file"])
+    return tuple(t[f"b{i}"] for i in range(len(t)))
+
+
+def _time_steps(step, batch, n: int) -> tuple[list[float], list[float]]:
+    times, losses = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        loss = step(batch)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    return times, losses
+
+
+def adaptdist_worker(cfg: dict) -> dict:
+    """One rank of adaptdist DP: load_program + register groups + StepRunner (as run_worker does)."""
+    from adaptdist.program import load_program
+    from adaptdist.runtime.memory import PeakMemory
+    from adaptdist.runtime.worker import StepRunner, _register_groups
+
+    rank, world = _setup(cfg)
+    try:
+        program = load_program(cfg["program_dir"], rank, world_size=world)
+        _register_groups(program)
+        runner = StepRunner(program, "adamw", cfg["lr"])
+        batch = _load_batch(cfg)
+        times, losses = _time_steps(runner.step, batch, cfg["warmup"] + cfg["steps"])
+        dist.barrier()
+        with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+            runner.step(batch)
+        dist.barrier()
+        return {"times": times, "losses": losses, "peak_bytes": pm.report.peak_bytes,
+                "start_bytes": pm.report.start_bytes, "rss_peak_bytes": pm.report.rss_peak_bytes}
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_worker(cfg: dict) -> dict:
+    """One rank of torch DDP: same model and seed, standard loop on this rank's torch.chunk of the batch."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from adaptdist.models.gpt import factory
+    from adaptdist.runtime.memory import PeakMemory
+    from adaptdist.runtime.worker import make_optimizer
+
+    rank, world = _setup(cfg)
+    try:
+        torch.manual_seed(cfg["seed"])
+        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+        ddp = DDP(model)
+        opt = make_optimizer("adamw", list(ddp.parameters()), cfg["lr"])
+        batch = _load_batch(cfg)
+
+        def step(global_batch):
+            x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()  # this rank's loss; the parent averages over ranks
+
+        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
+        dist.barrier()
+        # zero_grad first so that the tensors alive at the start are exactly params, optimizer state,
+        # batch (plus DDP's own bucket buffers, which are counted when the reducer first writes them)
+        opt.zero_grad(set_to_none=True)
+        existing = [list(model.parameters()), list(model.buffers()), opt.state_dict()["state"], batch]
+        with PeakMemory(existing) as pm:
+            step(batch)
+        dist.barrier()
+        return {"times": times, "losses": losses, "peak_bytes": pm.report.peak_bytes,
+                "start_bytes": pm.report.start_bytes, "rss_peak_bytes": pm.report.rss_peak_bytes}
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- parent
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
+    ap.add_argument("--batch-size", type=int, default=16, help="global batch size")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per side per repetition")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
+    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
+    ap.add_argument("--threads-per-rank", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
+    return ap.parse_args(argv)
+
+
+def _summarize(results_per_rep: list[dict[int, dict]], warmup: int, tokens: int) -> dict:
+    """Per-step time = max over ranks; median over all measured steps; spread of per-rep medians."""
+    all_steps, rep_medians, first_losses, last_losses = [], [], [], []
+    for res in results_per_rep:
+        ranks = sorted(res)
+        per_step = [max(res[r]["times"][i] for r in ranks) for i in range(len(res[ranks[0]]["times"]))]
+        measured = per_step[warmup:]
+        all_steps += measured
+        rep_medians.append(statistics.median(measured))
+        mean_loss = [statistics.fmean(res[r]["losses"][i] for r in ranks) for i in range(len(per_step))]
+        first_losses.append(mean_loss[0])
+        last_losses.append(mean_loss[-1])
+    last = results_per_rep[-1]
+    med = statistics.median(all_steps)
+    return {
+        "median_s": med, "min_rep_s": min(rep_medians), "max_rep_s": max(rep_medians),
+        "tokens_per_s": tokens / med, "n_steps": len(all_steps),
+        "first_loss": first_losses[-1], "last_loss": last_losses[-1],
+        "peak_bytes": {r: last[r]["peak_bytes"] for r in sorted(last)},
+        "start_bytes": {r: last[r]["start_bytes"] for r in sorted(last)},
+        "rss_bytes": {r: last[r]["rss_peak_bytes"] for r in sorted(last)},
+    }
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from safetensors.torch import save_file
+
+    from adaptdist.compiler.data_parallel import compile_data_parallel
+    from adaptdist.models.gpt import factory
+    from adaptdist.program import save_programs
+    from adaptdist.runtime.launch import launch_local
+
+    args = _parse(argv)
+    con = Console(width=130)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    tokens = args.batch_size * args.seq_len
+    con.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.nproc} ranks (gloo), "
+              f"[bold]{args.threads_per_rank} thread(s) per rank[/]; GPT (default GPTConfig), global batch "
+              f"{args.batch_size} x {args.seq_len} = {tokens} tokens; AdamW lr {args.lr}; "
+              f"{args.reps} reps x ({args.warmup} warm-up + {args.steps} measured) steps per side")
+
+    with tempfile.TemporaryDirectory(prefix="bench_dp-") as tmp:
+        torch.manual_seed(args.seed)
+        model, example, loss_fn = factory(args.batch_size, args.seq_len)
+        n_params = sum(p.numel() for p in model.parameters())
+        batch_file = str(Path(tmp) / "batch.safetensors")
+        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
+        t0 = time.perf_counter()
+        programs = compile_data_parallel(model, example, loss_fn, args.nproc)
+        save_programs(programs, Path(tmp) / "programs")
+        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist DP for {args.nproc} ranks in "
+                  f"{time.perf_counter() - t0:.1f} s (not part of the timings)")
+        cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
+               "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
+               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
+        import bench_dp  # this file as an importable module, so spawn can unpickle the workers
+
+        sides = {"adaptdist": bench_dp.adaptdist_worker, "DDP": bench_dp.ddp_worker}
+        results: dict[str, list] = {"adaptdist": [], "DDP": []}
+        t_all = time.perf_counter()
+        load_before = os.getloadavg()
+        for rep in range(args.reps):
+            order = ["adaptdist", "DDP"] if rep % 2 == 0 else ["DDP", "adaptdist"]
+            for side in order:
+                t0 = time.perf_counter()
+                res = launch_local(sides[side], (cfg,), args.nproc)
+                times = sorted(max(res[r]["times"][i] for r in res) for i in range(args.warmup, args.warmup + args.steps))
+                con.print(f"rep {rep + 1}/{args.reps} {side:9s}: median step {1e3 * statistics.median(times):7.1f} ms "
+                          f"(launch total {time.perf_counter() - t0:.1f} s)")
+                results[side].append(res)
+        load_after = os.getloadavg()
+        con.print(f"all launches: {time.perf_counter() - t_all:.0f} s; load average (1/5/15 min) before "
+                  f"{'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load_after)} "
+                  f"(this benchmark itself keeps ~{args.nproc * args.threads_per_rank} cores busy; more means other "
+                  f"work on the machine)")
+        if args.json:
+            import json
+
+            raw = {side: [{r: {"times": res[r]["times"], "losses": res[r]["losses"]} for r in res} for res in reps]
+                   for side, reps in results.items()}
+            Path(args.json).write_text(json.dumps({"args": vars(args), "load_before": load_before,
+                                                   "load_after": load_after, "raw": raw}))
+
+    a = _summarize(results["adaptdist"], args.warmup, tokens)
+    d = _summarize(results["DDP"], args.warmup, tokens)
+    mib = 2**20
+    t = Table(title=f"adaptdist DP vs torch DDP — {args.nproc} ranks x {args.threads_per_rank} thread(s), "
+                    f"global batch {args.batch_size}x{args.seq_len}")
+    t.add_column("metric")
+    t.add_column("adaptdist", justify="right")
+    t.add_column("DDP", justify="right")
+    t.add_column("adaptdist / DDP", justify="right")
+    t.add_row("median step time (ms)", f"{1e3 * a['median_s']:.1f}", f"{1e3 * d['median_s']:.1f}",
+              f"{a['median_s'] / d['median_s']:.3f}")
+    t.add_row("spread: per-rep medians min-max (ms)", f"{1e3 * a['min_rep_s']:.1f}-{1e3 * a['max_rep_s']:.1f}",
+              f"{1e3 * d['min_rep_s']:.1f}-{1e3 * d['max_rep_s']:.1f}", "")
+    t.add_row("fastest per-rep median (ms; least disturbed by other load)", f"{1e3 * a['min_rep_s']:.1f}",
+              f"{1e3 * d['min_rep_s']:.1f}", f"{a['min_rep_s'] / d['min_rep_s']:.3f}")
+    ratio = a["tokens_per_s"] / d["tokens_per_s"]
+    t.add_row("throughput (tokens/s)", f"{a['tokens_per_s']:,.0f}", f"{d['tokens_per_s']:,.0f}",
+              f"[{'green' if ratio >= 0.9 else 'red'}]{ratio:.3f}[/]")
+    for r in sorted(a["peak_bytes"]):
+        t.add_row(f"peak live tensors, rank {r} (MiB)", f"{a['peak_bytes'][r] / mib:.1f}",
+                  f"{d['peak_bytes'][r] / mib:.1f}", f"{a['peak_bytes'][r] / d['peak_bytes'][r]:.3f}")
+        t.add_row(f"  of which alive at start, rank {r} (MiB)", f"{a['start_bytes'][r] / mib:.1f}",
+                  f"{d['start_bytes'][r] / mib:.1f}", "")
+        t.add_row(f"process max RSS, rank {r} (MiB)", f"{a['rss_bytes'][r] / mib:.0f}",
+                  f"{d['rss_bytes'][r] / mib:.0f}", f"{a['rss_bytes'][r] / d['rss_bytes'][r]:.3f}")
+    t.add_row("loss: first step -> last step (last rep)", f"{a['first_loss']:.4f} -> {a['last_loss']:.4f}",
+              f"{d['first_loss']:.4f} -> {d['last_loss']:.4f}", "")
+    con.print(t)
+    con.print(f"measured steps per side: {a['n_steps']} (per step: slowest rank); memory from one extra step "
+              f"of the last rep inside PeakMemory; RSS = the rank process's lifetime max.")
+    con.print(f"target adaptdist >= 0.9x DDP throughput: [bold]{'MET' if ratio >= 0.9 else 'NOT MET'}[/] ({ratio:.3f}x "
+              f"on the all-steps median; {d['min_rep_s'] / a['min_rep_s']:.3f}x on the fastest per-rep medians)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    import bench_dp
+
+    sys.exit(bench_dp.main())
