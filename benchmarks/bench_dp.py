@@ -101,7 +101,7 @@ def ddp_worker(cfg: dict) -> dict:
     try:
         torch.manual_seed(cfg["seed"])
         model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
-        ddp = DDP(model)
+        ddp = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
         opt = make_optimizer("adamw", list(ddp.parameters()), cfg["lr"])
         batch = _load_batch(cfg)
 
@@ -140,6 +140,8 @@ def _parse(argv=None):
     ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
     ap.add_argument("--threads-per-rank", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size, MiB, for both sides (DDP's bucket_cap_mb; its default is 25)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
     ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
@@ -197,12 +199,14 @@ def main(argv=None) -> int:
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
         t0 = time.perf_counter()
-        programs = compile_data_parallel(model, example, loss_fn, args.nproc)
+        programs = compile_data_parallel(model, example, loss_fn, args.nproc,
+                                         bucket_bytes=int(args.bucket_mb * 2**20))
         save_programs(programs, Path(tmp) / "programs")
         con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist DP for {args.nproc} ranks in "
                   f"{time.perf_counter() - t0:.1f} s (not part of the timings)")
         cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
                "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
+               "bucket_mb": args.bucket_mb,
                "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
         import bench_dp  # this file as an importable module, so spawn can unpickle the workers
 
