@@ -82,3 +82,13 @@ def torch_dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def trace_fake(fn: Callable, specs: list[tuple[list[int], torch.dtype]]) -> torch.fx.GraphModule:
+    """Trace ``fn`` to an ATen GraphModule on CPU fake tensors of the given (shape, dtype) (no real compute)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = fake_tensor_mode()
+    with mode:
+        inputs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    return make_fx(fn, tracing_mode="fake")(*inputs)

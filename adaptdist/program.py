@@ -72,13 +72,22 @@ class RankProgram:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
+    _traced: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def __call__(self, *args: torch.Tensor):
         return self.module(*args)
 
     @property
-    def graph_module(self) -> torch.fx.GraphModule | None:
-        return self.module if isinstance(self.module, torch.fx.GraphModule) else None
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The program's ATen graph: the compiled one, or (after loading) a re-trace on fake tensors."""
+        if isinstance(self.module, torch.fx.GraphModule):
+            return self.module
+        if self._traced is None:
+            specs = [(list(self.state[f].shape), self.state[f].dtype) for f in self.input_fqns]
+            specs += [(shape, getattr(torch, dtype)) for shape, dtype in self.batch_specs]
+            self._traced = compat.trace_fake(self.module, specs)
+        return self._traced
 
     @property
     def loss_index(self) -> int:
@@ -92,8 +101,6 @@ class RankProgram:
     def collectives(self) -> list[str]:
         """The collectives this program issues, in order, as ``op(group, numel)`` strings."""
         gm = self.graph_module
-        if gm is None:
-            return []
         out = []
         for n in gm.graph.nodes:
             if n.op == "call_function" and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target):
@@ -116,6 +123,7 @@ class RankProgram:
             "output_roles": self.output_roles,
             "tied": self.tied,
             "constants": sorted(self.constants),
+            "batch_specs": [[list(shape), dtype] for shape, dtype in self.batch_specs],
         }
 
 
@@ -233,6 +241,7 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         input_fqns=meta["input_fqns"], param_fqns=meta["param_fqns"], num_batch_inputs=meta["num_batch_inputs"],
         batch_slice=tuple(meta["batch_slice"]), output_roles=meta["output_roles"], code=code, module=module,
         state=state, constants=constants, tied=meta.get("tied", {}),
+        batch_specs=[(list(shape), dtype) for shape, dtype in meta["batch_specs"]],
     )
 
 

@@ -59,6 +59,8 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
         "Generated code: edit the model, not this file."
     )
     constants = {n.target: getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")}
+    batch_phs = list(gm.graph.find_nodes(op="placeholder"))[len(input_fqns):]
+    batch_specs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch.")) for n in batch_phs]
     return RankProgram(
         rank=rank,
         world_size=ctx.world_size,
@@ -74,4 +76,5 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
         state=state,
         constants={k: v for k, v in constants.items() if isinstance(v, torch.Tensor)},
         tied=dict(tied),
+        batch_specs=batch_specs,
     )
