@@ -82,7 +82,9 @@ def cmd_train(args) -> int:
     console = Console(stderr=True, emoji=False)  # "m.py:factory: ..." must not become an emoji
     cluster = _cluster(args)
     if cluster.device_kind != "cpu":
-        raise UsageError(f"{cluster!r}: only cpu (gloo) clusters are supported by `train` so far")
+        raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
+    if len(cluster.hosts) > 1:
+        raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host")
     nproc = cluster.world_size
     spec = ModelSpec.parse(args.model)
     out = Path(args.out)
