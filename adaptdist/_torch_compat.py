@@ -25,11 +25,15 @@ def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
     return aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
 
 
-def fake_tensor_mode() -> Any:
-    """A fresh FakeTensorMode (shapes and dtypes only, no storage)."""
+def fake_tensor_mode(allow_constants: bool = False) -> Any:
+    """A fresh FakeTensorMode (shapes and dtypes only, no storage).
+
+    ``allow_constants``: real tensors the traced code closes over (a loss's class
+    weights, say) are accepted and become constants of the graph.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    return FakeTensorMode(allow_non_fake_inputs=allow_constants)
 
 
 def is_fake(t: Any) -> bool:

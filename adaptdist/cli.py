@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -42,8 +44,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="adaptdist", description="Automatic distributed training for PyTorch.")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     sub = ap.add_subparsers(dest="command")
-    t = sub.add_parser("train", help="compile the model and train it on local ranks")
+    t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
     _add_common(t)
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: embedded corpus)")
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps (default 800)")
@@ -51,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory (default runs/latest)")
-    t.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="gradient all_reduce bucket size, MiB")
+    t.add_argument("--bucket-mb", type=_positive(float), default=2.0,
+                   help="gradient all_reduce bucket size, MiB (small buckets overlap with backward)")
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
                    help="torch threads per rank (default: cores // ranks, at least 1)")
     t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
@@ -66,6 +70,25 @@ def _cluster(args):
     if args.cluster:
         return Cluster.from_yaml(args.cluster)
     return Cluster.local(2 if args.nproc is None else args.nproc)
+
+
+def check_batch(batch, example, data) -> None:
+    """The data's batches must look like the factory's example batch (count, shapes, dtypes).
+
+    Raises:
+        DataError: names the element and what differs.
+    """
+    from .errors import DataError
+
+    src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
+    if not isinstance(batch, (tuple, list)) or len(batch) != len(example):
+        raise DataError(f"{src} yielded {type(batch).__name__} of {len(batch) if hasattr(batch, '__len__') else '?'} "
+                        f"elements; the factory's example batch has {len(example)} tensors")
+    for i, (b, e) in enumerate(zip(batch, example)):
+        if not hasattr(b, "shape") or tuple(b.shape) != tuple(e.shape) or b.dtype != e.dtype:
+            got = f"{b.dtype} {list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
+            raise DataError(f"{src} yielded batch element {i} as {got}, but the example batch has "
+                            f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")
 
 
 def cmd_train(args) -> int:
@@ -83,29 +106,38 @@ def cmd_train(args) -> int:
     cluster = _cluster(args)
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
-    if len(cluster.hosts) > 1:
-        raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host")
+    if len(cluster.hosts) > 1 or cluster.hosts[0].name not in ("localhost", "127.0.0.1", socket.gethostname()):
+        raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
+                         "named localhost")
     nproc = cluster.world_size
     spec = ModelSpec.parse(args.model)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r} exists and is not a directory; pass a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the output directory --out {str(out)!r}: {e.strerror}") from None
     torch.manual_seed(args.seed)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
     module = spec.module()
     has_data = callable(getattr(module, "data", None))
     if args.data and not has_data:
         raise UsageError(f"--data was given but {spec.file} defines no data(batch_size, seq_len, path=...) function")
-    out.mkdir(parents=True, exist_ok=True)
     data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
                     path=args.data, seed=args.seed)
     if not has_data:
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, str(out / "example_batch.safetensors"))
         data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
         console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
-    next(global_batches(data))  # fail here, with a clear error, on bad data
+    check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
 
     n_params = sum(p.numel() for p in model.parameters())
-    console.print(f"model {spec.text}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters; "
-                  f"{cluster!r}; global batch {args.batch_size} x {args.seq_len}")
+    x0 = example[0]
+    tokens = not x0.is_floating_point() and x0.dim() >= 2
+    unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}; "
+                  f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
     programs = compile_data_parallel(model, example, loss_fn, nproc, bucket_bytes=int(args.bucket_mb * 2**20),
                                      dump_dir=args.dump_graphs)
@@ -115,7 +147,7 @@ def cmd_train(args) -> int:
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
-                      backend=cluster.backend)
+                      backend=cluster.backend, items_per_step=items_per_step, unit=unit)
     t0 = time.perf_counter()
     results = launch_local(run_worker, (cfg,), nproc)
     wall = time.perf_counter() - t0
@@ -123,24 +155,29 @@ def cmd_train(args) -> int:
     losses = r0["losses"]
     first = losses[0]
     last = sum(losses[-5:]) / min(5, len(losses))
+    ratio = last / first if first else float("nan")
     summary = {
         "steps": len(losses), "initial_loss": losses[0], "final_loss": losses[-1],
-        "last5_mean_loss": last, "last5_mean_over_initial": last / first,
-        "tokens_per_s": r0["tokens_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
+        "last5_mean_loss": last, "last5_mean_over_initial": ratio,
+        f"{unit}_per_s": r0["items_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
         "ranks": nproc, "threads_per_rank": threads,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(
         f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: loss {first:.3f} -> {last:.3f} "
-        f"(x{last / first:.2f}: first step vs mean of the last 5), {r0['tokens_per_s']:,.0f} tokens/s; "
+        f"(x{ratio:.2f}: first step vs mean of the last 5), {r0['items_per_s']:,.0f} {unit}/s; "
         f"checkpoint {out / 'checkpoint'}, weights {out / 'model.safetensors'}"
     )
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:
+        console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; "
+                      "training diverged: lower --lr[/]")
     sample = getattr(module, "sample", None)
     if args.sample_bytes > 0 and callable(sample):
         state = load_file(str(out / "model.safetensors"))
         missing = model.load_state_dict(state, strict=False).missing_keys
         assert all(k in programs[0].tied for k in missing), missing
-        text = sample(model, args.sample_bytes, seed=args.seed)
+        text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
         console.rule("sample")
         print(text)
         console.rule()

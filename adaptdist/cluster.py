@@ -137,7 +137,8 @@ class Cluster:
         if hosts is None:
             raise fail("hosts", "is missing; list at least one host with name, device_kind, num_devices")
         if not isinstance(hosts, list) or not hosts:
-            raise fail("hosts", f"must be a non-empty list, got {type(hosts).__name__}")
+            got = "an empty list" if isinstance(hosts, list) else f"a {type(hosts).__name__}"
+            raise fail("hosts", f"must be a non-empty list of hosts, got {got}")
         parsed = []
         for i, h in enumerate(hosts):
             if not isinstance(h, dict):

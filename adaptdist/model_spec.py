@@ -49,9 +49,17 @@ class ModelSpec:
         return ModelSpec(p.resolve(), fn, text)
 
     def module(self):
+        """Import the model file.
+
+        Raises:
+            UsageError: the file fails to import; names the file, line and error.
+        """
         from .runtime.worker import load_module
 
-        return load_module(str(self.file), "adaptdist_model_module")
+        try:
+            return load_module(str(self.file), "adaptdist_model_module")
+        except Exception as e:
+            raise UsageError(f"importing {self.file} failed{_where(e, self.file)}: {type(e).__name__}: {e}") from e
 
     def build(self, batch_size: int, seq_len: int) -> tuple[nn.Module, tuple, Callable]:
         """Call the factory and check what it returns.
@@ -63,10 +71,27 @@ class ModelSpec:
         fn = getattr(mod, self.factory, None)
         if not callable(fn):
             raise UsageError(f"{self.file} has no function {self.factory!r}")
-        out: Any = fn(batch_size, seq_len)
-        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], nn.Module) and callable(out[2])):
+        try:
+            out: Any = fn(batch_size, seq_len)
+        except Exception as e:
             raise UsageError(
-                f"{self.text}: the factory must return (model: nn.Module, example_batch: tuple, loss_fn), "
-                f"got {type(out).__name__}"
+                f"{self.text}({batch_size}, {seq_len}) raised{_where(e, self.file)}: {type(e).__name__}: {e}; "
+                "the factory is called as factory(batch_size, seq_len)"
+            ) from e
+        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], nn.Module) and callable(out[2])):
+            got = (f"a tuple of {len(out)} ({', '.join(type(o).__name__ for o in out)})"
+                   if isinstance(out, tuple) else type(out).__name__)
+            raise UsageError(
+                f"{self.text}: the factory must return (model: nn.Module, example_batch: tuple, loss_fn), got {got}"
             )
         return out
+
+
+def _where(e: BaseException, file: Path) -> str:
+    """' at FILE:LINE' for the deepest traceback frame in the user's file, if any."""
+    import traceback
+
+    if isinstance(e, SyntaxError) and e.lineno:
+        return f" at {e.filename}:{e.lineno}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == file]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""

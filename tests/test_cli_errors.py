@@ -147,3 +147,74 @@ def test_model_spec_not_shown_as_emoji(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "\U0001f3ed" not in err
     assert "nonscalar.py:factory" in err.replace("\n", "")
+
+
+def _model_file(tmp_path, body: str, name: str = "m.py") -> str:
+    f = tmp_path / name
+    f.write_text(textwrap.dedent(body))
+    return str(f)
+
+
+def test_factory_that_raises_names_the_line(capsys, tmp_path):
+    f = _model_file(tmp_path, """
+        def factory(batch_size, seq_len):
+            raise ValueError("boom from user factory")
+    """)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory")
+    assert "UsageError" in msg and "boom from user factory" in msg and "m.py:3" in msg
+
+
+def test_factory_with_wrong_signature(capsys, tmp_path):
+    f = _model_file(tmp_path, """
+        def factory():
+            pass
+    """)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory")
+    assert "factory(batch_size, seq_len)" in msg
+
+
+def test_model_file_with_syntax_error(capsys, tmp_path):
+    f = _model_file(tmp_path, "def factory(batch_size, seq_len:\n    pass\n")
+    msg = run_cli(capsys, tmp_path, f"{f}:factory")
+    assert "SyntaxError" in msg and "m.py:1" in msg
+
+
+def test_factory_returning_two_things(capsys, tmp_path):
+    f = _model_file(tmp_path, """
+        import torch
+        def factory(batch_size, seq_len):
+            return torch.nn.Linear(2, 2), (torch.zeros(batch_size, 2), torch.zeros(batch_size, 2))
+    """)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory")
+    assert "a tuple of 2 (Linear, tuple)" in msg
+
+
+def test_data_batches_must_match_the_example(capsys, tmp_path):
+    f = _model_file(tmp_path, """
+        import torch, torch.nn.functional as F
+        def factory(batch_size, seq_len):
+            return torch.nn.Linear(2, 2), (torch.zeros(batch_size, 2), torch.zeros(batch_size, 2)), F.mse_loss
+        def data(batch_size, seq_len):
+            while True:
+                yield torch.zeros(batch_size + 1, 2), torch.zeros(batch_size + 1, 2)
+    """)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory", "--batch-size", "4")
+    assert "DataError" in msg and "[5, 2]" in msg and "[4, 2]" in msg
+
+
+def test_out_is_an_existing_file(capsys, tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("x")
+    rc = main(["train", "--out", str(target), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not a directory" in err and "Traceback" not in err
+
+
+def test_remote_or_multi_host_cluster_is_refused(capsys, tmp_path):
+    for hosts in ("  - {name: otherhost, device_kind: cpu, num_devices: 2}\n",
+                  "  - {name: localhost, device_kind: cpu, num_devices: 1}\n"
+                  "  - {name: nodeB, device_kind: cpu, num_devices: 2}\n"):
+        y = tmp_path / "c.yaml"
+        y.write_text("schema_version: 1\nhosts:\n" + hosts)
+        msg = run_cli(capsys, tmp_path, "--cluster", str(y))
+        assert "this machine only" in msg

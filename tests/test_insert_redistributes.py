@@ -49,3 +49,36 @@ def test_replicated_tensor_is_sliced_to_each_ranks_rows():
     assert abs(float(outs[1][0]) - hist[0][0]) < 1e-6
     for r in range(2):
         torch.testing.assert_close(outs[r][1], hist[0][1]["fc.weight"], atol=1e-6, rtol=1e-5)
+
+
+def test_constant_added_after_a_batch_sum_is_added_once():
+    """sum over the batch is Partial; subtracting a constant must happen after the all_reduce."""
+
+    class SumMinusConst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return (x * self.w).sum(0) - 16.0
+
+    model = SumMinusConst()
+    batch = (torch.ones(16, 4), torch.zeros(16))
+    loss_fn = lambda out, t: (out**2).mean() + 0 * t.sum()  # noqa: E731
+    _, outs = simulate(model, batch, loss_fn, 2)
+    hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
+    assert hist[0][0] == 0.0
+    assert [float(o[0]) for o in outs] == [0.0, 0.0]
+
+
+def test_loss_module_with_class_weights_counts_weights_globally():
+    from models import mlp
+
+    model, batch, _ = mlp(7)
+    loss_fn = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0, 0.5, 1.0]))
+    progs, outs = simulate(model, batch, loss_fn, 3)
+    hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
+    assert progs[0].constants  # the class weights are a constant of the program
+    for r in range(3):
+        assert abs(float(outs[r][0]) - hist[0][0]) < 1e-6
+        torch.testing.assert_close(outs[r][1], hist[0][1]["fc1.weight"], atol=1e-6, rtol=1e-5)

@@ -30,3 +30,24 @@ def test_rank_with_no_rows_runs_and_contributes_nothing():
     assert progs[3].batch_slice == (3, 0)
     losses = {round(float(o[0]), 6) for o in outs}
     assert len(losses) == 1
+
+
+def test_one_sample_or_one_rank_is_not_split():
+    from adaptdist.placement import Replicate
+    from adaptdist.passes.propagate_placements import placement_of
+    from reference import eager_sgd
+
+    for batch_size, world in ((1, 2), (3, 1)):
+        model, batch, loss_fn = tiny_gpt(batch_size, 8)
+        progs, outs = simulate(model, batch, loss_fn, world)
+        hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
+        for r in range(world):
+            assert progs[r].batch_slice == (0, batch_size)
+            assert progs[r].collectives() == []
+            assert abs(float(outs[r][0]) - hist[0][0]) < 1e-5
+
+
+def test_training_batch_norm_on_one_rank_is_allowed():
+    model, batch, loss_fn = convnet(4, batch_norm=True)
+    progs, outs = simulate(model, batch, loss_fn, 1)
+    assert progs[0].output_roles[0].startswith("buffer:")  # running stats are updated

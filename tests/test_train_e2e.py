@@ -37,11 +37,13 @@ def test_train_on_shakespeare(tmp_path):
 
 
 def test_train_user_model_from_file_with_cluster_yaml(tmp_path):
+    (tmp_path / "helpers.py").write_text("HIDDEN = 16\n")  # a module beside the model file
     (tmp_path / "mymodel.py").write_text(
         "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "from helpers import HIDDEN\n"
         "def factory(batch_size, seq_len):\n"
         "    torch.manual_seed(0)\n"
-        "    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))\n"
+        "    model = nn.Sequential(nn.Linear(8, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 3))\n"
         "    x = torch.randn(batch_size, 8); y = torch.randint(0, 3, (batch_size,))\n"
         "    return model, (x, y), F.cross_entropy\n"
     )
@@ -56,3 +58,41 @@ def test_train_user_model_from_file_with_cluster_yaml(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"] == 3
     assert summary["final_loss"] < summary["initial_loss"]  # the example batch is repeated: it must fit it
+
+
+def test_dropout_masks_differ_between_ranks(tmp_path):
+    """Column means of dropout(ones) over 4 rows: E[loss] = 1 + 1/4 with independent masks, 1 + 2/4 if
+    both ranks drew the same masks for their rows."""
+    (tmp_path / "drop.py").write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.w = nn.Parameter(torch.ones(20000))\n"
+        "    def forward(self, x):\n"
+        "        return F.dropout(x * self.w, 0.5, training=True).mean(0)\n"
+        "def factory(batch_size, seq_len):\n"
+        "    x = torch.ones(batch_size, 20000)\n"
+        "    return M(), (x, torch.zeros(batch_size)), lambda out, t: (out ** 2).mean() + 0 * t.sum()\n"
+    )
+    out = tmp_path / "run"
+    rc = main(["train", f"{tmp_path / 'drop.py'}:factory", "--nproc", "2", "--batch-size", "4", "--steps", "1",
+               "--out", str(out), "--threads-per-rank", "1", "--optimizer", "sgd"])
+    assert rc == 0
+    loss = json.loads((out / "summary.json").read_text())["initial_loss"]
+    assert abs(loss - 1.25) < 0.05, loss
+
+
+def test_data_that_runs_out_says_so(tmp_path, capsys):
+    (tmp_path / "short.py").write_text(
+        "import torch, torch.nn.functional as F\n"
+        "def factory(batch_size, seq_len):\n"
+        "    return torch.nn.Linear(2, 2), (torch.zeros(batch_size, 2), torch.zeros(batch_size, 2)), F.mse_loss\n"
+        "def data(batch_size, seq_len):\n"
+        "    for _ in range(2):\n"
+        "        yield torch.zeros(batch_size, 2), torch.zeros(batch_size, 2)\n"
+    )
+    rc = main(["train", f"{tmp_path / 'short.py'}:factory", "--batch-size", "4", "--steps", "3",
+               "--out", str(tmp_path / "run"), "--threads-per-rank", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "stopped after 2 batches" in err and "--steps is 3" in err

@@ -73,7 +73,8 @@ class _TrainStep(nn.Module):
     def __init__(self, model: nn.Module, loss_fn: Callable):
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
+        # Not a submodule: a loss module's tensors (class weights) are constants of the step.
+        object.__setattr__(self, "loss_fn", loss_fn)
 
     def forward(self, *batch):
         return (self.loss_fn(self.model(*batch[:-1]), batch[-1]),)
@@ -145,7 +146,11 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
     batch = _check_batch(batch)
     name = type(model).__name__
     step = _TrainStep(model, loss_fn)
-    mode = compat.fake_tensor_mode()
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError(
+            f"{name} has no trainable parameters (none with requires_grad=True): there is nothing to train"
+        )
+    mode = compat.fake_tensor_mode(allow_constants=True)
     state: dict[str, torch.Tensor] = {}
     for n, p in step.named_parameters():
         state[n] = nn.Parameter(_to_fake(mode, p.detach()), requires_grad=p.requires_grad)

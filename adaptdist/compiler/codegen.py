@@ -54,9 +54,13 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
         f"adaptdist {__version__} RankProgram, torch {torch.__version__}\n"
         f"rank {rank} of {ctx.world_size}, mesh {ctx.mesh_axis}={ctx.world_size}, "
         f"batch rows [{off}, {off + size}) of {ctx.batch_size}\n"
-        f"inputs: {len(input_fqns)} state tensors, then {num_batch_inputs} batch tensors\n"
         f"outputs: {', '.join(roles[:4])}{', ...' if len(roles) > 4 else ''} ({len(roles)} in all)\n"
-        "Generated code: edit the model, not this file."
+        "Generated code: edit the model, not this file.\n"
+        "inputs:\n" + "\n".join(
+            f"  {ph.name}: {name}" for ph, name in zip(
+                gm.graph.find_nodes(op="placeholder"),
+                list(input_fqns) + [f"batch[{i}] (local rows)" for i in range(num_batch_inputs)])
+        )
     )
     constants = {n.target: getattr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")}
     batch_phs = list(gm.graph.find_nodes(op="placeholder"))[len(input_fqns):]

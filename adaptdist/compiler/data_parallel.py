@@ -61,6 +61,9 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
         UnsupportedOpError: an op cannot be data-parallelized (e.g. training-mode BatchNorm).
     """
     ctx = PassContext(world_size=world_size, batch_size=captured.batch_size, bucket_bytes=bucket_bytes)
+    if world_size > 1 and not ctx.shards_batch:
+        log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
+                    "step (correct, but no faster than one rank)", captured.batch_size, world_size)
     gm = run_passes(copy_graph_module(captured.gm), ctx, dump_dir=dump_dir)
     input_fqns = captured.input_fqns
     programs = {}

@@ -28,6 +28,12 @@ class PassContext:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
 
     @property
+    def shards_batch(self) -> bool:
+        """False when splitting is pointless (one rank) or impossible (one sample): then every
+        rank holds the whole batch and computes the whole step, with no collectives."""
+        return self.world_size > 1 and self.batch_size > 1
+
+    @property
     def group_name(self) -> str:
         """The name functional collectives use for this mesh axis's process group."""
         return f"adaptdist:{self.mesh_axis}"
@@ -35,9 +41,13 @@ class PassContext:
     def shard_sizes(self) -> list[int]:
         """Local batch size of each rank, torch.chunk semantics (trailing ranks may get 0)."""
         b, w = self.batch_size, self.world_size
+        if not self.shards_batch:
+            return [b] * w
         chunk = -(-b // w) if b else 0
         return [max(0, min(chunk, b - r * chunk)) for r in range(w)]
 
     def shard_offsets(self) -> list[int]:
+        if not self.shards_batch:
+            return [0] * self.world_size
         sizes = self.shard_sizes()
         return [sum(sizes[:r]) for r in range(self.world_size)]

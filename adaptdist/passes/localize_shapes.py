@@ -131,7 +131,7 @@ class _FakeProp(torch.fx.Interpreter):
 
 
 def _refresh_vals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> None:
-    mode = compat.fake_tensor_mode()
+    mode = compat.fake_tensor_mode(allow_constants=True)  # get_attr constants are real tensors
     b_r = ctx.shard_sizes()[rank]
     inputs = []
     for ph in gm.graph.find_nodes(op="placeholder"):

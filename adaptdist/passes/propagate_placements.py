@@ -1,6 +1,7 @@
 """Pass: annotate every node with its placement along the data-parallel mesh axis.
 
-Seeds: batch inputs ``Shard(0)``, parameters and buffers ``Replicate()``. One
+Seeds: batch inputs ``Shard(0)`` (``Replicate()`` when ``ctx.shards_batch`` is false:
+one rank, or a batch of one sample), parameters and buffers ``Replicate()``. One
 forward sweep in topological order applies :mod:`.sharding_rules` to each node;
 where a rule needs an input in another placement, the node records it under
 ``adaptdist.redistribute`` (the redistribution pass inserts the collective).
@@ -50,7 +51,7 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         needs: dict = {}
         if node.op == "placeholder":
             role = gmeta.get_role(node)
-            out = Shard(0) if role == "batch" else Replicate()
+            out = Shard(0) if role == "batch" and ctx.shards_batch else Replicate()
         elif node.op == "get_attr":
             out = Replicate()
         elif node.op == "call_function":

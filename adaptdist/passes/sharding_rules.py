@@ -98,7 +98,9 @@ def _partial_is_linear(node: torch.fx.Node, pls: list[tuple[ArgPath, torch.fx.No
     partial = [a for _, a, p in pls if isinstance(p, Partial)]
     others = [p for _, a, p in pls if not isinstance(p, Partial)]
     if node.target in _LINEAR_ALL_PARTIAL:
-        return not others
+        # adding a constant to a partial value would add it once per rank
+        scalars = [a for a in node.args if not isinstance(a, torch.fx.Node)]
+        return not others and not scalars
     if node.target in _LINEAR_UNARY:
         return True
     if node.target == aten.mul.Tensor:

@@ -58,11 +58,16 @@ class TrainConfig:
     progress: bool = True
     checkpoint: bool = True
     measure_memory_step: int | None = None
+    items_per_step: int = 1
+    unit: str = "tokens"
     extra: dict = field(default_factory=dict)
 
 
 def load_module(path: str, name: str = "adaptdist_user_module"):
     """Import a Python file by path."""
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # like `python FILE.py`: modules beside it are importable
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise AdaptdistError(f"cannot import {path!r} as a Python module")
@@ -152,20 +157,25 @@ def _register_groups(program: RankProgram) -> None:
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Entry point of one rank (called by the elastic agent). Returns metrics on rank 0."""
     torch.set_num_threads(cfg.threads_per_rank)
-    torch.manual_seed(cfg.seed)
     rank, world = _init_distributed(cfg)
+    # Independent random streams per rank (dropout masks must not repeat across ranks).
+    torch.manual_seed(cfg.seed + rank)
     try:
         program = load_program(cfg.program_dir, rank, world_size=world)
         _register_groups(program)
         runner = StepRunner(program, cfg.optimizer, cfg.lr)
         batches = global_batches(cfg.data)
-        tokens_per_step = cfg.data.batch_size * max(cfg.data.seq_len, 1)
         losses, times = [], []
         peak = None
-        bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0)
+        bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit)
         with bar:
             for step in range(cfg.steps):
-                batch = next(batches)
+                batch = next(batches, None)
+                if batch is None:
+                    raise DataError(
+                        f"{cfg.data.module_file}:{cfg.data.function} stopped after {step} batches but "
+                        f"--steps is {cfg.steps}; make data() yield batches endlessly (e.g. loop over epochs)"
+                    )
                 t0 = time.perf_counter()
                 if cfg.measure_memory_step == step:
                     with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
@@ -176,7 +186,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 times.append(dt)
-                bar.update(step + 1, loss, tokens_per_step / dt)
+                bar.update(step + 1, loss, cfg.items_per_step / dt)
         if cfg.checkpoint:
             _checkpoint(cfg, runner, rank)
         dist.barrier()
@@ -185,7 +195,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "rank": rank,
             "losses": losses,
             "step_time_s": statistics.median(warm),
-            "tokens_per_s": tokens_per_step / statistics.median(warm),
+            "items_per_s": cfg.items_per_step / statistics.median(warm),
             "peak_bytes": peak.peak_bytes if peak else None,
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
         }
@@ -208,8 +218,9 @@ def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int) -> None:
 class _Progress:
     """A rich progress bar on rank 0 (step, loss, tokens/s); plain log lines when not a terminal."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, unit: str = "tokens"):
         self.total, self.enabled = total, enabled
+        self.unit = "tok" if unit == "tokens" else unit
         self._p = None
         self._last_log = 0.0
 
@@ -222,20 +233,20 @@ class _Progress:
         self.console = Console(stderr=True)
         if self.console.is_terminal:
             self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} " + self.unit + "/s"),
                                TimeRemainingColumn(), console=self.console)
             self._task = self._p.add_task("train", total=self.total, loss=float("nan"), tps=0.0)
             self._p.__enter__()
         return self
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, items_per_s: float) -> None:
         if not self.enabled:
             return
         if self._p is not None:
-            self._p.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
+            self._p.update(self._task, completed=step, loss=loss, tps=items_per_s)
         elif step == 1 or step == self.total or time.monotonic() - self._last_log > 5:
             self._last_log = time.monotonic()
-            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {items_per_s:,.0f} {self.unit}/s")
 
     def __exit__(self, *exc):
         if self._p is not None:
