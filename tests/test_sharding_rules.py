@@ -1,0 +1,89 @@
+"""Per-op rules, checked on single nodes of tiny graphs."""
+
+import pytest
+import torch
+import torch.fx
+
+from adaptdist.errors import UnsupportedOpError
+from adaptdist.passes.sharding_rules import apply_rule
+from adaptdist.placement import Partial, Replicate, Shard
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+def node(target, *args, val_shape, arg_shapes):
+    """A call node whose tensor args are placeholders of the given shapes."""
+    g = torch.fx.Graph()
+    phs = []
+    for i, s in enumerate(arg_shapes):
+        ph = g.placeholder(f"a{i}")
+        ph.meta["val"] = torch.empty(s)
+        phs.append(ph)
+    it = iter(phs)
+    real_args = tuple(next(it) if a is ... else a for a in args)
+    n = g.call_function(target, real_args)
+    n.meta["val"] = torch.empty(val_shape)
+    return n, phs
+
+
+def run(n, placements):
+    pl = dict(zip([a for a in n.args if isinstance(a, torch.fx.Node)], placements))
+    return apply_rule(n, lambda a: pl[a])
+
+
+def test_view_merge_and_split_keep_the_batch_dim_outermost():
+    n, _ = node(aten.view.default, ..., [32, 4], val_shape=[32, 4], arg_shapes=[[4, 8, 4]])
+    assert run(n, [Shard(0)]).out == Shard(0)
+    n, _ = node(aten.view.default, ..., [4, 8, 4], val_shape=[4, 8, 4], arg_shapes=[[32, 4]])
+    assert run(n, [Shard(0)]).out == Shard(0)
+    n, _ = node(aten.view.default, ..., [32], val_shape=[32], arg_shapes=[[8, 4]])
+    with pytest.raises(UnsupportedOpError):
+        run(n, [Shard(1)])  # an inner dim cannot stay a contiguous shard when flattened
+
+
+def test_mm_layouts():
+    n, _ = node(aten.mm.default, ..., ..., val_shape=[8, 3], arg_shapes=[[8, 4], [4, 3]])
+    assert run(n, [Shard(0), R]).out == Shard(0)
+    assert run(n, [Shard(1), Shard(0)]).out == P  # contraction over the sharded dim
+    assert run(n, [R, Shard(1)]).out == Shard(1)
+    res = run(n, [Shard(1), R])
+    assert res.out == P and res.needs == {(1,): Shard(0)}
+
+
+def test_partial_stays_partial_only_through_linear_ops():
+    n, _ = node(aten.mul.Tensor, ..., 2.0, val_shape=[3], arg_shapes=[[3]])
+    assert run(n, [P]).out == P
+    n, _ = node(aten.add.Tensor, ..., 1.0, val_shape=[3], arg_shapes=[[3]])
+    res = run(n, [P])
+    assert res.out == R and res.needs == {(0,): R}
+    n, _ = node(aten.add.Tensor, ..., ..., val_shape=[3], arg_shapes=[[3], [3]])
+    assert run(n, [P, P]).out == P
+    res = run(n, [P, R])
+    assert res.out == R and res.needs == {(0,): R}
+    n, _ = node(aten.exp.default, ..., val_shape=[3], arg_shapes=[[3]])
+    assert run(n, [P]).needs == {(0,): R}
+
+
+def test_pointwise_broadcast_slices_full_size_replicated_inputs():
+    n, _ = node(aten.add.Tensor, ..., ..., val_shape=[6, 4], arg_shapes=[[6, 4], [4]])
+    assert run(n, [Shard(0), R]).needs == {}  # the bias broadcasts over the batch
+    n, _ = node(aten.add.Tensor, ..., ..., val_shape=[6, 4], arg_shapes=[[6, 4], [6, 4]])
+    assert run(n, [Shard(0), R]).needs == {(1,): Shard(0)}
+
+
+def test_sum_over_sharded_dim_is_partial_and_max_is_refused():
+    n, _ = node(aten.sum.dim_IntList, ..., [0], val_shape=[4], arg_shapes=[[6, 4]])
+    assert run(n, [Shard(0)]).out == P
+    n, _ = node(aten.sum.dim_IntList, ..., [1], val_shape=[6], arg_shapes=[[6, 4]])
+    assert run(n, [Shard(0)]).out == Shard(0)
+    n, _ = node(aten.amax.default, ..., [0], val_shape=[4], arg_shapes=[[6, 4]])
+    with pytest.raises(UnsupportedOpError, match="amax"):
+        run(n, [Shard(0)])
+
+
+def test_ops_without_rules_are_fine_when_replicated():
+    n, _ = node(aten.cumsum.default, ..., 0, val_shape=[6, 4], arg_shapes=[[6, 4]])
+    assert run(n, [R]).out == R
+    with pytest.raises(UnsupportedOpError, match="cumsum"):
+        run(n, [Shard(0)])
