@@ -73,3 +73,16 @@ def parse_placement(text: str) -> Placement:
             inner = t[len(head):-1].strip("'\"") or "sum"
             return Partial(inner)
     raise ValueError(f"not a placement: {text!r}; use S(dim), R or P(sum|avg)")
+
+
+def chunk_interval(size: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """The ``[start, end)`` of chunk ``index`` when ``size`` is split like ``torch.chunk(num_chunks)``.
+
+    ``torch.chunk`` takes chunks of ``ceil(size / num_chunks)``; trailing chunks may be
+    shorter or empty (e.g. 4 over 3 -> [0,2), [2,4), [4,4)).
+    """
+    if size == 0:
+        return (0, 0)
+    step = -(-size // num_chunks)
+    start = min(index * step, size)
+    return (start, min(start + step, size))

@@ -1,12 +1,12 @@
 """Pass: turn the global graph into one rank's local graph.
 
 Sharded dims carry global sizes in shape arguments (``view``, ``expand``,
-``new_zeros`` ...). For rank ``r``, each such size becomes the rank's own:
-with the batch split by ``torch.chunk`` into local sizes ``b_r``, a sharded
-dim of global size ``G`` (a multiple of the global batch ``B``, e.g. ``B*T``)
-has local size ``G // B * b_r``. Rank slices inserted by redistribution get
-this rank's bounds. Finally the local graph is re-run on fake inputs of local
-shapes, which refreshes ``node.meta["val"]`` and checks every op.
+``new_zeros`` ...). For rank ``r`` every sharded value gets its interval
+``[start, end)`` of the sharded dim (``torch.chunk`` semantics at the inputs,
+rescaled by views that merge or split that dim), and each such size becomes
+``end - start``; rank slices inserted by redistribution get the interval of the
+operand they align with. Finally the local graph is re-run on fake inputs of
+local shapes, which refreshes ``node.meta["val"]`` and checks every op.
 
 Before/after (global batch 5 on 2 ranks, rank 1 holds 2 rows, T = 4)::
 
@@ -17,13 +17,17 @@ Before/after (global batch 5 on 2 ranks, rank 1 holds 2 rows, T = 4)::
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import torch
 import torch.fx
 
 from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
-from ..placement import Shard
+from ..placement import Shard, chunk_interval
+from .sharding_rules import tensor_args
 from .context import PassContext
 from .propagate_placements import placement_of
 
@@ -64,39 +68,33 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tuple[torch.fx.GraphModule, bool]:
     """Return a new GraphModule for ``rank`` with local shapes; ``gm`` is left untouched.
 
+    Every sharded value carries this rank's interval ``[start, end)`` of its sharded
+    dim, in global indices: placeholders get their ``torch.chunk`` interval, ops pass
+    their input's interval on (views rescale it when they merge or split the sharded
+    dim), rank slices take the interval of the sharded operand they are aligned with.
+    Shape arguments then become ``end - start`` on the sharded dim.
+
     Raises:
-        UnsupportedOpError: a sharded dim's size is not a multiple of the batch
-            size, or an op fails on the rank's local shapes (names the node).
+        UnsupportedOpError: a view splits a shard at a point that is not a multiple of
+            the inner size, sharded operands disagree, or an op fails on the local
+            shapes (names the node).
     """
-    B = ctx.batch_size
-    b_r = ctx.shard_sizes()[rank]
-    off_r = ctx.shard_offsets()[rank]
     local = copy_graph_module(gm)
+    intervals = _intervals(local, ctx, rank)
     changed = False
-
-    def local_size(node: torch.fx.Node, g: int) -> int:
-        if B == 0 or g % B:
-            raise UnsupportedOpError(
-                f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}): its sharded dim has size {g}, "
-                f"not a multiple of the global batch size {B}, so it cannot be split like the batch"
-            )
-        return g // B * b_r
-
     for node in local.graph.nodes:
         if node.op != "call_function":
             continue
         rs = gmeta.get_rank_slice(node)
         if rs is not None:
-            dim, _axis = rs
-            g = node.args[0].meta["val"].shape[dim]
-            local_size(node, g)  # checks divisibility
-            start = g // B * off_r
-            node.args = (node.args[0], dim, start, start + local_size(node, g))
+            s, e = intervals[node]
+            node.args = (node.args[0], rs[0], s, e)
             changed = True
             continue
         if node.target in _BATCH_INT_ARG and isinstance(placement_of(node)[0], Shard):
             pos = _BATCH_INT_ARG[node.target]
-            node.args = node.args[:pos] + (local_size(node, node.args[pos]),) + node.args[pos + 1:]
+            s, e = intervals[node][0]
+            node.args = node.args[:pos] + (e - s,) + node.args[pos + 1:]
             changed = True
             continue
         pos = _SHAPE_ARG.get(node.target)
@@ -107,12 +105,97 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             continue
         size = list(node.args[pos])
         if size[p.dim] != -1:
-            size[p.dim] = local_size(node, size[p.dim])
+            s, e = intervals[node]
+            size[p.dim] = e - s
             node.args = node.args[:pos] + (size,) + node.args[pos + 1:]
             changed = True
     local.recompile()
-    _refresh_vals(local, ctx, rank)
+    _refresh_vals(local, intervals)
     return local, changed
+
+
+Interval = tuple[int, int]
+
+
+def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[torch.fx.Node, Any]:
+    """This rank's interval of the sharded dim of every sharded value (tuples for multi-output ops)."""
+    ivs: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        p = placement_of(node) if node.op != "output" else None
+        if not _has_shard(p):
+            continue
+        if node.op == "placeholder":
+            if gmeta.get_role(node) == "batch":
+                off, size = ctx.shard_offsets()[rank], ctx.shard_sizes()[rank]
+                ivs[node] = (off, off + size)
+            else:
+                ivs[node] = chunk_interval(node.meta["val"].shape[p.dim], ctx.world_size, rank)
+        elif gmeta.get_rank_slice(node) is not None:
+            ivs[node] = _aligned_interval(node, ivs, ctx, rank)
+        elif node.target is operator.getitem:
+            src = ivs[node.args[0]]
+            ivs[node] = src[node.args[1]] if isinstance(src, tuple) and isinstance(src[0], tuple) else src
+        else:
+            ivs[node] = _op_interval(node, p, ivs)
+    return ivs
+
+
+def _has_shard(p: Any) -> bool:
+    if isinstance(p, tuple):
+        return any(isinstance(q, Shard) for q in p)
+    return isinstance(p, Shard)
+
+
+def _first_interval(node: torch.fx.Node, ivs: dict) -> tuple[torch.fx.Node, Interval]:
+    found = [(a, ivs[a]) for _, a in tensor_args(node) if a in ivs and isinstance(placement_of(a), Shard)]
+    if not found:
+        raise AssertionError(f"sharded node {node.name} has no sharded input")
+    for a, iv in found[1:]:
+        if iv != found[0][1] and shape_at(a) == shape_at(found[0][0]):
+            raise UnsupportedOpError(
+                f"node {node.name!r} ({node.target}) combines shards that cover different rows on this rank: "
+                f"{found[0][0].name} {found[0][1]} vs {a.name} {iv}"
+            )
+    return found[0]
+
+
+def shape_at(a: torch.fx.Node) -> int:
+    p = placement_of(a)
+    return a.meta["val"].shape[p.dim]
+
+
+def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
+    src, (s, e) = _first_interval(node, ivs)
+    if isinstance(p, tuple):
+        return tuple((s, e) if isinstance(q, Shard) else None for q in p)
+    if node.target in _VIEWS:
+        n_in, n_out = shape_at(src), node.meta["val"].shape[p.dim]
+        if n_out >= n_in:
+            k = n_out // max(n_in, 1)
+            return (s * k, e * k)
+        k = n_in // n_out
+        if s % k or e % k:
+            raise UnsupportedOpError(
+                f"view node {node.name!r} splits its sharded dim ({gmeta.shape_str(src)} -> "
+                f"{gmeta.shape_str(node)}) inside a block of {k}: this rank holds rows [{s}, {e}), "
+                "which do not split evenly; change the batch size or the number of ranks"
+            )
+        return (s // k, e // k)
+    return (s, e)
+
+
+def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: int) -> Interval:
+    """A rank slice takes the interval of the sharded operand its consumer combines it with."""
+    dim = gmeta.get_rank_slice(node)[0]
+    size = node.args[0].meta["val"].shape[dim]
+    for user in node.users:
+        for _, a in tensor_args(user):
+            if a is not node and a in ivs and isinstance(placement_of(a), Shard) and shape_at(a) == size:
+                return ivs[a]
+    return chunk_interval(size, ctx.world_size, rank)
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 class _FakeProp(torch.fx.Interpreter):
@@ -130,15 +213,15 @@ class _FakeProp(torch.fx.Interpreter):
         return result
 
 
-def _refresh_vals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> None:
+def _refresh_vals(gm: torch.fx.GraphModule, intervals: dict) -> None:
     mode = compat.fake_tensor_mode(allow_constants=True)  # get_attr constants are real tensors
-    b_r = ctx.shard_sizes()[rank]
     inputs = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = ph.meta["val"]
         shape = list(v.shape)
         if isinstance(placement_of(ph), Shard):
-            shape[placement_of(ph).dim] = b_r
+            s, e = intervals[ph]
+            shape[placement_of(ph).dim] = e - s
         with mode:
             inputs.append(torch.empty(shape, dtype=v.dtype))
     with mode:
