@@ -69,6 +69,11 @@ def functional_all_reduce_op() -> Callable:
     return torch.ops._c10d_functional.all_reduce.default
 
 
+def functional_all_gather_op() -> Callable:
+    """``all_gather_into_tensor(x, group_size, group_name)``: concatenates equal-sized shards on dim 0."""
+    return torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
 def functional_wait_op() -> Callable:
     return torch.ops._c10d_functional.wait_tensor.default
 

@@ -14,6 +14,8 @@ Keys:
     ``adaptdist.collective``: marks nodes inserted by adaptdist (all_reduce, wait, slice).
     ``adaptdist.rank_slice``: on a slice node, (tensor dim, mesh axis) whose bounds are each
         rank's own shard (set by redistribution, filled in by localization).
+    ``adaptdist.gather_pad``: on a ``constant_pad_nd`` before an all_gather, the padded dim;
+        localization pads each rank's shard to the largest shard's size.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``.
 """
@@ -33,6 +35,7 @@ REDISTRIBUTE = "adaptdist.redistribute"
 COLLECTIVE = "adaptdist.collective"
 RANK_SLICE = "adaptdist.rank_slice"
 OUTPUT_ROLES = "adaptdist.output_roles"
+GATHER_PAD = "adaptdist.gather_pad"
 
 Layout = tuple[Placement, ...]
 
@@ -124,3 +127,11 @@ def set_output_roles(output_node: torch.fx.Node, roles: list[str]) -> None:
 
 def get_output_roles(output_node: torch.fx.Node) -> list[str]:
     return output_node.meta[OUTPUT_ROLES]
+
+
+def set_gather_pad(node: torch.fx.Node, dim: int) -> None:
+    node.meta[GATHER_PAD] = dim
+
+
+def get_gather_pad(node: torch.fx.Node) -> int | None:
+    return node.meta.get(GATHER_PAD)

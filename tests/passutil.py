@@ -21,3 +21,28 @@ def simulate(model, batch, loss_fn, world_size, **kw):
     progs = compile_data_parallel(model, batch, loss_fn, world_size, **kw)
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
     return progs, simulate_ranks([p.module for p in progs.values()], ins)
+
+
+def simulate_plan(model, batch, loss_fn, world_size, placements, shard_batch=False, **kw):
+    """Lower with manual parameter placements (globs) on a 1-D mesh and run all ranks in one process."""
+    from adaptdist.annotations import resolve_param_placements
+    from adaptdist.compiler.data_parallel import lower
+
+    cg = capture(model, batch, loss_fn)
+    named = dict(model.named_parameters())
+    named.update(dict(model.named_buffers()))
+    shapes = {f: tuple(named[f].shape) for f in cg.input_fqns}
+    pp = resolve_param_placements(shapes, placements)
+    state = {f: named[f].detach() for f in cg.input_fqns}
+    progs = lower(cg, world_size, mesh_axis="tp", shard_batch=shard_batch, param_placements=pp, state=state, **kw)
+    ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
+    return progs, pp, simulate_ranks([p.module for p in progs.values()], ins)
+
+
+def local_shard(t, placement, world_size, rank):
+    from adaptdist.placement import Shard, chunk_interval
+
+    if not isinstance(placement, Shard):
+        return t
+    s, e = chunk_interval(t.shape[placement.dim], world_size, rank)
+    return t.narrow(placement.dim, s, e - s)

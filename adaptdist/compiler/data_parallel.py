@@ -5,18 +5,20 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.fx
 import torch.nn as nn
 
 from ..passes.bucket_grad_allreduce import bucket_grad_allreduce
+from ..passes.decompose_addmm import decompose_addmm
 from ..passes.context import PassContext
 from ..passes.globalize_reductions import globalize_reductions
 from ..passes.insert_redistributes import insert_redistributes
 from ..passes.localize_shapes import copy_graph_module, localize_shapes
 from ..passes.propagate_placements import propagate_placements
+from ..placement import Placement, Shard, chunk_interval
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
@@ -26,6 +28,7 @@ log = logging.getLogger("adaptdist.compiler")
 Pass = Callable[[torch.fx.GraphModule, PassContext], tuple[torch.fx.GraphModule, bool]]
 
 DP_PASSES: tuple[Pass, ...] = (
+    decompose_addmm,
     propagate_placements,
     globalize_reductions,
     propagate_placements,
@@ -48,20 +51,23 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dum
     return gm
 
 
-def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: int = 25 * 2**20,
-                        state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None
-                        ) -> dict[int, RankProgram]:
-    """Lower a captured step to data parallelism over ``world_size`` ranks.
+def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", shard_batch: bool = True,
+          param_placements: Mapping[str, Placement] | None = None, bucket_bytes: int = 25 * 2**20,
+          state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None) -> dict[int, RankProgram]:
+    """Lower a captured step onto a 1-D mesh of ``world_size`` ranks.
 
-    The batch is split on dim 0 with torch.chunk semantics (trailing ranks may
-    get fewer rows, or none); every rank's program means exactly what the
-    single-process step means on the whole global batch.
+    Batch inputs are split on dim 0 (torch.chunk semantics) when ``shard_batch``;
+    parameters take ``param_placements`` (by fqn; absent ones are replicated). Each
+    rank's program means exactly what the single-process step means on the whole
+    global batch, and each rank's state holds its own shard of every parameter.
 
     Raises:
-        UnsupportedOpError: an op cannot be data-parallelized (e.g. training-mode BatchNorm).
+        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode
+            BatchNorm over a split batch).
     """
-    ctx = PassContext(world_size=world_size, batch_size=captured.batch_size, bucket_bytes=bucket_bytes)
-    if world_size > 1 and not ctx.shards_batch:
+    ctx = PassContext(world_size=world_size, batch_size=captured.batch_size, mesh_axis=mesh_axis,
+                      bucket_bytes=bucket_bytes, shard_batch=shard_batch, param_placements=dict(param_placements or {}))
+    if world_size > 1 and shard_batch and not ctx.shards_batch:
         log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
                     "step (correct, but no faster than one rank)", captured.batch_size, world_size)
     gm = run_passes(copy_graph_module(captured.gm), ctx, dump_dir=dump_dir)
@@ -70,9 +76,29 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
     for r in range(world_size):
         local, _ = localize_shapes(gm, ctx, r)
         programs[r] = make_rank_program(
-            local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs, state or {}, captured.tied
+            local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs,
+            _local_state(state or {}, ctx, r), captured.tied
         )
     return programs
+
+
+def _local_state(state: dict[str, torch.Tensor], ctx: PassContext, rank: int) -> dict[str, torch.Tensor]:
+    """Each rank's own shard of every sharded parameter (torch.chunk semantics)."""
+    out = {}
+    for f, t in state.items():
+        p = ctx.param_placements.get(f) if ctx.world_size > 1 else None
+        if isinstance(p, Shard):
+            s, e = chunk_interval(t.shape[p.dim], ctx.world_size, rank)
+            t = t.narrow(p.dim, s, e - s).clone()
+        out[f] = t
+    return out
+
+
+def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: int = 25 * 2**20,
+                        state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None
+                        ) -> dict[int, RankProgram]:
+    """Data parallelism: the batch split over ``world_size`` ranks, parameters replicated. See :func:`lower`."""
+    return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
 
 
 def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,

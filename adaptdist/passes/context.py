@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..placement import Placement
 
 
 @dataclass(frozen=True)
@@ -14,12 +17,18 @@ class PassContext:
         batch_size: global batch size (dim 0 of every batch input).
         mesh_axis: name of the mesh axis the batch is sharded over.
         bucket_bytes: target size of one gradient all_reduce bucket, bytes.
+        shard_batch: whether batch inputs are split on dim 0 over the axis (data
+            parallel); False keeps them replicated (e.g. a pure tensor-parallel axis).
+        param_placements: placement of each parameter/buffer (by fqn) on the axis;
+            absent ones are replicated.
     """
 
     world_size: int
     batch_size: int
     mesh_axis: str = "dp"
     bucket_bytes: int = 25 * 2**20
+    shard_batch: bool = True
+    param_placements: Mapping[str, Placement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -31,7 +40,7 @@ class PassContext:
     def shards_batch(self) -> bool:
         """False when splitting is pointless (one rank) or impossible (one sample): then every
         rank holds the whole batch and computes the whole step, with no collectives."""
-        return self.world_size > 1 and self.batch_size > 1
+        return self.shard_batch and self.world_size > 1 and self.batch_size > 1
 
     @property
     def group_name(self) -> str:

@@ -7,8 +7,12 @@ functional collectives on the mesh axis's process group:
 * ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization;
 * ``Partial -> Shard(d)``: both of the above.
 
-Other transitions (``Shard -> Replicate`` needs an uneven all_gather) raise
-:class:`~adaptdist.errors.UnsupportedOpError` for now.
+* ``Shard(d) -> Replicate``: each rank pads its shard on ``d`` to the largest shard
+  (torch.chunk shards are packed at the front, so the padding is only at the end
+  of short shards), ``all_gather_into_tensor`` on dim 0 (``d`` moved there), then
+  the first ``n`` rows are kept.
+
+``Shard(i) -> Shard(j)`` (all_to_all) raises :class:`~adaptdist.errors.UnsupportedOpError` for now.
 
 Before/after::
 
@@ -70,6 +74,47 @@ def rank_slice(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, before: torch.
     return s
 
 
+def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassContext,
+               before: torch.fx.Node) -> torch.fx.Node:
+    """Insert the gather of ``x`` (sharded on ``dim``) into a replicated tensor, before ``before``."""
+    val = x.meta["val"]
+    nd, n = val.dim(), val.shape[dim]
+    mode = getattr(val, "fake_mode", None)
+
+    def call(target, args, placement, kind=None):
+        node = graph.call_function(target, args)
+        with mode if mode is not None else torch.no_grad():
+            a = torch.fx.node.map_arg(args, lambda m: m.meta["val"])
+            node.meta["val"] = target(*a)
+        gmeta.set_placements(node, (placement,))
+        if kind:
+            gmeta.mark_collective(node, kind)
+        return node
+
+    with graph.inserting_before(before):
+        perm = [dim] + [d for d in range(nd) if d != dim]
+        moved = call(aten.permute.default, (x, perm), Shard(0)) if dim else x
+        padded = call(aten.constant_pad_nd.default, (moved, [0, 0] * (nd - 1) + [0, 0], 0.0), Shard(0), "gather_pad")
+        gmeta.set_gather_pad(padded, 0)
+        gathered = graph.call_function(compat.functional_all_gather_op(), (padded, ctx.world_size, ctx.group_name))
+        gv = padded.meta["val"]
+        with mode if mode is not None else torch.no_grad():
+            gathered.meta["val"] = gv.new_empty((gv.shape[0] * ctx.world_size, *gv.shape[1:]))
+        gmeta.set_placements(gathered, (Replicate(),))
+        gmeta.mark_collective(gathered, "all_gather")
+        w = graph.call_function(compat.functional_wait_op(), (gathered,))
+        w.meta["val"] = gathered.meta["val"]
+        gmeta.set_placements(w, (Replicate(),))
+        gmeta.mark_collective(w, "wait")
+        full = call(aten.slice.Tensor, (w, 0, 0, n), Replicate())
+        if dim:
+            inv = [perm.index(d) for d in range(nd)]
+            back = call(aten.permute.default, (full, inv), Replicate())
+            full = call(aten.clone.default, (back,), Replicate())
+            full.kwargs = {"memory_format": torch.contiguous_format}
+    return full
+
+
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
     key = (src, target)
@@ -80,6 +125,9 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
     if isinstance(cur, Partial):
         node = all_reduce(graph, src, ctx.group_name)
         cur = Replicate()
+    if isinstance(cur, Shard) and isinstance(target, Replicate):
+        node = all_gather(graph, src, cur.dim, ctx, before=consumer)
+        cur = target
     if isinstance(target, Shard) and isinstance(cur, Replicate):
         node = rank_slice(graph, node, target.dim, before=consumer)
         cur = target

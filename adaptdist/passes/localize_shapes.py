@@ -81,9 +81,19 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
     """
     local = copy_graph_module(gm)
     intervals = _intervals(local, ctx, rank)
+    largest = _intervals(local, ctx, 0)  # torch.chunk: rank 0 holds the largest shard
     changed = False
     for node in local.graph.nodes:
         if node.op != "call_function":
+            continue
+        pad_dim = gmeta.get_gather_pad(node)
+        if pad_dim is not None:
+            (s, e), (s0, e0) = intervals[node], largest[node]
+            nd = node.meta["val"].dim()
+            pad = [0, 0] * nd
+            pad[2 * (nd - 1 - pad_dim) + 1] = (e0 - s0) - (e - s)
+            node.args = (node.args[0], pad, node.args[2])
+            changed = True
             continue
         rs = gmeta.get_rank_slice(node)
         if rs is not None:

@@ -51,14 +51,17 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         needs: dict = {}
         if node.op == "placeholder":
             role = gmeta.get_role(node)
-            out = Shard(0) if role == "batch" and ctx.shards_batch else Replicate()
+            if role == "batch":
+                out = Shard(0) if ctx.shards_batch else Replicate()
+            else:
+                out = ctx.param_placements.get(gmeta.get_fqn(node), Replicate()) if ctx.world_size > 1 else Replicate()
         elif node.op == "get_attr":
             out = Replicate()
         elif node.op == "call_function":
             res = apply_rule(node, placement_of)
             out, needs = res.out, res.needs
         elif node.op == "output":
-            needs = _output_needs(node)
+            needs = _output_needs(node, ctx)
             out = None
         else:
             raise UnsupportedOpError(f"node {node.name!r}: op kind {node.op!r} is not supported in joint graphs")
@@ -71,15 +74,30 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
     return gm, changed
 
 
-def _output_needs(node: torch.fx.Node) -> dict:
-    """The loss and mutated buffers must be replicated; gradients are handled by bucketing."""
+def _output_needs(node: torch.fx.Node, ctx: PassContext) -> dict:
+    """The loss and mutated buffers must be replicated; a gradient must end in its parameter's
+    placement (Partial gradients of replicated parameters are left to the bucketing pass)."""
     outs = node.args[0]
     roles = gmeta.get_output_roles(node)
+    param_pl = {gmeta.get_fqn(p): placement_of(p) for p in node.graph.find_nodes(op="placeholder")}
     needs = {}
     for j, o in enumerate(outs):
-        if not isinstance(o, torch.fx.Node) or roles[j].startswith("grad:"):
+        if not isinstance(o, torch.fx.Node):
             continue
         p = placement_of(o)
+        if roles[j].startswith("grad:"):
+            fqn = roles[j][len("grad:"):]
+            want = param_pl[fqn]
+            if isinstance(want, Shard) and p != want:
+                if isinstance(p, Shard):
+                    raise UnsupportedOpError(
+                        f"the gradient of {fqn!r} (node {o.name!r}, {gmeta.shape_str(o)}) comes out {p!r} but the "
+                        f"parameter is {want!r}; use the same sharded dim for the parameter and its use"
+                    )
+                needs[(0, j)] = want
+            elif isinstance(want, Replicate) and isinstance(p, Shard):
+                needs[(0, j)] = want  # e.g. a replicated weight used on a sharded activation
+            continue
         if isinstance(p, Shard):
             raise UnsupportedOpError(
                 f"graph output {j} (node {o.name!r}, {gmeta.shape_str(o)}) would be sharded over the batch "

@@ -2,8 +2,10 @@
 
 Used by tests (numerics without processes) and for debugging a lowering: each
 rank's graph runs node by node; at a functional ``all_reduce`` the values of all
-ranks are summed and every rank receives the sum, exactly what the collective
-computes; ``wait_tensor`` is the identity.
+ranks are summed and every rank receives the sum, at ``all_gather_into_tensor``
+every rank receives their concatenation on dim 0 (equal shapes required, as the
+real collective requires), exactly what the collectives compute; ``wait_tensor``
+is the identity. The simulated mesh is 1-D: every collective spans all ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
     envs: list[dict[torch.fx.Node, Any]] = [{} for _ in graph_modules]
     arg_iters = [iter(a) for a in inputs]
     all_reduce, wait = compat.functional_all_reduce_op(), compat.functional_wait_op()
+    all_gather = compat.functional_all_gather_op()
     results: list[Any] = [None] * len(graph_modules)
     for step in zip(*graphs):
         ops = {(n.op, n.target if n.op != "placeholder" else None) for n in step}
@@ -38,6 +41,14 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
         if first.op == "call_function" and first.target is all_reduce:
             vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
             total = torch.stack(vals).sum(0)
+            for r, n in enumerate(step):
+                envs[r][n] = total.clone()
+            continue
+        if first.op == "call_function" and first.target is all_gather:
+            vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
+            if len({tuple(v.shape) for v in vals}) != 1:
+                raise ValueError(f"all_gather at {first.name}: ranks pass different shapes {[tuple(v.shape) for v in vals]}")
+            total = torch.cat(vals)
             for r, n in enumerate(step):
                 envs[r][n] = total.clone()
             continue
