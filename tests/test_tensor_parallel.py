@@ -68,3 +68,15 @@ def test_annotation_errors_name_the_glob():
         simulate_plan(model, batch, loss_fn, 2, {"nothing.*": "S(0)"})
     with pytest.raises(UsageError, match="shards dim 3"):
         simulate_plan(model, batch, loss_fn, 2, {"fc1.weight": "S(3)"})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_like_sharded_parameters_with_a_split_batch(world):
+    """Every weight sharded on dim 0 over the same axis that splits the batch: weights are
+    all-gathered where used, gradients reduced back to their shard."""
+    model, batch, loss_fn = mlp(7)
+    plan = {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(0)", "fc2.bias": "S(0)"}
+    progs = _check(model, batch, loss_fn, world, plan, shard_batch=True)
+    colls = progs[0].collectives()
+    assert any("all_gather" in c for c in colls)
+    assert progs[0].state["fc1.weight"].shape[0] < 24  # each rank stores only its shard

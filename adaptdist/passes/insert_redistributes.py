@@ -12,7 +12,8 @@ functional collectives on the mesh axis's process group:
   of short shards), ``all_gather_into_tensor`` on dim 0 (``d`` moved there), then
   the first ``n`` rows are kept.
 
-``Shard(i) -> Shard(j)`` (all_to_all) raises :class:`~adaptdist.errors.UnsupportedOpError` for now.
+* ``Shard(i) -> Shard(j)``: all_gather then a rank slice (correct; an all_to_all
+  would move less data).
 
 Before/after::
 
@@ -125,9 +126,10 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
     if isinstance(cur, Partial):
         node = all_reduce(graph, src, ctx.group_name)
         cur = Replicate()
-    if isinstance(cur, Shard) and isinstance(target, Replicate):
+    if isinstance(cur, Shard) and cur != target:
+        # S -> R, and S(i) -> S(j) as gather + slice (an all_to_all would move less data)
         node = all_gather(graph, src, cur.dim, ctx, before=consumer)
-        cur = target
+        cur = Replicate()
     if isinstance(target, Shard) and isinstance(cur, Replicate):
         node = rank_slice(graph, node, target.dim, before=consumer)
         cur = target

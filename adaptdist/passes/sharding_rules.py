@@ -123,20 +123,19 @@ def pointwise(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """Broadcasting elementwise ops: all sharded inputs must shard the same output dim."""
     out_nd = len(shape(node))
     pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
-    out_dims = {p.dim + out_nd - len(shape(a)) for _, a, p in pls if isinstance(p, Shard)}
-    if len(out_dims) > 1:
-        raise unsupported(node, pl, "inputs are sharded on different output dims")
+    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
     needs: dict[ArgPath, Placement] = {}
-    if out_dims:
-        d = out_dims.pop()
+    if sharded:
+        # Inputs sharded on different output dims: keep the largest input's shard (the
+        # activation), regather the others (e.g. a FSDP-sharded bias) to match it.
+        d = max(sharded)[1]
         for path, a, p in pls:
-            if isinstance(p, Shard):
-                continue
             ad = d - (out_nd - len(shape(a)))
-            needs_shard = ad >= 0 and shape(a)[ad] != 1
-            if needs_shard:
+            if isinstance(p, Shard) and p.dim == ad:
+                continue
+            if ad >= 0 and shape(a)[ad] != 1:
                 needs[path] = Shard(ad)
-            elif isinstance(p, Partial):
+            elif not isinstance(p, Replicate):
                 needs[path] = R
         return RuleResult(Shard(d), needs)
     if any(isinstance(p, Partial) for _, _, p in pls):
@@ -378,22 +377,49 @@ def _mm_core(node: torch.fx.Node, pl: PlacementOf, a_path: ArgPath, b_path: ArgP
             needs[a_path] = Shard(0)
         if sb != 0:
             needs[b_path] = Shard(0)
-        if (sa not in (0, None)) or (sb not in (0, None)):
-            raise unsupported(node, pl, "operands are sharded on the batch dim and another dim")
         return RuleResult(Shard(0), needs)
-    if sa is None and sb is None:
-        return RuleResult(R)
-    if sa == m_dim and sb is None:
-        return RuleResult(Shard(m_dim))
-    if sa is None and sb == n_dim:
-        return RuleResult(Shard(n_dim))
-    if sa == ka and sb == kb:
-        return RuleResult(P)
-    if sa == ka and sb is None:
-        return RuleResult(P, {b_path: Shard(kb)})
-    if sa is None and sb == kb:
-        return RuleResult(P, {a_path: Shard(ka)})
-    raise unsupported(node, pl, "this combination of sharded operand dims needs a gather")
+
+    def table(sa, sb):
+        if sa is None and sb is None:
+            return R, {}
+        if sa == m_dim and sb is None:
+            return Shard(m_dim), {}
+        if sa is None and sb == n_dim:
+            return Shard(n_dim), {}
+        if sa == ka and sb == kb:
+            return P, {}
+        if sa == ka and sb is None:
+            return P, {b_path: Shard(kb)}
+        if sa is None and sb == kb:
+            return P, {a_path: Shard(ka)}
+        return None
+
+    res = table(sa, sb)
+    if res is not None:
+        return RuleResult(*res)
+    # Both operands sharded incompatibly (e.g. a FSDP-sharded weight times a batch-sharded
+    # activation): gather the parameter, as FSDP does where a weight is used; else the smaller.
+    a_first = (_is_param(a), -gmeta.val(a).numel()) > (_is_param(b), -gmeta.val(b).numel())
+    for path in ((a_path, b_path) if a_first else (b_path, a_path)):
+        res = table(None, sb) if path == a_path else table(sa, None)
+        if res is not None:
+            out, needs = res
+            needs = dict(needs)
+            needs.setdefault(path, R)
+            return RuleResult(out, needs)
+    raise unsupported(node, pl, "this combination of sharded operand dims has no rule")
+
+
+_LAYOUT_OPS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+               aten.reshape.default, aten.expand.default, aten.clone.default, aten._to_copy.default,
+               aten.detach.default, aten.alias.default}
+
+
+def _is_param(n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a parameter seen through layout-only ops (t, view, ...)."""
+    while n.op == "call_function" and n.target in _LAYOUT_OPS:
+        n = n.args[0]
+    return n.op == "placeholder" and gmeta.get_role(n) == "param"
 
 
 def mm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
