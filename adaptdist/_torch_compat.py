@@ -74,6 +74,11 @@ def functional_all_gather_op() -> Callable:
     return torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
+def functional_reduce_scatter_op() -> Callable:
+    """``reduce_scatter_tensor(x, op, group_size, group_name)``: sums over ranks, rank r keeps block r of dim 0."""
+    return torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
 def functional_wait_op() -> Callable:
     return torch.ops._c10d_functional.wait_tensor.default
 

@@ -16,6 +16,8 @@ Keys:
         rank's own shard (set by redistribution, filled in by localization).
     ``adaptdist.gather_pad``: on a ``constant_pad_nd`` before an all_gather, the padded dim;
         localization pads each rank's shard to the largest shard's size.
+    ``adaptdist.scatter_trim``: on a slice after a reduce_scatter, the dim whose padded block
+        localization trims to the rank's own shard size.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``.
 """
@@ -36,6 +38,7 @@ COLLECTIVE = "adaptdist.collective"
 RANK_SLICE = "adaptdist.rank_slice"
 OUTPUT_ROLES = "adaptdist.output_roles"
 GATHER_PAD = "adaptdist.gather_pad"
+SCATTER_TRIM = "adaptdist.scatter_trim"
 
 Layout = tuple[Placement, ...]
 
@@ -135,3 +138,12 @@ def set_gather_pad(node: torch.fx.Node, dim: int) -> None:
 
 def get_gather_pad(node: torch.fx.Node) -> int | None:
     return node.meta.get(GATHER_PAD)
+
+
+def set_scatter_trim(node: torch.fx.Node, dim: int, size: int) -> None:
+    """Mark a slice after a reduce_scatter: keep this rank's rows of ``dim`` (global size ``size``)."""
+    node.meta[SCATTER_TRIM] = (dim, size)
+
+
+def get_scatter_trim(node: torch.fx.Node) -> tuple[int, int] | None:
+    return node.meta.get(SCATTER_TRIM)

@@ -104,7 +104,7 @@ class RankProgram:
         out = []
         for n in gm.graph.nodes:
             if n.op == "call_function" and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target):
-                out.append(f"{n.target}({n.args[2]}, {n.args[0].meta['val'].numel()})")
+                out.append(f"{n.target}({n.args[-1]}, {n.args[0].meta['val'].numel()})")
         return out
 
     def __str__(self) -> str:

@@ -5,7 +5,9 @@ functional collectives on the mesh axis's process group:
 
 * ``Partial -> Replicate``: ``all_reduce(sum)`` + ``wait_tensor``;
 * ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization;
-* ``Partial -> Shard(d)``: both of the above.
+* ``Partial -> Shard(d)``: for a gradient going to its parameter's shard, a padded
+  ``reduce_scatter`` (torch.chunk blocks); elsewhere all_reduce then a rank slice
+  (the slice aligns with whatever operand it meets).
 
 * ``Shard(d) -> Replicate``: each rank pads its shard on ``d`` to the largest shard
   (torch.chunk shards are packed at the front, so the padding is only at the end
@@ -116,6 +118,43 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
     return full
 
 
+def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassContext,
+                   before: torch.fx.Node) -> torch.fx.Node:
+    """Insert the reduce_scatter of Partial ``x`` into ``Shard(dim)`` (torch.chunk blocks), before ``before``.
+
+    ``dim`` is moved to the front and padded to ``world_size * ceil(n / world_size)`` rows;
+    rank r receives block r of the sum and keeps its first ``size_r`` rows.
+    """
+    val = x.meta["val"]
+    nd, n, w = val.dim(), val.shape[dim], ctx.world_size
+    block = -(-n // w)
+    mode = getattr(val, "fake_mode", None)
+
+    def call(target, args, placement, kind=None, kwargs=None):
+        node = graph.call_function(target, args, kwargs or {})
+        with mode if mode is not None else torch.no_grad():
+            a = torch.fx.node.map_arg(args, lambda m: m.meta["val"])
+            node.meta["val"] = target(*a, **(kwargs or {}))
+        gmeta.set_placements(node, (placement,))
+        if kind:
+            gmeta.mark_collective(node, kind)
+        return node
+
+    with graph.inserting_before(before):
+        perm = [dim] + [d for d in range(nd) if d != dim]
+        moved = call(aten.permute.default, (x, perm), Partial()) if dim else x
+        padded = call(aten.constant_pad_nd.default, (moved, [0, 0] * (nd - 1) + [0, block * w - n], 0.0), Partial())
+        rs = call(compat.functional_reduce_scatter_op(), (padded, "sum", w, ctx.group_name), Shard(0), "reduce_scatter")
+        wt = call(compat.functional_wait_op(), (rs,), Shard(0), "wait")
+        mine = call(aten.slice.Tensor, (wt, 0, 0, block), Shard(0))
+        gmeta.set_scatter_trim(mine, 0, n)
+        if dim:
+            inv = [perm.index(d) for d in range(nd)]
+            back = call(aten.permute.default, (mine, inv), Shard(dim))
+            mine = call(aten.clone.default, (back,), Shard(dim), kwargs={"memory_format": torch.contiguous_format})
+    return mine
+
+
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
     key = (src, target)
@@ -123,6 +162,11 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
         return cache[key]
     cur = placement_of(src)
     node = src
+    if isinstance(cur, Partial) and isinstance(target, Shard) and consumer.op == "output":
+        # a gradient going to its parameter's shard: torch.chunk blocks, so a reduce_scatter
+        node = reduce_scatter(graph, src, target.dim, ctx, before=consumer)
+        cache[key] = node
+        return node
     if isinstance(cur, Partial):
         node = all_reduce(graph, src, ctx.group_name)
         cur = Replicate()

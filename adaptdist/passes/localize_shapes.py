@@ -101,6 +101,12 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             node.args = (node.args[0], rs[0], s, e)
             changed = True
             continue
+        trim = gmeta.get_scatter_trim(node)
+        if trim is not None:
+            s, e = intervals[node]
+            node.args = (node.args[0], trim[0], 0, e - s)
+            changed = True
+            continue
         if node.target in _BATCH_INT_ARG and isinstance(placement_of(node)[0], Shard):
             pos = _BATCH_INT_ARG[node.target]
             s, e = intervals[node][0]
@@ -140,6 +146,10 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
                 ivs[node] = (off, off + size)
             else:
                 ivs[node] = chunk_interval(node.meta["val"].shape[p.dim], ctx.world_size, rank)
+        elif _in_reduce_scatter(node):
+            continue  # a padded block, consumed only by the trim below
+        elif gmeta.get_scatter_trim(node) is not None:
+            ivs[node] = chunk_interval(gmeta.get_scatter_trim(node)[1], ctx.world_size, rank)
         elif gmeta.get_rank_slice(node) is not None:
             ivs[node] = _aligned_interval(node, ivs, ctx, rank)
         elif node.target is operator.getitem:
@@ -148,6 +158,11 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
         else:
             ivs[node] = _op_interval(node, p, ivs)
     return ivs
+
+
+def _in_reduce_scatter(node: torch.fx.Node) -> bool:
+    kind = gmeta.get_collective(node)
+    return kind == "reduce_scatter" or (kind == "wait" and gmeta.get_collective(node.args[0]) == "reduce_scatter")
 
 
 def _has_shard(p: Any) -> bool:

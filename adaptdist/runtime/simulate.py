@@ -4,7 +4,8 @@ Used by tests (numerics without processes) and for debugging a lowering: each
 rank's graph runs node by node; at a functional ``all_reduce`` the values of all
 ranks are summed and every rank receives the sum, at ``all_gather_into_tensor``
 every rank receives their concatenation on dim 0 (equal shapes required, as the
-real collective requires), exactly what the collectives compute; ``wait_tensor``
+real collective requires), at ``reduce_scatter_tensor`` rank r receives block r of
+the sum, exactly what the collectives compute; ``wait_tensor``
 is the identity. The simulated mesh is 1-D: every collective spans all ranks.
 """
 
@@ -32,6 +33,7 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
     arg_iters = [iter(a) for a in inputs]
     all_reduce, wait = compat.functional_all_reduce_op(), compat.functional_wait_op()
     all_gather = compat.functional_all_gather_op()
+    reduce_scatter = compat.functional_reduce_scatter_op()
     results: list[Any] = [None] * len(graph_modules)
     for step in zip(*graphs):
         ops = {(n.op, n.target if n.op != "placeholder" else None) for n in step}
@@ -43,6 +45,15 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
             total = torch.stack(vals).sum(0)
             for r, n in enumerate(step):
                 envs[r][n] = total.clone()
+            continue
+        if first.op == "call_function" and first.target is reduce_scatter:
+            vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
+            if len({tuple(v.shape) for v in vals}) != 1 or vals[0].shape[0] % len(step):
+                raise ValueError(f"reduce_scatter at {first.name}: shapes {[tuple(v.shape) for v in vals]} are "
+                                 f"unequal or not divisible by {len(step)} ranks")
+            blocks = torch.stack(vals).sum(0).chunk(len(step))
+            for r, n in enumerate(step):
+                envs[r][n] = blocks[r].clone()
             continue
         if first.op == "call_function" and first.target is all_gather:
             vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
