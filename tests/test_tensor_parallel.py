@@ -80,3 +80,22 @@ def test_fsdp_like_sharded_parameters_with_a_split_batch(world):
     colls = progs[0].collectives()
     assert any("all_gather" in c for c in colls)
     assert progs[0].state["fc1.weight"].shape[0] < 24  # each rank stores only its shard
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_like_gpt_with_tied_embedding(world):
+    """Every GPT parameter sharded on dim 0 (uneven over 3), batch of 5 split; the tied
+    embedding/output weight is gathered once and its gradient reduce-scattered."""
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(5, 8)
+    progs = _check(model, batch, loss_fn, world, {"*": "S(0)"}, shard_batch=True)
+    assert any("reduce_scatter" in c for c in progs[0].collectives())
+
+
+def test_megatron_mlp_inside_the_gpt():
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(4, 8)
+    _check(model, batch, loss_fn, 2, {"blocks.*.fc.weight": "S(0)", "blocks.*.fc.bias": "S(0)",
+                                      "blocks.*.fc_out.weight": "S(1)"})

@@ -460,12 +460,14 @@ def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 def embedding(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     w, idx = node.args[0], node.args[1]
+    needs: dict[ArgPath, Placement] = {}
     if not isinstance(pl(w), Replicate):
-        raise unsupported(node, pl, "the embedding table must be replicated")
+        needs[(0,)] = R  # gather a sharded table (vocabulary-parallel lookup is not a rule yet)
     p = pl(idx)
     if isinstance(p, Partial):
-        return RuleResult(R, {(1,): R})
-    return RuleResult(p)
+        needs[(1,)] = R
+        return RuleResult(R, needs)
+    return RuleResult(p, needs)
 
 
 def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
