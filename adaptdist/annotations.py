@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
+
+import yaml
 
 from .errors import UsageError
 from .placement import Placement, Replicate, Shard, parse_placement
@@ -39,3 +43,67 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
                 )
             out.setdefault(f, placement)
     return {f: p for f, p in out.items() if not isinstance(p, Replicate)}
+
+
+@dataclass(frozen=True)
+class ManualPlan:
+    """A manual plan on a 1-D mesh: the axis name, whether it splits the batch, and parameter globs.
+
+    ``adaptdist train --plan`` takes a preset or a YAML file::
+
+        schema_version: 1
+        mesh_axis: tp            # the axis name (used in group names and reports)
+        shard_batch: false       # split the batch on dim 0 over the axis (data parallel)?
+        params:                  # glob -> placement, first match wins; others are replicated
+          blocks.*.fc.weight: S(0)
+          blocks.*.fc_out.weight: S(1)
+    """
+
+    name: str
+    mesh_axis: str
+    shard_batch: bool
+    params: tuple[tuple[str, str], ...] = ()
+
+    def placements(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Placement]:
+        """Resolve the globs against the model's parameters (see :func:`resolve_param_placements`)."""
+        if self.name == "fsdp":
+            return {f: Shard(0) for f, s in shapes.items() if len(s) >= 1}
+        return resolve_param_placements(shapes, dict(self.params))
+
+    @staticmethod
+    def parse(text: str, model_module=None) -> "ManualPlan":
+        """``dp``, ``fsdp``, ``tp`` (the model file's ``TP_PLAN`` globs) or a YAML file.
+
+        Raises:
+            UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp``, or a bad file
+                (names the field).
+        """
+        if text == "dp":
+            return ManualPlan("dp", "dp", True)
+        if text == "fsdp":
+            return ManualPlan("fsdp", "dp", True)
+        if text == "tp":
+            tp = getattr(model_module, "TP_PLAN", None)
+            if not isinstance(tp, dict):
+                raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement}; this model file "
+                                 "defines none: add one, or pass --plan FILE.yaml")
+            return ManualPlan("tp", "tp", False, tuple(tp.items()))
+        if "," in text:
+            raise UsageError(f"--plan {text!r}: multi-axis meshes (dp,tp) are not supported yet; use dp, fsdp or tp")
+        p = Path(text)
+        if not p.is_file():
+            raise UsageError(f"--plan {text!r} is neither dp, fsdp, tp nor an existing plan file")
+        try:
+            doc = yaml.safe_load(p.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UsageError(f"plan file {text!r} is not valid YAML: {e}") from None
+        if not isinstance(doc, dict) or doc.get("schema_version") != 1:
+            raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 1'")
+        params = doc.get("params", {})
+        if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+            raise UsageError(f"plan file {text!r}: field 'params' must map globs to placements like 'S(0)'")
+        axis = doc.get("mesh_axis", "dp")
+        shard_batch = doc.get("shard_batch", True)
+        if not isinstance(axis, str) or not isinstance(shard_batch, bool):
+            raise UsageError(f"plan file {text!r}: 'mesh_axis' must be a string and 'shard_batch' true or false")
+        return ManualPlan(p.name, axis, shard_batch, tuple(params.items()))

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
     _add_common(t)
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: embedded corpus)")
+    t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE",
+                   help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
+                        "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan YAML")
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps (default 800)")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate (default 2e-3)")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -96,7 +99,8 @@ def cmd_train(args) -> int:
     from rich.console import Console
     from safetensors.torch import load_file, save_file
 
-    from .compiler.data_parallel import compile_data_parallel
+    from .annotations import ManualPlan
+    from .compiler.data_parallel import compile_program
     from .model_spec import ModelSpec
     from .program import save_programs
     from .runtime.launch import launch_local
@@ -139,10 +143,12 @@ def cmd_train(args) -> int:
     console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
-    programs = compile_data_parallel(model, example, loss_fn, nproc, bucket_bytes=int(args.bucket_mb * 2**20),
-                                     dump_dir=args.dump_graphs)
+    plan = ManualPlan.parse(args.plan, module)
+    programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
+                               dump_dir=args.dump_graphs)
     save_programs(programs, out / "programs")
-    console.print(f"compiled data-parallel programs for {nproc} ranks in {time.perf_counter() - t0:.1f} s "
+    console.print(f"compiled plan {plan.name!r} (mesh {plan.mesh_axis}={nproc}) for {nproc} ranks in "
+                  f"{time.perf_counter() - t0:.1f} s "
                   f"-> {out / 'programs'} (read rank0/program.py)")
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,

@@ -55,6 +55,8 @@ class RankProgram:
         code: the generated source (``program.py``).
         module: the callable (a GraphModule when compiled, the exec'd source when loaded).
         state: initial tensors by fqn, the rank's own shard (full tensors under DP).
+        state_placements: fqn -> placement text (e.g. ``"S(0)"``) of each sharded state tensor.
+        global_shapes: fqn -> global (unsharded) shape of each state tensor.
         constants: tensor constants the code reads as attributes.
     """
 
@@ -73,6 +75,8 @@ class RankProgram:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
+    state_placements: dict[str, str] = field(default_factory=dict)
+    global_shapes: dict[str, list[int]] = field(default_factory=dict)
     _traced: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def __call__(self, *args: torch.Tensor):
@@ -124,6 +128,8 @@ class RankProgram:
             "tied": self.tied,
             "constants": sorted(self.constants),
             "batch_specs": [[list(shape), dtype] for shape, dtype in self.batch_specs],
+            "state_placements": self.state_placements,
+            "global_shapes": self.global_shapes,
         }
 
 
@@ -242,6 +248,7 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         batch_slice=tuple(meta["batch_slice"]), output_roles=meta["output_roles"], code=code, module=module,
         state=state, constants=constants, tied=meta.get("tied", {}),
         batch_specs=[(list(shape), dtype) for shape, dtype in meta["batch_specs"]],
+        state_placements=meta.get("state_placements", {}), global_shapes=meta.get("global_shapes", {}),
     )
 
 

@@ -46,7 +46,7 @@ def program_source(gm: torch.fx.GraphModule, header: str) -> str:
 
 def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, input_fqns: list[str],
                       param_fqns: list[str], num_batch_inputs: int, state: dict[str, torch.Tensor],
-                      tied: dict[str, str]) -> RankProgram:
+                      tied: dict[str, str], global_shapes: dict[str, list[int]]) -> RankProgram:
     """Wrap rank ``rank``'s localized graph as a RankProgram (code, state, constants)."""
     roles = gmeta.get_output_roles(gm.graph.output_node())
     off, size = ctx.shard_offsets()[rank], ctx.shard_sizes()[rank]
@@ -81,4 +81,6 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
         constants={k: v for k, v in constants.items() if isinstance(v, torch.Tensor)},
         tied=dict(tied),
         batch_specs=batch_specs,
+        state_placements={f: repr(p) for f, p in ctx.param_placements.items() if ctx.world_size > 1},
+        global_shapes=dict(global_shapes),
     )

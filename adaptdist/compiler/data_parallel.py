@@ -11,6 +11,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from .. import graph_meta as gmeta
 from ..passes.bucket_grad_allreduce import bucket_grad_allreduce
 from ..passes.decompose_addmm import decompose_addmm
 from ..passes.context import PassContext
@@ -72,12 +73,14 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
                     "step (correct, but no faster than one rank)", captured.batch_size, world_size)
     gm = run_passes(copy_graph_module(captured.gm), ctx, dump_dir=dump_dir)
     input_fqns = captured.input_fqns
+    global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
+                     for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
     programs = {}
     for r in range(world_size):
         local, _ = localize_shapes(gm, ctx, r)
         programs[r] = make_rank_program(
             local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs,
-            _local_state(state or {}, ctx, r), captured.tied
+            _local_state(state or {}, ctx, r), captured.tied, global_shapes
         )
     return programs
 
@@ -101,14 +104,16 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
     return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
 
 
-def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
-                          bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None) -> dict[int, RankProgram]:
-    """Capture ``model``'s training step and lower it to ``world_size`` data-parallel RankPrograms.
+def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
+                    bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None) -> dict[int, RankProgram]:
+    """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
 
-    Each program holds the model's current parameters and buffers as its state.
+    ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel). Each
+    program holds its rank's shard of the model's current parameters and buffers.
 
     Raises:
-        CaptureError, UnsupportedOpError: see :func:`capture` and :func:`lower_data_parallel`.
+        CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower` and
+            :func:`~adaptdist.annotations.resolve_param_placements`.
     """
     t0 = time.perf_counter()
     captured = capture(model, batch, loss_fn)
@@ -117,4 +122,14 @@ def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, wor
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}
-    return lower_data_parallel(captured, world_size, bucket_bytes, state=state, dump_dir=dump_dir)
+    if plan is None:
+        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
+    placements = plan.placements({f: tuple(t.shape) for f, t in state.items()})
+    return lower(captured, world_size, mesh_axis=plan.mesh_axis, shard_batch=plan.shard_batch,
+                 param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
+
+
+def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
+                          bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None) -> dict[int, RankProgram]:
+    """Data parallelism: :func:`compile_program` with the batch split and parameters replicated."""
+    return compile_program(model, batch, loss_fn, world_size, None, bucket_bytes, dump_dir)

@@ -19,6 +19,15 @@ import torch.nn.functional as F
 
 VOCAB_SIZE = 256  # bytes
 
+# `adaptdist train --plan tp`: Megatron-style column-parallel MLP-in, row-parallel MLP-out.
+# (The fused QKV projection stays replicated: splitting a column-sharded fused output into
+# q, k, v needs strided shards, which no rule handles yet.)
+TP_PLAN = {
+    "blocks.*.fc.weight": "S(0)",
+    "blocks.*.fc.bias": "S(0)",
+    "blocks.*.fc_out.weight": "S(1)",
+}
+
 
 @dataclass(frozen=True)
 class GPTConfig:

@@ -204,15 +204,27 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int) -> None:
-    """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors."""
+    """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors.
+
+    Sharded tensors are saved as DTensors with their placement and global shape, so the
+    checkpoint holds every shard once and can be loaded onto another layout.
+    """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    from .checkpoint import as_global
+
     out = Path(cfg.out_dir)
-    state = {"model": dict(runner.state), "optim": runner.optimizer_state_by_fqn()}
-    dcp.save(state, checkpoint_id=str(out / "checkpoint"))
+    program = runner.program
+    model = {f: as_global(t, f, program) for f, t in runner.state.items()}
+    optim = {f: {k: as_global(v, f, program) if isinstance(v, torch.Tensor) and v.dim() else v
+                 for k, v in st.items()}
+             for f, st in runner.optimizer_state_by_fqn().items()}
+    writer = dcp.FileSystemWriter(str(out / "checkpoint"), overwrite=True)
+    dcp.save({"model": model, "optim": optim}, storage_writer=writer)
+    full = {f: (t.full_tensor() if hasattr(t, "full_tensor") else t) for f, t in model.items()}  # collective
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in runner.state.items()}, str(out / "model.safetensors"))
+        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"))
 
 
 class _Progress:
