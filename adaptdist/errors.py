@@ -36,3 +36,7 @@ class ProgramLoadError(AdaptdistError):
 
 class RuntimeLaunchError(AdaptdistError):
     """Worker processes failed to start or one of them failed."""
+
+
+class CollectiveMismatchError(AdaptdistError):
+    """Ranks would issue different collectives (a hang at run time); raised at compile time."""

@@ -23,6 +23,7 @@ from ..placement import Placement, Shard, chunk_interval
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
+from .consistency import check_collectives
 
 log = logging.getLogger("adaptdist.compiler")
 
@@ -82,6 +83,7 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
             local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs,
             _local_state(state or {}, ctx, r), captured.tied, global_shapes
         )
+    check_collectives(programs)
     return programs
 
 
