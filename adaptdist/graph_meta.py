@@ -18,6 +18,8 @@ Keys:
         localization pads each rank's shard to the largest shard's size.
     ``adaptdist.scatter_trim``: on a slice after a reduce_scatter, the dim whose padded block
         localization trims to the rank's own shard size.
+    ``adaptdist.gather_chain``: on the last node of an all_gather sequence, the names of the
+        sequence's nodes in order (so a pass can repeat the gather elsewhere).
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``.
 """
@@ -39,6 +41,7 @@ RANK_SLICE = "adaptdist.rank_slice"
 OUTPUT_ROLES = "adaptdist.output_roles"
 GATHER_PAD = "adaptdist.gather_pad"
 SCATTER_TRIM = "adaptdist.scatter_trim"
+GATHER_CHAIN = "adaptdist.gather_chain"
 
 Layout = tuple[Placement, ...]
 
@@ -147,3 +150,11 @@ def set_scatter_trim(node: torch.fx.Node, dim: int, size: int) -> None:
 
 def get_scatter_trim(node: torch.fx.Node) -> tuple[int, int] | None:
     return node.meta.get(SCATTER_TRIM)
+
+
+def set_gather_chain(node: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
+    node.meta[GATHER_CHAIN] = [n.name for n in chain]
+
+
+def get_gather_chain(node: torch.fx.Node) -> list[str] | None:
+    return node.meta.get(GATHER_CHAIN)

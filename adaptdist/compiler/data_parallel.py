@@ -19,6 +19,7 @@ from ..passes.globalize_reductions import globalize_reductions
 from ..passes.insert_redistributes import insert_redistributes
 from ..passes.localize_shapes import copy_graph_module, localize_shapes
 from ..passes.propagate_placements import propagate_placements
+from ..passes.regather_in_backward import regather_in_backward
 from ..placement import Placement, Shard, chunk_interval
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
@@ -35,6 +36,7 @@ DP_PASSES: tuple[Pass, ...] = (
     globalize_reductions,
     propagate_placements,
     insert_redistributes,
+    regather_in_backward,
     bucket_grad_allreduce,
 )
 

@@ -115,7 +115,17 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
             back = call(aten.permute.default, (full, inv), Replicate())
             full = call(aten.clone.default, (back,), Replicate())
             full.kwargs = {"memory_format": torch.contiguous_format}
+    gmeta.set_gather_chain(full, [n for n in (moved, padded, gathered, w) if n is not x] + _tail(full, w))
     return full
+
+
+def _tail(full: torch.fx.Node, wait: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes from after ``wait`` up to and including ``full``, in order."""
+    out, n = [], full
+    while n is not wait:
+        out.append(n)
+        n = n.args[0]
+    return out[::-1]
 
 
 def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassContext,
