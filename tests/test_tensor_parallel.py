@@ -99,3 +99,42 @@ def test_megatron_mlp_inside_the_gpt():
     model, batch, loss_fn = tiny_gpt(4, 8)
     _check(model, batch, loss_fn, 2, {"blocks.*.fc.weight": "S(0)", "blocks.*.fc.bias": "S(0)",
                                       "blocks.*.fc_out.weight": "S(1)"})
+
+
+class ViewedWeight(nn.Module):
+    """Uses its [12, n] weight through view(-1, 6): a dim-1 shard cannot survive that view."""
+
+    def __init__(self, n):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(12, n))
+
+    def forward(self, x):
+        return x @ self.w.view(-1, 6)
+
+
+@pytest.mark.parametrize("cols", [8, 9])  # over 4 ranks: shards 2,2,2,2 and 3,3,3,0 (one empty)
+def test_view_of_a_dim1_shard_redistributes(cols):
+    model = ViewedWeight(cols)
+    batch = (torch.randn(3, 12 * cols // 6), torch.randn(3, 6))
+    progs = _check(model, batch, F.mse_loss, 4, {"w": "S(1)"})
+    assert any("all_gather" in c for c in progs[0].collectives())
+    assert [p.state["w"].shape[1] for p in progs.values()] == [len(c) for c in torch.arange(cols).chunk(4)] + [0] * (4 - len(torch.arange(cols).chunk(4)))
+
+
+def test_batch_statistics_gather_the_batch():
+    """max/var over the batch dim: every rank gathers the batch rows and computes them whole."""
+
+    class Stats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h - h.max(0).values + h.var(0)
+
+    torch.manual_seed(0)
+    model = Stats()
+    batch = (torch.randn(5, 4), torch.randn(5, 4))
+    _check(model, batch, F.mse_loss, 2, {}, shard_batch=True)

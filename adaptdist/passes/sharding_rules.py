@@ -12,12 +12,17 @@ Shards may be uneven (``torch.chunk``), so a ``mean`` over a sharded dim is not
 ``Partial("avg")`` here: the globalize-reductions pass rewrites it as a sum
 divided by the global count.
 
-Errors: :class:`~adaptdist.errors.UnsupportedOpError` names the op, node, shapes
-and placements, and says what to try.
+Where a known op cannot consume a sharded input as it is (a view that splits the
+shard, a softmax or max over the sharded dim, a concatenation along it), the rule
+asks for every input replicated (:func:`gather_all`): correct, at the price of an
+all_gather. Only ops with no rule at all are refused:
+:class:`~adaptdist.errors.UnsupportedOpError` names the op, node, shapes and
+placements, and says what to try.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +34,7 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
 
+log = logging.getLogger("adaptdist.passes")
 aten = torch.ops.aten
 R = Replicate()
 P = Partial("sum")
@@ -71,6 +77,16 @@ def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOp
         f"inputs ({args}): {why}. Try replicating what feeds it, or rewrite that part of the model "
         "with supported ops (see adaptdist/passes/sharding_rules.py)."
     )
+
+
+def gather_all(node: torch.fx.Node, pl: PlacementOf, why: str) -> RuleResult:
+    """Fallback for a known op whose sharded inputs it cannot consume as they are: replicate
+    every tensor input (all_gather / all_reduce) and compute the whole op on every rank.
+    Correct, but it moves the whole tensor; ``why`` is logged."""
+    log.debug("node %s (%s): %s; gathering its inputs", node.name, node.target, why)
+    v = gmeta.val(node)
+    out = tuple(R for _ in v) if isinstance(v, (tuple, list)) else R
+    return RuleResult(out, {path: R for path, a in tensor_args(node) if not isinstance(pl(a), Replicate)})
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -189,7 +205,7 @@ def view(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult(p)
     od = _view_out_dim(shape(node.args[0]), shape(node), p.dim)
     if od is None:
-        raise unsupported(node, pl, f"the view splits sharded dim {p.dim} into several dims")
+        return gather_all(node, pl, f"the view splits sharded dim {p.dim} into several dims")
     return RuleResult(Shard(od))
 
 
@@ -226,7 +242,7 @@ def squeeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     dims = [i for i, s in enumerate(in_shape) if s == 1] if dims is None else _norm_dims(dims, len(in_shape))
     dims = [d for d in dims if in_shape[d] == 1]
     if p.dim in dims:
-        raise unsupported(node, pl, "it squeezes the sharded dim")
+        return gather_all(node, pl, "it squeezes the sharded dim")
     return RuleResult(Shard(p.dim - sum(1 for d in dims if d < p.dim)))
 
 
@@ -247,7 +263,7 @@ def select_like(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if dim == p.dim:
         if node.target == aten.slice.Tensor and _is_full_slice(node):
             return RuleResult(p)
-        raise unsupported(node, pl, f"it indexes the sharded dim {p.dim}")
+        return gather_all(node, pl, f"it indexes the sharded dim {p.dim}")
     if node.target == aten.select.int:
         return RuleResult(Shard(p.dim - (1 if dim < p.dim else 0)))
     if node.target == aten.index_select.default and not isinstance(pl(node.args[2]), Replicate):
@@ -273,10 +289,10 @@ def split(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if node.target == aten.unbind.int:
         dim = _arg(node, 1, "dim", 0) % nd
         if dim == p.dim:
-            raise unsupported(node, pl, "it unbinds the sharded dim")
+            return gather_all(node, pl, "it unbinds the sharded dim")
         return RuleResult((Shard(p.dim - (1 if dim < p.dim else 0)),) * n_out)
     if dim == p.dim:
-        raise unsupported(node, pl, "it splits the sharded dim")
+        return gather_all(node, pl, "it splits the sharded dim")
     return RuleResult((p,) * n_out)
 
 
@@ -290,11 +306,11 @@ def cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     pls = [pl(t) for t in tensors]
     shard_dims = {p.dim for p in pls if isinstance(p, Shard)}
     if len(shard_dims) > 1:
-        raise unsupported(node, pl, "inputs are sharded on different dims")
+        return gather_all(node, pl, "inputs are sharded on different dims")
     if shard_dims:
         d = shard_dims.pop()
         if d == dim and not stack:
-            raise unsupported(node, pl, "it concatenates along the sharded dim")
+            return gather_all(node, pl, "it concatenates along the sharded dim")
         needs = {(0, j): Shard(d) for j, p in enumerate(pls) if not isinstance(p, Shard)}
         return RuleResult(Shard(d + 1 if stack and dim <= d else d), needs)
     if all(isinstance(p, Partial) for p in pls):
@@ -313,7 +329,7 @@ def gather_scatter(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult(R, {path: R for path, p in pls.items() if isinstance(p, Partial)})
     d = shards.pop()
     if shards or d == dim:
-        raise unsupported(node, pl, "it gathers/scatters along the sharded dim")
+        return gather_all(node, pl, "it gathers/scatters along the sharded dim")
     return RuleResult(Shard(d), {path: Shard(d) for path, p in pls.items() if not isinstance(p, Shard)})
 
 
@@ -351,8 +367,22 @@ def reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if p.dim in dims:
         if node.target in _SUM_LIKE:
             return RuleResult(P)
-        raise unsupported(node, pl, "it reduces over the sharded batch dim with a non-sum reduction")
+        return gather_all(node, pl, "it reduces over the sharded batch dim with a non-sum reduction")
     return RuleResult(Shard(p.dim if keepdim else p.dim - sum(1 for d in dims if d < p.dim)))
+
+
+def reduction_with_indices(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """max.dim/min.dim(x, dim, keepdim) -> (values, indices): sharded dim reduced -> gather."""
+    p = pl(node.args[0])
+    nd = len(shape(node.args[0]))
+    dim = node.args[1] % max(nd, 1)
+    keepdim = bool(_arg(node, 2, "keepdim", False))
+    if not isinstance(p, Shard) or p.dim == dim:
+        if isinstance(p, Replicate):
+            return RuleResult((R, R))
+        return gather_all(node, pl, "it reduces over the sharded dim")
+    d = p.dim if keepdim or p.dim < dim else p.dim - 1
+    return RuleResult((Shard(d), Shard(d)))
 
 
 # ---------------------------------------------------------------- matmuls
@@ -476,12 +506,12 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if isinstance(pg, Replicate) and isinstance(pi, Replicate):
         return RuleResult(R)
     if _arg(node, 4, "scale_grad_by_freq", False):
-        raise unsupported(node, pl, "scale_grad_by_freq counts words over the whole batch")
+        return gather_all(node, pl, "scale_grad_by_freq counts words over the whole batch")
     if isinstance(pg, Shard) and isinstance(pi, Shard) and pg.dim == pi.dim:
         return RuleResult(P)
     if isinstance(pg, Partial) and isinstance(pi, Replicate):
         return RuleResult(P)
-    raise unsupported(node, pl, "gradient and indices are laid out differently")
+    return gather_all(node, pl, "gradient and indices are laid out differently")
 
 
 def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
@@ -494,7 +524,7 @@ def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult((R, R, R), needs)
     if isinstance(p, Shard):
         if p.dim >= len(shape(x)) - k:
-            raise unsupported(node, pl, "it normalizes over the sharded dim")
+            return gather_all(node, pl, "it normalizes over the sharded dim")
         return RuleResult((p, p, p), needs)
     return RuleResult((R, R, R), needs)
 
@@ -513,7 +543,7 @@ def layer_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
                 needs[(i,)] = R
         return RuleResult((R, R, R), needs)
     if len(shards) > 1:
-        raise unsupported(node, pl, "activations are sharded on different dims")
+        return gather_all(node, pl, "activations are sharded on different dims")
     d = shards.pop()
     for i, p in pls.items():
         if not isinstance(p, Shard):
@@ -533,7 +563,7 @@ def softmax(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult(R, {(i,): R for i, p in zip(acts, pls) if isinstance(p, Partial)})
     d = shards.pop()
     if d == dim or shards:
-        raise unsupported(node, pl, "softmax over the sharded dim")
+        return gather_all(node, pl, "softmax over the sharded dim")
     return RuleResult(Shard(d), {(i,): Shard(d) for i, p in zip(acts, pls) if not isinstance(p, Shard)})
 
 
@@ -550,7 +580,7 @@ def nll_loss_forward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
             needs[(0,)] = R
         return RuleResult((R, R), needs)
     if len(shape(x)) < 2 or (isinstance(px, Shard) and px.dim != 0) or (isinstance(pt, Shard) and pt.dim != 0):
-        raise unsupported(node, pl, "only the batch dim (0) of the loss input may be sharded")
+        return gather_all(node, pl, "only the batch dim (0) of the loss input may be sharded")
     if not isinstance(px, Shard):
         needs[(0,)] = Shard(0)
     if not isinstance(pt, Shard):
@@ -618,7 +648,7 @@ class _BatchMajor:
                         needs[path] = R
                 continue
             if isinstance(p, Shard) and not sharded:
-                raise unsupported(node, pl, "only the batch dim (0) of activations may be sharded")
+                return gather_all(node, pl, "only the batch dim (0) of activations may be sharded")
             if not isinstance(p, Replicate):
                 needs[path] = R
         if not sharded:
@@ -661,7 +691,7 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
                     needs[(i,)] = R
             return RuleResult(R, needs)
         if len(shards) > 1:
-            raise unsupported(node, pl, "inputs are sharded on different dims")
+            return gather_all(node, pl, "inputs are sharded on different dims")
         d = shards.pop()
         for i, p in act_pls.items():
             if not isinstance(p, Shard) and shape(node.args[i]) and len(shape(node.args[i])) > d and shape(node.args[i])[d] != 1:
@@ -710,6 +740,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.amax.default: reduction,
     aten.amin.default: reduction,
     aten.var.correction: reduction,
+    aten.max.dim: reduction_with_indices,
+    aten.min.dim: reduction_with_indices,
     aten.prod.dim_int: reduction,
     aten.mm.default: mm,
     aten.bmm.default: bmm,
