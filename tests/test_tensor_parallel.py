@@ -138,3 +138,20 @@ def test_batch_statistics_gather_the_batch():
     model = Stats()
     batch = (torch.randn(5, 4), torch.randn(5, 4))
     _check(model, batch, F.mse_loss, 2, {}, shard_batch=True)
+
+
+def test_embedding_sharded_by_vocabulary_with_padding_idx():
+    """11 rows over 2 ranks (6 + 5), padding_idx=8: every other token's gradient survives."""
+
+    class Emb(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(11, 4, padding_idx=8)
+
+        def forward(self, idx):
+            return self.emb(idx).sum(1)
+
+    batch = (torch.tensor([[0, 8, 10], [5, 6, 8], [1, 2, 3]]), torch.randn(3, 4))
+    progs = _check(Emb(), batch, F.mse_loss, 2, {"emb.weight": "S(0)"})
+    assert [p.state["emb.weight"].shape[0] for p in progs.values()] == [6, 5]
