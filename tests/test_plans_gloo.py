@@ -18,22 +18,35 @@ from passutil import local_shard
 from reference import eager_sgd
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
-PLANS = {
-    "tp": ({"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"}, False),
-    "fsdp": ({"fc*.weight": "S(0)", "fc*.bias": "S(0)"}, True),
+from adaptdist.models.gpt import TP_PLAN
+from models import tiny_gpt
+
+
+def _gpt(seed=0):
+    return tiny_gpt(4, 8, seed=seed, num_heads=4)
+
+
+def _mlp(seed=0):
+    return mlp(7, seed=seed)
+
+
+PLANS = {  # name: (model factory, annotations, split the batch?)
+    "mlp-tp": (_mlp, {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"}, False),
+    "mlp-fsdp": (_mlp, {"fc*.weight": "S(0)", "fc*.bias": "S(0)"}, True),
+    "gpt-megatron-tp": (_gpt, TP_PLAN, False),
 }
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("world", [2, 4])
 def test_plan_sgd_equals_eager(tmp_path, plan, world):
-    annotations, shard_batch = PLANS[plan]
-    model, example, loss_fn = mlp(7)
-    batches = [mlp(7, seed=10 + s)[1] for s in range(STEPS)]
+    factory, annotations, shard_batch = PLANS[plan]
+    model, example, loss_fn = factory()
+    batches = [factory(seed=10 + s)[1] for s in range(STEPS)]
     cg = capture(model, example, loss_fn)
     named = dict(model.named_parameters())
     pp = resolve_param_placements({f: tuple(named[f].shape) for f in cg.input_fqns}, annotations)
-    programs = lower(cg, world, mesh_axis="tp" if plan == "tp" else "dp", shard_batch=shard_batch,
+    programs = lower(cg, world, mesh_axis="dp" if shard_batch else "tp", shard_batch=shard_batch,
                      param_placements=pp, state={f: named[f].detach() for f in cg.input_fqns})
     save_programs(programs, tmp_path / "programs")
     results = launch_local(dp_sgd_worker, (str(tmp_path / "programs"), batches, LR, STEPS), world)

@@ -93,12 +93,17 @@ def test_fsdp_like_gpt_with_tied_embedding(world):
     assert any("reduce_scatter" in c for c in progs[0].collectives())
 
 
-def test_megatron_mlp_inside_the_gpt():
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_gpt_attention_by_heads_and_mlp(world):
+    """q, k, v column-parallel (by heads), attention-out and MLP-out row-parallel: exactly the
+    two all_reduces per block in forward and two in backward."""
+    from adaptdist.models.gpt import TP_PLAN
     from models import tiny_gpt
 
-    model, batch, loss_fn = tiny_gpt(4, 8)
-    _check(model, batch, loss_fn, 2, {"blocks.*.fc.weight": "S(0)", "blocks.*.fc.bias": "S(0)",
-                                      "blocks.*.fc_out.weight": "S(1)"})
+    model, batch, loss_fn = tiny_gpt(4, 8, num_heads=4)
+    progs = _check(model, batch, loss_fn, world, TP_PLAN)
+    colls = progs[0].collectives()
+    assert len(colls) == 4 * 2 and all("all_reduce" in c for c in colls)
 
 
 class ViewedWeight(nn.Module):

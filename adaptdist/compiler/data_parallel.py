@@ -20,6 +20,7 @@ from ..passes.insert_redistributes import insert_redistributes
 from ..passes.localize_shapes import copy_graph_module, localize_shapes
 from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
+from ..passes.relax_views import relax_views
 from ..placement import Placement, Shard, chunk_interval
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
@@ -38,6 +39,7 @@ DP_PASSES: tuple[Pass, ...] = (
     insert_redistributes,
     regather_in_backward,
     bucket_grad_allreduce,
+    relax_views,
 )
 
 

@@ -19,10 +19,12 @@ import torch.nn.functional as F
 
 VOCAB_SIZE = 256  # bytes
 
-# `adaptdist train --plan tp`: Megatron-style column-parallel MLP-in, row-parallel MLP-out.
-# (The fused QKV projection stays replicated: splitting a column-sharded fused output into
-# q, k, v needs strided shards, which no rule handles yet.)
+# `adaptdist train --plan tp`: Megatron-style tensor parallelism. Column-parallel q, k, v
+# (sharded by heads) and MLP-in; row-parallel attention-out and MLP-out. Embeddings replicated.
 TP_PLAN = {
+    "blocks.*.attn.[qkv].weight": "S(0)",
+    "blocks.*.attn.[qkv].bias": "S(0)",
+    "blocks.*.attn.proj.weight": "S(1)",
     "blocks.*.fc.weight": "S(0)",
     "blocks.*.fc.bias": "S(0)",
     "blocks.*.fc_out.weight": "S(1)",
@@ -43,14 +45,16 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # Separate projections (not one fused QKV) so that tensor parallelism can shard each by heads.
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, C]
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
         hd = C // self.num_heads
-        q, k, v = (t.view(B, T, self.num_heads, hd).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (p(x).view(B, T, self.num_heads, hd).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 

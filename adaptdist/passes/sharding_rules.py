@@ -658,6 +658,26 @@ class _BatchMajor:
         return RuleResult(outs if self.num_outputs > 1 else outs[0], needs)
 
 
+@dataclass(frozen=True)
+class _Attention:
+    """Scaled-dot-product attention (and its backward) over [B, H, T, hd] tensors: sharded on the
+    batch (dim 0) or on heads (dim 1) alike for every activation argument; outputs follow."""
+
+    num_acts: int
+    num_outputs: int
+
+    def __call__(self, node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        acts = [((i,), node.args[i]) for i in range(self.num_acts) if isinstance(node.args[i], torch.fx.Node)]
+        dims = [pl(a).dim for _, a in acts if isinstance(pl(a), Shard)]
+        if not dims:
+            return RuleResult((R,) * self.num_outputs, {p: R for p, a in acts if isinstance(pl(a), Partial)})
+        d = dims[0]
+        if d not in (0, 1) or node.kwargs.get("attn_mask") is not None:
+            return gather_all(node, pl, "attention can be split by batch or heads only, without a mask")
+        needs = {p: Shard(d) for p, a in acts if pl(a) != Shard(d)}
+        return RuleResult((Shard(d),) * self.num_outputs, needs)
+
+
 def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
         # eval-mode BatchNorm: running statistics, nothing depends on other samples
@@ -779,8 +799,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.detach.default: identity,
     aten.lift_fresh_copy.default: identity,
     aten.native_dropout.default: dropout,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _BatchMajor((0, 1, 2, 5), 2),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _BatchMajor((0, 1, 2, 3, 4, 5, 8), 3),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _Attention(num_acts=3, num_outputs=2),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _Attention(num_acts=6, num_outputs=3),
     aten.convolution.default: _BatchMajor((0,)),
     aten.convolution_backward.default: _BatchMajor((0, 1), 3, partial_outputs=(1, 2)),
     aten.max_pool2d_with_indices.default: _BatchMajor((0,), 2),

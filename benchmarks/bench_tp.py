@@ -1,0 +1,168 @@
+"""adaptdist's ``tp`` plan vs torch DTensor tensor parallelism, measured in one run.
+
+Same model (built-in GPT, default GPTConfig), same global batch, same number of
+ranks (gloo on CPU), same threads per rank, same optimizer (AdamW, lr 1e-3,
+weight_decay 0, i.e. adaptdist's ``make_optimizer("adamw")``), same data (the
+factory's example batch, repeated). The batch is replicated on both sides: every
+rank feeds the whole global batch.
+
+- adaptdist: ``ManualPlan.parse("tp", adaptdist.models.gpt)``, the model file's
+  ``TP_PLAN``: Megatron column-parallel ``blocks.*.fc`` (weight and bias S(0)),
+  row-parallel ``blocks.*.fc_out`` (weight S(1), bias replicated); everything else
+  (attention, layer norms, embeddings) replicated.
+- DTensor: ``parallelize_module`` on ``init_device_mesh("cpu", (world,))`` with
+  ``ColwiseParallel()`` on each ``blocks.{i}.fc`` and ``RowwiseParallel()`` on each
+  ``blocks.{i}.fc_out`` (the same layers; everything else replicated, plain tensors).
+
+Timing and memory follow ``bench_dp.py`` / ``bench_fsdp.py`` (whose helpers this file
+imports): alternating repetitions of fresh ``launch_local`` jobs, warm-up excluded,
+per step the slowest rank's time, median over all measured steps, spread of
+per-repetition medians, tokens/s ratio, and ``PeakMemory`` over one extra untimed step
+(DTensors counted by their local shard) with the process's max RSS beside it.
+
+    .venv/bin/python benchmarks/bench_tp.py [--nproc 2] [--batch-size 16] [--seq-len 128]
+        [--steps 20] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from bench_dp import _load_batch, _setup, _summarize, _time_steps  # noqa: E402
+from bench_fsdp import (MIB, comparison_table, compile_and_save, dtensor_aware_peak_memory,  # noqa: E402
+                        print_load, print_loss_check, run_alternating, torch_side_result, write_json)
+
+
+# --------------------------------------------------------------------------- workers (one per rank)
+
+def dtensor_tp_worker(cfg: dict) -> dict:
+    """One rank of DTensor TP: same model and seed, Colwise fc / Rowwise fc_out, whole batch on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from adaptdist.models.gpt import factory
+    from adaptdist.runtime.memory import PeakMemory
+    from adaptdist.runtime.worker import make_optimizer
+
+    rank, world = _setup(cfg)
+    try:
+        dtensor_aware_peak_memory()
+        torch.manual_seed(cfg["seed"])
+        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+        mesh = init_device_mesh("cpu", (world,))
+        plan = {}
+        for i in range(len(model.blocks)):
+            plan[f"blocks.{i}.fc"] = ColwiseParallel()
+            plan[f"blocks.{i}.fc_out"] = RowwiseParallel()
+        parallelize_module(model, mesh, plan)
+        opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+        batch = _load_batch(cfg)
+
+        def step(global_batch):
+            x, y = global_batch
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()  # the same global loss on every rank
+
+        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
+        dist.barrier()
+        opt.zero_grad(set_to_none=True)
+        existing = [list(model.parameters()), list(model.buffers()), opt.state_dict()["state"], batch]
+        with PeakMemory(existing) as pm:
+            step(batch)
+        dist.barrier()
+        return torch_side_result(times, losses, pm)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- parent
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
+    ap.add_argument("--batch-size", type=int, default=16, help="global batch size (every rank feeds all of it)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per side per repetition")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
+    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
+    ap.add_argument("--threads-per-rank", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="adaptdist's gradient bucket size, MiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    from safetensors.torch import save_file
+
+    from adaptdist.models.gpt import factory
+
+    args = _parse(argv)
+    con = Console(width=130)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    tokens = args.batch_size * args.seq_len
+    con.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.nproc} ranks (gloo), "
+              f"[bold]{args.threads_per_rank} thread(s) per rank[/]; GPT (default GPTConfig), global batch "
+              f"{args.batch_size} x {args.seq_len} = {tokens} tokens, [bold]replicated[/] (every rank feeds all of it); "
+              f"AdamW lr {args.lr}; {args.reps} reps x ({args.warmup} warm-up + {args.steps} measured) steps per side")
+
+    with tempfile.TemporaryDirectory(prefix="bench_tp-") as tmp:
+        torch.manual_seed(args.seed)
+        model, example, _ = factory(args.batch_size, args.seq_len)
+        n_params = sum(p.numel() for p in model.parameters())
+        batch_file = str(Path(tmp) / "batch.safetensors")
+        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
+        secs = compile_and_save("tp", args.nproc, args.batch_size, args.seq_len, args.seed,
+                                Path(tmp) / "programs", int(args.bucket_mb * MIB))
+        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan 'tp' (TP_PLAN of adaptdist.models.gpt) "
+                  f"for {args.nproc} ranks in {secs:.1f} s (not part of the timings)")
+        cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
+               "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
+               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
+        import bench_dp
+        import bench_tp  # this file as an importable module, so spawn can unpickle the workers
+
+        sides = {"adaptdist": bench_dp.adaptdist_worker, "DTensor": bench_tp.dtensor_tp_worker}
+        results, load_before, load_after, wall = run_alternating(con, sides, cfg, args)
+        print_load(con, load_before, load_after, wall, args)
+        if args.json:
+            write_json(args.json, args, load_before, load_after, results)
+
+    a = _summarize(results["adaptdist"], args.warmup, tokens)
+    d = _summarize(results["DTensor"], args.warmup, tokens)
+    ratio = comparison_table(con, f"adaptdist tp plan vs torch DTensor TP — {args.nproc} ranks x "
+                                  f"{args.threads_per_rank} thread(s), global batch {args.batch_size}x{args.seq_len} "
+                                  f"replicated", "DTensor", a, d)
+    con.print(f"measured steps per side: {a['n_steps']} (per step: slowest rank); memory from one extra step "
+              f"of the last rep inside PeakMemory (DTensors counted by their local shard); "
+              f"RSS = the rank process's lifetime max.")
+    print_loss_check(con, results)
+    con.print(f"target adaptdist >= 0.9x DTensor TP throughput: [bold]{'MET' if ratio >= 0.9 else 'NOT MET'}[/] "
+              f"({ratio:.3f}x on the all-steps median; {d['min_rep_s'] / a['min_rep_s']:.3f}x on the fastest "
+              f"per-rep medians)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    import bench_tp
+
+    sys.exit(bench_tp.main())
