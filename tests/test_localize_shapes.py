@@ -16,7 +16,8 @@ def test_each_rank_gets_its_local_shapes():
     model, batch, loss_fn = tiny_gpt(5, 8)
     progs, _ = simulate(model, batch, loss_fn, 2)
     for r, rows in ((0, 3), (1, 2)):
-        views = [n for n in progs[r].module.graph.nodes if n.target == torch.ops.aten.view.default
+        views = [n for n in progs[r].module.graph.nodes
+                 if n.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
                  and n.args[1] and n.args[1][0] == rows * 8]
         assert views, f"rank {r} should view [{rows} * 8, ...]"
         batch_ph = list(progs[r].module.graph.find_nodes(op="placeholder"))[-1]
