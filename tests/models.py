@@ -64,3 +64,14 @@ def convnet(batch_size: int = 5, batch_norm: bool = False, seed: int = 0):
     x = torch.randn(batch_size, 3, 8, 8, generator=g)
     y = torch.randint(0, 3, (batch_size,), generator=g)
     return model, (x, y), F.cross_entropy
+
+
+def tiny_llama(batch_size: int = 5, seq_len: int = 8, seed: int = 0):
+    from adaptdist.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48, max_seq_len=seq_len))
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 256, (batch_size, seq_len), generator=g)
+    y = torch.randint(0, 256, (batch_size, seq_len), generator=g)
+    return model, (x, y), lm_loss

@@ -160,3 +160,14 @@ def test_embedding_sharded_by_vocabulary_with_padding_idx():
     batch = (torch.tensor([[0, 8, 10], [5, 6, 8], [1, 2, 3]]), torch.randn(3, 4))
     progs = _check(Emb(), batch, F.mse_loss, 2, {"emb.weight": "S(0)"})
     assert [p.state["emb.weight"].shape[0] for p in progs.values()] == [6, 5]
+
+
+@pytest.mark.parametrize("plan,world,split_batch", [("dp", 2, True), ("fsdp", 3, True), ("tp", 2, False)])
+def test_llama_rmsnorm_rotary_swiglu_gqa(plan, world, split_batch):
+    """Our LLaMA-style model (4 query heads, 2 key/value heads) under each plan equals eager."""
+    from adaptdist.models.llama import TP_PLAN
+    from models import tiny_llama
+
+    annotations = {"dp": {}, "fsdp": {"*": "S(0)"}, "tp": TP_PLAN}[plan]
+    model, batch, loss_fn = tiny_llama(5, 8)
+    _check(model, batch, loss_fn, world, annotations, shard_batch=split_batch)

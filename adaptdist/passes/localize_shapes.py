@@ -46,6 +46,8 @@ _SHAPE_ARG = {
     aten.ones.default: 0,
     aten.empty.memory_format: 0,
     aten.full.default: 0,
+    aten.slice_backward.default: 1,
+    aten.select_backward.default: 1,
 }
 
 # Ops taking the batch size as an int argument: op -> arg position.
@@ -192,7 +194,17 @@ def shape_at(a: torch.fx.Node) -> int:
 def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
     src, (s, e) = _first_interval(node, ivs)
     if isinstance(p, tuple):
-        return tuple((s, e) if isinstance(q, Shard) else None for q in p)
+        # each output takes the interval of a sharded input of the same size on that dim
+        # (attention backward: grad_k has the key's heads, not the query's)
+        sharded = [(shape_at(a), ivs[a]) for _, a in tensor_args(node) if a in ivs and isinstance(placement_of(a), Shard)]
+        out = []
+        for q, v in zip(p, node.meta["val"]):
+            if not isinstance(q, Shard):
+                out.append(None)
+                continue
+            size = v.shape[q.dim]
+            out.append(next((iv for n, iv in sharded if n == size), (s, e)))
+        return tuple(out)
     if node.target in _VIEWS:
         n_in, n_out = shape_at(src), node.meta["val"].shape[p.dim]
         if n_out >= n_in:

@@ -271,6 +271,23 @@ def select_like(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(p)
 
 
+def slice_select_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """slice_backward/select_backward(grad, input_sizes, dim, ...): zeros of ``input_sizes`` with
+    ``grad`` written at the slice; a shard on another dim carries over."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p if isinstance(p, Partial) else R)
+    out_nd = len(node.args[1])
+    dim = node.args[2] % out_nd
+    if node.target == aten.select_backward.default:
+        d = p.dim + (1 if dim <= p.dim else 0)
+    else:
+        d = p.dim
+        if dim == d:
+            return gather_all(node, pl, "the slice is along the sharded dim")
+    return RuleResult(Shard(d))
+
+
 def _is_full_slice(node: torch.fx.Node) -> bool:
     size = shape(node.args[0])[node.args[1] % len(shape(node.args[0]))]
     start = _arg(node, 2, "start", 0) or 0
@@ -788,6 +805,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.new_empty.default: new_factory,
     aten.new_full.default: new_factory,
     aten.ones_like.default: like_factory,
+    aten.fill.Scalar: like_factory,
+    aten.slice_backward.default: slice_select_backward,
+    aten.select_backward.default: slice_select_backward,
     aten.zeros_like.default: like_factory,
     aten.empty_like.default: like_factory,
     aten.full_like.default: like_factory,
