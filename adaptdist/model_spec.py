@@ -16,7 +16,10 @@ import torch.nn as nn
 
 from .errors import UsageError
 
-BUILTIN = {"builtin:gpt": (Path(__file__).parent / "models" / "gpt.py", "factory")}
+BUILTIN = {
+    "builtin:gpt": (Path(__file__).parent / "models" / "gpt.py", "factory"),
+    "builtin:llama": (Path(__file__).parent / "models" / "llama.py", "factory"),
+}
 
 
 @dataclass(frozen=True)
