@@ -71,8 +71,9 @@ class ManualPlan:
         return resolve_param_placements(shapes, dict(self.params))
 
     @staticmethod
-    def parse(text: str, model_module=None) -> "ManualPlan":
-        """``dp``, ``fsdp``, ``tp`` (the model file's ``TP_PLAN`` globs) or a YAML file.
+    def parse(text: str, model_module=None):
+        """``dp``, ``fsdp``, ``tp`` (the model file's ``TP_PLAN`` globs), a YAML file, or a saved
+        ``plan.json`` (returned as a :class:`~adaptdist.plan.Plan`).
 
         Raises:
             UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp``, or a bad file
@@ -93,6 +94,10 @@ class ManualPlan:
         p = Path(text)
         if not p.is_file():
             raise UsageError(f"--plan {text!r} is neither dp, fsdp, tp nor an existing plan file")
+        if p.suffix == ".json":
+            from .plan import Plan
+
+            return Plan.load(p)  # a saved plan (e.g. programs/plan.json), checked against the graph
         try:
             doc = yaml.safe_load(p.read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as e:

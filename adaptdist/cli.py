@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: embedded corpus)")
     t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE",
                    help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
-                        "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan YAML")
+                        "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan "
+                        "YAML of parameter globs, or a saved plan.json (checked against the model's graph)")
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps (default 800)")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate (default 2e-3)")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -147,7 +148,8 @@ def cmd_train(args) -> int:
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
                                dump_dir=args.dump_graphs)
     save_programs(programs, out / "programs")
-    console.print(f"compiled plan {plan.name!r} (mesh {plan.mesh_axis}={nproc}) for {nproc} ranks in "
+    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
                   f"{time.perf_counter() - t0:.1f} s "
                   f"-> {out / 'programs'} (read rank0/program.py)")
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)

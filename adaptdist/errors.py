@@ -40,3 +40,7 @@ class RuntimeLaunchError(AdaptdistError):
 
 class CollectiveMismatchError(AdaptdistError):
     """Ranks would issue different collectives (a hang at run time); raised at compile time."""
+
+
+class PlanMismatchError(AdaptdistError):
+    """A plan was made for another graph (model, batch shape or torch version)."""

@@ -57,6 +57,7 @@ class RankProgram:
         state: initial tensors by fqn, the rank's own shard (full tensors under DP).
         state_placements: fqn -> placement text (e.g. ``"S(0)"``) of each sharded state tensor.
         global_shapes: fqn -> global (unsharded) shape of each state tensor.
+        plan: the :class:`~adaptdist.plan.Plan` the program was lowered from (``plan.json``).
         constants: tensor constants the code reads as attributes.
     """
 
@@ -77,6 +78,7 @@ class RankProgram:
     batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
     state_placements: dict[str, str] = field(default_factory=dict)
     global_shapes: dict[str, list[int]] = field(default_factory=dict)
+    plan: Any = None
     _traced: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def __call__(self, *args: torch.Tensor):
@@ -161,6 +163,9 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         for name in names:
             files[f"rank{r}/{name}"] = _sha256(rd / name)
     any_prog = programs[0]
+    if any_prog.plan is not None:
+        (d / "plan.json").write_text(any_prog.plan.to_json())
+        files["plan.json"] = _sha256(d / "plan.json")
     manifest = {
         "format_version": FORMAT_VERSION,
         "adaptdist_version": __version__,
@@ -234,6 +239,13 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
                 f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or edited); recompile"
             )
     meta = json.loads((d / prefix / "program.json").read_text())
+    plan = None
+    if "plan.json" in manifest["files"]:
+        from .plan import Plan
+
+        if _sha256(d / "plan.json") != manifest["files"]["plan.json"]:
+            raise ProgramLoadError(f"{str(d / 'plan.json')!r} does not match the sha256 in the manifest; recompile")
+        plan = Plan.load(d / "plan.json")
     code = (d / prefix / "program.py").read_text()
     module = module_from_source(code, str(d / prefix / "program.py"))
     constants = {}
@@ -249,6 +261,7 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         state=state, constants=constants, tied=meta.get("tied", {}),
         batch_specs=[(list(shape), dtype) for shape, dtype in meta["batch_specs"]],
         state_placements=meta.get("state_placements", {}), global_shapes=meta.get("global_shapes", {}),
+        plan=plan,
     )
 
 

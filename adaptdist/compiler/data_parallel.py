@@ -22,6 +22,8 @@ from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
 from ..placement import Placement, Shard, chunk_interval
+from ..errors import UsageError
+from ..plan import Plan, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
@@ -59,7 +61,8 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dum
 
 def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", shard_batch: bool = True,
           param_placements: Mapping[str, Placement] | None = None, bucket_bytes: int = 25 * 2**20,
-          state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None) -> dict[int, RankProgram]:
+          state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
+          plan_name: str = "") -> dict[int, RankProgram]:
     """Lower a captured step onto a 1-D mesh of ``world_size`` ranks.
 
     Batch inputs are split on dim 0 (torch.chunk semantics) when ``shard_batch``;
@@ -77,6 +80,13 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
         log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
                     "step (correct, but no faster than one rank)", captured.batch_size, world_size)
     gm = run_passes(copy_graph_module(captured.gm), ctx, dump_dir=dump_dir)
+    plan = Plan(
+        mesh={mesh_axis: world_size}, batch_axis=mesh_axis if shard_batch else None,
+        param_placements={f: [repr(p)] for f, p in ctx.param_placements.items()},
+        graph_fingerprint=graph_fingerprint(captured.gm), name=plan_name,
+        node_placements={n.name: repr(gmeta.get_placements(n)[0]) for n in gm.graph.nodes
+                         if n.op != "output" and gmeta.get_placements(n) is not None},
+    )
     input_fqns = captured.input_fqns
     global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
                      for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
@@ -87,6 +97,7 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
             local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs,
             _local_state(state or {}, ctx, r), captured.tied, global_shapes
         )
+        programs[r].plan = plan
     check_collectives(programs)
     return programs
 
@@ -129,10 +140,19 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}
     if plan is None:
-        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
+        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name="dp")
+    if isinstance(plan, Plan):
+        plan.check_graph(captured.gm, f"plan {plan.name!r}")
+        (axis, size), = plan.mesh.items()
+        if size != world_size:
+            raise UsageError(f"plan {plan.name!r} is for {size} ranks on mesh axis {axis!r}, this job has {world_size}")
+        return lower(captured, world_size, mesh_axis=axis, shard_batch=plan.batch_axis is not None,
+                     param_placements=plan.placements_on_axis(0), bucket_bytes=bucket_bytes, state=state,
+                     dump_dir=dump_dir, plan_name=plan.name)
     placements = plan.placements({f: tuple(t.shape) for f, t in state.items()})
     return lower(captured, world_size, mesh_axis=plan.mesh_axis, shard_batch=plan.shard_batch,
-                 param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
+                 param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir,
+                 plan_name=plan.name)
 
 
 def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
