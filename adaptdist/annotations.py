@@ -64,10 +64,12 @@ class ManualPlan:
     shard_batch: bool
     params: tuple[tuple[str, str], ...] = ()
 
-    def placements(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Placement]:
-        """Resolve the globs against the model's parameters (see :func:`resolve_param_placements`)."""
+    def placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
+                   ) -> dict[str, Placement]:
+        """Resolve the globs against the model's state (see :func:`resolve_param_placements`);
+        the ``fsdp`` preset shards every trainable parameter (``trainable``) with a dim on dim 0."""
         if self.name == "fsdp":
-            return {f: Shard(0) for f, s in shapes.items() if len(s) >= 1}
+            return {f: Shard(0) for f, s in shapes.items() if len(s) >= 1 and (trainable is None or f in trainable)}
         return resolve_param_placements(shapes, dict(self.params))
 
     @staticmethod

@@ -65,7 +65,57 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
     t.add_argument("--dump-graphs", metavar="DIR", help="write the graph after each pass to DIR")
+    p = sub.add_parser("plan", help="compile a plan and print where every parameter lives (no training)",
+                       formatter_class=fmt)
+    _add_common(p)
+    p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE", help="as for train")
+    p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
     return ap
+
+
+def cmd_plan(args) -> int:
+    """Print the plan's mesh, a per-parameter placement table and each rank's collectives."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .annotations import ManualPlan
+    from .compiler.consistency import collective_calls
+    from .compiler.data_parallel import compile_program
+    from .model_spec import ModelSpec
+
+    console = Console(emoji=False)
+    if not console.is_terminal:
+        console = Console(emoji=False, width=140)
+    cluster = _cluster(args)
+    spec = ModelSpec.parse(args.model)
+    torch.manual_seed(0)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    plan = ManualPlan.parse(args.plan, spec.module())
+    programs = compile_program(model, example, loss_fn, cluster.world_size, plan)
+    p0 = programs[0]
+    mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
+    batch_axis = p0.plan.batch_axis
+    console.print(f"plan {p0.plan.name!r} for {spec.text} on {cluster!r}: mesh {mesh}; batch "
+                  f"{'split on dim 0 over ' + batch_axis if batch_axis else 'replicated'}")
+    table = Table(title="parameters")
+    for col in ("parameter", "global shape", "placement", "rank 0 holds", f"rank {cluster.world_size - 1} holds"):
+        table.add_column(col)
+    last = programs[cluster.world_size - 1]
+    for f in p0.input_fqns:
+        table.add_row(f, str(p0.global_shapes[f]), p0.state_placements.get(f, "R"),
+                      str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
+    console.print(table)
+    calls = collective_calls(p0)
+    kinds: dict[str, list[int]] = {}
+    for c in calls:
+        kinds.setdefault(c.op, []).append(c.numel)
+    console.print("collectives per step on rank 0: " + (", ".join(
+        f"{len(v)} x {k} ({sum(v) * 4 / 2**20:.2f} MiB fp32)" for k, v in sorted(kinds.items())) or "none"))
+    if args.out:
+        Path(args.out).write_text(p0.plan.to_json())
+        console.print(f"wrote {args.out}")
+    return 0
 
 
 def _cluster(args):
@@ -200,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan}[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

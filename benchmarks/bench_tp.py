@@ -7,12 +7,19 @@ factory's example batch, repeated). The batch is replicated on both sides: every
 rank feeds the whole global batch.
 
 - adaptdist: ``ManualPlan.parse("tp", adaptdist.models.gpt)``, the model file's
-  ``TP_PLAN``: Megatron column-parallel ``blocks.*.fc`` (weight and bias S(0)),
-  row-parallel ``blocks.*.fc_out`` (weight S(1), bias replicated); everything else
-  (attention, layer norms, embeddings) replicated.
+  ``TP_PLAN`` (since commit 8ec7852: column-parallel ``attn.q``/``k``/``v`` (sharded by
+  heads) and ``fc``; row-parallel ``attn.proj`` and ``fc_out``, their biases replicated;
+  embeddings, layer norms replicated). With ``--mlp-only``, a plan file sharding only
+  ``blocks.*.fc`` (S(0)) and ``blocks.*.fc_out.weight`` (S(1)).
 - DTensor: ``parallelize_module`` on ``init_device_mesh("cpu", (world,))`` with
-  ``ColwiseParallel()`` on each ``blocks.{i}.fc`` and ``RowwiseParallel()`` on each
-  ``blocks.{i}.fc_out`` (the same layers; everything else replicated, plain tensors).
+  ``ColwiseParallel()`` on each ``blocks.{i}.attn.{q,k,v}`` and ``blocks.{i}.fc``,
+  ``RowwiseParallel()`` on each ``blocks.{i}.attn.proj`` and ``blocks.{i}.fc_out``
+  (``--mlp-only``: ``fc`` and ``fc_out`` only); everything else replicated, plain tensors.
+  As in torch's TP tutorial, the attention then works on this rank's heads: its forward is
+  replaced, in the rank process only, by the same computation with ``-1`` for the local
+  number of heads in ``view``/``reshape`` (the model's ``reshape(B, T, C)`` assumes all heads;
+  DTensor has no sharding rule for CPU flash attention, so it cannot stay a DTensor). The
+  worker checks that the DTensor-sharded parameters are exactly those adaptdist's plan shards.
 
 Timing and memory follow ``bench_dp.py`` / ``bench_fsdp.py`` (whose helpers this file
 imports): alternating repetitions of fresh ``launch_local`` jobs, warm-up excluded,
@@ -21,13 +28,14 @@ per-repetition medians, tokens/s ratio, and ``PeakMemory`` over one extra untime
 (DTensors counted by their local shard) with the process's max RSS beside it.
 
     .venv/bin/python benchmarks/bench_tp.py [--nproc 2] [--batch-size 16] [--seq-len 128]
-        [--steps 20] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120]
+        [--steps 20] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120] [--mlp-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import types
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +54,17 @@ from bench_fsdp import (MIB, comparison_table, compile_and_save, dtensor_aware_p
 
 # --------------------------------------------------------------------------- workers (one per rank)
 
+def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``CausalSelfAttention.forward`` on this rank's heads (q/k/v column-parallel, proj row-parallel)."""
+    import torch.nn.functional as F
+
+    B, T, C = x.shape
+    hd = C // self.num_heads
+    q, k, v = (p(x).view(B, T, -1, hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H / world, T, hd]
+    return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
 def dtensor_tp_worker(cfg: dict) -> dict:
     """One rank of DTensor TP: same model and seed, Colwise fc / Rowwise fc_out, whole batch on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,10 +81,19 @@ def dtensor_tp_worker(cfg: dict) -> dict:
         model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
         mesh = init_device_mesh("cpu", (world,))
         plan = {}
-        for i in range(len(model.blocks)):
+        for i, block in enumerate(model.blocks):
             plan[f"blocks.{i}.fc"] = ColwiseParallel()
             plan[f"blocks.{i}.fc_out"] = RowwiseParallel()
+            if not cfg["mlp_only"]:
+                for n in ("q", "k", "v"):
+                    plan[f"blocks.{i}.attn.{n}"] = ColwiseParallel()
+                plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+                block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
         parallelize_module(model, mesh, plan)
+        sharded = sorted(n for n, p in model.named_parameters()
+                         if hasattr(p, "placements") and any(pl.is_shard() for pl in p.placements))
+        if sharded != cfg["adaptdist_sharded"]:
+            raise RuntimeError(f"DTensor shards {sharded}, adaptdist's plan shards {cfg['adaptdist_sharded']}")
         opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
         batch = _load_batch(cfg)
 
@@ -104,6 +132,8 @@ def _parse(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="adaptdist's gradient bucket size, MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    ap.add_argument("--mlp-only", action="store_true",
+                    help="shard only blocks.*.fc / fc_out on both sides (adaptdist: a plan file) instead of TP_PLAN")
     ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
     return ap.parse_args(argv)
 
@@ -130,13 +160,28 @@ def main(argv=None) -> int:
         n_params = sum(p.numel() for p in model.parameters())
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
-        secs = compile_and_save("tp", args.nproc, args.batch_size, args.seq_len, args.seed,
+        plan_text = "tp"
+        if args.mlp_only:
+            plan_text = str(Path(tmp) / "mlp_only.yaml")
+            Path(plan_text).write_text("schema_version: 1\nmesh_axis: tp\nshard_batch: false\nparams:\n"
+                                       "  blocks.*.fc.weight: S(0)\n  blocks.*.fc.bias: S(0)\n"
+                                       "  blocks.*.fc_out.weight: S(1)\n")
+        secs = compile_and_save(plan_text, args.nproc, args.batch_size, args.seq_len, args.seed,
                                 Path(tmp) / "programs", int(args.bucket_mb * MIB))
-        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan 'tp' (TP_PLAN of adaptdist.models.gpt) "
-                  f"for {args.nproc} ranks in {secs:.1f} s (not part of the timings)")
+        from adaptdist.annotations import ManualPlan
+        from adaptdist.models import gpt
+
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        adaptdist_sharded = sorted(ManualPlan.parse(plan_text, gpt).placements(shapes))
+        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan "
+                  f"{'fc/fc_out only (--mlp-only)' if args.mlp_only else repr('tp') + ' (TP_PLAN of adaptdist.models.gpt)'} "
+                  f"for {args.nproc} ranks in {secs:.1f} s (not part of the timings); sharded on both sides: "
+                  f"{len(adaptdist_sharded)} tensors ({', '.join(n for n in adaptdist_sharded if n.startswith('blocks.0.'))}, "
+                  f"same in every block)")
         cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
                "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
-               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
+               "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len,
+               "mlp_only": args.mlp_only, "adaptdist_sharded": adaptdist_sharded}
         import bench_dp
         import bench_tp  # this file as an importable module, so spawn can unpickle the workers
 
@@ -150,7 +195,7 @@ def main(argv=None) -> int:
     d = _summarize(results["DTensor"], args.warmup, tokens)
     ratio = comparison_table(con, f"adaptdist tp plan vs torch DTensor TP — {args.nproc} ranks x "
                                   f"{args.threads_per_rank} thread(s), global batch {args.batch_size}x{args.seq_len} "
-                                  f"replicated", "DTensor", a, d)
+                                  f"replicated{', MLP only' if args.mlp_only else ''}", "DTensor", a, d)
     con.print(f"measured steps per side: {a['n_steps']} (per step: slowest rank); memory from one extra step "
               f"of the last rep inside PeakMemory (DTensors counted by their local shard); "
               f"RSS = the rank process's lifetime max.")

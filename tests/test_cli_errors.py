@@ -218,3 +218,11 @@ def test_remote_or_multi_host_cluster_is_refused(capsys, tmp_path):
         y.write_text("schema_version: 1\nhosts:\n" + hosts)
         msg = run_cli(capsys, tmp_path, "--cluster", str(y))
         assert "this machine only" in msg
+
+
+def test_plan_command_prints_the_placement_table(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--plan", "tp", "--nproc", "2", "--batch-size", "2", "--seq-len", "8", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "blocks.0.attn.q.weight" in text and "S(0)" in text and "[96, 192]" in text
+    assert "all_reduce" in text and out.is_file()

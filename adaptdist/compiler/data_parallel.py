@@ -149,7 +149,7 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
         return lower(captured, world_size, mesh_axis=axis, shard_batch=plan.batch_axis is not None,
                      param_placements=plan.placements_on_axis(0), bucket_bytes=bucket_bytes, state=state,
                      dump_dir=dump_dir, plan_name=plan.name)
-    placements = plan.placements({f: tuple(t.shape) for f, t in state.items()})
+    placements = plan.placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
     return lower(captured, world_size, mesh_axis=plan.mesh_axis, shard_batch=plan.shard_batch,
                  param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir,
                  plan_name=plan.name)
