@@ -24,3 +24,24 @@ def test_views_share_one_storage():
         t = v.t()
         del v, t
     assert pm.report.peak_bytes == 4000
+
+
+def test_tensor_subclasses_are_counted_by_what_they_wrap():
+    """DTensor (and functional-collective wrappers) own no storage; they must not crash the meter."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        d = distribute_tensor(torch.ones(256, 256), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with PeakMemory() as pm:
+            e = d * 2
+        assert pm.report.peak_bytes >= 256 * 256 * 4
+        del e
+    finally:
+        dist.destroy_process_group()

@@ -48,7 +48,19 @@ class _Meter(compat.torch_dispatch_mode_base()):
     def track(self, t: Any) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        st = t.untyped_storage()
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            # tensor subclasses (DTensor, functional-collective wrappers) own no storage of
+            # their own: count the plain tensors they wrap
+            inner = [getattr(t, a) for a in ("_local_tensor", "elem") if isinstance(getattr(t, a, None), torch.Tensor)]
+            for x in inner:
+                self.track(x)
+            if inner:
+                return
+        try:
+            st = t.untyped_storage()
+            st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return  # a wrapper with no real storage
         key = id(st) if st.data_ptr() == 0 else st.data_ptr()
         if key in self.live:
             return
