@@ -20,6 +20,8 @@ Keys:
         localization trims to the rank's own shard size.
     ``adaptdist.gather_chain``: on the last node of an all_gather sequence, the names of the
         sequence's nodes in order (so a pass can repeat the gather elsewhere).
+    ``adaptdist.coalesced``: on the split after a bucketed all_gather, the names of the padded
+        shards it carries, in order (localization sizes the split from their local shapes).
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``.
 """
@@ -42,6 +44,7 @@ OUTPUT_ROLES = "adaptdist.output_roles"
 GATHER_PAD = "adaptdist.gather_pad"
 SCATTER_TRIM = "adaptdist.scatter_trim"
 GATHER_CHAIN = "adaptdist.gather_chain"
+COALESCED = "adaptdist.coalesced"
 
 Layout = tuple[Placement, ...]
 
@@ -158,3 +161,11 @@ def set_gather_chain(node: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
 
 def get_gather_chain(node: torch.fx.Node) -> list[str] | None:
     return node.meta.get(GATHER_CHAIN)
+
+
+def set_coalesced(node: torch.fx.Node, pads: list[torch.fx.Node]) -> None:
+    node.meta[COALESCED] = [p.name for p in pads]
+
+
+def get_coalesced(node: torch.fx.Node) -> list[str] | None:
+    return node.meta.get(COALESCED)

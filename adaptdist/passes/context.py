@@ -19,6 +19,7 @@ class PassContext:
         bucket_bytes: target size of one gradient all_reduce bucket, bytes.
         shard_batch: whether batch inputs are split on dim 0 over the axis (data
             parallel); False keeps them replicated (e.g. a pure tensor-parallel axis).
+        gather_bucket_bytes: target size of one bucket of parameter all_gathers, bytes.
         param_placements: placement of each parameter/buffer (by fqn) on the axis;
             absent ones are replicated.
     """
@@ -28,6 +29,7 @@ class PassContext:
     mesh_axis: str = "dp"
     bucket_bytes: int = 25 * 2**20
     shard_batch: bool = True
+    gather_bucket_bytes: int = 4 * 2**20
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

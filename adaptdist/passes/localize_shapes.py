@@ -27,6 +27,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Shard, chunk_interval
+from .bucket_param_allgather import padded_numel
 from .sharding_rules import tensor_args
 from .context import PassContext
 from .propagate_placements import placement_of
@@ -87,6 +88,17 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
     changed = False
     for node in local.graph.nodes:
         if node.op != "call_function":
+            continue
+        pads = gmeta.get_coalesced(node)
+        if pads is not None:
+            by_name = {n.name: n for n in local.graph.nodes}
+            sizes = []
+            for name in pads:
+                pad = by_name[name]
+                s0, e0 = largest[pad]
+                sizes.append(padded_numel(pad, e0 - s0))
+            node.args = (node.args[0], sizes, node.args[2])
+            changed = True
             continue
         pad_dim = gmeta.get_gather_pad(node)
         if pad_dim is not None:
