@@ -211,8 +211,8 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
         sharded = [(shape_at(a), ivs[a]) for _, a in tensor_args(node) if a in ivs and isinstance(placement_of(a), Shard)]
         out = []
         for q, v in zip(p, node.meta["val"]):
-            if not isinstance(q, Shard):
-                out.append(None)
+            if not isinstance(q, Shard) or not isinstance(v, torch.Tensor):
+                out.append(None if not isinstance(q, Shard) else (s, e))
                 continue
             size = v.shape[q.dim]
             out.append(next((iv for n, iv in sharded if n == size), (s, e)))
