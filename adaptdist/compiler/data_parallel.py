@@ -14,6 +14,7 @@ import torch.nn as nn
 from .. import graph_meta as gmeta
 from ..passes.bucket_grad_allreduce import bucket_grad_allreduce
 from ..passes.bucket_param_allgather import bucket_param_allgather
+from ..passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from ..passes.decompose_addmm import decompose_addmm
 from ..passes.context import PassContext
 from ..passes.globalize_reductions import globalize_reductions
@@ -42,6 +43,7 @@ DP_PASSES: tuple[Pass, ...] = (
     insert_redistributes,
     regather_in_backward,
     bucket_param_allgather,
+    bucket_grad_reduce_scatter,
     bucket_grad_allreduce,
     relax_views,
 )
