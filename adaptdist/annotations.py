@@ -32,6 +32,11 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
             placement = parse_placement(pl) if isinstance(pl, str) else pl
         except ValueError as e:
             raise UsageError(f"annotation {glob!r}: {e}") from None
+        if not isinstance(placement, (Shard, Replicate)):
+            raise UsageError(
+                f"annotation {glob!r}: a parameter is stored as S(dim) or R, not {placement!r} "
+                "(a Partial value is what a computation produces, not how a weight is held)"
+            )
         hits = [f for f in shapes if fnmatch.fnmatchcase(f, glob)]
         if not hits:
             close = sorted(shapes)[:6]
@@ -87,9 +92,12 @@ class ManualPlan:
             return ManualPlan("fsdp", "dp", True)
         if text == "tp":
             tp = getattr(model_module, "TP_PLAN", None)
-            if not isinstance(tp, dict):
+            if tp is None:
                 raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement}; this model file "
                                  "defines none: add one, or pass --plan FILE.yaml")
+            if not isinstance(tp, dict):
+                raise UsageError(f"the model file's TP_PLAN is a {type(tp).__name__}; it must be a dict "
+                                 "{glob: placement}, e.g. {'fc1.weight': 'S(0)', 'fc2.weight': 'S(1)'}")
             return ManualPlan("tp", "tp", False, tuple(tp.items()))
         if "," in text:
             raise UsageError(f"--plan {text!r}: multi-axis meshes (dp,tp) are not supported yet; use dp, fsdp or tp")
@@ -104,8 +112,15 @@ class ManualPlan:
             doc = yaml.safe_load(p.read_text())
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise UsageError(f"plan file {text!r} is not valid YAML: {e}") from None
-        if not isinstance(doc, dict) or doc.get("schema_version") != 1:
+        if not isinstance(doc, dict):
             raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 1'")
+        if doc.get("schema_version") != 1:
+            raise UsageError(f"plan file {text!r}: 'schema_version' is {doc.get('schema_version')!r}; this "
+                             "adaptdist reads 1")
+        unknown = set(doc) - {"schema_version", "mesh_axis", "shard_batch", "params"}
+        if unknown:
+            raise UsageError(f"plan file {text!r}: unknown field(s) {sorted(unknown)}; the fields are "
+                             "schema_version, mesh_axis, shard_batch, params")
         params = doc.get("params", {})
         if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
             raise UsageError(f"plan file {text!r}: field 'params' must map globs to placements like 'S(0)'")

@@ -33,12 +33,12 @@ def _positive(kind):
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="builtin:gpt",
-                   help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn) (default: builtin:gpt)")
+                   help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--cluster", metavar="FILE", help="cluster YAML file (schema_version 1)")
-    g.add_argument("--nproc", type=int, default=None, help="number of local ranks (default 2)")
-    p.add_argument("--batch-size", type=_positive(int), default=16, help="global batch size (default 16)")
-    p.add_argument("--seq-len", type=_positive(int), default=128, help="sequence length (default 128)")
+    g.add_argument("--nproc", type=int, default=None, help="number of local ranks; 2 when neither --nproc nor --cluster is given")
+    p.add_argument("--batch-size", type=_positive(int), default=16, help="global batch size")
+    p.add_argument("--seq-len", type=_positive(int), default=128, help="sequence length")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs (pass timings)")
 
 
@@ -48,20 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command")
     t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
     _add_common(t)
-    t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on (default: embedded corpus)")
+    t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
     t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE",
                    help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan "
                         "YAML of parameter globs, or a saved plan.json (checked against the model's graph)")
-    t.add_argument("--steps", type=_positive(int), default=800, help="training steps (default 800)")
-    t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate (default 2e-3)")
+    t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
+    t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory (default runs/latest)")
+    t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
     t.add_argument("--bucket-mb", type=_positive(float), default=2.0,
                    help="gradient all_reduce bucket size, MiB (small buckets overlap with backward)")
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
-                   help="torch threads per rank (default: cores // ranks, at least 1)")
+                   help="torch threads per rank; None: cores // ranks, at least 1")
     t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
     t.add_argument("--dump-graphs", metavar="DIR", help="write the graph after each pass to DIR")
@@ -111,7 +111,7 @@ def cmd_plan(args) -> int:
     for c in calls:
         kinds.setdefault(c.op, []).append(c.numel)
     console.print("collectives per step on rank 0: " + (", ".join(
-        f"{len(v)} x {k} ({sum(v) * 4 / 2**20:.2f} MiB fp32)" for k, v in sorted(kinds.items())) or "none"))
+        f"{len(v)} x {k} ({sum(v) * 4 / 2**20:.2f} MiB of fp32 inputs)" for k, v in sorted(kinds.items())) or "none"))
     if args.out:
         Path(args.out).write_text(p0.plan.to_json())
         console.print(f"wrote {args.out}")

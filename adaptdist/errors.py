@@ -44,3 +44,7 @@ class CollectiveMismatchError(AdaptdistError):
 
 class PlanMismatchError(AdaptdistError):
     """A plan was made for another graph (model, batch shape or torch version)."""
+
+
+class InternalError(AdaptdistError):
+    """A compiler pass failed on a valid input: a bug in adaptdist; the message names the pass."""

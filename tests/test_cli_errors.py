@@ -226,3 +226,20 @@ def test_plan_command_prints_the_placement_table(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "blocks.0.attn.q.weight" in text and "S(0)" in text and "[96, 192]" in text
     assert "all_reduce" in text and out.is_file()
+
+
+@pytest.mark.parametrize("body,expect", [
+    ("schema_version: 1\nparams:\n  blocks.*.fc.weight: P(sum)\n", "S(dim) or R"),
+    ("schema_version: 1\nshard_bach: true\n", "unknown field"),
+    ("schema_version: 2\n", "'schema_version' is 2"),
+])
+def test_bad_plan_files(capsys, tmp_path, body, expect):
+    f = tmp_path / "plan.yaml"
+    f.write_text(body)
+    msg = run_cli(capsys, tmp_path, "--plan", str(f))
+    assert expect in msg
+
+
+def test_tp_degree_must_divide_heads(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, "--plan", "tp", "--nproc", "4", "--batch-size", "2", "--seq-len", "8")
+    assert "number of ranks must divide the number of heads (6 here)" in msg

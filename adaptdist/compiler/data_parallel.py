@@ -24,7 +24,7 @@ from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
 from ..placement import Placement, Shard, chunk_interval
-from ..errors import UsageError
+from ..errors import AdaptdistError, InternalError, UsageError
 from ..plan import Plan, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
@@ -54,7 +54,17 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dum
     """Run ``passes`` in order, logging each one's time; with ``dump_dir``, write the graph after each."""
     for i, p in enumerate(passes):
         t0 = time.perf_counter()
-        gm, changed = p(gm, ctx)
+        try:
+            gm, changed = p(gm, ctx)
+        except AdaptdistError:
+            raise
+        except Exception as e:
+            log.debug("pass %s failed", p.__name__, exc_info=True)
+            raise InternalError(
+                f"internal error in pass {p.__name__}: {type(e).__name__}: {str(e).splitlines()[0]}. This is a bug "
+                "in adaptdist, not in your model: please report it (run with -v for the traceback); "
+                "--plan dp may avoid it"
+            ) from e
         log.debug("pass %s: %.1f ms, changed=%s", p.__name__, 1e3 * (time.perf_counter() - t0), changed)
         if dump_dir:
             d = Path(dump_dir)

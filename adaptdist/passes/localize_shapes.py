@@ -225,9 +225,11 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
         k = n_in // n_out
         if s % k or e % k:
             raise UnsupportedOpError(
-                f"view node {node.name!r} splits its sharded dim ({gmeta.shape_str(src)} -> "
-                f"{gmeta.shape_str(node)}) inside a block of {k}: this rank holds rows [{s}, {e}), "
-                "which do not split evenly; change the batch size or the number of ranks"
+                f"view node {node.name!r}{' in ' + gmeta.module_of(node) if gmeta.module_of(node) else ''} "
+                f"splits a sharded dim of size {n_in} into {n_out} groups of {k} ({gmeta.shape_str(src)} -> "
+                f"{gmeta.shape_str(node)}), but this rank's shard [{s}, {e}) does not hold whole groups. With "
+                f"tensor parallelism over attention heads the number of ranks must divide the number of heads "
+                f"({n_out} here); otherwise change the number of ranks, the batch size, or the plan"
             )
         return (s // k, e // k)
     return (s, e)
