@@ -110,17 +110,22 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    @torch.no_grad()
     def generate(self, prompt: torch.Tensor, num_tokens: int, temperature: float = 0.8,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``num_tokens`` more tokens after ``prompt`` (``int64[T]``); returns ``int64[T + num_tokens]``."""
-        out = prompt.clone()
-        for _ in range(num_tokens):
-            ctx = out[-self.cfg.max_seq_len:].unsqueeze(0)
-            logits = self(ctx)[0, -1] / temperature
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            out = torch.cat([out, nxt])
-        return out
+        return generate(self, self.cfg.max_seq_len, prompt, num_tokens, temperature, generator)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, max_seq_len: int, prompt: torch.Tensor, num_tokens: int, temperature: float = 0.8,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Autoregressive sampling from any ``[1, T] -> [1, T, vocab]`` language model, last ``max_seq_len`` tokens
+    as context; ``prompt: int64[T]`` -> ``int64[T + num_tokens]``."""
+    out = prompt.clone()
+    for _ in range(num_tokens):
+        logits = model(out[-max_seq_len:].unsqueeze(0))[0, -1] / temperature
+        out = torch.cat([out, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)])
+    return out
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaptdist.models.gpt import data, lm_loss, sample  # noqa: F401  (same contract as the GPT)
+from adaptdist.models.gpt import data, generate, lm_loss, sample  # noqa: F401  (same contract as the GPT)
 
 # `adaptdist train --plan tp`: q/k/v and the SwiGLU input projections column-parallel (by heads,
 # by hidden units), attention-out and SwiGLU-out row-parallel.
@@ -140,16 +140,10 @@ class Llama(nn.Module):
             x = layer(x, cos, sin)
         return self.head(self.norm(x))
 
-    @torch.no_grad()
     def generate(self, prompt: torch.Tensor, num_tokens: int, temperature: float = 0.8,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``num_tokens`` more tokens after ``prompt`` (``int64[T]``)."""
-        out = prompt.clone()
-        for _ in range(num_tokens):
-            logits = self(out[-self.cfg.max_seq_len:].unsqueeze(0))[0, -1] / temperature
-            out = torch.cat([out, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)])
-        return out
-
+        return generate(self, self.cfg.max_seq_len, prompt, num_tokens, temperature, generator)
 
 def factory(batch_size: int, seq_len: int, config: LlamaConfig | None = None):
     """``(Llama, (tokens, targets), lm_loss)`` for ``int64[batch_size, seq_len]`` batches."""
