@@ -218,7 +218,7 @@ def cmd_train(args) -> int:
         "steps": len(losses), "initial_loss": losses[0], "final_loss": losses[-1],
         "last5_mean_loss": last, "last5_mean_over_initial": ratio,
         f"{unit}_per_s": r0["items_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
-        "ranks": nproc, "threads_per_rank": threads,
+        "ranks": nproc, "threads_per_rank": threads, "plan": plan.name, "losses": losses,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(

@@ -29,3 +29,28 @@ def dp_sgd_worker(program_dir: str, batches: list, lr: float, steps: int, timeou
         return {"losses": losses, "grads": grads, "params": params, "rows": program.batch_slice}
     finally:
         dist.destroy_process_group()
+
+
+def collective_edge_cases_worker(timeout_s: float = 30.0) -> dict:
+    """Functional collectives on non-contiguous and zero-element tensors; returns what each produced."""
+    from adaptdist import _torch_compat as compat
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        compat.register_process_group("adaptdist:test", dist.group.WORLD)
+        wait = compat.functional_wait_op()
+        base = torch.arange(12.0).view(3, 4) + 100 * rank
+        nc = base.t()  # non-contiguous [4, 3]
+        out = {
+            "all_reduce_nc": wait(compat.functional_all_reduce_op()(nc, "sum", "adaptdist:test")),
+            "all_gather_nc": wait(compat.functional_all_gather_op()(nc, world, "adaptdist:test")),
+            "reduce_scatter_nc": wait(compat.functional_reduce_scatter_op()(
+                torch.arange(4.0 * world).view(world, 4).t().contiguous().t() + rank, "sum", world, "adaptdist:test")),
+            "all_reduce_empty": wait(compat.functional_all_reduce_op()(torch.empty(0, 3), "sum", "adaptdist:test")),
+            "all_gather_empty": wait(compat.functional_all_gather_op()(torch.empty(0, 3), world, "adaptdist:test")),
+        }
+        return {k: v.clone() for k, v in out.items()}
+    finally:
+        dist.destroy_process_group()
