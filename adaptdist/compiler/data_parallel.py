@@ -14,6 +14,7 @@ import torch.nn as nn
 from .. import graph_meta as gmeta
 from ..passes.bucket_grad_allreduce import bucket_grad_allreduce
 from ..passes.bucket_param_allgather import bucket_param_allgather
+from ..passes.combine_partial_sums import combine_partial_sums
 from ..passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from ..passes.decompose_addmm import decompose_addmm
 from ..passes.context import PassContext
@@ -38,6 +39,7 @@ Pass = Callable[[torch.fx.GraphModule, PassContext], tuple[torch.fx.GraphModule,
 DP_PASSES: tuple[Pass, ...] = (
     decompose_addmm,
     propagate_placements,
+    combine_partial_sums,
     globalize_reductions,
     propagate_placements,
     insert_redistributes,
