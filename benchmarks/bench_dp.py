@@ -172,32 +172,52 @@ def _summarize(results_per_rep: list[dict[int, dict]], warmup: int, tokens: int)
     }
 
 
-def main(argv=None) -> int:
+def prelude(args, batch_note: str = ""):
+    """Shared start of every benchmark: console, worker environment, the run's header line.
+
+    Returns ``(console, tokens per step)``. Workers find this directory through PYTHONPATH.
+    """
     from rich.console import Console
-    from rich.table import Table
-    from safetensors.torch import save_file
 
-    from adaptdist.compiler.data_parallel import compile_data_parallel
-    from adaptdist.models.gpt import factory
-    from adaptdist.program import save_programs
-    from adaptdist.runtime.launch import launch_local
-
-    args = _parse(argv)
     con = Console(width=130)
     os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     tokens = args.batch_size * args.seq_len
     con.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.nproc} ranks (gloo), "
               f"[bold]{args.threads_per_rank} thread(s) per rank[/]; GPT (default GPTConfig), global batch "
-              f"{args.batch_size} x {args.seq_len} = {tokens} tokens; AdamW lr {args.lr}; "
+              f"{args.batch_size} x {args.seq_len} = {tokens} tokens{batch_note}; AdamW lr {args.lr}; "
               f"{args.reps} reps x ({args.warmup} warm-up + {args.steps} measured) steps per side")
+    return con, tokens
+
+
+def example_batch(args, tmp: str):
+    """The built-in GPT and its example batch (seeded), the batch saved for the workers.
+
+    Returns ``(model, example, loss_fn, number of parameters, batch file path)``.
+    """
+    from safetensors.torch import save_file
+
+    from adaptdist.models.gpt import factory
+
+    torch.manual_seed(args.seed)
+    model, example, loss_fn = factory(args.batch_size, args.seq_len)
+    batch_file = str(Path(tmp) / "batch.safetensors")
+    save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
+    return model, example, loss_fn, sum(p.numel() for p in model.parameters()), batch_file
+
+
+def main(argv=None) -> int:
+    from rich.table import Table
+
+    from adaptdist.compiler.data_parallel import compile_data_parallel
+    from adaptdist.program import save_programs
+    from adaptdist.runtime.launch import launch_local
+
+    args = _parse(argv)
+    con, tokens = prelude(args)
 
     with tempfile.TemporaryDirectory(prefix="bench_dp-") as tmp:
-        torch.manual_seed(args.seed)
-        model, example, loss_fn = factory(args.batch_size, args.seq_len)
-        n_params = sum(p.numel() for p in model.parameters())
-        batch_file = str(Path(tmp) / "batch.safetensors")
-        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
+        model, example, loss_fn, n_params, batch_file = example_batch(args, tmp)
         t0 = time.perf_counter()
         programs = compile_data_parallel(model, example, loss_fn, args.nproc,
                                          bucket_bytes=int(args.bucket_mb * 2**20))

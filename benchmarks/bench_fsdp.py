@@ -304,27 +304,13 @@ def memory_scaling(con, args, tmp: Path, batch_file: str, worlds: list[int]) -> 
 
 
 def main(argv=None) -> int:
-    from rich.console import Console
-    from safetensors.torch import save_file
-
-    from adaptdist.models.gpt import factory
+    from bench_dp import example_batch, prelude
 
     args = _parse(argv)
-    con = Console(width=130)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads_per_rank)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    tokens = args.batch_size * args.seq_len
-    con.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.nproc} ranks (gloo), "
-              f"[bold]{args.threads_per_rank} thread(s) per rank[/]; GPT (default GPTConfig), global batch "
-              f"{args.batch_size} x {args.seq_len} = {tokens} tokens; AdamW lr {args.lr}; "
-              f"{args.reps} reps x ({args.warmup} warm-up + {args.steps} measured) steps per side")
+    con, tokens = prelude(args)
 
     with tempfile.TemporaryDirectory(prefix="bench_fsdp-") as tmp:
-        torch.manual_seed(args.seed)
-        model, example, _ = factory(args.batch_size, args.seq_len)
-        n_params = sum(p.numel() for p in model.parameters())
-        batch_file = str(Path(tmp) / "batch.safetensors")
-        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
+        model, example, _, n_params, batch_file = example_batch(args, tmp)
         secs = compile_and_save("fsdp", args.nproc, args.batch_size, args.seq_len, args.seed,
                                 Path(tmp) / "programs", int(args.bucket_mb * MIB))
         con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan 'fsdp' for {args.nproc} ranks in "
