@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan "
                         "YAML of parameter globs, or a saved plan.json (checked against the model's graph)")
+    t.add_argument("--replicate-fallback", action="store_true",
+                   help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
+                        "lists them) instead of stopping with UnsupportedOpError")
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -196,7 +199,7 @@ def cmd_train(args) -> int:
     t0 = time.perf_counter()
     plan = ManualPlan.parse(args.plan, module)
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
-                               dump_dir=args.dump_graphs)
+                               dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback)
     save_programs(programs, out / "programs")
     mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
     console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "

@@ -58,3 +58,27 @@ def test_ignore_index_counts_globally():
     _, outs = simulate(model, batch, loss_fn, 2)
     hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
     assert abs(float(outs[0][0]) - hist[0][0]) < 1e-5
+
+
+def test_replicated_scores_with_a_sharded_target_still_average_globally():
+    """A model whose output is replicated (no batch dim flows through it) meets the batch-sharded
+    target inside the loss: the loss op is sharded by the target, so its mean must be global too."""
+    import torch.nn as nn
+
+    class Broadcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logits = nn.Parameter(torch.randn(5))
+            self.out = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return self.logits.expand(x.shape[0], 5) + 0 * x.sum(), self.out.expand(x.shape[0], 3)
+
+    torch.manual_seed(0)
+    for loss_fn in (lambda o, t: F.cross_entropy(o[0].detach() * 0 + o[0], t[:, 0].long()) + F.mse_loss(o[1], t),):
+        model = Broadcast()
+        batch = (torch.randn(7, 2), torch.randint(0, 3, (7, 3)).float())
+        _, outs = simulate(model, batch, loss_fn, 2)
+        hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
+        for r in range(2):
+            assert abs(float(outs[r][0]) - hist[0][0]) < 1e-5

@@ -55,3 +55,41 @@ def test_unknown_op_on_sharded_input_names_op_node_and_shapes():
         propagate_placements(cg.gm, PassContext(2, 6))
     msg = str(e.value)
     assert "cumsum" in msg and "[6, 4]" in msg and "S(0)" in msg
+
+
+def test_replicate_fallback_runs_unknown_ops_whole_and_warns_once(caplog):
+    import logging
+
+    from passutil import simulate
+    from reference import eager_sgd
+
+    class CumSum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), dim=0)
+
+    torch.manual_seed(0)
+    model = CumSum()
+    batch = (torch.randn(6, 4), torch.randn(6, 4))
+    cg = capture(model, batch, F.mse_loss)
+    ctx = PassContext(2, 6, replicate_fallback=True)
+    with caplog.at_level(logging.WARNING, logger="adaptdist.passes"):
+        propagate_placements(cg.gm, ctx)
+    warnings = [r for r in caplog.records if "replicate fallback" in r.getMessage()]
+    assert len(warnings) == 1 and "cumsum" in warnings[0].getMessage()
+
+    from adaptdist.compiler.data_parallel import lower
+    from adaptdist.runtime.simulate import simulate_ranks
+
+    progs = lower(cg, 2, state={f: dict(model.named_parameters())[f].detach() for f in cg.input_fqns},
+                  replicate_fallback=True)
+    ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
+    outs = simulate_ranks([p.module for p in progs.values()], ins)
+    hist, _ = eager_sgd(model, [batch], F.mse_loss, 0.1, 1)
+    for r in range(2):
+        assert abs(float(outs[r][progs[r].loss_index]) - hist[0][0]) < 1e-5
+        torch.testing.assert_close(outs[r][progs[r].output_roles.index("grad:fc.weight")], hist[0][1]["fc.weight"],
+                                   atol=1e-5, rtol=1e-5)

@@ -78,7 +78,7 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dum
 def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", shard_batch: bool = True,
           param_placements: Mapping[str, Placement] | None = None, bucket_bytes: int = 25 * 2**20,
           state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
-          plan_name: str = "") -> dict[int, RankProgram]:
+          plan_name: str = "", replicate_fallback: bool = False) -> dict[int, RankProgram]:
     """Lower a captured step onto a 1-D mesh of ``world_size`` ranks.
 
     Batch inputs are split on dim 0 (torch.chunk semantics) when ``shard_batch``;
@@ -91,7 +91,8 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
             BatchNorm over a split batch).
     """
     ctx = PassContext(world_size=world_size, batch_size=captured.batch_size, mesh_axis=mesh_axis,
-                      bucket_bytes=bucket_bytes, shard_batch=shard_batch, param_placements=dict(param_placements or {}))
+                      bucket_bytes=bucket_bytes, shard_batch=shard_batch, param_placements=dict(param_placements or {}),
+                      replicate_fallback=replicate_fallback)
     if world_size > 1 and shard_batch and not ctx.shards_batch:
         log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
                     "step (correct, but no faster than one rank)", captured.batch_size, world_size)
@@ -138,7 +139,8 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
 
 
 def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
-                    bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None) -> dict[int, RankProgram]:
+                    bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
+                    replicate_fallback: bool = False) -> dict[int, RankProgram]:
     """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
 
     ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel). Each
@@ -156,7 +158,8 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}
     if plan is None:
-        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name="dp")
+        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name="dp",
+                     replicate_fallback=replicate_fallback)
     if isinstance(plan, Plan):
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
         (axis, size), = plan.mesh.items()
@@ -164,11 +167,11 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
             raise UsageError(f"plan {plan.name!r} is for {size} ranks on mesh axis {axis!r}, this job has {world_size}")
         return lower(captured, world_size, mesh_axis=axis, shard_batch=plan.batch_axis is not None,
                      param_placements=plan.placements_on_axis(0), bucket_bytes=bucket_bytes, state=state,
-                     dump_dir=dump_dir, plan_name=plan.name)
+                     dump_dir=dump_dir, plan_name=plan.name, replicate_fallback=replicate_fallback)
     placements = plan.placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
     return lower(captured, world_size, mesh_axis=plan.mesh_axis, shard_batch=plan.shard_batch,
                  param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir,
-                 plan_name=plan.name)
+                 plan_name=plan.name, replicate_fallback=replicate_fallback)
 
 
 def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,

@@ -20,6 +20,8 @@ class PassContext:
         shard_batch: whether batch inputs are split on dim 0 over the axis (data
             parallel); False keeps them replicated (e.g. a pure tensor-parallel axis).
         gather_bucket_bytes: target size of one bucket of parameter all_gathers, bytes.
+        replicate_fallback: ops with no sharding rule gather their inputs and run whole on
+            every rank (with one warning listing them) instead of raising UnsupportedOpError.
         param_placements: placement of each parameter/buffer (by fqn) on the axis;
             absent ones are replicated.
     """
@@ -30,6 +32,7 @@ class PassContext:
     bucket_bytes: int = 25 * 2**20
     shard_batch: bool = True
     gather_bucket_bytes: int = 4 * 2**20
+    replicate_fallback: bool = False
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

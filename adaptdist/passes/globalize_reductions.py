@@ -113,7 +113,8 @@ def globalize_reductions(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             graph.erase_node(node)
             changed = True
         elif node.target in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
-            if node.args[3] != _MEAN or not _sharded_on(node.args[0], [0]):
+            # sharded when either the scores or the target are (the rule slices the other)
+            if node.args[3] != _MEAN or not (_sharded_on(node.args[0], [0]) or _sharded_on(node.args[1], [0])):
                 continue
             node.args = node.args[:3] + (_SUM,) + node.args[4:]
             users = list(node.users)
@@ -133,7 +134,9 @@ def globalize_reductions(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             pos, backward = _LOSSES[node.target]
             red = node.args[pos] if len(node.args) > pos else node.kwargs.get("reduction", _MEAN)
             x = node.args[1 if backward else 0]
-            if red != _MEAN or not isinstance(placement_of(x), Shard):
+            acts = [a for a in node.args[1 if backward else 0:pos] if isinstance(a, torch.fx.Node)]
+            # the rule shards the loss when any operand is sharded (a replicated one gets sliced)
+            if red != _MEAN or not any(isinstance(placement_of(a), Shard) for a in acts):
                 continue
             count = float(math.prod(x.meta["val"].shape))
             args = list(node.args) + [None] * (pos + 1 - len(node.args))

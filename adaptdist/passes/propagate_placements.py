@@ -18,6 +18,8 @@ Before/after (annotations only, the graph is unchanged)::
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx
 
@@ -25,8 +27,9 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
-from .sharding_rules import apply_rule
+from .sharding_rules import apply_rule, gather_all, rule_for
 
+log = logging.getLogger("adaptdist.passes")
 AXIS = 0  # the data-parallel mesh axis; an N-D mesh repeats this per axis
 
 
@@ -41,11 +44,16 @@ def placement_of(node: torch.fx.Node):
 def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
     """Annotate placements; returns ``(gm, changed)`` where changed means annotations changed.
 
+    With ``ctx.replicate_fallback``, an op with no rule gets its inputs gathered and runs
+    whole on every rank instead; one warning lists every such node.
+
     Raises:
-        UnsupportedOpError: an op has no rule for the placements it receives, or a
+        UnsupportedOpError: an op has no rule for the placements it receives (and no
+            replicate fallback was asked for), or a
             mutated buffer / the loss would end up sharded.
     """
     changed = False
+    fallbacks: list[str] = []
     for node in gm.graph.nodes:
         old = gmeta.get_placements(node)
         needs: dict = {}
@@ -58,7 +66,13 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         elif node.op == "get_attr":
             out = Replicate()
         elif node.op == "call_function":
-            res = apply_rule(node, placement_of)
+            try:
+                res = apply_rule(node, placement_of)
+            except UnsupportedOpError:
+                if not ctx.replicate_fallback or rule_for(node) is not None:
+                    raise
+                res = gather_all(node, placement_of, "no sharding rule (replicate fallback)")
+                fallbacks.append(f"{node.name} ({node.target})")
             out, needs = res.out, res.needs
         elif node.op == "output":
             needs = _output_needs(node, ctx)
@@ -71,6 +85,9 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         new_needs = {path: (p,) for path, p in needs.items()}
         gmeta.set_redistribute(node, new_needs)
         changed |= old != layout or old_needs != new_needs
+    if fallbacks:
+        log.warning("replicate fallback: %d op(s) without a sharding rule run whole on every rank, their inputs "
+                    "gathered: %s", len(fallbacks), ", ".join(fallbacks))
     return gm, changed
 
 

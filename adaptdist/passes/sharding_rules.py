@@ -74,8 +74,9 @@ def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOp
     where = gmeta.module_of(node)
     return UnsupportedOpError(
         f"op {node.target} at node {node.name!r}{' in ' + where if where else ''} has no sharding rule for "
-        f"inputs ({args}): {why}. Try replicating what feeds it, or rewrite that part of the model "
-        "with supported ops (see adaptdist/passes/sharding_rules.py)."
+        f"inputs ({args}): {why}. Rewrite that part of the model with supported ops, or pass "
+        "--replicate-fallback to gather its inputs and run it whole on every rank (see "
+        "adaptdist/passes/sharding_rules.py)."
     )
 
 
@@ -352,6 +353,11 @@ def gather_scatter(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 def new_factory(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """new_zeros & co: values do not depend on the input; the size argument is global."""
+    return RuleResult(R)
+
+
+def no_output(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """Checks that return nothing (``_assert_tensor_metadata``): any input layout is fine."""
     return RuleResult(R)
 
 
@@ -806,6 +812,7 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.new_full.default: new_factory,
     aten.ones_like.default: like_factory,
     aten.fill.Scalar: like_factory,
+    aten._assert_tensor_metadata.default: no_output,
     aten.slice_backward.default: slice_select_backward,
     aten.select_backward.default: slice_select_backward,
     aten.zeros_like.default: like_factory,
