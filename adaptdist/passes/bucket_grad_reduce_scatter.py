@@ -31,6 +31,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..placement import Partial, Shard
 from .context import PassContext
+from .graph_build import add_op
 
 aten = torch.ops.aten
 
@@ -83,11 +84,7 @@ def _merge(graph, bucket, ctx: PassContext, out: torch.fx.Node, order: dict) -> 
     mode = getattr(bucket[0][1][-1].meta["val"], "fake_mode", None)
 
     def call(target, args, placement):
-        node = graph.call_function(target, args)
-        with mode if mode is not None else torch.no_grad():
-            node.meta["val"] = target(*torch.fx.node.map_arg(args, lambda m: m.meta["val"]))
-        gmeta.set_placements(node, (placement,))
-        return node
+        return add_op(graph, target, args, placement)
 
     # Move each gradient's permute/pad right after the bucket's last gradient.
     anchor = last

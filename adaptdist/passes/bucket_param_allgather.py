@@ -31,6 +31,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..placement import Replicate
 from .context import PassContext
+from .graph_build import add_op
 from .regather_in_backward import _forward_end
 from .sharding_rules import _is_param
 
@@ -80,15 +81,9 @@ def bucket_param_allgather(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[
 
 def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None:
     first_ag = bucket[0][0]
-    mode = getattr(bucket[0][1].meta["val"], "fake_mode", None)
 
-    def call(target, args, kwargs=None):
-        node = graph.call_function(target, args, kwargs or {})
-        with mode if mode is not None else torch.no_grad():
-            a = torch.fx.node.map_arg(args, lambda m: m.meta["val"])
-            node.meta["val"] = target(*a, **(kwargs or {}))
-        gmeta.set_placements(node, (Replicate(),))
-        return node
+    def call(target, args):
+        return add_op(graph, target, args, Replicate())
 
     # The pads (and the permutes feeding them) of later parameters depend only on
     # placeholders: move them up to the bucket's position.

@@ -32,6 +32,7 @@ import torch.fx
 from .. import graph_meta as gmeta
 from ..placement import Shard
 from .context import PassContext
+from .graph_build import set_fake_val
 from .propagate_placements import placement_of
 
 aten = torch.ops.aten
@@ -58,21 +59,6 @@ def _new(graph: torch.fx.Graph, target, args, kwargs=None, like=None) -> torch.f
             if key in like.meta:
                 n.meta[key] = like.meta[key]
     return n
-
-
-def _set_val(n: torch.fx.Node) -> None:
-    """Fill meta['val'] by running the op on the fake inputs."""
-    def v(a):
-        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
-    args = torch.fx.node.map_arg(n.args, v)
-    kwargs = torch.fx.node.map_arg(n.kwargs, v)
-    fake = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)), None)
-    mode = getattr(fake, "fake_mode", None)
-    if mode is None:
-        n.meta["val"] = n.target(*args, **kwargs)
-    else:
-        with mode:
-            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _sharded_on(node: torch.fx.Node, dims: list[int]) -> bool:
@@ -106,9 +92,9 @@ def globalize_reductions(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             dtype = node.kwargs.get("dtype")
             with graph.inserting_before(node):
                 s = _new(graph, aten.sum.dim_IntList, (x, dims, keepdim), {"dtype": dtype} if dtype else {}, like=node)
-                _set_val(s)
+                set_fake_val(s)
                 d = _new(graph, aten.div.Tensor, (s, float(count)), like=node)
-                _set_val(d)
+                set_fake_val(d)
             node.replace_all_uses_with(d)
             graph.erase_node(node)
             changed = True
@@ -145,7 +131,7 @@ def globalize_reductions(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             if backward:
                 with graph.inserting_before(node):
                     g = _new(graph, aten.div.Tensor, (args[0], count), like=node)
-                    _set_val(g)
+                    set_fake_val(g)
                 args[0] = g
                 node.args, node.kwargs = tuple(args), kwargs
             else:

@@ -37,6 +37,7 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
+from .graph_build import add_op
 from .propagate_placements import placement_of
 
 aten = torch.ops.aten
@@ -84,15 +85,8 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
     nd, n = val.dim(), val.shape[dim]
     mode = getattr(val, "fake_mode", None)
 
-    def call(target, args, placement, kind=None):
-        node = graph.call_function(target, args)
-        with mode if mode is not None else torch.no_grad():
-            a = torch.fx.node.map_arg(args, lambda m: m.meta["val"])
-            node.meta["val"] = target(*a)
-        gmeta.set_placements(node, (placement,))
-        if kind:
-            gmeta.mark_collective(node, kind)
-        return node
+    def call(target, args, placement, kind=None, kwargs=None):
+        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind)
 
     with graph.inserting_before(before):
         perm = [dim] + [d for d in range(nd) if d != dim]
@@ -113,8 +107,7 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
         if dim:
             inv = [perm.index(d) for d in range(nd)]
             back = call(aten.permute.default, (full, inv), Replicate())
-            full = call(aten.clone.default, (back,), Replicate())
-            full.kwargs = {"memory_format": torch.contiguous_format}
+            full = call(aten.clone.default, (back,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
     gmeta.set_gather_chain(full, [n for n in (moved, padded, gathered, w) if n is not x] + _tail(full, w))
     return full
 
@@ -138,17 +131,9 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     val = x.meta["val"]
     nd, n, w = val.dim(), val.shape[dim], ctx.world_size
     block = -(-n // w)
-    mode = getattr(val, "fake_mode", None)
 
     def call(target, args, placement, kind=None, kwargs=None):
-        node = graph.call_function(target, args, kwargs or {})
-        with mode if mode is not None else torch.no_grad():
-            a = torch.fx.node.map_arg(args, lambda m: m.meta["val"])
-            node.meta["val"] = target(*a, **(kwargs or {}))
-        gmeta.set_placements(node, (placement,))
-        if kind:
-            gmeta.mark_collective(node, kind)
-        return node
+        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind)
 
     with graph.inserting_before(before):
         perm = [dim] + [d for d in range(nd) if d != dim]
