@@ -43,6 +43,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``adaptdist`` argument parser: subcommands ``train`` and ``plan`` with one shared grammar."""
     ap = argparse.ArgumentParser(prog="adaptdist", description="Automatic distributed training for PyTorch.")
     fmt = argparse.ArgumentDefaultsHelpFormatter
     sub = ap.add_subparsers(dest="command")
@@ -149,6 +150,11 @@ def check_batch(batch, example, data) -> None:
 
 
 def cmd_train(args) -> int:
+    """``adaptdist train``: compile the plan, launch the ranks, train, checkpoint, sample.
+
+    Raises:
+        AdaptdistError: any bad input (model, data, cluster, plan); ``main`` prints it as one paragraph.
+    """
     import torch
     from rich.console import Console
     from safetensors.torch import load_file, save_file
@@ -246,6 +252,7 @@ def cmd_train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``adaptdist`` command; returns the exit code (2 for a user error, with no traceback)."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command is None:

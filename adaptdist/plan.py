@@ -97,6 +97,7 @@ class Plan:
             )
 
     def to_json(self) -> str:
+        """The plan as indented, key-sorted JSON text."""
         return json.dumps({
             "schema_version": self.schema_version, "name": self.name, "mesh": dict(self.mesh),
             "batch_axis": self.batch_axis, "graph_fingerprint": self.graph_fingerprint,
@@ -123,6 +124,11 @@ class Plan:
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
+        """Read a plan file.
+
+        Raises:
+            UsageError: the file does not exist or is not a valid plan (names the field).
+        """
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"plan file {str(p)!r} does not exist")

@@ -70,6 +70,7 @@ def shape(n: Any) -> tuple[int, ...]:
 
 
 def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOpError:
+    """The UnsupportedOpError for ``node``, naming op, node, module, input shapes and placements."""
     args = ", ".join(f"{a.name}: {gmeta.shape_str(a)} {pl(a)!r}" for _, a in tensor_args(node))
     where = gmeta.module_of(node)
     return UnsupportedOpError(
@@ -172,10 +173,12 @@ def like_factory(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def identity(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """clone/_to_copy/alias/detach: the input's placement, Partial included (they are linear)."""
     return RuleResult(pl(node.args[0]))
 
 
 def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """native_dropout(x) -> (out, mask), both laid out like x; a Partial input is reduced first."""
     p = pl(node.args[0])
     if isinstance(p, Partial):
         return RuleResult((R, R), {(0,): R})
@@ -211,6 +214,7 @@ def view(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def transpose(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """t/transpose/permute: the shard moves with its dim."""
     p = pl(node.args[0])
     if not isinstance(p, Shard):
         return RuleResult(p)
@@ -227,6 +231,7 @@ def transpose(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def unsqueeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """unsqueeze: the shard's dim shifts up past the new dim."""
     p = pl(node.args[0])
     if not isinstance(p, Shard):
         return RuleResult(p)
@@ -235,6 +240,7 @@ def unsqueeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def squeeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """squeeze: the shard's dim shifts down past removed size-1 dims."""
     p = pl(node.args[0])
     if not isinstance(p, Shard):
         return RuleResult(p)
@@ -248,6 +254,7 @@ def squeeze(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def expand(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """expand: the shard keeps its dim, shifted by new leading dims."""
     p = pl(node.args[0])
     if not isinstance(p, Shard):
         return RuleResult(p)
@@ -298,6 +305,7 @@ def _is_full_slice(node: torch.fx.Node) -> bool:
 
 
 def split(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """split/split_with_sizes/unbind along a dim other than the sharded one; else gather."""
     p = pl(node.args[0])
     n_out = len(gmeta.val(node))
     if not isinstance(p, Shard):
@@ -362,6 +370,7 @@ def no_output(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def getitem(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """getitem on a multi-output op: the placement of that output."""
     src = node.args[0]
     layout = pl(src)
     return RuleResult(layout[node.args[1]] if isinstance(layout, tuple) else layout)
@@ -476,10 +485,12 @@ def _is_param(n: torch.fx.Node) -> bool:
 
 
 def mm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """mm(a [m, k], b [k, n]): S(m)xR -> S(0), RxS(n) -> S(1), S(k)xS(k) -> Partial."""
     return _mm_core(node, pl, (0,), (1,), batch=False)
 
 
 def bmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """bmm(a [b, m, k], b [b, k, n]): the mm rules shifted by one, plus batch S(0)xS(0) -> S(0)."""
     return _mm_core(node, pl, (0,), (1,), batch=True)
 
 
@@ -512,6 +523,7 @@ def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def embedding(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """embedding(weight [V, C], indices [...]): indices' layout carries over; a sharded table is gathered."""
     w, idx = node.args[0], node.args[1]
     needs: dict[ArgPath, Placement] = {}
     if not isinstance(pl(w), Replicate):
@@ -524,6 +536,7 @@ def embedding(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """embedding_dense_backward(grad [..., C], indices [...]) -> [V, C]: sharded rows sum to Partial."""
     g, idx = node.args[0], node.args[1]
     pg, pi = pl(g), pl(idx)
     if isinstance(pg, Replicate) and isinstance(pi, Replicate):
@@ -538,6 +551,8 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """native_layer_norm(x, normalized_shape, w, b, eps) -> (out, mean, rstd): any dim outside the
+    normalized ones may be sharded; weight and bias are replicated."""
     x = node.args[0]
     k = len(node.args[1])
     p = pl(x)
@@ -553,6 +568,7 @@ def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def layer_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """native_layer_norm_backward -> (grad_x: the activations' shard, grad_w: Partial, grad_b: Partial)."""
     acts = [0, 1, 3, 4]  # grad_out, input, mean, rstd
     pls = {i: pl(node.args[i]) for i in acts}
     shards = {p.dim for p in pls.values() if isinstance(p, Shard)}
@@ -702,6 +718,8 @@ class _Attention:
 
 
 def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """Training-mode BatchNorm over a sharded batch raises (per-rank statistics would be wrong);
+    replicated inputs and eval-mode backward are fine."""
     if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
         # eval-mode BatchNorm: running statistics, nothing depends on other samples
         return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)

@@ -103,6 +103,11 @@ def _repeat(batch: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
+    """``torch.optim.SGD`` or ``AdamW`` (no weight decay) over ``params`` at learning rate ``lr``.
+
+    Raises:
+        AdaptdistError: an unknown optimizer name.
+    """
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
@@ -139,6 +144,7 @@ class StepRunner:
         return float(outs[self.program.loss_index])
 
     def optimizer_state_by_fqn(self) -> dict:
+        """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
         sd = self.opt.state_dict()
         return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
 
