@@ -1,4 +1,4 @@
-"""Cluster: local clusters, cluster YAML files and their errors."""
+"""Cluster: local clusters, schema-version-1 cluster files and their errors (version 2: test_cluster_v2.py)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ def test_local():
     assert c.world_size == 3
     assert c.device_kind == "cpu"
     assert c.backend == "gloo"
-    assert c.hosts == (Host("localhost", "cpu", 3),)
+    assert [h.name for h in c.hosts] == ["localhost"] and c.hosts[0].num_devices == 3
+    assert [d.rank for d in c.devices] == [0, 1, 2] and all(d.kind == "cpu" for d in c.devices)
+    assert c.hosts == (Host.uniform("localhost", "cpu", 3),)
     assert repr(c) == "Cluster(localhost:3xcpu)"
+    assert not c.calibrated and c.collective_fit("all_reduce", "intra_host") is None
 
 
 def test_local_cuda_backend_is_nccl():
@@ -113,10 +116,18 @@ def test_schema_version_missing(tmp_path):
     assert "'schema_version'" in msg and "missing" in msg
 
 
-@pytest.mark.parametrize("version", ["2", "'1'", "0", "true", "1.0"])
+@pytest.mark.parametrize("version", ["3", "'1'", "0", "true", "1.0", "'2'"])
 def test_schema_version_wrong(tmp_path, version):
     msg = load_error(tmp_path, f"schema_version: {version}\nhosts:\n  - {{name: h, device_kind: cpu, num_devices: 2}}\n")
-    assert "'schema_version'" in msg and f"version {SCHEMA_VERSION}" in msg
+    assert "'schema_version'" in msg and "version 1" in msg and f"version {SCHEMA_VERSION}" in msg
+
+
+def test_version_1_round_trips_as_version_2(tmp_path):
+    c = Cluster.from_yaml(write(tmp_path, "schema_version: 1\nhosts:\n  - {name: h, device_kind: cpu, num_devices: 2}\n"))
+    assert SCHEMA_VERSION == 2 and c.to_dict()["schema_version"] == 2
+    out = tmp_path / "v2.yaml"
+    c.to_yaml(out)
+    assert Cluster.from_yaml(out) == c
 
 
 def test_hosts_missing(tmp_path):
@@ -190,14 +201,21 @@ hosts:
     assert "duplicate host names" in msg
 
 
-def test_mixed_device_kinds(tmp_path):
-    msg = load_error(tmp_path, """\
+def test_mixed_device_kinds_load_but_have_no_single_backend(tmp_path):
+    c = Cluster.from_yaml(write(tmp_path, """\
 schema_version: 1
 hosts:
   - {name: a, device_kind: cpu, num_devices: 1}
   - {name: b, device_kind: cuda, num_devices: 2}
-""")
-    assert "mixed device kinds" in msg
+"""))
+    assert c.device_kinds == ("cpu", "cuda") and c.world_size == 3
+    assert [c.device(r).kind for r in range(3)] == ["cpu", "cuda", "cuda"]
+    assert c.link(0, 1).tier == "inter_host" and c.link(1, 2).tier == "intra_host"
+    for attr in ("backend", "device_kind"):
+        with pytest.raises(ClusterSpecError) as ei:
+            getattr(c, attr)
+        msg = str(ei.value)
+        assert "mixes device kinds" in msg and "'cpu'" in msg and "'cuda'" in msg and "gloo" in msg and "nccl" in msg
 
 
 def test_empty_cluster_direct():
