@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE", help="as for train")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
+    from .calibrate.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)  # adaptdist cluster detect|profile
     return ap
 
 
@@ -251,6 +254,13 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_cluster(args) -> int:
+    """``adaptdist cluster detect|profile``: see :mod:`adaptdist.calibrate.command`."""
+    from .calibrate.command import cmd_cluster as run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``adaptdist`` command; returns the exit code (2 for a user error, with no traceback)."""
     ap = build_parser()
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"train": cmd_train, "plan": cmd_plan}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster}[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -830,6 +830,10 @@ class _Parser:
         seen: dict[int, str] = {}
         for i, h in enumerate(self.hosts_list(doc, "name and devices")):
             hp = f"hosts[{i}]"
+            if isinstance(h, dict) and "devices" not in h and ("num_devices" in h or "device_kind" in h):
+                raise self.fail(hp, "has the schema version 1 keys device_kind / num_devices; in version 2 a host "
+                                    "lists its devices: {name: localhost, devices: [" + _EXAMPLE_DEVICE + ", ...]} "
+                                    "(or write 'schema_version: 1' to get estimated figures)")
             self.mapping(hp, h, ("name", "devices"), ("name", "devices"), "{name: localhost, devices: [...]}")
             if not isinstance(h["name"], str) or not h["name"]:
                 raise self.fail(f"{hp}.name", f"must be a non-empty string, got {h['name']!r}")

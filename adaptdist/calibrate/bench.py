@@ -1,0 +1,285 @@
+"""What every rank runs during ``adaptdist cluster profile``.
+
+:func:`profile_rank` is the entry point launched on every rank (by
+:func:`adaptdist.runtime.launch.launch_local`). All ranks run every measurement at the same
+time, so ranks that share cores or memory channels slow each other down exactly as they will
+while training.
+
+Collective timing, per message size: one warm-up call, one timed call whose slowest-rank time
+sets the iteration count k (about ``target_s`` of work per batch), then ``repeats`` batches of
+k back-to-back calls between barriers; a batch's time is the slowest rank's; the median batch
+mean is the time per call. Message sizes follow nccl-tests' convention (see
+:mod:`adaptdist.cluster`). send_recv is a ping-pong between ranks 0 and 1 (half the round trip).
+
+Compute: for each dtype an n x n matmul (2 n^3 FLOP, n chosen so one call takes ~20 ms), and an
+elementwise ``add(a, b, out=c)`` over 64 MiB float32 tensors (3 x 64 MiB of memory traffic per
+call), each run for ``compute_window_s`` seconds on all ranks at once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Settings of one profile run (picklable: it travels to every rank).
+
+    Attributes:
+        backend: ``gloo`` or ``nccl``.
+        device_kind: ``cpu`` or ``cuda``.
+        sizes_bytes: collective message sizes, bytes (whole tensor per rank).
+        collectives: which collectives to time.
+        threads_per_rank: torch threads per rank (CPU).
+        target_s: seconds of calls per timed batch.
+        repeats: timed batches per message size.
+        max_iters: most calls per batch.
+        compute_dtypes: dtypes whose matmul rate is measured.
+        compute_window_s: seconds each compute measurement runs.
+        elementwise_bytes: bytes of each elementwise operand.
+        progress_file: where rank 0 writes ``{"done": i, "total": n, "label": str}`` (None: nowhere).
+        timeout_s: collective timeout, seconds (a hang becomes an error).
+    """
+
+    backend: str
+    device_kind: str
+    sizes_bytes: tuple[int, ...]
+    collectives: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+    threads_per_rank: int = 1
+    target_s: float = 0.02
+    repeats: int = 3
+    max_iters: int = 200
+    compute_dtypes: tuple[str, ...] = COMPUTE_DTYPES
+    compute_window_s: float = 0.4
+    elementwise_bytes: int = 64 * 2**20
+    progress_file: str | None = None
+    timeout_s: float = 60.0
+    total_steps: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_steps",
+                           len(self.collectives) * len(self.sizes_bytes) + len(self.compute_dtypes) + 1)
+
+
+class _Progress:
+    """Rank 0's progress reports, written atomically to a small JSON file the launcher polls."""
+
+    def __init__(self, path: str | None, total: int, enabled: bool) -> None:
+        self.path, self.total, self.enabled, self.done = path, total, enabled and path is not None, 0
+
+    def step(self, label: str, advance: int = 1) -> None:
+        self.done += advance
+        if self.enabled:
+            tmp = f"{self.path}.tmp"
+            Path(tmp).write_text(json.dumps({"done": self.done, "total": self.total, "label": label}))
+            os.replace(tmp, self.path)
+
+
+def _collective_call(name: str, nbytes: int, world: int, rank: int, device):
+    """A zero-argument function issuing one ``name`` call on a message of ``nbytes`` bytes."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(world, (nbytes // 4) // world * world)  # float32, divisible by the world size
+    x = torch.ones(numel, dtype=torch.float32, device=device)
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if name == "all_gather":  # nbytes = the gathered output
+        out, inp = x, torch.ones(numel // world, dtype=torch.float32, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(out, inp)
+    if name == "reduce_scatter":  # nbytes = the unscattered input
+        out = torch.empty(numel // world, dtype=torch.float32, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(out, x)
+    if name == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x)
+    if name == "send_recv":  # ping-pong between ranks 0 and 1; one call = one round trip
+        if rank == 0:
+            return lambda: (dist.send(x, 1), dist.recv(x, 1))
+        if rank == 1:
+            return lambda: (dist.recv(x, 0), dist.send(x, 0))
+        return lambda: None
+    raise ValueError(f"unknown collective {name!r}")
+
+
+def _slowest(seconds: float, device) -> float:
+    """The largest of every rank's ``seconds`` (an all_reduce MAX)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_collective(cfg: BenchConfig, name: str, nbytes: int, rank: int, world: int, device) -> float:
+    """Seconds per call of ``name`` on ``nbytes`` bytes (slowest rank; median of batches); see the module doc."""
+    import torch.distributed as dist
+
+    call = _collective_call(name, nbytes, world, rank, device)
+    call()
+    _sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    call()
+    _sync(device)
+    one = _slowest(time.perf_counter() - t0, device)
+    iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.target_s / max(one, 1e-7)))))
+    batches = []
+    for _ in range(cfg.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        _sync(device)
+        batches.append(_slowest(time.perf_counter() - t0, device) / iters)
+    per_call = statistics.median(batches)
+    return per_call / 2 if name == "send_recv" else per_call  # one way = half a round trip
+
+
+def _run_window(fn, window_s: float, device) -> tuple[int, float]:
+    """Call ``fn`` until ``window_s`` seconds have passed (at least twice); returns (calls, seconds)."""
+    calls = 0
+    t0 = time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls >= 2:
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window_s:
+                return calls, elapsed
+
+
+def matmul_flops(dtype_name: str, window_s: float, device) -> float:
+    """FLOP/s of an n x n ``dtype`` matmul on this rank (2 n^3 FLOP per call), n sized for ~20 ms a call.
+
+    Raises:
+        RuntimeError: torch has no matmul for this dtype on this device.
+    """
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    n = 256
+    a = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, a)  # warm-up (and fails early when unsupported)
+    _sync(device)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    n = int(min(4096, max(128, round(256 * (0.02 / one) ** (1 / 3) / 64) * 64)))
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    torch.mm(a, b, out=c)
+    _sync(device)
+    return _window_rate(lambda: torch.mm(a, b, out=c), 2.0 * n ** 3, window_s, device)
+
+
+def _window_rate(fn, work_per_call: float, window_s: float, device) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank starts the window together
+    calls, elapsed = _run_window(fn, window_s, device)
+    return calls * work_per_call / elapsed
+
+
+def elementwise_bandwidth(nbytes: int, window_s: float, device) -> float:
+    """Bytes/s of ``torch.add(a, b, out=c)`` on float32 tensors of ``nbytes`` bytes each
+    (3 x nbytes of memory traffic per call: two reads, one write)."""
+    import torch
+
+    numel = max(1, nbytes // 4)
+    a = torch.ones(numel, device=device)
+    b = torch.ones(numel, device=device)
+    c = torch.empty(numel, device=device)
+    torch.add(a, b, out=c)
+    _sync(device)
+    return _window_rate(lambda: torch.add(a, b, out=c), 3.0 * numel * 4, window_s, device)
+
+
+def profile_rank(cfg: BenchConfig) -> dict:
+    """Run every measurement on this rank (launched on all ranks at once).
+
+    Returns:
+        {"rank", "collectives": {name: [[nbytes, seconds], ...]} (rank 0 only, identical on all),
+        "peak_flops": {dtype: FLOP/s}, "failed_dtypes": {dtype: reason},
+        "memory_bandwidth_bytes_per_s", "threads", "device_name", "memory_bytes"}.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.set_num_threads(cfg.threads_per_rank)
+    if cfg.device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(cfg.backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                            **({"device_id": device} if cfg.device_kind == "cuda" else {}))
+    progress = _Progress(cfg.progress_file, cfg.total_steps, rank == 0)
+    try:
+        timings: dict[str, list[list[float]]] = {}
+        for name in cfg.collectives:
+            if world < 2:
+                progress.step(f"{name}: skipped (one rank)", len(cfg.sizes_bytes))
+                continue
+            timings[name] = []
+            for nbytes in cfg.sizes_bytes:
+                progress.step(f"{name} {_fmt_bytes(nbytes)}", 0)
+                timings[name].append([nbytes, time_collective(cfg, name, nbytes, rank, world, device)])
+                progress.step(f"{name} {_fmt_bytes(nbytes)}")
+        flops: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        for dt in cfg.compute_dtypes:
+            progress.step(f"matmul {dt}", 0)
+            try:
+                flops[dt] = matmul_flops(dt, cfg.compute_window_s, device)
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                failed[dt] = str(e).splitlines()[0][:200]
+                dist.barrier()  # the others' windows began with a barrier this rank skipped
+            progress.step(f"matmul {dt}")
+        progress.step("elementwise add", 0)
+        bw = elementwise_bandwidth(cfg.elementwise_bytes, cfg.compute_window_s, device)
+        progress.step("elementwise add")
+        dist.barrier()
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            name, mem = props.name, int(props.total_memory)
+        else:
+            name, mem = "cpu", None
+        return {"rank": rank, "collectives": timings if rank == 0 else {}, "peak_flops": flops,
+                "failed_dtypes": failed, "memory_bandwidth_bytes_per_s": bw, "threads": torch.get_num_threads(),
+                "device_name": name, "memory_bytes": mem}
+    finally:
+        dist.destroy_process_group()
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"

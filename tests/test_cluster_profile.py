@@ -1,0 +1,88 @@
+"""adaptdist cluster profile: a real (tiny) run on 2 gloo ranks, and turning measurements into a cluster."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import pytest
+
+from adaptdist.calibrate.profile import calibrate
+from adaptdist.cli import main
+from adaptdist.cluster import COLLECTIVES, Cluster
+from adaptdist.errors import ClusterSpecError
+
+
+@pytest.mark.timeout(90)
+def test_profile_two_gloo_ranks_quick(tmp_path, capsys):
+    out = tmp_path / "calibrated.yaml"
+    t0 = time.perf_counter()
+    rc = main(["cluster", "profile", "--nproc", "2", "--device-kind", "cpu", "--quick", "--timeout-s", "30",
+               "--out", str(out)])
+    wall = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert wall < 60, wall
+    m = re.search(r"profiled 2 cpu ranks in ([\d.]+) s", err)
+    assert m and 0 < float(m.group(1)) <= wall + 1, err
+    c = Cluster.from_yaml(out)
+    assert c.calibrated and c.world_size == 2 and c.calibration.backend == "gloo"
+    assert c.topology_fingerprint() == Cluster.local(2).topology_fingerprint()  # same machine, same topology
+    for name in COLLECTIVES:
+        fit = c.collective_fit(name, "intra_host")
+        assert fit is not None, name
+        assert math.isfinite(fit.alpha_s) and fit.alpha_s >= 0, (name, fit)
+        assert math.isfinite(fit.beta_s_per_byte) and fit.beta_s_per_byte > 0, (name, fit)
+        assert fit.time_s(65536) > 0 and fit.num_ranks == 2
+        assert c.collective_fit(name, "inter_host") is None  # one host: nothing measured between hosts
+    sr = c.collective_fit("send_recv", "intra_host")
+    link = c.link(0, 1)
+    assert link.latency_s == sr.alpha_s and link.bandwidth_bytes_per_s == pytest.approx(1 / sr.beta_s_per_byte)
+    for d in c.devices:
+        assert set(d.peak_flops) >= {"float32"}
+        assert all(math.isfinite(v) and v > 0 for v in d.peak_flops.values()), d.peak_flops
+        assert math.isfinite(d.memory_bandwidth_bytes_per_s) and d.memory_bandwidth_bytes_per_s > 0
+        assert d.memory_bytes == Cluster.local(2).device(d.rank).memory_bytes
+    assert "collectives: time(n) = alpha + beta n" in err and "all_to_all" in err
+
+
+def _fake_results(world=2, flops=(4e10, 3e10)):
+    pts = [[1024, 2.0e-4 + 1024e-9], [65536, 2.0e-4 + 65536e-9], [2**20, 2.0e-4 + 2**20 * 1e-9]]
+    results = {}
+    for r in range(world):
+        results[r] = {"rank": r, "collectives": {n: pts for n in COLLECTIVES} if r == 0 else {},
+                      "peak_flops": {"float32": flops[r], "bfloat16": flops[r] * 2}, "failed_dtypes": {},
+                      "memory_bandwidth_bytes_per_s": 5e9 + r, "threads": 1, "device_name": "cpu",
+                      "memory_bytes": None}
+    return results
+
+
+def test_calibrate_from_measurements():
+    base = Cluster.local(2)
+    c = calibrate(base, _fake_results(), wall_s=3.25)
+    assert c.calibrated and c.calibration.wall_s == 3.25 and c.calibration.torch_version
+    fit = c.collective_fit("all_reduce", "intra_host")
+    assert fit.alpha_s == pytest.approx(2e-4) and fit.beta_s_per_byte == pytest.approx(1e-9)
+    assert c.link(0, 1).bandwidth_bytes_per_s == pytest.approx(1e9) and c.link(0, 1).latency_s == pytest.approx(2e-4)
+    assert dict(c.device(0).peak_flops) == {"float32": 4e10, "bfloat16": 8e10}
+    assert c.device(1).peak_flops["float32"] == 3e10 and c.device(1).memory_bandwidth_bytes_per_s == 5e9 + 1
+    assert c.device(1).memory_bytes == base.device(1).memory_bytes and c.device(1).cores == base.device(1).cores
+    assert c.topology_fingerprint() == base.topology_fingerprint()
+
+
+def test_calibrate_missing_rank_or_float32():
+    with pytest.raises(ClusterSpecError, match=r"rank\(s\) \[1\]"):
+        calibrate(Cluster.local(2), {0: _fake_results()[0]})
+    res = _fake_results()
+    res[1]["peak_flops"] = {"bfloat16": 1e10}
+    res[1]["failed_dtypes"] = {"float32": "no kernel"}
+    with pytest.raises(ClusterSpecError, match="rank 1 could not time a float32 matmul: no kernel"):
+        calibrate(Cluster.local(2), res)
+
+
+def test_profile_rejects_bad_sizes():
+    from adaptdist.calibrate.profile import profile_local
+
+    with pytest.raises(ClusterSpecError, match="two distinct sizes"):
+        profile_local(2, "cpu", (4096,))
