@@ -106,3 +106,27 @@ def trace_fake(fn: Callable, specs: list[tuple[list[int], torch.dtype]]) -> torc
     with mode:
         inputs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
     return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def flop_formula_registry() -> dict[Any, Callable]:
+    """A copy of ``torch.utils.flop_counter.flop_registry``: op overload packet -> FLOP formula.
+
+    Each formula is called as ``formula(*args, out_val=out, **kwargs)`` with tensors or shapes
+    in place of tensors (torch's ``shape_wrapper`` maps tensors to their shapes and leaves shapes as
+    they are) and returns FLOPs. Used as is by ``FlopCounterMode``.
+    """
+    from torch.utils.flop_counter import flop_registry
+
+    return dict(flop_registry)
+
+
+def flop_shape_wrapper(formula: Callable) -> Callable:
+    """``torch.utils.flop_counter.shape_wrapper``: lets a formula written on shapes take tensors too."""
+    from torch.utils.flop_counter import shape_wrapper
+
+    return shape_wrapper(formula)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An id of ``t``'s storage (its StorageImpl), shared by all views of it; valid while ``t`` lives."""
+    return t.untyped_storage()._cdata

@@ -1,0 +1,153 @@
+"""Compute time of one node: FLOPs and bytes moved, as a roofline against the device's peaks.
+
+``time_s = max(flops / peak_flops[dtype], bytes / memory_bandwidth_bytes_per_s)``
+(Williams, Waterman & Patterson, "Roofline: an insightful visual performance model for
+multicore architectures", CACM 52(4), 2009): a node is as slow as the slower of its
+arithmetic and its memory traffic.
+
+- FLOPs: torch's own formulas (``torch.utils.flop_counter``, the ones ``FlopCounterMode``
+  uses: mm, addmm, bmm, baddbmm, convolution and its backward, the CUDA sdpa kernels), plus
+  the ops it counts as zero that matter here. Measured on torch 2.13: ``FlopCounterMode``
+  counts 0 for CPU attention, ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  backward; :func:`flop_formulas` adds them with the same counting as torch's
+  ``sdpa_flop_count`` / ``sdpa_backward_flop_count`` (2 and 5 batched matmuls, causal
+  masking not discounted). Elementwise ops and reductions count 0 FLOPs, as in torch; the
+  bytes term prices them.
+- bytes: every distinct tensor argument read once plus every output written once
+  (elements of the tensor itself, not of the storage it views). View ops move nothing.
+- peak: ``peak_flops`` of the output's dtype name, else of ``"float32"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from torch.utils._pytree import tree_map
+
+from .. import _torch_compat as compat
+from ..errors import ClusterSpecError
+from .hardware import DeviceLike
+from .numbers import smax
+from .schedule import Ref, StepNode, StepSchedule
+
+
+def _bmm_flop(b, m, k, n):
+    """2 m n k per batch (torch.utils.flop_counter.bmm_flop; FMA = 2 FLOPs)."""
+    return 2 * b * m * n * k
+
+
+def cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu`` (query ``[b, h, s_q, d]``, key
+    ``[b, h_kv, s_k, d]``, value ``[b, h_kv, s_k, d_v]``): ``QK^T`` and ``PV`` as batched matmuls over
+    the query heads (GQA key/value heads broadcast), as ``torch.utils.flop_counter.sdpa_flop_count``:
+    ``2 b h s_q s_k d + 2 b h s_q s_k d_v``."""
+    b, h, s_q, d_q = query_shape
+    s_k = key_shape[-2]
+    d_v = value_shape[-1]
+    return _bmm_flop(b * h, s_q, d_q, s_k) + _bmm_flop(b * h, s_q, s_k, d_v)
+
+
+def cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                      **kwargs):
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: the scores recomputed and
+    four gradient matmuls, as ``torch.utils.flop_counter.sdpa_backward_flop_count``:
+    ``2 b h (s_q s_k d + s_q s_k d_v + s_k s_q d_v + s_q s_k d + d s_q s_k)``."""
+    b, h, s_q, d_q = query_shape
+    s_k = key_shape[-2]
+    d_v = value_shape[-1]
+    return (_bmm_flop(b * h, s_q, d_q, s_k) + _bmm_flop(b * h, s_q, d_v, s_k) + _bmm_flop(b * h, s_k, s_q, d_v)
+            + _bmm_flop(b * h, s_q, s_k, d_q) + _bmm_flop(b * h, d_q, s_q, s_k))
+
+
+def flop_formulas() -> dict[Any, Callable]:
+    """A fresh registry, op overload packet -> FLOP formula: torch's ``flop_registry`` plus the CPU
+    attention formulas above. Usable as ``FlopCounterMode(custom_mapping=flop_formulas())``."""
+    import torch
+
+    aten = torch.ops.aten
+    out = compat.flop_formula_registry()
+    out[aten._scaled_dot_product_flash_attention_for_cpu] = compat.flop_shape_wrapper(cpu_flash_attention_flop)
+    out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = compat.flop_shape_wrapper(
+        cpu_flash_attention_backward_flop)
+    return out
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """FLOPs and bytes moved by one compute node, and the dtype that picks the device's peak."""
+
+    name: str
+    flops: Any
+    bytes: Any
+    dtype: str
+
+
+def node_cost(schedule: StepSchedule, node: StepNode, formulas: Mapping[Any, Callable]) -> NodeCost:
+    """FLOPs (from ``formulas``; 0 when the op has none) and bytes moved (module docstring) of ``node``.
+
+    Works on concrete and symbolic schedules: the formula receives shapes (tuples of ints or sympy
+    expressions) in place of tensors.
+    """
+    outs = node.tensor_outputs()
+    dtype = outs[0].dtype if outs else "float32"
+    if node.kind != "compute":
+        return NodeCost(node.name, 0, 0, dtype)
+    moved: Any = 0
+    for ref in node.refs():
+        spec = schedule.spec(ref)
+        for t in (spec if isinstance(spec, tuple) else (spec,)):
+            if t is not None:
+                moved = moved + t.nbytes
+    for t in outs:
+        moved = moved + t.nbytes
+    flops: Any = 0
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = formulas.get(packet) if packet is not None else None
+    if formula is not None:
+        def shape_of(a: Any) -> Any:
+            if isinstance(a, Ref):
+                spec = schedule.spec(a)
+                if isinstance(spec, tuple):
+                    return tuple(None if t is None else t.shape for t in spec)
+                return spec.shape
+            return a
+
+        args = tree_map(shape_of, node.args, is_leaf=lambda x: isinstance(x, Ref))
+        kwargs = tree_map(shape_of, node.kwargs, is_leaf=lambda x: isinstance(x, Ref))
+        out_val = (tuple(None if t is None else t.shape for t in node.outputs) if node.multi_output
+                   else outs[0].shape)
+        flops = formula(*args, out_val=out_val, **kwargs)
+    return NodeCost(node.name, flops, moved, dtype)
+
+
+def peak_flops_per_s(device: DeviceLike, dtype: str) -> float:
+    """The device's peak FLOP/s for ``dtype`` (a name such as ``"bfloat16"``), else for float32.
+
+    Raises:
+        ClusterSpecError: the device lists neither.
+    """
+    peaks = device.peak_flops
+    if dtype in peaks:
+        return float(peaks[dtype])
+    if "float32" in peaks:
+        return float(peaks["float32"])
+    raise ClusterSpecError(f"device of rank {device.rank} ({device.kind} on {device.host}) gives peak_flops for "
+                           f"{sorted(peaks)} but not for {dtype!r} or float32; add a float32 figure")
+
+
+def roofline_time_s(flops: Any, bytes_moved: Any, peak_flops: float, memory_bandwidth_bytes_per_s: float) -> Any:
+    """``max(flops / peak_flops, bytes_moved / memory_bandwidth_bytes_per_s)`` in seconds (Williams 2009).
+
+    Args: flops (FLOP), bytes_moved (B), peak_flops (FLOP/s), memory_bandwidth_bytes_per_s (B/s);
+    numbers or sympy expressions.
+    """
+    if isinstance(flops, (int, float)) and flops == 0:
+        return bytes_moved / memory_bandwidth_bytes_per_s
+    return smax(flops / peak_flops, bytes_moved / memory_bandwidth_bytes_per_s)
+
+
+def node_time_s(cost: NodeCost, device: DeviceLike) -> Any:
+    """Roofline time of one node's :class:`NodeCost` on ``device``, seconds. Raises as :func:`peak_flops_per_s`."""
+    return roofline_time_s(cost.flops, cost.bytes, peak_flops_per_s(device, cost.dtype),
+                           float(device.memory_bandwidth_bytes_per_s))

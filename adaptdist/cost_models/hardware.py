@@ -1,0 +1,220 @@
+"""What the cost models need to know about the machines, as a small Protocol.
+
+The cost models read a cluster only through :class:`ClusterLike`::
+
+    cluster.world_size -> int
+    cluster.device(rank) -> DeviceLike       # peak_flops by dtype name, memory, memory bandwidth
+    cluster.link(rank_a, rank_b) -> LinkLike # tier, bandwidth_bytes_per_s, latency_s
+    cluster.collective_fit(collective, tier) -> CollectiveFitLike | None   # calibrated alpha, beta
+
+:class:`adaptdist.cluster.Cluster` implements it; :class:`FixedCluster` is a plain-number
+implementation for tests and for describing a hypothetical machine. :func:`as_cost_cluster`
+accepts either, and gives an older ``Cluster`` without ``device()`` default figures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+from ..errors import ClusterSpecError
+
+log = logging.getLogger("adaptdist.cost_models")
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
+"""Collective names a :class:`CollectiveFitLike` may be asked for."""
+
+TIERS = ("intra_host", "inter_host")
+
+
+class DeviceLike(Protocol):
+    """One rank's device: ``peak_flops`` maps a dtype name (``"float32"``) to FLOP/s."""
+
+    rank: int
+    host: str
+    kind: str
+    peak_flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+
+
+class LinkLike(Protocol):
+    """The path between two ranks: ``tier`` is ``"intra_host"`` or ``"inter_host"``."""
+
+    tier: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+class CollectiveFitLike(Protocol):
+    """Calibrated alpha-beta figures of one collective on one link tier.
+
+    ``alpha_s`` and ``beta_s_per_byte`` are the per-message latency and per-byte time that
+    enter the collective's formula in :mod:`.communication` in place of the link's
+    ``latency_s`` and ``1 / bandwidth_bytes_per_s`` (see :func:`.communication.per_step_fit`
+    to convert a whole-collective fit ``t(n) = a + b n``).
+    """
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+
+@runtime_checkable
+class ClusterLike(Protocol):
+    """The interface the cost models read (see the module docstring)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def device(self, rank: int) -> DeviceLike: ...
+
+    def link(self, rank_a: int, rank_b: int) -> LinkLike: ...
+
+    def collective_fit(self, collective: str, tier: str) -> CollectiveFitLike | None: ...
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """A device as plain numbers (implements :class:`DeviceLike`)."""
+
+    rank: int
+    host: str
+    kind: str
+    peak_flops: Mapping[str, float]
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise ClusterSpecError(f"device of rank {self.rank}: peak_flops must map dtype names to positive "
+                                   f"FLOP/s, got {dict(self.peak_flops)!r}")
+        if self.memory_bandwidth_bytes_per_s <= 0 or self.memory_bytes <= 0:
+            raise ClusterSpecError(f"device of rank {self.rank}: memory_bytes and memory_bandwidth_bytes_per_s "
+                                   "must be positive")
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    """A link as plain numbers (implements :class:`LinkLike`)."""
+
+    tier: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ClusterSpecError(f"link tier {self.tier!r} is not one of {TIERS}")
+        if self.bandwidth_bytes_per_s <= 0 or self.latency_s < 0:
+            raise ClusterSpecError(f"{self.tier} link: bandwidth must be > 0 and latency >= 0, got "
+                                   f"{self.bandwidth_bytes_per_s} B/s, {self.latency_s} s")
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A calibrated collective fit as plain numbers (implements :class:`CollectiveFitLike`)."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+
+# Default figures, used only when a cluster object does not describe its devices.
+# CPU: gloo all_reduce measured on the 2-core development machine (DESIGN.md: 16 MiB in
+# 11.4 ms on 2 ranks -> 1.47 GB/s; a tiny all_reduce 0.2 ms = 2 alpha on 2 ranks);
+# 50 GFLOP/s float32 and 10 GB/s per rank are one AVX2 core's order of magnitude.
+# CUDA: NVIDIA A100 80GB datasheet (19.5 TFLOP/s fp32, 312 bf16/fp16 tensor core, 2.0 TB/s
+# HBM2e); NVLink 3 ~ 300 GB/s per direction, shared by the ring: 100 GB/s effective.
+_DEFAULT_DEVICE = {
+    "cpu": ({"float32": 5e10, "float64": 2.5e10, "bfloat16": 1.25e10, "float16": 1.25e10}, 8 * 2**30, 1e10),
+    "cuda": ({"float32": 19.5e12, "float64": 9.7e12, "bfloat16": 312e12, "float16": 312e12}, 80 * 10**9, 2.0e12),
+}
+_DEFAULT_LINK = {
+    ("cpu", "intra_host"): (1.47e9, 1e-4), ("cpu", "inter_host"): (1.25e9, 5e-5),
+    ("cuda", "intra_host"): (1.0e11, 1e-5), ("cuda", "inter_host"): (1.25e10, 1e-5),
+}
+
+
+@dataclass(frozen=True)
+class FixedCluster:
+    """A cluster given as plain numbers (implements :class:`ClusterLike`).
+
+    Attributes:
+        devices: one :class:`DeviceFigures` per rank, in rank order.
+        intra_host: the link between two ranks on the same host.
+        inter_host: the link between ranks on different hosts.
+        fits: ``(collective, tier) -> AlphaBeta`` calibrated fits (absent: use the link).
+
+    Raises:
+        ClusterSpecError: no devices, or devices out of rank order.
+    """
+
+    devices: tuple[DeviceFigures, ...]
+    intra_host: LinkFigures
+    inter_host: LinkFigures
+    fits: Mapping[tuple[str, str], AlphaBeta] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ClusterSpecError("a cluster needs at least one device")
+        if [d.rank for d in self.devices] != list(range(len(self.devices))):
+            raise ClusterSpecError(f"devices must be listed in rank order 0..{len(self.devices) - 1}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    def device(self, rank: int) -> DeviceFigures:
+        if not 0 <= rank < len(self.devices):
+            raise ClusterSpecError(f"rank {rank} is outside this cluster of {len(self.devices)} ranks")
+        return self.devices[rank]
+
+    def link(self, rank_a: int, rank_b: int) -> LinkFigures:
+        return self.intra_host if self.device(rank_a).host == self.device(rank_b).host else self.inter_host
+
+    def collective_fit(self, collective: str, tier: str) -> AlphaBeta | None:
+        return self.fits.get((collective, tier))
+
+    def __repr__(self) -> str:
+        hosts: dict[str, int] = {}
+        for d in self.devices:
+            hosts[d.host] = hosts.get(d.host, 0) + 1
+        return "FixedCluster(" + ", ".join(f"{h}:{n}x{self.devices[0].kind}" for h, n in hosts.items()) + ")"
+
+    @staticmethod
+    def uniform(hosts: Sequence[tuple[str, int]], kind: str = "cpu", *, peak_flops: Mapping[str, float] | None = None,
+                memory_bytes: int | None = None, memory_bandwidth_bytes_per_s: float | None = None
+                ) -> "FixedCluster":
+        """Identical devices of ``kind`` on ``hosts`` (name, devices per host), default figures unless given.
+
+        Raises:
+            ClusterSpecError: an unknown ``kind`` (cpu, cuda) or a non-positive figure.
+        """
+        if kind not in _DEFAULT_DEVICE:
+            raise ClusterSpecError(f"device kind {kind!r} has no default figures; use one of {sorted(_DEFAULT_DEVICE)}")
+        flops, mem, bw = _DEFAULT_DEVICE[kind]
+        devices, rank = [], 0
+        for host, n in hosts:
+            for _ in range(n):
+                devices.append(DeviceFigures(rank, host, kind, dict(peak_flops or flops), memory_bytes or mem,
+                                             memory_bandwidth_bytes_per_s or bw))
+                rank += 1
+        intra, inter = (LinkFigures(t, *_DEFAULT_LINK[(kind, t)]) for t in TIERS)
+        return FixedCluster(tuple(devices), intra, inter)
+
+
+def as_cost_cluster(cluster: object) -> ClusterLike:
+    """``cluster`` itself when it implements :class:`ClusterLike`; for an ``adaptdist.cluster.Cluster``
+    that does not describe devices yet, a :class:`FixedCluster` of its hosts with default figures.
+
+    Raises:
+        ClusterSpecError: the object is neither.
+    """
+    if all(callable(getattr(cluster, m, None)) for m in ("device", "link", "collective_fit")):
+        return cluster  # type: ignore[return-value]
+    hosts = getattr(cluster, "hosts", None)
+    if hosts is None:
+        raise ClusterSpecError(f"{cluster!r} is not a cluster: it has neither device()/link()/collective_fit() "
+                               "nor hosts")
+    log.info("%r describes no device figures; costing it with default %s figures", cluster,
+             getattr(cluster, "device_kind", "cpu"))
+    return FixedCluster.uniform([(h.name, h.num_devices) for h in hosts], getattr(cluster, "device_kind", "cpu"))
