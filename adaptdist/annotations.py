@@ -11,16 +11,19 @@ from typing import Mapping
 import yaml
 
 from .errors import UsageError
+from .mesh import Mesh
 from .placement import Placement, Replicate, Shard, parse_placement
 
 
-def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations: Mapping[str, Placement | str]
-                             ) -> dict[str, Placement]:
+def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations: Mapping[str, Placement | str],
+                             keep_globs: bool = True) -> dict[str, Placement]:
     """Map each parameter/buffer name to the placement of the first glob matching it.
 
     Args:
         shapes: fqn -> global shape of every parameter and buffer.
         annotations: glob -> placement (a Placement or its text, e.g. ``"S(0)"``); order matters.
+        keep_globs: when False, a glob that only says ``R`` need not match anything (one mesh
+            axis of a multi-axis plan).
 
     Raises:
         UsageError: a glob matches no parameter, a placement does not parse, or it shards a
@@ -38,6 +41,8 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
                 "(a Partial value is what a computation produces, not how a weight is held)"
             )
         hits = [f for f in shapes if fnmatch.fnmatchcase(f, glob)]
+        if not hits and not keep_globs and isinstance(placement, Replicate):
+            continue
         if not hits:
             close = sorted(shapes)[:6]
             raise UsageError(f"annotation {glob!r} matches no parameter; names look like {close}")
@@ -52,58 +57,118 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
 
 @dataclass(frozen=True)
 class ManualPlan:
-    """A manual plan on a 1-D mesh: the axis name, whether it splits the batch, and parameter globs.
+    """A manual plan: mesh axis names, the axis that splits the batch, and parameter globs per axis.
 
-    ``adaptdist train --plan`` takes a preset or a YAML file::
+    Axis sizes come from ``--mesh`` (or, for a one-axis plan, the world size). ``adaptdist
+    train --plan`` takes a preset (``dp``, ``fsdp``, ``tp``, ``dp,tp``) or a YAML file::
 
-        schema_version: 1
-        mesh_axis: tp            # the axis name (used in group names and reports)
-        shard_batch: false       # split the batch on dim 0 over the axis (data parallel)?
-        params:                  # glob -> placement, first match wins; others are replicated
-          blocks.*.fc.weight: S(0)
-          blocks.*.fc_out.weight: S(1)
+        schema_version: 2
+        mesh: [dp, tp]           # axis names, outermost first (sizes: --mesh dp=2,tp=2)
+        batch_axis: dp           # the axis that splits the batch on dim 0 (null: none)
+        params:                  # glob -> one placement per mesh axis; first match wins
+          blocks.*.fc.weight: [R, S(0)]
+          blocks.*.fc_out.weight: [R, S(1)]
+
+    Version-1 files (one axis: ``mesh_axis``, ``shard_batch``, ``params: {glob: S(0)}``) still load.
     """
 
     name: str
-    mesh_axis: str
-    shard_batch: bool
-    params: tuple[tuple[str, str], ...] = ()
+    mesh_axes: tuple[str, ...]
+    batch_axis: str | None
+    params: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    fsdp_axis: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_axis is not None and self.batch_axis not in self.mesh_axes:
+            raise UsageError(f"plan {self.name!r}: batch_axis {self.batch_axis!r} is not one of the mesh axes "
+                             f"{list(self.mesh_axes)}")
+        for glob, pls in self.params:
+            if len(pls) != len(self.mesh_axes):
+                raise UsageError(f"plan {self.name!r}: {glob!r} gives {len(pls)} placement(s) for the "
+                                 f"{len(self.mesh_axes)}-axis mesh {list(self.mesh_axes)}; give one per axis")
+
+    # compatibility with one-axis callers
+    @property
+    def mesh_axis(self) -> str:
+        return self.mesh_axes[0]
+
+    @property
+    def shard_batch(self) -> bool:
+        return self.batch_axis is not None
+
+    def mesh(self, world_size: int, mesh_arg: str | None = None) -> Mesh:
+        """The mesh for ``world_size`` ranks: ``--mesh`` if given (its axes must be this plan's), else
+        the one axis sized to the world, else an even split (model-parallel axes get the smaller factor).
+
+        Raises:
+            UsageError: ``--mesh`` names other axes or another number of ranks.
+        """
+        if mesh_arg:
+            mesh = Mesh.parse(mesh_arg)
+            if mesh.names != self.mesh_axes:
+                raise UsageError(f"--mesh {mesh_arg!r} has axes {list(mesh.names)} but plan {self.name!r} uses "
+                                 f"{list(self.mesh_axes)}; write e.g. --mesh "
+                                 + ",".join(f"{a}=N" for a in self.mesh_axes))
+            if mesh.world_size != world_size:
+                raise UsageError(f"--mesh {mesh_arg!r} has {mesh.world_size} ranks but the job has {world_size} "
+                                 f"(--nproc/--cluster); make them agree")
+            return mesh
+        if len(self.mesh_axes) == 1:
+            return Mesh.one_axis(self.mesh_axes[0], world_size)
+        if len(self.mesh_axes) != 2:
+            raise UsageError(f"plan {self.name!r} has {len(self.mesh_axes)} mesh axes: give their sizes with --mesh")
+        small = max(d for d in range(1, int(world_size ** 0.5) + 1) if world_size % d == 0)
+        model_axis = next(a for a in self.mesh_axes if a != self.batch_axis)
+        return Mesh(tuple((a, small if a == model_axis else world_size // small) for a in self.mesh_axes))
+
+    def axis_placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
+                        ) -> dict[str, dict[str, Placement]]:
+        """mesh axis -> {fqn: Placement}: the globs resolved against the model's state (see
+        :func:`resolve_param_placements`); ``fsdp_axis`` shards every trainable parameter
+        (``trainable``) with a dim on dim 0 along that axis, unless a glob placed it there."""
+        out: dict[str, dict[str, Placement]] = {}
+        for k, axis in enumerate(self.mesh_axes):
+            out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False)
+        if self.fsdp_axis is not None:
+            pl = out.setdefault(self.fsdp_axis, {})
+            for f, s in shapes.items():
+                if len(s) >= 1 and (trainable is None or f in trainable):
+                    pl.setdefault(f, Shard(0))
+        return out
 
     def placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
                    ) -> dict[str, Placement]:
-        """Resolve the globs against the model's state (see :func:`resolve_param_placements`);
-        the ``fsdp`` preset shards every trainable parameter (``trainable``) with a dim on dim 0."""
-        if self.name == "fsdp":
-            return {f: Shard(0) for f, s in shapes.items() if len(s) >= 1 and (trainable is None or f in trainable)}
-        return resolve_param_placements(shapes, dict(self.params))
+        """One-axis plans: fqn -> Placement (see :meth:`axis_placements`)."""
+        assert len(self.mesh_axes) == 1, self.mesh_axes
+        return self.axis_placements(shapes, trainable)[self.mesh_axes[0]]
 
     @staticmethod
     def parse(text: str, model_module=None):
-        """``dp``, ``fsdp``, ``tp`` (the model file's ``TP_PLAN`` globs), a YAML file, or a saved
-        ``plan.json`` (returned as a :class:`~adaptdist.plan.Plan`).
+        """``dp``, ``fsdp``, ``tp`` or ``dp,tp`` (``tp`` uses the model file's ``TP_PLAN`` globs), a YAML
+        file, or a saved ``plan.json`` (returned as a :class:`~adaptdist.plan.Plan`).
 
         Raises:
             UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp``, or a bad file
                 (names the field).
         """
-        if text == "dp":
-            return ManualPlan("dp", "dp", True)
-        if text == "fsdp":
-            return ManualPlan("fsdp", "dp", True)
-        if text == "tp":
-            tp = getattr(model_module, "TP_PLAN", None)
-            if tp is None:
-                raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement}; this model file "
-                                 "defines none: add one, or pass --plan FILE.yaml")
-            if not isinstance(tp, dict):
-                raise UsageError(f"the model file's TP_PLAN is a {type(tp).__name__}; it must be a dict "
-                                 "{glob: placement}, e.g. {'fc1.weight': 'S(0)', 'fc2.weight': 'S(1)'}")
-            return ManualPlan("tp", "tp", False, tuple(tp.items()))
+        presets = {"dp": ("dp",), "fsdp": ("fsdp",), "tp": ("tp",), "dp,tp": ("dp", "tp")}
+        key = text.replace(" ", "")
+        if key in presets:
+            parts = presets[key]
+            axes = tuple("dp" if p == "fsdp" else p for p in parts)
+            batch = "dp" if "dp" in axes else None
+            params: tuple = ()
+            if "tp" in parts:
+                k = axes.index("tp")
+                params = tuple((g, tuple(p if i == k else "R" for i in range(len(axes))))
+                               for g, p in _tp_plan(model_module).items())
+            return ManualPlan(key, axes, batch, params, fsdp_axis="dp" if "fsdp" in parts else None)
         if "," in text:
-            raise UsageError(f"--plan {text!r}: multi-axis meshes (dp,tp) are not supported yet; use dp, fsdp or tp")
+            raise UsageError(f"--plan {text!r}: the multi-axis preset is dp,tp; for other meshes "
+                             "write a plan file (see `adaptdist train --help`)")
         p = Path(text)
         if not p.is_file():
-            raise UsageError(f"--plan {text!r} is neither dp, fsdp, tp nor an existing plan file")
+            raise UsageError(f"--plan {text!r} is neither dp, fsdp, tp, dp,tp nor an existing plan file")
         if p.suffix == ".json":
             from .plan import Plan
 
@@ -113,19 +178,57 @@ class ManualPlan:
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise UsageError(f"plan file {text!r} is not valid YAML: {e}") from None
         if not isinstance(doc, dict):
-            raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 1'")
-        if doc.get("schema_version") != 1:
-            raise UsageError(f"plan file {text!r}: 'schema_version' is {doc.get('schema_version')!r}; this "
-                             "adaptdist reads 1")
-        unknown = set(doc) - {"schema_version", "mesh_axis", "shard_batch", "params"}
+            raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 2'")
+        version = doc.get("schema_version")
+        if version == 1:
+            return _parse_v1(doc, text, p.name)
+        if version != 2:
+            raise UsageError(f"plan file {text!r}: 'schema_version' is {version!r}; this adaptdist reads 1 and 2")
+        unknown = set(doc) - {"schema_version", "mesh", "batch_axis", "params"}
         if unknown:
             raise UsageError(f"plan file {text!r}: unknown field(s) {sorted(unknown)}; the fields are "
-                             "schema_version, mesh_axis, shard_batch, params")
-        params = doc.get("params", {})
-        if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
-            raise UsageError(f"plan file {text!r}: field 'params' must map globs to placements like 'S(0)'")
-        axis = doc.get("mesh_axis", "dp")
-        shard_batch = doc.get("shard_batch", True)
-        if not isinstance(axis, str) or not isinstance(shard_batch, bool):
-            raise UsageError(f"plan file {text!r}: 'mesh_axis' must be a string and 'shard_batch' true or false")
-        return ManualPlan(p.name, axis, shard_batch, tuple(params.items()))
+                             "schema_version, mesh, batch_axis, params")
+        axes = doc.get("mesh")
+        if not isinstance(axes, list) or not axes or not all(isinstance(a, str) for a in axes):
+            raise UsageError(f"plan file {text!r}: field 'mesh' must list the axis names, e.g. [dp, tp]")
+        params = doc.get("params") or {}
+        if not isinstance(params, dict):
+            raise UsageError(f"plan file {text!r}: field 'params' must map globs to placement lists like [R, S(0)]")
+        out = []
+        for g, pls in params.items():
+            if isinstance(pls, str) and len(axes) == 1:
+                pls = [pls]
+            if not isinstance(g, str) or not isinstance(pls, list) or not all(isinstance(x, str) for x in pls):
+                raise UsageError(f"plan file {text!r}: params[{g!r}] must be a list with one placement per mesh "
+                                 f"axis {axes}, like [R, S(0)]")
+            out.append((g, tuple(pls)))
+        batch = doc.get("batch_axis")
+        if batch is not None and not isinstance(batch, str):
+            raise UsageError(f"plan file {text!r}: 'batch_axis' must be a mesh axis name or null")
+        return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+
+
+def _tp_plan(model_module) -> dict:
+    tp = getattr(model_module, "TP_PLAN", None)
+    if tp is None:
+        raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement}; this model file "
+                         "defines none: add one, or pass --plan FILE.yaml")
+    if not isinstance(tp, dict):
+        raise UsageError(f"the model file's TP_PLAN is a {type(tp).__name__}; it must be a dict "
+                         "{glob: placement}, e.g. {'fc1.weight': 'S(0)', 'fc2.weight': 'S(1)'}")
+    return tp
+
+
+def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:
+    unknown = set(doc) - {"schema_version", "mesh_axis", "shard_batch", "params"}
+    if unknown:
+        raise UsageError(f"plan file {text!r}: unknown field(s) {sorted(unknown)}; the fields are "
+                         "schema_version, mesh_axis, shard_batch, params")
+    params = doc.get("params", {})
+    if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+        raise UsageError(f"plan file {text!r}: field 'params' must map globs to placements like 'S(0)'")
+    axis = doc.get("mesh_axis", "dp")
+    shard_batch = doc.get("shard_batch", True)
+    if not isinstance(axis, str) or not isinstance(shard_batch, bool):
+        raise UsageError(f"plan file {text!r}: 'mesh_axis' must be a string and 'shard_batch' true or false")
+    return ManualPlan(name, (axis,), axis if shard_batch else None, tuple((g, (v,)) for g, v in params.items()))

@@ -37,6 +37,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--cluster", metavar="FILE", help="cluster YAML file (schema_version 1)")
     g.add_argument("--nproc", type=int, default=None, help="number of local ranks; 2 when neither --nproc nor --cluster is given")
+    p.add_argument("--mesh", metavar="AXIS=N,...", default=None,
+                   help="mesh axis sizes for a multi-axis plan, outermost first, e.g. dp=2,tp=2 (their product is "
+                        "the number of ranks; sets --nproc when that is not given)")
     p.add_argument("--batch-size", type=_positive(int), default=16, help="global batch size")
     p.add_argument("--seq-len", type=_positive(int), default=128, help="sequence length")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs (pass timings)")
@@ -50,10 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
     _add_common(t)
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
-    t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE",
+    t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|dp,tp|FILE",
                    help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
-                        "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); FILE: a plan "
-                        "YAML of parameter globs, or a saved plan.json (checked against the model's graph)")
+                        "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); dp,tp: both on "
+                        "a 2-D mesh (--mesh dp=2,tp=2); FILE: a plan YAML of parameter globs per mesh axis, or a "
+                        "saved plan.json (checked against the model's graph)")
     t.add_argument("--replicate-fallback", action="store_true",
                    help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
                         "lists them) instead of stopping with UnsupportedOpError")
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compile a plan and print where every parameter lives (no training)",
                        formatter_class=fmt)
     _add_common(p)
-    p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|FILE", help="as for train")
+    p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|dp,tp|FILE", help="as for train")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
     from .calibrate.command import add_parser as add_cluster_parser
 
@@ -99,7 +103,7 @@ def cmd_plan(args) -> int:
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
     plan = ManualPlan.parse(args.plan, spec.module())
-    programs = compile_program(model, example, loss_fn, cluster.world_size, plan)
+    programs = compile_program(model, example, loss_fn, cluster.world_size, plan, mesh=args.mesh)
     p0 = programs[0]
     mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
     batch_axis = p0.plan.batch_axis
@@ -110,7 +114,9 @@ def cmd_plan(args) -> int:
         table.add_column(col)
     last = programs[cluster.world_size - 1]
     for f in p0.input_fqns:
-        table.add_row(f, str(p0.global_shapes[f]), p0.state_placements.get(f, "R"),
+        pls = p0.state_placements.get(f)
+        text = " ".join(f"{a}:{p}" for a, p in zip(p0.mesh, pls)) if pls else "R"
+        table.add_row(f, str(p0.global_shapes[f]), text,
                       str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
     console.print(table)
     calls = collective_calls(p0)
@@ -130,6 +136,10 @@ def _cluster(args):
 
     if args.cluster:
         return Cluster.from_yaml(args.cluster)
+    if args.nproc is None and getattr(args, "mesh", None):
+        from .mesh import Mesh
+
+        return Cluster.local(Mesh.parse(args.mesh).world_size)
     return Cluster.local(2 if args.nproc is None else args.nproc)
 
 
@@ -150,6 +160,15 @@ def check_batch(batch, example, data) -> None:
             got = f"{b.dtype} {list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
             raise DataError(f"{src} yielded batch element {i} as {got}, but the example batch has "
                             f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")
+
+
+def _check_checkpointable(program) -> None:
+    """Refuse, before training, a layout whose checkpoint could not be written at the end."""
+    for f, pls in program.state_placements.items():
+        dims = [p for p in pls if p.startswith("S(")]
+        if len(dims) != len(set(dims)):
+            raise UsageError(f"parameter {f!r} is sharded on the same dim along two mesh axes ({pls}); the "
+                             "checkpoint cannot hold that layout yet: shard it on different dims per axis")
 
 
 def cmd_train(args) -> int:
@@ -208,7 +227,9 @@ def cmd_train(args) -> int:
     t0 = time.perf_counter()
     plan = ManualPlan.parse(args.plan, module)
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
-                               dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback)
+                               dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
+                               mesh=args.mesh)
+    _check_checkpointable(programs[0])
     save_programs(programs, out / "programs")
     mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
     console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "

@@ -12,7 +12,11 @@ Keys:
         producer layout differs from what this node needs (filled by propagation,
         consumed by the redistribution pass).
     ``adaptdist.collective``: marks nodes inserted by adaptdist (all_reduce, wait, slice).
-    ``adaptdist.rank_slice``: on a slice node, (tensor dim, mesh axis) whose bounds are each
+    ``adaptdist.group``: on nodes with a collective mark, the process-group name of the mesh
+        axis they belong to (``"adaptdist:<axis>"``). Every per-axis mark below is read through
+        a getter that takes the group, so that lowering one mesh axis never touches what
+        lowering another axis inserted.
+    ``adaptdist.rank_slice``: on a slice node, the tensor dim whose bounds are each
         rank's own shard (set by redistribution, filled in by localization).
     ``adaptdist.gather_pad``: on a ``constant_pad_nd`` before an all_gather, the padded dim;
         localization pads each rank's shard to the largest shard's size.
@@ -45,6 +49,7 @@ GATHER_PAD = "adaptdist.gather_pad"
 SCATTER_TRIM = "adaptdist.scatter_trim"
 GATHER_CHAIN = "adaptdist.gather_chain"
 COALESCED = "adaptdist.coalesced"
+GROUP = "adaptdist.group"
 
 Layout = tuple[Placement, ...]
 
@@ -102,21 +107,37 @@ def set_redistribute(node: torch.fx.Node, needs: dict[int, Layout]) -> None:
         node.meta.pop(REDISTRIBUTE, None)
 
 
-def mark_collective(node: torch.fx.Node, kind: str) -> None:
+def mark_collective(node: torch.fx.Node, kind: str, group: str) -> None:
+    """Mark ``node`` as inserted by adaptdist for a collective of mesh-axis group ``group``."""
     node.meta[COLLECTIVE] = kind
+    node.meta[GROUP] = group
 
 
-def get_collective(node: torch.fx.Node) -> str | None:
+def get_collective(node: torch.fx.Node, group: str | None = None) -> str | None:
+    """The collective mark of ``node`` (``None`` if unmarked or, with ``group``, marked for another group)."""
+    if group is not None and node.meta.get(GROUP) != group:
+        return None
     return node.meta.get(COLLECTIVE)
 
 
-def set_rank_slice(node: torch.fx.Node, dim: int, axis: int) -> None:
-    """Mark a slice node whose bounds are each rank's shard of ``dim`` along mesh ``axis``."""
-    node.meta[RANK_SLICE] = (dim, axis)
+def get_group(node: torch.fx.Node) -> str | None:
+    return node.meta.get(GROUP)
 
 
-def get_rank_slice(node: torch.fx.Node) -> tuple[int, int] | None:
-    return node.meta.get(RANK_SLICE)
+def _scoped(node: torch.fx.Node, key: str, group: str | None) -> Any:
+    if group is not None and node.meta.get(GROUP) != group:
+        return None
+    return node.meta.get(key)
+
+
+def set_rank_slice(node: torch.fx.Node, dim: int, group: str) -> None:
+    """Mark a slice node whose bounds are each rank's shard of ``dim`` along the mesh axis of ``group``."""
+    node.meta[RANK_SLICE] = dim
+    node.meta[GROUP] = group
+
+
+def get_rank_slice(node: torch.fx.Node, group: str | None = None) -> int | None:
+    return _scoped(node, RANK_SLICE, group)
 
 
 def module_of(node: torch.fx.Node) -> str:
@@ -138,34 +159,40 @@ def get_output_roles(output_node: torch.fx.Node) -> list[str]:
     return output_node.meta[OUTPUT_ROLES]
 
 
-def set_gather_pad(node: torch.fx.Node, dim: int) -> None:
+def set_gather_pad(node: torch.fx.Node, dim: int, group: str) -> None:
     node.meta[GATHER_PAD] = dim
+    node.meta[GROUP] = group
 
 
-def get_gather_pad(node: torch.fx.Node) -> int | None:
-    return node.meta.get(GATHER_PAD)
+def get_gather_pad(node: torch.fx.Node, group: str | None = None) -> int | None:
+    return _scoped(node, GATHER_PAD, group)
 
 
-def set_scatter_trim(node: torch.fx.Node, dim: int, size: int) -> None:
+def set_scatter_trim(node: torch.fx.Node, dim: int, size: int, group: str) -> None:
     """Mark a slice after a reduce_scatter: keep this rank's rows of ``dim`` (global size ``size``)."""
     node.meta[SCATTER_TRIM] = (dim, size)
+    node.meta[GROUP] = group
 
 
-def get_scatter_trim(node: torch.fx.Node) -> tuple[int, int] | None:
-    return node.meta.get(SCATTER_TRIM)
+def get_scatter_trim(node: torch.fx.Node, group: str | None = None) -> tuple[int, int] | None:
+    return _scoped(node, SCATTER_TRIM, group)
 
 
-def set_gather_chain(node: torch.fx.Node, chain: list[torch.fx.Node]) -> None:
-    node.meta[GATHER_CHAIN] = [n.name for n in chain]
+def set_gather_chain(node: torch.fx.Node, chain: list[torch.fx.Node], group: str) -> None:
+    node.meta[GATHER_CHAIN] = ([n.name for n in chain], group)
 
 
-def get_gather_chain(node: torch.fx.Node) -> list[str] | None:
-    return node.meta.get(GATHER_CHAIN)
+def get_gather_chain(node: torch.fx.Node, group: str | None = None) -> list[str] | None:
+    got = node.meta.get(GATHER_CHAIN)
+    if got is None or (group is not None and got[1] != group):
+        return None
+    return got[0]
 
 
-def set_coalesced(node: torch.fx.Node, pads: list[torch.fx.Node]) -> None:
+def set_coalesced(node: torch.fx.Node, pads: list[torch.fx.Node], group: str) -> None:
     node.meta[COALESCED] = [p.name for p in pads]
+    node.meta[GROUP] = group
 
 
-def get_coalesced(node: torch.fx.Node) -> list[str] | None:
-    return node.meta.get(COALESCED)
+def get_coalesced(node: torch.fx.Node, group: str | None = None) -> list[str] | None:
+    return _scoped(node, COALESCED, group)

@@ -55,7 +55,8 @@ class Plan:
         batch_axis: the axis that splits the batch on dim 0, or None.
         param_placements: fqn -> placement text per axis, e.g. ``{"fc1.weight": ["S(0)"]}``
             (parameters absent are replicated).
-        node_placements: joint-graph node name -> its layout as text (for reading and explain).
+        node_placements: node name -> its placement text per mesh axis, as each axis's lowering
+            annotated it (``"R"`` on axes lowered before the node existed); for reading and explain.
         graph_fingerprint: :func:`graph_fingerprint` of the joint graph the plan was made for.
         name: where the plan came from (a preset or a file).
     """
@@ -64,7 +65,7 @@ class Plan:
     batch_axis: str | None
     param_placements: Mapping[str, list[str]]
     graph_fingerprint: str
-    node_placements: Mapping[str, str] = field(default_factory=dict)
+    node_placements: Mapping[str, list[str]] = field(default_factory=dict)
     name: str = ""
     schema_version: int = SCHEMA_VERSION
 
@@ -76,6 +77,16 @@ class Plan:
         for f, pls in self.param_placements.items():
             if len(pls) != len(self.mesh):
                 raise UsageError(f"plan: {f!r} has {len(pls)} placements for a {len(self.mesh)}-axis mesh")
+
+    @property
+    def mesh_spec(self) -> "Mesh":
+        from .mesh import Mesh
+
+        return Mesh(tuple((a, int(n)) for a, n in self.mesh.items()))
+
+    def axis_placements(self) -> dict[str, dict[str, Placement]]:
+        """mesh axis name -> {fqn: Placement} (replicated ones left out)."""
+        return {a: self.placements_on_axis(i) for i, a in enumerate(self.mesh)}
 
     def placements_on_axis(self, axis: int = 0) -> dict[str, Placement]:
         """fqn -> Placement on mesh axis ``axis`` (replicated ones left out)."""
@@ -99,7 +110,7 @@ class Plan:
     def to_json(self) -> str:
         """The plan as indented, key-sorted JSON text."""
         return json.dumps({
-            "schema_version": self.schema_version, "name": self.name, "mesh": dict(self.mesh),
+            "schema_version": self.schema_version, "name": self.name, "mesh": [[a, n] for a, n in self.mesh.items()],
             "batch_axis": self.batch_axis, "graph_fingerprint": self.graph_fingerprint,
             "param_placements": dict(self.param_placements), "node_placements": dict(self.node_placements),
         }, indent=1, sort_keys=True)
@@ -118,7 +129,12 @@ class Plan:
         for key in ("schema_version", "mesh", "batch_axis", "graph_fingerprint", "param_placements"):
             if key not in doc:
                 raise UsageError(f"plan {source!r} lacks the field {key!r}")
-        return Plan(mesh=doc["mesh"], batch_axis=doc["batch_axis"], param_placements=doc["param_placements"],
+        mesh = doc["mesh"]
+        if isinstance(mesh, list):  # [[axis, size], ...] keeps the axis order through sort_keys
+            if not all(isinstance(m, list) and len(m) == 2 for m in mesh):
+                raise UsageError(f"plan {source!r}: field 'mesh' must be [[axis, size], ...]")
+            mesh = {a: n for a, n in mesh}
+        return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=doc["param_placements"],
                     graph_fingerprint=doc["graph_fingerprint"], node_placements=doc.get("node_placements", {}),
                     name=doc.get("name", Path(source).name), schema_version=doc["schema_version"])
 

@@ -55,7 +55,9 @@ class RankProgram:
         code: the generated source (``program.py``).
         module: the callable (a GraphModule when compiled, the exec'd source when loaded).
         state: initial tensors by fqn, the rank's own shard (full tensors under DP).
-        state_placements: fqn -> placement text (e.g. ``"S(0)"``) of each sharded state tensor.
+        state_placements: fqn -> placement text per mesh axis (e.g. ``["R", "S(0)"]``) of each
+            sharded state tensor; a dim sharded on several axes is chunked in lowering order
+            (model-parallel axes first, then the batch axis).
         global_shapes: fqn -> global (unsharded) shape of each state tensor.
         plan: the :class:`~adaptdist.plan.Plan` the program was lowered from (``plan.json``).
         constants: tensor constants the code reads as attributes.
@@ -76,7 +78,7 @@ class RankProgram:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
-    state_placements: dict[str, str] = field(default_factory=dict)
+    state_placements: dict[str, list[str]] = field(default_factory=dict)
     global_shapes: dict[str, list[int]] = field(default_factory=dict)
     plan: Any = None
     _traced: torch.fx.GraphModule | None = field(default=None, repr=False)

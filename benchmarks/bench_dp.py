@@ -70,12 +70,12 @@ def adaptdist_worker(cfg: dict) -> dict:
     """One rank of adaptdist DP: load_program + register groups + StepRunner (as run_worker does)."""
     from adaptdist.program import load_program
     from adaptdist.runtime.memory import PeakMemory
-    from adaptdist.runtime.worker import StepRunner, _register_groups
+    from adaptdist.runtime.worker import StepRunner, register_mesh_groups
 
     rank, world = _setup(cfg)
     try:
         program = load_program(cfg["program_dir"], rank, world_size=world)
-        _register_groups(program)
+        register_mesh_groups(program, "gloo")
         runner = StepRunner(program, "adamw", cfg["lr"])
         batch = _load_batch(cfg)
         times, losses = _time_steps(runner.step, batch, cfg["warmup"] + cfg["steps"])

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from adaptdist.program import load_program
-from adaptdist.runtime.worker import StepRunner, _register_groups
+from adaptdist.runtime.worker import StepRunner, register_mesh_groups
 
 
 def dp_sgd_worker(program_dir: str, batches: list, lr: float, steps: int, timeout_s: float = 30.0) -> dict:
@@ -19,7 +19,7 @@ def dp_sgd_worker(program_dir: str, batches: list, lr: float, steps: int, timeou
     try:
         rank = int(os.environ["RANK"])
         program = load_program(program_dir, rank, world_size=dist.get_world_size())
-        _register_groups(program)
+        register_mesh_groups(program, "gloo")
         runner = StepRunner(program, "sgd", lr)
         losses, grads = [], []
         for s in range(steps):

@@ -46,3 +46,33 @@ def local_shard(t, placement, world_size, rank):
         return t
     s, e = chunk_interval(t.shape[placement.dim], world_size, rank)
     return t.narrow(placement.dim, s, e - s)
+
+
+def simulate_mesh(model, batch, loss_fn, mesh_text, plan_text, **kw):
+    """Compile a (possibly multi-axis) manual plan on mesh ``mesh_text`` (e.g. ``"dp=2,tp=2"``) and run
+    every rank in one process with collectives on the mesh's groups; returns (programs, outputs)."""
+    import adaptdist.models.gpt as gpt_module
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.mesh import Mesh
+
+    mesh = Mesh.parse(mesh_text)
+    plan = plan_text if not isinstance(plan_text, str) else ManualPlan.parse(plan_text, kw.pop("model_module", gpt_module))
+    progs = compile_program(model, batch, loss_fn, mesh.world_size, plan, mesh=mesh_text, **kw)
+    ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
+    return progs, simulate_ranks([p.module for p in progs.values()], ins, mesh)
+
+
+def global_shard(t, placements, mesh, rank, order):
+    """Rank ``rank``'s piece of global tensor ``t`` under per-axis ``placements`` (texts, mesh order),
+    chunked along the axes in lowering ``order``."""
+    from adaptdist.placement import Shard, chunk_interval, parse_placement
+
+    coords = dict(zip(mesh.names, mesh.coords(rank)))
+    pls = dict(zip(mesh.names, [parse_placement(p) for p in placements])) if placements else {}
+    for axis in order:
+        p = pls.get(axis)
+        if isinstance(p, Shard) and mesh.size(axis) > 1:
+            s, e = chunk_interval(t.shape[p.dim], mesh.size(axis), coords[axis])
+            t = t.narrow(p.dim, s, e - s)
+    return t

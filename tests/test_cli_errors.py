@@ -231,7 +231,12 @@ def test_plan_command_prints_the_placement_table(capsys, tmp_path):
 @pytest.mark.parametrize("body,expect", [
     ("schema_version: 1\nparams:\n  blocks.*.fc.weight: P(sum)\n", "S(dim) or R"),
     ("schema_version: 1\nshard_bach: true\n", "unknown field"),
-    ("schema_version: 2\n", "'schema_version' is 2"),
+    ("schema_version: 3\n", "'schema_version' is 3"),
+    ("schema_version: 2\n", "field 'mesh' must list the axis names"),
+    ("schema_version: 2\nmesh: [dp, tp]\nbatch_axis: dp\nparams:\n  blocks.*.fc.weight: S(0)\n",
+     "one placement per mesh"),
+    ("schema_version: 2\nmesh: [dp, tp]\nbatch_axis: pp\n", "batch_axis 'pp' is not one of the mesh axes"),
+    ("schema_version: 2\nmesh: [dp, tp]\nparams:\n  blocks.*.fc.weight: [R]\n", "gives 1 placement(s)"),
 ])
 def test_bad_plan_files(capsys, tmp_path, body, expect):
     f = tmp_path / "plan.yaml"

@@ -16,7 +16,7 @@ import torch.fx
 from .. import __version__
 from .. import graph_meta as gmeta
 from ..program import RankProgram
-from ..passes.context import PassContext
+from ..mesh import Mesh
 
 _ANNOTATED = re.compile(r'^(\s+)(\w+): "([^"]*)" = (.*)$')
 
@@ -44,16 +44,22 @@ def program_source(gm: torch.fx.GraphModule, header: str) -> str:
     return f"{head}\nimport torch\nfrom torch import device\n\n\n{body}\n"
 
 
-def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, input_fqns: list[str],
-                      param_fqns: list[str], num_batch_inputs: int, state: dict[str, torch.Tensor],
-                      tied: dict[str, str], global_shapes: dict[str, list[int]]) -> RankProgram:
-    """Wrap rank ``rank``'s localized graph as a RankProgram (code, state, constants)."""
+def make_rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, batch_slice: tuple[int, int],
+                      batch_size: int, input_fqns: list[str], param_fqns: list[str], num_batch_inputs: int,
+                      state: dict[str, torch.Tensor], tied: dict[str, str], global_shapes: dict[str, list[int]],
+                      state_placements: dict[str, list[str]]) -> RankProgram:
+    """Wrap rank ``rank``'s localized graph as a RankProgram (code, state, constants).
+
+    ``batch_slice`` is (first row, rows) of the global batch this rank reads; ``state_placements``
+    maps each sharded state tensor to its placement text per mesh axis.
+    """
     roles = gmeta.get_output_roles(gm.graph.output_node())
-    off, size = ctx.shard_offsets()[rank], ctx.shard_sizes()[rank]
+    off, size = batch_slice
+    coords = ", ".join(f"{a}={c}" for a, c in zip(mesh.names, mesh.coords(rank)))
     header = (
         f"adaptdist {__version__} RankProgram, torch {torch.__version__}\n"
-        f"rank {rank} of {ctx.world_size}, mesh {ctx.mesh_axis}={ctx.world_size}, "
-        f"batch rows [{off}, {off + size}) of {ctx.batch_size}\n"
+        f"rank {rank} of {mesh.world_size}, mesh {mesh} (this rank: {coords}), "
+        f"batch rows [{off}, {off + size}) of {batch_size}\n"
         f"outputs: {', '.join(roles[:4])}{', ...' if len(roles) > 4 else ''} ({len(roles)} in all)\n"
         "Generated code: edit the model, not this file.\n"
         "inputs:\n" + "\n".join(
@@ -67,9 +73,9 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
     batch_specs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch.")) for n in batch_phs]
     return RankProgram(
         rank=rank,
-        world_size=ctx.world_size,
-        mesh={ctx.mesh_axis: ctx.world_size},
-        group_names={ctx.mesh_axis: ctx.group_name},
+        world_size=mesh.world_size,
+        mesh=mesh.as_dict(),
+        group_names={a: mesh.group_name(a) for a in mesh.names},
         input_fqns=list(input_fqns),
         param_fqns=list(param_fqns),
         num_batch_inputs=num_batch_inputs,
@@ -81,6 +87,6 @@ def make_rank_program(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, inp
         constants={k: v for k, v in constants.items() if isinstance(v, torch.Tensor)},
         tied=dict(tied),
         batch_specs=batch_specs,
-        state_placements={f: repr(p) for f, p in ctx.param_placements.items() if ctx.world_size > 1},
+        state_placements={f: list(p) for f, p in state_placements.items()},
         global_shapes=dict(global_shapes),
     )

@@ -41,26 +41,42 @@ def collective_calls(program: RankProgram) -> list[CollectiveCall]:
 
 
 def check_collectives(programs: dict[int, RankProgram]) -> None:
-    """Raise if any rank's ordered collectives differ from rank 0's.
+    """Raise unless the ranks' collectives can meet: every rank issues the same sequence of (op, group)
+    (so no two groups wait on each other in a cycle), and the members of each group pass the same
+    sizes to each of that group's collectives.
 
     Raises:
         CollectiveMismatchError: names both ranks, the position, the nodes and what differs.
     """
+    from ..mesh import Mesh
+
     ranks = sorted(programs)
-    ref = collective_calls(programs[ranks[0]])
+    p0 = programs[ranks[0]]
+    mesh = Mesh(tuple(p0.mesh.items()))
+    calls = {r: collective_calls(programs[r]) for r in ranks}
+    ref = calls[ranks[0]]
     for r in ranks[1:]:
-        calls = collective_calls(programs[r])
-        for i, (a, b) in enumerate(zip(ref, calls)):
-            if a.key() != b.key():
-                raise CollectiveMismatchError(
-                    f"collective #{i} differs between rank {ranks[0]} (node {a.node!r}: {a.op} on {a.group}, "
-                    f"{a.numel} elements) and rank {r} (node {b.node!r}: {b.op} on {b.group}, {b.numel} elements); "
-                    "running this would hang or mix data. This is a lowering bug: please report it with the model"
-                )
-        if len(calls) != len(ref):
-            longer, n = (ranks[0], len(ref)) if len(ref) > len(calls) else (r, len(calls))
-            extra = (ref if len(ref) > len(calls) else calls)[min(len(ref), len(calls))]
+        _compare(ranks[0], ref, r, calls[r], lambda c: (c.op, c.group))
+    for axis in mesh.names:
+        group = mesh.group_name(axis)
+        for members in mesh.groups(axis):
+            first = [c for c in calls[members[0]] if c.group == group]
+            for m in members[1:]:
+                _compare(members[0], first, m, [c for c in calls[m] if c.group == group], CollectiveCall.key)
+
+
+def _compare(ra: int, a_calls: list[CollectiveCall], rb: int, b_calls: list[CollectiveCall], key) -> None:
+    for i, (a, b) in enumerate(zip(a_calls, b_calls)):
+        if key(a) != key(b):
             raise CollectiveMismatchError(
-                f"rank {ranks[0]} issues {len(ref)} collectives but rank {r} issues {len(calls)}; rank {longer} "
-                f"has an extra {extra.op} at node {extra.node!r}; running this would hang"
+                f"collective #{i} differs between rank {ra} (node {a.node!r}: {a.op} on {a.group}, "
+                f"{a.numel} elements) and rank {rb} (node {b.node!r}: {b.op} on {b.group}, {b.numel} elements); "
+                "running this would hang or mix data. This is a lowering bug: please report it with the model"
             )
+    if len(a_calls) != len(b_calls):
+        longer = ra if len(a_calls) > len(b_calls) else rb
+        extra = (a_calls if len(a_calls) > len(b_calls) else b_calls)[min(len(a_calls), len(b_calls))]
+        raise CollectiveMismatchError(
+            f"rank {ra} issues {len(a_calls)} collectives but rank {rb} issues {len(b_calls)}; rank {longer} "
+            f"has an extra {extra.op} at node {extra.node!r} on {extra.group}; running this would hang"
+        )

@@ -24,7 +24,8 @@ from ..passes.localize_shapes import copy_graph_module, localize_shapes
 from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
-from ..placement import Placement, Shard, chunk_interval
+from ..mesh import Mesh
+from ..placement import Placement, Replicate, Shard, chunk_interval
 from ..errors import AdaptdistError, InternalError, UsageError
 from ..plan import Plan, graph_fingerprint
 from ..program import RankProgram
@@ -79,55 +80,115 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
           param_placements: Mapping[str, Placement] | None = None, bucket_bytes: int = 25 * 2**20,
           state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
           plan_name: str = "", replicate_fallback: bool = False) -> dict[int, RankProgram]:
-    """Lower a captured step onto a 1-D mesh of ``world_size`` ranks.
+    """Lower a captured step onto a 1-D mesh of ``world_size`` ranks: :func:`lower_mesh` with one axis."""
+    return lower_mesh(captured, Mesh.one_axis(mesh_axis, world_size), batch_axis=mesh_axis if shard_batch else None,
+                      axis_placements={mesh_axis: dict(param_placements or {})}, bucket_bytes=bucket_bytes,
+                      state=state, dump_dir=dump_dir, plan_name=plan_name, replicate_fallback=replicate_fallback)
 
-    Batch inputs are split on dim 0 (torch.chunk semantics) when ``shard_batch``;
-    parameters take ``param_placements`` (by fqn; absent ones are replicated). Each
-    rank's program means exactly what the single-process step means on the whole
-    global batch, and each rank's state holds its own shard of every parameter.
+
+def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
+    """Axes in the order they are lowered: model-parallel axes first (mesh order), the batch axis last,
+    so data-parallel gradient buckets are built from already-local (model-parallel) shards. A tensor dim
+    sharded on several axes is chunked in this order (outer first)."""
+    return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
+
+
+def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
+               axis_placements: Mapping[str, Mapping[str, Placement]], bucket_bytes: int = 25 * 2**20,
+               state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
+               plan_name: str = "", replicate_fallback: bool = False) -> dict[int, RankProgram]:
+    """Lower a captured step onto an N-D ``mesh``; returns one RankProgram per rank.
+
+    Batch inputs are split on dim 0 (torch.chunk semantics) over ``batch_axis`` (None:
+    replicated); parameter ``f`` takes placement ``axis_placements[axis][f]`` on each
+    axis (absent: replicated). The mesh is lowered one axis at a time (see
+    :func:`lowering_order`): the whole pass pipeline runs for that axis and every
+    coordinate along it gets its localized graph, which the next axis lowers in turn,
+    treating the collectives already there as ordinary (linear) ops. Axes of size 1 are
+    skipped: they change nothing. Each rank's program means exactly what the
+    single-process step means on the whole global batch, and its state holds its own
+    shard of every parameter.
 
     Raises:
         UnsupportedOpError: an op cannot run with these placements (e.g. training-mode
             BatchNorm over a split batch).
+        CollectiveMismatchError: ranks of one group would issue different collectives.
     """
-    ctx = PassContext(world_size=world_size, batch_size=captured.batch_size, mesh_axis=mesh_axis,
-                      bucket_bytes=bucket_bytes, shard_batch=shard_batch, param_placements=dict(param_placements or {}),
-                      replicate_fallback=replicate_fallback)
-    if world_size > 1 and shard_batch and not ctx.shards_batch:
-        log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
-                    "step (correct, but no faster than one rank)", captured.batch_size, world_size)
-    gm = run_passes(copy_graph_module(captured.gm), ctx, dump_dir=dump_dir)
+    if batch_axis is not None:
+        mesh.index(batch_axis)
+    for axis in axis_placements:
+        mesh.index(axis)
+    order = lowering_order(mesh, batch_axis)
+    graphs: dict[tuple[int, ...], torch.fx.GraphModule] = {(): copy_graph_module(captured.gm)}
+    ctxs: dict[str, PassContext] = {}
+    node_placements: dict[str, list[str]] = {}
+    for axis in order:
+        ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
+                          bucket_bytes=bucket_bytes, shard_batch=axis == batch_axis,
+                          param_placements=dict(axis_placements.get(axis, {})), replicate_fallback=replicate_fallback)
+        ctxs[axis] = ctx
+        if ctx.world_size == 1:
+            graphs = {key + (0,): gm for key, gm in graphs.items()}
+            continue
+        if axis == batch_axis and not ctx.shards_batch:
+            log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
+                        "step (correct, but no faster than one rank)", captured.batch_size, ctx.world_size)
+        lowered = {}
+        for key, gm in graphs.items():
+            sub_dump = str(Path(dump_dir) / f"{axis}{''.join(map(str, key))}") if dump_dir else None
+            lowered[key] = run_passes(gm, ctx, dump_dir=sub_dump)
+        first = next(iter(lowered.values()))
+        k = mesh.index(axis)
+        for n in first.graph.nodes:
+            if n.op != "output" and gmeta.get_placements(n) is not None:
+                node_placements.setdefault(n.name, ["R"] * len(mesh.names))[k] = repr(gmeta.get_placements(n)[0])
+        graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
+                  for i in range(ctx.world_size)}
     plan = Plan(
-        mesh={mesh_axis: world_size}, batch_axis=mesh_axis if shard_batch else None,
-        param_placements={f: [repr(p)] for f, p in ctx.param_placements.items()},
+        mesh=mesh.as_dict(), batch_axis=batch_axis,
+        param_placements={f: [repr(axis_placements.get(a, {}).get(f, Replicate())) for a in mesh.names]
+                          for f in sorted({f for pl in axis_placements.values() for f in pl})},
         graph_fingerprint=graph_fingerprint(captured.gm), name=plan_name,
-        node_placements={n.name: repr(gmeta.get_placements(n)[0]) for n in gm.graph.nodes
-                         if n.op != "output" and gmeta.get_placements(n) is not None},
+        node_placements=node_placements,
     )
-    input_fqns = captured.input_fqns
     global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
                      for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
+    state_placements = {f: [repr(axis_placements.get(a, {}).get(f, Replicate())) if mesh.size(a) > 1 else "R"
+                            for a in mesh.names]
+                        for f in global_shapes}
+    state_placements = {f: p for f, p in state_placements.items() if any(x != "R" for x in p)}
     programs = {}
-    for r in range(world_size):
-        local, _ = localize_shapes(gm, ctx, r)
-        programs[r] = make_rank_program(
-            local, ctx, r, input_fqns, captured.param_fqns, captured.num_batch_inputs,
-            _local_state(state or {}, ctx, r), captured.tied, global_shapes
+    for key, local in graphs.items():
+        coords = dict(zip(order, key))
+        rank = mesh.rank(tuple(coords[a] for a in mesh.names))
+        if batch_axis is not None and mesh.size(batch_axis) > 1:
+            bctx = ctxs[batch_axis]
+            i = coords[batch_axis]
+            batch_slice = (bctx.shard_offsets()[i], bctx.shard_sizes()[i])
+        else:
+            batch_slice = (0, captured.batch_size)
+        programs[rank] = make_rank_program(
+            local, mesh, rank, batch_slice, captured.batch_size, captured.input_fqns, captured.param_fqns,
+            captured.num_batch_inputs, _local_state(state or {}, [ctxs[a] for a in order], key), captured.tied,
+            global_shapes, state_placements,
         )
-        programs[r].plan = plan
+        programs[rank].plan = plan
+    programs = dict(sorted(programs.items()))
     check_collectives(programs)
     return programs
 
 
-def _local_state(state: dict[str, torch.Tensor], ctx: PassContext, rank: int) -> dict[str, torch.Tensor]:
-    """Each rank's own shard of every sharded parameter (torch.chunk semantics)."""
+def _local_state(state: dict[str, torch.Tensor], ctxs: list[PassContext], coords: tuple[int, ...]
+                 ) -> dict[str, torch.Tensor]:
+    """Each rank's own shard of every sharded parameter: torch.chunk along each axis in lowering order."""
     out = {}
     for f, t in state.items():
-        p = ctx.param_placements.get(f) if ctx.world_size > 1 else None
-        if isinstance(p, Shard):
-            s, e = chunk_interval(t.shape[p.dim], ctx.world_size, rank)
-            t = t.narrow(p.dim, s, e - s).clone()
-        out[f] = t
+        for ctx, i in zip(ctxs, coords):
+            p = ctx.param_placements.get(f) if ctx.world_size > 1 else None
+            if isinstance(p, Shard):
+                s, e = chunk_interval(t.shape[p.dim], ctx.world_size, i)
+                t = t.narrow(p.dim, s, e - s)
+        out[f] = t.clone() if t is not state[f] else t
     return out
 
 
@@ -140,16 +201,19 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
 
 def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
                     bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
-                    replicate_fallback: bool = False) -> dict[int, RankProgram]:
+                    replicate_fallback: bool = False, mesh: str | None = None) -> dict[int, RankProgram]:
     """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
 
-    ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel). Each
+    ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel) or a saved
+    :class:`~adaptdist.plan.Plan`; ``mesh`` (``"dp=2,tp=2"``) sizes a multi-axis plan's axes. Each
     program holds its rank's shard of the model's current parameters and buffers.
 
     Raises:
-        CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower` and
+        CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower_mesh` and
             :func:`~adaptdist.annotations.resolve_param_placements`.
     """
+    from ..annotations import ManualPlan
+
     t0 = time.perf_counter()
     captured = capture(model, batch, loss_fn)
     log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
@@ -157,21 +221,22 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}
-    if plan is None:
-        return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name="dp",
-                     replicate_fallback=replicate_fallback)
+    plan = plan if plan is not None else ManualPlan.parse("dp")
     if isinstance(plan, Plan):
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
-        (axis, size), = plan.mesh.items()
-        if size != world_size:
-            raise UsageError(f"plan {plan.name!r} is for {size} ranks on mesh axis {axis!r}, this job has {world_size}")
-        return lower(captured, world_size, mesh_axis=axis, shard_batch=plan.batch_axis is not None,
-                     param_placements=plan.placements_on_axis(0), bucket_bytes=bucket_bytes, state=state,
-                     dump_dir=dump_dir, plan_name=plan.name, replicate_fallback=replicate_fallback)
-    placements = plan.placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
-    return lower(captured, world_size, mesh_axis=plan.mesh_axis, shard_batch=plan.shard_batch,
-                 param_placements=placements, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir,
-                 plan_name=plan.name, replicate_fallback=replicate_fallback)
+        m = plan.mesh_spec
+        if m.world_size != world_size:
+            raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}")
+        if mesh and Mesh.parse(mesh) != m:
+            raise UsageError(f"--mesh {mesh} differs from plan {plan.name!r}'s mesh {m}; drop --mesh")
+        return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(),
+                          bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
+                          replicate_fallback=replicate_fallback)
+    m = plan.mesh(world_size, mesh)
+    placements = plan.axis_placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
+    return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
+                      bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
+                      replicate_fallback=replicate_fallback)
 
 
 def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,

@@ -127,12 +127,12 @@ def _all_reduce_after(graph, flat, anchor, out_node, group_name) -> torch.fx.Nod
     with graph.inserting_after(anchor):
         ar = graph.call_function(compat.functional_all_reduce_op(), (flat, "sum", group_name))
     ar.meta["val"] = flat.meta["val"]
-    gmeta.mark_collective(ar, "all_reduce")
+    gmeta.mark_collective(ar, "all_reduce", group_name)
     gmeta.set_placements(ar, (Partial(),))
     with graph.inserting_before(out_node):
         w = graph.call_function(compat.functional_wait_op(), (ar,))
     w.meta["val"] = flat.meta["val"]
-    gmeta.mark_collective(w, "wait")
+    gmeta.mark_collective(w, "wait", group_name)
     gmeta.set_placements(w, (Replicate(),))
     return w
 

@@ -42,7 +42,7 @@ def bucket_grad_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext) -> tu
     order = {n: i for i, n in enumerate(graph.nodes)}
     chains = []  # (grad, pre nodes [moved?, padded], rs, wait)
     for rs in graph.nodes:
-        if gmeta.get_collective(rs) != "reduce_scatter":
+        if gmeta.get_collective(rs, ctx.group_name) != "reduce_scatter":
             continue
         padded = rs.args[0]
         pre = [padded]
@@ -100,13 +100,13 @@ def _merge(graph, bucket, ctx: PassContext, out: torch.fx.Node, order: dict) -> 
     with mode if mode is not None else torch.no_grad():
         rs.meta["val"] = flat.meta["val"].new_empty((flat.meta["val"].numel() // w,))
     gmeta.set_placements(rs, (Shard(0),))
-    gmeta.mark_collective(rs, "reduce_scatter")
+    gmeta.mark_collective(rs, "reduce_scatter", ctx.group_name)
     first_wait = min((c[3] for c in bucket), key=order.__getitem__)  # the trims follow the old waits
     with graph.inserting_before(first_wait):
         wait = graph.call_function(compat.functional_wait_op(), (rs,))
         wait.meta["val"] = rs.meta["val"]
         gmeta.set_placements(wait, (Shard(0),))
-        gmeta.mark_collective(wait, "wait")
+        gmeta.mark_collective(wait, "wait", ctx.group_name)
         sizes = [r.meta["val"].shape[1] for r in rows]
         parts = call(aten.split_with_sizes.default, (wait, sizes), Partial())
         gmeta.set_placements(parts, (tuple(Partial() for _ in bucket),))

@@ -47,11 +47,11 @@ def bucket_param_allgather(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[
     boundary = _forward_end(loss, order)
     chains = []  # (gather node, pad node, wait node)
     for n in graph.nodes:
-        if gmeta.get_collective(n) != "all_gather":
+        if gmeta.get_collective(n, ctx.group_name) != "all_gather":
             continue
         pad = n.args[0]
         src = pad.args[0]
-        if gmeta.get_gather_pad(pad) is None or not _is_param(src):
+        if gmeta.get_gather_pad(pad, ctx.group_name) is None or not _is_param(src):
             continue
         wait = next(iter(n.users))
         chains.append((n, pad, wait))
@@ -102,16 +102,16 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
         ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.world_size, ctx.group_name))
         ag.meta["val"] = first_ag.meta["val"].new_empty((cat.meta["val"].numel() * ctx.world_size,))
         gmeta.set_placements(ag, (Replicate(),))
-        gmeta.mark_collective(ag, "all_gather")
+        gmeta.mark_collective(ag, "all_gather", ctx.group_name)
         wait = graph.call_function(compat.functional_wait_op(), (ag,))
         wait.meta["val"] = ag.meta["val"]
         gmeta.set_placements(wait, (Replicate(),))
-        gmeta.mark_collective(wait, "wait")
+        gmeta.mark_collective(wait, "wait", ctx.group_name)
         rows = call(aten.reshape.default, (wait, [ctx.world_size, -1]))
         sizes = [f.meta["val"].numel() for f in flats]
         parts = call(aten.split_with_sizes.default, (rows, sizes, 1))
         gmeta.set_placements(parts, (tuple(Replicate() for _ in bucket),))
-        gmeta.set_coalesced(parts, [pad for _, pad, _ in bucket])
+        gmeta.set_coalesced(parts, [pad for _, pad, _ in bucket], ctx.group_name)
         for i, (old_ag, pad, old_wait) in enumerate(bucket):
             item = graph.call_function(operator.getitem, (parts, i))
             item.meta["val"] = parts.meta["val"][i]

@@ -27,12 +27,14 @@ def set_fake_val(node: torch.fx.Node) -> None:
 
 
 def add_op(graph: torch.fx.Graph, target: Any, args: tuple, placement: Any, *, kwargs: dict | None = None,
-           collective: str | None = None) -> torch.fx.Node:
+           collective: str | None = None, group: str | None = None) -> torch.fx.Node:
     """Add ``target(*args, **kwargs)`` at the graph's insertion point with its fake value, its
-    placement on the mesh axis, and (optionally) a collective mark (see graph_meta)."""
+    placement on the mesh axis, and (optionally) a collective mark for mesh-axis group ``group``
+    (see graph_meta)."""
     node = graph.call_function(target, tuple(args), kwargs or {})
     set_fake_val(node)
     gmeta.set_placements(node, (placement,))
     if collective:
-        gmeta.mark_collective(node, collective)
+        assert group is not None, "a collective mark needs its group"
+        gmeta.mark_collective(node, collective, group)
     return node

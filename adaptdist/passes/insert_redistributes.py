@@ -55,25 +55,26 @@ def all_reduce(graph: torch.fx.Graph, x: torch.fx.Node, group_name: str, *, wait
     with graph.inserting_after(x):
         ar = graph.call_function(compat.functional_all_reduce_op(), (x, "sum", group_name))
     _copy_meta(ar, x)
-    gmeta.mark_collective(ar, "all_reduce")
+    gmeta.mark_collective(ar, "all_reduce", group_name)
     gmeta.set_placements(ar, (gmeta.get_placements(x)[0],))
     ctx = graph.inserting_before(wait_before) if wait_before is not None else graph.inserting_after(ar)
     with ctx:
         w = graph.call_function(compat.functional_wait_op(), (ar,))
     _copy_meta(w, x)
-    gmeta.mark_collective(w, "wait")
+    gmeta.mark_collective(w, "wait", group_name)
     gmeta.set_placements(w, (Replicate(),))
     return w
 
 
-def rank_slice(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, before: torch.fx.Node) -> torch.fx.Node:
+def rank_slice(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, before: torch.fx.Node, group_name: str
+               ) -> torch.fx.Node:
     """Insert a slice of ``x`` along ``dim`` that localization turns into this rank's shard."""
     size = x.meta["val"].shape[dim]
     with graph.inserting_before(before):
         s = graph.call_function(aten.slice.Tensor, (x, dim, 0, size))
     _copy_meta(s, x)
-    gmeta.mark_collective(s, "rank_slice")
-    gmeta.set_rank_slice(s, dim, 0)
+    gmeta.mark_collective(s, "rank_slice", group_name)
+    gmeta.set_rank_slice(s, dim, group_name)
     gmeta.set_placements(s, (Shard(dim),))
     return s
 
@@ -86,29 +87,30 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
     mode = getattr(val, "fake_mode", None)
 
     def call(target, args, placement, kind=None, kwargs=None):
-        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind)
+        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind, group=ctx.group_name)
 
     with graph.inserting_before(before):
         perm = [dim] + [d for d in range(nd) if d != dim]
         moved = call(aten.permute.default, (x, perm), Shard(0)) if dim else x
         padded = call(aten.constant_pad_nd.default, (moved, [0, 0] * (nd - 1) + [0, 0], 0.0), Shard(0), "gather_pad")
-        gmeta.set_gather_pad(padded, 0)
+        gmeta.set_gather_pad(padded, 0, ctx.group_name)
         gathered = graph.call_function(compat.functional_all_gather_op(), (padded, ctx.world_size, ctx.group_name))
         gv = padded.meta["val"]
         with mode if mode is not None else torch.no_grad():
             gathered.meta["val"] = gv.new_empty((gv.shape[0] * ctx.world_size, *gv.shape[1:]))
         gmeta.set_placements(gathered, (Replicate(),))
-        gmeta.mark_collective(gathered, "all_gather")
+        gmeta.mark_collective(gathered, "all_gather", ctx.group_name)
         w = graph.call_function(compat.functional_wait_op(), (gathered,))
         w.meta["val"] = gathered.meta["val"]
         gmeta.set_placements(w, (Replicate(),))
-        gmeta.mark_collective(w, "wait")
+        gmeta.mark_collective(w, "wait", ctx.group_name)
         full = call(aten.slice.Tensor, (w, 0, 0, n), Replicate())
         if dim:
             inv = [perm.index(d) for d in range(nd)]
             back = call(aten.permute.default, (full, inv), Replicate())
             full = call(aten.clone.default, (back,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
-    gmeta.set_gather_chain(full, [n for n in (moved, padded, gathered, w) if n is not x] + _tail(full, w))
+    gmeta.set_gather_chain(full, [n for n in (moved, padded, gathered, w) if n is not x] + _tail(full, w),
+                           ctx.group_name)
     return full
 
 
@@ -133,7 +135,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     block = -(-n // w)
 
     def call(target, args, placement, kind=None, kwargs=None):
-        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind)
+        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind, group=ctx.group_name)
 
     with graph.inserting_before(before):
         perm = [dim] + [d for d in range(nd) if d != dim]
@@ -142,7 +144,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
         rs = call(compat.functional_reduce_scatter_op(), (padded, "sum", w, ctx.group_name), Shard(0), "reduce_scatter")
         wt = call(compat.functional_wait_op(), (rs,), Shard(0), "wait")
         mine = call(aten.slice.Tensor, (wt, 0, 0, block), Shard(0))
-        gmeta.set_scatter_trim(mine, 0, n)
+        gmeta.set_scatter_trim(mine, 0, n, ctx.group_name)
         if dim:
             inv = [perm.index(d) for d in range(nd)]
             back = call(aten.permute.default, (mine, inv), Shard(dim))
@@ -170,7 +172,7 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
         node = all_gather(graph, src, cur.dim, ctx, before=consumer)
         cur = Replicate()
     if isinstance(target, Shard) and isinstance(cur, Replicate):
-        node = rank_slice(graph, node, target.dim, before=consumer)
+        node = rank_slice(graph, node, target.dim, before=consumer, group_name=ctx.group_name)
         cur = target
     if cur != target:
         raise UnsupportedOpError(

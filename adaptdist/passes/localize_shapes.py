@@ -89,7 +89,7 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
     for node in local.graph.nodes:
         if node.op != "call_function":
             continue
-        pads = gmeta.get_coalesced(node)
+        pads = gmeta.get_coalesced(node, ctx.group_name)
         if pads is not None:
             by_name = {n.name: n for n in local.graph.nodes}
             sizes = []
@@ -100,7 +100,7 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             node.args = (node.args[0], sizes, node.args[2])
             changed = True
             continue
-        pad_dim = gmeta.get_gather_pad(node)
+        pad_dim = gmeta.get_gather_pad(node, ctx.group_name)
         if pad_dim is not None:
             (s, e), (s0, e0) = intervals[node], largest[node]
             nd = node.meta["val"].dim()
@@ -109,13 +109,13 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             node.args = (node.args[0], pad, node.args[2])
             changed = True
             continue
-        rs = gmeta.get_rank_slice(node)
-        if rs is not None:
+        rs_dim = gmeta.get_rank_slice(node, ctx.group_name)
+        if rs_dim is not None:
             s, e = intervals[node]
-            node.args = (node.args[0], rs[0], s, e)
+            node.args = (node.args[0], rs_dim, s, e)
             changed = True
             continue
-        trim = gmeta.get_scatter_trim(node)
+        trim = gmeta.get_scatter_trim(node, ctx.group_name)
         if trim is not None:
             s, e = intervals[node]
             node.args = (node.args[0], trim[0], 0, e - s)
@@ -160,11 +160,11 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
                 ivs[node] = (off, off + size)
             else:
                 ivs[node] = chunk_interval(node.meta["val"].shape[p.dim], ctx.world_size, rank)
-        elif _in_reduce_scatter(node):
+        elif _in_reduce_scatter(node, ctx.group_name):
             continue  # a padded block, consumed only by the trim below
-        elif gmeta.get_scatter_trim(node) is not None:
-            ivs[node] = chunk_interval(gmeta.get_scatter_trim(node)[1], ctx.world_size, rank)
-        elif gmeta.get_rank_slice(node) is not None:
+        elif gmeta.get_scatter_trim(node, ctx.group_name) is not None:
+            ivs[node] = chunk_interval(gmeta.get_scatter_trim(node, ctx.group_name)[1], ctx.world_size, rank)
+        elif gmeta.get_rank_slice(node, ctx.group_name) is not None:
             ivs[node] = _aligned_interval(node, ivs, ctx, rank)
         elif node.target is operator.getitem:
             src = ivs[node.args[0]]
@@ -174,9 +174,9 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
     return ivs
 
 
-def _in_reduce_scatter(node: torch.fx.Node) -> bool:
-    kind = gmeta.get_collective(node)
-    return kind == "reduce_scatter" or (kind == "wait" and gmeta.get_collective(node.args[0]) == "reduce_scatter")
+def _in_reduce_scatter(node: torch.fx.Node, group: str) -> bool:
+    kind = gmeta.get_collective(node, group)
+    return kind == "reduce_scatter" or (kind == "wait" and gmeta.get_collective(node.args[0], group) == "reduce_scatter")
 
 
 def _has_shard(p: Any) -> bool:
@@ -237,7 +237,7 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
 
 def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: int) -> Interval:
     """A rank slice takes the interval of the sharded operand its consumer combines it with."""
-    dim = gmeta.get_rank_slice(node)[0]
+    dim = gmeta.get_rank_slice(node, ctx.group_name)
     size = node.args[0].meta["val"].shape[dim]
     for user in node.users:
         for _, a in tensor_args(user):

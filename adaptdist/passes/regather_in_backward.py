@@ -35,7 +35,7 @@ def regather_in_backward(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
     by_name = {n.name: n for n in graph.nodes}
     changed = False
     for full in list(graph.nodes):
-        chain_names = gmeta.get_gather_chain(full)
+        chain_names = gmeta.get_gather_chain(full, ctx.group_name)
         if not chain_names:
             continue
         chain = [by_name[c] for c in chain_names]

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
@@ -771,6 +772,24 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
     return rule
 
 
+# ---------------------------------------------------------------- collectives of other mesh axes
+
+
+def other_axis_collective(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """A collective inserted when another mesh axis was lowered, seen along this axis.
+
+    All of them are linear, so Partial stays Partial. ``all_reduce`` and ``wait_tensor`` are
+    elementwise. ``all_gather`` concatenates, and ``reduce_scatter`` splits, dim 0 (the other
+    axis's sharded dim, moved there): a shard of any other dim carries through; a shard of
+    dim 0 along this axis too is gathered first.
+    """
+    p = pl(node.args[0])
+    if node.target in (compat.functional_all_gather_op(), compat.functional_reduce_scatter_op()):
+        if isinstance(p, Shard) and p.dim == 0:
+            return gather_all(node, pl, "another mesh axis gathers or scatters the same dim")
+    return RuleResult(p)
+
+
 # ---------------------------------------------------------------- the table
 
 RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
@@ -870,6 +889,10 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy.default: loss_with_reduction(3, backward=False),
     aten.binary_cross_entropy_backward.default: loss_with_reduction(4, backward=True),
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
+    compat.functional_all_reduce_op(): other_axis_collective,
+    compat.functional_all_gather_op(): other_axis_collective,
+    compat.functional_reduce_scatter_op(): other_axis_collective,
+    compat.functional_wait_op(): other_axis_collective,
 }
 
 

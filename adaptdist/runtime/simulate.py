@@ -1,12 +1,14 @@
-"""Run every rank's program in one process, in lockstep, with collectives simulated.
+"""Run every rank's program in one process, with collectives simulated on the mesh's groups.
 
-Used by tests (numerics without processes) and for debugging a lowering: each
-rank's graph runs node by node; at a functional ``all_reduce`` the values of all
-ranks are summed and every rank receives the sum, at ``all_gather_into_tensor``
-every rank receives their concatenation on dim 0 (equal shapes required, as the
-real collective requires), at ``reduce_scatter_tensor`` rank r receives block r of
-the sum, exactly what the collectives compute; ``wait_tensor``
-is the identity. The simulated mesh is 1-D: every collective spans all ranks.
+Used by tests (numerics without processes, on meshes larger than this machine could
+run) and for debugging a lowering. Each rank's graph runs node by node until it
+reaches a collective; when every member of that collective's group (the ranks that
+share all other mesh coordinates) has reached a collective on the same group, it is
+carried out exactly as the real one computes it: ``all_reduce`` sums, ``all_gather``
+concatenates on dim 0 (equal shapes required, as the real collective requires),
+``reduce_scatter`` gives member i block i of the sum; ``wait_tensor`` is the identity.
+Members that reach different collectives on one group, or ranks that wait on each
+other in a cycle, raise instead of hanging, naming the ranks and nodes.
 """
 
 from __future__ import annotations
@@ -17,68 +19,115 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as compat
+from ..mesh import Mesh
 
 
-def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequence[Sequence[Any]]) -> list[Any]:
+class SimulationError(ValueError):
+    """The ranks' programs would hang or mismatch at a collective."""
+
+
+def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequence[Sequence[Any]],
+                   mesh: Mesh | None = None) -> list[Any]:
     """Run ``graph_modules[r](*inputs[r])`` for all ranks; returns each rank's outputs.
 
+    ``mesh`` maps a collective's group name ``"adaptdist:<axis>"`` to the ranks of that axis's
+    group; without it every collective spans all ranks (a 1-D mesh).
+
     Raises:
-        ValueError: the ranks' graphs differ in structure (different op sequences),
-            which would hang or mismatch collectives in a real run.
+        SimulationError: members of a group reach different collectives, or no rank can
+            proceed (a hang in a real run); names the ranks and nodes.
     """
-    graphs = [list(gm.graph.nodes) for gm in graph_modules]
-    if len({len(g) for g in graphs}) != 1:
-        raise ValueError(f"rank graphs have different lengths {[len(g) for g in graphs]}")
-    envs: list[dict[torch.fx.Node, Any]] = [{} for _ in graph_modules]
+    n = len(graph_modules)
+    if mesh is not None and mesh.world_size != n:
+        raise SimulationError(f"mesh {mesh} has {mesh.world_size} ranks but {n} programs were given")
+    coll_ops = {compat.functional_all_reduce_op(): "all_reduce", compat.functional_all_gather_op(): "all_gather",
+                compat.functional_reduce_scatter_op(): "reduce_scatter"}
+    wait = compat.functional_wait_op()
+
+    def members(group: str, rank: int) -> tuple[int, ...]:
+        if mesh is None:
+            return tuple(range(n))
+        return mesh.group(group.removeprefix("adaptdist:"), rank)
+
+    nodes = [list(gm.graph.nodes) for gm in graph_modules]
+    pcs = [0] * n
+    envs: list[dict[torch.fx.Node, Any]] = [{} for _ in range(n)]
     arg_iters = [iter(a) for a in inputs]
-    all_reduce, wait = compat.functional_all_reduce_op(), compat.functional_wait_op()
-    all_gather = compat.functional_all_gather_op()
-    reduce_scatter = compat.functional_reduce_scatter_op()
-    results: list[Any] = [None] * len(graph_modules)
-    for step in zip(*graphs):
-        ops = {(n.op, n.target if n.op != "placeholder" else None) for n in step}
-        if len(ops) != 1:
-            raise ValueError(f"ranks disagree at node {[n.name for n in step]}: {ops}")
-        first = step[0]
-        if first.op == "call_function" and first.target is all_reduce:
-            vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
-            total = torch.stack(vals).sum(0)
-            for r, n in enumerate(step):
-                envs[r][n] = total.clone()
-            continue
-        if first.op == "call_function" and first.target is reduce_scatter:
-            vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
-            if len({tuple(v.shape) for v in vals}) != 1 or vals[0].shape[0] % len(step):
-                raise ValueError(f"reduce_scatter at {first.name}: shapes {[tuple(v.shape) for v in vals]} are "
-                                 f"unequal or not divisible by {len(step)} ranks")
-            blocks = torch.stack(vals).sum(0).chunk(len(step))
-            for r, n in enumerate(step):
-                envs[r][n] = blocks[r].clone()
-            continue
-        if first.op == "call_function" and first.target is all_gather:
-            vals = [envs[r][n.args[0]] for r, n in enumerate(step)]
-            if len({tuple(v.shape) for v in vals}) != 1:
-                raise ValueError(f"all_gather at {first.name}: ranks pass different shapes {[tuple(v.shape) for v in vals]}")
-            total = torch.cat(vals)
-            for r, n in enumerate(step):
-                envs[r][n] = total.clone()
-            continue
-        for r, n in enumerate(step):
-            env = envs[r]
+    results: list[Any] = [None] * n
+    done = [False] * n
 
-            def load(a, env=env):
-                return env[a]
-
-            if n.op == "placeholder":
-                env[n] = next(arg_iters[r])
-            elif n.op == "get_attr":
-                env[n] = getattr(graph_modules[r], n.target)
-            elif n.op == "call_function":
-                args = torch.fx.node.map_arg(n.args, load)
-                kwargs = torch.fx.node.map_arg(n.kwargs, load)
-                env[n] = args[0] if n.target is wait else n.target(*args, **kwargs)
-            elif n.op == "output":
-                results[r] = torch.fx.node.map_arg(n.args[0], load)
+    def run_until_collective(r: int) -> None:
+        env = envs[r]
+        while not done[r]:
+            node = nodes[r][pcs[r]]
+            if node.op == "call_function" and node.target in coll_ops:
+                return
+            if node.op == "placeholder":
+                env[node] = next(arg_iters[r])
+            elif node.op == "get_attr":
+                env[node] = getattr(graph_modules[r], node.target)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = args[0] if node.target is wait else node.target(*args, **kwargs)
+            elif node.op == "output":
+                results[r] = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+                done[r] = True
+                return
             else:
-                raise ValueError(f"unsupported node kind {n.op} at {n.name}")
+                raise SimulationError(f"rank {r}: unsupported node kind {node.op} at {node.name}")
+            pcs[r] += 1
+
+    while not all(done):
+        for r in range(n):
+            run_until_collective(r)
+        progressed = False
+        for r in range(n):
+            if done[r]:
+                continue
+            node = nodes[r][pcs[r]]
+            if node.op != "call_function" or node.target not in coll_ops:
+                continue  # moved on in this round; it runs to its next collective in the next one
+            group = str(node.args[-1])
+            ranks = members(group, r)
+            if r != ranks[0]:
+                continue  # the group's first member carries it out
+            at = {m: nodes[m][pcs[m]] for m in ranks if not done[m]}
+            if len(at) != len(ranks) or any(str(x.args[-1]) != group for x in at.values()):
+                continue  # some member is elsewhere (maybe on another group); retry after others move
+            kinds = {m: coll_ops[x.target] for m, x in at.items()}
+            if len(set(kinds.values())) != 1:
+                raise SimulationError(f"ranks {list(ranks)} of group {group} reach different collectives: "
+                                      + ", ".join(f"rank {m} {k} at {at[m].name}" for m, k in kinds.items()))
+            _carry_out(kinds[r], [envs[m][at[m].args[0]] for m in ranks], at, ranks, envs, group)
+            for m in ranks:
+                pcs[m] += 1
+            progressed = True
+        if not progressed and not all(done):
+            stuck = ", ".join(f"rank {r} at {nodes[r][pcs[r]].name} ({nodes[r][pcs[r]].args[-1]})"
+                              for r in range(n) if not done[r])
+            raise SimulationError(f"no rank can proceed (a real run would hang): {stuck}")
     return results
+
+
+def _carry_out(kind: str, vals: list[torch.Tensor], at: dict, ranks: tuple[int, ...], envs: list[dict],
+               group: str) -> None:
+    first = at[ranks[0]]
+    if kind == "all_reduce":
+        total = torch.stack(vals).sum(0)
+        out = [total.clone() for _ in ranks]
+    elif kind == "reduce_scatter":
+        if len({tuple(v.shape) for v in vals}) != 1 or vals[0].shape[0] % len(ranks):
+            raise SimulationError(f"reduce_scatter at {first.name} on {group}: shapes {[tuple(v.shape) for v in vals]} "
+                                  f"are unequal or not divisible by {len(ranks)} ranks")
+        out = [b.clone() for b in torch.stack(vals).sum(0).chunk(len(ranks))]
+    else:
+        if len({tuple(v.shape) for v in vals}) != 1:
+            raise SimulationError(f"all_gather at {first.name} on {group}: ranks pass different shapes "
+                                  f"{[tuple(v.shape) for v in vals]}")
+        total = torch.cat(vals)
+        out = [total.clone() for _ in ranks]
+    for m, o in zip(ranks, out):
+        envs[m][at[m]] = o
+
+

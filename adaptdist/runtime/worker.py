@@ -155,9 +155,17 @@ def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
     return rank, world
 
 
-def _register_groups(program: RankProgram) -> None:
+def register_mesh_groups(program: RankProgram, backend: str):
+    """Build torch's DeviceMesh for the program's mesh and register this rank's group of each axis
+    under the name the program's collectives use; returns the DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = tuple(program.mesh)
+    device = "cuda" if backend == "nccl" else "cpu"
+    mesh = init_device_mesh(device, tuple(program.mesh.values()), mesh_dim_names=names)
     for axis, name in program.group_names.items():
-        compat.register_process_group(name, dist.group.WORLD)
+        compat.register_process_group(name, mesh.get_group(axis) if len(names) > 1 else dist.group.WORLD)
+    return mesh
 
 
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
@@ -168,7 +176,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed + rank)
     try:
         program = load_program(cfg.program_dir, rank, world_size=world)
-        _register_groups(program)
+        device_mesh = register_mesh_groups(program, cfg.backend)
         runner = StepRunner(program, cfg.optimizer, cfg.lr)
         batches = global_batches(cfg.data)
         losses, times = [], []
@@ -194,7 +202,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 times.append(dt)
                 bar.update(step + 1, loss, cfg.items_per_step / dt)
         if cfg.checkpoint:
-            _checkpoint(cfg, runner, rank)
+            _checkpoint(cfg, runner, rank, device_mesh)
         dist.barrier()
         warm = times[min(2, len(times) - 1):] or times
         return {
@@ -209,7 +217,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int) -> None:
+def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) -> None:
     """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors.
 
     Sharded tensors are saved as DTensors with their placement and global shape, so the
@@ -222,8 +230,8 @@ def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int) -> None:
 
     out = Path(cfg.out_dir)
     program = runner.program
-    model = {f: as_global(t, f, program) for f, t in runner.state.items()}
-    optim = {f: {k: as_global(v, f, program) if isinstance(v, torch.Tensor) and v.dim() else v
+    model = {f: as_global(t, f, program, device_mesh) for f, t in runner.state.items()}
+    optim = {f: {k: as_global(v, f, program, device_mesh) if isinstance(v, torch.Tensor) and v.dim() else v
                  for k, v in st.items()}
              for f, st in runner.optimizer_state_by_fqn().items()}
     writer = dcp.FileSystemWriter(str(out / "checkpoint"), overwrite=True)
