@@ -428,3 +428,15 @@ def test_train_refuses_heterogeneous_cluster_clearly(tmp_path, capsys):
     assert main(["train", "--cluster", str(p), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "ClusterSpecError" in err and "mixes device kinds" in err and "gloo" in err
+
+
+def test_readme_cluster_example_loads(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Cluster"):]
+    section = section[:section.index("\n## ", 1)]
+    example = section[section.index("```yaml\n") + 8:]
+    (tmp_path / "cluster.yaml").write_text(example[:example.index("```")])
+    c = Cluster.from_yaml(tmp_path / "cluster.yaml")
+    assert c.calibrated and c.world_size == 2 and c.collective_fit("all_reduce", "intra_host").alpha_s == 1.39e-4

@@ -5,11 +5,14 @@
 time, so ranks that share cores or memory channels slow each other down exactly as they will
 while training.
 
-Collective timing, per message size: one warm-up call, one timed call whose slowest-rank time
-sets the iteration count k (about ``target_s`` of work per batch), then ``repeats`` batches of
-k back-to-back calls between barriers; a batch's time is the slowest rank's; the median batch
-mean is the time per call. Message sizes follow nccl-tests' convention (see
-:mod:`adaptdist.cluster`). send_recv is a ping-pong between ranks 0 and 1 (half the round trip).
+Collective timing: for every (collective, message size) one warm-up call and one timed call
+whose slowest-rank time sets the iteration count k (about ``target_s`` of calls per batch);
+then ``repeats`` rounds, each timing one batch of k back-to-back calls of every (collective,
+size) between barriers. A batch's time is the slowest rank's; the fastest of a point's batches,
+divided by k, is its time per call. Rounds spread each point's batches over the whole run and
+other load on the machine only ever adds time, so a burst of outside load spoils one batch,
+not a point. Message sizes follow nccl-tests' convention (see :mod:`adaptdist.cluster`).
+send_recv is a ping-pong between ranks 0 and 1 (half the round trip).
 
 Compute: for each dtype an n x n matmul (2 n^3 FLOP, n chosen so one call takes ~20 ms), and an
 elementwise ``add(a, b, out=c)`` over 64 MiB float32 tensors (3 x 64 MiB of memory traffic per
@@ -21,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +56,8 @@ class BenchConfig:
     sizes_bytes: tuple[int, ...]
     collectives: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
     threads_per_rank: int = 1
-    target_s: float = 0.02
-    repeats: int = 3
+    target_s: float = 0.025
+    repeats: int = 7
     max_iters: int = 200
     compute_dtypes: tuple[str, ...] = COMPUTE_DTYPES
     compute_window_s: float = 0.4
@@ -66,7 +68,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_steps",
-                           len(self.collectives) * len(self.sizes_bytes) + len(self.compute_dtypes) + 1)
+                           len(self.collectives) * (1 + self.repeats) + len(self.compute_dtypes) + 1)
 
 
 class _Progress:
@@ -129,29 +131,44 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_collective(cfg: BenchConfig, name: str, nbytes: int, rank: int, world: int, device) -> float:
-    """Seconds per call of ``name`` on ``nbytes`` bytes (slowest rank; median of batches); see the module doc."""
+def time_collectives(cfg: BenchConfig, rank: int, world: int, device, progress: "_Progress"
+                     ) -> dict[str, list[list[float]]]:
+    """Seconds per call of every collective at every size: {name: [[nbytes, seconds], ...]}
+    (slowest rank, fastest of ``cfg.repeats`` batches spread over rounds; see the module doc)."""
     import torch.distributed as dist
 
-    call = _collective_call(name, nbytes, world, rank, device)
-    call()
-    _sync(device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    call()
-    _sync(device)
-    one = _slowest(time.perf_counter() - t0, device)
-    iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.target_s / max(one, 1e-7)))))
-    batches = []
-    for _ in range(cfg.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
+    points = []  # (name, nbytes, call, iterations)
+    for name in cfg.collectives:
+        progress.step(f"{name}: warm-up", 0)
+        for nbytes in cfg.sizes_bytes:
+            call = _collective_call(name, nbytes, world, rank, device)
             call()
-        _sync(device)
-        batches.append(_slowest(time.perf_counter() - t0, device) / iters)
-    per_call = statistics.median(batches)
-    return per_call / 2 if name == "send_recv" else per_call  # one way = half a round trip
+            _sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            _sync(device)
+            one = _slowest(time.perf_counter() - t0, device)
+            iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.target_s / max(one, 1e-7)))))
+            points.append((name, nbytes, call, iters))
+        progress.step(f"{name}: warm-up")
+    best = [math.inf] * len(points)
+    for r in range(cfg.repeats):
+        for i, (name, nbytes, call, iters) in enumerate(points):
+            if i == 0 or points[i - 1][0] != name:
+                progress.step(f"round {r + 1}/{cfg.repeats} {name}", 0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                call()
+            _sync(device)
+            best[i] = min(best[i], _slowest(time.perf_counter() - t0, device) / iters)
+            if i + 1 == len(points) or points[i + 1][0] != name:
+                progress.step(f"round {r + 1}/{cfg.repeats} {name}")
+    out: dict[str, list[list[float]]] = {}
+    for (name, nbytes, _, _), t in zip(points, best):
+        out.setdefault(name, []).append([nbytes, t / 2 if name == "send_recv" else t])  # one way: half a round trip
+    return out
 
 
 def _run_window(fn, window_s: float, device) -> tuple[int, float]:
@@ -242,16 +259,11 @@ def profile_rank(cfg: BenchConfig) -> dict:
                             **({"device_id": device} if cfg.device_kind == "cuda" else {}))
     progress = _Progress(cfg.progress_file, cfg.total_steps, rank == 0)
     try:
-        timings: dict[str, list[list[float]]] = {}
-        for name in cfg.collectives:
-            if world < 2:
-                progress.step(f"{name}: skipped (one rank)", len(cfg.sizes_bytes))
-                continue
-            timings[name] = []
-            for nbytes in cfg.sizes_bytes:
-                progress.step(f"{name} {_fmt_bytes(nbytes)}", 0)
-                timings[name].append([nbytes, time_collective(cfg, name, nbytes, rank, world, device)])
-                progress.step(f"{name} {_fmt_bytes(nbytes)}")
+        if world > 1:
+            timings = time_collectives(cfg, rank, world, device, progress)
+        else:
+            timings = {}
+            progress.step("collectives: skipped (one rank)", len(cfg.collectives) * (1 + cfg.repeats))
         flops: dict[str, float] = {}
         failed: dict[str, str] = {}
         for dt in cfg.compute_dtypes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import tempfile
 import threading
 import time
@@ -42,6 +43,14 @@ class ProfileResult:
     raw: dict
 
 
+def _load_average() -> float:
+    """The 1-minute load average (0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def _poll_progress(path: Path, console, total: int, stop: threading.Event) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -64,7 +73,7 @@ def _poll_progress(path: Path, console, total: int, stop: threading.Event) -> No
 
 def profile_local(nproc: int = 2, device_kind: str = "auto",
                   sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES, *, console=None,
-                  threads_per_rank: int | None = None, target_s: float = 0.02, repeats: int = 3,
+                  threads_per_rank: int | None = None, target_s: float = 0.025, repeats: int = 7,
                   compute_window_s: float = 0.4, elementwise_bytes: int = 64 * 2**20,
                   compute_dtypes: tuple[str, ...] | None = None, timeout_s: float = 60.0) -> ProfileResult:
     """Measure this machine with ``nproc`` ranks all running at once; return a calibrated cluster.
@@ -96,6 +105,10 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
                                f"got {sizes_bytes!r}")
     world = base.world_size
     threads = threads_per_rank or max(1, hardware.usable_cores() // world)
+    busy = _load_average()
+    if console is not None and busy > 0.5 * hardware.usable_cores():
+        console.print(f"[yellow]warning: this machine is busy (load average {busy:.1f} on {hardware.usable_cores()} "
+                      f"cores) before the ranks start; the figures will include that load (slower)[/]")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="adaptdist-profile-") as tmp:
         progress_file = Path(tmp) / "progress.json"
