@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--max-grad-norm", type=_positive(float), default=None,
+                   help="clip gradients to this global 2-norm (over all shards, as torch.nn.utils.clip_grad_norm_)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
     t.add_argument("--bucket-mb", type=_positive(float), default=2.0,
@@ -238,7 +240,8 @@ def cmd_train(args) -> int:
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
-                      backend=cluster.backend, items_per_step=items_per_step, unit=unit)
+                      backend=cluster.backend, items_per_step=items_per_step, unit=unit,
+                      max_grad_norm=args.max_grad_norm)
     t0 = time.perf_counter()
     results = launch_local(run_worker, (cfg,), nproc)
     wall = time.perf_counter() - t0

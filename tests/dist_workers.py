@@ -31,6 +31,31 @@ def dp_sgd_worker(program_dir: str, batches: list, lr: float, steps: int, timeou
         dist.destroy_process_group()
 
 
+def multi_case_sgd_worker(cases: list[tuple[str, list, float | None]], lr: float, steps: int,
+                          timeout_s: float = 60.0) -> list[dict]:
+    """Run several compiled cases in one process group (each: program dir, batches, max grad norm):
+    ``steps`` SGD steps each; returns per case the losses, grads per step and final params."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        out = []
+        for program_dir, batches, max_norm in cases:
+            program = load_program(program_dir, rank, world_size=dist.get_world_size())
+            register_mesh_groups(program, "gloo")
+            runner = StepRunner(program, "sgd", lr, max_grad_norm=max_norm)
+            losses, grads, norms = [], [], []
+            for s in range(steps):
+                losses.append(runner.step(batches[s % len(batches)]))
+                grads.append({k: v.clone() for k, v in runner.last_grads.items()})
+                norms.append(runner.last_grad_norm)
+            params = {f: runner.state[f].clone() for f in program.param_fqns}
+            out.append({"losses": losses, "grads": grads, "params": params, "norms": norms})
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def collective_edge_cases_worker(timeout_s: float = 30.0) -> dict:
     """Functional collectives on non-contiguous and zero-element tensors; returns what each produced."""
     from adaptdist import _torch_compat as compat

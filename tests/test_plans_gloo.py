@@ -1,63 +1,74 @@
-"""Manual plans (tensor parallel, FSDP-like) on real gloo processes: 3 SGD steps equal eager.
+"""Manual plans (tensor parallel, FSDP-like, DP x TP on a 2-D mesh) on real gloo processes.
 
-Each rank's loss, its shard of every gradient and of every updated parameter match
-single-process eager training to 1e-5.
+3 SGD steps of each rank's program equal single-process eager training to 1e-5: the
+loss, this rank's shard of every gradient and of every updated parameter. All cases of
+one world size run in one process group (one launch), to keep CI fast.
 """
 
 import pytest
 import torch
 
-from adaptdist.annotations import resolve_param_placements
-from adaptdist.compiler.capture import capture
-from adaptdist.compiler.data_parallel import lower
+import adaptdist.models.gpt as gpt_module
+import adaptdist.models.llama as llama_module
+from adaptdist.annotations import ManualPlan
+from adaptdist.compiler.data_parallel import compile_program, lowering_order
+from adaptdist.mesh import Mesh
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
-from dist_workers import dp_sgd_worker
-from models import mlp
-from passutil import local_shard
+from dist_workers import multi_case_sgd_worker
+from models import mlp, tiny_gpt, tiny_llama
+from passutil import global_shard
 from reference import eager_sgd
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
-from adaptdist.models.gpt import TP_PLAN
-from models import tiny_gpt
+MLP_TP = ManualPlan("mlp-tp", ("tp",), None, (("fc1.weight", ("S(0)",)), ("fc1.bias", ("S(0)",)),
+                                              ("fc2.weight", ("S(1)",))))
+FACTORIES = {"mlp": lambda seed=0: mlp(7, seed=seed), "gpt": lambda seed=0: tiny_gpt(4, 8, seed=seed, num_heads=4),
+             "llama": lambda seed=0: tiny_llama(4, 8, seed=seed)}
+MODULES = {"mlp": None, "gpt": gpt_module, "llama": llama_module}
 
-
-def _gpt(seed=0):
-    return tiny_gpt(4, 8, seed=seed, num_heads=4)
-
-
-def _mlp(seed=0):
-    return mlp(7, seed=seed)
-
-
-PLANS = {  # name: (model factory, annotations, split the batch?)
-    "mlp-tp": (_mlp, {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"}, False),
-    "mlp-fsdp": (_mlp, {"fc*.weight": "S(0)", "fc*.bias": "S(0)"}, True),
-    "gpt-megatron-tp": (_gpt, TP_PLAN, False),
+# (model, plan, mesh or None for a 1-D mesh of the world size, max grad norm)
+CASES = {
+    2: [("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
+        ("gpt", "fsdp", None, None), ("llama", "tp", None, None), ("llama", "fsdp", None, None),
+        ("gpt", "dp", None, 0.5)],
+    4: [("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
+        ("gpt", "fsdp", None, 0.5), ("llama", "fsdp", None, None), ("gpt", "dp,tp", "dp=2,tp=2", None),
+        ("llama", "dp,tp", "dp=2,tp=2", None), ("gpt", "dp,tp", "dp=2,tp=2", 0.5)],
 }
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
+def _plan(model_name, plan):
+    return MLP_TP if (model_name, plan) == ("mlp", "tp") else ManualPlan.parse(plan, MODULES[model_name])
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_plan_sgd_equals_eager(tmp_path, plan, world):
-    factory, annotations, shard_batch = PLANS[plan]
-    model, example, loss_fn = factory()
-    batches = [factory(seed=10 + s)[1] for s in range(STEPS)]
-    cg = capture(model, example, loss_fn)
-    named = dict(model.named_parameters())
-    pp = resolve_param_placements({f: tuple(named[f].shape) for f in cg.input_fqns}, annotations)
-    programs = lower(cg, world, mesh_axis="dp" if shard_batch else "tp", shard_batch=shard_batch,
-                     param_placements=pp, state={f: named[f].detach() for f in cg.input_fqns})
-    save_programs(programs, tmp_path / "programs")
-    results = launch_local(dp_sgd_worker, (str(tmp_path / "programs"), batches, LR, STEPS), world)
-    history, final = eager_sgd(model, batches, loss_fn, LR, STEPS)
-    for r in range(world):
-        res = results[r]
-        for s, (loss, grads) in enumerate(history):
-            assert res["losses"][s] == pytest.approx(loss, abs=TOL), (r, s)
-            for f, g in res["grads"][s].items():
-                torch.testing.assert_close(g, local_shard(grads[f], pp.get(f), world, r), atol=TOL, rtol=TOL,
-                                           msg=f"rank {r} step {s} grad {f}")
-        for f, p in res["params"].items():
-            torch.testing.assert_close(p, local_shard(final[f], pp.get(f), world, r), atol=TOL, rtol=TOL,
-                                       msg=f"rank {r} param {f}")
+def test_plans_sgd_equal_eager(tmp_path, world):
+    prepared, launch_cases = [], []
+    for i, (name, plan_text, mesh_text, clip) in enumerate(CASES[world]):
+        model, example, loss_fn = FACTORIES[name]()
+        batches = [FACTORIES[name](seed=10 + s)[1] for s in range(STEPS)]
+        plan = _plan(name, plan_text)
+        programs = compile_program(model, example, loss_fn, world, plan, mesh=mesh_text)
+        save_programs(programs, tmp_path / f"case{i}")
+        launch_cases.append((str(tmp_path / f"case{i}"), batches, clip))
+        prepared.append((f"{name} {plan_text} {mesh_text or ''} clip={clip}", model, loss_fn, batches, programs, clip))
+    results = launch_local(multi_case_sgd_worker, (launch_cases, LR, STEPS), world)
+    for i, (label, model, loss_fn, batches, programs, clip) in enumerate(prepared):
+        history, final = eager_sgd(model, batches, loss_fn, LR, STEPS, max_grad_norm=clip)
+        p0 = programs[0]
+        mesh = Mesh(tuple(p0.mesh.items()))
+        order = lowering_order(mesh, p0.plan.batch_axis)
+        for r in range(world):
+            res = results[r][i]
+            pls = programs[r].state_placements
+            for s, (loss, grads) in enumerate(history):
+                assert res["losses"][s] == pytest.approx(loss, abs=TOL), (label, r, s)
+                for f, g in res["grads"][s].items():
+                    torch.testing.assert_close(g, global_shard(grads[f], pls.get(f), mesh, r, order), atol=TOL,
+                                               rtol=TOL, msg=f"{label}: rank {r} step {s} grad {f}")
+            for f, p in res["params"].items():
+                torch.testing.assert_close(p, global_shard(final[f], pls.get(f), mesh, r, order), atol=TOL,
+                                           rtol=TOL, msg=f"{label}: rank {r} param {f}")
+            if clip is not None:
+                assert res["norms"][0] > clip, f"{label}: the test must actually clip"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import _torch_compat as compat
 from ..errors import AdaptdistError, DataError
 from ..program import RankProgram, load_program
+from .grad_clip import clip_grad_norm_
 from .memory import PeakMemory
 
 
@@ -60,6 +61,7 @@ class TrainConfig:
     measure_memory_step: int | None = None
     items_per_step: int = 1
     unit: str = "tokens"
+    max_grad_norm: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -118,8 +120,10 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
 class StepRunner:
     """Holds one rank's state and optimizer and runs training steps of its program."""
 
-    def __init__(self, program: RankProgram, optimizer: str, lr: float):
+    def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None):
         self.program = program
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
         self.state = {k: v.clone() for k, v in program.state.items()}
         self.inputs = [self.state[f] for f in program.input_fqns]
         self.params = [self.state[f] for f in program.param_fqns]
@@ -133,6 +137,8 @@ class StepRunner:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
         outs = self.program(*self.inputs, *self.program.local_batch(global_batch))
         self.last_grads = {f: outs[i] for f, i in zip(self.program.param_fqns, self.grad_slots)}
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = clip_grad_norm_(self.last_grads, self.program, self.max_grad_norm)
         for p, i in zip(self.params, self.grad_slots):
             p.grad = outs[i]
         self.opt.step()
@@ -177,7 +183,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     try:
         program = load_program(cfg.program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
-        runner = StepRunner(program, cfg.optimizer, cfg.lr)
+        runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
         batches = global_batches(cfg.data)
         losses, times = [], []
         peak = None
