@@ -69,7 +69,6 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 DEVICE_KINDS: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 """Device kind -> the torch.distributed backend that launches it."""
-_DEVICE_KINDS = DEVICE_KINDS  # old name
 TIERS = ("intra_host", "inter_host")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")

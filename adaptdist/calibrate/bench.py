@@ -14,7 +14,8 @@ other load on the machine only ever adds time, so a burst of outside load spoils
 not a point. Message sizes follow nccl-tests' convention (see :mod:`adaptdist.cluster`).
 send_recv is a ping-pong between ranks 0 and 1 (half the round trip).
 
-Compute: for each dtype an n x n matmul (2 n^3 FLOP, n chosen so one call takes ~20 ms), and an
+Compute: for each dtype an n x n matmul (2 n^3 FLOP, n = 1024 on CPU, 8192 on CUDA, smaller when
+one call would take over a quarter of the window), and an
 elementwise ``add(a, b, out=c)`` over 64 MiB float32 tensors (3 x 64 MiB of memory traffic per
 call), each run for ``compute_window_s`` seconds on all ranks at once.
 """
@@ -186,7 +187,11 @@ def _run_window(fn, window_s: float, device) -> tuple[int, float]:
 
 
 def matmul_flops(dtype_name: str, window_s: float, device) -> float:
-    """FLOP/s of an n x n ``dtype`` matmul on this rank (2 n^3 FLOP per call), n sized for ~20 ms a call.
+    """FLOP/s of an n x n ``dtype`` matmul on this rank (2 n^3 FLOP per call).
+
+    n starts large, 1024 on CPU and 8192 on CUDA, since peak rates are reached only by large
+    matmuls (small ones on CPU mostly time thread start-up); it halves, down to 128, while one
+    call takes more than a quarter of ``window_s``.
 
     Raises:
         RuntimeError: torch has no matmul for this dtype on this device.
@@ -194,20 +199,19 @@ def matmul_flops(dtype_name: str, window_s: float, device) -> float:
     import torch
 
     dtype = getattr(torch, dtype_name)
-    n = 256
-    a = torch.randn(n, n, device=device).to(dtype)
-    torch.mm(a, a)  # warm-up (and fails early when unsupported)
-    _sync(device)
-    t0 = time.perf_counter()
-    torch.mm(a, a)
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
-    n = int(min(4096, max(128, round(256 * (0.02 / one) ** (1 / 3) / 64) * 64)))
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    c = torch.empty(n, n, device=device, dtype=dtype)
-    torch.mm(a, b, out=c)
-    _sync(device)
+    n = 8192 if device.type == "cuda" else 1024
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        c = torch.empty(n, n, device=device, dtype=dtype)
+        torch.mm(a, b, out=c)  # warm-up (and fails early when unsupported)
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        _sync(device)
+        if n <= 128 or time.perf_counter() - t0 <= window_s / 4:
+            break
+        n //= 2
     return _window_rate(lambda: torch.mm(a, b, out=c), 2.0 * n ** 3, window_s, device)
 
 

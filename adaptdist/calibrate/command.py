@@ -79,7 +79,7 @@ def cmd_cluster(args) -> int:
 
     if args.quick:
         sizes, extra = QUICK_SIZES_BYTES, dict(target_s=0.002, repeats=2, compute_window_s=0.05,
-                                               elementwise_bytes=2**20)
+                                               elementwise_bytes=16 * 2**20)
     else:
         top = int(args.max_message_mib * 2**20)
         if top < 4096:
@@ -92,7 +92,8 @@ def cmd_cluster(args) -> int:
     _write(cluster, args.out, f"written by `adaptdist cluster profile` on {describe_machine()}"
                               + (" (--quick: smoke test)" if args.quick else ""))
     _show(console, cluster)
-    console.print(f"profiled {cluster.world_size} {cluster.device_kind} ranks in {result.wall_s:.1f} s; "
+    n = cluster.world_size
+    console.print(f"profiled {n} {cluster.device_kind} rank{'s' if n > 1 else ''} in {result.wall_s:.1f} s; "
                   f"wrote {args.out}: {cluster!r}; topology fingerprint {cluster.topology_fingerprint()}")
     return 0
 
@@ -127,8 +128,9 @@ def _show(console, cluster) -> None:
     for link in cluster.links:
         links.add_row(link.tier if link.ranks is None else str(list(link.ranks)),
                       f"{link.bandwidth_bytes_per_s / 1e9:.3f}", f"{link.latency_s * 1e6:.1f}")
-    console.print(links)
-    if cluster.calibrated:
+    if cluster.links:
+        console.print(links)
+    if cluster.calibrated and cluster.calibration.collectives:
         fits = Table(title="collectives: time(n) = alpha + beta n   (n: bytes of the whole tensor)")
         for col in ("tier", "collective", "ranks", "alpha us", "1/beta GB/s", "rms rel. error"):
             fits.add_column(col, justify="right")

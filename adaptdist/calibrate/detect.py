@@ -41,6 +41,9 @@ def detect_local(nproc: int | None = None, device_kind: str = "auto") -> Cluster
     import torch
 
     count = cuda_device_count()
+    if count == 0:
+        raise ClusterSpecError("--device-kind cuda, but torch sees no CUDA device here (torch "
+                               f"{torch.__version__}); use --device-kind cpu")
     n = count if nproc is None else nproc
     if not isinstance(n, int) or n < 1:
         raise ClusterSpecError(f"--nproc must be a positive number of local ranks, got {nproc!r}; try --nproc 2")
