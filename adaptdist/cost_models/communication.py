@@ -45,6 +45,8 @@ from .hardware import ClusterLike
 from .numbers import ceil_log2, smin
 
 ALGORITHMS = ("ring", "tree", "auto")
+CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""Collectives a cluster may hold a calibrated fit for (``adaptdist.cluster.COLLECTIVES``)."""
 
 _FUNCTIONAL_KINDS = {
     "all_reduce": "all_reduce",
@@ -199,12 +201,16 @@ class LinkCost:
 
 
 def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int]) -> LinkCost:
-    """The alpha and beta a collective over ``members`` runs at.
+    """The per-message alpha and per-byte beta a collective over ``members`` runs at.
 
     The ring's hops are consecutive members (and last -> first); a ring runs at its slowest hop,
-    so the tier is ``inter_host`` when any hop crosses hosts. The cluster's calibrated fit for
-    (collective, tier) is used when it has one; else alpha is the largest hop latency and beta the
-    inverse of the smallest hop bandwidth.
+    so the tier is ``inter_host`` when any hop crosses hosts. When the cluster has a calibrated
+    fit for (collective, tier) -- a whole-collective ``t(n) = alpha_s + beta_s_per_byte n`` measured
+    on ``num_ranks`` ranks (``adaptdist.cluster.CollectiveFit``; this group's size when it does not
+    say) -- it is turned into per-message figures by :func:`per_step_fit` with the ring formula (the
+    rescaling ``adaptdist.cluster`` documents), so the formula gives the fit back at ``num_ranks``
+    and rescales it to other group sizes. Else alpha is the largest hop latency and beta the inverse
+    of the smallest hop bandwidth. ``broadcast`` has no calibrated fit.
 
     Raises:
         ClusterSpecError: a member is outside the cluster (from the cluster), or a link has no
@@ -214,9 +220,12 @@ def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int]) -> 
         return LinkCost(0.0, 0.0, "intra_host", False)
     hops = [cluster.link(a, b) for a, b in zip(members, list(members[1:]) + [members[0]])]
     tier = "inter_host" if any(h.tier == "inter_host" for h in hops) else "intra_host"
-    fit = cluster.collective_fit(collective, tier)
+    fit = cluster.collective_fit(collective, tier) if collective in CALIBRATED_COLLECTIVES else None
     if fit is not None:
-        return LinkCost(float(fit.alpha_s), float(fit.beta_s_per_byte), tier, True)
+        p_fit = getattr(fit, "num_ranks", None)
+        p_fit = p_fit if isinstance(p_fit, int) and p_fit >= 2 else len(members)
+        alpha, beta = per_step_fit(collective, p_fit, float(fit.alpha_s), float(fit.beta_s_per_byte), "ring")
+        return LinkCost(alpha, beta, tier, True)
     slowest = min(h.bandwidth_bytes_per_s for h in hops)
     if slowest <= 0:
         raise ClusterSpecError(f"a link between ranks {list(members)} has bandwidth {slowest} B/s; it must be > 0")

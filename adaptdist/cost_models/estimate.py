@@ -129,12 +129,13 @@ def rank_events(schedule: StepSchedule, device: DeviceLike, collectives: Mapping
 
 def collective_costs(schedule: StepSchedule, cluster: ClusterLike, algorithm: str = "ring",
                      group_size: Callable[[StepNode], Any] | None = None,
-                     links: Mapping[str, LinkCost] | None = None) -> dict[int, CollectiveCost]:
+                     links: Mapping[tuple[str, str], LinkCost] | None = None) -> dict[int, CollectiveCost]:
     """Cost of each collective node of ``schedule`` (node index -> :class:`CollectiveCost`).
 
     Args:
         group_size: node -> ranks in its group (default: from the schedule's mesh, :func:`group_members`).
-        links: group name -> :class:`LinkCost` to use (default: the cluster's links between the members).
+        links: (group name, collective kind) -> :class:`LinkCost` to use (default: the cluster's links
+            between the members).
 
     Raises:
         UsageError: a group name that is not a mesh axis; ClusterSpecError: bad link figures.
@@ -144,17 +145,13 @@ def collective_costs(schedule: StepSchedule, cluster: ClusterLike, algorithm: st
         if n.kind != "collective":
             continue
         members = group_members(n.group or "", schedule.rank, schedule.mesh)
-        link = (links or {}).get(n.group or "") or link_cost(cluster, _fit_name(n.collective or ""), members)
+        link = (links or {}).get((n.group or "", n.collective or "")) or link_cost(cluster, n.collective or "", members)
         p = group_size(n) if group_size else len(members)
         nbytes = collective_bytes(schedule, n)
         t = collective_time_s(n.collective or "", nbytes, p, link.alpha_s, link.beta_s_per_byte, algorithm)
         out[n.index] = CollectiveCost(n.name, n.collective or "", n.group or "", p, nbytes, t, link.tier,
                                       link.calibrated)
     return out
-
-
-def _fit_name(kind: str) -> str:
-    return "send_recv" if kind in ("send", "recv") else kind
 
 
 def estimate_schedules(schedules: Mapping[int, StepSchedule], cluster: Any, optimizer: str = "adamw",

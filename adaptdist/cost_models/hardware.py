@@ -48,13 +48,10 @@ class LinkLike(Protocol):
 
 
 class CollectiveFitLike(Protocol):
-    """Calibrated alpha-beta figures of one collective on one link tier.
-
-    ``alpha_s`` and ``beta_s_per_byte`` are the per-message latency and per-byte time that
-    enter the collective's formula in :mod:`.communication` in place of the link's
-    ``latency_s`` and ``1 / bandwidth_bytes_per_s`` (see :func:`.communication.per_step_fit`
-    to convert a whole-collective fit ``t(n) = a + b n``).
-    """
+    """Calibrated alpha-beta fit of one collective on one link tier: the whole collective takes
+    ``alpha_s + beta_s_per_byte * n`` seconds for ``n`` bytes (nccl-tests sizes: see
+    :mod:`.communication`), measured on ``num_ranks`` ranks when the object has that attribute.
+    :func:`.communication.link_cost` rescales it to other group sizes with the ring formula."""
 
     alpha_s: float
     beta_s_per_byte: float
@@ -112,10 +109,12 @@ class LinkFigures:
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """A calibrated collective fit as plain numbers (implements :class:`CollectiveFitLike`)."""
+    """A calibrated whole-collective fit as plain numbers (implements :class:`CollectiveFitLike`),
+    measured on ``num_ranks`` ranks (None: on the group it is used for)."""
 
     alpha_s: float
     beta_s_per_byte: float
+    num_ranks: int | None = None
 
 
 # Default figures, used only when a cluster object does not describe its devices.

@@ -243,9 +243,10 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
     axis_symbol = {s.name: s for s in symbols[2:]}
     links = {}
     for n in schedule.nodes:
-        if n.kind == "collective" and n.group not in links:
-            members = group_members(n.group or "", schedule.rank, schedule.mesh)
-            links[n.group] = link_cost(cluster, n.collective or "", members)
+        key = (n.group or "", n.collective or "")
+        if n.kind == "collective" and key not in links:
+            members = group_members(key[0], schedule.rank, schedule.mesh)
+            links[key] = link_cost(cluster, key[1], members)
 
     def group_size(node) -> Any:
         axis = (node.group or "").partition(":")[2]
