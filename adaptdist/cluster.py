@@ -101,6 +101,9 @@ class FrozenMap(Mapping):
     def __setattr__(self, name, value):
         raise AttributeError("FrozenMap is immutable")
 
+    def __reduce__(self):
+        return (FrozenMap, (self._d,))
+
     def __repr__(self) -> str:
         return f"FrozenMap({self._d!r})"
 
@@ -438,6 +441,10 @@ class Cluster:
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
             raise ClusterSpecError(f"cluster: calibration must be a Calibration or None, "
                                    f"got {type(self.calibration).__name__}")
+        # lookup tables for device() / host_of() / link(), built once (not fields: no effect on ==, hash, repr)
+        object.__setattr__(self, "_device_of", {d.rank: d for h in self.hosts for d in h.devices})
+        object.__setattr__(self, "_host_of", {d.rank: h for h in self.hosts for d in h.devices})
+        object.__setattr__(self, "_links", {(link.ranks or link.tier): link for link in self.links})
 
     # --- queries (the cost models' interface) ----------------------------------------------------
 
@@ -456,17 +463,16 @@ class Cluster:
         Raises:
             ClusterSpecError: no such rank.
         """
-        for h in self.hosts:
-            for d in h.devices:
-                if d.rank == rank:
-                    return d
+        d = self._device_of.get(rank) if isinstance(rank, int) else None
+        if d is not None:
+            return d
         raise ClusterSpecError(f"{self!r} has no rank {rank!r}; ranks are 0..{self.world_size - 1}")
 
     def host_of(self, rank: int) -> Host:
         """The host ``rank`` is on. Raises ClusterSpecError for an unknown rank."""
-        for h in self.hosts:
-            if any(d.rank == rank for d in h.devices):
-                return h
+        h = self._host_of.get(rank) if isinstance(rank, int) else None
+        if h is not None:
+            return h
         raise ClusterSpecError(f"{self!r} has no rank {rank!r}; ranks are 0..{self.world_size - 1}")
 
     def tier(self, rank_a: int, rank_b: int) -> str:
@@ -493,14 +499,9 @@ class Cluster:
             raise ClusterSpecError(f"{self!r}: rank {rank_a} has no link to itself; ask for two different ranks")
         tier = self.tier(rank_a, rank_b)
         pair = (min(rank_a, rank_b), max(rank_a, rank_b))
-        default = None
-        for link in self.links:
-            if link.ranks == pair:
-                return link
-            if link.ranks is None and link.tier == tier:
-                default = link
-        assert default is not None, (self, pair)  # __post_init__ checks every used tier is covered
-        return default
+        link = self._links.get(pair) or self._links.get(tier)
+        assert link is not None, (self, pair)  # __post_init__ checks every used tier is covered
+        return link
 
     def collective_fit(self, collective: str, tier: str) -> CollectiveFit | None:
         """The measured alpha-beta fit of ``collective`` on ``tier``; None when not measured.

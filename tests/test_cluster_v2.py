@@ -440,3 +440,15 @@ def test_readme_cluster_example_loads(tmp_path):
     (tmp_path / "cluster.yaml").write_text(example[:example.index("```")])
     c = Cluster.from_yaml(tmp_path / "cluster.yaml")
     assert c.calibrated and c.world_size == 2 and c.collective_fit("all_reduce", "intra_host").alpha_s == 1.39e-4
+
+
+def test_pickle_and_copy_keep_the_cluster(tmp_path):
+    import copy
+    import pickle
+
+    c = load(tmp_path, hetero_doc()).with_calibration(Calibration(
+        FrozenMap({("intra_host", "all_reduce"): CollectiveFit(2e-4, 7e-10, 2)})))
+    for back in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
+        assert back == c and hash(back) == hash(c)
+        assert back.link(2, 3) == c.link(2, 3) and back.device(3) == c.device(3)
+        assert back.collective_fit("all_reduce", "intra_host") == CollectiveFit(2e-4, 7e-10, 2)
