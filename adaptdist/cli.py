@@ -35,7 +35,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="builtin:gpt",
                    help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--cluster", metavar="FILE", help="cluster YAML file (schema_version 1)")
+    g.add_argument("--cluster", metavar="FILE", help="cluster YAML or JSON file (see README: Cluster)")
     g.add_argument("--nproc", type=int, default=None, help="number of local ranks; 2 when neither --nproc nor --cluster is given")
     p.add_argument("--mesh", metavar="AXIS=N,...", default=None,
                    help="mesh axis sizes for a multi-axis plan, outermost first, e.g. dp=2,tp=2 (their product is "
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .calibrate.command import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
+    from .cost_models.command import add_parser as add_estimate_parser
+
+    add_estimate_parser(sub, _add_common)  # adaptdist estimate
     return ap
 
 
@@ -278,6 +281,13 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_estimate(args) -> int:
+    """``adaptdist estimate``: predicted step time and memory per rank; see :mod:`adaptdist.cost_models.command`."""
+    from .cost_models.command import cmd_estimate as run
+
+    return run(args, _cluster(args))
+
+
 def cmd_cluster(args) -> int:
     """``adaptdist cluster detect|profile``: see :mod:`adaptdist.calibrate.command`."""
     from .calibrate.command import cmd_cluster as run
@@ -294,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster}[args.command](args)
+        return {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate}[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

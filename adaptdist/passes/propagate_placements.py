@@ -106,11 +106,7 @@ def _output_needs(node: torch.fx.Node, ctx: PassContext) -> dict:
             fqn = roles[j][len("grad:"):]
             want = param_pl[fqn]
             if isinstance(want, Shard) and p != want:
-                if isinstance(p, Shard):
-                    raise UnsupportedOpError(
-                        f"the gradient of {fqn!r} (node {o.name!r}, {gmeta.shape_str(o)}) comes out {p!r} but the "
-                        f"parameter is {want!r}; use the same sharded dim for the parameter and its use"
-                    )
+                # Partial: reduce_scatter; another Shard: all_gather then this rank's slice
                 needs[(0, j)] = want
             elif isinstance(want, Replicate) and isinstance(p, Shard):
                 needs[(0, j)] = want  # e.g. a replicated weight used on a sharded activation

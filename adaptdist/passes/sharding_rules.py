@@ -772,6 +772,21 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
     return rule
 
 
+def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """constant_pad_nd(x, pad, value): a shard of an unpadded dim carries through; padding with 0
+    is linear (Partial stays Partial); a padded sharded dim is gathered first."""
+    p = pl(node.args[0])
+    pad = list(node.args[1])
+    nd = len(shape(node.args[0]))
+    padded = {nd - 1 - i // 2 for i, v in enumerate(pad) if v}
+    value = _arg(node, 2, "value", 0.0)
+    if isinstance(p, Shard) and p.dim in padded:
+        return gather_all(node, pl, "it pads the sharded dim")
+    if isinstance(p, Partial) and value != 0:
+        return RuleResult(R, {(0,): R})
+    return RuleResult(p)
+
+
 # ---------------------------------------------------------------- collectives of other mesh axes
 
 
@@ -889,6 +904,7 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy.default: loss_with_reduction(3, backward=False),
     aten.binary_cross_entropy_backward.default: loss_with_reduction(4, backward=True),
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
+    aten.constant_pad_nd.default: constant_pad,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
