@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..errors import UsageError
-from .numbers import is_symbolic, smax
+from .numbers import is_symbolic, prune_dominated, smax
 from .schedule import StepSchedule
 
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
@@ -172,7 +172,7 @@ def program_peak(schedule: StepSchedule) -> tuple[Any, int]:
         if any((a < b) or (a == b and j < k) for j, b in enumerate(sets)):
             continue
         maximal.append(a)
-    return smax(*(_sum(schedule, sorted(a)) for a in maximal)), points[0]
+    return smax(*prune_dominated([_sum(schedule, sorted(a)) for a in maximal])), points[0]
 
 
 def estimate_memory(schedule: StepSchedule, optimizer: str | OptimizerModel = "adamw") -> MemoryEstimate:

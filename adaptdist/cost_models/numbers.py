@@ -29,6 +29,26 @@ def smax(*xs: Any) -> Any:
     return sym[0] if len(sym) == 1 else sympy.Max(*sym, evaluate=False)
 
 
+def prune_dominated(exprs: list[Any]) -> list[Any]:
+    """``exprs`` without those another one dominates term by term (for a sum of monomials in positive
+    symbols, every coefficient at least as large means at least as large everywhere), so that a
+    ``Max`` over them keeps the same value with fewer arguments. Expressions with a negative
+    coefficient are kept as they are."""
+    coeffs = [sympy.sympify(e).expand().as_coefficients_dict() for e in exprs]
+    nonneg = [all(c >= 0 for c in d.values()) for d in coeffs]
+
+    def dominates(a: dict, b: dict) -> bool:
+        return all(a.get(m, 0) >= c for m, c in b.items())
+
+    keep = []
+    for i, (d, ok) in enumerate(zip(coeffs, nonneg)):
+        if ok and any(j != i and nonneg[j] and dominates(coeffs[j], d) and (coeffs[j] != d or j < i)
+                      for j in range(len(exprs))):
+            continue
+        keep.append(exprs[i])
+    return keep
+
+
 def smin(*xs: Any) -> Any:
     """min of numbers, or an unevaluated ``sympy.Min`` when any is symbolic."""
     if not any(is_symbolic(x) for x in xs):

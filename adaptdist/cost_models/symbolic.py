@@ -10,6 +10,9 @@ every tensor and every storage's bytes (:meth:`~.schedule.StepSchedule.numbers`)
 1. Compile at a few sample points around the base point ``(B0, T0, P0)`` (:func:`sample_points`):
    ``(2B0, T0, P0)``, ``(B0, 2T0, P0)``, per mesh axis ``(2B0, T0, P0 with that axis doubled)``,
    and a validation point ``(6B0, 3T0, 2P0)``. The batch stays a multiple of the batch axis.
+   The lowering itself may depend on sizes (gradient buckets are filled by bytes, so doubling
+   the mesh under FSDP regroups them): a variable whose sample lowers to other nodes is held at
+   its base value (:attr:`SymbolicEstimate.fixed`) and the samples are redrawn without it.
 2. Fit each integer's trajectory over the samples (:func:`fit_integer`), first as a monomial
    ``c B^a T^b prod_axis p^e`` (exponents from the ratios between the base and each
    perturbed sample, ``c`` a rational, e.g. a local batch ``B/dp``, a score matrix's ``B T^2 / dp``
@@ -65,21 +68,37 @@ class SamplePoint:
         return (self.batch_size, self.seq_len, *(s for _, s in self.mesh))
 
 
-def sample_points(batch_size: int, seq_len: int, mesh: Mapping[str, int]) -> list[SamplePoint]:
-    """The base point, one perturbation per variable, and a validation point (module docstring).
+def sample_points(batch_size: int, seq_len: int, mesh: Mapping[str, int], vary: Sequence[str] | None = None
+                  ) -> list[tuple[SamplePoint, str]]:
+    """The base point, one perturbation per varied variable, and a validation point (module docstring),
+    each with the variable it perturbs (``"base"``, ``"B"``, ``"T"``, an axis name, ``"validation"``).
+
+    Args:
+        vary: the variables to vary among ``"B"``, ``"T"`` and the mesh axes (default: all); the others
+            stay at their base value in every sample.
 
     Raises:
-        UsageError: a non-positive size.
+        UsageError: a non-positive size, or an unknown variable in ``vary``.
     """
     if batch_size < 1 or seq_len < 1 or any(int(s) < 1 for s in mesh.values()):
         raise UsageError(f"sample point needs positive sizes, got B={batch_size}, T={seq_len}, mesh={dict(mesh)}")
+    names = ["B", "T", *mesh]
+    vary = list(names if vary is None else vary)
+    if set(vary) - set(names):
+        raise UsageError(f"cannot vary {sorted(set(vary) - set(names))}; the variables are {names}")
     base = tuple((a, int(s)) for a, s in mesh.items())
-    pts = [SamplePoint(batch_size, seq_len, base), SamplePoint(2 * batch_size, seq_len, base),
-           SamplePoint(batch_size, 2 * seq_len, base)]
-    for k in range(len(base)):
-        pts.append(SamplePoint(2 * batch_size, seq_len, tuple((a, s * (2 if i == k else 1))
-                                                               for i, (a, s) in enumerate(base))))
-    pts.append(SamplePoint(6 * batch_size, 3 * seq_len, tuple((a, 2 * s) for a, s in base)))
+    b2 = 2 * batch_size if "B" in vary else batch_size
+    pts = [(SamplePoint(batch_size, seq_len, base), "base")]
+    if "B" in vary:
+        pts.append((SamplePoint(2 * batch_size, seq_len, base), "B"))
+    if "T" in vary:
+        pts.append((SamplePoint(batch_size, 2 * seq_len, base), "T"))
+    for k, (axis, _) in enumerate(base):
+        if axis in vary:  # the batch doubles too, so a batch split over the axis stays even
+            pts.append((SamplePoint(b2, seq_len, tuple((a, s * (2 if i == k else 1))
+                                                       for i, (a, s) in enumerate(base))), axis))
+    pts.append((SamplePoint(batch_size * (6 if "B" in vary else 1), seq_len * (3 if "T" in vary else 1),
+                            tuple((a, s * (2 if a in vary else 1)) for a, s in base)), "validation"))
     return pts
 
 
@@ -192,6 +211,8 @@ class SymbolicEstimate:
             always-live parts.
         unfitted: nodes with an integer that is not a function of the symbols in the fitted forms.
         points: the sample points the fits reproduce.
+        fixed: variables held at their base value (name, value): the lowering changes its structure
+            when they change (e.g. other gradient buckets), so the formulas hold only at that value.
     """
 
     symbols: tuple[sympy.Symbol, ...]
@@ -206,6 +227,7 @@ class SymbolicEstimate:
     optimizer_state_bytes: sympy.Expr
     unfitted: tuple[str, ...]
     points: tuple[SamplePoint, ...]
+    fixed: tuple[tuple[str, int], ...] = ()
 
     FIELDS = ("step_s", "compute_s", "communication_s", "idle_s", "flops", "communication_bytes",
               "peak_memory_bytes", "params_bytes", "optimizer_state_bytes")
@@ -214,12 +236,19 @@ class SymbolicEstimate:
         """Every field at a point, as floats.
 
         Raises:
-            UsageError: ``mesh`` names other axes than the symbols.
+            UsageError: ``mesh`` names other axes than the symbols, or a :attr:`fixed` variable differs from
+                its base value.
         """
         axes = [s.name for s in self.symbols[2:]]
         if sorted(mesh) != sorted(axes):
             raise UsageError(f"mesh {dict(mesh)} has other axes than this estimate's {axes}")
         args = (batch_size, seq_len, *(int(mesh[a]) for a in axes))
+        given = dict(zip([s.name for s in self.symbols], args))
+        for name, value in self.fixed:
+            if given[name] != value:
+                raise UsageError(f"this estimate holds {name} at {value} (the lowering changes its structure "
+                                 f"around it), so it cannot predict {name}={given[name]}; estimate that size "
+                                 "concretely")
         return {f: float(fn(*args)) for f, fn in self._functions.items()}
 
     @functools.cached_property
@@ -231,16 +260,18 @@ class SymbolicEstimate:
 
 def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], cluster: ClusterLike,
                       optimizer: str = "adamw", algorithm: str = "ring", unfitted: Sequence[str] = (),
-                      points: Sequence[SamplePoint] = ()) -> SymbolicEstimate:
+                      points: Sequence[SamplePoint] = (), fixed: Mapping[str, int] | None = None
+                      ) -> SymbolicEstimate:
     """Cost a symbolic schedule (from :func:`symbolize`) with the concrete estimate's formulas.
 
-    Collectives on group ``adaptdist:<axis>`` have group size ``<axis>``'s symbol and the alpha/beta of
-    the group's links in ``cluster`` at the base point.
+    Collectives on group ``adaptdist:<axis>`` have group size ``<axis>``'s symbol (its value when the
+    axis is in ``fixed``) and the alpha/beta of the group's links in ``cluster`` at the base point.
 
     Raises:
         UsageError: a collective group whose axis has no symbol; see also :func:`~.estimate.estimate_schedules`.
     """
-    axis_symbol = {s.name: s for s in symbols[2:]}
+    fixed = dict(fixed or {})
+    axis_symbol: dict[str, Any] = {s.name: fixed.get(s.name, s) for s in symbols[2:]}
     links = {}
     for n in schedule.nodes:
         key = (n.group or "", n.collective or "")
@@ -265,13 +296,18 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
     return SymbolicEstimate(tuple(symbols), sympy.sympify(t.step_s), sympy.sympify(t.compute_s),
                             sympy.sympify(t.communication_s), sympy.sympify(t.idle_s), sympy.sympify(flops),
                             comm_bytes, sympy.sympify(mem.peak_bytes), sympy.sympify(mem.params_bytes),
-                            sympy.sympify(mem.optimizer_state_bytes), tuple(unfitted), tuple(points))
+                            sympy.sympify(mem.optimizer_state_bytes), tuple(unfitted), tuple(points),
+                            tuple(fixed.items()))
 
 
 def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]], batch_size: int, seq_len: int,
                           mesh: Mapping[str, int], cluster: Any, optimizer: str = "adamw", algorithm: str = "ring",
                           rank: int = 0) -> SymbolicEstimate:
     """Compile at :func:`sample_points` around ``(batch_size, seq_len, mesh)``, fit, and cost symbolically.
+
+    A variable whose perturbation lowers to a differently structured program (other buckets, other
+    nodes) is held at its base value (:attr:`SymbolicEstimate.fixed`) and the samples are redrawn
+    without it; mesh axes are given up first, then T, then B.
 
     Args:
         compile_at: a sample point -> ``{rank: RankProgram}`` (e.g. ``compile_program`` of the model built
@@ -280,16 +316,39 @@ def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]]
         rank: the rank whose program is costed (every sample must have it; rank 0 always exists).
 
     Raises:
-        UsageError: the samples lower to differently structured programs (see :func:`symbolize`), or the
-            rank is missing; plus whatever ``compile_at`` raises.
+        UsageError: no variable can vary without changing the program's structure, or the rank is
+            missing; plus whatever ``compile_at`` raises.
     """
-    points = sample_points(batch_size, seq_len, mesh)
-    schedules = []
-    for p in points:
-        programs = compile_at(p)
-        if rank not in programs:
-            raise UsageError(f"rank {rank} has no program at B={p.batch_size}, T={p.seq_len}, mesh={p.mesh_dict}")
-        schedules.append(build_schedule(programs[rank]))
+    schedules: dict[SamplePoint, StepSchedule] = {}
+
+    def schedule_at(p: SamplePoint) -> StepSchedule:
+        if p not in schedules:
+            programs = compile_at(p)
+            if rank not in programs:
+                raise UsageError(f"rank {rank} has no program at B={p.batch_size}, T={p.seq_len}, mesh={p.mesh_dict}")
+            schedules[p] = build_schedule(programs[rank])
+        return schedules[p]
+
+    names = ["B", "T", *mesh]
+    vary = list(names)
+    while True:
+        pts = sample_points(batch_size, seq_len, mesh, vary)
+        base = schedule_at(pts[0][0]).structure()
+        changed = [what for p, what in pts[1:] if schedule_at(p).structure() != base]
+        if not changed:
+            break
+        single = [w for w in changed if w != "validation"]
+        drop = single[-1] if single else vary[-1]
+        vary.remove(drop)
+        if not vary:
+            raise UsageError(
+                f"the rank program changes its structure whichever of B, T, {', '.join(mesh)} changes (other "
+                "buckets or nodes), so its cost is no single formula around this point; estimate each size "
+                "concretely, or try a larger --bucket-mb"
+            )
     symbols = make_symbols(list(mesh))
-    sym, unfitted = symbolize(schedules, points, symbols)
-    return symbolic_estimate(sym, symbols, as_cost_cluster(cluster), optimizer, algorithm, unfitted, points)
+    base_values = dict(zip(names, pts[0][0].values()))
+    fixed = {n: base_values[n] for n in names if n not in vary}
+    points = [p for p, _ in pts]
+    sym, unfitted = symbolize([schedules[p] for p in points], points, symbols)
+    return symbolic_estimate(sym, symbols, as_cost_cluster(cluster), optimizer, algorithm, unfitted, points, fixed)
