@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate}[args.command](args)
+        commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate}
+        return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
