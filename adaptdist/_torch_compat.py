@@ -135,3 +135,81 @@ def flop_shape_wrapper(formula: Callable) -> Callable:
 def storage_key(t: torch.Tensor) -> int:
     """An id of ``t``'s storage (its StorageImpl), shared by all views of it; valid while ``t`` lives."""
     return t.untyped_storage()._cdata
+
+
+def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
+                       ) -> list[tuple[list[Any], list[Any]]] | None:
+    """DTensor's sharding strategies for ``op`` along one mesh axis, as (outputs, tensor inputs) lists of
+    DTensor placements (``Shard``/``Replicate``/``Partial``; ``None`` where an output is absent).
+
+    ``args``/``kwargs`` hold tensors (real or fake) where the op takes tensors. Uses the op's
+    single-mesh-dim strategy (``register_single_dim_strategy``; sharding placeholders become
+    ``Shard``, DTensor's masked partial of a vocabulary-parallel lookup becomes ``Partial``), else
+    its full strategy function evaluated on a 1-D mesh of ``mesh_size`` ranks built without a
+    process group, with every input offered as Replicate, Shard(d) for each dim, and Partial.
+    Returns None when DTensor has no strategy for the op, or its strategy function fails on
+    these arguments (e.g. an argument form it does not expect).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    from torch.utils._pytree import tree_map
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+
+    def meta(t: torch.Tensor) -> Any:
+        return TensorMeta(t.shape, t.stride(), t.dtype)
+
+    def plain(p: Any) -> Any:
+        if isinstance(p, _ShardingPlaceholder):
+            return Shard(p.dim)
+        if isinstance(p, Partial) and type(p) is not Partial:  # _MaskPartial: a masked partial sum
+            return Partial(p.reduce_op)
+        return p
+
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    try:
+        if single is not None:
+            rows = single.func(op, tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, args),
+                               tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, kwargs))
+            n_in = sum(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+            rows = [[plain(p) for p in row] for row in rows]
+            return [(row[:len(row) - n_in], row[len(row) - n_in:]) for row in rows]
+        full = prop.op_strategy_funcs.get(op)
+        if full is None:
+            return None
+        mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+
+        def offer(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            cands = [Replicate()] + [Shard(d) for d in range(a.dim())] + [Partial()]
+            return OpStrategy([OpSpec(DTensorSpec(mesh, (p,), meta(a))) for p in cands])
+
+        result = full(OpSchema(op, tree_map(offer, args), tree_map(offer, kwargs)))
+    except Exception:  # DTensor's strategy does not take this argument form
+        return None
+    out = []
+    for spec in getattr(result, "strategies", []):
+        outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+        outs = [None if o is None else o.placements[0] for o in outs]
+        ins = [i.placements[0] for i in (spec.input_specs or ())]
+        out.append((outs, ins))
+    return out
+
+
+def dtensor_redistribute_cost(src: Any, dst: Any, shape: tuple[int, ...], dtype: torch.dtype,
+                              mesh_size: int = 2) -> float:
+    """DTensor's estimate of the cost of redistributing a tensor from placement ``src`` to ``dst``
+    (DTensor placements) on a 1-D mesh of ``mesh_size`` ranks (``_collective_utils.redistribute_cost``:
+    an alpha-beta estimate in microseconds; 0 when nothing moves)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._collective_utils import redistribute_cost
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+    stride = torch.empty(shape, device="meta").stride()
+    tm = TensorMeta(torch.Size(shape), stride, dtype)
+    return float(redistribute_cost(DTensorSpec(mesh, (src,), tm), DTensorSpec(mesh, (dst,), tm)))

@@ -26,6 +26,8 @@ Keys:
         sequence's nodes in order (so a pass can repeat the gather elsewhere).
     ``adaptdist.coalesced``: on the split after a bucketed all_gather, the names of the padded
         shards it carries, in order (localization sizes the split from their local shapes).
+    ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
+        :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``.
 """
@@ -50,6 +52,7 @@ SCATTER_TRIM = "adaptdist.scatter_trim"
 GATHER_CHAIN = "adaptdist.gather_chain"
 COALESCED = "adaptdist.coalesced"
 GROUP = "adaptdist.group"
+STRATEGIES = "adaptdist.strategies"
 
 Layout = tuple[Placement, ...]
 
@@ -196,3 +199,11 @@ def set_coalesced(node: torch.fx.Node, pads: list[torch.fx.Node], group: str) ->
 
 def get_coalesced(node: torch.fx.Node, group: str | None = None) -> list[str] | None:
     return _scoped(node, COALESCED, group)
+
+
+def set_strategies(node: torch.fx.Node, strategies: list) -> None:
+    node.meta[STRATEGIES] = list(strategies)
+
+
+def get_strategies(node: torch.fx.Node) -> list | None:
+    return node.meta.get(STRATEGIES)

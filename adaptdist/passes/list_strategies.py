@@ -1,0 +1,151 @@
+"""Pass: list every node's candidate sharding strategies along one mesh axis.
+
+For each op, torch's own DTensor strategy is used when it has one for the op and these
+arguments (through :func:`adaptdist._torch_compat.dtensor_strategies`); otherwise the
+candidates come from our rule (:mod:`.sharding_rules`), asked once with every input
+replicated and once per input with that input in each of its possible placements (the
+others replicated), recording what the rule keeps and what it needs. Placeholders may
+take ``Replicate`` or ``Shard`` of any dim (a batch input: its dim 0 or replicated). The
+graph is not changed; the planner chooses among these, and the manual-plan path checks
+that what it chose is among them.
+
+Before/after (annotations only)::
+
+    mm = aten.mm(view, t)   # f32[8, 64] x f32[64, 256]
+    # after: strategies(mm) == [(R, R) -> (R,) [dtensor], (S(1), S(0)) -> (P(sum),) [dtensor],
+    #                           (S(0), R) -> (S(0),) [dtensor], (R, S(1)) -> (S(1),) [dtensor], ...]
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as compat
+from .. import graph_meta as gmeta
+from ..errors import UnsupportedOpError
+from ..placement import Partial, Placement, Replicate, Shard
+from ..strategy import Strategy
+from .context import PassContext
+from .sharding_rules import RuleResult, rule_for, tensor_args
+
+R = Replicate()
+
+
+def _ours(p) -> Placement | None:
+    """A DTensor placement as ours (None for placements adaptdist has no word for, e.g. Partial(max))."""
+    if p is None:
+        return None
+    name = type(p).__name__
+    if name == "Replicate":
+        return R
+    if name == "Shard":
+        return Shard(p.dim)
+    if name == "Partial" and p.reduce_op in ("sum", "avg"):
+        return Partial(p.reduce_op)
+    return None
+
+
+def _from_dtensor(node: torch.fx.Node, mesh_size: int) -> list[Strategy] | None:
+    def v(a):
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    args = torch.fx.node.map_arg(node.args, v)
+    kwargs = torch.fx.node.map_arg(node.kwargs, v)
+    rows = compat.dtensor_strategies(node.target, args, kwargs, mesh_size)
+    n_in = len(tensor_args(node))
+    if not rows or any(len(ins) != n_in for _, ins in rows):
+        return None  # no strategy, or one that leaves its inputs unstated: use our rule
+    out = []
+    for outs, ins in rows:
+        o, i = tuple(_ours(p) for p in outs), tuple(_ours(p) for p in ins)
+        if any(p is None for p, q in zip(o + i, list(outs) + list(ins)) if q is not None):
+            continue  # a placement we do not lower (Partial(max), strided shards)
+        out.append(Strategy(i, o, "dtensor"))
+    n_out = len(out[0].outputs) if out else 1
+    if out and not any(all(isinstance(p, Replicate) or p is None for p in s.inputs + s.outputs) for s in out):
+        val = gmeta.val(node)
+        outs = tuple(None if isinstance(val, (tuple, list)) and not isinstance(val[k], torch.Tensor) else R
+                     for k in range(n_out))
+        out.insert(0, Strategy((R,) * n_in, outs, "dtensor"))  # DTensor adds all-replicate implicitly
+    return out or None
+
+
+def _candidates(node: torch.fx.Node) -> list[Placement]:
+    nd = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else 0
+    return [Shard(d) for d in range(nd)] + [Partial()]
+
+
+def _from_rule(node: torch.fx.Node) -> list[Strategy]:
+    rule = rule_for(node)
+    if rule is None:
+        return []
+    args = [a for _, a in tensor_args(node)]
+    paths = [p for p, _ in tensor_args(node)]
+    trials: list[dict] = [{}]
+    for a in args:
+        for c in _candidates(a):
+            trials.append({a: c})
+    found: list[Strategy] = []
+    for trial in trials:
+        try:
+            res: RuleResult = rule(node, lambda a, t=trial: t.get(a, R))
+        except UnsupportedOpError:
+            continue
+        ins = tuple(res.needs.get(path, trial.get(a, R)) for path, a in zip(paths, args))
+        outs = res.out if isinstance(res.out, tuple) else (res.out,)
+        s = Strategy(ins, tuple(outs), "adaptdist")
+        if s not in found:
+            found.append(s)
+    return found
+
+
+def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
+    """The candidate strategies of one node along the mesh axis of ``ctx`` (see the module docstring)."""
+    if node.op == "placeholder":
+        val = node.meta["val"]
+        if gmeta.get_role(node) == "batch":
+            return [Strategy((), (R,), "adaptdist"), Strategy((), (Shard(0),), "adaptdist")]
+        return [Strategy((), (R,), "adaptdist")] + [Strategy((), (Shard(d),), "adaptdist") for d in range(val.dim())]
+    if node.op == "get_attr":
+        return [Strategy((), (R,), "adaptdist")]
+    if node.op != "call_function":
+        return []
+    if node.target is operator.getitem:
+        # one output of a multi-output op: whatever its producer's strategies make of it
+        src, idx = node.args
+        out = []
+        for st in gmeta.get_strategies(src) or []:
+            s = Strategy((st.outputs,), (st.outputs[idx],), st.source)
+            if st.outputs[idx] is not None and s not in out:
+                out.append(s)
+        return out
+    return _from_dtensor(node, ctx.world_size) or _from_rule(node)
+
+
+def list_strategies(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
+    """Annotate every node with its candidate strategies; returns ``(gm, changed)``.
+
+    Raises:
+        UnsupportedOpError: an op that takes tensors has no strategy from DTensor nor a rule of
+            ours (names the op, node and shapes), unless ``ctx.replicate_fallback``.
+    """
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        found = node_strategies(node, ctx)
+        if not found and node.op == "call_function":
+            if tensor_args(node) and not ctx.replicate_fallback:
+                raise UnsupportedOpError(
+                    f"op {node.target} at node {node.name!r} ({', '.join(gmeta.shape_str(a) for _, a in tensor_args(node))})"
+                    " has no sharding strategy in DTensor nor in adaptdist/passes/sharding_rules.py; pass "
+                    "--replicate-fallback to run it whole on every rank"
+                )
+            found = [Strategy((R,) * len(tensor_args(node)), (R,), "adaptdist")]
+        if gmeta.get_strategies(node) != found:
+            gmeta.set_strategies(node, found)
+            changed = True
+    return gm, changed
