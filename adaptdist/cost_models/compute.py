@@ -20,16 +20,17 @@ arithmetic and its memory traffic.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from torch.utils._pytree import tree_map
 
 from .. import _torch_compat as compat
-from ..errors import ClusterSpecError
+from ..errors import ClusterSpecError, UnsupportedOpError
 from .hardware import DeviceLike
-from .numbers import smax
-from .schedule import Ref, StepNode, StepSchedule
+from .numbers import is_symbolic, smax
+from .schedule import Ref, StepNode, StepSchedule, TensorSpec
 
 
 def _bmm_flop(b, m, k, n):
@@ -60,16 +61,29 @@ def cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, va
             + _bmm_flop(b * h, s_q, s_k, d_q) + _bmm_flop(b * h, d_q, s_q, s_k))
 
 
+def _raw(formula: Callable) -> Callable:
+    """A copy of a shape-wrapped formula marked ``_get_raw``, so ``FlopCounterMode`` calls it as it is
+    (it takes tensors or shapes already) instead of wrapping it a second time."""
+    @functools.wraps(formula)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return formula(*args, **kwargs)
+
+    call._get_raw = True  # type: ignore[attr-defined]
+    return call
+
+
 def flop_formulas() -> dict[Any, Callable]:
     """A fresh registry, op overload packet -> FLOP formula: torch's ``flop_registry`` plus the CPU
-    attention formulas above. Usable as ``FlopCounterMode(custom_mapping=flop_formulas())``."""
+    attention formulas above. Each is called as ``formula(*args, out_val=out, **kwargs)`` with tensors or
+    shapes; usable as ``FlopCounterMode(custom_mapping=flop_formulas())`` (torch's own registry is not
+    touched)."""
     import torch
 
     aten = torch.ops.aten
-    out = compat.flop_formula_registry()
-    out[aten._scaled_dot_product_flash_attention_for_cpu] = compat.flop_shape_wrapper(cpu_flash_attention_flop)
-    out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = compat.flop_shape_wrapper(
-        cpu_flash_attention_backward_flop)
+    out = {k: _raw(v) for k, v in compat.flop_formula_registry().items()}
+    out[aten._scaled_dot_product_flash_attention_for_cpu] = _raw(compat.flop_shape_wrapper(cpu_flash_attention_flop))
+    out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _raw(compat.flop_shape_wrapper(
+        cpu_flash_attention_backward_flop))
     return out
 
 
@@ -117,8 +131,43 @@ def node_cost(schedule: StepSchedule, node: StepNode, formulas: Mapping[Any, Cal
         kwargs = tree_map(shape_of, node.kwargs, is_leaf=lambda x: isinstance(x, Ref))
         out_val = (tuple(None if t is None else t.shape for t in node.outputs) if node.multi_output
                    else outs[0].shape)
-        flops = formula(*args, out_val=out_val, **kwargs)
+        try:
+            flops = formula(*args, out_val=out_val, **kwargs)
+        except (TypeError, AttributeError, ValueError) as e:
+            flops = _formula_on_meta_tensors(schedule, node, formula, e)
     return NodeCost(node.name, flops, moved, dtype)
+
+
+def _formula_on_meta_tensors(schedule: StepSchedule, node: StepNode, formula: Callable, error: Exception) -> Any:
+    """Call a formula that needs tensors (torch registers some "raw") with meta tensors of the node's shapes.
+
+    Raises:
+        UnsupportedOpError: the shapes are symbolic, or the formula fails on meta tensors too.
+    """
+    import torch
+
+    def meta(spec: TensorSpec | None) -> Any:
+        if spec is None:
+            return None
+        if any(is_symbolic(d) for d in spec.shape):
+            raise UnsupportedOpError(f"the FLOP formula of {node.target} (node {node.name}) needs tensors, so it "
+                                     f"cannot be costed symbolically: {type(error).__name__}: {error}")
+        return torch.empty([int(d) for d in spec.shape], dtype=getattr(torch, spec.dtype), device="meta")
+
+    def to_tensor(a: Any) -> Any:
+        if isinstance(a, Ref):
+            spec = schedule.spec(a)
+            return tuple(meta(t) for t in spec) if isinstance(spec, tuple) else meta(spec)
+        return a
+
+    args = tree_map(to_tensor, node.args, is_leaf=lambda x: isinstance(x, Ref))
+    kwargs = tree_map(to_tensor, node.kwargs, is_leaf=lambda x: isinstance(x, Ref))
+    outs = tuple(meta(t) for t in node.outputs)
+    try:
+        return formula(*args, out_val=outs if node.multi_output else outs[0], **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported with the op
+        raise UnsupportedOpError(f"the FLOP formula of {node.target} (node {node.name}) failed: "
+                                 f"{type(e).__name__}: {e}") from e
 
 
 def peak_flops_per_s(device: DeviceLike, dtype: str) -> float:

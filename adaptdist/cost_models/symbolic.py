@@ -134,7 +134,9 @@ def fit_integer(values: Sequence[int], points: Sequence[Sequence[int]], symbols:
     """An expression in ``symbols`` that takes ``values[i]`` at ``points[i]`` for every i, or None.
 
     Tries ``c * m``, then ``c0 * m0 + c1 * m1`` for monomials ``m`` (module docstring), ``c`` rational,
-    simplest monomials first; the first form that reproduces every sample wins.
+    simplest monomials first; the first form that reproduces every sample wins. A two-term form counts
+    only where at least three samples differ in ``(m0, m1)``: with two, any two values fit (``ceil(5/p)``
+    at p = 2, 4 would pass as ``1 + 4/p``).
     """
     vals = [Fraction(int(v)) for v in values]
     if all(v == vals[0] for v in vals):
@@ -148,6 +150,8 @@ def fit_integer(values: Sequence[int], points: Sequence[Sequence[int]], symbols:
             return sympy.Rational(c.numerator, c.denominator) * _mono_expr(e, symbols)
     for e0, e1 in itertools.combinations(monos, 2):
         m0, m1 = mvals[e0], mvals[e1]
+        if len(set(zip(m0, m1))) < 3:  # two distinct term vectors: any two values fit, nothing is checked
+            continue
         pair = next(((i, j) for i, j in itertools.combinations(range(len(vals)), 2)
                      if m0[i] * m1[j] - m0[j] * m1[i] != 0), None)
         if pair is None:
