@@ -300,7 +300,8 @@ def _assemble(gm, values, input_roles, output_roles, rank, mesh, param_fqns) -> 
         for t in outs:
             if t is not None and kind in ("input", "constant"):
                 st = storages[t.storage]
-                st["owner"] = {"param": "param", "buffer": "buffer", "batch": "batch"}.get(role.split(":")[0], "constant")
+                kind_of_input = role.split(":")[0]
+                st["owner"] = kind_of_input if kind_of_input in ("param", "buffer", "batch") else "constant"
         # a node extends the life of every storage it reads (through any view of it)
         for ref in nodes[-1].refs():
             src = nodes[ref.node]

@@ -286,7 +286,8 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
     def group_size(node) -> Any:
         axis = (node.group or "").partition(":")[2]
         if axis not in axis_symbol:
-            raise UsageError(f"collective {node.name} runs on group {node.group!r}, not a mesh axis of {list(axis_symbol)}")
+            raise UsageError(f"collective {node.name} runs on group {node.group!r}, not a mesh axis of "
+                             f"{list(axis_symbol)}")
         return axis_symbol[axis]
 
     opt = optimizer_model(optimizer)
