@@ -162,11 +162,13 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
     def meta(t: torch.Tensor) -> Any:
         return TensorMeta(t.shape, t.stride(), t.dtype)
 
-    def plain(p: Any) -> Any:
+    def plain(p: Any, is_input: bool) -> Any:
         if isinstance(p, _ShardingPlaceholder):
             return Shard(p.dim)
-        if isinstance(p, Partial) and type(p) is not Partial:  # _MaskPartial: a masked partial sum
-            return Partial(p.reduce_op)
+        if isinstance(p, Partial) and type(p) is not Partial:
+            # _MaskPartial: on the indices of a vocabulary-parallel lookup it means "replicated,
+            # masked locally"; on its output, a partial sum
+            return Replicate() if is_input else Partial(p.reduce_op)
         return p
 
     single = prop.op_single_dim_strategy_funcs.get(op)
@@ -175,8 +177,9 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
             rows = single.func(op, tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, args),
                                tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, kwargs))
             n_in = sum(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs)))
-            rows = [[plain(p) for p in row] for row in rows]
-            return [(row[:len(row) - n_in], row[len(row) - n_in:]) for row in rows]
+            n_out = [len(row) - n_in for row in rows]
+            return [([plain(p, False) for p in row[:k]], [plain(p, True) for p in row[k:]])
+                    for row, k in zip(rows, n_out)]
         full = prop.op_strategy_funcs.get(op)
         if full is None:
             return None

@@ -26,6 +26,10 @@ Keys:
         sequence's nodes in order (so a pass can repeat the gather elsewhere).
     ``adaptdist.coalesced``: on the split after a bucketed all_gather, the names of the padded
         shards it carries, in order (localization sizes the split from their local shapes).
+    ``adaptdist.vocab_bounds``: on nodes of a vocabulary-parallel lookup, ``(kind, table node
+        name)`` where kind is ``"start"`` (the index shift), ``"rows"`` (the local row count) or
+        ``"backward"`` (embedding_dense_backward: local rows and padding index); localization
+        fills in this rank's values from the table's shard.
     ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
         :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
@@ -53,6 +57,7 @@ GATHER_CHAIN = "adaptdist.gather_chain"
 COALESCED = "adaptdist.coalesced"
 GROUP = "adaptdist.group"
 STRATEGIES = "adaptdist.strategies"
+VOCAB_BOUNDS = "adaptdist.vocab_bounds"
 
 Layout = tuple[Placement, ...]
 
@@ -207,3 +212,13 @@ def set_strategies(node: torch.fx.Node, strategies: list) -> None:
 
 def get_strategies(node: torch.fx.Node) -> list | None:
     return node.meta.get(STRATEGIES)
+
+
+def set_vocab_bounds(node: torch.fx.Node, kind: str, table: torch.fx.Node, group: str) -> None:
+    assert kind in ("start", "rows", "backward"), kind
+    node.meta[VOCAB_BOUNDS] = (kind, table.name)
+    node.meta[GROUP] = group
+
+
+def get_vocab_bounds(node: torch.fx.Node, group: str | None = None) -> tuple[str, str] | None:
+    return _scoped(node, VOCAB_BOUNDS, group)

@@ -18,6 +18,9 @@ from adaptdist.placement import Partial, Replicate, Shard
 from models import mlp, tiny_gpt, tiny_llama
 
 R, P = Replicate(), Partial()
+# ops where we use a strategy torch's DTensor does not list: the vocabulary-parallel
+# embedding's backward computes each rank's own rows, (grad R, indices R) -> S(0)
+OURS_BEYOND_DTENSOR = {torch.ops.aten.embedding_dense_backward.default}
 
 
 def _listed(factory):
@@ -77,8 +80,11 @@ def test_what_propagation_chooses_is_a_listed_strategy(model, plan):
         ins = tuple(needs.get(path, gmeta.get_placements(a))[0] for path, a in tensor_args(n))
         out = gmeta.get_placements(n)[0]
         outs = out if isinstance(out, tuple) else (out,)
-        assert any(s.inputs == ins and s.outputs == outs for s in gmeta.get_strategies(n)), (
-            f"{n.name} ({n.target}): chose {ins} -> {outs}, not among {gmeta.get_strategies(n)}")
+        sts = gmeta.get_strategies(n)
+        if any(s.source == "dtensor" for s in sts) and n.target not in OURS_BEYOND_DTENSOR:
+            sts = [s for s in sts if s.source == "dtensor"]  # where torch has strategies, ours must be one
+        assert any(s.inputs == ins and s.outputs == outs for s in sts), (
+            f"{n.name} ({n.target}): chose {ins} -> {outs}, not among {sts}")
         checked += 1
     assert checked > 200
 

@@ -96,14 +96,18 @@ def test_fsdp_like_gpt_with_tied_embedding(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_megatron_gpt_attention_by_heads_and_mlp(world):
     """q, k, v column-parallel (by heads), attention-out and MLP-out row-parallel: exactly the
-    two all_reduces per block in forward and two in backward."""
+    two all_reduces per block in forward and two in backward; the vocabulary-parallel embedding
+    adds the all_reduce of its output, its tied output head the all_reduce of the gradient into
+    its input and the all_gather of the logits (sharded by vocabulary) for the loss."""
     from adaptdist.models.gpt import TP_PLAN
     from models import tiny_gpt
 
     model, batch, loss_fn = tiny_gpt(4, 8, num_heads=4)
     progs = _check(model, batch, loss_fn, world, TP_PLAN)
     colls = progs[0].collectives()
-    assert len(colls) == 4 * 2 and all("all_reduce" in c for c in colls)
+    assert sum("all_reduce" in c for c in colls) == 4 * 2 + 2, colls
+    assert [c for c in colls if "all_gather" in c] == [
+        f"_c10d_functional.all_gather_into_tensor.default(adaptdist:tp, {4 * 8 * -(-256 // world)})"]
 
 
 class ViewedWeight(nn.Module):
@@ -160,6 +164,10 @@ def test_embedding_sharded_by_vocabulary_with_padding_idx():
     batch = (torch.tensor([[0, 8, 10], [5, 6, 8], [1, 2, 3]]), torch.randn(3, 4))
     progs = _check(Emb(), batch, F.mse_loss, 2, {"emb.weight": "S(0)"})
     assert [p.state["emb.weight"].shape[0] for p in progs.values()] == [6, 5]
+    # vocabulary-parallel: a masked local lookup and one all_reduce of its output; the table is never gathered
+    colls = progs[0].collectives()
+    assert len(colls) == 1 and "all_reduce" in colls[0] and colls[0].endswith(f", {3 * 4})"), colls
+    assert "embedding_dense_backward" in progs[1].code and "masked_fill" in progs[1].code
 
 
 @pytest.mark.parametrize("plan,world,split_batch", [("dp", 2, True), ("fsdp", 3, True), ("tp", 2, False)])

@@ -24,6 +24,7 @@ from ..passes.localize_shapes import copy_graph_module, localize_shapes
 from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
+from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval
 from ..errors import AdaptdistError, InternalError, UsageError
@@ -44,6 +45,7 @@ DP_PASSES: tuple[Pass, ...] = (
     globalize_reductions,
     propagate_placements,
     insert_redistributes,
+    vocab_parallel_embedding,
     regather_in_backward,
     bucket_param_allgather,
     bucket_grad_reduce_scatter,

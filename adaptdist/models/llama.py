@@ -20,6 +20,8 @@ from adaptdist.models.gpt import data, generate, lm_loss, sample  # noqa: F401  
 # `adaptdist train --plan tp`: q/k/v and the SwiGLU input projections column-parallel (by heads,
 # by hidden units), attention-out and SwiGLU-out row-parallel.
 TP_PLAN = {
+    "tok_emb.weight": "S(0)",  # vocabulary-parallel embedding
+    "head.weight": "S(0)",  # vocabulary-parallel output layer (logits sharded by vocabulary)
     "layers.*.attn.w[qkv].weight": "S(0)",
     "layers.*.attn.wo.weight": "S(1)",
     "layers.*.mlp.w[13].weight": "S(0)",

@@ -1,10 +1,11 @@
 """Pass: list every node's candidate sharding strategies along one mesh axis.
 
-For each op, torch's own DTensor strategy is used when it has one for the op and these
-arguments (through :func:`adaptdist._torch_compat.dtensor_strategies`); otherwise the
-candidates come from our rule (:mod:`.sharding_rules`), asked once with every input
-replicated and once per input with that input in each of its possible placements (the
-others replicated), recording what the rule keeps and what it needs. Placeholders may
+For each op, torch's own DTensor strategies come first when it has them for the op and
+these arguments (through :func:`adaptdist._torch_compat.dtensor_strategies`); then the
+ones our rule (:mod:`.sharding_rules`) adds where torch has none (e.g. CPU flash
+attention, the vocabulary-parallel embedding backward), found by asking the rule once with
+every input replicated and once per input with that input in each of its possible
+placements (the others replicated), recording what it keeps and what it needs. Placeholders may
 take ``Replicate`` or ``Shard`` of any dim (a batch input: its dim 0 or replicated). The
 graph is not changed; the planner chooses among these, and the manual-plan path checks
 that what it chose is among them.
@@ -29,7 +30,7 @@ from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
 from ..strategy import Strategy
 from .context import PassContext
-from .sharding_rules import RuleResult, rule_for, tensor_args
+from .sharding_rules import RuleResult, _arg, rule_for, tensor_args
 
 R = Replicate()
 
@@ -122,7 +123,14 @@ def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
             if st.outputs[idx] is not None and s not in out:
                 out.append(s)
         return out
-    return _from_dtensor(node, ctx.world_size) or _from_rule(node)
+    torch_side = _from_dtensor(node, ctx.world_size) or []
+    rule_side = _from_rule(node)
+    if node.target == torch.ops.aten.embedding_dense_backward.default and not _arg(node, 4, "scale_grad_by_freq", False):
+        # each rank's own rows of a vocabulary-parallel table; valid together with its forward lookup
+        # reading a table sharded S(0) (the vocab_parallel_embedding pass rewrites both)
+        rule_side.append(Strategy((R, R), (Shard(0),), "adaptdist"))
+    ours = [s for s in rule_side if not any((s.inputs, s.outputs) == (t.inputs, t.outputs) for t in torch_side)]
+    return torch_side + ours
 
 
 def list_strategies(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:

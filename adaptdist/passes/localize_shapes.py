@@ -115,6 +115,20 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
             node.args = (node.args[0], rs_dim, s, e)
             changed = True
             continue
+        vocab = gmeta.get_vocab_bounds(node, ctx.group_name)
+        if vocab is not None:
+            kind, table = vocab
+            s, e = intervals[_nodes_by_name(local)[table]]
+            if kind == "start":
+                node.args = (node.args[0], s)
+            elif kind == "rows":
+                node.args = (node.args[0], e - s)
+            else:  # embedding_dense_backward(grad, indices, num_weights, padding_idx, scale)
+                pad = node.args[3]
+                local_pad = pad - s if pad is not None and s <= pad < e else -1
+                node.args = (node.args[0], node.args[1], e - s, local_pad, *node.args[4:])
+            changed = True
+            continue
         trim = gmeta.get_scatter_trim(node, ctx.group_name)
         if trim is not None:
             s, e = intervals[node]
@@ -147,6 +161,10 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
 Interval = tuple[int, int]
 
 
+def _nodes_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
 def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[torch.fx.Node, Any]:
     """This rank's interval of the sharded dim of every sharded value (tuples for multi-output ops)."""
     ivs: dict[torch.fx.Node, Any] = {}
@@ -164,6 +182,8 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
             continue  # a padded block, consumed only by the trim below
         elif gmeta.get_scatter_trim(node, ctx.group_name) is not None:
             ivs[node] = chunk_interval(gmeta.get_scatter_trim(node, ctx.group_name)[1], ctx.world_size, rank)
+        elif gmeta.get_vocab_bounds(node, ctx.group_name) is not None:
+            ivs[node] = ivs[_nodes_by_name(gm)[gmeta.get_vocab_bounds(node, ctx.group_name)[1]]]  # the table's rows
         elif gmeta.get_rank_slice(node, ctx.group_name) is not None:
             ivs[node] = _aligned_interval(node, ivs, ctx, rank)
         elif node.target is operator.getitem:

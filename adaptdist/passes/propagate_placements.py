@@ -27,7 +27,7 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
-from .sharding_rules import apply_rule, gather_all, rule_for
+from .sharding_rules import apply_rule, gather_all, rule_for, tensor_args
 
 log = logging.getLogger("adaptdist.passes")
 AXIS = 0  # the data-parallel mesh axis; an N-D mesh repeats this per axis
@@ -54,6 +54,11 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
     """
     changed = False
     fallbacks: list[str] = []
+    reduce_early: set[torch.fx.Node] = set()
+
+    def seen_as(a: torch.fx.Node):
+        return Replicate() if a in reduce_early else placement_of(a)
+
     for node in gm.graph.nodes:
         old = gmeta.get_placements(node)
         needs: dict = {}
@@ -67,13 +72,18 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             out = Replicate()
         elif node.op == "call_function":
             try:
-                res = apply_rule(node, placement_of)
+                res = apply_rule(node, seen_as)
             except UnsupportedOpError:
                 if not ctx.replicate_fallback or rule_for(node) is not None:
                     raise
-                res = gather_all(node, placement_of, "no sharding rule (replicate fallback)")
+                res = gather_all(node, seen_as, "no sharding rule (replicate fallback)")
                 fallbacks.append(f"{node.name} ({node.target})")
-            out, needs = res.out, res.needs
+            out, needs = res.out, dict(res.needs)
+            for path, a in tensor_args(node):
+                if a in reduce_early:
+                    needs.setdefault(path, Replicate())
+            if _reduce_at_producer(node, out):
+                reduce_early.add(node)
         elif node.op == "output":
             needs = _output_needs(node, ctx)
             out = None
@@ -89,6 +99,15 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         log.warning("replicate fallback: %d op(s) without a sharding rule run whole on every rank, their inputs "
                     "gathered: %s", len(fallbacks), ", ".join(fallbacks))
     return gm, changed
+
+
+def _reduce_at_producer(node: torch.fx.Node, out) -> bool:
+    """A Partial value with several consumers is all-reduced once where it is made, and every
+    consumer sees it replicated (as Megatron keeps the residual stream replicated). Left Partial,
+    linear consumers would pass the partial sum on and each later nonlinear use would need its
+    own reduction. Gradients going to the graph's output are left to the bucketing passes."""
+    users = list(node.users)
+    return (isinstance(out, Partial) and len(users) > 1 and all(u.op != "output" for u in users))
 
 
 def _output_needs(node: torch.fx.Node, ctx: PassContext) -> dict:

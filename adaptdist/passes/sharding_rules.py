@@ -524,28 +524,56 @@ def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def embedding(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """embedding(weight [V, C], indices [...]): indices' layout carries over; a sharded table is gathered."""
+    """embedding(weight [V, C], indices [...]) -> [..., C].
+
+    * a table sharded by vocabulary (``S(0)``) with replicated indices: each rank looks up the
+      tokens it holds and zeroes the others: a ``Partial`` sum (Megatron's vocabulary-parallel
+      embedding; the vocab_parallel_embedding pass rewrites the lookup with the mask);
+    * a table sharded on the embedding dim (``S(1)``) with replicated indices: the output is
+      sharded on its last dim;
+    * otherwise the indices' layout carries over, and a sharded table is gathered (FSDP-like).
+    """
     w, idx = node.args[0], node.args[1]
+    pw, p = pl(w), pl(idx)
+    nd_out = len(shape(node))
+    if isinstance(p, Replicate) and pw == Shard(0) and not _arg(node, 3, "scale_grad_by_freq", False):
+        return RuleResult(P)
+    if isinstance(p, Replicate) and pw == Shard(1):
+        return RuleResult(Shard(nd_out - 1))
     needs: dict[ArgPath, Placement] = {}
-    if not isinstance(pl(w), Replicate):
-        needs[(0,)] = R  # gather a sharded table (vocabulary-parallel lookup is not a rule yet)
-    p = pl(idx)
+    if not isinstance(pw, Replicate):
+        needs[(0,)] = R
     if isinstance(p, Partial):
         needs[(1,)] = R
         return RuleResult(R, needs)
     return RuleResult(p, needs)
 
 
+def vocab_parallel_lookup(idx: torch.fx.Node, pl: PlacementOf) -> torch.fx.Node | None:
+    """The forward embedding whose table is vocabulary-sharded and reads the indices ``idx``, if any."""
+    for u in idx.users:
+        if (u.target == aten.embedding.default and u.args[1] is idx and pl(u.args[0]) == Shard(0)
+                and isinstance(pl(idx), Replicate) and not _arg(u, 3, "scale_grad_by_freq", False)):
+            return u
+    return None
+
+
 def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """embedding_dense_backward(grad [..., C], indices [...]) -> [V, C]: sharded rows sum to Partial."""
+    """embedding_dense_backward(grad [..., C], indices [...]) -> [V, C]: sharded rows sum to Partial;
+    for a vocabulary-parallel lookup each rank computes its own rows (``S(0)``); a gradient sharded
+    on its last dim gives the table's gradient sharded on dim 1."""
     g, idx = node.args[0], node.args[1]
     pg, pi = pl(g), pl(idx)
+    if isinstance(pi, Replicate) and vocab_parallel_lookup(idx, pl) is not None and not isinstance(pg, Shard):
+        return RuleResult(Shard(0), {(0,): R} if isinstance(pg, Partial) else {})
     if isinstance(pg, Replicate) and isinstance(pi, Replicate):
         return RuleResult(R)
     if _arg(node, 4, "scale_grad_by_freq", False):
         return gather_all(node, pl, "scale_grad_by_freq counts words over the whole batch")
     if isinstance(pg, Shard) and isinstance(pi, Shard) and pg.dim == pi.dim:
         return RuleResult(P)
+    if isinstance(pg, Shard) and pg.dim == len(shape(g)) - 1 and isinstance(pi, Replicate):
+        return RuleResult(Shard(1))
     if isinstance(pg, Partial) and isinstance(pi, Replicate):
         return RuleResult(P)
     return gather_all(node, pl, "gradient and indices are laid out differently")
