@@ -125,11 +125,12 @@ def cmd_plan(args) -> int:
                       str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
     console.print(table)
     calls = collective_calls(p0)
-    kinds: dict[str, list[int]] = {}
+    kinds: dict[tuple[str, str], list[int]] = {}
     for c in calls:
-        kinds.setdefault(c.op, []).append(c.numel)
+        kinds.setdefault((c.group.removeprefix("adaptdist:"), c.op), []).append(c.numel)
     console.print("collectives per step on rank 0: " + (", ".join(
-        f"{len(v)} x {k} ({sum(v) * 4 / 2**20:.2f} MiB of fp32 inputs)" for k, v in sorted(kinds.items())) or "none"))
+        f"{len(v)} x {op} on {axis} ({sum(v) * 4 / 2**20:.2f} MiB of fp32 inputs)"
+        for (axis, op), v in sorted(kinds.items())) or "none"))
     if args.out:
         Path(args.out).write_text(p0.plan.to_json())
         console.print(f"wrote {args.out}")

@@ -99,17 +99,22 @@ def test_data_that_runs_out_says_so(tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process load, on purpose
-@pytest.mark.parametrize("plan", ["fsdp", "tp"])
+@pytest.mark.parametrize("plan", ["fsdp", "tp", "dp,tp"])
 def test_sharded_plans_train_and_checkpoint_full_tensors(tmp_path, plan):
     """The same steps under dp and a sharded plan give the same losses; the DCP checkpoint of
-    sharded state loads back as full tensors equal to model.safetensors."""
+    sharded state loads back as full tensors equal to model.safetensors. dp,tp runs on a 2x2 mesh
+    (4 ranks) with gradient clipping on both sides."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     losses = {}
     for p in ("dp", plan):
         out = tmp_path / p
-        assert main(["train", "--plan", p, "--steps", "3", "--out", str(out), "--sample-bytes", "0", *SMALL]) == 0
+        extra = ["--mesh", "dp=2,tp=2", "--max-grad-norm", "0.5"] if p == "dp,tp" else []
+        if plan == "dp,tp" and p == "dp":
+            extra = ["--nproc", "4", "--max-grad-norm", "0.5"]
+        assert main(["train", "--plan", p, "--steps", "3", "--out", str(out), "--sample-bytes", "0", *SMALL,
+                     *extra]) == 0
         losses[p] = json.loads((out / "summary.json").read_text())
     assert losses[plan]["initial_loss"] == pytest.approx(losses["dp"]["initial_loss"], abs=1e-5)
     assert losses[plan]["final_loss"] == pytest.approx(losses["dp"]["final_loss"], abs=1e-4)
