@@ -149,3 +149,20 @@ def test_partial_to_shard_has_an_all_gather_gradient(mesh):
     progs = check(_PartialThen(True), batch, F.mse_loss, mesh, p)
     tp_calls = [c for c in progs[0].collectives() if "adaptdist:tp" in c]
     assert any("all_gather" in c for c in tp_calls), tp_calls
+
+
+def test_readme_plan_file_is_exact(tmp_path):
+    """The schema-2 plan file shown in README.md (FSDP-like table on dp, vocabulary-parallel on tp)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "mesh: [dp, tp]" in b)
+    f = tmp_path / "plan.yaml"
+    f.write_text("\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines()))
+    import adaptdist.models.gpt as gpt
+
+    plan = ManualPlan.parse(str(f), gpt)
+    assert plan.mesh_axes == ("dp", "tp") and plan.batch_axis == "dp"
+    model, batch, loss_fn = tiny_gpt(5, 8)
+    check(model, batch, loss_fn, "dp=2,tp=2", plan)
