@@ -57,3 +57,31 @@ def test_merge_and_symbolic_timeline_equal_numbers():
         num = _one([Compute(v), Compute(2 * v), Issue(3, "g", 5 * v), Compute(v), Wait(3), Compute(1)])
         assert float(t.step_s.subs(x, v)) == pytest.approx(num.step_s)
         assert float(t.idle_s.subs(x, v)) == pytest.approx(num.idle_s)
+
+
+def test_named_maxima_keep_a_long_symbolic_timeline_linear():
+    """40 collectives: nesting every max would double the expression per collective; naming each keeps it small."""
+    x = sympy.Symbol("x", positive=True)
+    defs = []
+
+    def define(e):
+        if isinstance(e, sympy.Basic) and not isinstance(e, sympy.Symbol) and e.free_symbols:
+            s = sympy.Symbol(f"t{len(defs)}")
+            defs.append((s, e))
+            return s
+        return e
+
+    def events(d):
+        ev = []
+        for k in range(40):
+            ev += [Compute(d), Issue(k, "g", 3 * d), Compute(d), Wait(k)]
+        return ev
+
+    t = simulate({0: events(x)}, define=define)[0]
+    assert len(defs) <= 2 * 40 and all(sympy.count_ops(e) < 10 for _, e in defs)
+    value = {x: 0.5}
+    for s, e in defs:
+        value[s] = float(e.xreplace(value))
+    num = simulate({0: events(0.5)})[0]
+    assert float(t.step_s.xreplace(value)) == pytest.approx(num.step_s)
+    assert float(t.idle_s.xreplace(value)) == pytest.approx(num.idle_s)

@@ -130,7 +130,7 @@ def _print_symbolic(console, args, cluster, plan, p0, compile_at, optimizer: str
     console.print(f"  optimizer state bytes = {_short(sym.optimizer_state_bytes)}")
     console.print(f"  peak memory bytes     = {_short(sym.peak_memory_bytes)}")
     if sym.fixed:
-        console.print(f"[yellow]  held fixed (the lowering regroups nodes when they change): "
+        console.print(f"[yellow]  held fixed (changing them regroups the lowering's nodes, or it fails): "
                       f"{', '.join(f'{n}={v}' for n, v in sym.fixed)}[/]")
     if sym.unfitted:
         console.print(f"[yellow]  sizes of {len(sym.unfitted)} nodes fit no formula (uneven shards?), kept at the "

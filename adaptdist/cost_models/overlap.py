@@ -78,7 +78,8 @@ def merge_computes(events: Sequence[Event]) -> list[Event]:
 
 
 def simulate(events_by_rank: Mapping[int, Sequence[Event]],
-             members: Callable[[int, Issue], Sequence[int]] | None = None) -> dict[int, Timeline]:
+             members: Callable[[int, Issue], Sequence[int]] | None = None,
+             define: Callable[[Any], Any] | None = None) -> dict[int, Timeline]:
     """Run every rank's events on the two-stream timeline (module docstring).
 
     Args:
@@ -86,6 +87,9 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
             collectives, in the same order (the k-th collective of each rank is the same node).
         members: (rank, its k-th Issue) -> the ranks that take part; ranks not simulated are ignored
             (a symbolic estimate simulates one rank). Default: the rank alone.
+        define: applied to every time the timeline takes a max of; a symbolic estimate names each one
+            (a fresh symbol defined by the max), so times stay short expressions instead of nesting
+            every earlier max. Default: identity.
 
     Returns:
         rank -> :class:`Timeline`, seconds.
@@ -93,6 +97,7 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
     Raises:
         CollectiveMismatchError: ranks issue different numbers of collectives.
     """
+    name = define or (lambda x: x)
     ranks = sorted(events_by_rank)
     evs = {r: list(events_by_rank[r]) for r in ranks}
     issues = {r: [i for i, e in enumerate(evs[r]) if isinstance(e, Issue)] for r in ranks}
@@ -116,7 +121,7 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
             elif isinstance(e, Wait):
                 f = done.get((r, e.collective))
                 if f is not None:
-                    new = smax(clock[r], f)
+                    new = name(smax(clock[r], f))
                     idle[r] = idle[r] + (new - clock[r])
                     clock[r] = new
             pos[r] += 1
@@ -127,12 +132,14 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
             advance(r, issues[r][k])
             e = evs[r][issues[r][k]]
             free = stream_free.get((r, e.group), 0)
-            ready[r] = smax(clock[r], free) if free != 0 else clock[r]
+            ready[r] = name(smax(clock[r], free)) if free != 0 else clock[r]
         for r in ranks:
             e = evs[r][issues[r][k]]
             group = [m for m in (members(r, e) if members else (r,)) if m in ready] or [r]
-            start = smax(*(ready[m] for m in group))
-            duration = smax(*(evs[m][issues[m][k]].duration_s for m in group))
+            start = smax(*(ready[m] for m in group)) if len(group) > 1 else ready[r]
+            start = name(start) if len(group) > 1 else start
+            durations = [evs[m][issues[m][k]].duration_s for m in group]
+            duration = smax(*durations) if len(durations) > 1 else durations[0]
             finish = start + duration
             done[(r, e.collective)] = finish
             stream_free[(r, e.group)] = finish

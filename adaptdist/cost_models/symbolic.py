@@ -35,20 +35,24 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 import sympy
 
-from ..errors import UsageError
+from ..errors import AdaptdistError, UsageError
 from .communication import group_members, link_cost
 from .compute import flop_formulas
 from .estimate import collective_costs, rank_events
 from .hardware import ClusterLike, as_cost_cluster
 from .memory import estimate_memory, optimizer_model
+from .numbers import is_symbolic
 from .overlap import simulate
 from .schedule import StepSchedule, build_schedule
+
+log = logging.getLogger("adaptdist.cost_models")
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,10 @@ class SymbolicEstimate:
         unfitted: nodes with an integer that is not a function of the symbols in the fitted forms.
         points: the sample points the fits reproduce.
         fixed: variables held at their base value (name, value): the lowering changes its structure
-            when they change (e.g. other gradient buckets), so the formulas hold only at that value.
+            when they change (e.g. other gradient buckets) or fails, so the formulas hold only at that value.
+        timeline: the overlap timeline's intermediate times, in order: ``(timeline_k, its definition)``,
+            each a ``Max`` over earlier ones and the symbols. ``step_s`` and ``idle_s`` are written in them
+            (substituted out they nest every earlier ``Max``: exponentially long); see :meth:`expanded`.
     """
 
     symbols: tuple[sympy.Symbol, ...]
@@ -232,6 +239,7 @@ class SymbolicEstimate:
     unfitted: tuple[str, ...]
     points: tuple[SamplePoint, ...]
     fixed: tuple[tuple[str, int], ...] = ()
+    timeline: tuple[tuple[sympy.Symbol, sympy.Expr], ...] = ()
 
     FIELDS = ("step_s", "compute_s", "communication_s", "idle_s", "flops", "communication_bytes",
               "peak_memory_bytes", "params_bytes", "optimizer_state_bytes")
@@ -251,15 +259,24 @@ class SymbolicEstimate:
         for name, value in self.fixed:
             if given[name] != value:
                 raise UsageError(f"this estimate holds {name} at {value} (the lowering changes its structure "
-                                 f"around it), so it cannot predict {name}={given[name]}; estimate that size "
-                                 "concretely")
-        return {f: float(fn(*args)) for f, fn in self._functions.items()}
+                                 f"or fails around it), so it cannot predict {name}={given[name]}; estimate that "
+                                 "size concretely")
+        return {f: float(v) for f, v in zip(self.FIELDS, self._function(*args))}
+
+    def expanded(self, field: str) -> sympy.Expr:
+        """``field`` with the :attr:`timeline` symbols substituted out (fine for a few collectives; the
+        expression grows with every max it nests)."""
+        expr = getattr(self, field)
+        for sym, definition in reversed(self.timeline):
+            expr = expr.xreplace({sym: definition})
+        return expr
 
     @functools.cached_property
-    def _functions(self) -> dict[str, Callable]:
-        # the timeline's nested Max share subexpressions: evaluate those with cse (a DAG, not a tree)
-        return {f: sympy.lambdify(self.symbols, getattr(self, f), modules="math", cse=f in ("step_s", "idle_s"))
-                for f in self.FIELDS}
+    def _function(self) -> Callable:
+        # one function for all fields; the timeline's definitions are computed once, in order, as
+        # common subexpressions
+        return sympy.lambdify(self.symbols, [getattr(self, f) for f in self.FIELDS], modules="math",
+                              cse=lambda exprs: (list(self.timeline), list(exprs)))
 
 
 def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], cluster: ClusterLike,
@@ -293,7 +310,16 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
     opt = optimizer_model(optimizer)
     colls = collective_costs(schedule, cluster, algorithm, group_size=group_size, links=links)
     events, flops, _ = rank_events(schedule, cluster.device(schedule.rank), colls, flop_formulas(), opt)
-    t = simulate({schedule.rank: events})[schedule.rank]
+    definitions: list[tuple[sympy.Symbol, sympy.Expr]] = []
+
+    def define(expr: Any) -> Any:
+        if not is_symbolic(expr) or isinstance(expr, sympy.Symbol):
+            return expr
+        sym = sympy.Symbol(f"timeline_{len(definitions)}", positive=True)
+        definitions.append((sym, expr))
+        return sym
+
+    t = simulate({schedule.rank: events}, define=define)[schedule.rank]
     mem = estimate_memory(schedule, opt)
     comm_bytes = sympy.Integer(0)
     for c in colls.values():
@@ -302,7 +328,7 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
                             sympy.sympify(t.communication_s), sympy.sympify(t.idle_s), sympy.sympify(flops),
                             comm_bytes, sympy.sympify(mem.peak_bytes), sympy.sympify(mem.params_bytes),
                             sympy.sympify(mem.optimizer_state_bytes), tuple(unfitted), tuple(points),
-                            tuple(fixed.items()))
+                            tuple(fixed.items()), tuple(definitions))
 
 
 def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]], batch_size: int, seq_len: int,
@@ -311,7 +337,8 @@ def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]]
     """Compile at :func:`sample_points` around ``(batch_size, seq_len, mesh)``, fit, and cost symbolically.
 
     A variable whose perturbation lowers to a differently structured program (other buckets, other
-    nodes) is held at its base value (:attr:`SymbolicEstimate.fixed`) and the samples are redrawn
+    nodes), or does not lower at all (an ``AdaptdistError``, e.g. heads not divisible by a doubled
+    tensor-parallel axis), is held at its base value (:attr:`SymbolicEstimate.fixed`) and the samples are redrawn
     without it; mesh axes are given up first, then T, then B.
 
     Args:
@@ -324,22 +351,35 @@ def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]]
         UsageError: no variable can vary without changing the program's structure, or the rank is
             missing; plus whatever ``compile_at`` raises.
     """
-    schedules: dict[SamplePoint, StepSchedule] = {}
+    schedules: dict[SamplePoint, StepSchedule | None] = {}
 
-    def schedule_at(p: SamplePoint) -> StepSchedule:
+    def schedule_at(p: SamplePoint, base: bool = False) -> StepSchedule | None:
+        """The rank's schedule at ``p``; None when a sample other than the base does not lower."""
         if p not in schedules:
-            programs = compile_at(p)
+            try:
+                programs = compile_at(p)
+            except AdaptdistError as e:
+                if base:
+                    raise
+                log.info("sample B=%d T=%d mesh=%s does not lower (%s: %s)", p.batch_size, p.seq_len, p.mesh_dict,
+                         type(e).__name__, e)
+                schedules[p] = None
+                return None
             if rank not in programs:
                 raise UsageError(f"rank {rank} has no program at B={p.batch_size}, T={p.seq_len}, mesh={p.mesh_dict}")
             schedules[p] = build_schedule(programs[rank])
         return schedules[p]
 
+    def structure(p: SamplePoint) -> tuple | None:
+        s = schedule_at(p)
+        return None if s is None else s.structure()
+
     names = ["B", "T", *mesh]
     vary = list(names)
     while True:
         pts = sample_points(batch_size, seq_len, mesh, vary)
-        base = schedule_at(pts[0][0]).structure()
-        changed = [what for p, what in pts[1:] if schedule_at(p).structure() != base]
+        base = schedule_at(pts[0][0], base=True).structure()  # type: ignore[union-attr]
+        changed = [what for p, what in pts[1:] if structure(p) != base]
         if not changed:
             break
         single = [w for w in changed if w != "validation"]
