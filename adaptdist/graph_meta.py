@@ -30,6 +30,9 @@ Keys:
         name)`` where kind is ``"start"`` (the index shift), ``"rows"`` (the local row count) or
         ``"backward"`` (embedding_dense_backward: local rows and padding index); localization
         fills in this rank's values from the table's shard.
+    ``adaptdist.resharded``: on a node whose input was redistributed, per redistribution
+        ``(input name, from placement, to placement, group)``: the plan's reshard points,
+        which the consistency check compares with the collectives the programs issue.
     ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
         :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
@@ -58,6 +61,7 @@ COALESCED = "adaptdist.coalesced"
 GROUP = "adaptdist.group"
 STRATEGIES = "adaptdist.strategies"
 VOCAB_BOUNDS = "adaptdist.vocab_bounds"
+RESHARDED = "adaptdist.resharded"
 
 Layout = tuple[Placement, ...]
 
@@ -222,3 +226,12 @@ def set_vocab_bounds(node: torch.fx.Node, kind: str, table: torch.fx.Node, group
 
 def get_vocab_bounds(node: torch.fx.Node, group: str | None = None) -> tuple[str, str] | None:
     return _scoped(node, VOCAB_BOUNDS, group)
+
+
+def add_resharded(node: torch.fx.Node, src: str, frm: str, to: str, group: str) -> None:
+    """Record that input ``src`` of ``node`` goes from placement ``frm`` to ``to`` on ``group``."""
+    node.meta.setdefault(RESHARDED, []).append((src, frm, to, group))
+
+
+def get_resharded(node: torch.fx.Node, group: str | None = None) -> list[tuple[str, str, str, str]]:
+    return [r for r in node.meta.get(RESHARDED, []) if group is None or r[3] == group]

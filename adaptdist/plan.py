@@ -55,6 +55,9 @@ class Plan:
         batch_axis: the axis that splits the batch on dim 0, or None.
         param_placements: fqn -> placement text per axis, e.g. ``{"fc1.weight": ["S(0)"]}``
             (parameters absent are replicated).
+        redistributions: mesh axis -> the reshard points of that axis's lowering, each
+            ``[consumer node, input node, from placement, to placement]`` (gradient all_reduces
+            have the consumer ``output``).
         node_placements: node name -> its placement text per mesh axis, as each axis's lowering
             annotated it (``"R"`` on axes lowered before the node existed); for reading and explain.
         graph_fingerprint: :func:`graph_fingerprint` of the joint graph the plan was made for.
@@ -66,6 +69,7 @@ class Plan:
     param_placements: Mapping[str, list[str]]
     graph_fingerprint: str
     node_placements: Mapping[str, list[str]] = field(default_factory=dict)
+    redistributions: Mapping[str, list[list[str]]] = field(default_factory=dict)
     name: str = ""
     schema_version: int = SCHEMA_VERSION
 
@@ -113,6 +117,7 @@ class Plan:
             "schema_version": self.schema_version, "name": self.name, "mesh": [[a, n] for a, n in self.mesh.items()],
             "batch_axis": self.batch_axis, "graph_fingerprint": self.graph_fingerprint,
             "param_placements": dict(self.param_placements), "node_placements": dict(self.node_placements),
+            "redistributions": {a: [list(r) for r in rs] for a, rs in self.redistributions.items()},
         }, indent=1, sort_keys=True)
 
     @staticmethod
@@ -136,6 +141,7 @@ class Plan:
             mesh = {a: n for a, n in mesh}
         return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=doc["param_placements"],
                     graph_fingerprint=doc["graph_fingerprint"], node_placements=doc.get("node_placements", {}),
+                    redistributions=doc.get("redistributions", {}),
                     name=doc.get("name", Path(source).name), schema_version=doc["schema_version"])
 
     @staticmethod

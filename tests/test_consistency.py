@@ -38,3 +38,31 @@ def test_a_rank_with_a_missing_collective_is_refused():
     gm.graph.erase_node(ar)
     with pytest.raises(CollectiveMismatchError, match="would hang"):
         check_collectives(progs)
+
+
+def test_collectives_must_be_what_the_plan_implies():
+    """Each axis's collectives are exactly the kinds its reshard points imply; a collective the
+    plan does not call for, or a missing one, is a compile-time error naming the axis and node."""
+    import dataclasses
+
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.consistency import check_against_plan
+    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.errors import CollectiveMismatchError
+    from models import mlp
+
+    model, batch, loss_fn = mlp(7)
+    progs = compile_program(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))
+    plan = progs[0].plan
+    kinds = {r[2] + "->" + r[3] for r in plan.redistributions["dp"]}
+    assert "S(0)->R" in kinds and "P(sum)->S(0)" in kinds  # parameter gathers, gradient reduce_scatters
+    check_against_plan(progs, plan)
+    no_gathers = dataclasses.replace(plan, redistributions={"dp": [r for r in plan.redistributions["dp"]
+                                                                    if not r[2].startswith("S")]})
+    with pytest.raises(CollectiveMismatchError, match="issues all_gather_into_tensor on mesh axis 'dp'.*implies no"):
+        check_against_plan(progs, no_gathers)
+    extra = dataclasses.replace(plan, redistributions={"dp": plan.redistributions["dp"] + [["x", "y", "S(1)", "R"]],
+                                                       "tp": [["x", "y", "P(sum)", "R"]]}, mesh={"dp": 2, "tp": 1},
+                                param_placements={})
+    with pytest.raises(CollectiveMismatchError, match="implies a all_reduce on mesh axis 'tp'.*issues none"):
+        check_against_plan(progs, extra)

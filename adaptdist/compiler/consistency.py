@@ -80,3 +80,49 @@ def _compare(ra: int, a_calls: list[CollectiveCall], rb: int, b_calls: list[Coll
             f"rank {ra} issues {len(a_calls)} collectives but rank {rb} issues {len(b_calls)}; rank {longer} "
             f"has an extra {extra.op} at node {extra.node!r} on {extra.group}; running this would hang"
         )
+
+
+def implied_collectives(frm: str, to: str, at_output: bool) -> set[str]:
+    """The collective kinds a redistribution ``frm -> to`` (placement texts) lowers to: P->R
+    all_reduce; S->R and S(i)->S(j) all_gather; P->S reduce_scatter for a gradient going to its
+    parameter's shard (``at_output``), else all_reduce and a local slice; R->S a local slice."""
+    if frm.startswith("P"):
+        return {"reduce_scatter_tensor"} if to.startswith("S") and at_output else {"all_reduce"}
+    if frm.startswith("S") and frm != to:
+        return {"all_gather_into_tensor"}
+    return set()
+
+
+def check_against_plan(programs: dict[int, RankProgram], plan) -> None:
+    """Raise unless, on every mesh axis, the programs issue exactly the kinds of collectives the
+    plan's reshard points imply (no collective the plan does not call for, none missing).
+
+    Raises:
+        CollectiveMismatchError: names the axis, the collective kind and a node issuing it, or
+            the reshard point whose collective is missing.
+    """
+    p0 = programs[min(programs)]
+    calls = collective_calls(p0)
+    for axis in plan.mesh:
+        group = f"adaptdist:{axis}"
+        implied: dict[str, list[str]] = {}
+        for consumer, src, frm, to in plan.redistributions.get(axis, []):
+            for kind in implied_collectives(frm, to, consumer == "output"):
+                implied.setdefault(kind, []).append(f"{src} -> {consumer} ({frm} -> {to})")
+        issued: dict[str, str] = {}
+        for c in calls:
+            if c.group == group:
+                issued.setdefault(c.op, c.node)
+        for kind, node in issued.items():
+            if kind not in implied:
+                raise CollectiveMismatchError(
+                    f"rank {p0.rank} issues {kind} on mesh axis {axis!r} (node {node!r}) but plan {plan.name!r} "
+                    f"implies no {kind} there (its reshard points on {axis!r} imply {sorted(implied) or 'none'}); "
+                    "this is a lowering bug: please report it with the model"
+                )
+        for kind, points in implied.items():
+            if kind not in issued:
+                raise CollectiveMismatchError(
+                    f"plan {plan.name!r} implies a {kind} on mesh axis {axis!r} (at {points[0]}) but rank "
+                    f"{p0.rank} issues none there; this is a lowering bug: please report it with the model"
+                )

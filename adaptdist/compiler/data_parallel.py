@@ -32,7 +32,7 @@ from ..plan import Plan, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
-from .consistency import check_collectives
+from .consistency import check_against_plan, check_collectives
 
 log = logging.getLogger("adaptdist.compiler")
 
@@ -124,6 +124,7 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     graphs: dict[tuple[int, ...], torch.fx.GraphModule] = {(): copy_graph_module(captured.gm)}
     ctxs: dict[str, PassContext] = {}
     node_placements: dict[str, list[str]] = {}
+    redistributions: dict[str, list[list[str]]] = {}
     for axis in order:
         ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=bucket_bytes, shard_batch=axis == batch_axis,
@@ -144,6 +145,9 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
         for n in first.graph.nodes:
             if n.op != "output" and gmeta.get_placements(n) is not None:
                 node_placements.setdefault(n.name, ["R"] * len(mesh.names))[k] = repr(gmeta.get_placements(n)[0])
+        for n in first.graph.nodes:
+            for src, frm, to, _ in gmeta.get_resharded(n, ctx.group_name):
+                redistributions.setdefault(axis, []).append([n.name, src, frm, to])
         graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
                   for i in range(ctx.world_size)}
     plan = Plan(
@@ -151,7 +155,7 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
         param_placements={f: [repr(axis_placements.get(a, {}).get(f, Replicate())) for a in mesh.names]
                           for f in sorted({f for pl in axis_placements.values() for f in pl})},
         graph_fingerprint=graph_fingerprint(captured.gm), name=plan_name,
-        node_placements=node_placements,
+        node_placements=node_placements, redistributions=redistributions,
     )
     global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
                      for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
@@ -177,6 +181,7 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
         programs[rank].plan = plan
     programs = dict(sorted(programs.items()))
     check_collectives(programs)
+    check_against_plan(programs, plan)
     return programs
 
 

@@ -200,6 +200,8 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         args = [list(a) if isinstance(a, (list, tuple)) else a for a in node.args]
         for path, layout in sorted(needs.items()):
             src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
+            if placement_of(src) != layout[0]:
+                gmeta.add_resharded(node, src.name, repr(placement_of(src)), repr(layout[0]), ctx.group_name)
             new = _convert(graph, src, layout[0], ctx, node, cache)
             if len(path) == 1:
                 args[path[0]] = new
