@@ -19,8 +19,13 @@ from models import mlp, tiny_gpt, tiny_llama
 
 R, P = Replicate(), Partial()
 # ops where we use a strategy torch's DTensor does not list: the vocabulary-parallel
-# embedding's backward computes each rank's own rows, (grad R, indices R) -> S(0)
-OURS_BEYOND_DTENSOR = {torch.ops.aten.embedding_dense_backward.default}
+# embedding's backward computes each rank's own rows, (grad R, indices R) -> S(0); the
+# vocabulary-parallel cross entropy keeps log-softmax sharded over classes and picks targets
+# per rank (Megatron's parallel cross entropy)
+aten = torch.ops.aten
+OURS_BEYOND_DTENSOR = {aten.embedding_dense_backward.default, aten._log_softmax.default,
+                       aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
+                       aten.nll_loss_backward.default}
 
 
 def _listed(factory):

@@ -25,6 +25,7 @@ from ..passes.propagate_placements import propagate_placements
 from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
 from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
+from ..passes.vocab_parallel_loss import vocab_parallel_loss
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval
 from ..errors import AdaptdistError, InternalError, UsageError
@@ -46,6 +47,7 @@ DP_PASSES: tuple[Pass, ...] = (
     propagate_placements,
     insert_redistributes,
     vocab_parallel_embedding,
+    vocab_parallel_loss,
     regather_in_backward,
     bucket_param_allgather,
     bucket_grad_reduce_scatter,

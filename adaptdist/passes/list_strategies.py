@@ -4,8 +4,9 @@ For each op, torch's own DTensor strategies come first when it has them for the 
 these arguments (through :func:`adaptdist._torch_compat.dtensor_strategies`); then the
 ones our rule (:mod:`.sharding_rules`) adds where torch has none (e.g. CPU flash
 attention, the vocabulary-parallel embedding backward), found by asking the rule once with
-every input replicated and once per input with that input in each of its possible
-placements (the others replicated), recording what it keeps and what it needs. Placeholders may
+every input replicated, once per input with that input in each of its possible placements (the others
+replicated) and once per placement with all inputs of the same rank in it, recording what
+it keeps and what it needs. Placeholders may
 take ``Replicate`` or ``Shard`` of any dim (a batch input: its dim 0 or replicated). The
 graph is not changed; the planner chooses among these, and the manual-plan path checks
 that what it chose is among them.
@@ -89,6 +90,10 @@ def _from_rule(node: torch.fx.Node) -> list[Strategy]:
     for a in args:
         for c in _candidates(a):
             trials.append({a: c})
+    if args:  # every input of the first one's rank placed alike (e.g. gradient and output of a backward)
+        nd = len(_candidates(args[0]))
+        for c in _candidates(args[0]):
+            trials.append({a: c for a in args if len(_candidates(a)) == nd})
     found: list[Strategy] = []
     for trial in trials:
         try:

@@ -630,9 +630,27 @@ def softmax(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if not shards:
         return RuleResult(R, {(i,): R for i, p in zip(acts, pls) if isinstance(p, Partial)})
     d = shards.pop()
+    if d == dim and not shards and node.target in _VOCAB_PARALLEL_SOFTMAX and all(p == Shard(d) for p in pls):
+        # log-softmax over a sharded (vocabulary) dim: the vocab_parallel_loss pass computes it with
+        # an all_reduce of the max and one of the sum of exponentials
+        return RuleResult(Shard(d))
     if d == dim or shards:
         return gather_all(node, pl, "softmax over the sharded dim")
     return RuleResult(Shard(d), {(i,): Shard(d) for i, p in zip(acts, pls) if not isinstance(p, Shard)})
+
+
+_VOCAB_PARALLEL_SOFTMAX = {aten._log_softmax.default, aten._log_softmax_backward_data.default}
+
+
+def vocab_parallel_nll(node: torch.fx.Node, pl: PlacementOf) -> bool:
+    """Whether an nll_loss (forward or backward) reads log-probabilities ``[N, C]`` sharded by class
+    (``S(1)``) with replicated targets and no class weights: each rank picks the targets it holds
+    (the vocab_parallel_loss pass masks the others)."""
+    bw = node.target == aten.nll_loss_backward.default
+    x, tgt, w = (node.args[1], node.args[2], node.args[3]) if bw else (node.args[0], node.args[1], node.args[2])
+    return (node.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default)
+            and len(shape(x)) == 2 and pl(x) == Shard(1) and isinstance(pl(tgt), Replicate) and w is None
+            and node.args[4 if bw else 3] in (1, 2))
 
 
 def nll_loss_forward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
@@ -640,6 +658,8 @@ def nll_loss_forward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     x, tgt = node.args[0], node.args[1]
     reduction = node.args[3]
     px, pt = pl(x), pl(tgt)
+    if vocab_parallel_nll(node, pl):
+        return RuleResult((P, R))  # a partial sum of the picked log-probabilities; the count is replicated
     needs: dict[ArgPath, Placement] = {}
     if isinstance(node.args[2], torch.fx.Node) and not isinstance(pl(node.args[2]), Replicate):
         needs[(2,)] = R
@@ -664,6 +684,9 @@ def nll_loss_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """nll_loss_backward(grad_out, self, target, weight, reduction, ignore_index, total_weight)."""
     g, x, tgt, w, reduction, _, tw = node.args[:7]
     px, pt = pl(x), pl(tgt)
+    if vocab_parallel_nll(node, pl):
+        needs = {(i,): R for i in (0, 6) if not isinstance(pl(node.args[i]), Replicate)}
+        return RuleResult(Shard(1), needs)
     needs: dict[ArgPath, Placement] = {}
     if isinstance(w, torch.fx.Node) and not isinstance(pl(w), Replicate):
         needs[(3,)] = R
