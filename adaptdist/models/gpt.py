@@ -21,8 +21,8 @@ VOCAB_SIZE = 256  # bytes
 
 # `adaptdist train --plan tp`: Megatron-style tensor parallelism. Column-parallel q, k, v
 # (sharded by heads) and MLP-in; row-parallel attention-out and MLP-out; vocabulary-parallel
-# token embedding, so the tied output head yields logits sharded by vocabulary (gathered for
-# the loss); the position embedding is replicated.
+# token embedding, so the tied output head yields logits sharded by vocabulary, which the
+# vocabulary-parallel cross entropy consumes as they are; the position embedding is replicated.
 TP_PLAN = {
     "tok_emb.weight": "S(0)",  # vocabulary-parallel embedding; the tied output head is then vocab-sharded too
     "blocks.*.attn.[qkv].weight": "S(0)",
