@@ -21,6 +21,7 @@ import torch.fx
 
 from . import graph_meta as gmeta
 from .errors import PlanMismatchError, UsageError
+from .mesh import Mesh
 from .placement import Placement, parse_placement
 
 SCHEMA_VERSION = 1
@@ -83,9 +84,7 @@ class Plan:
                 raise UsageError(f"plan: {f!r} has {len(pls)} placements for a {len(self.mesh)}-axis mesh")
 
     @property
-    def mesh_spec(self) -> "Mesh":
-        from .mesh import Mesh
-
+    def mesh_spec(self) -> Mesh:
         return Mesh(tuple((a, int(n)) for a, n in self.mesh.items()))
 
     def axis_placements(self) -> dict[str, dict[str, Placement]]:

@@ -1,9 +1,7 @@
 import torch
 
 from adaptdist.passes.combine_partial_sums import combine_partial_sums
-from adaptdist.passes.decompose_addmm import decompose_addmm
 from adaptdist.passes.propagate_placements import propagate_placements
-from adaptdist.annotations import resolve_param_placements
 from adaptdist.compiler.capture import capture
 from adaptdist.models.llama import TP_PLAN
 from adaptdist.passes.context import PassContext

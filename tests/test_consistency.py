@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from adaptdist.compiler.consistency import check_collectives, collective_calls
 from adaptdist.compiler.data_parallel import compile_data_parallel

@@ -34,8 +34,6 @@ def test_rank_with_no_rows_runs_and_contributes_nothing():
 
 
 def test_one_sample_or_one_rank_is_not_split():
-    from adaptdist.placement import Replicate
-    from adaptdist.passes.propagate_placements import placement_of
     from reference import eager_sgd
 
     for batch_size, world in ((1, 2), (3, 1)):

@@ -60,7 +60,6 @@ def test_unknown_op_on_sharded_input_names_op_node_and_shapes():
 def test_replicate_fallback_runs_unknown_ops_whole_and_warns_once(caplog):
     import logging
 
-    from passutil import simulate
     from reference import eager_sgd
 
     class CumSum(nn.Module):

@@ -152,27 +152,6 @@ def test_batch_statistics_gather_the_batch():
     _check(model, batch, F.mse_loss, 2, {}, shard_batch=True)
 
 
-def test_embedding_sharded_by_vocabulary_with_padding_idx():
-    """11 rows over 2 ranks (6 + 5), padding_idx=8: every other token's gradient survives."""
-
-    class Emb(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.emb = nn.Embedding(11, 4, padding_idx=8)
-
-        def forward(self, idx):
-            return self.emb(idx).sum(1)
-
-    batch = (torch.tensor([[0, 8, 10], [5, 6, 8], [1, 2, 3]]), torch.randn(3, 4))
-    progs = _check(Emb(), batch, F.mse_loss, 2, {"emb.weight": "S(0)"})
-    assert [p.state["emb.weight"].shape[0] for p in progs.values()] == [6, 5]
-    # vocabulary-parallel: a masked local lookup and one all_reduce of its output; the table is never gathered
-    colls = progs[0].collectives()
-    assert len(colls) == 1 and "all_reduce" in colls[0] and colls[0].endswith(f", {3 * 4})"), colls
-    assert "embedding_dense_backward" in progs[1].code and "masked_fill" in progs[1].code
-
-
 @pytest.mark.parametrize("plan,world,split_batch", [("dp", 2, True), ("fsdp", 3, True), ("tp", 2, False)])
 def test_llama_rmsnorm_rotary_swiglu_gqa(plan, world, split_batch):
     """Our LLaMA-style model (4 query heads, 2 key/value heads) under each plan equals eager."""
@@ -182,23 +161,3 @@ def test_llama_rmsnorm_rotary_swiglu_gqa(plan, world, split_batch):
     annotations = {"dp": {}, "fsdp": {"*": "S(0)"}, "tp": TP_PLAN}[plan]
     model, batch, loss_fn = tiny_llama(5, 8)
     _check(model, batch, loss_fn, world, annotations, shard_batch=split_batch)
-
-
-@pytest.mark.parametrize("reduction,ignore_index", [("mean", 5), ("sum", -100), ("mean", -100)])
-@pytest.mark.parametrize("world", [2, 3])
-def test_vocabulary_parallel_cross_entropy(reduction, ignore_index, world):
-    """Logits sharded by class (11 classes: 6+5 or 4+4+3 columns) meet the loss without being gathered;
-    an ignore_index inside some rank's columns (5) is ignored everywhere, and the mean divides by
-    the global count of kept targets."""
-    torch.manual_seed(0)
-    model = nn.Linear(8, 11)
-    x = torch.randn(7, 8)
-    y = torch.tensor([0, 5, 10, 5, 3, 7, 4])
-
-    def loss_fn(out, t):
-        return F.cross_entropy(out, t, reduction=reduction, ignore_index=ignore_index)
-
-    progs = _check(model, (x, y), loss_fn, world, {"weight": "S(0)", "bias": "S(0)"})
-    colls = progs[0].collectives()
-    assert not any("all_gather" in c for c in colls), colls
-    assert "nll_loss_forward" in progs[0].code and "masked_fill" in progs[0].code

@@ -29,7 +29,6 @@ import math
 import torch
 import torch.fx
 
-from .. import graph_meta as gmeta
 from ..placement import Shard
 from .context import PassContext
 from .graph_build import set_fake_val
