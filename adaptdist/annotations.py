@@ -16,7 +16,7 @@ from .placement import Placement, Replicate, Shard, parse_placement
 
 
 def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations: Mapping[str, Placement | str],
-                             keep_globs: bool = True) -> dict[str, Placement]:
+                             keep_globs: bool = True, keep_replicate: bool = False) -> dict[str, Placement]:
     """Map each parameter/buffer name to the placement of the first glob matching it.
 
     Args:
@@ -24,6 +24,8 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
         annotations: glob -> placement (a Placement or its text, e.g. ``"S(0)"``); order matters.
         keep_globs: when False, a glob that only says ``R`` need not match anything (one mesh
             axis of a multi-axis plan).
+        keep_replicate: also return parameters a glob places ``R`` explicitly (completion leaves
+            those replicated); by default only sharded ones are returned.
 
     Raises:
         UsageError: a glob matches no parameter, a placement does not parse, or it shards a
@@ -52,7 +54,7 @@ def resolve_param_placements(shapes: Mapping[str, tuple[int, ...]], annotations:
                     f"annotation {glob!r} shards dim {placement.dim} of {f!r}, which has shape {list(shapes[f])}"
                 )
             out.setdefault(f, placement)
-    return {f: p for f, p in out.items() if not isinstance(p, Replicate)}
+    return {f: p for f, p in out.items() if keep_replicate or not isinstance(p, Replicate)}
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class ManualPlan:
         (``trainable``) with a dim on dim 0 along that axis, unless a glob placed it there."""
         out: dict[str, dict[str, Placement]] = {}
         for k, axis in enumerate(self.mesh_axes):
-            out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False)
+            out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
+                                                 keep_replicate=True)
         if self.fsdp_axis is not None:
             pl = out.setdefault(self.fsdp_axis, {})
             for f, s in shapes.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from ..passes.bucket_param_allgather import bucket_param_allgather
 from ..passes.combine_partial_sums import combine_partial_sums
 from ..passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from ..passes.decompose_addmm import decompose_addmm
+from ..passes.complete_placements import complete_param_placements
 from ..passes.context import PassContext
 from ..passes.globalize_reductions import globalize_reductions
 from ..passes.insert_redistributes import insert_redistributes
@@ -123,6 +125,7 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     for axis in axis_placements:
         mesh.index(axis)
     order = lowering_order(mesh, batch_axis)
+    axis_placements = {a: dict(pl) for a, pl in axis_placements.items()}  # completion adds to these
     graphs: dict[tuple[int, ...], torch.fx.GraphModule] = {(): copy_graph_module(captured.gm)}
     ctxs: dict[str, PassContext] = {}
     node_placements: dict[str, list[str]] = {}
@@ -134,7 +137,12 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
         ctxs[axis] = ctx
         if ctx.world_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
+            axis_placements[axis] = {}
             continue
+        completed = complete_param_placements(next(iter(graphs.values())), ctx)
+        axis_placements[axis] = completed
+        ctx = dataclasses.replace(ctx, param_placements=completed)
+        ctxs[axis] = ctx
         if axis == batch_axis and not ctx.shards_batch:
             log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
                         "step (correct, but no faster than one rank)", captured.batch_size, ctx.world_size)

@@ -1,0 +1,49 @@
+"""Completion: unannotated parameters take the shard their uses ask for (a fixed point of sweeps)."""
+
+import logging
+
+import torch
+
+from adaptdist.annotations import ManualPlan
+from adaptdist.compiler.capture import capture
+from adaptdist.passes.complete_placements import complete_param_placements
+from adaptdist.passes.context import PassContext
+from adaptdist.placement import Replicate, Shard
+from models import mlp
+from passutil import simulate_mesh
+from reference import eager_sgd
+
+
+def test_the_bias_of_a_column_parallel_layer_is_sharded_like_its_output(caplog):
+    model, batch, loss_fn = mlp(7)  # 12 -> 24 -> 5
+    cg = capture(model, batch, loss_fn)
+    ctx = PassContext(2, 7, mesh_axis="tp", shard_batch=False,
+                      param_placements={"fc1.weight": Shard(0), "fc2.weight": Shard(1)})
+    with caplog.at_level(logging.INFO, logger="adaptdist.passes"):
+        got = complete_param_placements(cg.gm, ctx)
+    assert got == {"fc1.weight": Shard(0), "fc2.weight": Shard(1), "fc1.bias": Shard(0)}
+    assert "fc1.bias -> S(0)" in caplog.text
+    # fc2.bias is added to a partial sum made replicated: nothing asks for a shard
+    assert "fc2.bias" not in got
+
+
+def test_an_explicit_replicate_is_kept():
+    model, batch, loss_fn = mlp(7)
+    cg = capture(model, batch, loss_fn)
+    ctx = PassContext(2, 7, mesh_axis="tp", shard_batch=False, param_placements={
+        "fc1.weight": Shard(0), "fc2.weight": Shard(1), "fc1.bias": Replicate()})
+    assert "fc1.bias" not in complete_param_placements(cg.gm, ctx)
+
+
+def test_completed_plan_runs_exactly_and_stores_the_bias_sharded():
+    model, batch, loss_fn = mlp(7)
+    plan = ManualPlan("tp", ("dp", "tp"), "dp", (("fc1.weight", ("R", "S(0)")), ("fc2.weight", ("R", "S(1)"))))
+    progs, outs = simulate_mesh(model, batch, loss_fn, "dp=2,tp=3", plan)
+    assert progs[0].state_placements["fc1.bias"] == ["R", "S(0)"]
+    assert [progs[r].state["fc1.bias"].shape[0] for r in range(3)] == [8, 8, 8]
+    (loss, grads), = eager_sgd(model, [batch], loss_fn, 0.1, 1)[0]
+    for r, p in progs.items():
+        assert abs(float(outs[r][p.loss_index]) - loss) < 1e-5
+        g = outs[r][p.output_roles.index("grad:fc1.bias")]
+        tp = r % 3
+        torch.testing.assert_close(g, grads["fc1.bias"][8 * tp:8 * tp + 8], atol=1e-5, rtol=1e-5)
