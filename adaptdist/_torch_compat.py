@@ -216,3 +216,15 @@ def dtensor_redistribute_cost(src: Any, dst: Any, shape: tuple[int, ...], dtype:
     stride = torch.empty(shape, device="meta").stride()
     tm = TensorMeta(torch.Size(shape), stride, dtype)
     return float(redistribute_cost(DTensorSpec(mesh, (src,), tm), DTensorSpec(mesh, (dst,), tm)))
+
+
+def dtensor_placement(p: Any) -> Any:
+    """One of adaptdist's placements (Shard/Replicate/Partial, by duck type) as DTensor's."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    name = type(p).__name__
+    if name == "Shard":
+        return Shard(p.dim)
+    if name == "Partial":
+        return Partial(p.op)
+    return Replicate()

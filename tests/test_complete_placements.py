@@ -47,3 +47,24 @@ def test_completed_plan_runs_exactly_and_stores_the_bias_sharded():
         g = outs[r][p.output_roles.index("grad:fc1.bias")]
         tp = r % 3
         torch.testing.assert_close(g, grads["fc1.bias"][8 * tp:8 * tp + 8], atol=1e-5, rtol=1e-5)
+
+
+def test_uses_that_disagree_keep_the_cheaper_storage():
+    """The bias is added to a column-parallel output (wants S(0)) and softmaxed whole (wants R):
+    storing it sharded would need an all_gather for the softmax, storing it whole only a free
+    local slice, so by DTensor's cost estimate it stays replicated."""
+
+    class TwoUses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = torch.nn.Linear(6, 8, bias=False)
+            self.b = torch.nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return (self.fc(x) + self.b) * torch.softmax(self.b, 0)
+
+    batch = (torch.randn(4, 6), torch.randn(4, 8))
+    cg = capture(TwoUses(), batch, torch.nn.functional.mse_loss)
+    ctx = PassContext(2, 4, mesh_axis="tp", shard_batch=False, param_placements={"fc.weight": Shard(0)})
+    assert complete_param_placements(cg.gm, ctx) == {"fc.weight": Shard(0)}

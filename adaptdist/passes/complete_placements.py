@@ -1,13 +1,13 @@
 """Completion: infer the placements of parameters the user did not annotate, from their uses.
 
 Propagation runs forward from the annotations; an unannotated parameter starts
-replicated. When every edge that redistributes it asks for the same ``Shard(d)``
-(a bias added to a column-parallel output, a norm weight applied to a sharded
-activation), storing it whole only to slice it on every use is waste: completion
-places it ``Shard(d)`` itself and propagates again, sweeping back and forth until
-no placement changes (a fixed point; each sweep only turns replicated parameters
-into shards, so it ends). Parameters whose uses disagree, or that some use needs
-whole, stay replicated.
+replicated. Its uses then say in which placement each consumes it (a bias added to a
+column-parallel output asks for ``Shard(d)``). Completion stores each unannotated
+parameter in the placement whose redistributions to all its uses cost least by DTensor's
+own estimate (``redistribute_cost``), shards first on a tie (same communication, less
+memory), and propagates again, sweeping until no placement changes (a fixed point; each
+sweep only turns replicated parameters into shards, so it ends). A parameter some use
+needs whole stays replicated when gathering it would cost more.
 
 Before/after (annotations ``fc1.weight: S(0)``, ``fc2.weight: S(1)``)::
 
@@ -23,29 +23,45 @@ import logging
 import torch
 import torch.fx
 
+from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..placement import Placement, Replicate, Shard
 from .context import PassContext
 from .decompose_addmm import decompose_addmm
 from .localize_shapes import copy_graph_module
 from .propagate_placements import propagate_placements
+from .sharding_rules import tensor_args
 
 log = logging.getLogger("adaptdist.passes")
 MAX_SWEEPS = 8
 
 
-def _wanted_shard(ph: torch.fx.Node) -> Shard | None:
-    """The one Shard every redistributing use asks ``ph`` for, if all agree and some do."""
-    wanted = set()
+def _uses(ph: torch.fx.Node) -> list[Placement]:
+    """The placement each use of ``ph`` consumes it in: what the use's redistribution asks for,
+    else its current placement."""
+    wants = []
     for user in ph.users:
-        for path, layout in gmeta.get_redistribute(user).items():
-            arg = user.args[path[0]] if len(path) == 1 else user.args[path[0]][path[1]]
-            if arg is ph:
-                wanted.add(layout[0])
-    if len(wanted) == 1:
-        (p,) = wanted
-        return p if isinstance(p, Shard) else None
-    return None
+        needs = gmeta.get_redistribute(user)
+        for path, a in tensor_args(user):
+            if a is ph:
+                wants.append(needs[path][0] if path in needs else gmeta.get_placements(ph)[0])
+    return wants
+
+
+def _cheapest_storage(ph: torch.fx.Node, world_size: int) -> Placement:
+    """Among Replicate and the shards ``ph``'s uses ask for, the placement to store it in whose
+    redistributions to every use cost least by DTensor's estimate; ties go to shards (same
+    communication, less memory), lower dim first, then Replicate: a fixed order."""
+    wants = _uses(ph)
+    options = sorted({w for w in wants if isinstance(w, Shard)}, key=lambda p: p.dim) + [Replicate()]
+    v = ph.meta["val"]
+
+    def cost(src: Placement) -> float:
+        return sum(0.0 if src == w else compat.dtensor_redistribute_cost(
+            compat.dtensor_placement(src), compat.dtensor_placement(w), tuple(v.shape), v.dtype, world_size)
+            for w in wants)
+
+    return min(options, key=lambda p: (cost(p), options.index(p)))
 
 
 def complete_param_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, Placement]:
@@ -62,9 +78,9 @@ def complete_param_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> dic
         for ph in g.graph.find_nodes(op="placeholder"):
             fqn = gmeta.get_fqn(ph)
             if gmeta.get_role(ph) == "param" and fqn not in placements:
-                want = _wanted_shard(ph)
-                if want is not None:
-                    inferred[fqn] = want
+                best = _cheapest_storage(ph, ctx.world_size)
+                if isinstance(best, Shard):
+                    inferred[fqn] = best
         if not inferred:
             break
         log.info("completion on mesh axis %s: %s", ctx.mesh_axis,
