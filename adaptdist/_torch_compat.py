@@ -84,6 +84,12 @@ def functional_reduce_scatter_op() -> Callable:
     return torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 
+def functional_all_to_all_op() -> Callable:
+    """``all_to_all_single(x, output_split_sizes, input_split_sizes, group_name)``: rank r sends block d of
+    dim 0 to rank d and receives each rank's block r, concatenated on dim 0 in rank order."""
+    return torch.ops._c10d_functional.all_to_all_single.default
+
+
 def functional_wait_op() -> Callable:
     return torch.ops._c10d_functional.wait_tensor.default
 

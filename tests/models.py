@@ -75,3 +75,22 @@ def tiny_llama(batch_size: int = 5, seq_len: int = 8, seed: int = 0):
     x = torch.randint(0, 256, (batch_size, seq_len), generator=g)
     y = torch.randint(0, 256, (batch_size, seq_len), generator=g)
     return model, (x, y), lm_loss
+
+
+class TwoShards(nn.Module):
+    """Two [rows, cols] weights summed: planned one S(1) and one S(0), the sum needs an all_to_all."""
+
+    def __init__(self, rows: int = 9, cols: int = 7):
+        super().__init__()
+        self.a = nn.Parameter(0.1 * torch.randn(rows, cols))
+        self.b = nn.Parameter(0.1 * torch.randn(rows, cols))
+
+    def forward(self, x):
+        return x @ (self.a * 2 + self.b)
+
+
+def two_shards(batch_size: int = 3, rows: int = 9, cols: int = 7, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TwoShards(rows, cols)
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch_size, rows, generator=g), torch.randn(batch_size, cols, generator=g)), F.mse_loss

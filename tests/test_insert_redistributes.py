@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -82,3 +83,16 @@ def test_loss_module_with_class_weights_counts_weights_globally():
     for r in range(3):
         assert abs(float(outs[r][0]) - hist[0][0]) < 1e-6
         torch.testing.assert_close(outs[r][1], hist[0][1]["fc1.weight"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,cols,world", [(8, 8, 2), (9, 7, 3), (5, 11, 4), (4, 6, 4)])
+def test_shard_to_another_dim_is_an_all_to_all(rows, cols, world):
+    """S(1) -> S(0) (and back, for the gradient) by all_to_all, uneven and empty shards included;
+    no all_gather: each rank receives only its own block."""
+    from models import two_shards
+    from test_tensor_parallel import _check
+
+    model, batch, loss_fn = two_shards(3, rows, cols)
+    progs = _check(model, batch, loss_fn, world, {"a": "S(1)", "b": "S(0)"})
+    kinds = [c.split("(")[0].split(".")[1] for c in progs[0].collectives()]
+    assert kinds.count("all_to_all_single") == 2 and "all_gather_into_tensor" not in kinds

@@ -16,29 +16,32 @@ from adaptdist.mesh import Mesh
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
 from dist_workers import multi_case_sgd_worker
-from models import mlp, tiny_gpt, tiny_llama
+from models import mlp, tiny_gpt, tiny_llama, two_shards
 from passutil import global_shard
 from reference import eager_sgd
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
+S1_TO_S0 = ManualPlan("s1-s0", ("tp",), None, (("a", ("S(1)",)), ("b", ("S(0)",))))  # all_to_all
 MLP_TP = ManualPlan("mlp-tp", ("tp",), None, (("fc1.weight", ("S(0)",)), ("fc1.bias", ("S(0)",)),
                                               ("fc2.weight", ("S(1)",))))
-FACTORIES = {"mlp": lambda seed=0: mlp(7, seed=seed), "gpt": lambda seed=0: tiny_gpt(4, 8, seed=seed, num_heads=4),
+FACTORIES = {"two_shards": lambda seed=0: two_shards(3, 9, 7, seed=seed), "mlp": lambda seed=0: mlp(7, seed=seed), "gpt": lambda seed=0: tiny_gpt(4, 8, seed=seed, num_heads=4),
              "llama": lambda seed=0: tiny_llama(4, 8, seed=seed)}
-MODULES = {"mlp": None, "gpt": gpt_module, "llama": llama_module}
+MODULES = {"two_shards": None, "mlp": None, "gpt": gpt_module, "llama": llama_module}
 
 # (model, plan, mesh or None for a 1-D mesh of the world size, max grad norm)
 CASES = {
-    2: [("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
+    2: [("two_shards", "tp", None, None), ("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
         ("gpt", "fsdp", None, None), ("llama", "tp", None, None), ("llama", "fsdp", None, None),
         ("gpt", "dp", None, 0.5)],
-    4: [("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
+    4: [("two_shards", "tp", None, None), ("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
         ("gpt", "fsdp", None, 0.5), ("llama", "fsdp", None, None), ("gpt", "dp,tp", "dp=2,tp=2", None),
         ("llama", "dp,tp", "dp=2,tp=2", None), ("gpt", "dp,tp", "dp=2,tp=2", 0.5)],
 }
 
 
 def _plan(model_name, plan):
+    if model_name == "two_shards":
+        return S1_TO_S0
     return MLP_TP if (model_name, plan) == ("mlp", "tp") else ManualPlan.parse(plan, MODULES[model_name])
 
 

@@ -84,10 +84,12 @@ def _compare(ra: int, a_calls: list[CollectiveCall], rb: int, b_calls: list[Coll
 
 def implied_collectives(frm: str, to: str, at_output: bool) -> set[str]:
     """The collective kinds a redistribution ``frm -> to`` (placement texts) lowers to: P->R
-    all_reduce; S->R and S(i)->S(j) all_gather; P->S reduce_scatter for a gradient going to its
+    all_reduce; S->R all_gather; S(i)->S(j) all_to_all; P->S reduce_scatter for a gradient going to its
     parameter's shard (``at_output``), else all_reduce and a local slice; R->S a local slice."""
     if frm.startswith("P"):
         return {"reduce_scatter_tensor"} if to.startswith("S") and at_output else {"all_reduce"}
+    if frm.startswith("S") and to.startswith("S") and frm != to:
+        return {"all_to_all_single"}
     if frm.startswith("S") and frm != to:
         return {"all_gather_into_tensor"}
     return set()

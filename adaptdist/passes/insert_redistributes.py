@@ -14,8 +14,11 @@ functional collectives on the mesh axis's process group:
   of short shards), ``all_gather_into_tensor`` on dim 0 (``d`` moved there), then
   the first ``n`` rows are kept.
 
-* ``Shard(i) -> Shard(j)``: all_gather then a rank slice (correct; an all_to_all
-  would move less data).
+* ``Shard(i) -> Shard(j)``: an ``all_to_all``: each rank pads its shard of ``i`` to the
+  largest shard and ``j`` to ``world * ceil(n_j / world)`` rows, sends block ``d`` of ``j``
+  to rank ``d``, and lays the received blocks side by side along ``i`` (the padding of
+  short torch.chunk shards is only at their end, so the first ``n_i`` are the data), then
+  keeps its own rows of ``j``. It moves ``1 / world`` of what all_gather + slice would.
 
 Before/after::
 
@@ -152,6 +155,63 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     return mine
 
 
+def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: PassContext,
+               before: torch.fx.Node) -> torch.fx.Node:
+    """Insert the all_to_all turning ``x`` (sharded on dim ``i``) into ``Shard(j)``, before ``before``.
+
+    Local shapes on every rank (``m = ceil(n / world)``): pad ``i`` to ``m_i``, ``j`` to ``world * m_j``,
+    move ``j`` to the front, exchange equal blocks of ``m_j`` rows, view as ``[world, m_j, ...]``, put the
+    source axis beside ``i`` and merge it (``world * m_i``, data first), keep ``n_i``, then this rank's
+    ``c_j`` rows of ``j`` (marked like a reduce_scatter's trim, so localization sizes it).
+    """
+    val = x.meta["val"]
+    nd, w = val.dim(), ctx.world_size
+    n_i, n_j = val.shape[i], val.shape[j]
+    m_j = -(-n_j // w)
+    mode = getattr(val, "fake_mode", None)
+    g = ctx.group_name
+
+    def call(target, args, placement, kind=None, kwargs=None):
+        return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind, group=g)
+
+    with graph.inserting_before(before):
+        pad_i = call(aten.constant_pad_nd.default, (x, [0, 0] * nd, 0.0), Shard(i), "gather_pad")
+        gmeta.set_gather_pad(pad_i, i, g)
+        pad = [0, 0] * nd
+        pad[2 * (nd - 1 - j) + 1] = w * m_j - n_j
+        pad_j = call(aten.constant_pad_nd.default, (pad_i, pad, 0.0), Shard(i))
+        perm = [j] + [d for d in range(nd) if d != j]
+        i_moved = perm.index(i)
+        moved = call(aten.permute.default, (pad_j, perm), Shard(i_moved))
+        cont = call(aten.clone.default, (moved,), Shard(i_moved), kwargs={"memory_format": torch.contiguous_format})
+        a2a = graph.call_function(compat.functional_all_to_all_op(), (cont, [m_j] * w, [m_j] * w, g))
+        a2a.meta["val"] = cont.meta["val"]
+        gmeta.set_placements(a2a, (Replicate(),))  # a local layout no placement names; its shapes need no localization
+        gmeta.mark_collective(a2a, "all_to_all", g)
+        wt = graph.call_function(compat.functional_wait_op(), (a2a,))
+        wt.meta["val"] = a2a.meta["val"]
+        gmeta.set_placements(wt, (Replicate(),))
+        gmeta.mark_collective(wt, "wait", g)
+        rest = list(cont.meta["val"].shape[1:])
+        blocks = call(aten.view.default, (wt, [w, m_j] + [-1 if k == i_moved - 1 else s for k, s in enumerate(rest)]),
+                      Replicate())  # [w, m_j, ..., m_i (local), ...]
+        src_beside_i = [1] + [k + 2 for k in range(len(rest)) if k < i_moved - 1] + [0] + \
+            [k + 2 for k in range(len(rest)) if k >= i_moved - 1]
+        side = call(aten.permute.default, (blocks, src_beside_i), Replicate())
+        merged_shape = [m_j] + [(-1 if k == i_moved - 1 else s) for k, s in enumerate(rest)]
+        merged = call(aten.reshape.default, (side, merged_shape), Replicate())  # i: world * m_i, data first
+        kept = call(aten.slice.Tensor, (merged, i_moved, 0, n_i), Replicate())
+        mine = graph.call_function(aten.slice.Tensor, (kept, 0, 0, m_j))
+        with mode if mode is not None else torch.no_grad():
+            mine.meta["val"] = kept.meta["val"].new_empty([n_j] + list(kept.meta["val"].shape[1:]))
+        gmeta.set_placements(mine, (Shard(0),))
+        gmeta.set_scatter_trim(mine, 0, n_j, g)
+        inv = [perm.index(d) for d in range(nd)]
+        back = call(aten.permute.default, (mine, inv), Shard(j))
+        out = call(aten.clone.default, (back,), Shard(j), kwargs={"memory_format": torch.contiguous_format})
+    return out
+
+
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
     key = (src, target)
@@ -167,8 +227,10 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
     if isinstance(cur, Partial):
         node = all_reduce(graph, src, ctx.group_name)
         cur = Replicate()
-    if isinstance(cur, Shard) and cur != target:
-        # S -> R, and S(i) -> S(j) as gather + slice (an all_to_all would move less data)
+    if isinstance(cur, Shard) and isinstance(target, Shard) and cur != target:
+        node = all_to_all(graph, src, cur.dim, target.dim, ctx, before=consumer)
+        cur = target
+    if isinstance(cur, Shard) and cur != target:  # S -> R
         node = all_gather(graph, src, cur.dim, ctx, before=consumer)
         cur = Replicate()
     if isinstance(target, Shard) and isinstance(cur, Replicate):

@@ -850,7 +850,8 @@ def other_axis_collective(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     dim 0 along this axis too is gathered first.
     """
     p = pl(node.args[0])
-    if node.target in (compat.functional_all_gather_op(), compat.functional_reduce_scatter_op()):
+    if node.target in (compat.functional_all_gather_op(), compat.functional_reduce_scatter_op(),
+                       compat.functional_all_to_all_op()):
         if isinstance(p, Shard) and p.dim == 0:
             return gather_all(node, pl, "another mesh axis gathers or scatters the same dim")
     return RuleResult(p)
@@ -959,6 +960,7 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
+    compat.functional_all_to_all_op(): other_axis_collective,
     compat.functional_wait_op(): other_axis_collective,
 }
 

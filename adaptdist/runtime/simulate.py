@@ -41,7 +41,8 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
     if mesh is not None and mesh.world_size != n:
         raise SimulationError(f"mesh {mesh} has {mesh.world_size} ranks but {n} programs were given")
     coll_ops = {compat.functional_all_reduce_op(): "all_reduce", compat.functional_all_gather_op(): "all_gather",
-                compat.functional_reduce_scatter_op(): "reduce_scatter"}
+                compat.functional_reduce_scatter_op(): "reduce_scatter",
+                compat.functional_all_to_all_op(): "all_to_all"}
     wait = compat.functional_wait_op()
 
     def members(group: str, rank: int) -> tuple[int, ...]:
@@ -114,8 +115,13 @@ def _carry_out(kind: str, vals: list[torch.Tensor], at: dict, ranks: tuple[int, 
                group: str) -> None:
     first = at[ranks[0]]
     if kind == "all_reduce":
-        total = torch.stack(vals).sum(0)
+        op = first.args[1]
+        total = torch.stack(vals).amax(0) if op == "max" else torch.stack(vals).sum(0)
         out = [total.clone() for _ in ranks]
+    elif kind == "all_to_all":
+        splits = [list(at[m].args[2]) for m in ranks]  # input split sizes (rows of dim 0) per member
+        pieces = [list(v.split(s)) for v, s in zip(vals, splits)]
+        out = [torch.cat([pieces[s][d] for s in range(len(ranks))]) for d in range(len(ranks))]
     elif kind == "reduce_scatter":
         if len({tuple(v.shape) for v in vals}) != 1 or vals[0].shape[0] % len(ranks):
             raise SimulationError(f"reduce_scatter at {first.name} on {group}: shapes {[tuple(v.shape) for v in vals]} "
