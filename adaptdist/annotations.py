@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -12,6 +13,8 @@ import yaml
 
 from .errors import UsageError
 from .mesh import Mesh
+
+log = logging.getLogger("adaptdist")
 from .placement import Placement, Replicate, Shard, parse_placement
 
 
@@ -121,6 +124,9 @@ class ManualPlan:
             raise UsageError(f"plan {self.name!r} has {len(self.mesh_axes)} mesh axes: give their sizes with --mesh")
         small = max(d for d in range(1, int(world_size ** 0.5) + 1) if world_size % d == 0)
         model_axis = next(a for a in self.mesh_axes if a != self.batch_axis)
+        if small == 1:
+            log.warning("plan %r on %d ranks: the only even split gives mesh axis %r size 1, so it does nothing; "
+                        "pass --mesh to choose the sizes", self.name, world_size, model_axis)
         return Mesh(tuple((a, small if a == model_axis else world_size // small) for a in self.mesh_axes))
 
     def axis_placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
@@ -186,7 +192,9 @@ class ManualPlan:
         if version == 1:
             return _parse_v1(doc, text, p.name)
         if version != 2:
-            raise UsageError(f"plan file {text!r}: 'schema_version' is {version!r}; this adaptdist reads 1 and 2")
+            raise UsageError(f"plan file {text!r}: 'schema_version' is {version!r}; this adaptdist reads 1 and 2: "
+                             "start the file with 'schema_version: 2' (fields mesh, batch_axis, params with one "
+                             "placement per axis) or 'schema_version: 1' (mesh_axis, shard_batch, params)")
         unknown = set(doc) - {"schema_version", "mesh", "batch_axis", "params"}
         if unknown:
             raise UsageError(f"plan file {text!r}: unknown field(s) {sorted(unknown)}; the fields are "

@@ -146,6 +146,11 @@ def _cluster(args):
         from .mesh import Mesh
 
         return Cluster.local(Mesh.parse(args.mesh).world_size)
+    plan_file = Path(getattr(args, "plan", "") or "")
+    if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
+        from .plan import Plan
+
+        return Cluster.local(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
     return Cluster.local(2 if args.nproc is None else args.nproc)
 
 
@@ -236,11 +241,15 @@ def cmd_train(args) -> int:
                                dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
                                mesh=args.mesh)
     _check_checkpointable(programs[0])
+    from .runtime.preflight import check_host_memory
+
+    peak = check_host_memory(programs, args.optimizer, nproc)
     save_programs(programs, out / "programs")
     mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
     console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
                   f"{time.perf_counter() - t0:.1f} s "
-                  f"-> {out / 'programs'} (read rank0/program.py)")
+                  f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
+                  "per rank")
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,

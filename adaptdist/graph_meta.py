@@ -33,6 +33,8 @@ Keys:
     ``adaptdist.resharded``: on a node whose input was redistributed, per redistribution
         ``(input name, from placement, to placement, group)``: the plan's reshard points,
         which the consistency check compares with the collectives the programs issue.
+    ``adaptdist.fallbacks``: on the output node, the nodes propagation ran whole under the
+        replicate fallback (so its warning is given once per graph, not per propagation).
     ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
         :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
@@ -62,6 +64,7 @@ GROUP = "adaptdist.group"
 STRATEGIES = "adaptdist.strategies"
 VOCAB_BOUNDS = "adaptdist.vocab_bounds"
 RESHARDED = "adaptdist.resharded"
+FALLBACKS = "adaptdist.fallbacks"
 
 Layout = tuple[Placement, ...]
 
@@ -235,3 +238,11 @@ def add_resharded(node: torch.fx.Node, src: str, frm: str, to: str, group: str) 
 
 def get_resharded(node: torch.fx.Node, group: str | None = None) -> list[tuple[str, str, str, str]]:
     return [r for r in node.meta.get(RESHARDED, []) if group is None or r[3] == group]
+
+
+def set_fallbacks(output_node: torch.fx.Node, names: list[str]) -> None:
+    output_node.meta[FALLBACKS] = list(names)
+
+
+def get_fallbacks(output_node: torch.fx.Node) -> list[str] | None:
+    return output_node.meta.get(FALLBACKS)

@@ -36,7 +36,11 @@ def simulate_plan(model, batch, loss_fn, world_size, placements, shard_batch=Fal
     state = {f: named[f].detach() for f in cg.input_fqns}
     progs = lower(cg, world_size, mesh_axis="tp", shard_batch=shard_batch, param_placements=pp, state=state, **kw)
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
-    return progs, pp, simulate_ranks([p.module for p in progs.values()], ins)
+    # the placements the programs store, completion included (e.g. the bias of a column-parallel layer)
+    from adaptdist.placement import parse_placement
+
+    stored = {f: parse_placement(v[0]) for f, v in progs[0].state_placements.items()}
+    return progs, stored, simulate_ranks([p.module for p in progs.values()], ins)
 
 
 def local_shard(t, placement, world_size, rank):

@@ -161,3 +161,17 @@ def test_llama_rmsnorm_rotary_swiglu_gqa(plan, world, split_batch):
     annotations = {"dp": {}, "fsdp": {"*": "S(0)"}, "tp": TP_PLAN}[plan]
     model, batch, loss_fn = tiny_llama(5, 8)
     _check(model, batch, loss_fn, world, annotations, shard_batch=split_batch)
+
+
+@pytest.mark.parametrize("annotation", [
+    {"blocks.*.fc_out.bias": "S(0)"},          # residual stream sharded on its features, then LayerNorm
+    {"blocks.*.attn.q.weight": "S(1)"},        # row-parallel q alone
+    {"blocks.*.fc_out.weight": "S(0)"},        # column-parallel MLP-out alone
+])
+def test_unusual_gpt_placements_equal_eager(annotation):
+    """Placements a user may write that make LayerNorm (and its backward) meet a tensor sharded on
+    the normalized dim: it is gathered first, and every gradient equals eager."""
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(4, 8)
+    _check(model, batch, loss_fn, 2, annotation)

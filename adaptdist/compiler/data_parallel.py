@@ -243,7 +243,8 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
         m = plan.mesh_spec
         if m.world_size != world_size:
-            raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}")
+            raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}; "
+                             f"pass --nproc {m.world_size} (or leave out --nproc: a saved plan brings its mesh)")
         if mesh and Mesh.parse(mesh) != m:
             raise UsageError(f"--mesh {mesh} differs from plan {plan.name!r}'s mesh {m}; drop --mesh")
         return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(),

@@ -17,6 +17,7 @@ Before/after (global batch 5 on 2 ranks, rank 1 holds 2 rows, T = 4)::
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -295,5 +296,13 @@ def _refresh_vals(gm: torch.fx.GraphModule, intervals: dict) -> None:
             shape[placement_of(ph).dim] = e - s
         with mode:
             inputs.append(torch.empty(shape, dtype=v.dtype))
-    with mode:
-        _FakeProp(gm).run(*inputs)
+    # a local shape that does not work is reported as UnsupportedOpError below; torch's fake-tensor
+    # logger would print its own traceback first
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with mode:
+            _FakeProp(gm).run(*inputs)
+    finally:
+        quiet.setLevel(level)

@@ -95,7 +95,9 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         new_needs = {path: (p,) for path, p in needs.items()}
         gmeta.set_redistribute(node, new_needs)
         changed |= old != layout or old_needs != new_needs
-    if fallbacks:
+    out_node = gm.graph.output_node()
+    if fallbacks and gmeta.get_fallbacks(out_node) != fallbacks:  # once, not again on re-propagation
+        gmeta.set_fallbacks(out_node, fallbacks)
         log.warning("replicate fallback: %d op(s) without a sharding rule run whole on every rank, their inputs "
                     "gathered: %s", len(fallbacks), ", ".join(fallbacks))
     return gm, changed

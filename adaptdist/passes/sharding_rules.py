@@ -613,6 +613,8 @@ def layer_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if len(shards) > 1:
         return gather_all(node, pl, "activations are sharded on different dims")
     d = shards.pop()
+    if d >= len(shape(node.args[1])) - len(node.args[2]):
+        return gather_all(node, pl, "it normalizes over the sharded dim")
     for i, p in pls.items():
         if not isinstance(p, Shard):
             needs[(i,)] = Shard(d)
