@@ -12,6 +12,7 @@ A cluster file is YAML (or JSON, which YAML reads too). Schema version 2::
             peak_flops: {float32: 1.6e+11, bfloat16: 2.56e+12}   # FLOP/s per dtype; float32 required
             memory_bytes: 12637208576
             memory_bandwidth_bytes_per_s: 1.0e+10
+            op_overhead_s: 3.5e-6     # optional: host time of one dispatched op call (measured by profile)
           - {rank: 1, kind: cpu, cores: 1.0, peak_flops: {float32: 1.6e+11},
              memory_bytes: 12637208576, memory_bandwidth_bytes_per_s: 1.0e+10}
     links:
@@ -137,6 +138,9 @@ class Device:
         memory_bytes: memory this rank may use, bytes.
         memory_bandwidth_bytes_per_s: memory bandwidth, bytes/s (measured: elementwise add).
         cores: CPU cores this rank has (may be below 1 when ranks outnumber cores); None on cuda.
+        op_overhead_s: seconds of host time one dispatched ATen op call costs beyond its arithmetic and
+            memory traffic (Python + dispatcher + output allocation of a tiny op), all ranks busy at once;
+            measured by ``adaptdist cluster profile`` on CPU; None: unknown (the cost models then count 0).
 
     Raises:
         ClusterSpecError: a field is missing its allowed form (message names the rank).
@@ -149,6 +153,7 @@ class Device:
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float
     cores: float | None = None
+    op_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         who = f"device rank {self.rank!r}"
@@ -173,6 +178,9 @@ class Device:
                                    f"got {self.memory_bandwidth_bytes_per_s!r}")
         if self.cores is not None and (not _is_number(self.cores) or self.cores <= 0):
             raise ClusterSpecError(f"{who}: cores must be a positive number (or absent), got {self.cores!r}")
+        if self.op_overhead_s is not None and (not _is_number(self.op_overhead_s) or self.op_overhead_s < 0):
+            raise ClusterSpecError(f"{who}: op_overhead_s must be a number of seconds >= 0 (or absent), "
+                                   f"got {self.op_overhead_s!r}")
 
     def __repr__(self) -> str:
         return (f"Device(rank={self.rank}, {self.kind} on {self.host}, "
@@ -630,6 +638,8 @@ class Cluster:
                 e["peak_flops"] = dict(d.peak_flops)
                 e["memory_bytes"] = d.memory_bytes
                 e["memory_bandwidth_bytes_per_s"] = d.memory_bandwidth_bytes_per_s
+                if d.op_overhead_s is not None:
+                    e["op_overhead_s"] = d.op_overhead_s
                 devs.append(e)
             doc["hosts"].append({"name": h.name, "devices": devs})
         for link in self.links:
@@ -716,7 +726,7 @@ def _represent_float(dumper: yaml.SafeDumper, v: float) -> yaml.ScalarNode:
 _Dumper.add_representer(float, _represent_float)
 
 _V2_TOP = ("schema_version", "hosts", "links", "calibration")
-_V2_DEVICE = ("rank", "kind", "cores", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s")
+_V2_DEVICE = ("rank", "kind", "cores", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "op_overhead_s")
 _V2_DEVICE_REQUIRED = ("rank", "kind", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s")
 _EXAMPLE_DEVICE = ("{rank: 0, kind: cpu, peak_flops: {float32: 1.0e+11}, memory_bytes: 8589934592, "
                    "memory_bandwidth_bytes_per_s: 1.0e+10}")
@@ -888,8 +898,10 @@ class _Parser:
         mem = self.integer(f"{dp}.memory_bytes", d["memory_bytes"], "bytes", minimum=1)
         bw = self.number(f"{dp}.memory_bandwidth_bytes_per_s", d["memory_bandwidth_bytes_per_s"], "bytes/s")
         cores = None if d.get("cores") is None else self.number(f"{dp}.cores", d["cores"], "cores")
+        ovh = (None if d.get("op_overhead_s") is None
+               else self.number(f"{dp}.op_overhead_s", d["op_overhead_s"], "seconds", zero_ok=True))
         try:
-            return Device(rank, host, kind, flops, mem, bw, cores)
+            return Device(rank, host, kind, flops, mem, bw, cores, ovh)
         except ClusterSpecError as e:
             raise self.wrap(e) from None
 

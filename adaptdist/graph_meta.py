@@ -31,7 +31,7 @@ Keys:
         ``"backward"`` (embedding_dense_backward: local rows and padding index); localization
         fills in this rank's values from the table's shard.
     ``adaptdist.resharded``: on a node whose input was redistributed, per redistribution
-        ``(input name, from placement, to placement, group)``: the plan's reshard points,
+        ``(input name, from placement, to placement, group, collective)``: the plan's reshard points,
         which the consistency check compares with the collectives the programs issue.
     ``adaptdist.fallbacks``: on the output node, the nodes propagation ran whole under the
         replicate fallback (so its warning is given once per graph, not per propagation).
@@ -231,12 +231,13 @@ def get_vocab_bounds(node: torch.fx.Node, group: str | None = None) -> tuple[str
     return _scoped(node, VOCAB_BOUNDS, group)
 
 
-def add_resharded(node: torch.fx.Node, src: str, frm: str, to: str, group: str) -> None:
-    """Record that input ``src`` of ``node`` goes from placement ``frm`` to ``to`` on ``group``."""
-    node.meta.setdefault(RESHARDED, []).append((src, frm, to, group))
+def add_resharded(node: torch.fx.Node, src: str, frm: str, to: str, group: str, via: str) -> None:
+    """Record that input ``src`` of ``node`` goes from placement ``frm`` to ``to`` on ``group`` by the
+    collective ``via`` (``"local"`` for a slice)."""
+    node.meta.setdefault(RESHARDED, []).append((src, frm, to, group, via))
 
 
-def get_resharded(node: torch.fx.Node, group: str | None = None) -> list[tuple[str, str, str, str]]:
+def get_resharded(node: torch.fx.Node, group: str | None = None) -> list[tuple[str, str, str, str, str]]:
     return [r for r in node.meta.get(RESHARDED, []) if group is None or r[3] == group]
 
 

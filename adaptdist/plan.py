@@ -57,8 +57,8 @@ class Plan:
         param_placements: fqn -> placement text per axis, e.g. ``{"fc1.weight": ["S(0)"]}``
             (parameters absent are replicated).
         redistributions: mesh axis -> the reshard points of that axis's lowering, each
-            ``[consumer node, input node, from placement, to placement]`` (gradient all_reduces
-            have the consumer ``output``).
+            ``[consumer node, input node, from placement, to placement, collective]`` (gradient
+            all_reduces have the consumer ``output``; the collective is ``local`` for a slice).
         node_placements: node name -> its placement text per mesh axis, as each axis's lowering
             annotated it (``"R"`` on axes lowered before the node existed); for reading and explain.
         graph_fingerprint: :func:`graph_fingerprint` of the joint graph the plan was made for.

@@ -141,7 +141,7 @@ def test_partial_to_replicate_has_an_identity_gradient(mesh):
 @pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
 def test_partial_to_shard_gradient(mesh):
     """Forward: the partial sum y = x W^T (W sharded on its input features) becomes a shard of its
-    columns to meet the sharded bias. Backward: y's gradient arrives sharded by columns; DTensor would
+    columns to meet the sharded bias: a reduce_scatter. Backward: y's gradient arrives sharded by columns; DTensor would
     all_gather it back into the full gradient of the partial sum; in the joint graph the weight's
     gradient is computed from the sharded gradient instead (rows of W's gradient) and one all_to_all
     moves it into W's column shards, a 1/world of the all_gather's volume. Exactly one backward
@@ -154,6 +154,7 @@ def test_partial_to_shard_gradient(mesh):
     tp_calls = [c for c in progs[0].collectives() if "adaptdist:tp" in c]
     backward = [c for c in tp_calls if "all_gather" in c or "all_to_all" in c]
     assert len(backward) == 1, tp_calls
+    assert any("reduce_scatter" in c for c in tp_calls)  # P -> S in forward: each rank gets its block of the sum
 
 
 def test_readme_plan_file_is_exact(tmp_path):

@@ -18,6 +18,11 @@ Compute: for each dtype an n x n matmul (2 n^3 FLOP, n = 1024 on CPU, 8192 on CU
 one call would take over a quarter of the window), and an
 elementwise ``add(a, b, out=c)`` over 64 MiB float32 tensors (3 x 64 MiB of memory traffic per
 call), each run for ``compute_window_s`` seconds on all ranks at once.
+
+Op overhead (CPU only): the host time of one dispatched ATen op with no work to speak of -- calls of
+``torch.ops.aten.add.Tensor`` (which allocates its output) and ``torch.ops.aten.view.default`` on
+64-element tensors, alternating, the way the generated rank programs call ops -- for
+``compute_window_s`` seconds on all ranks at once (ranks sharing cores slow each other here too).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_steps",
-                           len(self.collectives) * (1 + self.repeats) + len(self.compute_dtypes) + 1)
+                           len(self.collectives) * (1 + self.repeats) + len(self.compute_dtypes) + 2)
 
 
 class _Progress:
@@ -237,13 +242,31 @@ def elementwise_bandwidth(nbytes: int, window_s: float, device) -> float:
     return _window_rate(lambda: torch.add(a, b, out=c), 3.0 * numel * 4, window_s, device)
 
 
+def op_overhead_s(window_s: float, device) -> float:
+    """Seconds per dispatched op: alternating ``aten.add.Tensor`` and ``aten.view.default`` calls on
+    64-element float32 tensors through their op overloads, for ``window_s`` seconds (all ranks at once)."""
+    import torch
+
+    a = torch.ones(64, device=device)
+    add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
+
+    def pair():
+        for _ in range(50):
+            add(a, a)
+            view(a, [8, 8])
+
+    pair()
+    return 1.0 / _window_rate(pair, 100.0, window_s, device)
+
+
 def profile_rank(cfg: BenchConfig) -> dict:
     """Run every measurement on this rank (launched on all ranks at once).
 
     Returns:
         {"rank", "collectives": {name: [[nbytes, seconds], ...]} (rank 0 only, identical on all),
         "peak_flops": {dtype: FLOP/s}, "failed_dtypes": {dtype: reason},
-        "memory_bandwidth_bytes_per_s", "threads", "device_name", "memory_bytes"}.
+        "memory_bandwidth_bytes_per_s", "op_overhead_s" (seconds per op; None on cuda), "threads",
+        "device_name", "memory_bytes"}.
     """
     import datetime
 
@@ -281,6 +304,9 @@ def profile_rank(cfg: BenchConfig) -> dict:
         progress.step("elementwise add", 0)
         bw = elementwise_bandwidth(cfg.elementwise_bytes, cfg.compute_window_s, device)
         progress.step("elementwise add")
+        progress.step("op overhead", 0)
+        ovh = op_overhead_s(cfg.compute_window_s, device) if device.type == "cpu" else None
+        progress.step("op overhead")
         dist.barrier()
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
@@ -288,7 +314,8 @@ def profile_rank(cfg: BenchConfig) -> dict:
         else:
             name, mem = "cpu", None
         return {"rank": rank, "collectives": timings if rank == 0 else {}, "peak_flops": flops,
-                "failed_dtypes": failed, "memory_bandwidth_bytes_per_s": bw, "threads": torch.get_num_threads(),
+                "failed_dtypes": failed, "memory_bandwidth_bytes_per_s": bw, "op_overhead_s": ovh,
+                "threads": torch.get_num_threads(),
                 "device_name": name, "memory_bytes": mem}
     finally:
         dist.destroy_process_group()

@@ -115,12 +115,13 @@ def _show(console, cluster) -> None:
     dtypes = sorted({dt for d in cluster.devices for dt in d.peak_flops}, key=lambda s: (s != "float32", s))
     short = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
     for col in ("rank", "host", "kind", "cores", *[f"{short.get(dt, dt)} TFLOP/s" for dt in dtypes], "memory GiB",
-                "memory GB/s"):
+                "memory GB/s", "op us"):
         dev.add_column(col, justify="right")
     for d in cluster.devices:
         dev.add_row(str(d.rank), d.host, d.kind, "" if d.cores is None else f"{d.cores:g}",
                     *[f"{d.peak_flops[dt] / 1e12:.3f}" if dt in d.peak_flops else "" for dt in dtypes],
-                    f"{d.memory_bytes / 2**30:.1f}", f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f}")
+                    f"{d.memory_bytes / 2**30:.1f}", f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f}",
+                    "" if d.op_overhead_s is None else f"{d.op_overhead_s * 1e6:.2f}")
     console.print(dev)
     links = Table(title="links")
     for col in ("tier / ranks", "bandwidth GB/s", "latency us"):

@@ -6,8 +6,9 @@ on CUDA). Their timings become:
 - per collective, an alpha-beta fit (:func:`.fit.fit_alpha_beta`) stored in the cluster's
   calibration block under the tier the ranks span (``intra_host`` for a local run);
 - the tier's link: latency_s = alpha and bandwidth_bytes_per_s = 1 / beta of the send_recv fit;
-- per device, ``peak_flops`` = the measured matmul FLOP/s per dtype and
-  ``memory_bandwidth_bytes_per_s`` = the elementwise add rate, every rank busy at once.
+- per device, ``peak_flops`` = the measured matmul FLOP/s per dtype,
+  ``memory_bandwidth_bytes_per_s`` = the elementwise add rate and (CPU) ``op_overhead_s`` = the host time
+  of one tiny dispatched op, every rank busy at once.
 
 Memory sizes and core shares stay as :func:`.detect.detect_local` found them.
 """
@@ -166,7 +167,8 @@ def calibrate(base: Cluster, results: dict[int, dict], wall_s: float | None = No
                 raise ClusterSpecError(f"profile: rank {d.rank} could not time a float32 matmul: "
                                        f"{r['failed_dtypes'].get('float32', 'no result')}")
             devices.append(replace(d, peak_flops=dict(r["peak_flops"]),
-                                   memory_bandwidth_bytes_per_s=r["memory_bandwidth_bytes_per_s"]))
+                                   memory_bandwidth_bytes_per_s=r["memory_bandwidth_bytes_per_s"],
+                                   op_overhead_s=r.get("op_overhead_s")))
         hosts.append(Host(h.name, tuple(devices)))
     links = list(base.links)
     sr = fits.get((tier, "send_recv"))

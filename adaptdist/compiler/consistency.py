@@ -108,8 +108,9 @@ def check_against_plan(programs: dict[int, RankProgram], plan) -> None:
     for axis in plan.mesh:
         group = f"adaptdist:{axis}"
         implied: dict[str, list[str]] = {}
-        for consumer, src, frm, to in plan.redistributions.get(axis, []):
-            for kind in implied_collectives(frm, to, consumer == "output"):
+        for consumer, src, frm, to, *by in plan.redistributions.get(axis, []):
+            kinds = ({by[0]} - {"local"}) if by else implied_collectives(frm, to, consumer == "output")
+            for kind in kinds:
                 implied.setdefault(kind, []).append(f"{src} -> {consumer} ({frm} -> {to})")
         issued: dict[str, str] = {}
         for c in calls:

@@ -156,8 +156,8 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
             if n.op != "output" and gmeta.get_placements(n) is not None:
                 node_placements.setdefault(n.name, ["R"] * len(mesh.names))[k] = repr(gmeta.get_placements(n)[0])
         for n in first.graph.nodes:
-            for src, frm, to, _ in gmeta.get_resharded(n, ctx.group_name):
-                redistributions.setdefault(axis, []).append([n.name, src, frm, to])
+            for src, frm, to, _, by in gmeta.get_resharded(n, ctx.group_name):
+                redistributions.setdefault(axis, []).append([n.name, src, frm, to, by])
         graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
                   for i in range(ctx.world_size)}
     plan = Plan(

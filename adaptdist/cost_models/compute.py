@@ -1,9 +1,30 @@
-"""Compute time of one node: FLOPs and bytes moved, as a roofline against the device's peaks.
+"""Compute time of one node: FLOPs and bytes moved against the device's peaks, plus a per-op overhead.
 
-``time_s = max(flops / peak_flops[dtype], bytes / memory_bandwidth_bytes_per_s)``
-(Williams, Waterman & Patterson, "Roofline: an insightful visual performance model for
-multicore architectures", CACM 52(4), 2009): a node is as slow as the slower of its
-arithmetic and its memory traffic.
+On a GPU (any device kind but ``cpu``)::
+
+    time_s = max(flops / peak_flops[dtype], bytes / memory_bandwidth_bytes_per_s) + op_overhead_s
+
+the roofline (Williams, Waterman & Patterson, "Roofline: an insightful visual performance model
+for multicore architectures", CACM 52(4), 2009): a node is as slow as the slower of its
+arithmetic and its memory traffic, which the GPU overlaps. On a CPU rank::
+
+    time_s = flops / peak_flops[dtype] + bytes / memory_bandwidth_bytes_per_s + op_overhead_s
+
+the two terms add: the core that computes also moves the operands, and a GEMM's packing of its
+operand panels is a separate, memory-bound pass before the arithmetic (Goto & van de Geijn,
+"Anatomy of high-performance matrix multiplication", ACM TOMS 34(3), 2008, s.5-6), which small
+operands do not amortize. Measured on the 2-core development machine (torch 2.13, one thread per
+rank; ``benchmarks/RESULTS.md``, cost-model accuracy): the GPT's ``[256, 192] x [192, 768]``
+matmuls ran at 0.75-0.87 of the n = 1024 matmul rate that ``peak_flops`` holds; the additive form
+predicts them within about 10%, the max form at the full rate. Large, compute-bound matmuls come
+out a few percent slow (a 1024^3 matmul: +7%).
+
+``op_overhead_s`` (:func:`~.hardware.op_overhead_s`, a device figure that ``adaptdist cluster
+profile`` measures as the host time of one tiny ATen op call with every rank busy; 0 when absent)
+is the fixed cost of dispatching one op from the generated Python program: the intercept of
+time vs. size, as Hockney's latency term is for a message (Hockney 1994). It is charged for every
+node that calls an ATen op (:func:`dispatches_op`): compute nodes here, and view ops, collective
+issues and waits by :func:`~.estimate.rank_events`.
 
 - FLOPs: torch's own formulas (``torch.utils.flop_counter``, the ones ``FlopCounterMode``
   uses: mm, addmm, bmm, baddbmm, convolution and its backward, the CUDA sdpa kernels), plus
@@ -28,7 +49,7 @@ from torch.utils._pytree import tree_map
 
 from .. import _torch_compat as compat
 from ..errors import ClusterSpecError, UnsupportedOpError
-from .hardware import DeviceLike
+from .hardware import DeviceLike, op_overhead_s
 from .numbers import is_symbolic, smax
 from .schedule import Ref, StepNode, StepSchedule, TensorSpec
 
@@ -185,18 +206,38 @@ def peak_flops_per_s(device: DeviceLike, dtype: str) -> float:
                            f"{sorted(peaks)} but not for {dtype!r} or float32; add a float32 figure")
 
 
-def roofline_time_s(flops: Any, bytes_moved: Any, peak_flops: float, memory_bandwidth_bytes_per_s: float) -> Any:
-    """``max(flops / peak_flops, bytes_moved / memory_bandwidth_bytes_per_s)`` in seconds (Williams 2009).
+def roofline_time_s(flops: Any, bytes_moved: Any, peak_flops: float, memory_bandwidth_bytes_per_s: float,
+                    overlap: bool = True) -> Any:
+    """``max(flops / peak_flops, bytes_moved / memory_bandwidth_bytes_per_s)`` in seconds (Williams 2009);
+    with ``overlap=False`` the sum of the two (arithmetic and memory traffic one after the other, as on a
+    CPU core: see the module docstring).
 
     Args: flops (FLOP), bytes_moved (B), peak_flops (FLOP/s), memory_bandwidth_bytes_per_s (B/s);
     numbers or sympy expressions.
     """
     if isinstance(flops, (int, float)) and flops == 0:
         return bytes_moved / memory_bandwidth_bytes_per_s
+    if not overlap:
+        return flops / peak_flops + bytes_moved / memory_bandwidth_bytes_per_s
     return smax(flops / peak_flops, bytes_moved / memory_bandwidth_bytes_per_s)
 
 
+def overlaps_compute_and_memory(device: DeviceLike) -> bool:
+    """Whether ``device`` overlaps a node's arithmetic with its memory traffic: GPUs yes (the roofline's
+    max), CPU ranks no (the sum); see the module docstring."""
+    return str(getattr(device, "kind", "cpu")) != "cpu"
+
+
+def dispatches_op(node: StepNode) -> bool:
+    """Whether running ``node`` calls an ATen (or c10d functional) op, which costs the device's
+    ``op_overhead_s``: its target is an op overload; placeholders, the output and Python's
+    ``operator.getitem`` on a tuple are not."""
+    return node.kind not in ("input", "constant", "output") and hasattr(node.target, "overloadpacket")
+
+
 def node_time_s(cost: NodeCost, device: DeviceLike) -> Any:
-    """Roofline time of one node's :class:`NodeCost` on ``device``, seconds. Raises as :func:`peak_flops_per_s`."""
+    """Time of one compute node's :class:`NodeCost` on ``device``, seconds: the roofline (max on a GPU, sum on a
+    CPU) plus the device's per-op overhead (module docstring). Raises as :func:`peak_flops_per_s`."""
     return roofline_time_s(cost.flops, cost.bytes, peak_flops_per_s(device, cost.dtype),
-                           float(device.memory_bandwidth_bytes_per_s))
+                           float(device.memory_bandwidth_bytes_per_s),
+                           overlap=overlaps_compute_and_memory(device)) + op_overhead_s(device)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import UsageError
 from .communication import LinkCost, collective_time_s, group_members, link_cost
-from .compute import NodeCost, flop_formulas, node_cost, node_time_s, roofline_time_s
-from .hardware import ClusterLike, DeviceLike, as_cost_cluster
+from .compute import NodeCost, dispatches_op, flop_formulas, node_cost, node_time_s, roofline_time_s
+from .hardware import ClusterLike, DeviceLike, as_cost_cluster, op_overhead_s
 from .memory import MemoryEstimate, OptimizerModel, estimate_memory, optimizer_model
 from .overlap import Compute, Event, Issue, Timeline, Wait, merge_computes, simulate
 from .schedule import Ref, StepNode, StepSchedule, build_schedule
@@ -100,29 +100,54 @@ def collective_bytes(schedule: StepSchedule, node: StepNode) -> Any:
     return total
 
 
+def overlaps_communication(device: DeviceLike) -> bool:
+    """Whether ``device`` runs collectives beside its computation (a GPU's communication stream) or, as a
+    CPU rank on gloo does, on the cores it computes on (then a collective is waited for at once; see
+    :mod:`.overlap`)."""
+    return str(getattr(device, "kind", "cpu")) != "cpu"
+
+
 def rank_events(schedule: StepSchedule, device: DeviceLike, collectives: Mapping[int, CollectiveCost],
                 formulas: Mapping[Any, Callable], optimizer: OptimizerModel) -> tuple[list[Event], Any, Any]:
     """The timeline events of one rank's program (:mod:`.overlap`), its FLOPs, and its optimizer time.
 
-    ``collectives`` maps a collective node's index to its cost. The optimizer step is a final
-    memory-bound :class:`~.overlap.Compute` of ``optimizer.bytes_per_param_byte`` times the parameter bytes.
+    ``collectives`` maps a collective node's index to its cost. On a device that cannot overlap
+    communication with computation (:func:`overlaps_communication`: CPU ranks) each collective is waited
+    for right after its issue (:mod:`.overlap`). Every node that dispatches an op
+    (:func:`~.compute.dispatches_op`) costs the device's ``op_overhead_s`` of compute-stream time: inside a
+    compute node's time, as its own :class:`~.overlap.Compute` for a view op, before a collective's issue
+    and after its wait. The optimizer step is a final :class:`~.overlap.Compute`: memory-bound
+    ``optimizer.bytes_per_param_byte`` times the parameter bytes, plus ``optimizer.ops_per_param`` op
+    overheads per parameter tensor.
     """
     events: list[Event] = []
     flops: Any = 0
+    ovh = op_overhead_s(device)
+    overlap = overlaps_communication(device)
     for n in schedule.nodes:
         if n.kind == "compute":
             c: NodeCost = node_cost(schedule, n, formulas)
             flops = flops + c.flops
             events.append(Compute(node_time_s(c, device)))
         elif n.kind == "collective":
+            if ovh:
+                events.append(Compute(ovh))
             events.append(Issue(n.index, n.group or "", collectives[n.index].time_s))
+            if not overlap:
+                events.append(Wait(n.index))
         elif n.kind == "wait" and n.waits_on is not None:
-            events.append(Wait(n.waits_on))
+            if overlap:
+                events.append(Wait(n.waits_on))
+            if ovh:
+                events.append(Compute(ovh))
+        elif ovh and dispatches_op(n):
+            events.append(Compute(ovh))
     param_bytes: Any = 0
     for k in schedule.param_storages:
         param_bytes = param_bytes + schedule.storages[k].nbytes
     opt_s = roofline_time_s(0, optimizer.bytes_per_param_byte * param_bytes, 1.0,
                             float(device.memory_bandwidth_bytes_per_s))
+    opt_s = opt_s + optimizer.ops_per_param * len(schedule.param_storages) * ovh
     events.append(Compute(opt_s))
     return merge_computes(events), flops, opt_s
 

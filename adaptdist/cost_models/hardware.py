@@ -3,7 +3,8 @@
 The cost models read a cluster only through :class:`ClusterLike`::
 
     cluster.world_size -> int
-    cluster.device(rank) -> DeviceLike       # peak_flops by dtype name, memory, memory bandwidth
+    cluster.device(rank) -> DeviceLike       # peak_flops by dtype name, memory, memory bandwidth,
+                                             # optionally op_overhead_s (host time per dispatched op)
     cluster.link(rank_a, rank_b) -> LinkLike # tier, bandwidth_bytes_per_s, latency_s
     cluster.collective_fit(collective, tier) -> CollectiveFitLike | None   # calibrated alpha, beta
 
@@ -29,7 +30,11 @@ TIERS = ("intra_host", "inter_host")
 
 
 class DeviceLike(Protocol):
-    """One rank's device: ``peak_flops`` maps a dtype name (``"float32"``) to FLOP/s."""
+    """One rank's device: ``peak_flops`` maps a dtype name (``"float32"``) to FLOP/s.
+
+    A device may also have ``op_overhead_s`` (seconds of host time per dispatched op, None or absent:
+    0); the cost models read it with :func:`op_overhead_s`, so older device objects keep working.
+    """
 
     rank: int
     host: str
@@ -81,8 +86,11 @@ class DeviceFigures:
     peak_flops: Mapping[str, float]
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.op_overhead_s < 0:
+            raise ClusterSpecError(f"device of rank {self.rank}: op_overhead_s must be >= 0, got {self.op_overhead_s}")
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ClusterSpecError(f"device of rank {self.rank}: peak_flops must map dtype names to positive "
                                    f"FLOP/s, got {dict(self.peak_flops)!r}")
@@ -181,9 +189,10 @@ class FixedCluster:
 
     @staticmethod
     def uniform(hosts: Sequence[tuple[str, int]], kind: str = "cpu", *, peak_flops: Mapping[str, float] | None = None,
-                memory_bytes: int | None = None, memory_bandwidth_bytes_per_s: float | None = None
-                ) -> "FixedCluster":
-        """Identical devices of ``kind`` on ``hosts`` (name, devices per host), default figures unless given.
+                memory_bytes: int | None = None, memory_bandwidth_bytes_per_s: float | None = None,
+                op_overhead_s: float = 0.0) -> "FixedCluster":
+        """Identical devices of ``kind`` on ``hosts`` (name, devices per host), default figures unless given
+        (``op_overhead_s``: seconds per dispatched op, default 0).
 
         Raises:
             ClusterSpecError: an unknown ``kind`` (cpu, cuda) or a non-positive figure.
@@ -195,10 +204,17 @@ class FixedCluster:
         for host, n in hosts:
             for _ in range(n):
                 devices.append(DeviceFigures(rank, host, kind, dict(peak_flops or flops), memory_bytes or mem,
-                                             memory_bandwidth_bytes_per_s or bw))
+                                             memory_bandwidth_bytes_per_s or bw, op_overhead_s))
                 rank += 1
         intra, inter = (LinkFigures(t, *_DEFAULT_LINK[(kind, t)]) for t in TIERS)
         return FixedCluster(tuple(devices), intra, inter)
+
+
+def op_overhead_s(device: object) -> float:
+    """Seconds of host time one dispatched op costs on ``device`` beyond its roofline time: the device's
+    ``op_overhead_s`` (measured by ``adaptdist cluster profile``), 0 when it has none."""
+    v = getattr(device, "op_overhead_s", None)
+    return float(v) if v is not None else 0.0
 
 
 def as_cost_cluster(cluster: object) -> ClusterLike:

@@ -57,12 +57,15 @@ class OptimizerModel:
         scalar_state_bytes: bytes of per-parameter scalar state (Adam's float32 ``step``).
         bytes_per_param_byte: memory traffic of one ``step()`` per parameter byte (reads and writes of
             every in-place/elementwise op in the single-tensor implementation), for its roofline time.
+        ops_per_param: ATen ops one ``step()`` dispatches per parameter tensor in the single-tensor
+            implementation, each costing the device's ``op_overhead_s`` (see :func:`optimizer_model`).
     """
 
     name: str
     state_copies: int
     scalar_state_bytes: int
     bytes_per_param_byte: int
+    ops_per_param: int = 0
 
     def state_bytes(self, param_bytes: Sequence[Any]) -> Any:
         """Bytes of optimizer state for parameters of ``param_bytes`` bytes each."""
@@ -90,14 +93,19 @@ def optimizer_model(name: str) -> OptimizerModel:
     ``buf.add_`` 3, ``p.add_`` 3); adam/adamw 18 (``lerp_`` 3, ``mul_`` 2, ``addcmul_`` 3, ``sqrt`` 2,
     ``div`` 2, ``add_`` 2, ``addcdiv_`` 4).
 
+    Ops per parameter tensor (torch 2.13 ``_single_tensor_sgd`` / ``_single_tensor_adam``, weight decay
+    0, no amsgrad): sgd 1 (``param.add_``); sgd_momentum 3 (``buf.mul_().add_()``, ``param.add_``);
+    adam/adamw 9 (``step_t += 1``, ``exp_avg.lerp_``, ``exp_avg_sq.mul_().addcmul_()``, ``step_t.item()``
+    through ``_get_value``, ``sqrt``, ``div``, ``add_``, ``param.addcdiv_``).
+
     Raises:
         UsageError: an unknown optimizer.
     """
     table = {
-        "sgd": OptimizerModel("sgd", 0, 0, 3),
-        "sgd_momentum": OptimizerModel("sgd_momentum", 1, 0, 8),
-        "adam": OptimizerModel("adam", 2, 4, 18),
-        "adamw": OptimizerModel("adamw", 2, 4, 18),
+        "sgd": OptimizerModel("sgd", 0, 0, 3, 1),
+        "sgd_momentum": OptimizerModel("sgd_momentum", 1, 0, 8, 3),
+        "adam": OptimizerModel("adam", 2, 4, 18, 9),
+        "adamw": OptimizerModel("adamw", 2, 4, 18, 9),
     }
     key = name.replace("-", "_").lower()
     if key not in table:

@@ -17,6 +17,15 @@ computation between it and its wait; the rest is idle": idle_k = max(0, duration
 Idle also includes waiting for a slower peer (a heterogeneous cluster). Per rank,
 ``step = compute + idle``.
 
+CPU ranks (gloo) get no second stream: :func:`~.estimate.rank_events` puts each collective's wait
+right after its issue. gloo runs a collective on CPU threads of the rank's own process and, on one
+host, moves the data by TCP loopback, so copying, reducing and the kernel's socket work take the
+same cores the rank computes on; with one torch thread per core (``cluster profile`` and the
+benchmarks' threads = usable cores // ranks) no core is left to overlap on. Measured on the 2-core
+development machine (``benchmarks/RESULTS.md``, cost-model accuracy): dp with 1 MiB gradient
+buckets, whose all_reduces the two-stream timeline hid behind backward (0.5 ms idle predicted),
+spent 7 ms per step in them.
+
 Works on numbers and on sympy expressions (``max`` becomes an unevaluated ``Max``).
 """
 

@@ -81,7 +81,7 @@ def bucket_grad_allreduce(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[t
         return gm, False
     grads = sorted(grad_slots, key=order.__getitem__)
     for g in grads:
-        gmeta.add_resharded(out_node, g.name, repr(Partial()), repr(Replicate()), ctx.group_name)
+        gmeta.add_resharded(out_node, g.name, repr(Partial()), repr(Replicate()), ctx.group_name, "all_reduce")
     for bucket in plan_buckets(grads, ctx.bucket_bytes):
         last = max(bucket, key=order.__getitem__)
         fake = bucket[0].meta["val"]

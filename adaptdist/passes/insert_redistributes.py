@@ -5,9 +5,11 @@ functional collectives on the mesh axis's process group:
 
 * ``Partial -> Replicate``: ``all_reduce(sum)`` + ``wait_tensor``;
 * ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization;
-* ``Partial -> Shard(d)``: for a gradient going to its parameter's shard, a padded
-  ``reduce_scatter`` (torch.chunk blocks); elsewhere all_reduce then a rank slice
-  (the slice aligns with whatever operand it meets).
+* ``Partial -> Shard(d)``: a padded ``reduce_scatter`` (torch.chunk blocks) where those
+  are the blocks wanted: a gradient going to its parameter's shard, or a consumer whose
+  other sharded inputs are chunked parameters/inputs of that size; elsewhere (the other
+  operand's rows come from a view of another shard) all_reduce then a rank slice that
+  aligns with that operand.
 
 * ``Shard(d) -> Replicate``: each rank pads its shard on ``d`` to the largest shard
   (torch.chunk shards are packed at the front, so the padding is only at the end
@@ -42,6 +44,7 @@ from ..placement import Partial, Replicate, Shard
 from .context import PassContext
 from .graph_build import add_op
 from .propagate_placements import placement_of
+from .sharding_rules import tensor_args
 
 aten = torch.ops.aten
 
@@ -212,15 +215,39 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: Pas
     return out
 
 
+def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node) -> str:
+    """The collective that turns ``src_placement`` into ``target`` at ``consumer`` (see the module docstring)."""
+    if isinstance(src_placement, Partial):
+        if isinstance(target, Shard) and _chunk_aligned(consumer, src, target):
+            return "reduce_scatter_tensor"
+        return "all_reduce"
+    if isinstance(src_placement, Shard) and src_placement != target:
+        return "all_to_all_single" if isinstance(target, Shard) else "all_gather_into_tensor"
+    return "local"
+
+
+def _chunk_aligned(consumer: torch.fx.Node, src: torch.fx.Node, target: Shard) -> bool:
+    """Whether the shard ``target`` of ``src`` at ``consumer`` is torch.chunk blocks: a gradient going to its
+    parameter's shard, or an input whose consumer's other sharded inputs are parameters, buffers or batch
+    inputs (chunked placeholders) sharded on a dim of the same size."""
+    if consumer.op == "output":
+        return True
+    n = src.meta["val"].shape[target.dim]
+    others = [a for _, a in tensor_args(consumer) if a is not src and isinstance(placement_of(a), Shard)]
+    return bool(others) and all(a.op == "placeholder" and a.meta["val"].shape[placement_of(a).dim] == n
+                                for a in others)
+
+
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
-    key = (src, target)
+    cur = placement_of(src)
+    scatter = isinstance(cur, Partial) and isinstance(target, Shard) and _chunk_aligned(consumer, src, target)
+    key = (src, target, scatter)
     if key in cache:
         return cache[key]
-    cur = placement_of(src)
     node = src
-    if isinstance(cur, Partial) and isinstance(target, Shard) and consumer.op == "output":
-        # a gradient going to its parameter's shard: torch.chunk blocks, so a reduce_scatter
+    if scatter:
+        # torch.chunk blocks are what the consumer's other shards hold: a reduce_scatter
         node = reduce_scatter(graph, src, target.dim, ctx, before=consumer)
         cache[key] = node
         return node
@@ -263,7 +290,8 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         for path, layout in sorted(needs.items()):
             src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
             if placement_of(src) != layout[0]:
-                gmeta.add_resharded(node, src.name, repr(placement_of(src)), repr(layout[0]), ctx.group_name)
+                gmeta.add_resharded(node, src.name, repr(placement_of(src)), repr(layout[0]), ctx.group_name,
+                                    via(placement_of(src), layout[0], node, src))
             new = _convert(graph, src, layout[0], ctx, node, cache)
             if len(path) == 1:
                 args[path[0]] = new
