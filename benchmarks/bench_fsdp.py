@@ -179,8 +179,9 @@ def print_loss_check(con, results: dict[str, list], tol: float = 1e-4) -> bool:
 
 
 def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, seed: int,
-                     out_dir: Path, bucket_bytes: int) -> float:
-    """Build the model with ``seed``, compile ``plan_text`` for ``world`` ranks, save; returns seconds."""
+                     out_dir: Path, bucket_bytes: int, mesh: str | None = None) -> float:
+    """Build the model with ``seed``, compile ``plan_text`` for ``world`` ranks (on ``mesh``, e.g.
+    ``"dp=2,tp=2"``, for a multi-axis plan), save; returns seconds."""
     from adaptdist.annotations import ManualPlan
     from adaptdist.compiler.data_parallel import compile_program
     from adaptdist.models import gpt
@@ -190,7 +191,7 @@ def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, 
     model, example, loss_fn = gpt.factory(batch_size, seq_len)
     t0 = time.perf_counter()
     programs = compile_program(model, example, loss_fn, world, ManualPlan.parse(plan_text, gpt),
-                               bucket_bytes=bucket_bytes)
+                               bucket_bytes=bucket_bytes, mesh=mesh)
     save_programs(programs, out_dir)
     return time.perf_counter() - t0
 

@@ -9,12 +9,17 @@ rank feeds the whole global batch.
 - adaptdist: ``ManualPlan.parse("tp", adaptdist.models.gpt)``, the model file's
   ``TP_PLAN`` (since commit 8ec7852: column-parallel ``attn.q``/``k``/``v`` (sharded by
   heads) and ``fc``; row-parallel ``attn.proj`` and ``fc_out``, their biases replicated;
-  embeddings, layer norms replicated). With ``--mlp-only``, a plan file sharding only
-  ``blocks.*.fc`` (S(0)) and ``blocks.*.fc_out.weight`` (S(1)).
+  embeddings, layer norms replicated; since commit ed6e53a also ``tok_emb.weight`` by vocabulary,
+  the tied head then yields vocabulary-sharded logits for a vocabulary-parallel cross entropy).
+  With ``--mlp-only``, a plan file sharding only ``blocks.*.fc`` (S(0)) and
+  ``blocks.*.fc_out.weight`` (S(1)).
 - DTensor: ``parallelize_module`` on ``init_device_mesh("cpu", (world,))`` with
   ``ColwiseParallel()`` on each ``blocks.{i}.attn.{q,k,v}`` and ``blocks.{i}.fc``,
   ``RowwiseParallel()`` on each ``blocks.{i}.attn.proj`` and ``blocks.{i}.fc_out``
-  (``--mlp-only``: ``fc`` and ``fc_out`` only); everything else replicated, plain tensors.
+  (``--mlp-only``: ``fc`` and ``fc_out`` only); when the plan shards ``tok_emb.weight``, torch's
+  vocabulary parallelism as well (``RowwiseParallel(input_layouts=Replicate())`` on ``tok_emb``,
+  ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` on the tied ``head``, the
+  loss and backward under ``loss_parallel()``); everything else replicated, plain tensors.
   As in torch's TP tutorial, the attention then works on this rank's heads: its forward is
   replaced, in the rank process only, by the same computation with ``-1`` for the local
   number of heads in ``view``/``reshape`` (the model's ``reshape(B, T, C)`` assumes all heads;
@@ -65,10 +70,54 @@ def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def apply_megatron_tp(model, tp_mesh, mlp_only: bool, expect_sharded: list[str]):
+    """``parallelize_module`` on the 1-D ``tp_mesh``: Colwise q/k/v and fc, Rowwise proj and fc_out
+    (``mlp_only``: fc/fc_out only), attention forward on the local heads; when adaptdist's plan shards
+    ``tok_emb.weight`` (vocabulary-parallel embedding, since commit ed6e53a), also torch's vocabulary
+    parallelism: ``RowwiseParallel(input_layouts=Replicate())`` on ``tok_emb``, ``ColwiseParallel(
+    output_layouts=Shard(-1), use_local_output=False)`` on the tied ``head`` (re-tied to the embedding's
+    DTensor afterwards) and the loss under ``loss_parallel()``. Raises RuntimeError unless the
+    DTensor-sharded parameters are exactly ``expect_sharded`` (adaptdist's plan's).
+
+    Returns a context-manager factory to wrap each step's loss and backward in (``loss_parallel`` or a
+    no-op). Shared with bench_dp_tp."""
+    import contextlib
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+
+    plan = {}
+    for i, block in enumerate(model.blocks):
+        plan[f"blocks.{i}.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.fc_out"] = RowwiseParallel()
+        if not mlp_only:
+            for n in ("q", "k", "v"):
+                plan[f"blocks.{i}.attn.{n}"] = ColwiseParallel()
+            plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+            block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
+    vocab = "tok_emb.weight" in expect_sharded
+    if vocab:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate())
+        plan["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    if vocab:
+        model.head.weight = model.tok_emb.weight  # parallelize_module made two Parameters of the tied one
+    sharded = sorted(n for n, p in model.named_parameters()
+                     if hasattr(p, "placements") and any(pl.is_shard() for pl in p.placements))
+    if sharded != expect_sharded:
+        raise RuntimeError(f"DTensor shards {sharded}, adaptdist's plan shards {expect_sharded}")
+    return loss_parallel if vocab else contextlib.nullcontext
+
+
+def scalar(loss) -> float:
+    """A loss as a float (a DTensor loss from ``loss_parallel`` is replicated)."""
+    loss = loss.detach()
+    return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+
+
 def dtensor_tp_worker(cfg: dict) -> dict:
     """One rank of DTensor TP: same model and seed, Colwise fc / Rowwise fc_out, whole batch on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from adaptdist.models.gpt import factory
     from adaptdist.runtime.memory import PeakMemory
@@ -80,30 +129,18 @@ def dtensor_tp_worker(cfg: dict) -> dict:
         torch.manual_seed(cfg["seed"])
         model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
         mesh = init_device_mesh("cpu", (world,))
-        plan = {}
-        for i, block in enumerate(model.blocks):
-            plan[f"blocks.{i}.fc"] = ColwiseParallel()
-            plan[f"blocks.{i}.fc_out"] = RowwiseParallel()
-            if not cfg["mlp_only"]:
-                for n in ("q", "k", "v"):
-                    plan[f"blocks.{i}.attn.{n}"] = ColwiseParallel()
-                plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
-                block.attn.forward = types.MethodType(_local_heads_forward, block.attn)
-        parallelize_module(model, mesh, plan)
-        sharded = sorted(n for n, p in model.named_parameters()
-                         if hasattr(p, "placements") and any(pl.is_shard() for pl in p.placements))
-        if sharded != cfg["adaptdist_sharded"]:
-            raise RuntimeError(f"DTensor shards {sharded}, adaptdist's plan shards {cfg['adaptdist_sharded']}")
+        loss_ctx = apply_megatron_tp(model, mesh, cfg["mlp_only"], cfg["adaptdist_sharded"])
         opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
         batch = _load_batch(cfg)
 
         def step(global_batch):
             x, y = global_batch
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
+            with loss_ctx():
+                loss = loss_fn(model(x), y)
+                loss.backward()
             opt.step()
-            return loss.item()  # the same global loss on every rank
+            return scalar(loss)  # the same global loss on every rank
 
         times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
         dist.barrier()
