@@ -90,5 +90,8 @@ def test_peak_by_dtype_with_float32_fallback():
 def test_node_time_on_a_device():
     s = _schedule(lambda x, w: torch.mm(x, w), [([64, 64], F32), ([64, 64], F32)])
     mm = node_cost(s, next(n for n in s.nodes if n.name == "mm"), flop_formulas())
-    dev = DeviceFigures(0, "h", "cpu", {"float32": 1e9}, 2**30, 1e9)
-    assert node_time_s(mm, dev) == pytest.approx(max(2 * 64**3 / 1e9, 3 * 64 * 64 * 4 / 1e9))
+    flop_s, mem_s = 2 * 64**3 / 1e9, 3 * 64 * 64 * 4 / 1e9
+    gpu = DeviceFigures(0, "h", "cuda", {"float32": 1e9}, 2**30, 1e9)
+    assert node_time_s(mm, gpu) == pytest.approx(max(flop_s, mem_s))  # roofline: the GPU overlaps the two
+    cpu = DeviceFigures(0, "h", "cpu", {"float32": 1e9}, 2**30, 1e9)
+    assert node_time_s(mm, cpu) == pytest.approx(flop_s + mem_s)  # one CPU core does one after the other
