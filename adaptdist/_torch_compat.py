@@ -59,10 +59,7 @@ def fx_code_globals() -> dict[str, Any]:
 def register_process_group(name: str, group: Any) -> None:
     """Make ``group`` resolvable by ``name`` in functional collectives (``_c10d_functional.*``);
     a name registered before (an earlier program's mesh) is re-pointed."""
-    try:
-        torch._C._distributed_c10d._unregister_process_group(name)
-    except Exception:  # not registered yet
-        pass
+    torch._C._distributed_c10d._unregister_process_group(name)  # a no-op for an unknown name
     torch._C._distributed_c10d._register_process_group(name, group)
 
 

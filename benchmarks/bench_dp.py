@@ -94,7 +94,6 @@ def ddp_worker(cfg: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from adaptdist.models.gpt import factory
-    from adaptdist.runtime.memory import PeakMemory
     from adaptdist.runtime.worker import make_optimizer
 
     rank, world = _setup(cfg)
@@ -113,19 +112,42 @@ def ddp_worker(cfg: dict) -> dict:
             opt.step()
             return loss.item()  # this rank's loss; the parent averages over ranks
 
-        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
-        dist.barrier()
-        # zero_grad first so that the tensors alive at the start are exactly params, optimizer state,
-        # batch (plus DDP's own bucket buffers, which are counted when the reducer first writes them)
-        opt.zero_grad(set_to_none=True)
-        existing = [list(model.parameters()), list(model.buffers()), opt.state_dict()["state"], batch]
-        with PeakMemory(existing) as pm:
-            step(batch)
-        dist.barrier()
-        return {"times": times, "losses": losses, "peak_bytes": pm.report.peak_bytes,
-                "start_bytes": pm.report.start_bytes, "rss_peak_bytes": pm.report.rss_peak_bytes}
+        return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
+
+
+def measure_torch_side(step, batch, cfg: dict, params, model, opt) -> dict:
+    """Time ``cfg["warmup"] + cfg["steps"]`` calls of ``step(batch)`` (seconds per step, losses), then one
+    more under :class:`PeakMemory`. ``opt.zero_grad`` first, so the tensors alive at the start are exactly
+    ``params``, ``model``'s buffers, the optimizer state and the batch (a wrapper's own buffers are counted
+    when first written). Returns times, losses and peak/start/RSS-peak bytes."""
+    from adaptdist.runtime.memory import PeakMemory
+
+    times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
+    dist.barrier()
+    opt.zero_grad(set_to_none=True)
+    existing = [list(params), list(model.buffers()), opt.state_dict()["state"], batch]
+    with PeakMemory(existing) as pm:
+        step(batch)
+    dist.barrier()
+    return {"times": times, "losses": losses, "peak_bytes": pm.report.peak_bytes,
+            "start_bytes": pm.report.start_bytes, "rss_peak_bytes": pm.report.rss_peak_bytes}
+
+
+def add_common_args(ap: argparse.ArgumentParser, *, steps: int, batch_help: str, bucket_help: str) -> None:
+    """The options every side-by-side benchmark shares (batch, timing, optimizer, seed, timeout, json)."""
+    ap.add_argument("--batch-size", type=int, default=16, help=batch_help)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=steps, help="measured steps per side per repetition")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
+    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
+    ap.add_argument("--threads-per-rank", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help=bucket_help)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
 
 
 # --------------------------------------------------------------------------- parent
@@ -133,18 +155,8 @@ def ddp_worker(cfg: dict) -> dict:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
-    ap.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=30, help="measured steps per side per repetition")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
-    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
-    ap.add_argument("--threads-per-rank", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket size, MiB, for both sides (DDP's bucket_cap_mb; its default is 25)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
-    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
+    add_common_args(ap, steps=30, batch_help="global batch size",
+                    bucket_help="gradient bucket size, MiB, for both sides (DDP's bucket_cap_mb; its default is 25)")
     return ap.parse_args(argv)
 
 

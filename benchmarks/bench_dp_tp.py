@@ -69,9 +69,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from bench_dp import _load_batch, _setup, _summarize, _time_steps  # noqa: E402
+from bench_dp import _load_batch, _setup, _summarize, add_common_args, measure_torch_side  # noqa: E402
 from bench_fsdp import (MIB, comparison_table, compile_and_save, dtensor_aware_peak_memory,  # noqa: E402
-                        print_load, print_loss_check, run_alternating, torch_side_result, write_json)
+                        print_load, print_loss_check, run_alternating, write_json)
 from bench_tp import apply_megatron_tp, scalar  # noqa: E402
 
 
@@ -83,7 +83,6 @@ def dtensor_dp_tp_worker(cfg: dict, torch_dp: str = "replicate") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from adaptdist.models.gpt import factory
-    from adaptdist.runtime.memory import PeakMemory
     from adaptdist.runtime.worker import make_optimizer
 
     rank, world = _setup(cfg)
@@ -135,18 +134,11 @@ def dtensor_dp_tp_worker(cfg: dict, torch_dp: str = "replicate") -> dict:
             opt.step()
             return scalar(loss)  # this dp shard's loss; the parent averages over ranks (equal chunks)
 
-        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
-        dist.barrier()
-        opt.zero_grad(set_to_none=True)
         # the optimizer's parameters, not model.parameters(): after DDP's TP hooks (_reconstruct_dtensor /
         # _localize_dtensor) the module holds the TP-sharded weights as plain DTensor attributes, which
         # model.parameters() no longer lists (their local leaves live on in the optimizer)
         params = [p for g in opt.param_groups for p in g["params"]]
-        existing = [params, list(model.buffers()), opt.state_dict()["state"], batch]
-        with PeakMemory(existing) as pm:
-            step(batch)
-        dist.barrier()
-        return torch_side_result(times, losses, pm)
+        return measure_torch_side(step, batch, cfg, params, model, opt)
     finally:
         dist.destroy_process_group()
 
@@ -165,21 +157,11 @@ def rep_medians(reps: list[dict], warmup: int) -> list[float]:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mesh", default="dp=2,tp=2", help="the 2-D mesh, dp axis first (gloo, CPU)")
-    ap.add_argument("--batch-size", type=int, default=16, help="global batch size (split over dp)")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=15, help="measured steps per side per repetition")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
-    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
-    ap.add_argument("--threads-per-rank", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=25.0,
-                    help="gradient bucket size, MiB: adaptdist's, and replicate's bucket_cap_mb (its default is 25)")
+    add_common_args(ap, steps=15, batch_help="global batch size (split over dp)",
+                    bucket_help="gradient bucket size, MiB: adaptdist's, and replicate's bucket_cap_mb (its default is 25)")
     ap.add_argument("--torch-dp", default="replicate",
                     help="torch's data parallelism over mesh['dp'], comma-separated, each one side of the same run: "
                          "replicate, ddp, fully_shard (see the module docstring)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
-    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
     args = ap.parse_args(argv)
     from adaptdist.mesh import Mesh
 

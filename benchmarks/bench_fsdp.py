@@ -52,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from bench_dp import _load_batch, _setup, _summarize, _time_steps, adaptdist_worker  # noqa: E402
+from bench_dp import (_load_batch, _setup, _summarize, adaptdist_worker, add_common_args,  # noqa: E402
+                      measure_torch_side)
 
 MIB = 2**20
 
@@ -85,11 +86,6 @@ def dtensor_aware_peak_memory() -> None:
 
     track._unwraps_dtensor = True
     memory._Meter.track = track
-
-
-def torch_side_result(times, losses, pm) -> dict:
-    return {"times": times, "losses": losses, "peak_bytes": pm.report.peak_bytes,
-            "start_bytes": pm.report.start_bytes, "rss_peak_bytes": pm.report.rss_peak_bytes}
 
 
 def run_alternating(con, sides: dict, cfg: dict, args) -> tuple[dict[str, list], tuple, tuple, float]:
@@ -204,7 +200,6 @@ def fsdp2_worker(cfg: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from adaptdist.models.gpt import factory
-    from adaptdist.runtime.memory import PeakMemory
     from adaptdist.runtime.worker import make_optimizer
 
     rank, world = _setup(cfg)
@@ -227,14 +222,7 @@ def fsdp2_worker(cfg: dict) -> dict:
             opt.step()
             return loss.item()  # this rank's loss; the parent averages over ranks
 
-        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
-        dist.barrier()
-        opt.zero_grad(set_to_none=True)
-        existing = [list(model.parameters()), list(model.buffers()), opt.state_dict()["state"], batch]
-        with PeakMemory(existing) as pm:
-            step(batch)
-        dist.barrier()
-        return torch_side_result(times, losses, pm)
+        return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
 
@@ -244,19 +232,9 @@ def fsdp2_worker(cfg: dict) -> dict:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
-    ap.add_argument("--batch-size", type=int, default=16, help="global batch size")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per side per repetition")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
-    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
-    ap.add_argument("--threads-per-rank", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="adaptdist's gradient bucket size, MiB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    add_common_args(ap, steps=20, batch_help="global batch size", bucket_help="adaptdist's gradient bucket size, MiB")
     ap.add_argument("--memory-worlds", default="1,2,4",
                     help="world sizes of the fsdp-vs-dp memory table (comma-separated; empty: skip it)")
-    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
     return ap.parse_args(argv)
 
 

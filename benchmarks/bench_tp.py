@@ -39,7 +39,6 @@ per-repetition medians, tokens/s ratio, and ``PeakMemory`` over one extra untime
 from __future__ import annotations
 
 import argparse
-import os
 import types
 import sys
 import tempfile
@@ -52,9 +51,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from bench_dp import _load_batch, _setup, _summarize, _time_steps  # noqa: E402
+from bench_dp import _load_batch, _setup, _summarize, add_common_args, measure_torch_side  # noqa: E402
 from bench_fsdp import (MIB, comparison_table, compile_and_save, dtensor_aware_peak_memory,  # noqa: E402
-                        print_load, print_loss_check, run_alternating, torch_side_result, write_json)
+                        print_load, print_loss_check, run_alternating, write_json)
 
 
 # --------------------------------------------------------------------------- workers (one per rank)
@@ -120,7 +119,6 @@ def dtensor_tp_worker(cfg: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from adaptdist.models.gpt import factory
-    from adaptdist.runtime.memory import PeakMemory
     from adaptdist.runtime.worker import make_optimizer
 
     rank, world = _setup(cfg)
@@ -142,14 +140,7 @@ def dtensor_tp_worker(cfg: dict) -> dict:
             opt.step()
             return scalar(loss)  # the same global loss on every rank
 
-        times, losses = _time_steps(step, batch, cfg["warmup"] + cfg["steps"])
-        dist.barrier()
-        opt.zero_grad(set_to_none=True)
-        existing = [list(model.parameters()), list(model.buffers()), opt.state_dict()["state"], batch]
-        with PeakMemory(existing) as pm:
-            step(batch)
-        dist.barrier()
-        return torch_side_result(times, losses, pm)
+        return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
 
@@ -159,19 +150,10 @@ def dtensor_tp_worker(cfg: dict) -> dict:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
-    ap.add_argument("--batch-size", type=int, default=16, help="global batch size (every rank feeds all of it)")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per side per repetition")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per launch, excluded")
-    ap.add_argument("--reps", type=int, default=4, help="repetitions (each: one launch per side)")
-    ap.add_argument("--threads-per-rank", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="adaptdist's gradient bucket size, MiB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
+    add_common_args(ap, steps=20, batch_help="global batch size (every rank feeds all of it)",
+                    bucket_help="adaptdist's gradient bucket size, MiB")
     ap.add_argument("--mlp-only", action="store_true",
                     help="shard only blocks.*.fc / fc_out on both sides (adaptdist: a plan file) instead of TP_PLAN")
-    ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
     return ap.parse_args(argv)
 
 

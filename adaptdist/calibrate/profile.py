@@ -16,6 +16,7 @@ Memory sizes and core shares stay as :func:`.detect.detect_local` found them.
 from __future__ import annotations
 
 import datetime
+import logging
 import json
 import os
 import tempfile
@@ -33,6 +34,8 @@ from .fit import fit_alpha_beta
 
 DEFAULT_SIZES_BYTES = tuple(2**k for k in range(10, 25, 2))
 """Message sizes timed by default: 1 KiB, 4 KiB, ..., 16 MiB (x4 apart)."""
+
+log = logging.getLogger("adaptdist.calibrate")
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,9 @@ def calibrate(base: Cluster, results: dict[int, dict], wall_s: float | None = No
             if "float32" not in r["peak_flops"]:
                 raise ClusterSpecError(f"profile: rank {d.rank} could not time a float32 matmul: "
                                        f"{r['failed_dtypes'].get('float32', 'no result')}")
+            for dt, why in sorted(r["failed_dtypes"].items()):  # kept out of the file, said aloud
+                log.warning("profile: rank %d could not time a %s matmul (%s); its peak_flops has no %s entry",
+                            d.rank, dt, why, dt)
             devices.append(replace(d, peak_flops=dict(r["peak_flops"]),
                                    memory_bandwidth_bytes_per_s=r["memory_bandwidth_bytes_per_s"],
                                    op_overhead_s=r.get("op_overhead_s")))

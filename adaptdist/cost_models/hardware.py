@@ -10,23 +10,19 @@ The cost models read a cluster only through :class:`ClusterLike`::
 
 :class:`adaptdist.cluster.Cluster` implements it; :class:`FixedCluster` is a plain-number
 implementation for tests and for describing a hypothetical machine. :func:`as_cost_cluster`
-accepts either, and gives an older ``Cluster`` without ``device()`` default figures.
+accepts either.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
+from ..cluster import TIERS
 from ..errors import ClusterSpecError
-
-log = logging.getLogger("adaptdist.cost_models")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 """Collective names a :class:`CollectiveFitLike` may be asked for."""
-
-TIERS = ("intra_host", "inter_host")
 
 
 class DeviceLike(Protocol):
@@ -218,18 +214,13 @@ def op_overhead_s(device: object) -> float:
 
 
 def as_cost_cluster(cluster: object) -> ClusterLike:
-    """``cluster`` itself when it implements :class:`ClusterLike`; for an ``adaptdist.cluster.Cluster``
-    that does not describe devices yet, a :class:`FixedCluster` of its hosts with default figures.
+    """``cluster`` itself, checked to implement :class:`ClusterLike` (``adaptdist.cluster.Cluster`` and
+    :class:`FixedCluster` do).
 
     Raises:
-        ClusterSpecError: the object is neither.
+        ClusterSpecError: the object lacks device()/link()/collective_fit().
     """
     if all(callable(getattr(cluster, m, None)) for m in ("device", "link", "collective_fit")):
         return cluster  # type: ignore[return-value]
-    hosts = getattr(cluster, "hosts", None)
-    if hosts is None:
-        raise ClusterSpecError(f"{cluster!r} is not a cluster: it has neither device()/link()/collective_fit() "
-                               "nor hosts")
-    log.info("%r describes no device figures; costing it with default %s figures", cluster,
-             getattr(cluster, "device_kind", "cpu"))
-    return FixedCluster.uniform([(h.name, h.num_devices) for h in hosts], getattr(cluster, "device_kind", "cpu"))
+    raise ClusterSpecError(f"{cluster!r} is not a cluster: it lacks device(), link() or collective_fit(); "
+                           "load one with Cluster.from_yaml or build it with Cluster.local")
