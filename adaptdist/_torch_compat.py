@@ -7,6 +7,7 @@ Checked against torch 2.13.0.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable
 
 import torch
@@ -195,7 +196,9 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
             return OpStrategy([OpSpec(DTensorSpec(mesh, (p,), meta(a))) for p in cands])
 
         result = full(OpSchema(op, tree_map(offer, args), tree_map(offer, kwargs)))
-    except Exception:  # DTensor's strategy does not take this argument form
+    except Exception as e:  # DTensor's strategy does not take this argument form: the caller uses our rule
+        logging.getLogger("adaptdist.passes").debug("DTensor strategy for %s refused its arguments: %s: %s",
+                                                    op, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
     out = []
     for spec in getattr(result, "strategies", []):
