@@ -48,3 +48,8 @@ class PlanMismatchError(AdaptdistError):
 
 class InternalError(AdaptdistError):
     """A compiler pass failed on a valid input: a bug in adaptdist; the message names the pass."""
+
+
+class PlanInfeasibleError(AdaptdistError):
+    """No plan satisfies the constraints: a device's memory cannot hold the step, or user pins contradict
+    each other or an op's strategies. The message names the constraints in words."""

@@ -1,0 +1,403 @@
+"""One mesh axis's strategy-selection problem: classes, their strategies and costs, edges, memory rows.
+
+The planner solves one mesh axis at a time with the other axes' choices held fixed (see
+:mod:`.search`); this module turns the :class:`~.graph.PlanningGraph`, the axis, and those choices
+into numbers the ILP (:mod:`.ilp`) reads. All times are seconds, all sizes bytes.
+
+For a node ``v`` with strategy ``s`` on this axis of ``n`` ranks, other axes ``b`` of ``n_b`` ranks
+holding strategies ``s_b``:
+
+- compute: ``roof(v) / (F_c(v) * (n if splits(s) else 1))``, with ``F_c(v) = prod_b n_b`` over the
+  axes whose strategy splits ``v``'s work. A strategy *splits* the work when any input or output is
+  ``Shard`` or an output is ``Partial`` (each rank does ``1/n`` of the arithmetic).
+- an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs,
+  ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
+  on every axis ``b`` where it is ``Shard``).
+- memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
+  this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
+  parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
+  state (``state_copies`` more copies, in the parameter's placement). An axis not solved yet is
+  assumed to shard everything it could (optimistic), so no axis is refused for memory another axis
+  would have freed; the final plan is checked with every axis known (:func:`.search.evaluate`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from ... import graph_meta as gmeta
+from ...cost_models.communication import collective_time_s, link_cost
+from ...errors import PlanInfeasibleError, UnsupportedOpError
+from ...mesh import Mesh
+from ...passes.context import PassContext
+from ...passes.list_strategies import node_strategies
+from ...passes.sharding_rules import tensor_args
+from ...placement import Partial, Placement, Replicate, Shard
+from ...strategy import Strategy
+from .graph import PlanningGraph
+
+R = Replicate()
+
+
+def splits(s: Strategy) -> bool:
+    """Whether strategy ``s`` divides its node's work over the axis (module docstring)."""
+    return any(isinstance(p, Shard) for p in s.inputs + s.outputs if p is not None) or \
+        any(isinstance(p, Partial) for p in s.outputs if p is not None)
+
+
+def reshard_collective(src: Placement | None, dst: Placement | None) -> str | None:
+    """The collective that turns ``src`` into ``dst`` on one axis (None: nothing to do or a local slice):
+    P->R all_reduce, P->S reduce_scatter, S->R all_gather, S(i)->S(j) all_to_all, S->P all_gather
+    (then a local zeroing), R->S and R->P local."""
+    if src is None or dst is None or src == dst:
+        return None
+    if isinstance(src, Partial):
+        return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
+    if isinstance(src, Shard):
+        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
+    return None
+
+
+def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,
+                   beta_s_per_byte: float) -> float:
+    """Seconds to turn a tensor of ``nbytes`` (its full size on this axis) from ``src`` into ``dst`` over
+    ``n`` ranks: the collective of :func:`reshard_collective` by the ring α-β formulas of
+    :func:`adaptdist.cost_models.communication.collective_time_s` (all_to_all moves each rank's
+    ``nbytes / n``)."""
+    kind = reshard_collective(src, dst)
+    if kind is None or n < 2:
+        return 0.0
+    size = nbytes / n if kind == "all_to_all" else nbytes
+    return float(collective_time_s(kind, size, n, alpha_s, beta_s_per_byte))
+
+
+@dataclass
+class ClassVar:
+    """One decision: the nodes of a layer class and the strategies they may take together.
+
+    ``compute_s[k]`` sums the members' compute under strategy ``k``; ``reshard_s[k]`` the resharding
+    on edges whose both ends are this decision and into the graph's replicated outputs (the loss);
+    ``memory_bytes[j][k]`` the members' bytes
+    live at peak step ``j``; ``allowed`` the strategy indices user pins and forbidden axes leave.
+    """
+
+    key: str
+    members: list[str]
+    strategies: list[Strategy]
+    compute_s: list[float]
+    memory_bytes: list[list[float]]
+    allowed: list[int]
+    why_restricted: list[str] = field(default_factory=list)
+    reshard_s: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.reshard_s:
+            self.reshard_s = [0.0] * len(self.strategies)
+
+
+@dataclass
+class EdgeVar:
+    """Resharding between two classes: ``cost_s[p][q]`` when the source's strategy puts its output in
+    ``src_places[p]`` and the destination's strategy needs ``dst_places[q]``; ``src_of[k]`` /
+    ``dst_of[k]`` map each strategy index to its place index."""
+
+    src: int
+    dst: int
+    src_places: list[Placement | None]
+    dst_places: list[Placement | None]
+    src_of: list[int]
+    dst_of: list[int]
+    cost_s: list[list[float]]
+    what: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AxisProblem:
+    """See the module docstring: ``vars``, ``edges``, memory rows (``capacity_bytes - fixed_bytes[j]`` is
+    what the choices may use at peak step ``j``)."""
+
+    axis: str
+    size: int
+    vars: list[ClassVar]
+    edges: list[EdgeVar]
+    capacity_bytes: float
+    fixed_bytes: list[float]
+    peak_steps: list[int]
+    var_of: dict[str, int]
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def objective_s(self, choice: Sequence[int]) -> float:
+        """Predicted seconds of this axis's part of the step for ``choice`` (strategy index per var)."""
+        return self.compute_s(choice) + self.communication_s(choice)
+
+    def compute_s(self, choice: Sequence[int]) -> float:
+        return sum(v.compute_s[choice[i]] for i, v in enumerate(self.vars))
+
+    def communication_s(self, choice: Sequence[int]) -> float:
+        t = sum(v.reshard_s[choice[i]] for i, v in enumerate(self.vars))
+        for e in self.edges:
+            t += e.cost_s[e.src_of[choice[e.src]]][e.dst_of[choice[e.dst]]]
+        return t
+
+    def memory_bytes(self, choice: Sequence[int]) -> float:
+        """The most bytes any peak step holds under ``choice``."""
+        return max((self.fixed_bytes[j] + sum(v.memory_bytes[j][choice[i]] for i, v in enumerate(self.vars))
+                    for j in range(len(self.peak_steps))), default=0.0)
+
+    def memory_ok(self, choice: Sequence[int]) -> bool:
+        return all(self.fixed_bytes[j] + sum(v.memory_bytes[j][choice[i]] for i, v in enumerate(self.vars))
+                   <= self.capacity_bytes for j in range(len(self.peak_steps)))
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """User constraints. ``pins``: parameter-name glob or node name -> placement text per mesh axis name
+    (``{"blocks.*.fc.weight": {"tp": "S(0)"}}``); ``forbid``: node-name or parameter glob -> axes on
+    which it must not be split."""
+
+    pins: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    forbid: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+
+def _matches(pattern: str, pg: PlanningGraph, name: str) -> bool:
+    pn = pg.nodes[name]
+    return fnmatch.fnmatchcase(name, pattern) or (pn.fqn is not None and fnmatch.fnmatchcase(pn.fqn, pattern))
+
+
+def pinned_nodes(pg: PlanningGraph, constraints: Constraints) -> dict[str, str]:
+    """node name -> a text of the pins and forbids on it (for :func:`~.graph.signature`)."""
+    out: dict[str, list[str]] = {}
+    for pat, axes in constraints.pins.items():
+        for name in pg.nodes:
+            if _matches(pat, pg, name):
+                out.setdefault(name, []).append(f"pin {pat}={dict(axes)}")
+    for pat, axes in constraints.forbid.items():
+        for name in pg.nodes:
+            if _matches(pat, pg, name):
+                out.setdefault(name, []).append(f"forbid {pat}={list(axes)}")
+    return {k: ";".join(v) for k, v in out.items()}
+
+
+def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict) -> dict[str, list[Strategy]]:
+    """Each node's candidate strategies on an axis of ``n`` ranks (list_strategies' candidates, memoized
+    by node signature): batch inputs ``S(0)`` on the batch axis and ``R`` elsewhere; outputs never
+    sharded on a dim shorter than ``n`` (every rank would hold a sliver or nothing).
+
+    Raises:
+        UnsupportedOpError: a node has no strategy at all (names op, node and shapes).
+    """
+    ctx = PassContext(world_size=n, batch_size=pg.batch_size, mesh_axis="plan", shard_batch=batch_axis)
+    out: dict[str, list[Strategy]] = {}
+    for name in pg.order:
+        fx = pg.fx_nodes[name]
+        if name in pg.aliases:
+            continue
+        pn = pg.nodes[name]
+        if pn.kind == "batch":
+            out[name] = [Strategy((), (Shard(0) if batch_axis and pg.batch_size > 1 else R,), "adaptdist")]
+            continue
+        key = (pn.signature, n, batch_axis)
+        if key not in cache:
+            found = node_strategies(fx, ctx)
+            keep = [s for s in found if all(
+                not isinstance(p, Shard) or (k < len(pn.out_shapes) and p.dim < len(pn.out_shapes[k])
+                                             and pn.out_shapes[k][p.dim] >= n)
+                for k, p in enumerate(s.outputs))]
+            if not keep and fx.op == "call_function" and not tensor_args(fx):
+                keep = [Strategy((), (R,), "adaptdist")]  # a factory op (arange, zeros): made whole on every rank
+            if not keep and fx.op == "call_function":
+                raise UnsupportedOpError(f"op {fx.target} at node {name!r} ({gmeta.shape_str(fx)}) has no sharding "
+                                         "strategy the planner can use; see adaptdist/passes/sharding_rules.py")
+            cache[key] = keep
+        out[name] = cache[key]
+        gmeta.set_strategies(fx, out[name])  # a getitem's strategies are read from its producer's
+    return out
+
+
+@dataclass
+class OtherAxis:
+    """An axis other than the one being solved: its size and, once solved, each node's strategy."""
+
+    name: str
+    size: int
+    chosen: Mapping[str, Strategy] | None = None
+
+
+def _out(s: Strategy | None, idx: int) -> Placement | None:
+    if s is None or idx >= len(s.outputs):
+        return None
+    return s.outputs[idx]
+
+
+def factors(pg: PlanningGraph, others: Sequence[OtherAxis]) -> tuple[dict[str, float], dict[tuple[str, int], float],
+                                                                       dict[tuple[str, int], float]]:
+    """Per node: the compute divisor from other axes; per (node, output): the bytes divisor for
+    communication (solved axes only) and for memory (unsolved axes count as sharding, optimistic)."""
+    fc, fb, fm = {}, {}, {}
+    for name, pn in pg.nodes.items():
+        c = 1.0
+        for o in others:
+            if o.chosen is not None and name in o.chosen and splits(o.chosen[name]):
+                c *= o.size
+        fc[name] = c
+        for k in range(len(pn.out_bytes)):
+            b = m = 1.0
+            for o in others:
+                if o.chosen is None:
+                    m *= o.size
+                elif isinstance(_out(o.chosen.get(name), k), Shard):
+                    b *= o.size
+                    m *= o.size
+            fb[(name, k)] = b
+            fm[(name, k)] = m
+    return fc, fb, fm
+
+
+def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str | None, cluster: Any,
+                       strategies: Mapping[str, list[Strategy]], others: Sequence[OtherAxis],
+                       constraints: Constraints, state_copies: int, capacity_bytes: float) -> AxisProblem:
+    """The :class:`AxisProblem` of ``axis`` (module docstring).
+
+    Raises:
+        PlanInfeasibleError: a pin names a placement no strategy of its node has on this axis.
+    """
+    n = mesh.size(axis)
+    members = mesh.group(axis, 0)
+    lc = link_cost(cluster, "all_gather", members)
+    fc, fb, fm = factors(pg, others)
+    classes: dict[str, list[str]] = {}
+    for name in pg.order:
+        if name in pg.nodes:
+            classes.setdefault(pg.nodes[name].layer_class, []).append(name)
+    var_of: dict[str, int] = {}
+    vars_: list[ClassVar] = []
+    steps = pg.peak_steps
+    for key, names in classes.items():
+        strats = strategies[names[0]]
+        if any(len(strategies[m]) != len(strats) for m in names):
+            # a class whose members' candidates differ cannot share one decision: split it
+            groups = [[m] for m in names]
+        else:
+            groups = [names]
+        for g in groups:
+            i = len(vars_)
+            st = strategies[g[0]]
+            compute = [0.0] * len(st)
+            mem = [[0.0] * len(st) for _ in steps]
+            for m in g:
+                var_of[m] = i
+                pn = pg.nodes[m]
+                for k, s in enumerate(st):
+                    compute[k] += pn.roof_s / (fc[m] * (n if splits(s) else 1))
+                    for j, step in enumerate(steps):
+                        if pn.kind in ("param", "buffer"):
+                            copies = 1 + (state_copies + 1 if pn.kind == "param" and m in pg.grad_of else 0)
+                        elif pn.live[0] <= step <= pn.live[1]:
+                            copies = 1
+                        else:
+                            continue
+                        for oi, b in enumerate(pn.out_bytes):
+                            p = _out(s, oi)
+                            mem[j][k] += copies * b / fm[(m, oi)] / (n if isinstance(p, Shard) else 1)
+            vars_.append(ClassVar(f"{g[0]}" + (f" (+{len(g) - 1} alike)" if len(g) > 1 else ""), g, st, compute, mem,
+                                  list(range(len(st)))))
+    _apply_constraints(pg, vars_, var_of, axis, n, constraints)
+    edge_map: dict[tuple, EdgeVar] = {}
+    cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
+
+    def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str) -> None:
+        sv = var_of[src]
+        src_places_all = places_out[sv][idx] if idx < len(places_out[sv]) else [None] * len(vars_[sv].strategies)
+        src_places = list(dict.fromkeys(src_places_all))
+        dst_places = list(dict.fromkeys(dst_place_of))
+        nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
+        mkey = (tuple(src_places), tuple(dst_places), nbytes)
+        cost = cost_memo.get(mkey)
+        if cost is None:
+            cost = [[reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte) for q in dst_places]
+                    for p in src_places]
+            cost_memo[mkey] = cost
+        if not any(c > 0 for row in cost for c in row):
+            return
+        sp, dp = {p: i for i, p in enumerate(src_places)}, {q: i for i, q in enumerate(dst_places)}
+        src_of = [sp[p] for p in src_places_all]
+        dst_of = [dp[q] for q in dst_place_of]
+        if sv == dst_var:  # both ends are one decision: the cost lands on that decision's strategies
+            for k in range(len(src_of)):
+                vars_[sv].reshard_s[k] += cost[src_of[k]][dst_of[k]]
+            return
+        key = (sv, dst_var, tuple(src_of), tuple(dst_of))
+        e = edge_map.get(key)
+        if e is None:
+            edge_map[key] = EdgeVar(sv, dst_var, src_places, dst_places, src_of, dst_of, [list(r) for r in cost],
+                                    [what])
+        else:
+            e.cost_s = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(e.cost_s, cost)]
+            if len(e.what) < 4:
+                e.what.append(what)
+
+    places_out = [[[_out(s, k) for s in v.strategies] for k in range(max((len(s.outputs) for s in v.strategies),
+                                                                         default=0))] for v in vars_]
+    places_in: dict[tuple[int, int], list[Placement | None]] = {}
+    for e in pg.edges:
+        if e.src not in var_of or e.dst not in var_of:
+            continue
+        dv = var_of[e.dst]
+        places = places_in.get((dv, e.slot))
+        if places is None:
+            places = [s.inputs[e.slot] if e.slot < len(s.inputs) else None for s in vars_[dv].strategies]
+            places_in[(dv, e.slot)] = places
+        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}")
+    for param, (src, idx) in pg.grad_of.items():
+        if src in var_of and param in var_of:
+            pv = var_of[param]
+            add_edge(src, idx, pv, [_out(s, 0) for s in vars_[pv].strategies], f"gradient {src}->{param}")
+    for src, idx in ([pg.loss] if pg.loss else []) + list(pg.replicated_outputs):
+        if src not in var_of:
+            continue
+        sv = var_of[src]
+        nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
+        for k, s in enumerate(vars_[sv].strategies):
+            vars_[sv].reshard_s[k] += reshard_time_s(_out(s, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte)
+    fixed = [0.0 for _ in steps]
+    return AxisProblem(axis, n, vars_, list(edge_map.values()), capacity_bytes, fixed, list(steps), var_of,
+                       lc.alpha_s, lc.beta_s_per_byte)
+
+
+def _apply_constraints(pg: PlanningGraph, vars_: list[ClassVar], var_of: Mapping[str, int], axis: str, n: int,
+                       constraints: Constraints) -> None:
+    from ...placement import parse_placement
+
+    for pat, per_axis in constraints.pins.items():
+        if axis not in per_axis:
+            continue
+        want = parse_placement(per_axis[axis])
+        hit = [m for m in pg.nodes if _matches(pat, pg, m) and m in var_of]
+        for m in hit:
+            v = vars_[var_of[m]]
+            ok = [k for k in v.allowed if _out(v.strategies[k], 0) == want]
+            if not ok:
+                have = sorted({repr(_out(s, 0)) for s in v.strategies})
+                raise PlanInfeasibleError(
+                    f"pin {pat!r}: {want!r} on mesh axis {axis!r} ({n} ranks) is not a placement node {m!r} "
+                    f"({pg.nodes[m].fqn or pg.fx_nodes[m].target}, shape {list(pg.nodes[m].out_shapes[0])}) can take; "
+                    f"it can take {', '.join(have)}")
+            v.allowed = ok
+            v.why_restricted.append(f"pinned {want!r} by {pat!r}")
+    for pat, axes in constraints.forbid.items():
+        if axis not in axes:
+            continue
+        for m in pg.nodes:
+            if _matches(pat, pg, m) and m in var_of:
+                v = vars_[var_of[m]]
+                v.allowed = [k for k in v.allowed if not splits(v.strategies[k])]
+                v.why_restricted.append(f"not split on {axis!r} ({pat!r})")
+
+
+def chosen_strategies(problem: AxisProblem, choice: Sequence[int]) -> dict[str, Strategy]:
+    """node name -> its strategy under ``choice``."""
+    return {m: problem.vars[i].strategies[choice[i]] for m, i in problem.var_of.items()}
+

@@ -1,0 +1,367 @@
+"""The global planner: the mesh shape and every node's strategy of least predicted step time within memory.
+
+Search:
+
+1. **Mesh shapes** (:func:`mesh_candidates`): every factorisation of the world size into at most
+   :data:`MAX_AXES` axes of size >= 2: an optional batch axis ``dp`` (it splits the batch; its
+   parameters may be sharded too: ZeRO/FSDP) outermost, then model-parallel axes ``tp``, ``tp2``.
+   Ranks are laid out row-major (the last axis varies fastest), so the innermost axes join
+   consecutive ranks, which share a host: the communication-heavy model-parallel axes land on the
+   fastest links, the batch axis across hosts. A fixed mesh skips the enumeration.
+2. For each shape, **one ILP per mesh axis** (:mod:`.ilp`) with the other axes' strategies held
+   fixed: the batch axis first, then the model-parallel axes, then again until no axis changes its
+   choice (block coordinate descent, at most :data:`MAX_ROUNDS` rounds), each solve warm-started
+   from the last. Each ILP is exact for its axis given the others; the joint choice is a local
+   optimum of the whole. The per-axis form is what keeps the LLaMA-3-8B case (32 layers, 8x8
+   mesh) to a few thousand variables.
+3. Every shape's final choice is **evaluated** with every axis known (:func:`evaluate`): compute,
+   each axis's communication, peak memory per rank. The fastest shape that fits wins; ties go to
+   the earlier shape in :func:`mesh_candidates` order (fewer axes, larger batch axis first).
+
+The result is a :class:`~adaptdist.plan.Plan` (``name="auto"``) the lowering takes like any other;
+the lowering places activations by its own propagation from the parameters and the batch, and the
+ILP's activation choices are kept in ``node_placements`` for ``adaptdist explain``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ...cost_models.memory import optimizer_model
+from ...errors import PlanInfeasibleError, UsageError
+from ...mesh import Mesh
+from ...plan import Plan, graph_fingerprint
+from ...strategy import Strategy
+from ..capture import CapturedGraph
+from .graph import PlanningGraph, build_planning_graph
+from .ilp import ILPResult, Infeasible, solve
+from .problem import (AxisProblem, Constraints, OtherAxis, build_axis_problem, chosen_strategies, pinned_nodes,
+                      strategies_on_axis)
+
+log = logging.getLogger("adaptdist.planner")
+
+MAX_AXES = 3
+MAX_ROUNDS = 2
+BATCH_AXIS = "dp"
+MODEL_AXES = ("tp", "tp2")
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """A mesh shape to try and the axis that splits the batch (None: no batch axis)."""
+
+    mesh: Mesh
+    batch_axis: str | None
+
+    def __str__(self) -> str:
+        return str(self.mesh)
+
+
+@dataclass
+class Evaluation:
+    """A complete choice, costed with every axis known: seconds and bytes per rank."""
+
+    compute_s: float
+    overhead_s: float
+    communication_s: Mapping[str, float]
+    memory_bytes: float
+    capacity_bytes: float
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time: compute + op overhead + communication (not overlapped: an upper bound)."""
+        return self.compute_s + self.overhead_s + sum(self.communication_s.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.capacity_bytes
+
+
+@dataclass
+class AxisSolution:
+    problem: AxisProblem
+    result: ILPResult
+
+
+@dataclass
+class PlannerResult:
+    """What :func:`plan_auto` found: the plan, its prediction, every axis's last ILP, every shape tried,
+    and the time of each phase (seconds)."""
+
+    plan: Plan
+    candidate: MeshCandidate
+    predicted: Evaluation
+    axes: dict[str, AxisSolution]
+    tried: list[tuple[MeshCandidate, Evaluation | str]]
+    phases_s: dict[str, float]
+    graph: PlanningGraph
+    chosen: dict[str, dict[str, Strategy]] = field(default_factory=dict)
+
+    @property
+    def solve_s(self) -> float:
+        return self.phases_s.get("solve", 0.0)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Ordered factorisations of ``n`` into 1..``parts`` factors, each >= 2."""
+    if n == 1:
+        return [()]
+    out = [(n,)]
+    if parts > 1:
+        for d in _divisors(n):
+            if 2 <= d < n:
+                out.extend((d,) + rest for rest in _factorizations(n // d, parts - 1) if rest)
+    return out
+
+
+def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES) -> list[MeshCandidate]:
+    """Every mesh shape the planner tries (module docstring), in a fixed order."""
+    if world_size == 1:
+        return [MeshCandidate(Mesh.one_axis(BATCH_AXIS, 1), BATCH_AXIS)]
+    out = []
+    for dp in sorted(_divisors(world_size), reverse=True):
+        if dp > 1 and dp > batch_size:
+            continue  # a batch axis larger than the batch leaves ranks with no samples
+        rest = world_size // dp
+        left = max_axes - (1 if dp > 1 else 0)
+        for model in _factorizations(rest, left):
+            if rest > 1 and not model:
+                continue
+            axes = ([(BATCH_AXIS, dp)] if dp > 1 else []) + list(zip(MODEL_AXES, model))
+            if axes:
+                out.append(MeshCandidate(Mesh(tuple(axes)), BATCH_AXIS if dp > 1 else None))
+    return sorted(out, key=lambda c: (len(c.mesh.names), out.index(c)))
+
+
+def _axis_order(c: MeshCandidate) -> list[str]:
+    first = [c.batch_axis] if c.batch_axis else []
+    return first + [a for a in c.mesh.names if a != c.batch_axis and c.mesh.size(a) > 1]
+
+
+def _capacity_bytes(cluster: Any) -> float:
+    """The least device memory in the cluster: every rank runs the same plan, so the smallest must fit."""
+    return float(min(cluster.device(r).memory_bytes for r in range(cluster.world_size)))
+
+
+def evaluate(pg: PlanningGraph, c: MeshCandidate, problems: Mapping[str, AxisProblem],
+             choices: Mapping[str, Sequence[int]], capacity_bytes: float) -> Evaluation:
+    """Cost a complete choice: compute with every axis's split, each axis's communication, the peak memory.
+    ``problems[a]`` must have been built with every other axis solved (as the last round builds them)."""
+    axes = [a for a in _axis_order(c)]
+    comm = {a: problems[a].communication_s(choices[a]) for a in axes}
+    last = problems[axes[-1]]
+    compute = last.compute_s(choices[axes[-1]])
+    memory = last.memory_bytes(choices[axes[-1]])
+    overhead = sum(pn.overhead_s for pn in pg.nodes.values() if pn.kind == "op")
+    return Evaluation(compute, overhead, comm, memory, capacity_bytes)
+
+
+def _hint(problem: AxisProblem, previous: Mapping[str, Strategy] | None) -> list[int] | None:
+    if not previous:
+        return None
+    hint = []
+    for v in problem.vars:
+        s = previous.get(v.members[0])
+        hint.append(v.strategies.index(s) if s in v.strategies and v.strategies.index(s) in v.allowed
+                    else v.allowed[0])
+    return hint
+
+
+def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constraints: Constraints, state_copies: int,
+                    capacity_bytes: float, cache: dict, time_limit_s: float,
+                    warm: Mapping[str, Mapping[str, Strategy]] | None = None
+                    ) -> tuple[Evaluation, dict[str, AxisSolution], dict[str, dict[str, Strategy]]]:
+    """Coordinate descent over ``c``'s axes (module docstring); returns the evaluation, each axis's last
+    problem and ILP result, and each axis's chosen strategies.
+
+    Raises:
+        Infeasible: an axis's ILP has no solution (memory, or constraints), with the reason.
+    """
+    order = _axis_order(c)
+    chosen: dict[str, dict[str, Strategy] | None] = {a: None for a in order}  # a warm plan only hints
+    sols: dict[str, AxisSolution] = {}
+    strat = {a: strategies_on_axis(pg, c.mesh.size(a), a == c.batch_axis, cache) for a in order}
+    for rnd in range(MAX_ROUNDS):
+        changed = False
+        for a in order:
+            others = [OtherAxis(b, c.mesh.size(b), chosen[b]) for b in order if b != a]
+            prob = build_axis_problem(pg, c.mesh, a, c.batch_axis, cluster, strat[a], others, constraints,
+                                      state_copies, capacity_bytes)
+            prev = chosen[a] or (warm or {}).get(a)
+            res = solve(prob, time_limit_s, hint=_hint(prob, prev))
+            new = chosen_strategies(prob, res.choice)
+            changed |= new != chosen[a]
+            chosen[a] = new
+            sols[a] = AxisSolution(prob, res)
+            log.debug("mesh %s round %d axis %s: %.4f s (%s, gap %.2g%%, %d vars)", c, rnd, a, res.objective_s,
+                      res.status, 100 * res.gap, res.num_variables)
+        if not changed or len(order) == 1:
+            break
+    if len(order) > 1:  # rebuild each axis with all others final, so the evaluation sees every axis
+        for a in order:
+            others = [OtherAxis(b, c.mesh.size(b), chosen[b]) for b in order if b != a]
+            prob = build_axis_problem(pg, c.mesh, a, c.batch_axis, cluster, strat[a], others, constraints,
+                                      state_copies, capacity_bytes)
+            choice = tuple(prob.vars[i].strategies.index(chosen[a][v.members[0]]) for i, v in enumerate(prob.vars))
+            sols[a] = AxisSolution(prob, sols[a].result)
+            sols[a].choice = choice  # type: ignore[attr-defined]
+    choices = {a: getattr(sols[a], "choice", sols[a].result.choice) for a in order}
+    ev = evaluate(pg, c, {a: s.problem for a, s in sols.items()}, choices, capacity_bytes)
+    return ev, sols, {a: dict(chosen[a] or {}) for a in order}
+
+
+def _check_pins(pg: PlanningGraph, constraints: Constraints) -> None:
+    from .problem import _matches
+
+    axes_known = {BATCH_AXIS, *MODEL_AXES}
+    by_node: dict[tuple[str, str], tuple[str, str]] = {}
+    for pat, per_axis in constraints.pins.items():
+        unknown = set(per_axis) - axes_known
+        if unknown:
+            raise UsageError(f"pin {pat!r} names mesh axes {sorted(unknown)}; the planner's axes are "
+                             f"{BATCH_AXIS} (splits the batch) and {', '.join(MODEL_AXES)}")
+        hit = [m for m in pg.nodes if _matches(pat, pg, m)]
+        if not hit:
+            raise UsageError(f"pin {pat!r} matches no parameter and no node of this graph")
+        for m in hit:
+            for axis, place in per_axis.items():
+                prev = by_node.get((m, axis))
+                if prev is not None and prev[1] != place:
+                    raise PlanInfeasibleError(
+                        f"pins {prev[0]!r} ({prev[1]} on {axis}) and {pat!r} ({place} on {axis}) contradict "
+                        f"each other on {pg.nodes[m].fqn or m!r}; drop one of them")
+                by_node[(m, axis)] = (pat, place)
+
+
+def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None, batch_axis: str | None = None,
+              constraints: Constraints | None = None, optimizer: str = "adamw", time_limit_s: float = 30.0,
+              previous: Plan | None = None, progress: Callable[[str], None] | None = None) -> PlannerResult:
+    """Choose the mesh shape (unless ``mesh`` is given) and every node's strategy (module docstring).
+
+    Args:
+        captured: the joint graph (fake or real values).
+        cluster: a ``ClusterLike`` (``adaptdist.cluster.Cluster`` or ``FixedCluster``): its world size is
+            the device count; each device's speed and memory are used (the slowest and the smallest).
+        mesh: a fixed mesh; ``batch_axis`` then names its batch axis (default: ``dp`` if it has one).
+        constraints: user pins and forbidden axes.
+        optimizer: sizes the optimizer state (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``).
+        time_limit_s: per ILP solve.
+        previous: a plan to warm-start from.
+
+    Raises:
+        PlanInfeasibleError: no mesh shape fits the memory, or the pins contradict (message says which).
+        UsageError: a pin names an unknown axis or matches nothing; a fixed mesh does not match the cluster.
+    """
+    constraints = constraints or Constraints()
+    phases: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pg0 = build_planning_graph(captured, cluster)
+    pins = pinned_nodes(pg0, constraints)
+    pg = build_planning_graph(captured, cluster, pins) if pins else pg0
+    _check_pins(pg, constraints)
+    phases["graph"] = time.perf_counter() - t0
+    world = cluster.world_size
+    if mesh is not None:
+        if mesh.world_size != world:
+            raise UsageError(f"mesh {mesh} has {mesh.world_size} ranks but the cluster has {world}")
+        ba = batch_axis if batch_axis is not None else (BATCH_AXIS if BATCH_AXIS in mesh.names else None)
+        candidates = [MeshCandidate(mesh, ba)]
+    else:
+        candidates = mesh_candidates(world, captured.batch_size)
+    pinned_axes = {a for per in constraints.pins.values() for a in per} | {a for v in constraints.forbid.values()
+                                                                          for a in v}
+    state_copies = optimizer_model(optimizer).state_copies
+    capacity = _capacity_bytes(cluster)
+    warm = _warm_from_plan(previous)
+    cache: dict = {}
+    tried: list[tuple[MeshCandidate, Evaluation | str]] = []
+    best = None
+    t1 = time.perf_counter()
+    for c in candidates:
+        if pinned_axes - set(c.mesh.names) and mesh is None:
+            tried.append((c, f"lacks the pinned axes {sorted(pinned_axes - set(c.mesh.names))}"))
+            continue
+        if progress:
+            progress(f"mesh {c}")
+        try:
+            ev, sols, chosen = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache,
+                                               time_limit_s, warm)
+        except Infeasible as e:
+            tried.append((c, f"infeasible ({e})"))
+            continue
+        if not ev.fits:
+            tried.append((c, f"needs {ev.memory_bytes / 2**30:.2f} GiB per rank, devices hold "
+                             f"{capacity / 2**30:.2f} GiB"))
+            continue
+        tried.append((c, ev))
+        if best is None or ev.step_s < best[1].step_s * (1 - 1e-9):
+            best = (c, ev, sols, chosen)
+    phases["solve"] = time.perf_counter() - t1
+    if best is None:
+        raise _infeasible(pg, candidates, tried, capacity, constraints, cluster, state_copies, cache)
+    c, ev, sols, chosen = best
+    t2 = time.perf_counter()
+    plan = _to_plan(captured, pg, c, chosen)
+    phases["plan"] = time.perf_counter() - t2
+    log.info("planner: mesh %s, batch axis %s, predicted %.2f ms per step, %.2f GiB per rank (%d shapes, %.2f s)",
+             c.mesh, c.batch_axis, 1e3 * ev.step_s, ev.memory_bytes / 2**30, len(tried), sum(phases.values()))
+    return PlannerResult(plan, c, ev, sols, tried, phases, pg, chosen)
+
+
+def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:
+    if previous is None or not previous.node_placements:
+        return None
+    from ...placement import parse_placement
+
+    out: dict[str, dict[str, Strategy]] = {}
+    for k, a in enumerate(previous.mesh):
+        out[a] = {n: Strategy((), (parse_placement(p[k]),), "adaptdist") for n, p in previous.node_placements.items()}
+    return out
+
+
+def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chosen: Mapping[str, Mapping[str, Strategy]]
+             ) -> Plan:
+    names = c.mesh.names
+
+    def place(node: str, a: str) -> str:
+        s = chosen.get(a, {}).get(node)
+        return repr(s.outputs[0]) if s is not None and s.outputs and s.outputs[0] is not None else "R"
+
+    params = {}
+    for pn in pg.params():
+        pls = [place(pn.name, a) for a in names]
+        if any(p != "R" for p in pls):
+            params[pn.fqn] = pls
+    nodes = {n: [place(n, a) for a in names] for n in pg.nodes if pg.nodes[n].kind == "op"}
+    return Plan(mesh=c.mesh.as_dict(), batch_axis=c.batch_axis, param_placements=params,
+                graph_fingerprint=graph_fingerprint(captured.gm), node_placements=nodes, name="auto")
+
+
+def _infeasible(pg: PlanningGraph, candidates: Sequence[MeshCandidate], tried, capacity: float,
+                constraints: Constraints, cluster: Any, state_copies: int, cache: dict) -> PlanInfeasibleError:
+    """The error for "no shape worked", naming the constraint that bit."""
+    lines = [f"  mesh {c}: {r if isinstance(r, str) else 'ok'}" for c, r in tried]
+    state = sum(sum(p.out_bytes) * (1 + (state_copies + 1 if p.name in pg.grad_of else 0)) for p in pg.params())
+    world = cluster.world_size
+    dev = min((cluster.device(r) for r in range(world)), key=lambda d: d.memory_bytes)
+    if any("memory" in r or "GiB" in r for _, r in tried if isinstance(r, str)):
+        return PlanInfeasibleError(
+            f"no mesh shape fits device memory: rank {dev.rank} ({dev.kind} on {dev.host}) holds "
+            f"{capacity / 2**30:.2f} GiB, and parameters + gradients + optimizer state alone are "
+            f"{state / 2**30:.2f} GiB in total ({state / world / 2**30:.2f} GiB per rank even if fully sharded over "
+            f"{world} ranks), plus activations. Try more devices, a smaller batch or sequence, or an optimizer with "
+            "less state (--optimizer sgd).\n" + "\n".join(lines))
+    if constraints.pins or constraints.forbid:
+        return PlanInfeasibleError(
+            "the pins and forbidden axes leave no consistent strategy for some node on every mesh shape: "
+            f"pins {dict(constraints.pins)}, forbidden {dict(constraints.forbid)}; drop or relax one.\n" +
+            "\n".join(lines))
+    return PlanInfeasibleError("no mesh shape gave a plan:\n" + "\n".join(lines))
+
