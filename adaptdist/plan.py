@@ -62,7 +62,10 @@ class Plan:
         node_placements: node name -> its placement text per mesh axis, as each axis's lowering
             annotated it (``"R"`` on axes lowered before the node existed); for reading and explain.
         graph_fingerprint: :func:`graph_fingerprint` of the joint graph the plan was made for.
-        name: where the plan came from (a preset or a file).
+        name: where the plan came from (a preset, a file, or ``auto``: the planner).
+        node_strategies: node name -> its strategy text per mesh axis (``"S(0),R->S(0)"``), as the
+            planner chose them; the lowering follows them where the op's rule agrees, and does not
+            complete parameter placements of such a plan (the planner decided every one).
     """
 
     mesh: Mapping[str, int]
@@ -73,6 +76,7 @@ class Plan:
     redistributions: Mapping[str, list[list[str]]] = field(default_factory=dict)
     name: str = ""
     schema_version: int = SCHEMA_VERSION
+    node_strategies: Mapping[str, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -100,6 +104,16 @@ class Plan:
                 out[f] = p
         return out
 
+    def axis_hints(self) -> dict[str, dict[str, Any]]:
+        """mesh axis name -> {node name: Strategy} from :attr:`node_strategies` (empty for manual plans)."""
+        from .strategy import Strategy
+
+        out: dict[str, dict[str, Any]] = {a: {} for a in self.mesh}
+        for node, texts in self.node_strategies.items():
+            for a, t in zip(self.mesh, texts):
+                out[a][node] = Strategy.parse(t)
+        return out
+
     def check_graph(self, gm: torch.fx.GraphModule, source: str = "the plan") -> None:
         """Raise :class:`PlanMismatchError` unless ``gm`` is the graph this plan was made for."""
         got = graph_fingerprint(gm)
@@ -117,6 +131,7 @@ class Plan:
             "batch_axis": self.batch_axis, "graph_fingerprint": self.graph_fingerprint,
             "param_placements": dict(self.param_placements), "node_placements": dict(self.node_placements),
             "redistributions": {a: [list(r) for r in rs] for a, rs in self.redistributions.items()},
+            "node_strategies": dict(self.node_strategies),
         }, indent=1, sort_keys=True)
 
     @staticmethod
@@ -141,7 +156,8 @@ class Plan:
         return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=doc["param_placements"],
                     graph_fingerprint=doc["graph_fingerprint"], node_placements=doc.get("node_placements", {}),
                     redistributions=doc.get("redistributions", {}),
-                    name=doc.get("name", Path(source).name), schema_version=doc["schema_version"])
+                    name=doc.get("name", Path(source).name), schema_version=doc["schema_version"],
+                    node_strategies=doc.get("node_strategies", {}))
 
     @staticmethod
     def load(path: str | Path) -> "Plan":

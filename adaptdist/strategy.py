@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placement import Placement
+from .placement import Placement, parse_placement
 
 
 @dataclass(frozen=True)
@@ -33,3 +33,24 @@ class Strategy:
         ins = ", ".join(repr(p) for p in self.inputs)
         outs = ", ".join(repr(p) for p in self.outputs)
         return f"({ins}) -> ({outs}) [{self.source}]"
+
+    def text(self) -> str:
+        """``"S(0),R->S(0)"``: inputs, then outputs (``-`` for None); :meth:`parse` reads it back."""
+        def part(ps):
+            return ",".join("-" if p is None else repr(p) for p in ps)
+        return f"{part(self.inputs)}->{part(self.outputs)}"
+
+    @staticmethod
+    def parse(text: str, source: str = "adaptdist") -> "Strategy":
+        """The inverse of :meth:`text`.
+
+        Raises:
+            ValueError: not ``INPUTS->OUTPUTS`` of placements (from :func:`parse_placement`).
+        """
+        ins, arrow, outs = text.partition("->")
+        if not arrow:
+            raise ValueError(f"strategy {text!r} is not INPUTS->OUTPUTS, e.g. S(0),R->S(0)")
+
+        def part(t):
+            return tuple(None if x == "-" else parse_placement(x) for x in t.split(",")) if t else ()
+        return Strategy(part(ins), part(outs), source)

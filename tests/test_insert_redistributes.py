@@ -96,3 +96,43 @@ def test_shard_to_another_dim_is_an_all_to_all(rows, cols, world):
     progs = _check(model, batch, loss_fn, world, {"a": "S(1)", "b": "S(0)"})
     kinds = [c.split("(")[0].split(".")[1] for c in progs[0].collectives()]
     assert kinds.count("all_to_all_single") == 2 and "all_gather_into_tensor" not in kinds
+
+
+def test_slice_of_a_later_dim_feeds_layer_norm_backward_contiguous():
+    """R -> S(1) of LayerNorm's saved mean/rstd ([B, T, 1]) is a strided slice, which torch 2.13's CPU
+    native_layer_norm_backward reads as if contiguous; the local slice is made contiguous, and the
+    gradients (LayerNorm backward split by sequence through a planner hint) equal eager's."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.data_parallel import lower_mesh
+    from adaptdist.mesh import Mesh
+    from adaptdist.runtime.simulate import simulate_ranks
+    from adaptdist.strategy import Strategy
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(32)
+            self.w = nn.Parameter(torch.randn(32))
+
+        def forward(self, x):
+            return (self.ln(x) * self.w).sum(-1)
+
+    torch.manual_seed(0)
+    model, x, y = Norm(), torch.randn(4, 8, 32), torch.randn(4, 8)
+    cg = capture(model, (x, y), F.mse_loss)
+    state = {f: dict(model.named_parameters())[f].detach() for f in cg.input_fqns}
+    hint = Strategy.parse("S(1),S(1),S(1),S(1),R,R->S(1),P(sum),P(sum)")
+    mesh = Mesh.parse("tp=2")
+    progs = lower_mesh(cg, mesh, batch_axis=None, axis_placements={}, state=state,
+                       axis_hints={"tp": {"native_layer_norm_backward": hint}})
+    assert "torch.ops.aten.clone.default(slice_tensor" in progs[0].module.code
+    outs = simulate_ranks([p.module for p in progs.values()],
+                          [[p.state[f] for f in p.input_fqns] + list(p.local_batch((x, y))) for p in progs.values()],
+                          mesh)
+    (loss, grads), = eager_sgd(model, [(x, y)], F.mse_loss, 0.1, 1)[0]
+    for r, p in progs.items():
+        for f in p.param_fqns:
+            torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")], grads[f], atol=1e-5, rtol=1e-5)

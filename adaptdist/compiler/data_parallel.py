@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -102,7 +102,8 @@ def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
 def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
                axis_placements: Mapping[str, Mapping[str, Placement]], bucket_bytes: int = 25 * 2**20,
                state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
-               plan_name: str = "", replicate_fallback: bool = False) -> dict[int, RankProgram]:
+               plan_name: str = "", replicate_fallback: bool = False,
+               axis_hints: Mapping[str, Mapping[str, Any]] | None = None) -> dict[int, RankProgram]:
     """Lower a captured step onto an N-D ``mesh``; returns one RankProgram per rank.
 
     Batch inputs are split on dim 0 (torch.chunk semantics) over ``batch_axis`` (None:
@@ -111,7 +112,9 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     :func:`lowering_order`): the whole pass pipeline runs for that axis and every
     coordinate along it gets its localized graph, which the next axis lowers in turn,
     treating the collectives already there as ordinary (linear) ops. Axes of size 1 are
-    skipped: they change nothing. Each rank's program means exactly what the
+    skipped: they change nothing. ``axis_hints`` (an automatic plan's node strategies per axis) are
+    followed where the rules agree, and parameters are then taken as given (no completion). Each
+    rank's program means exactly what the
     single-process step means on the whole global batch, and its state holds its own
     shard of every parameter.
 
@@ -133,13 +136,15 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     for axis in order:
         ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=bucket_bytes, shard_batch=axis == batch_axis,
-                          param_placements=dict(axis_placements.get(axis, {})), replicate_fallback=replicate_fallback)
+                          param_placements=dict(axis_placements.get(axis, {})), replicate_fallback=replicate_fallback,
+                          node_hints=dict((axis_hints or {}).get(axis, {})))
         ctxs[axis] = ctx
         if ctx.world_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
             axis_placements[axis] = {}
             continue
-        completed = complete_param_placements(next(iter(graphs.values())), ctx)
+        completed = (dict(ctx.param_placements) if axis_hints else
+                     complete_param_placements(next(iter(graphs.values())), ctx))
         axis_placements[axis] = completed
         ctx = dataclasses.replace(ctx, param_placements=completed)
         ctxs[axis] = ctx
@@ -166,7 +171,12 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
                           for f in sorted({f for pl in axis_placements.values() for f in pl})},
         graph_fingerprint=graph_fingerprint(captured.gm), name=plan_name,
         node_placements=node_placements, redistributions=redistributions,
+        node_strategies={n: [h.get(n).text() if h.get(n) is not None else "" for h in
+                             [(axis_hints or {}).get(a, {}) for a in mesh.names]]
+                         for n in sorted({n for h in (axis_hints or {}).values() for n in h})},
     )
+    if axis_hints:
+        _log_hints(lowered_placements=node_placements, plan=plan, mesh=mesh)
     global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
                      for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
     state_placements = {f: [repr(axis_placements.get(a, {}).get(f, Replicate())) if mesh.size(a) > 1 else "R"
@@ -193,6 +203,19 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     check_collectives(programs)
     check_against_plan(programs, plan)
     return programs
+
+
+def _log_hints(lowered_placements: Mapping[str, list[str]], plan: Plan, mesh: Mesh) -> None:
+    """Log how many of the planner's output placements the lowering reproduced."""
+    total = same = 0
+    for n, texts in plan.node_strategies.items():
+        if n not in lowered_placements:
+            continue
+        for k, t in enumerate(texts):
+            if t and mesh.sizes[k] > 1:
+                total += 1
+                same += lowered_placements[n][k] == t.partition("->")[2].split(",")[0]
+    log.info("planner strategies followed: %d of %d node placements as planned", same, total)
 
 
 def _local_state(state: dict[str, torch.Tensor], ctxs: list[PassContext], coords: tuple[int, ...]
@@ -249,7 +272,8 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
             raise UsageError(f"--mesh {mesh} differs from plan {plan.name!r}'s mesh {m}; drop --mesh")
         return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(),
                           bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
-                          replicate_fallback=replicate_fallback)
+                          replicate_fallback=replicate_fallback, axis_hints=plan.axis_hints() if plan.node_strategies
+                          else None)
     m = plan.mesh(world_size, mesh)
     placements = plan.axis_placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
     return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..placement import Placement
 
@@ -24,6 +24,8 @@ class PassContext:
             every rank (with one warning listing them) instead of raising UnsupportedOpError.
         param_placements: placement of each parameter/buffer (by fqn) on the axis;
             absent ones are replicated.
+        node_hints: node name -> the strategy the planner chose for it on this axis; propagation
+            follows it where the op's rule agrees (see ``propagate_placements``).
     """
 
     world_size: int
@@ -34,6 +36,7 @@ class PassContext:
     gather_bucket_bytes: int = 4 * 2**20
     replicate_fallback: bool = False
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
+    node_hints: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

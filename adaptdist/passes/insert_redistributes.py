@@ -4,7 +4,8 @@ Consumes ``adaptdist.redistribute`` (from propagation) and inserts, as
 functional collectives on the mesh axis's process group:
 
 * ``Partial -> Replicate``: ``all_reduce(sum)`` + ``wait_tensor``;
-* ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization;
+* ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization (made
+  contiguous when ``d`` is not the outermost dim: some ATen kernels read strided inputs wrongly);
 * ``Partial -> Shard(d)``: a padded ``reduce_scatter`` (torch.chunk blocks) where those
   are the blocks wanted: a gradient going to its parameter's shard, or a consumer whose
   other sharded inputs are chunked parameters/inputs of that size; elsewhere (the other
@@ -262,6 +263,13 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
         cur = Replicate()
     if isinstance(target, Shard) and isinstance(cur, Replicate):
         node = rank_slice(graph, node, target.dim, before=consumer, group_name=ctx.group_name)
+        shape = src.meta["val"].shape
+        if any(s > 1 for s in shape[:target.dim]):
+            # a strided slice: some ATen kernels read their inputs' storage as contiguous (measured, torch
+            # 2.13 CPU: native_layer_norm_backward with a strided mean/rstd gives wrong gradients)
+            with graph.inserting_before(consumer):
+                node = add_op(graph, aten.clone.default, (node,), target,
+                              kwargs={"memory_format": torch.contiguous_format})
         cur = target
     if cur != target:
         raise UnsupportedOpError(

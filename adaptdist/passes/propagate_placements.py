@@ -5,6 +5,10 @@ one rank, or a batch of one sample), parameters and buffers ``Replicate()``. One
 forward sweep in topological order applies :mod:`.sharding_rules` to each node;
 where a rule needs an input in another placement, the node records it under
 ``adaptdist.redistribute`` (the redistribution pass inserts the collective).
+Planner hints (``ctx.node_hints``, from an automatic plan): a node with one takes the planner's
+strategy when the op's rule, given the hinted input placements, yields the hinted outputs; its
+inputs are then redistributed to those placements (e.g. a local slice of a replicated tensor).
+Otherwise the rule's own choice stands, so a hint can never make a program wrong.
 Graph outputs: the loss and mutated buffers need ``Replicate()``; gradients are
 left to the gradient-bucketing pass.
 
@@ -27,7 +31,7 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
-from .sharding_rules import apply_rule, gather_all, rule_for, tensor_args
+from .sharding_rules import RuleResult, apply_rule, gather_all, rule_for, tensor_args
 
 log = logging.getLogger("adaptdist.passes")
 AXIS = 0  # the data-parallel mesh axis; an N-D mesh repeats this per axis
@@ -72,7 +76,7 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             out = Replicate()
         elif node.op == "call_function":
             try:
-                res = apply_rule(node, seen_as)
+                res = _follow_hint(node, ctx.node_hints.get(node.name), seen_as) or apply_rule(node, seen_as)
             except UnsupportedOpError:
                 if not ctx.replicate_fallback or rule_for(node) is not None:
                     raise
@@ -101,6 +105,38 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         log.warning("replicate fallback: %d op(s) without a sharding rule run whole on every rank, their inputs "
                     "gathered: %s", len(fallbacks), ", ".join(fallbacks))
     return gm, changed
+
+
+def _same(out, hinted: tuple) -> bool:
+    outs = out if isinstance(out, tuple) else (out,)
+    return len(outs) == len(hinted) and all(h is None or o == h for o, h in zip(outs, hinted))
+
+
+def _follow_hint(node: torch.fx.Node, hint, seen_as) -> RuleResult | None:
+    """The planner's strategy for ``node`` as a rule result: the op's own rule applied to the hinted input
+    placements must give the hinted outputs and need nothing more; inputs whose placement differs are
+    redistributed to the hinted one, which must not be Partial (nothing turns a value into a partial
+    sum). None when the hint is absent or the rule disagrees: the rule's own choice stands."""
+    if hint is None:
+        return None
+    args = tensor_args(node)
+    if len(hint.inputs) != len(args):
+        return None
+    want = {a: p for (_, a), p in zip(args, hint.inputs) if p is not None}
+    try:
+        res = apply_rule(node, lambda a: want.get(a, seen_as(a)))
+    except UnsupportedOpError:
+        return None
+    if res.needs or not _same(res.out, hint.outputs):
+        return None
+    needs = {}
+    for path, a in args:
+        p = want.get(a)
+        if p is not None and p != seen_as(a):
+            if isinstance(p, Partial):
+                return None
+            needs[path] = p
+    return RuleResult(res.out, needs)
 
 
 def _reduce_at_producer(node: torch.fx.Node, out) -> bool:

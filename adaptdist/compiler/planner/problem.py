@@ -12,7 +12,9 @@ holding strategies ``s_b``:
   ``Shard`` or an output is ``Partial`` (each rank does ``1/n`` of the arithmetic).
 - an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs,
   ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
-  on every axis ``b`` where it is ``Shard``).
+  on every axis ``b`` where it is ``Shard``). Gradient reductions and parameter all_gathers are
+  bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``: many tensors per
+  message), so their edges are charged bandwidth only, without the per-message latency.
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
   parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
@@ -63,14 +65,14 @@ def reshard_collective(src: Placement | None, dst: Placement | None) -> str | No
 def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,
                    beta_s_per_byte: float) -> float:
     """Seconds to turn a tensor of ``nbytes`` (its full size on this axis) from ``src`` into ``dst`` over
-    ``n`` ranks: the collective of :func:`reshard_collective` by the ring α-β formulas of
-    :func:`adaptdist.cost_models.communication.collective_time_s` (all_to_all moves each rank's
-    ``nbytes / n``)."""
+    ``n`` ranks: the collective of :func:`reshard_collective` by the α-β formulas of
+    :func:`adaptdist.cost_models.communication.collective_time_s`, the faster of ring and tree
+    (``algorithm="auto"``, as NCCL picks per message size); all_to_all moves each rank's ``nbytes / n``."""
     kind = reshard_collective(src, dst)
     if kind is None or n < 2:
         return 0.0
     size = nbytes / n if kind == "all_to_all" else nbytes
-    return float(collective_time_s(kind, size, n, alpha_s, beta_s_per_byte))
+    return float(collective_time_s(kind, size, n, alpha_s, beta_s_per_byte, "auto"))
 
 
 @dataclass
@@ -308,16 +310,18 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     edge_map: dict[tuple, EdgeVar] = {}
     cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
 
-    def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str) -> None:
+    def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str,
+                 bucketed: bool = False) -> None:
         sv = var_of[src]
+        alpha = 0.0 if bucketed else lc.alpha_s
         src_places_all = places_out[sv][idx] if idx < len(places_out[sv]) else [None] * len(vars_[sv].strategies)
         src_places = list(dict.fromkeys(src_places_all))
         dst_places = list(dict.fromkeys(dst_place_of))
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
-        mkey = (tuple(src_places), tuple(dst_places), nbytes)
+        mkey = (tuple(src_places), tuple(dst_places), nbytes, alpha)
         cost = cost_memo.get(mkey)
         if cost is None:
-            cost = [[reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte) for q in dst_places]
+            cost = [[reshard_time_s(p, q, nbytes, n, alpha, lc.beta_s_per_byte) for q in dst_places]
                     for p in src_places]
             cost_memo[mkey] = cost
         if not any(c > 0 for row in cost for c in row):
@@ -350,11 +354,12 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         if places is None:
             places = [s.inputs[e.slot] if e.slot < len(s.inputs) else None for s in vars_[dv].strategies]
             places_in[(dv, e.slot)] = places
-        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}")
+        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=pg.nodes[e.src].kind == "param")
     for param, (src, idx) in pg.grad_of.items():
         if src in var_of and param in var_of:
             pv = var_of[param]
-            add_edge(src, idx, pv, [_out(s, 0) for s in vars_[pv].strategies], f"gradient {src}->{param}")
+            add_edge(src, idx, pv, [_out(s, 0) for s in vars_[pv].strategies], f"gradient {src}->{param}",
+                     bucketed=True)
     for src, idx in ([pg.loss] if pg.loss else []) + list(pg.replicated_outputs):
         if src not in var_of:
             continue

@@ -339,9 +339,12 @@ def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chose
         pls = [place(pn.name, a) for a in names]
         if any(p != "R" for p in pls):
             params[pn.fqn] = pls
-    nodes = {n: [place(n, a) for a in names] for n in pg.nodes if pg.nodes[n].kind == "op"}
+    ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]
+    nodes = {n: [place(n, a) for a in names] for n in ops}
+    strategies = {n: [chosen[a][n].text() if n in chosen.get(a, {}) else "" for a in names] for n in ops}
     return Plan(mesh=c.mesh.as_dict(), batch_axis=c.batch_axis, param_placements=params,
-                graph_fingerprint=graph_fingerprint(captured.gm), node_placements=nodes, name="auto")
+                graph_fingerprint=graph_fingerprint(captured.gm), node_placements=nodes, name="auto",
+                node_strategies=strategies)
 
 
 def _infeasible(pg: PlanningGraph, candidates: Sequence[MeshCandidate], tried, capacity: float,
