@@ -14,7 +14,8 @@ holding strategies ``s_b``:
   ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
   on every axis ``b`` where it is ``Shard``). Gradient reductions and parameter all_gathers are
   bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``: many tensors per
-  message), so their edges are charged bandwidth only, without the per-message latency.
+  message), so their edges are charged bandwidth only, without the per-message latency; a
+  parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward).
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
   parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
@@ -41,6 +42,10 @@ from ...strategy import Strategy
 from .graph import PlanningGraph
 
 R = Replicate()
+
+PARAM_GATHERS = 2
+"""A sharded parameter is gathered twice per step: for the forward and again for the backward
+(``regather_in_backward`` frees it in between), so its edges' collectives count twice."""
 
 
 def splits(s: Strategy) -> bool:
@@ -311,17 +316,17 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
 
     def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str,
-                 bucketed: bool = False) -> None:
+                 bucketed: bool = False, repeats: int = 1) -> None:
         sv = var_of[src]
         alpha = 0.0 if bucketed else lc.alpha_s
         src_places_all = places_out[sv][idx] if idx < len(places_out[sv]) else [None] * len(vars_[sv].strategies)
         src_places = list(dict.fromkeys(src_places_all))
         dst_places = list(dict.fromkeys(dst_place_of))
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
-        mkey = (tuple(src_places), tuple(dst_places), nbytes, alpha)
+        mkey = (tuple(src_places), tuple(dst_places), nbytes, alpha, repeats)
         cost = cost_memo.get(mkey)
         if cost is None:
-            cost = [[reshard_time_s(p, q, nbytes, n, alpha, lc.beta_s_per_byte) for q in dst_places]
+            cost = [[repeats * reshard_time_s(p, q, nbytes, n, alpha, lc.beta_s_per_byte) for q in dst_places]
                     for p in src_places]
             cost_memo[mkey] = cost
         if not any(c > 0 for row in cost for c in row):
@@ -354,7 +359,9 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         if places is None:
             places = [s.inputs[e.slot] if e.slot < len(s.inputs) else None for s in vars_[dv].strategies]
             places_in[(dv, e.slot)] = places
-        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=pg.nodes[e.src].kind == "param")
+        from_param = pg.nodes[e.src].kind == "param"
+        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=from_param,
+                 repeats=PARAM_GATHERS if from_param else 1)
     for param, (src, idx) in pg.grad_of.items():
         if src in var_of and param in var_of:
             pv = var_of[param]

@@ -4,14 +4,16 @@ Search:
 
 1. **Mesh shapes** (:func:`mesh_candidates`): every factorisation of the world size into at most
    :data:`MAX_AXES` axes of size >= 2: an optional batch axis ``dp`` (it splits the batch; its
-   parameters may be sharded too: ZeRO/FSDP) outermost, then model-parallel axes ``tp``, ``tp2``.
-   Ranks are laid out row-major (the last axis varies fastest), so the innermost axes join
+   parameters may be sharded too: ZeRO/FSDP) outermost, then model-parallel axes ``tp``, ``tp2``,
+   ``tp3``. Ranks are laid out row-major (the last axis varies fastest), so the innermost axes join
    consecutive ranks, which share a host: the communication-heavy model-parallel axes land on the
-   fastest links, the batch axis across hosts. A fixed mesh skips the enumeration.
+   fastest links, the batch axis across hosts; on several hosts the model-parallel axes stay inside
+   one. A fixed mesh skips the enumeration.
 2. For each shape, **one ILP per mesh axis** (:mod:`.ilp`) with the other axes' strategies held
    fixed: the batch axis first, then the model-parallel axes, then again until no axis changes its
    choice (block coordinate descent, at most :data:`MAX_ROUNDS` rounds), each solve warm-started
-   from the last. Each ILP is exact for its axis given the others; the joint choice is a local
+   from the last. With many shapes, every shape gets one round and the :data:`REFINE_TOP`
+   fastest get the rest. Each ILP is exact for its axis given the others; the joint choice is a local
    optimum of the whole. The per-axis form is what keeps the LLaMA-3-8B case (32 layers, 8x8
    mesh) to a few thousand variables.
 3. Every shape's final choice is **evaluated** with every axis known (:func:`evaluate`): compute,
@@ -45,8 +47,10 @@ log = logging.getLogger("adaptdist.planner")
 
 MAX_AXES = 3
 MAX_ROUNDS = 2
+REFINE_TOP = 3
+"""With more mesh shapes than this, each gets one round and only this many fastest get the rest."""
 BATCH_AXIS = "dp"
-MODEL_AXES = ("tp", "tp2")
+MODEL_AXES = ("tp", "tp2", "tp3")
 
 
 @dataclass(frozen=True)
@@ -121,8 +125,11 @@ def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
     return out
 
 
-def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES) -> list[MeshCandidate]:
-    """Every mesh shape the planner tries (module docstring), in a fixed order."""
+def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES, host_size: int | None = None
+                    ) -> list[MeshCandidate]:
+    """Every mesh shape the planner tries (module docstring), in a fixed order. With ``host_size`` (devices
+    per host, on a cluster of several hosts), the model-parallel axes stay inside a host (their product
+    at most ``host_size``), unless the batch is too small for that to use every rank."""
     if world_size == 1:
         return [MeshCandidate(Mesh.one_axis(BATCH_AXIS, 1), BATCH_AXIS)]
     out = []
@@ -137,12 +144,24 @@ def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES) 
             axes = ([(BATCH_AXIS, dp)] if dp > 1 else []) + list(zip(MODEL_AXES, model))
             if axes:
                 out.append(MeshCandidate(Mesh(tuple(axes)), BATCH_AXIS if dp > 1 else None))
+    if host_size and host_size < world_size:
+        inside = [c for c in out if world_size // (c.mesh.size(BATCH_AXIS) if c.batch_axis else 1) <= host_size]
+        out = inside or out
     return sorted(out, key=lambda c: (len(c.mesh.names), out.index(c)))
 
 
 def _axis_order(c: MeshCandidate) -> list[str]:
     first = [c.batch_axis] if c.batch_axis else []
     return first + [a for a in c.mesh.names if a != c.batch_axis and c.mesh.size(a) > 1]
+
+
+def _host_size(cluster: Any) -> int | None:
+    """Devices on the largest host, or None on a single host."""
+    hosts: dict[str, int] = {}
+    for r in range(cluster.world_size):
+        h = cluster.device(r).host
+        hosts[h] = hosts.get(h, 0) + 1
+    return max(hosts.values()) if len(hosts) > 1 else None
 
 
 def _capacity_bytes(cluster: Any) -> float:
@@ -176,19 +195,22 @@ def _hint(problem: AxisProblem, previous: Mapping[str, Strategy] | None) -> list
 
 def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constraints: Constraints, state_copies: int,
                     capacity_bytes: float, cache: dict, time_limit_s: float,
-                    warm: Mapping[str, Mapping[str, Strategy]] | None = None
+                    warm: Mapping[str, Mapping[str, Strategy]] | None = None, rounds: int = MAX_ROUNDS,
+                    start: Mapping[str, Mapping[str, Strategy]] | None = None
                     ) -> tuple[Evaluation, dict[str, AxisSolution], dict[str, dict[str, Strategy]]]:
-    """Coordinate descent over ``c``'s axes (module docstring); returns the evaluation, each axis's last
+    """Coordinate descent over ``c``'s axes (module docstring), ``rounds`` rounds from ``start`` (each axis's
+    strategies from an earlier call; None: every axis unsolved); returns the evaluation, each axis's last
     problem and ILP result, and each axis's chosen strategies.
 
     Raises:
         Infeasible: an axis's ILP has no solution (memory, or constraints), with the reason.
     """
     order = _axis_order(c)
-    chosen: dict[str, dict[str, Strategy] | None] = {a: None for a in order}  # a warm plan only hints
+    chosen: dict[str, dict[str, Strategy] | None] = {a: (dict(start[a]) if start and a in start else None)
+                                                     for a in order}  # a warm plan only hints
     sols: dict[str, AxisSolution] = {}
     strat = {a: strategies_on_axis(pg, c.mesh.size(a), a == c.batch_axis, cache) for a in order}
-    for rnd in range(MAX_ROUNDS):
+    for rnd in range(rounds):
         changed = False
         for a in order:
             others = [OtherAxis(b, c.mesh.size(b), chosen[b]) for b in order if b != a]
@@ -274,7 +296,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         ba = batch_axis if batch_axis is not None else (BATCH_AXIS if BATCH_AXIS in mesh.names else None)
         candidates = [MeshCandidate(mesh, ba)]
     else:
-        candidates = mesh_candidates(world, captured.batch_size)
+        candidates = mesh_candidates(world, captured.batch_size, host_size=_host_size(cluster))
     pinned_axes = {a for per in constraints.pins.values() for a in per} | {a for v in constraints.forbid.values()
                                                                           for a in v}
     state_copies = optimizer_model(optimizer).state_copies
@@ -284,6 +306,9 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
     tried: list[tuple[MeshCandidate, Evaluation | str]] = []
     best = None
     t1 = time.perf_counter()
+    # screening: one round of every shape; the REFINE_TOP fastest that fit get the remaining rounds
+    screen = len(candidates) > REFINE_TOP
+    found: dict[MeshCandidate, tuple] = {}
     for c in candidates:
         if pinned_axes - set(c.mesh.names) and mesh is None:
             tried.append((c, f"lacks the pinned axes {sorted(pinned_axes - set(c.mesh.names))}"))
@@ -291,11 +316,25 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         if progress:
             progress(f"mesh {c}")
         try:
-            ev, sols, chosen = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache,
-                                               time_limit_s, warm)
+            found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s, warm,
+                                       rounds=1 if screen else MAX_ROUNDS)
         except Infeasible as e:
             tried.append((c, f"infeasible ({e})"))
+    if screen:
+        ranked = sorted(found, key=lambda c: (not found[c][0].fits, found[c][0].step_s, candidates.index(c)))
+        for c in ranked[:REFINE_TOP]:
+            if progress:
+                progress(f"refine mesh {c}")
+            try:
+                found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s,
+                                           warm, rounds=MAX_ROUNDS - 1, start=found[c][2])
+            except Infeasible as e:
+                tried.append((c, f"infeasible ({e})"))
+                del found[c]
+    for c in candidates:
+        if c not in found:
             continue
+        ev, sols, chosen = found[c]
         if not ev.fits:
             tried.append((c, f"needs {ev.memory_bytes / 2**30:.2f} GiB per rank, devices hold "
                              f"{capacity / 2**30:.2f} GiB"))
@@ -303,6 +342,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         tried.append((c, ev))
         if best is None or ev.step_s < best[1].step_s * (1 - 1e-9):
             best = (c, ev, sols, chosen)
+    tried.sort(key=lambda t: candidates.index(t[0]))
     phases["solve"] = time.perf_counter() - t1
     if best is None:
         raise _infeasible(pg, candidates, tried, capacity, constraints, cluster, state_copies, cache)
