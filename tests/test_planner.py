@@ -1,0 +1,184 @@
+"""The global planner on fake (meta) models at large world sizes: no processes, no real memory.
+
+It must rediscover data parallelism, FSDP/ZeRO-like sharding and Megatron tensor parallelism
+where each is the right answer, agree with brute force on toy problems, be deterministic, and
+fail with a PlanInfeasibleError that names what conflicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist.compiler.capture import capture
+from adaptdist.compiler.planner import Constraints, plan_auto
+from adaptdist.compiler.planner.ilp import brute_force, solve
+from adaptdist.compiler.planner.problem import AxisProblem, ClassVar, EdgeVar
+from adaptdist.cost_models.hardware import DeviceFigures, FixedCluster, LinkFigures
+from adaptdist.errors import PlanInfeasibleError
+from adaptdist.mesh import Mesh
+from adaptdist.placement import Partial, Replicate, Shard
+from adaptdist.strategy import Strategy
+
+
+class ResidualMLP(nn.Module):
+    """``depth`` residual blocks ``x + W2 relu(W1 x)``; ``x: [B, d]``."""
+
+    def __init__(self, d: int, hidden: int, depth: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, d))
+                                    for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def gpus(hosts: int, per_host: int, memory_bytes: int = 80 * 10**9) -> FixedCluster:
+    """Hosts of ``per_host`` GPUs: 450 GB/s inside a host, 50 GB/s between hosts (the issue's cluster)."""
+    cl = FixedCluster.uniform([(f"h{i}", per_host) for i in range(hosts)], kind="cuda", memory_bytes=memory_bytes)
+    return dataclasses.replace(cl, intra_host=LinkFigures("intra_host", 450e9, 5e-6),
+                               inter_host=LinkFigures("inter_host", 50e9, 1e-5))
+
+
+def mlp_step(d: int, hidden: int, depth: int, batch: int):
+    with torch.device("meta"):
+        model = ResidualMLP(d, hidden, depth)
+    x = torch.zeros(batch, d, device="meta")
+    return capture(model, (x, x), F.mse_loss)
+
+
+def weights(plan):
+    """{fqn: placements} of the 2-D weights (biases are small enough that either choice costs nothing)."""
+    return {f: p for f, p in plan.param_placements.items() if f.endswith(".weight")}
+
+
+def test_small_model_with_a_large_batch_is_data_parallel():
+    result = plan_auto(mlp_step(64, 256, 2, 65536), gpus(1, 8))
+    assert dict(result.plan.mesh) == {"dp": 8} and result.plan.batch_axis == "dp"
+    assert weights(result.plan) == {}  # every weight replicated: gradients all-reduced
+    assert result.predicted.fits
+
+
+def test_data_parallel_at_256_ranks():
+    result = plan_auto(mlp_step(64, 256, 2, 65536), gpus(32, 8), mesh=Mesh.parse("dp=256"))
+    assert result.plan.batch_axis == "dp" and weights(result.plan) == {}
+    searched = plan_auto(mlp_step(64, 256, 2, 65536), gpus(32, 8))
+    assert searched.plan.batch_axis == "dp" and searched.plan.mesh_spec.world_size == 256
+    assert searched.predicted.step_s <= result.predicted.step_s * (1 + 1e-9)  # the search may only do better
+
+
+def test_parameters_beyond_one_device_are_sharded_like_fsdp():
+    """Adam state of 8 layers 1024x4096 (1.1 GB with parameters and gradients) plus activations do not
+    fit 2 GB replicated; with a batch of 65536 rows sharding parameters over the batch axis (FSDP)
+    moves far less than tensor parallelism would (whose activations are 256 MB per layer)."""
+    step = mlp_step(1024, 4096, 8, 65536)
+    roomy = plan_auto(step, gpus(1, 8))
+    tight = plan_auto(step, gpus(1, 8, memory_bytes=2 * 10**9))
+    assert roomy.predicted.memory_bytes > 2 * 10**9  # replicated, it would not fit
+    assert tight.plan.batch_axis == "dp" and dict(tight.plan.mesh) == {"dp": 8}
+    w = weights(tight.plan)
+    assert len(w) >= 12 and all(p[0].startswith("S(") for p in w.values()), w
+    assert tight.predicted.memory_bytes <= 2 * 10**9
+
+
+def test_wide_layers_with_a_small_batch_on_fast_links_are_tensor_parallel():
+    result = plan_auto(mlp_step(8192, 32768, 2, 8), gpus(1, 8))
+    assert result.plan.batch_axis is None  # no data parallelism: 8 rows are nothing to split
+    w = weights(result.plan)
+    for i in range(2):  # Megatron: column-parallel first linear, row-parallel second
+        assert w[f"layers.{i}.0.weight"] == ["S(0)"] and w[f"layers.{i}.2.weight"] == ["S(1)"], w
+
+
+def test_plan_is_deterministic():
+    step = mlp_step(256, 1024, 2, 64)
+    a = plan_auto(step, gpus(1, 4)).plan.to_json()
+    b = plan_auto(step, gpus(1, 4)).plan.to_json()
+    assert a == b
+
+
+def test_repeated_layers_share_decisions():
+    """The ILP has as many decisions for 12 layers as for 6: identical blocks share them (only the
+    first and last layers, whose neighbourhoods differ, have classes of their own)."""
+    small = plan_auto(mlp_step(64, 256, 6, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
+    deep = plan_auto(mlp_step(64, 256, 12, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
+    n_small = len(small.axes["dp"].problem.vars)
+    n_deep = len(deep.axes["dp"].problem.vars)
+    assert len(deep.graph.nodes) > 1.8 * len(small.graph.nodes)
+    assert n_deep <= n_small + 5, (n_small, n_deep)
+
+
+def test_heterogeneous_cluster_uses_the_smallest_memory_and_the_slowest_device():
+    fast = DeviceFigures(0, "h0", "cuda", {"float32": 19.5e12}, 80 * 10**9, 2e12)
+    slow = DeviceFigures(1, "h0", "cuda", {"float32": 9.75e12}, 16 * 10**9, 1e12)
+    link = LinkFigures("intra_host", 450e9, 5e-6)
+    mixed = FixedCluster((fast, slow), link, LinkFigures("inter_host", 50e9, 1e-5))
+    same = FixedCluster((fast, dataclasses.replace(fast, rank=1)), link, LinkFigures("inter_host", 50e9, 1e-5))
+    step = mlp_step(1024, 4096, 2, 4096)
+    r_mixed, r_same = plan_auto(step, mixed), plan_auto(step, same)
+    assert r_mixed.predicted.capacity_bytes == 16 * 10**9
+    assert r_mixed.predicted.compute_s == pytest.approx(2 * r_same.predicted.compute_s, rel=0.05)
+
+
+def test_contradictory_pins_name_both():
+    step = mlp_step(64, 256, 2, 512)
+    pins = Constraints(pins={"layers.*.0.weight": {"tp": "S(0)"}, "layers.0.0.weight": {"tp": "S(1)"}})
+    with pytest.raises(PlanInfeasibleError, match=r"layers\.\*\.0\.weight.*layers\.0\.0\.weight"):
+        plan_auto(step, gpus(1, 2), constraints=pins)
+
+
+def test_pin_that_no_strategy_allows_names_the_node():
+    step = mlp_step(64, 256, 2, 512)
+    with pytest.raises(PlanInfeasibleError, match=r"S\(5\).*layers\.0\.0\.weight"):
+        plan_auto(step, gpus(1, 2), mesh=Mesh.parse("tp=2"),
+                  constraints=Constraints(pins={"layers.0.0.weight": {"tp": "S(5)"}}))
+
+
+def test_pins_and_forbidden_axes_are_obeyed():
+    step = mlp_step(8192, 32768, 2, 8)
+    pinned = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"),
+                       constraints=Constraints(pins={"layers.0.0.weight": {"tp": "R"}}))
+    assert "layers.0.0.weight" not in pinned.plan.param_placements
+    assert pinned.plan.param_placements["layers.1.0.weight"] == ["S(0)"]  # layer 1 is a class of its own now
+
+
+def test_impossible_memory_names_the_device_and_the_sizes():
+    step = mlp_step(1024, 4096, 8, 65536)
+    with pytest.raises(PlanInfeasibleError, match=r"rank 0 \(cuda on h0\) holds 0\.09 GiB.*optimizer state"):
+        plan_auto(step, gpus(1, 8, memory_bytes=10**8))
+
+
+def _toy(seed: int) -> AxisProblem:
+    """A random problem of 6 decisions with 2-4 strategies, random compute, resharding and memory."""
+    rng = random.Random(seed)
+    places = [Replicate(), Shard(0), Shard(1), Partial()]
+    vars_ = []
+    for i in range(6):
+        k = rng.randint(2, 4)
+        strats = [Strategy((), (places[j],), "adaptdist") for j in range(k)]
+        vars_.append(ClassVar(f"v{i}", [f"v{i}"], strats, [rng.uniform(0, 1e-3) for _ in range(k)],
+                              [[rng.uniform(0, 10) for _ in range(k)]], list(range(k))))
+    edges = []
+    for _ in range(8):
+        a, b = rng.sample(range(6), 2)
+        ka, kb = len(vars_[a].strategies), len(vars_[b].strategies)
+        edges.append(EdgeVar(a, b, places[:ka], places[:kb], list(range(ka)), list(range(kb)),
+                             [[0.0 if p == q else rng.uniform(0, 1e-3) for q in range(kb)] for p in range(ka)]))
+    return AxisProblem("tp", 2, vars_, edges, capacity_bytes=35.0, fixed_bytes=[0.0], peak_steps=[0],
+                       var_of={f"v{i}": i for i in range(6)}, alpha_s=0.0, beta_s_per_byte=0.0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ilp_objective_equals_brute_force_on_toy_problems(seed):
+    problem = _toy(seed)
+    choice, best = brute_force(problem)
+    result = solve(problem)
+    assert result.status == "optimal"
+    assert problem.memory_ok(result.choice)
+    assert result.objective_s == pytest.approx(best, abs=2e-9 * len(problem.vars))
