@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
     _add_common(t)
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
-    t.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|dp,tp|FILE",
-                   help="dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
+    t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE",
+                   help="auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
+                        "model; --mesh fixes the mesh); "
+                        "dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); dp,tp: both on "
                         "a 2-D mesh (--mesh dp=2,tp=2); FILE: a plan YAML of parameter globs per mesh axis, or a "
                         "saved plan.json (checked against the model's graph)")
@@ -78,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="compile a plan and print where every parameter lives (no training)",
                        formatter_class=fmt)
     _add_common(p)
-    p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|dp,tp|FILE", help="as for train")
+    p.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
+                   help="sizes the optimizer state the automatic plan must fit")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
     from .calibrate.command import add_parser as add_cluster_parser
 
@@ -86,7 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     from .cost_models.command import add_parser as add_estimate_parser
 
     add_estimate_parser(sub, _add_common)  # adaptdist estimate
+    from .compiler.planner.command import add_parser as add_explain_parser
+
+    add_explain_parser(sub, _add_common)  # adaptdist explain NODE
     return ap
+
+
+def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str):
+    """``--plan`` as a plan object, and the captured step when the planner captured it (else None):
+    ``auto`` runs the planner for ``cluster`` (printing its summary), anything else is a manual plan."""
+    from .annotations import ManualPlan
+
+    if args.plan != "auto":
+        return ManualPlan.parse(args.plan, spec.module()), None
+    from .compiler.capture import capture
+    from .compiler.planner.command import print_summary, run_planner
+
+    captured = capture(model, example, loss_fn)
+    result = run_planner(captured, cluster, args.mesh, optimizer, console)
+    print_summary(console, result)
+    return result.plan, captured
+
+
+MAX_LOWERED_RANKS = 16
+"""``adaptdist plan`` lowers an automatic plan to show shards and collectives only up to this many ranks."""
 
 
 def cmd_plan(args) -> int:
@@ -95,7 +122,6 @@ def cmd_plan(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .annotations import ManualPlan
     from .compiler.consistency import collective_calls
     from .compiler.data_parallel import compile_program
     from .model_spec import ModelSpec
@@ -107,8 +133,17 @@ def cmd_plan(args) -> int:
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
-    plan = ManualPlan.parse(args.plan, spec.module())
-    programs = compile_program(model, example, loss_fn, cluster.world_size, plan, mesh=args.mesh)
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console,
+                                  args.optimizer.replace("-", "_"))
+    if captured is not None and cluster.world_size > MAX_LOWERED_RANKS:
+        if args.out:
+            Path(args.out).write_text(plan.to_json())
+            console.print(f"wrote {args.out}")
+        console.print(f"(not lowered: {cluster.world_size} ranks; `adaptdist plan` lowers automatic plans of up to "
+                      f"{MAX_LOWERED_RANKS} ranks to list each rank's shards and collectives)")
+        return 0
+    programs = compile_program(model, example, loss_fn, cluster.world_size, plan,
+                               mesh=args.mesh if captured is None else None, captured=captured)
     p0 = programs[0]
     mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
     batch_axis = p0.plan.batch_axis
@@ -192,7 +227,6 @@ def cmd_train(args) -> int:
     from rich.console import Console
     from safetensors.torch import load_file, save_file
 
-    from .annotations import ManualPlan
     from .compiler.data_parallel import compile_program
     from .model_spec import ModelSpec
     from .program import save_programs
@@ -236,10 +270,10 @@ def cmd_train(args) -> int:
     console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
-    plan = ManualPlan.parse(args.plan, module)
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer)
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
                                dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
-                               mesh=args.mesh)
+                               mesh=args.mesh if captured is None else None, captured=captured)
     _check_checkpointable(programs[0])
     from .runtime.preflight import check_host_memory
 
@@ -298,6 +332,13 @@ def cmd_estimate(args) -> int:
     return run(args, _cluster(args))
 
 
+def cmd_explain(args) -> int:
+    """``adaptdist explain NODE``: see :mod:`adaptdist.compiler.planner.command`."""
+    from .compiler.planner.command import cmd_explain as run
+
+    return run(args, _cluster(args))
+
+
 def cmd_cluster(args) -> int:
     """``adaptdist cluster detect|profile``: see :mod:`adaptdist.calibrate.command`."""
     from .calibrate.command import cmd_cluster as run
@@ -314,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate}
+        commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
+                    "explain": cmd_explain}
         return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -241,12 +241,14 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
 
 def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
                     bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
-                    replicate_fallback: bool = False, mesh: str | None = None) -> dict[int, RankProgram]:
+                    replicate_fallback: bool = False, mesh: str | None = None,
+                    captured: CapturedGraph | None = None) -> dict[int, RankProgram]:
     """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
 
     ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel) or a saved
     :class:`~adaptdist.plan.Plan`; ``mesh`` (``"dp=2,tp=2"``) sizes a multi-axis plan's axes. Each
-    program holds its rank's shard of the model's current parameters and buffers.
+    program holds its rank's shard of the model's current parameters and buffers. ``captured``: this
+    model's step already captured (the planner's), so it is not captured twice.
 
     Raises:
         CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower_mesh` and
@@ -255,9 +257,10 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
     from ..annotations import ManualPlan
 
     t0 = time.perf_counter()
-    captured = capture(model, batch, loss_fn)
-    log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
-             time.perf_counter() - t0)
+    if captured is None:
+        captured = capture(model, batch, loss_fn)
+        log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
+                 time.perf_counter() - t0)
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}

@@ -24,7 +24,7 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     p = sub.add_parser("estimate", help="predict step time and peak memory per rank for a plan (runs nothing)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_common(p)
-    p.add_argument("--plan", default="dp", metavar="dp|fsdp|tp|dp,tp|FILE", help="as for train")
+    p.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="optimizer whose state and step are costed")
     p.add_argument("--bucket-mb", type=float, default=2.0, help="gradient bucket size, MiB (as for train)")
@@ -57,16 +57,28 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         console = Console(emoji=False, width=140)
     spec = ModelSpec.parse(args.model)
     module = spec.module()
-    plan = ManualPlan.parse(args.plan, module)
     bucket_bytes = int(args.bucket_mb * 2**20)
     optimizer = args.optimizer.replace("-", "_")
+    if args.plan == "auto":
+        from ..cli import resolve_plan
+
+        torch.manual_seed(0)
+        model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+        auto, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer)
+        programs = compile_program(model, example, loss_fn, cluster.world_size, auto, bucket_bytes=bucket_bytes,
+                                   captured=captured)
+        plan = ManualPlan(name="auto", mesh_axes=tuple(auto.mesh), batch_axis=auto.batch_axis,
+                          params=tuple((f, tuple(p)) for f, p in auto.param_placements.items()))
+    else:
+        plan = ManualPlan.parse(args.plan, module)
 
     def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None):
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(batch_size, seq_len)
         return compile_program(model, example, loss_fn, world_size, plan, bucket_bytes=bucket_bytes, mesh=mesh), example
 
-    programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh)
+    if args.plan != "auto":
+        programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh)
     est = estimate_programs(programs, cluster, optimizer, args.algorithm)
     p0 = programs[0]
     mesh_text = ",".join(f"{a}={n}" for a, n in p0.mesh.items())

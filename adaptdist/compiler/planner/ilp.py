@@ -157,6 +157,8 @@ def solve(problem: AxisProblem, time_limit_s: float = 30.0, hint: Sequence[int] 
     solver.SuppressOutput()
     solver.SetNumThreads(1)
     solver.SetTimeLimit(int(time_limit_s * 1000))
+    if name == "HIGHS":  # setting any parameter turns HiGHS's banner back on
+        solver.SetSolverSpecificParametersAsString("output_flag=false")
     x = _strategies(solver, problem)
     unary = [{k: v.compute_s[k] + v.reshard_s[k] for k in v.allowed} for v in problem.vars]
     terms = _edges(solver, problem, x, unary)

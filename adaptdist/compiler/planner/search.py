@@ -18,7 +18,8 @@ Search:
    mesh) to a few thousand variables.
 3. Every shape's final choice is **evaluated** with every axis known (:func:`evaluate`): compute,
    each axis's communication, peak memory per rank. The fastest shape that fits wins; ties go to
-   the earlier shape in :func:`mesh_candidates` order (fewer axes, larger batch axis first).
+   the earlier shape in :func:`mesh_candidates` order (fewer axes, larger batch axis first); shapes
+   within :data:`TIE_TOLERANCE` of the fastest count as ties.
 
 The result is a :class:`~adaptdist.plan.Plan` (``name="auto"``) the lowering takes like any other;
 the lowering places activations by its own propagation from the parameters and the batch, and the
@@ -47,6 +48,9 @@ log = logging.getLogger("adaptdist.planner")
 
 MAX_AXES = 3
 MAX_ROUNDS = 2
+TIE_TOLERANCE = 0.01
+"""Mesh shapes predicted within this fraction of the fastest count as ties (the model is not that exact);
+the first in :func:`mesh_candidates` order wins: a batch axis before none, fewer axes before more."""
 REFINE_TOP = 3
 """With more mesh shapes than this, each gets one round and only this many fastest get the rest."""
 BATCH_AXIS = "dp"
@@ -331,6 +335,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             except Infeasible as e:
                 tried.append((c, f"infeasible ({e})"))
                 del found[c]
+    feasible = []
     for c in candidates:
         if c not in found:
             continue
@@ -340,8 +345,11 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
                              f"{capacity / 2**30:.2f} GiB"))
             continue
         tried.append((c, ev))
-        if best is None or ev.step_s < best[1].step_s * (1 - 1e-9):
-            best = (c, ev, sols, chosen)
+        feasible.append((c, ev, sols, chosen))
+    if feasible:
+        fastest = min(f[1].step_s for f in feasible)
+        # shapes predicted within TIE_TOLERANCE of the fastest are ties: the first in canonical order wins
+        best = next(f for f in feasible if f[1].step_s <= fastest * (1 + TIE_TOLERANCE))
     tried.sort(key=lambda t: candidates.index(t[0]))
     phases["solve"] = time.perf_counter() - t1
     if best is None:

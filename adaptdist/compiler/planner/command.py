@@ -1,0 +1,110 @@
+"""The planner on the command line: ``--plan auto`` (the default of train, plan and estimate) and
+``adaptdist explain NODE``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+from ...errors import UsageError
+from .explain import explain, layer_rows
+from .search import PlannerResult, plan_auto
+
+
+def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """``adaptdist explain NODE [model] ...``."""
+    p = sub.add_parser("explain", help="why the automatic plan gave one node (or parameter) its strategy",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("node", help="a node name of the joint graph (see node_placements in plan.json) or a parameter "
+                                "name such as blocks.0.fc.weight")
+    add_common(p)
+    p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw")
+    return p
+
+
+def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None
+                ) -> PlannerResult:
+    """:func:`plan_auto` on ``captured`` for ``cluster`` (``mesh``: a fixed ``"dp=2,tp=2"``), with a status line
+    while it searches."""
+    from ...mesh import Mesh
+
+    fixed = Mesh.parse(mesh) if mesh else None
+    if fixed is not None and fixed.world_size != cluster.world_size:
+        raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
+    if console is None:
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer)
+    with console.status("planning") as status:
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+                         progress=lambda text: status.update(f"planning: {text}"))
+
+
+def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
+    """The chosen mesh, predicted time and memory per rank, shapes tried, and (``layers``) the per-layer table."""
+    from rich.table import Table
+
+    ev, plan = result.predicted, result.plan
+    mesh = ",".join(f"{a}={n}" for a, n in plan.mesh.items())
+    comm = ", ".join(f"{a} {1e3 * t:.3f} ms" for a, t in ev.communication_s.items())
+    stats = "; ".join(f"{a}: {s.result.status}, gap {100 * s.result.gap:.2g}%, {s.result.num_variables} variables"
+                      for a, s in result.axes.items())
+    console.print(f"automatic plan: mesh {mesh}, batch {'split over ' + plan.batch_axis if plan.batch_axis else 'replicated'}"
+                  f"; predicted step {1e3 * ev.step_s:.3f} ms per rank (compute {1e3 * ev.compute_s:.3f} ms, "
+                  f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
+                  f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
+                  f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    if len(result.tried) > 1:
+        t = Table(title="mesh shapes tried (predicted per rank)")
+        for col in ("mesh", "batch axis", "step ms", "communication ms", "memory MiB", ""):
+            t.add_column(col)
+        for c, ev_or_why in result.tried:
+            if isinstance(ev_or_why, str):
+                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", ev_or_why)
+            else:
+                t.add_row(str(c), str(c.batch_axis or "-"), f"{1e3 * ev_or_why.step_s:.3f}",
+                          f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
+                          f"{ev_or_why.memory_bytes / 2**20:,.1f}", "chosen" if c == result.candidate else "")
+        console.print(t)
+    if layers:
+        t = Table(title="parameter placements (per layer pattern)")
+        for col in ("parameters", "placement per mesh axis", "count"):
+            t.add_column(col)
+        for pattern, text, n in layer_rows(result):
+            t.add_row(pattern, text, str(n))
+        console.print(t)
+
+
+def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
+    """Plan automatically and print the alternatives of ``args.node`` on each mesh axis, with the reason."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from ...model_spec import ModelSpec
+    from ..capture import capture
+
+    console = Console(emoji=False)
+    if not console.is_terminal:
+        console = Console(emoji=False, width=140)
+    spec = ModelSpec.parse(args.model)
+    torch.manual_seed(0)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    t0 = time.perf_counter()
+    result = run_planner(capture(model, example, loss_fn), cluster, args.mesh, args.optimizer.replace("-", "_"),
+                         console)
+    print_summary(console, result, layers=False)
+    console.print(f"(planned in {time.perf_counter() - t0:.1f} s)")
+    found = explain(result, args.node)
+    if not found:
+        console.print(f"{args.node}: no decision on any mesh axis (a single-rank mesh)")
+    for ax in found:
+        t = Table(title=f"{args.node} on mesh axis {ax.axis} ({result.plan.mesh[ax.axis]} ranks): decision "
+                        f"{ax.decision}, {ax.members} node(s) sharing it")
+        for col in ("strategy (inputs->outputs)", "compute ms", "resharding ms", "total ms", "peak MiB", ""):
+            t.add_column(col)
+        for a in ax.alternatives:
+            t.add_row(a.strategy, f"{1e3 * a.compute_s:.4f}", f"{1e3 * a.reshard_s:.4f}", f"{1e3 * a.total_s:.4f}",
+                      f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
+        console.print(t)
+        console.print(f"why: {ax.reason}")
+    return 0
