@@ -41,6 +41,7 @@ from ...strategy import Strategy
 from ..capture import CapturedGraph
 from .graph import PlanningGraph, build_planning_graph
 from .ilp import ILPResult, Infeasible, solve
+from .random_walk import random_walk
 from .problem import (AxisProblem, Constraints, OtherAxis, build_axis_problem, chosen_strategies, pinned_nodes,
                       strategies_on_axis)
 
@@ -48,6 +49,8 @@ log = logging.getLogger("adaptdist.planner")
 
 MAX_AXES = 3
 MAX_ROUNDS = 2
+SEARCHERS: dict[str, Callable] = {"ilp": solve, "random_walk": random_walk}
+
 TIE_TOLERANCE = 0.01
 """Mesh shapes predicted within this fraction of the fastest count as ties (the model is not that exact);
 the first in :func:`mesh_candidates` order wins: a batch axis before none, fewer axes before more."""
@@ -200,11 +203,12 @@ def _hint(problem: AxisProblem, previous: Mapping[str, Strategy] | None) -> list
 def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constraints: Constraints, state_copies: int,
                     capacity_bytes: float, cache: dict, time_limit_s: float,
                     warm: Mapping[str, Mapping[str, Strategy]] | None = None, rounds: int = MAX_ROUNDS,
-                    start: Mapping[str, Mapping[str, Strategy]] | None = None
+                    start: Mapping[str, Mapping[str, Strategy]] | None = None, searcher: Callable = solve
                     ) -> tuple[Evaluation, dict[str, AxisSolution], dict[str, dict[str, Strategy]]]:
     """Coordinate descent over ``c``'s axes (module docstring), ``rounds`` rounds from ``start`` (each axis's
-    strategies from an earlier call; None: every axis unsolved); returns the evaluation, each axis's last
-    problem and ILP result, and each axis's chosen strategies.
+    strategies from an earlier call; None: every axis unsolved), each axis solved by ``searcher`` (the ILP's
+    :func:`~.ilp.solve`, or the baseline :func:`~.random_walk.random_walk`); returns the evaluation, each
+    axis's last problem and result, and each axis's chosen strategies.
 
     Raises:
         Infeasible: an axis's ILP has no solution (memory, or constraints), with the reason.
@@ -221,7 +225,7 @@ def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constrain
             prob = build_axis_problem(pg, c.mesh, a, c.batch_axis, cluster, strat[a], others, constraints,
                                       state_copies, capacity_bytes)
             prev = chosen[a] or (warm or {}).get(a)
-            res = solve(prob, time_limit_s, hint=_hint(prob, prev))
+            res = searcher(prob, time_limit_s=time_limit_s, hint=_hint(prob, prev))
             new = chosen_strategies(prob, res.choice)
             changed |= new != chosen[a]
             chosen[a] = new
@@ -268,7 +272,8 @@ def _check_pins(pg: PlanningGraph, constraints: Constraints) -> None:
 
 def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None, batch_axis: str | None = None,
               constraints: Constraints | None = None, optimizer: str = "adamw", time_limit_s: float = 30.0,
-              previous: Plan | None = None, progress: Callable[[str], None] | None = None) -> PlannerResult:
+              previous: Plan | None = None, progress: Callable[[str], None] | None = None,
+              searcher: str = "ilp") -> PlannerResult:
     """Choose the mesh shape (unless ``mesh`` is given) and every node's strategy (module docstring).
 
     Args:
@@ -280,12 +285,16 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         optimizer: sizes the optimizer state (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``).
         time_limit_s: per ILP solve.
         previous: a plan to warm-start from.
+        searcher: ``ilp`` (the default) or ``random_walk`` (the baseline of :mod:`.random_walk`).
 
     Raises:
         PlanInfeasibleError: no mesh shape fits the memory, or the pins contradict (message says which).
         UsageError: a pin names an unknown axis or matches nothing; a fixed mesh does not match the cluster.
     """
     constraints = constraints or Constraints()
+    if searcher not in SEARCHERS:
+        raise UsageError(f"searcher {searcher!r} is not one of {sorted(SEARCHERS)}")
+    search_fn = SEARCHERS[searcher]
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     pg0 = build_planning_graph(captured, cluster)
@@ -321,7 +330,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             progress(f"mesh {c}")
         try:
             found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s, warm,
-                                       rounds=1 if screen else MAX_ROUNDS)
+                                       rounds=1 if screen else MAX_ROUNDS, searcher=search_fn)
         except Infeasible as e:
             tried.append((c, f"infeasible ({e})"))
     if screen:
@@ -331,7 +340,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
                 progress(f"refine mesh {c}")
             try:
                 found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s,
-                                           warm, rounds=MAX_ROUNDS - 1, start=found[c][2])
+                                           warm, rounds=MAX_ROUNDS - 1, start=found[c][2], searcher=search_fn)
             except Infeasible as e:
                 tried.append((c, f"infeasible ({e})"))
                 del found[c]
