@@ -92,14 +92,14 @@ def model_file(tmp_path):
 
 
 def test_cli_prints_the_estimate_table(model_file, capsys):
-    assert main(["estimate", model_file, "--nproc", "2", "--batch-size", "8", "--optimizer", "sgd"]) == 0
+    assert main(["estimate", model_file, "--nproc", "2", "--batch-size", "8", "--optimizer", "sgd", "--plan", "dp"]) == 0
     out = capsys.readouterr().out
     assert "predicted step" in out and "peak MiB" in out and "all_reduce" in out
     assert out.count("cpu@localhost") == 2  # one row per rank
 
 
 def test_cli_symbolic_and_bad_optimizer(model_file, capsys):
-    assert main(["estimate", model_file, "--nproc", "2", "--batch-size", "8", "--symbolic"]) == 0
+    assert main(["estimate", model_file, "--nproc", "2", "--batch-size", "8", "--symbolic", "--plan", "dp"]) == 0
     out = capsys.readouterr().out
     # per sample: forward 2*16*32 + 2*32*4, backward 4*32*4 + 2*16*32 FLOPs; the batch split over dp
     assert "FLOPs per rank        = 2816*B/dp" in out

@@ -12,9 +12,9 @@ holding strategies ``s_b``:
   ``Shard`` or an output is ``Partial`` (each rank does ``1/n`` of the arithmetic).
 - an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs,
   ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
-  on every axis ``b`` where it is ``Shard``). Gradient reductions and parameter all_gathers are
-  bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``: many tensors per
-  message), so their edges are charged bandwidth only, without the per-message latency; a
+  on every axis ``b`` where it is ``Shard``). Gradient reductions (all_reduce, reduce_scatter) and
+  parameter all_gathers are bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``:
+  many tensors per message), so they are charged bandwidth only, without the per-message latency; a
   parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward).
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
@@ -68,16 +68,25 @@ def reshard_collective(src: Placement | None, dst: Placement | None) -> str | No
 
 
 def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,
-                   beta_s_per_byte: float) -> float:
+                   beta_s_per_byte: float, bucketed: frozenset[str] = frozenset()) -> float:
     """Seconds to turn a tensor of ``nbytes`` (its full size on this axis) from ``src`` into ``dst`` over
     ``n`` ranks: the collective of :func:`reshard_collective` by the α-β formulas of
     :func:`adaptdist.cost_models.communication.collective_time_s`, the faster of ring and tree
-    (``algorithm="auto"``, as NCCL picks per message size); all_to_all moves each rank's ``nbytes / n``."""
+    (``algorithm="auto"``, as NCCL picks per message size); all_to_all moves each rank's ``nbytes / n``.
+    A collective whose kind is in ``bucketed`` shares its message with others (the lowering's buckets):
+    it pays bandwidth only, no latency."""
     kind = reshard_collective(src, dst)
     if kind is None or n < 2:
         return 0.0
     size = nbytes / n if kind == "all_to_all" else nbytes
-    return float(collective_time_s(kind, size, n, alpha_s, beta_s_per_byte, "auto"))
+    alpha = 0.0 if kind in bucketed else alpha_s
+    return float(collective_time_s(kind, size, n, alpha, beta_s_per_byte, "auto"))
+
+
+GRADIENT_BUCKETS = frozenset({"all_reduce", "reduce_scatter"})
+"""Gradient reductions the lowering buckets (``bucket_grad_allreduce``, ``bucket_grad_reduce_scatter``)."""
+PARAM_BUCKETS = frozenset({"all_gather"})
+"""Parameter gathers the lowering buckets (``bucket_param_allgather``)."""
 
 
 @dataclass
@@ -316,17 +325,17 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
 
     def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str,
-                 bucketed: bool = False, repeats: int = 1) -> None:
+                 bucketed: frozenset[str] = frozenset(), repeats: int = 1) -> None:
         sv = var_of[src]
-        alpha = 0.0 if bucketed else lc.alpha_s
         src_places_all = places_out[sv][idx] if idx < len(places_out[sv]) else [None] * len(vars_[sv].strategies)
         src_places = list(dict.fromkeys(src_places_all))
         dst_places = list(dict.fromkeys(dst_place_of))
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
-        mkey = (tuple(src_places), tuple(dst_places), nbytes, alpha, repeats)
+        mkey = (tuple(src_places), tuple(dst_places), nbytes, bucketed, repeats)
         cost = cost_memo.get(mkey)
         if cost is None:
-            cost = [[repeats * reshard_time_s(p, q, nbytes, n, alpha, lc.beta_s_per_byte) for q in dst_places]
+            cost = [[repeats * reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte, bucketed)
+                     for q in dst_places]
                     for p in src_places]
             cost_memo[mkey] = cost
         if not any(c > 0 for row in cost for c in row):
@@ -360,13 +369,14 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
             places = [s.inputs[e.slot] if e.slot < len(s.inputs) else None for s in vars_[dv].strategies]
             places_in[(dv, e.slot)] = places
         from_param = pg.nodes[e.src].kind == "param"
-        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=from_param,
+        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=PARAM_BUCKETS if from_param else
+                 frozenset(),
                  repeats=PARAM_GATHERS if from_param else 1)
     for param, (src, idx) in pg.grad_of.items():
         if src in var_of and param in var_of:
             pv = var_of[param]
             add_edge(src, idx, pv, [_out(s, 0) for s in vars_[pv].strategies], f"gradient {src}->{param}",
-                     bucketed=True)
+                     bucketed=GRADIENT_BUCKETS)
     for src, idx in ([pg.loss] if pg.loss else []) + list(pg.replicated_outputs):
         if src not in var_of:
             continue

@@ -1,0 +1,53 @@
+"""`adaptdist plan` with the automatic planner (the default), and `adaptdist explain NODE`."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from adaptdist.cli import main
+from adaptdist.plan import Plan
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        def factory(batch_size, seq_len):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 4))
+            return model, (torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))), F.cross_entropy
+    """))
+    return f"{f}:factory"
+
+
+def test_plan_auto_prints_the_choice_and_saves_a_plan_the_lowering_follows(model_file, tmp_path, capsys):
+    out_file = tmp_path / "plan.json"
+    assert main(["plan", model_file, "--nproc", "2", "--batch-size", "64", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "automatic plan: mesh" in out and "predicted step" in out and "mesh shapes tried" in out
+    assert "parameter placements (per layer pattern)" in out
+    plan = Plan.load(out_file)
+    assert plan.name == "auto" and plan.node_strategies  # the planner's strategies travel with the plan
+    assert main(["train", model_file, "--plan", str(out_file), "--steps", "2", "--batch-size", "64",
+                 "--out", str(tmp_path / "run"), "--sample-bytes", "0"]) == 0
+
+
+def test_plan_with_a_fixed_mesh(model_file, capsys):
+    assert main(["plan", model_file, "--mesh", "dp=2", "--batch-size", "64"]) == 0
+    assert "automatic plan: mesh dp=2" in capsys.readouterr().out
+
+
+def test_explain_lists_alternatives_and_the_reason(model_file, capsys):
+    assert main(["explain", "0.weight", model_file, "--nproc", "2", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy (inputs->outputs)" in out and "chosen" in out and "why:" in out
+
+
+def test_explain_unknown_node_suggests_names(model_file, capsys):
+    assert main(["explain", "0.wieght", model_file, "--nproc", "2", "--batch-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a node or parameter" in err and "0.weight" in err
