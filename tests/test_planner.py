@@ -182,3 +182,10 @@ def test_ilp_objective_equals_brute_force_on_toy_problems(seed):
     assert result.status == "optimal"
     assert problem.memory_ok(result.choice)
     assert result.objective_s == pytest.approx(best, abs=2e-9 * len(problem.vars))
+
+
+def test_warm_start_from_a_previous_plan_gives_the_same_plan():
+    step = mlp_step(8192, 32768, 2, 8)
+    first = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"))
+    again = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"), previous=first.plan)
+    assert again.plan.to_json() == first.plan.to_json()

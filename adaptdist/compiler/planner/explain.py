@@ -3,8 +3,9 @@
 :func:`explain` answers ``adaptdist explain NODE``: for each mesh axis, every strategy the node's
 decision allowed, costed with every other decision as the planner left it (its compute, the
 resharding on its edges, its bytes at the memory peak), and the reason the chosen one won.
-Costs are those of the node's whole class: nodes that play the same part in repeated layers
-share one decision, and their costs add up.
+Costs are those of the node's whole decision: nodes that play the same part in repeated layers
+share one, and so do the elementwise and view ops coarsened into their producer's; their costs
+add up.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
         i = prob.var_of[node]
         v = prob.vars[i]
         alts = []
-        for k, s in enumerate(v.strategies):
+        own = prob.strat_of.get(node, v.strategies)  # a follower's own strategy per decision strategy
+        for k, s in enumerate(own):
             reshard = v.reshard_s[k]
             for e in prob.edges:
                 if e.src == i:
@@ -98,7 +100,8 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
             mem = max((row[k] for row in v.memory_bytes), default=0.0)
             alts.append(Alternative(s.text(), v.compute_s[k], reshard, mem, k == choice[i], k in v.allowed))
         chosen = alts[choice[i]]
-        out.append(AxisExplanation(axis, v.key, len(v.members), alts, _reason(prob, i, choice, alts, chosen)))
+        out.append(AxisExplanation(axis, v.key, len(v.members) + len(v.followers), alts,
+                                   _reason(prob, i, choice, alts, chosen)))
     return out
 
 

@@ -107,6 +107,7 @@ class ClassVar:
     allowed: list[int]
     why_restricted: list[str] = field(default_factory=list)
     reshard_s: list[float] = field(default_factory=list)
+    followers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.reshard_s:
@@ -144,6 +145,7 @@ class AxisProblem:
     var_of: dict[str, int]
     alpha_s: float
     beta_s_per_byte: float
+    strat_of: dict[str, list[Strategy]] = field(default_factory=dict)
 
     def objective_s(self, choice: Sequence[int]) -> float:
         """Predicted seconds of this axis's part of the step for ``choice`` (strategy index per var)."""
@@ -284,42 +286,50 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     members = mesh.group(axis, 0)
     lc = link_cost(cluster, "all_gather", members)
     fc, fb, fm = factors(pg, others)
-    classes: dict[str, list[str]] = {}
-    for name in pg.order:
-        if name in pg.nodes:
-            classes.setdefault(pg.nodes[name].layer_class, []).append(name)
     var_of: dict[str, int] = {}
+    strat_of: dict[str, list[Strategy]] = {}  # each node's strategy under each strategy index of its var
+    root_kind: dict[str, str] = {}
     vars_: list[ClassVar] = []
+    class_var: dict[str, int] = {}
     steps = pg.peak_steps
-    for key, names in classes.items():
-        strats = strategies[names[0]]
-        if any(len(strategies[m]) != len(strats) for m in names):
-            # a class whose members' candidates differ cannot share one decision: split it
-            groups = [[m] for m in names]
+    in_edges: dict[str, list] = {}
+    for e in pg.edges:
+        in_edges.setdefault(e.dst, []).append(e)
+    pinned = set(pinned_nodes(pg, constraints))
+    for m in pg.order:
+        if m not in pg.nodes:
+            continue
+        pn = pg.nodes[m]
+        follow = _follow(m, pn, in_edges.get(m, []), strategies, var_of, strat_of, pinned)
+        if follow is not None:
+            u, mapped = follow
+            var_of[m], strat_of[m], root_kind[m] = var_of[u], mapped, root_kind[u]
+            vars_[var_of[u]].followers.append(m)
         else:
-            groups = [names]
-        for g in groups:
-            i = len(vars_)
-            st = strategies[g[0]]
-            compute = [0.0] * len(st)
-            mem = [[0.0] * len(st) for _ in steps]
-            for m in g:
-                var_of[m] = i
-                pn = pg.nodes[m]
-                for k, s in enumerate(st):
-                    compute[k] += pn.roof_s / (fc[m] * (n if splits(s) else 1))
-                    for j, step in enumerate(steps):
-                        if pn.kind in ("param", "buffer"):
-                            copies = 1 + (state_copies + 1 if pn.kind == "param" and m in pg.grad_of else 0)
-                        elif pn.live[0] <= step <= pn.live[1]:
-                            copies = 1
-                        else:
-                            continue
-                        for oi, b in enumerate(pn.out_bytes):
-                            p = _out(s, oi)
-                            mem[j][k] += copies * b / fm[(m, oi)] / (n if isinstance(p, Shard) else 1)
-            vars_.append(ClassVar(f"{g[0]}" + (f" (+{len(g) - 1} alike)" if len(g) > 1 else ""), g, st, compute, mem,
-                                  list(range(len(st)))))
+            i = class_var.get(pn.layer_class)
+            if i is None or len(vars_[i].strategies) != len(strategies[m]):
+                i = len(vars_)
+                st = strategies[m]
+                vars_.append(ClassVar(m, [], st, [0.0] * len(st), [[0.0] * len(st) for _ in steps],
+                                      list(range(len(st)))))
+                class_var.setdefault(pn.layer_class, i)
+            vars_[i].members.append(m)
+            var_of[m], strat_of[m], root_kind[m] = i, vars_[i].strategies, pn.kind
+        v = vars_[var_of[m]]
+        for k, s in enumerate(strat_of[m]):
+            v.compute_s[k] += pn.roof_s / (fc[m] * (n if splits(s) else 1))
+            for j, step in enumerate(steps):
+                if pn.kind in ("param", "buffer"):
+                    copies = 1 + (state_copies + 1 if pn.kind == "param" and m in pg.grad_of else 0)
+                elif pn.live[0] <= step <= pn.live[1]:
+                    copies = 1
+                else:
+                    continue
+                for oi, b in enumerate(pn.out_bytes):
+                    v.memory_bytes[j][k] += copies * b / fm[(m, oi)] / (n if isinstance(_out(s, oi), Shard) else 1)
+    for v in vars_:
+        if len(v.members) > 1:
+            v.key = f"{v.members[0]} (+{len(v.members) - 1} alike)"
     _apply_constraints(pg, vars_, var_of, axis, n, constraints)
     edge_map: dict[tuple, EdgeVar] = {}
     cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
@@ -327,7 +337,7 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str,
                  bucketed: frozenset[str] = frozenset(), repeats: int = 1) -> None:
         sv = var_of[src]
-        src_places_all = places_out[sv][idx] if idx < len(places_out[sv]) else [None] * len(vars_[sv].strategies)
+        src_places_all = [_out(st, idx) for st in strat_of[src]]
         src_places = list(dict.fromkeys(src_places_all))
         dst_places = list(dict.fromkeys(dst_place_of))
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
@@ -357,36 +367,51 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
             if len(e.what) < 4:
                 e.what.append(what)
 
-    places_out = [[[_out(s, k) for s in v.strategies] for k in range(max((len(s.outputs) for s in v.strategies),
-                                                                         default=0))] for v in vars_]
-    places_in: dict[tuple[int, int], list[Placement | None]] = {}
     for e in pg.edges:
         if e.src not in var_of or e.dst not in var_of:
             continue
         dv = var_of[e.dst]
-        places = places_in.get((dv, e.slot))
-        if places is None:
-            places = [s.inputs[e.slot] if e.slot < len(s.inputs) else None for s in vars_[dv].strategies]
-            places_in[(dv, e.slot)] = places
-        from_param = pg.nodes[e.src].kind == "param"
+        places = [st.inputs[e.slot] if e.slot < len(st.inputs) else None for st in strat_of[e.dst]]
+        from_param = root_kind[e.src] == "param"  # a parameter, or a view that follows one (its transpose)
         add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=PARAM_BUCKETS if from_param else
                  frozenset(),
                  repeats=PARAM_GATHERS if from_param else 1)
     for param, (src, idx) in pg.grad_of.items():
         if src in var_of and param in var_of:
             pv = var_of[param]
-            add_edge(src, idx, pv, [_out(s, 0) for s in vars_[pv].strategies], f"gradient {src}->{param}",
+            add_edge(src, idx, pv, [_out(st, 0) for st in strat_of[param]], f"gradient {src}->{param}",
                      bucketed=GRADIENT_BUCKETS)
     for src, idx in ([pg.loss] if pg.loss else []) + list(pg.replicated_outputs):
         if src not in var_of:
             continue
         sv = var_of[src]
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
-        for k, s in enumerate(vars_[sv].strategies):
-            vars_[sv].reshard_s[k] += reshard_time_s(_out(s, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte)
+        for k, st in enumerate(strat_of[src]):
+            vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte)
     fixed = [0.0 for _ in steps]
     return AxisProblem(axis, n, vars_, list(edge_map.values()), capacity_bytes, fixed, list(steps), var_of,
-                       lc.alpha_s, lc.beta_s_per_byte)
+                       lc.alpha_s, lc.beta_s_per_byte, strat_of)
+
+
+def _follow(m: str, pn, ins: list, strategies: Mapping[str, list[Strategy]], var_of: Mapping[str, int],
+            strat_of: Mapping[str, list[Strategy]], pinned: set[str]) -> tuple[str, list[Strategy]] | None:
+    """Coarsening: ``m`` joins its producer's decision when it has one tensor input (an elementwise or view
+    op, a reduction...), is not pinned, and for every strategy of the producer's decision has a strategy
+    taking that output as it is; it then takes the first such (its list is DTensor's order). Returns
+    (producer, ``m``'s strategy per producer strategy index) or None."""
+    if pn.kind != "op" or len(ins) != 1 or m in pinned:
+        return None
+    e = ins[0]
+    if e.src not in var_of or e.src in pinned:
+        return None
+    mapped = []
+    for st in strat_of[e.src]:
+        p = _out(st, e.src_index)
+        s = next((c for c in strategies[m] if e.slot < len(c.inputs) and c.inputs[e.slot] == p), None)
+        if s is None:
+            return None
+        mapped.append(s)
+    return e.src, mapped
 
 
 def _apply_constraints(pg: PlanningGraph, vars_: list[ClassVar], var_of: Mapping[str, int], axis: str, n: int,
@@ -420,6 +445,8 @@ def _apply_constraints(pg: PlanningGraph, vars_: list[ClassVar], var_of: Mapping
 
 
 def chosen_strategies(problem: AxisProblem, choice: Sequence[int]) -> dict[str, Strategy]:
-    """node name -> its strategy under ``choice``."""
+    """node name -> its strategy under ``choice`` (a follower's: the one its decision's choice maps to)."""
+    if problem.strat_of:
+        return {m: problem.strat_of[m][choice[i]] for m, i in problem.var_of.items()}
     return {m: problem.vars[i].strategies[choice[i]] for m, i in problem.var_of.items()}
 

@@ -284,7 +284,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         constraints: user pins and forbidden axes.
         optimizer: sizes the optimizer state (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``).
         time_limit_s: per ILP solve.
-        previous: a plan to warm-start from.
+        previous: an earlier automatic plan to warm-start from: on its mesh shape, the descent starts from
+            its strategies (and MIP backends that take hints get them).
         searcher: ``ilp`` (the default) or ``random_walk`` (the baseline of :mod:`.random_walk`).
 
     Raises:
@@ -329,8 +330,10 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         if progress:
             progress(f"mesh {c}")
         try:
+            start = warm if warm is not None and previous is not None and dict(previous.mesh) == c.mesh.as_dict() \
+                else None
             found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s, warm,
-                                       rounds=1 if screen else MAX_ROUNDS, searcher=search_fn)
+                                       rounds=1 if screen else MAX_ROUNDS, searcher=search_fn, start=start)
         except Infeasible as e:
             tried.append((c, f"infeasible ({e})"))
     if screen:
@@ -373,13 +376,17 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
 
 
 def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:
-    if previous is None or not previous.node_placements:
+    """Each axis's strategies from an earlier automatic plan (its ``node_strategies`` and parameter
+    placements), to start the coordinate descent from; None for a plan without them."""
+    if previous is None or not previous.node_strategies:
         return None
     from ...placement import parse_placement
 
-    out: dict[str, dict[str, Strategy]] = {}
+    out: dict[str, dict[str, Strategy]] = {a: {} for a in previous.mesh}
     for k, a in enumerate(previous.mesh):
-        out[a] = {n: Strategy((), (parse_placement(p[k]),), "adaptdist") for n, p in previous.node_placements.items()}
+        for n, texts in previous.node_strategies.items():
+            if texts[k]:
+                out[a][n] = Strategy.parse(texts[k])
     return out
 
 
