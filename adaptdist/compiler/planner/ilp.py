@@ -1,8 +1,11 @@
 """The strategy-selection ILP of one mesh axis, solved with OR-Tools (after Alpa, Zheng et al., OSDI 2022, s.4.2).
 
-Given an :class:`~.problem.AxisProblem` (classes ``i`` with strategies ``k``, edges ``e`` between
-classes, memory rows ``j``), with every cost in integer units of :data:`OBJECTIVE_UNIT_S`
-(:func:`to_units` is the only place seconds become units):
+Given an :class:`~.problem.AxisProblem` -- decisions ``i`` with strategies ``k``, edges ``e`` between
+decisions, memory rows ``j`` -- with every cost in integer units of :data:`OBJECTIVE_UNIT_S`
+(:func:`to_units` is the only place seconds become units). A decision is one node's strategy after
+two reductions made by :func:`~.problem.build_axis_problem`: chains of single-input ops (elementwise,
+views, reductions) are coarsened into their producer's decision, and the nodes that play the same part
+in repeated layers share one decision (:func:`~.graph.layer_classes`).
 
 ================  ===============================================================  ==================
 name              constraint                                                       built by
