@@ -93,6 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
     from .compiler.planner.command import add_parser as add_explain_parser
 
     add_explain_parser(sub, _add_common)  # adaptdist explain NODE
+    c = sub.add_parser("compile", help="compile the model for a cluster into a directory of rank artifacts",
+                       formatter_class=fmt)
+    _add_common(c)
+    c.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
+    c.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
+                   help="sizes the optimizer state for the plan and the report")
+    c.add_argument("-o", "--out", metavar="DIR", required=True, help="artifact directory to write")
+    r = sub.add_parser("run", help="train with the artifacts of `adaptdist compile` on local ranks",
+                       formatter_class=fmt)
+    r.add_argument("artifacts", metavar="DIR", help="the -o directory of `adaptdist compile`")
+    r.add_argument("--cluster", metavar="FILE", help="the cluster to run on (default: the manifest's number of "
+                                                     "local ranks); must have the topology compiled for")
+    r.add_argument("--data", metavar="FILE", help="a text file for the model file's data(..., path=FILE)")
+    r.add_argument("--steps", type=_positive(int), default=100, help="training steps")
+    r.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
+    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", metavar="DIR", default="runs/artifacts", help="checkpoint and summary directory")
+    r.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
+    r.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     return ap
 
 
@@ -332,6 +352,78 @@ def cmd_estimate(args) -> int:
     return run(args, _cluster(args))
 
 
+def cmd_compile(args) -> int:
+    """``adaptdist compile``: write rank artifacts (see :mod:`adaptdist.compiler.artifacts`)."""
+    from rich.console import Console
+
+    from .compiler.artifacts import compile_artifacts
+    from .model_spec import ModelSpec
+
+    console = Console(emoji=False)
+    if not console.is_terminal:
+        console = Console(emoji=False, width=140)
+    cluster = _cluster(args)
+    spec = ModelSpec.parse(args.model)
+    t0 = time.perf_counter()
+    res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
+                            out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
+                            console=console)
+    mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
+    console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
+                  + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))
+    console.print(f"wrote {res.out_dir}: manifest.json, plan.json, rank0..{len(res.programs) - 1}/program.py, "
+                  f"report.html; train with: adaptdist run {res.out_dir}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    """``adaptdist run DIR``: check the artifacts against this cluster, then train with them on local ranks."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from .cluster import Cluster
+    from .compiler.artifacts import check_artifacts, data_spec
+    from .program import read_manifest
+    from .runtime.launch import launch_local
+    from .runtime.worker import TrainConfig, run_worker
+
+    console = Console(stderr=True, emoji=False)
+    d = Path(args.artifacts)
+    if not d.is_dir():
+        raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    manifest = read_manifest(d)
+    cluster = Cluster.from_yaml(args.cluster) if args.cluster else Cluster.local(manifest["world_size"])
+    manifest = check_artifacts(d, cluster)
+    if len(cluster.hosts) > 1:
+        raise UsageError(f"{cluster!r} has several hosts: on each host run `torchrun --nnodes "
+                         f"{len(cluster.hosts)} --nproc-per-node N --rdzv-endpoint HOST:PORT -m "
+                         f"adaptdist.runtime.run_artifacts {d}`; `adaptdist run` starts local ranks only")
+    if cluster.device_kind != "cpu":
+        raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = data_spec(manifest, d, args.data, args.seed)
+    example = load_file(str(d / "example_batch.safetensors"))
+    x0 = example["b0"]
+    tokens = not x0.is_floating_point() and x0.dim() >= 2
+    unit, items = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    world = manifest["world_size"]
+    threads = max(1, (os.cpu_count() or 1) // world)
+    cfg = TrainConfig(program_dir=str(d), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
+                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
+                      backend=cluster.backend, items_per_step=items, unit=unit)
+    console.print(f"running {d} ({manifest.get('model')}, mesh {manifest['mesh']}) on {cluster!r} for {args.steps} "
+                  f"steps; data from {data.module_file + ':data' if data.function else 'the example batch'}")
+    t0 = time.perf_counter()
+    results = launch_local(run_worker, (cfg,), world)
+    losses = results[0]["losses"]
+    (out / "summary.json").write_text(json.dumps({"steps": len(losses), "losses": losses,
+                                                  "wall_s": time.perf_counter() - t0}, indent=1))
+    console.print(f"trained {len(losses)} steps in {time.perf_counter() - t0:.0f} s: loss {losses[0]:.3f} -> "
+                  f"{losses[-1]:.3f}; checkpoint {out / 'checkpoint'}")
+    return 0
+
+
 def cmd_explain(args) -> int:
     """``adaptdist explain NODE``: see :mod:`adaptdist.compiler.planner.command`."""
     from .compiler.planner.command import cmd_explain as run
@@ -356,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
-                    "explain": cmd_explain}
+                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run}
         return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)

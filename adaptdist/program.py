@@ -145,11 +145,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None) -> Path:
-    """Write all ranks' programs and a manifest to ``directory``; returns its path."""
+def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None,
+                  extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """Write all ranks' programs and a manifest to ``directory``; returns its path. ``extra`` adds manifest
+    fields; ``extra_files`` (relative path -> text or bytes) adds files, hashed in the manifest like the rest."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
+    for rel, content in sorted((extra_files or {}).items()):
+        path = d / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        files[rel] = _sha256(path)
     world = {p.world_size for p in programs.values()}
     assert len(world) == 1 and sorted(programs) == list(range(world.pop()))
     for r, prog in sorted(programs.items()):

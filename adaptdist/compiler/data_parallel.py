@@ -103,7 +103,8 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
                axis_placements: Mapping[str, Mapping[str, Placement]], bucket_bytes: int = 25 * 2**20,
                state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
                plan_name: str = "", replicate_fallback: bool = False,
-               axis_hints: Mapping[str, Mapping[str, Any]] | None = None) -> dict[int, RankProgram]:
+               axis_hints: Mapping[str, Mapping[str, Any]] | None = None,
+               timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
     """Lower a captured step onto an N-D ``mesh``; returns one RankProgram per rank.
 
     Batch inputs are split on dim 0 (torch.chunk semantics) over ``batch_axis`` (None:
@@ -116,13 +117,16 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     followed where the rules agree, and parameters are then taken as given (no completion). Each
     rank's program means exactly what the
     single-process step means on the whole global batch, and its state holds its own
-    shard of every parameter.
+    shard of every parameter. ``timings`` (if given) receives the seconds spent in ``lowering``
+    (passes, localization, checks) and ``codegen`` (each rank's code and state).
 
     Raises:
         UnsupportedOpError: an op cannot run with these placements (e.g. training-mode
             BatchNorm over a split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
     """
+    t_start = time.perf_counter()
+    codegen_s = 0.0
     if batch_axis is not None:
         mesh.index(batch_axis)
     for axis in axis_placements:
@@ -193,15 +197,20 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
             batch_slice = (bctx.shard_offsets()[i], bctx.shard_sizes()[i])
         else:
             batch_slice = (0, captured.batch_size)
+        t_gen = time.perf_counter()
         programs[rank] = make_rank_program(
             local, mesh, rank, batch_slice, captured.batch_size, captured.input_fqns, captured.param_fqns,
             captured.num_batch_inputs, _local_state(state or {}, [ctxs[a] for a in order], key), captured.tied,
             global_shapes, state_placements,
         )
         programs[rank].plan = plan
+        codegen_s += time.perf_counter() - t_gen
     programs = dict(sorted(programs.items()))
     check_collectives(programs)
     check_against_plan(programs, plan)
+    if timings is not None:
+        timings["lowering"] = timings.get("lowering", 0.0) + time.perf_counter() - t_start - codegen_s
+        timings["codegen"] = timings.get("codegen", 0.0) + codegen_s
     return programs
 
 
@@ -242,7 +251,8 @@ def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: 
 def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
                     bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
                     replicate_fallback: bool = False, mesh: str | None = None,
-                    captured: CapturedGraph | None = None) -> dict[int, RankProgram]:
+                    captured: CapturedGraph | None = None, timings: dict[str, float] | None = None
+                    ) -> dict[int, RankProgram]:
     """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
 
     ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel) or a saved
@@ -276,12 +286,12 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
         return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(),
                           bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
                           replicate_fallback=replicate_fallback, axis_hints=plan.axis_hints() if plan.node_strategies
-                          else None)
+                          else None, timings=timings)
     m = plan.mesh(world_size, mesh)
     placements = plan.axis_placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
     return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
                       bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
-                      replicate_fallback=replicate_fallback)
+                      replicate_fallback=replicate_fallback, timings=timings)
 
 
 def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,

@@ -1,0 +1,226 @@
+"""Offline compilation: ``adaptdist compile`` writes rank artifacts, ``adaptdist run`` trains with them.
+
+An artifact directory (:func:`compile_artifacts`)::
+
+    manifest.json                format version, adaptdist and torch versions, world size, mesh, the
+                                 cluster's topology fingerprint, the model, batch and sequence size,
+                                 and the sha256 of every other file
+    plan.json                    the plan (automatic or manual), as ``adaptdist plan --out`` writes it
+    example_batch.safetensors    the factory's example batch (data when the model file has no data())
+    rank{r}/program.py           the rank's generated Python, local shapes as comments
+    rank{r}/program.json         inputs, outputs, its rows of the batch
+    rank{r}/graph.txt            its FX graph in FX's text form (the serialized graph)
+    rank{r}/shards.json          per parameter: global shape, placement per mesh axis, and the index
+                                 range of every dim this rank holds
+    rank{r}/state.safetensors    its parameter shards at step 0
+    report.html                  pictures: the mesh, placements per layer, predicted time and memory
+                                 per rank
+
+:func:`check_artifacts` (what ``adaptdist run`` does before anything runs) refuses, naming the file
+and what differs: a missing file, a hash mismatch, another format or torch version, another world
+size, or a cluster of another topology. Loading never unpickles: tensors are safetensors, and a
+rank's program is its generated source, executed only after its hash matched. Artifacts are code:
+the hashes catch corruption and mix-ups, not a malicious author; run artifacts only from sources you
+trust.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ProgramLoadError, UsageError
+from ..placement import Shard, chunk_interval, parse_placement
+
+log = logging.getLogger("adaptdist.compiler")
+
+
+@dataclass
+class CompileResult:
+    """What :func:`compile_artifacts` wrote, and the seconds of each phase (capture, planning, lowering,
+    codegen, estimate, writing)."""
+
+    out_dir: Path
+    programs: dict[int, Any]
+    plan: Any
+    phases_s: dict[str, float] = field(default_factory=dict)
+    planner: Any = None
+
+
+def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
+    """Per state tensor of ``program``: global shape, placement per mesh axis, and the ``[start, stop)`` of
+    every dim this rank holds (torch.chunk along the axes in lowering order)."""
+    from .data_parallel import lowering_order
+    from ..mesh import Mesh
+
+    mesh = Mesh(tuple(program.mesh.items()))
+    batch_axis = program.plan.batch_axis if program.plan is not None else None
+    order = lowering_order(mesh, batch_axis)
+    coords = dict(zip(mesh.names, mesh.coords(program.rank)))
+    out = {}
+    for f in program.input_fqns:
+        shape = list(program.global_shapes.get(f, list(program.state[f].shape)))
+        pls = program.state_placements.get(f, ["R"] * len(mesh.names))
+        ranges = [[0, n] for n in shape]
+        by_axis = dict(zip(mesh.names, pls))
+        for a in order:
+            p = parse_placement(by_axis[a])
+            if isinstance(p, Shard) and mesh.size(a) > 1:
+                lo, hi = ranges[p.dim]
+                s, e = chunk_interval(hi - lo, mesh.size(a), coords[a])
+                ranges[p.dim] = [lo + s, lo + e]
+        out[f] = {"global_shape": shape, "placements": dict(zip(mesh.names, pls)), "ranges": ranges}
+    return out
+
+
+def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
+                      optimizer: str = "adamw", mesh: str | None = None, console: Any = None) -> CompileResult:
+    """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
+    it, and write the artifact directory (module docstring).
+
+    Raises:
+        AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
+            when ``out_dir`` is a file.
+    """
+    from safetensors.torch import save as save_tensors
+
+    from ..annotations import ManualPlan
+    from ..cost_models.estimate import estimate_programs
+    from ..program import save_programs
+    from .capture import capture
+    from .data_parallel import compile_program
+    from .planner.command import print_summary, run_planner
+    from .report import render_report
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {str(out)!r} exists and is not a directory; pass a directory path")
+    phases: dict[str, float] = {}
+    torch.manual_seed(0)
+    model, example, loss_fn = spec.build(batch_size, seq_len)
+    t = time.perf_counter()
+    captured = capture(model, example, loss_fn)
+    phases["capture"] = time.perf_counter() - t
+    t = time.perf_counter()
+    planner = None
+    if plan_arg == "auto":
+        planner = run_planner(captured, cluster, mesh, optimizer, console)
+        if console is not None:
+            print_summary(console, planner)
+        plan, mesh = planner.plan, None
+    else:
+        plan = ManualPlan.parse(plan_arg, spec.module())
+    phases["planning"] = time.perf_counter() - t
+    timings: dict[str, float] = {}
+    programs = compile_program(model, example, loss_fn, cluster.world_size, plan, mesh=mesh, captured=captured,
+                               timings=timings)
+    phases.update(timings)
+    t = time.perf_counter()
+    estimate = estimate_programs(programs, cluster, optimizer)
+    phases["estimate"] = time.perf_counter() - t
+    t = time.perf_counter()
+    extra_files: dict[str, str | bytes] = {
+        "example_batch.safetensors": save_tensors({f"b{i}": x.contiguous() for i, x in enumerate(example)})}
+    for r, p in programs.items():
+        extra_files[f"rank{r}/graph.txt"] = str(p.graph_module.graph)
+        extra_files[f"rank{r}/shards.json"] = json.dumps(shard_layout(p), indent=1)
+    model_file = Path(spec.file)
+    import hashlib
+
+    extra = {
+        "cluster_fingerprint": cluster.topology_fingerprint(),
+        "cluster_hosts": [[h.name, len(h.devices), h.device_kind] for h in cluster.hosts],
+        "model": spec.text, "model_file": str(model_file),
+        "model_file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
+        "batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer,
+        "num_batch_inputs": len(example),
+    }
+    d = save_programs(programs, out, extra=extra, extra_files=extra_files)
+    manifest = json.loads((d / "manifest.json").read_text())
+    hosts = [cluster.device(r).host for r in range(cluster.world_size)]
+    phases["writing"] = time.perf_counter() - t
+    summary = ""
+    if planner is not None:
+        ev = planner.predicted
+        summary = (f"automatic plan: {len(planner.tried)} mesh shapes tried; ILP predicted step "
+                   f"{1e3 * ev.step_s:.3f} ms, {ev.memory_bytes / 2**20:,.1f} MiB per rank")
+    report = render_report(title=f"adaptdist compile {spec.text}", manifest=manifest, plan=programs[0].plan,
+                           fqns=list(programs[0].input_fqns), hosts=hosts, estimate=estimate,
+                           planner_summary=summary, phases_s=phases)
+    (d / "report.html").write_text(report)
+    from ..program import _sha256
+
+    manifest["files"]["report.html"] = _sha256(d / "report.html")
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return CompileResult(d, programs, programs[0].plan, phases, planner)
+
+
+def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
+    """Check an artifact directory before running it; returns its manifest.
+
+    Every file in the manifest must exist and match its sha256; the format and torch versions must
+    be this adaptdist's and torch's; with ``cluster``, its world size and topology fingerprint must be
+    the manifest's.
+
+    Raises:
+        ProgramLoadError: names the file and what differs.
+    """
+    from ..program import _sha256, read_manifest
+
+    d = Path(directory)
+    if not d.is_dir():
+        raise ProgramLoadError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    manifest = read_manifest(d)
+    for rel, digest in sorted(manifest["files"].items()):
+        p = d / rel
+        if not p.is_file():
+            raise ProgramLoadError(f"{str(p)!r} is listed in {str(d / 'manifest.json')!r} but missing; copy the "
+                                   "whole directory, or compile again")
+        if _sha256(p) != digest:
+            raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
+                                   "(corrupted or edited); compile again")
+    for r in range(manifest["world_size"]):
+        if f"rank{r}/program.py" not in manifest["files"]:
+            raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/program.py for world size "
+                                   f"{manifest['world_size']}; compile again")
+    if cluster is not None:
+        if cluster.world_size != manifest["world_size"]:
+            raise ProgramLoadError(
+                f"{str(d)!r} was compiled for {manifest['world_size']} ranks, this cluster has {cluster.world_size} "
+                f"({cluster!r}); compile again for this cluster")
+        want = manifest.get("cluster_fingerprint")
+        got = cluster.topology_fingerprint()
+        if want is not None and want != got:
+            hosts = manifest.get("cluster_hosts", [])
+            raise ProgramLoadError(
+                f"{str(d)!r} was compiled for another cluster topology (fingerprint {want}: hosts "
+                f"{', '.join(f'{h}: {n} x {k}' for h, n, k in hosts)}), this is {cluster!r} (fingerprint {got}); "
+                "compile again for this cluster, or pass the cluster file it was compiled for with --cluster")
+    return manifest
+
+
+def data_spec(manifest: Mapping[str, Any], directory: Path, data: str | None, seed: int) -> Any:
+    """Where ``adaptdist run`` takes batches: the model file's ``data(batch_size, seq_len, path=--data)`` when it
+    has one, else the example batch saved with the artifacts.
+
+    Raises:
+        UsageError: ``--data`` given but the model file (if still there) defines no data().
+    """
+    from ..runtime.worker import DataSpec, load_module
+
+    B, T = manifest["batch_size"], manifest["seq_len"]
+    model_file = Path(manifest.get("model_file", ""))
+    if model_file.is_file():
+        module = load_module(str(model_file))
+        if callable(getattr(module, "data", None)):
+            return DataSpec(str(model_file), "data", B, T, path=data, seed=seed)
+    if data:
+        raise UsageError(f"--data was given but the model file {str(model_file)!r} (recorded in the manifest) "
+                         "is missing or defines no data(batch_size, seq_len, path=...) function")
+    return DataSpec(str(model_file), None, B, T, batch_file=str(directory / "example_batch.safetensors"))

@@ -1,0 +1,122 @@
+"""`adaptdist compile` artifacts: what is written, the checks before running, and `adaptdist run`."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from adaptdist.cli import main
+from adaptdist.cluster import Cluster
+from adaptdist.compiler.artifacts import check_artifacts
+from adaptdist.errors import ProgramLoadError
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("model") / "m.py"
+    f.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        def factory(batch_size, seq_len):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+            g = torch.Generator().manual_seed(1)
+            return model, (torch.randn(batch_size, 16, generator=g), torch.randint(0, 4, (batch_size,), generator=g)), \\
+                F.cross_entropy
+    """))
+    return f"{f}:factory"
+
+
+@pytest.fixture(scope="module")
+def artifacts(model_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "a"
+    assert main(["compile", model_file, "--nproc", "2", "--batch-size", "8", "--plan", "fsdp", "-o", str(out)]) == 0
+    return out
+
+
+def test_compile_writes_every_file_with_its_hash(artifacts):
+    manifest = json.loads((artifacts / "manifest.json").read_text())
+    for key in ("format_version", "adaptdist_version", "torch_version", "world_size", "mesh", "cluster_fingerprint"):
+        assert key in manifest
+    files = set(manifest["files"])
+    for r in range(2):
+        assert {f"rank{r}/program.py", f"rank{r}/graph.txt", f"rank{r}/shards.json", f"rank{r}/state.safetensors"} <= files
+    assert {"plan.json", "report.html", "example_batch.safetensors"} <= files
+    shards = json.loads((artifacts / "rank1" / "shards.json").read_text())
+    assert shards["0.weight"] == {"global_shape": [64, 16], "placements": {"dp": "S(0)"}, "ranges": [[32, 64], [0, 16]]}
+    report = (artifacts / "report.html").read_text()
+    assert report.count("<svg") == 3 and "Predicted time and memory per rank" in report
+    assert "# " in (artifacts / "rank0" / "program.py").read_text()  # local shapes as comments
+
+
+def test_check_passes_on_the_cluster_compiled_for(artifacts):
+    assert check_artifacts(artifacts, Cluster.local(2))["world_size"] == 2
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_file_is_named(artifacts, tmp_path):
+    d = _copy(artifacts, tmp_path / "a")
+    (d / "rank1" / "graph.txt").unlink()
+    with pytest.raises(ProgramLoadError, match=r"rank1/graph\.txt.*missing"):
+        check_artifacts(d, Cluster.local(2))
+
+
+def test_edited_program_fails_its_hash(artifacts, tmp_path):
+    d = _copy(artifacts, tmp_path / "a")
+    p = d / "rank0" / "program.py"
+    p.write_text(p.read_text() + "\n# edited\n")
+    with pytest.raises(ProgramLoadError, match=r"rank0/program\.py.*sha256"):
+        check_artifacts(d, Cluster.local(2))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("format_version", 999, "format version 999"),
+    ("torch_version", "1.0.0", "torch 1.0.0"),
+])
+def test_version_mismatch_is_named(artifacts, tmp_path, field, value, message):
+    d = _copy(artifacts, tmp_path / "a")
+    m = json.loads((d / "manifest.json").read_text())
+    m[field] = value
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ProgramLoadError, match=message):
+        check_artifacts(d, Cluster.local(2))
+
+
+def test_world_size_and_topology_mismatch(artifacts, tmp_path):
+    with pytest.raises(ProgramLoadError, match="compiled for 2 ranks, this cluster has 4"):
+        check_artifacts(artifacts, Cluster.local(4))
+    cfile = tmp_path / "c.yaml"
+    cfile.write_text(textwrap.dedent("""
+        schema_version: 1
+        hosts:
+          - {name: a, device_kind: cpu, num_devices: 1}
+          - {name: b, device_kind: cpu, num_devices: 1}
+    """))
+    with pytest.raises(ProgramLoadError, match="another cluster topology"):
+        check_artifacts(artifacts, Cluster.from_yaml(cfile))
+
+
+def test_run_trains_and_matches_train(artifacts, model_file, tmp_path):
+    """`adaptdist run` on the artifacts gives the same losses as `adaptdist train` with the same plan."""
+    assert main(["run", str(artifacts), "--steps", "3", "--optimizer", "sgd", "--out", str(tmp_path / "r")]) == 0
+    run = json.loads((tmp_path / "r" / "summary.json").read_text())["losses"]
+    assert main(["train", model_file, "--nproc", "2", "--batch-size", "8", "--plan", "fsdp", "--steps", "3",
+                 "--optimizer", "sgd", "--lr", "2e-3", "--out", str(tmp_path / "t"), "--sample-bytes", "0"]) == 0
+    train = json.loads((tmp_path / "t" / "summary.json").read_text())["losses"]
+    assert run == pytest.approx(train, rel=1e-6)
+
+
+def test_run_refuses_a_tampered_directory_with_exit_code_2(artifacts, tmp_path, capsys):
+    d = _copy(artifacts, tmp_path / "a")
+    (d / "plan.json").write_text("{}")
+    assert main(["run", str(d), "--steps", "1"]) == 2
+    assert "plan.json" in capsys.readouterr().err
