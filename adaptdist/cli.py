@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state for the plan and the report")
     c.add_argument("-o", "--out", metavar="DIR", required=True, help="artifact directory to write")
+    c.add_argument("--replicate-fallback", action="store_true", help="as for train")
     r = sub.add_parser("run", help="train with the artifacts of `adaptdist compile` on local ranks",
                        formatter_class=fmt)
     r.add_argument("artifacts", metavar="DIR", help="the -o directory of `adaptdist compile`")
@@ -367,7 +368,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
-                            console=console)
+                            console=console, replicate_fallback=args.replicate_fallback)
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
     console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))

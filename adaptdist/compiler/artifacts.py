@@ -80,9 +80,11 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
-                      optimizer: str = "adamw", mesh: str | None = None, console: Any = None) -> CompileResult:
+                      optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
+                      replicate_fallback: bool = False) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
-    it, and write the artifact directory (module docstring).
+    it, and write the artifact directory (module docstring). ``replicate_fallback``: ops with no sharding
+    rule run whole on every rank (as ``--replicate-fallback``).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -119,7 +121,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["planning"] = time.perf_counter() - t
     timings: dict[str, float] = {}
     programs = compile_program(model, example, loss_fn, cluster.world_size, plan, mesh=mesh, captured=captured,
-                               timings=timings)
+                               timings=timings, replicate_fallback=replicate_fallback)
     phases.update(timings)
     t = time.perf_counter()
     estimate = estimate_programs(programs, cluster, optimizer)

@@ -30,7 +30,7 @@ from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
 from ..passes.vocab_parallel_loss import vocab_parallel_loss
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval
-from ..errors import AdaptdistError, InternalError, UsageError
+from ..errors import AdaptdistError, InternalError, UnsupportedOpError, UsageError
 from ..plan import Plan, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
@@ -283,10 +283,19 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
                              f"pass --nproc {m.world_size} (or leave out --nproc: a saved plan brings its mesh)")
         if mesh and Mesh.parse(mesh) != m:
             raise UsageError(f"--mesh {mesh} differs from plan {plan.name!r}'s mesh {m}; drop --mesh")
-        return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(),
-                          bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
-                          replicate_fallback=replicate_fallback, axis_hints=plan.axis_hints() if plan.node_strategies
-                          else None, timings=timings)
+        kwargs = dict(batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(), bucket_bytes=bucket_bytes,
+                      state=state, dump_dir=dump_dir, plan_name=plan.name, replicate_fallback=replicate_fallback,
+                      timings=timings)
+        if not plan.node_strategies:
+            return lower_mesh(captured, m, **kwargs)
+        try:
+            return lower_mesh(captured, m, axis_hints=plan.axis_hints(), **kwargs)
+        except UnsupportedOpError as e:
+            # the rules accepted each hint alone, but not their combination somewhere: keep the planner's
+            # parameter placements and let the rules place the activations
+            log.warning("the lowering could not follow the planner's node strategies (%s); lowering the plan's "
+                        "parameter placements with the rules' own activation placements instead", e)
+            return lower_mesh(captured, m, **kwargs)
     m = plan.mesh(world_size, mesh)
     placements = plan.axis_placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
     return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
