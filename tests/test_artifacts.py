@@ -120,3 +120,20 @@ def test_run_refuses_a_tampered_directory_with_exit_code_2(artifacts, tmp_path, 
     (d / "plan.json").write_text("{}")
     assert main(["run", str(d), "--steps", "1"]) == 2
     assert "plan.json" in capsys.readouterr().err
+
+
+def test_torchrun_entry_runs_the_artifacts(artifacts, tmp_path):
+    """The multi-host path: each rank started by torchrun checks and runs the artifacts."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m",
+                           "adaptdist.runtime.run_artifacts", str(artifacts), "--steps", "2", "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "o" / "model.safetensors").is_file()

@@ -1,0 +1,65 @@
+"""One rank of ``adaptdist run`` under torchrun, for clusters of several hosts.
+
+On each host::
+
+    torchrun --nnodes H --nproc-per-node N --rdzv-endpoint HOST:PORT \\
+        -m adaptdist.runtime.run_artifacts DIR [--steps S] [--data FILE] [--out DIR]
+
+Every rank checks the artifacts (files, hashes, versions; its world size against the manifest's)
+before loading its program, then runs the same step loop as ``adaptdist run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, check the artifacts, and run this rank (torchrun sets RANK and WORLD_SIZE)."""
+    ap = argparse.ArgumentParser(prog="python -m adaptdist.runtime.run_artifacts")
+    ap.add_argument("artifacts", metavar="DIR")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/artifacts")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    from ..compiler.artifacts import check_artifacts, data_spec
+    from ..errors import AdaptdistError, RuntimeLaunchError
+    from .worker import TrainConfig, run_worker
+
+    try:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeLaunchError("RANK/WORLD_SIZE are not set: start this module with torchrun "
+                                     "(or use `adaptdist run DIR` for local ranks)")
+        d = Path(args.artifacts)
+        manifest = check_artifacts(d, None)
+        world = int(os.environ["WORLD_SIZE"])
+        if world != manifest["world_size"]:
+            raise RuntimeLaunchError(f"{str(d)!r} was compiled for {manifest['world_size']} ranks; torchrun started "
+                                     f"{world}")
+        kinds = {k for _, _, k in manifest.get("cluster_hosts", [])} or {"cpu"}
+        from safetensors.torch import load_file
+
+        x0 = load_file(str(d / "example_batch.safetensors"))["b0"]
+        tokens = not x0.is_floating_point() and x0.dim() >= 2
+        cfg = TrainConfig(program_dir=str(d), out_dir=args.out, data=data_spec(manifest, d, args.data, args.seed),
+                          steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+                          threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
+                          timeout_s=args.timeout_s, backend="nccl" if kinds == {"cuda"} else "gloo",
+                          items_per_step=x0.numel() if tokens else x0.shape[0], unit="tokens" if tokens else "samples")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        run_worker(cfg)
+    except AdaptdistError as e:
+        print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
