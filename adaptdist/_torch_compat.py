@@ -6,8 +6,11 @@ Checked against torch 2.13.0.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
+import sys
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -20,10 +23,106 @@ def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
     Returns ``(GraphModule, GraphSignature)``; the signature lists parameters,
     buffers, user inputs, buffer mutations, the loss output and which output is
     which parameter's gradient. Source: ``torch._functorch.aot_autograd.aot_export_module``.
+
+    Node stack traces are recorded by ``_fast_fx_stack_traces`` (same text, a fraction of the cost).
     """
     from torch._functorch.aot_autograd import aot_export_module
 
-    return aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
+    with _fast_fx_stack_traces():
+        return aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
+
+
+class _FrameWalkTraceback:
+    """What ``torch.fx.proxy`` needs of ``torch.utils._traceback.CapturedTraceback``
+    (``CapturedTraceback.extract().summary()``, once per node it creates), computed by walking
+    the Python frames instead of gathering and symbolizing a traceback in C++.
+
+    ``summary()`` lists the same frames as CapturedTraceback's: outermost first, one
+    ``FrameSummary(co_filename, current line, co_name)`` each. It is cheaper in two ways:
+    the source line of a frame is read from ``linecache`` when first used (by ``format()``, for
+    the one or two frames of the ~40 the tracer keeps), not for every frame; and the current
+    line of a frame running a very long function (the generated ``forward`` of a joint graph,
+    thousands of lines, which aot re-traces node by node) comes from a table of that code's line
+    ranges instead of CPython's scan of its line table from the start on every lookup, which
+    made recording stack traces quadratic in the number of nodes.
+    """
+
+    __slots__ = ("_frames",)
+    # id(code) -> (code, (range starts, range lines)) for long code, (code, None) for short
+    # (the code is held so that its id stays its own); emptied by _fast_fx_stack_traces
+    _line_tables: dict[int, tuple[Any, tuple[list[int], list[int | None]] | None]] = {}
+    _LONG_LINETABLE = 2048  # bytes of co_linetable above which a table beats f_lineno
+
+    def __init__(self, frames: list) -> None:
+        self._frames = frames
+
+    @staticmethod
+    def extract(*, script: bool = False, cpp: bool = False, skip: int = 0) -> Any:
+        from torch.utils._traceback import CapturedTraceback
+
+        if script or cpp:  # TorchScript/C++ frames: only torch's own can gather those
+            return CapturedTraceback.extract(script=script, cpp=cpp, skip=skip)
+        tables = _FrameWalkTraceback._line_tables
+        frames = []
+        f = sys._getframe(1 + skip)  # the caller, as CapturedTraceback.extract elides itself
+        while f is not None:
+            code = f.f_code
+            entry = tables.get(id(code))
+            if entry is None or entry[0] is not code:
+                entry = tables[id(code)] = (code, _FrameWalkTraceback._line_table(f))
+            line = _FrameWalkTraceback._lookup(entry[1], f) if entry[1] is not None else None
+            frames.append((code.co_filename, f.f_lineno if line is None else line, code.co_name))
+            f = f.f_back
+        return _FrameWalkTraceback(frames)
+
+    @staticmethod
+    def _lookup(table: tuple[list[int], list[int | None]], f: Any) -> int | None:
+        """The line ``f`` is at, from its code's table; None where ``f.f_lineno`` must say."""
+        if f.f_trace is not None or f.f_lasti < 0:  # traced by a debugger, or not started
+            return None
+        i = bisect.bisect_right(table[0], f.f_lasti) - 1
+        return table[1][i] if i >= 0 else None
+
+    @staticmethod
+    def _line_table(f: Any) -> tuple[list[int], list[int | None]] | None:
+        """(start offsets, lines) of the line ranges of a long code running in frame ``f``; None
+        for short code, or where the table disagrees with ``f.f_lineno`` (a Python whose
+        ``co_lines``/``f_lasti`` mean something else)."""
+        code = f.f_code
+        if len(code.co_linetable) <= _FrameWalkTraceback._LONG_LINETABLE:
+            return None
+        starts, lines = [], []
+        for start, _end, line in code.co_lines():
+            starts.append(start)
+            lines.append(line)
+        table = (starts, lines)
+        line = _FrameWalkTraceback._lookup(table, f)
+        return table if line is None or line == f.f_lineno else None
+
+    def summary(self) -> traceback.StackSummary:
+        summary = traceback.FrameSummary
+        return traceback.StackSummary(
+            [summary(filename, line, name, lookup_line=False) for filename, line, name in reversed(self._frames)]
+        )
+
+
+@contextlib.contextmanager
+def _fast_fx_stack_traces():
+    """Within: FX tracers record ``node.meta["stack_trace"]`` through ``_FrameWalkTraceback``
+    (``torch.fx.proxy`` looks ``CapturedTraceback`` up as a module global on every node it
+    creates). A torch without that global records them its own way."""
+    import torch.fx.proxy as fx_proxy
+
+    prior = getattr(fx_proxy, "CapturedTraceback", None)
+    if prior is None or prior is _FrameWalkTraceback or not hasattr(prior, "extract"):
+        yield  # no such global, or an enclosing (or concurrent) capture already swapped it
+        return
+    fx_proxy.CapturedTraceback = _FrameWalkTraceback
+    try:
+        yield
+    finally:
+        fx_proxy.CapturedTraceback = prior
+        _FrameWalkTraceback._line_tables.clear()  # holds the traced graphs' code objects
 
 
 def fake_tensor_mode(allow_constants: bool = False) -> Any:

@@ -19,6 +19,8 @@ gradient contributions are summed in the graph.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -158,34 +160,69 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
         state[n] = _to_fake(mode, b)
     fake_batch = tuple(_to_fake(mode, t) for t in batch)
 
-    with mode, compat.reparametrize(step, state):
-        # Check the loss on fake tensors first, for a clear message.
-        try:
-            (loss,) = step(*fake_batch)
-        except Exception as e:  # the user's code failed: report where
-            raise CaptureError(
-                f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
-                f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
-            ) from e
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            got = f"shape {list(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise CaptureError(
-                f"the loss function must return a floating-point scalar, got {got} for model {name}; "
-                "reduce it with .mean() or .sum()"
-            )
-        try:
-            gm, sig = compat.aot_export_joint(step, fake_batch, loss_index=0)
-        except Exception as e:
-            msg = str(e).split("\n")[0]
-            hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
-            if "did not receive a gradient" in str(e):
-                hint = ("A trainable parameter is unused by the loss: set requires_grad=False on it, "
-                        "or remove it from the model.")
-            raise CaptureError(
-                f"cannot capture {name} as one joint forward+backward graph; failed at {_user_frame(e)}: "
-                f"{type(e).__name__}: {msg}. {hint}"
-            ) from e
-    return _finish(gm, sig, step, batch, name)
+    with _gc_paused():
+        with mode, compat.reparametrize(step, state):
+            # Export first; only when that fails, run the step eagerly (on the same fake tensors)
+            # to tell a model or loss at fault from a construct the exporter cannot follow. A
+            # model or loss that fails the eager run fails the export too, so the messages are
+            # those of checking first, without a third forward pass when all is well (the loss
+            # of a successful export is checked on its graph, in _finish).
+            try:
+                gm, sig = compat.aot_export_joint(step, fake_batch, loss_index=0)
+                failure = None
+            except Exception as e:
+                failure = e
+            if failure is not None:
+                _check_step(step, fake_batch, batch, name)
+                raise _export_error(failure, name) from failure
+        return _finish(gm, sig, step, batch, name)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off for the duration: tracing creates millions of
+    objects, and every full collection walks all of them (about a second on an 8B model)
+    to find nothing; garbage left meanwhile is collected once the collector is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _check_loss(loss: Any, name: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = f"shape {list(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaptureError(
+            f"the loss function must return a floating-point scalar, got {got} for model {name}; "
+            "reduce it with .mean() or .sum()"
+        )
+
+
+def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> None:
+    """Run the step on fake tensors; raise a CaptureError naming the user's failing line, or a bad loss."""
+    try:
+        (loss,) = step(*fake_batch)
+    except Exception as e:  # the user's code failed: report where
+        raise CaptureError(
+            f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
+            f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
+        ) from e
+    _check_loss(loss, name)
+
+
+def _export_error(e: Exception, name: str) -> CaptureError:
+    msg = str(e).split("\n")[0]
+    hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
+    if "did not receive a gradient" in str(e):
+        hint = ("A trainable parameter is unused by the loss: set requires_grad=False on it, "
+                "or remove it from the model.")
+    return CaptureError(
+        f"cannot capture {name} as one joint forward+backward graph; failed at {_user_frame(e)}: "
+        f"{type(e).__name__}: {msg}. {hint}"
+    )
 
 
 def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, name: str) -> CapturedGraph:
@@ -210,6 +247,8 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     mutated = [outs[name_to_out[o]] for o in sig.buffers_to_mutate]
     mutated_fqns = [sig.buffers_to_mutate[o][strip:] for o in sig.buffers_to_mutate]
     loss_node = outs[name_to_out[bw.loss_output]]
+    if isinstance(loss_node.meta.get("val"), torch.Tensor):
+        _check_loss(loss_node.meta["val"], name)
 
     # Tied parameters: aot lists each name; keep the first, sum gradients into it.
     real_params = dict(step.named_parameters(remove_duplicate=False))
@@ -224,9 +263,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
             tied[fqn] = by_id[key]
         else:
             by_id[key] = fqn
+    param_ph = {gmeta.get_fqn(p): p for p in placeholders if gmeta.get_role(p) == "param"}
     for dup, keep in tied.items():
-        dup_ph = next(p for p in placeholders if gmeta.get_fqn(p) == dup)
-        keep_ph = next(p for p in placeholders if gmeta.get_fqn(p) == keep)
+        dup_ph, keep_ph = param_ph[dup], param_ph[keep]
         dup_ph.replace_all_uses_with(keep_ph)
         graph.erase_node(dup_ph)
         if dup in grad_of and keep in grad_of:
@@ -241,11 +280,13 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     placeholders = list(graph.find_nodes(op="placeholder"))
     trainable = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) in grad_of]
     frozen = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) not in grad_of]
-    # Placeholder order: trainable params, frozen params, buffers, batch.
+    # Placeholder order: trainable params, frozen params, buffers, batch (each in aot's order).
     order = {"param": 0, "buffer": 2, "batch": 3}
+    frozen_set = set(frozen)
+    position = {p: i for i, p in enumerate(placeholders)}
     ranked = sorted(
         placeholders,
-        key=lambda p: (order[gmeta.get_role(p)] + (1 if gmeta.get_fqn(p) in frozen else 0), placeholders.index(p)),
+        key=lambda p: (order[gmeta.get_role(p)] + (1 if gmeta.get_fqn(p) in frozen_set else 0), position[p]),
     )
     if ranked != placeholders:
         anchor = next(n for n in graph.nodes if n.op != "placeholder")
