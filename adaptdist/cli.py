@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str):
+def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str, layers: bool = True):
     """``--plan`` as a plan object, and the captured step when the planner captured it (else None):
     ``auto`` runs the planner for ``cluster`` (printing its summary), anything else is a manual plan."""
     from .annotations import ManualPlan
@@ -129,7 +129,7 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
 
     captured = capture(model, example, loss_fn)
     result = run_planner(captured, cluster, args.mesh, optimizer, console)
-    print_summary(console, result)
+    print_summary(console, result, layers=layers)
     return result.plan, captured
 
 
@@ -291,7 +291,7 @@ def cmd_train(args) -> int:
     console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
-    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer)
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer, layers=False)
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
                                dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
                                mesh=args.mesh if captured is None else None, captured=captured)

@@ -65,6 +65,20 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                           f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
                           f"{ev_or_why.memory_bytes / 2**20:,.1f}", "chosen" if c == result.candidate else "")
         console.print(t)
+        fastest = min((e.step_s for _, e in result.tried if not isinstance(e, str)), default=ev.step_s)
+        if fastest < ev.step_s:
+            from .search import TIE_TOLERANCE
+
+            console.print(f"(shapes predicted within {100 * TIE_TOLERANCE:.0f}% of the fastest count as ties, the "
+                          "model is not that exact: the first in order wins, a batch axis before none and fewer axes "
+                          "before more)")
+    if not layers:
+        sharded = {f: p for f, p in plan.param_placements.items() if any(x != "R" for x in p)}
+        total = len(result.graph.params())
+        console.print(f"parameters: {total - len(sharded)} of {total} replicated on every axis"
+                      + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"
+                         + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
+                      + " (adaptdist plan shows the per-layer table)")
     if layers:
         t = Table(title="parameter placements (per layer pattern)")
         for col in ("parameters", "placement per mesh axis", "count"):
