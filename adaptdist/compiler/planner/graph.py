@@ -131,14 +131,15 @@ def _shape_sig(v: Any) -> str:
 
 def _const_sig(a: Any) -> str:
     if isinstance(a, torch.fx.Node):
-        return "%"
+        return "%" + _shape_sig(a.meta.get("val"))  # inputs' shapes too: a broadcast add is another op
     if isinstance(a, (list, tuple)):
         return "[" + ",".join(_const_sig(x) for x in a) + "]"
     return repr(a)
 
 
 def signature(node: torch.fx.Node, pins: Mapping[str, str] | None = None) -> str:
-    """What ``node`` is, without where it is: op, constant args, output shapes/dtypes; for a placeholder
+    """What ``node`` is, without where it is: op, constant args, input and output shapes/dtypes (two nodes with
+    the same signature have the same candidate strategies, which are memoized by it); for a placeholder
     its role and name with layer indices replaced by ``#``; plus any user pin on it (so a pinned node never
     shares a class with an unpinned one)."""
     pin = (pins or {}).get(node.name, "")
