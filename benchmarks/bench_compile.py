@@ -12,6 +12,7 @@ automatic planner (``--plan auto``) and the manual ``dp`` preset beside it. Ever
 compiled ``--repeats`` times in this process (the first includes one-time imports and torch's
 warm-up; the median is printed).
 
+    .venv/bin/pip install -e ".[bench]"   # transformers, for the GPT-2 model
     .venv/bin/python benchmarks/bench_compile.py [--repeats 2] [--models gpt,gpt2] [--clusters cpu2,gpu8]
 """
 
