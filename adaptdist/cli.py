@@ -166,6 +166,12 @@ def cmd_plan(args) -> int:
     programs = compile_program(model, example, loss_fn, cluster.world_size, plan,
                                mesh=args.mesh if captured is None else None, captured=captured)
     p0 = programs[0]
+    if captured is not None:
+        from .cost_models.estimate import estimate_programs
+
+        est = estimate_programs(programs, cluster, args.optimizer.replace("-", "_"))
+        console.print(f"adaptdist estimate of the lowered programs (overlap timeline, exact collectives): step "
+                      f"{1e3 * est.step_s:.3f} ms, peak memory {est.peak_memory_bytes / 2**20:,.1f} MiB per rank")
     mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
     batch_axis = p0.plan.batch_axis
     console.print(f"plan {p0.plan.name!r} for {spec.text} on {cluster!r}: mesh {mesh}; batch "

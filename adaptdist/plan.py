@@ -111,7 +111,8 @@ class Plan:
         out: dict[str, dict[str, Any]] = {a: {} for a in self.mesh}
         for node, texts in self.node_strategies.items():
             for a, t in zip(self.mesh, texts):
-                out[a][node] = Strategy.parse(t)
+                if t:  # "" on an axis of size 1: nothing to follow there
+                    out[a][node] = Strategy.parse(t)
         return out
 
     def check_graph(self, gm: torch.fx.GraphModule, source: str = "the plan") -> None:

@@ -98,3 +98,27 @@ def test_unused_parameter_says_what_to_try():
 
     with pytest.raises(CaptureError, match="requires_grad=False"):
         capture(Unused(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+
+
+def test_loss_of_a_model_that_updates_buffers_is_the_loss():
+    """torch 2.13's export signature names the first mutated buffer (BatchNorm's running_mean) as the loss
+    output; capture takes the step's own output, so the program's loss is the loss."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.annotations import ManualPlan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    want = F.cross_entropy(model(batch[0]), batch[1]).item()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    cg = capture(model, batch, F.cross_entropy)
+    roles = gmeta.get_output_roles(cg.gm.graph.output_node())
+    assert roles[:3] == ["buffer:1.running_mean", "buffer:1.running_var", "buffer:1.num_batches_tracked"]
+    assert roles[3] == "loss"
+    prog = compile_program(model, batch, F.cross_entropy, 1, ManualPlan.parse("dp"))[0]
+    out = prog(*[prog.state[f] for f in prog.input_fqns], *batch)
+    assert abs(float(out[prog.loss_index]) - want) < 1e-6

@@ -150,7 +150,7 @@ def test_pins_and_forbidden_axes_are_obeyed():
 
 def test_impossible_memory_names_the_device_and_the_sizes():
     step = mlp_step(1024, 4096, 8, 65536)
-    with pytest.raises(PlanInfeasibleError, match=r"rank 0 \(cuda on h0\) holds 0\.09 GiB.*optimizer state"):
+    with pytest.raises(PlanInfeasibleError, match=r"rank 0 \(cuda on h0\) holds 95\.4 MiB.*optimizer state.*activations"):
         plan_auto(step, gpus(1, 8, memory_bytes=10**8))
 
 

@@ -246,7 +246,11 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     }
     mutated = [outs[name_to_out[o]] for o in sig.buffers_to_mutate]
     mutated_fqns = [sig.buffers_to_mutate[o][strip:] for o in sig.buffers_to_mutate]
-    loss_node = outs[name_to_out[bw.loss_output]]
+    # The step's only user output is the loss. torch 2.13's backward signature names the wrong output as
+    # loss_output when buffers are mutated (the first mutated buffer: measured with BatchNorm), so the
+    # user output is what counts.
+    loss_name = sig.user_outputs[0] if getattr(sig, "user_outputs", None) else bw.loss_output
+    loss_node = outs[name_to_out[loss_name]]
     if isinstance(loss_node.meta.get("val"), torch.Tensor):
         _check_loss(loss_node.meta["val"], name)
 

@@ -280,9 +280,10 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
         m = plan.mesh_spec
         if m.world_size != world_size:
             raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}; "
-                             f"pass --nproc {m.world_size} (or leave out --nproc: a saved plan brings its mesh)")
+                             f"run it on {m.world_size} ranks (--nproc {m.world_size}, or a cluster of that size; without "
+                             "--nproc and --cluster a saved plan brings its mesh)")
         if mesh and Mesh.parse(mesh) != m:
-            raise UsageError(f"--mesh {mesh} differs from plan {plan.name!r}'s mesh {m}; drop --mesh")
+            raise UsageError(f"--mesh {mesh} differs from the mesh {m} of plan {plan.name!r}; drop --mesh")
         kwargs = dict(batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(), bucket_bytes=bucket_bytes,
                       state=state, dump_dir=dump_dir, plan_name=plan.name, replicate_fallback=replicate_fallback,
                       timings=timings)

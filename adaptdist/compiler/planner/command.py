@@ -104,8 +104,12 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
     t0 = time.perf_counter()
-    result = run_planner(capture(model, example, loss_fn), cluster, args.mesh, args.optimizer.replace("-", "_"),
-                         console)
+    captured = capture(model, example, loss_fn)
+    from .explain import find_node
+    from .graph import build_planning_graph
+
+    find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
+    result = run_planner(captured, cluster, args.mesh, args.optimizer.replace("-", "_"), console)
     print_summary(console, result, layers=False)
     console.print(f"(planned in {time.perf_counter() - t0:.1f} s)")
     found = explain(result, args.node)

@@ -59,15 +59,20 @@ def layer_rows(result: PlannerResult) -> list[tuple[str, str, int]]:
     return [(pattern, text, n) for (pattern, text), n in rows.items()]
 
 
-def _find(result: PlannerResult, name: str) -> str:
-    if name in result.graph.nodes:
+def find_node(graph, name: str) -> str:
+    """The planning-graph node ``name`` stands for: a node name, a parameter name, or a getitem of a node.
+
+    Raises:
+        UsageError: neither (with close matches).
+    """
+    if name in graph.nodes:
         return name
-    by_fqn = {pn.fqn: pn.name for pn in result.graph.nodes.values() if pn.fqn}
+    by_fqn = {pn.fqn: pn.name for pn in graph.nodes.values() if pn.fqn}
     if name in by_fqn:
         return by_fqn[name]
-    if name in result.graph.aliases:
-        return result.graph.aliases[name][0]
-    close = difflib.get_close_matches(name, list(result.graph.nodes) + list(by_fqn), n=5)
+    if name in graph.aliases:
+        return graph.aliases[name][0]
+    close = difflib.get_close_matches(name, list(graph.nodes) + list(by_fqn), n=5)
     raise UsageError(f"{name!r} is not a node or parameter of this graph"
                      + (f"; did you mean {', '.join(close)}?" if close else
                         "; `adaptdist plan --out plan.json` lists the node names under node_placements"))
@@ -79,7 +84,7 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
     Raises:
         UsageError: ``name`` is neither a node nor a parameter of the planned graph (with close matches).
     """
-    node = _find(result, name)
+    node = find_node(result.graph, name)
     out = []
     for axis, sol in result.axes.items():
         prob = sol.problem
@@ -108,8 +113,12 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
 def _reason(prob, i: int, choice: list[int], alts: list[Alternative], chosen: Alternative) -> str:
     v = prob.vars[i]
     cheaper = [(k, a) for k, a in enumerate(alts) if a.total_s < chosen.total_s - 1e-12]
+    tied = [a.strategy for a in alts if a is not chosen and a.allowed and abs(a.total_s - chosen.total_s) <= 1e-12]
     if not cheaper:
         why = "it costs least given every other decision"
+        if tied:
+            why = (f"it costs least given every other decision, tied with {', '.join(tied)} (among equals the "
+                   "solver's first optimum stands)")
         if len(v.allowed) < len(v.strategies):
             why += f" among those allowed ({'; '.join(v.why_restricted)})"
         return why

@@ -30,6 +30,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from ... import graph_meta as gmeta
 from ...cost_models.communication import collective_time_s, link_cost
 from ...errors import PlanInfeasibleError, UnsupportedOpError
@@ -42,6 +44,7 @@ from ...strategy import Strategy
 from .graph import PlanningGraph
 
 R = Replicate()
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 PARAM_GATHERS = 2
 """A sharded parameter is gathered twice per step: for the forward and again for the backward
@@ -224,6 +227,8 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict)
                 not isinstance(p, Shard) or (k < len(pn.out_shapes) and p.dim < len(pn.out_shapes[k])
                                              and pn.out_shapes[k][p.dim] >= n)
                 for k, p in enumerate(s.outputs))]
+            if fx.target in _VIEWS:
+                keep = [st for st in keep if _view_shards_align(fx, st, n)]
             if not keep and fx.op == "call_function" and not tensor_args(fx):
                 keep = [Strategy((), (R,), "adaptdist")]  # a factory op (arange, zeros): made whole on every rank
             if not keep and fx.op == "call_function":
@@ -233,6 +238,30 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict)
         out[name] = cache[key]
         gmeta.set_strategies(fx, out[name])  # a getitem's strategies are read from its producer's
     return out
+
+
+def _chunk_bounds(size: int, n: int) -> list[int]:
+    """End of each rank's torch.chunk of ``size`` rows over ``n`` ranks."""
+    step = -(-size // n) if size else 0
+    return [min(size, (r + 1) * step) for r in range(n)]
+
+
+def _view_shards_align(node: Any, st: Strategy, n: int) -> bool:
+    """Whether a view/reshape strategy that keeps a sharded dim sharded is one the lowering can run: every
+    rank's chunk of the input dim must be exactly its chunk of the output dim, in whole groups (the
+    lowering refuses a shard that cuts a group, e.g. 91 = 7 x 13 rows over 2 ranks)."""
+    src = node.args[0]
+    if not st.inputs or not isinstance(st.inputs[0], Shard) or not st.outputs or not isinstance(st.outputs[0], Shard):
+        return True
+    n_in = src.meta["val"].shape[st.inputs[0].dim]
+    n_out = node.meta["val"].shape[st.outputs[0].dim]
+    if n_in == n_out:
+        return True
+    big, small = (n_out, n_in) if n_out > n_in else (n_in, n_out)
+    if small == 0 or big % small:
+        return False
+    r = big // small
+    return [b * r for b in _chunk_bounds(small, n)] == _chunk_bounds(big, n)
 
 
 @dataclass

@@ -141,8 +141,6 @@ def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES, 
         return [MeshCandidate(Mesh.one_axis(BATCH_AXIS, 1), BATCH_AXIS)]
     out = []
     for dp in sorted(_divisors(world_size), reverse=True):
-        if dp > 1 and dp > batch_size:
-            continue  # a batch axis larger than the batch leaves ranks with no samples
         rest = world_size // dp
         left = max_axes - (1 if dp > 1 else 0)
         for model in _factorizations(rest, left):
@@ -158,8 +156,11 @@ def mesh_candidates(world_size: int, batch_size: int, max_axes: int = MAX_AXES, 
 
 
 def _axis_order(c: MeshCandidate) -> list[str]:
-    first = [c.batch_axis] if c.batch_axis else []
-    return first + [a for a in c.mesh.names if a != c.batch_axis and c.mesh.size(a) > 1]
+    """The axes solved, in order: the batch axis first, then the model-parallel ones; axes of size 1 change
+    nothing and are left out, unless every axis has size 1 (one rank: its one axis is still costed)."""
+    first = [c.batch_axis] if c.batch_axis and c.mesh.size(c.batch_axis) > 1 else []
+    order = first + [a for a in c.mesh.names if a != c.batch_axis and c.mesh.size(a) > 1]
+    return order or [c.batch_axis or c.mesh.names[0]]
 
 
 def _host_size(cluster: Any) -> int | None:
@@ -353,8 +354,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             continue
         ev, sols, chosen = found[c]
         if not ev.fits:
-            tried.append((c, f"needs {ev.memory_bytes / 2**30:.2f} GiB per rank, devices hold "
-                             f"{capacity / 2**30:.2f} GiB"))
+            tried.append((c, f"needs {_size(ev.memory_bytes)} per rank, devices hold {_size(capacity)} (memory)"))
             continue
         tried.append((c, ev))
         feasible.append((c, ev, sols, chosen))
@@ -411,6 +411,11 @@ def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chose
                 node_strategies=strategies)
 
 
+def _size(n: float) -> str:
+    """Bytes as MiB below 1 GiB, else GiB."""
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
 def _infeasible(pg: PlanningGraph, candidates: Sequence[MeshCandidate], tried, capacity: float,
                 constraints: Constraints, cluster: Any, state_copies: int, cache: dict) -> PlanInfeasibleError:
     """The error for "no shape worked", naming the constraint that bit."""
@@ -419,12 +424,18 @@ def _infeasible(pg: PlanningGraph, candidates: Sequence[MeshCandidate], tried, c
     world = cluster.world_size
     dev = min((cluster.device(r) for r in range(world)), key=lambda d: d.memory_bytes)
     if any("memory" in r or "GiB" in r for _, r in tried if isinstance(r, str)):
+        acts = max((sum(sum(p.out_bytes) for p in pg.live_at(step)) for step in pg.peak_steps), default=0)
+        tips = ["more devices"]
+        if acts > state:
+            tips.append("a smaller --batch-size or --seq-len")
+        if state >= 0.3 * (state + acts) and state_copies > 0:
+            tips.append("an optimizer with less state (--optimizer sgd)")
         return PlanInfeasibleError(
             f"no mesh shape fits device memory: rank {dev.rank} ({dev.kind} on {dev.host}) holds "
-            f"{capacity / 2**30:.2f} GiB, and parameters + gradients + optimizer state alone are "
-            f"{state / 2**30:.2f} GiB in total ({state / world / 2**30:.2f} GiB per rank even if fully sharded over "
-            f"{world} ranks), plus activations. Try more devices, a smaller batch or sequence, or an optimizer with "
-            "less state (--optimizer sgd).\n" + "\n".join(lines))
+            f"{_size(capacity)}; the step holds parameters + gradients + optimizer state of {_size(state)} and "
+            f"activations of {_size(acts)} at its memory peak (unsharded), at least {_size((state + acts) / world)} "
+            f"per rank even if every tensor were split over all {world} ranks. Try {', or '.join(tips)}.\n"
+            + "\n".join(lines))
     if constraints.pins or constraints.forbid:
         return PlanInfeasibleError(
             "the pins and forbidden axes leave no consistent strategy for some node on every mesh shape: "
