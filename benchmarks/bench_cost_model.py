@@ -366,6 +366,69 @@ def concordance(pred: dict[str, float], meas: dict[str, float], rel: float = 0.1
     return good, total
 
 
+# --------------------------------------------------------------------------- calibrate and measure (one world size)
+
+def calibrate(con, sampler: LoadSampler, w: int, threads: int, cluster_out: str | None = None):
+    """``adaptdist cluster profile --nproc w`` (:func:`adaptdist.calibrate.profile.profile_local`, CPU, ``threads``
+    per rank) under the sampler phase ``calibrate/<w>``; prints its figures and returns the calibrated
+    ``adaptdist.cluster.Cluster`` (also saved as ``cluster_out/cluster-<w>.yaml`` when given)."""
+    from adaptdist.calibrate.profile import profile_local
+
+    sampler.phase = f"calibrate/{w}"
+    t0 = time.perf_counter()
+    res = profile_local(w, "cpu", threads_per_rank=threads)
+    d0 = res.cluster.device(0)
+    ar = res.cluster.collective_fit("all_reduce", "intra_host")
+    con.print(f"world {w}: `adaptdist cluster profile --nproc {w}` in {time.perf_counter() - t0:.1f} s: "
+              f"matmul f32 {d0.peak_flops['float32'] / 1e9:.0f} GFLOP/s per rank, memory "
+              f"{d0.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank, op overhead "
+              f"{(d0.op_overhead_s or 0) * 1e6:.1f} us, all_reduce alpha "
+              f"{ar.alpha_s * 1e6:.0f} us, {ar.bandwidth_bytes_per_s / 1e9:.2f} GB/s; "
+              f"{sampler.summary(sampler.phase)}")
+    if cluster_out:
+        Path(cluster_out).mkdir(parents=True, exist_ok=True)
+        res.cluster.save(Path(cluster_out) / f"cluster-{w}.yaml",
+                         "written by benchmarks/bench_cost_model.py (adaptdist cluster profile)")
+    return res.cluster
+
+
+def measure_plans(con, sampler: LoadSampler, w: int, plans, batch_file: str, threads: int, args) -> dict[str, dict]:
+    """Run the saved rank programs of ``plans`` (``[(name, program_dir)]``, all for ``w`` ranks) in one launch of
+    :func:`plans_worker` (alternating rounds; ``args`` gives lr, seed, timeout_s, rounds, steps, warmup,
+    breakdown_steps, profile_steps) under the sampler phase ``measure/<w>``; returns per plan name the
+    measurement: ``median_s`` (slowest rank per step, median over every measured step), ``round_medians_s``,
+    peak and start bytes per rank, the breakdown of rank 0, and the mean first loss."""
+    from adaptdist.runtime.launch import launch_local
+
+    sampler.phase = f"measure/{w}"
+    names = [n for n, _ in plans]
+    cfg = {"plans": [{"name": n, "program_dir": str(d)} for n, d in plans],
+           "batch_file": batch_file, "lr": args.lr, "seed": args.seed, "threads": threads,
+           "timeout_s": args.timeout_s, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+           "breakdown_steps": args.breakdown_steps, "profile_steps": args.profile_steps}
+    t0 = time.perf_counter()
+    res = launch_local(plans_worker, (cfg,), w)
+    meas = {}
+    for n in names:
+        per_round = []
+        for k in range(args.rounds):
+            per_round.append([max(res[r][n]["rounds"][k][i] for r in res) for i in range(args.steps)])
+        all_steps = [t for rnd in per_round for t in rnd]
+        meas[n] = {
+            "median_s": statistics.median(all_steps),
+            "round_medians_s": [statistics.median(x) for x in per_round],
+            "peak_bytes": {r: res[r][n]["peak_bytes"] for r in sorted(res)},
+            "start_bytes": {r: res[r][n]["start_bytes"] for r in sorted(res)},
+            "program_s": res[0][n]["program_s"], "optimizer_s": res[0][n]["optimizer_s"],
+            "comm_exposed_s": res[0][n]["comm_exposed_s"],
+            "profiled_step_s": res[0][n]["profiled_step_s"],
+            "first_loss": statistics.fmean(res[r][n]["losses"][0] for r in res),
+        }
+    con.print(f"world {w}: {len(names)} plans measured in {time.perf_counter() - t0:.1f} s (one launch); "
+              f"{sampler.summary(sampler.phase)}")
+    return meas
+
+
 # --------------------------------------------------------------------------- parent
 
 def _parse(argv=None):
@@ -413,18 +476,13 @@ def main(argv=None) -> int:
 
     from adaptdist.annotations import ManualPlan
     from adaptdist.calibrate.hardware import usable_cores
-    from adaptdist.calibrate.profile import profile_local
     from adaptdist.cluster import Cluster
     from adaptdist.compiler.data_parallel import compile_program
     from adaptdist.cost_models import estimate_programs
     from adaptdist.models import gpt
     from adaptdist.program import save_programs
-    from adaptdist.runtime.launch import launch_local
     from safetensors.torch import save_file
 
-    import bench_cost_model  # this file as an importable module, so spawn can unpickle the worker
-
-    worker = bench_cost_model.plans_worker
     args = _parse(argv)
     worlds = tuple(int(w) for w in args.worlds.split(",") if w)
     plans = default_plans(worlds)
@@ -476,47 +534,10 @@ def main(argv=None) -> int:
                 clusters[w] = given[w][0]
                 con.print(f"world {w}: cluster from {given[w][1]} ({clusters[w]!r})")
             else:
-                sampler.phase = f"calibrate/{w}"
-                t0 = time.perf_counter()
-                res = profile_local(w, "cpu", threads_per_rank=threads[w])
-                clusters[w] = res.cluster
-                d0 = res.cluster.device(0)
-                ar = res.cluster.collective_fit("all_reduce", "intra_host")
-                con.print(f"world {w}: `adaptdist cluster profile --nproc {w}` in {time.perf_counter() - t0:.1f} s: "
-                          f"matmul f32 {d0.peak_flops['float32'] / 1e9:.0f} GFLOP/s per rank, memory "
-                          f"{d0.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s per rank, op overhead "
-                          f"{(d0.op_overhead_s or 0) * 1e6:.1f} us, all_reduce alpha "
-                          f"{ar.alpha_s * 1e6:.0f} us, {ar.bandwidth_bytes_per_s / 1e9:.2f} GB/s; "
-                          f"{sampler.summary(sampler.phase)}")
-                if args.cluster_out:
-                    Path(args.cluster_out).mkdir(parents=True, exist_ok=True)
-                    res.cluster.save(Path(args.cluster_out) / f"cluster-{w}.yaml",
-                                     "written by benchmarks/bench_cost_model.py (adaptdist cluster profile)")
-            sampler.phase = f"measure/{w}"
+                clusters[w] = calibrate(con, sampler, w, threads[w], args.cluster_out)
             ps = [p for p in plans if p.world == w]
-            cfg = {"plans": [{"name": p.name, "program_dir": str(dirs[p.name])} for p in ps],
-                   "batch_file": batch_file, "lr": args.lr, "seed": args.seed, "threads": threads[w],
-                   "timeout_s": args.timeout_s, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-                   "breakdown_steps": args.breakdown_steps, "profile_steps": args.profile_steps}
-            t0 = time.perf_counter()
-            res = launch_local(worker, (cfg,), w)
-            for p in ps:
-                per_round = []
-                for k in range(args.rounds):
-                    per_round.append([max(res[r][p.name]["rounds"][k][i] for r in res) for i in range(args.steps)])
-                all_steps = [t for rnd in per_round for t in rnd]
-                meas[p.name] = {
-                    "median_s": statistics.median(all_steps),
-                    "round_medians_s": [statistics.median(x) for x in per_round],
-                    "peak_bytes": {r: res[r][p.name]["peak_bytes"] for r in sorted(res)},
-                    "start_bytes": {r: res[r][p.name]["start_bytes"] for r in sorted(res)},
-                    "program_s": res[0][p.name]["program_s"], "optimizer_s": res[0][p.name]["optimizer_s"],
-                    "comm_exposed_s": res[0][p.name]["comm_exposed_s"],
-                    "profiled_step_s": res[0][p.name]["profiled_step_s"],
-                    "first_loss": statistics.fmean(res[r][p.name]["losses"][0] for r in res),
-                }
-            con.print(f"world {w}: {len(ps)} plans measured in {time.perf_counter() - t0:.1f} s (one launch); "
-                      f"{sampler.summary(sampler.phase)}")
+            meas.update(measure_plans(con, sampler, w, [(p.name, dirs[p.name]) for p in ps], batch_file, threads[w],
+                                      args))
         sampler.phase = "report"
 
     # ---- predict
