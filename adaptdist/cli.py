@@ -140,16 +140,14 @@ MAX_LOWERED_RANKS = 16
 def cmd_plan(args) -> int:
     """Print the plan's mesh, a per-parameter placement table and each rank's collectives."""
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from .compiler.consistency import collective_calls
+    from .console import report_console
     from .compiler.data_parallel import compile_program
     from .model_spec import ModelSpec
 
-    console = Console(emoji=False)
-    if not console.is_terminal:
-        console = Console(emoji=False, width=140)
+    console = report_console()
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
@@ -251,7 +249,7 @@ def cmd_train(args) -> int:
         AdaptdistError: any bad input (model, data, cluster, plan); ``main`` prints it as one paragraph.
     """
     import torch
-    from rich.console import Console
+    from .console import report_console
     from safetensors.torch import load_file, save_file
 
     from .compiler.data_parallel import compile_program
@@ -260,7 +258,7 @@ def cmd_train(args) -> int:
     from .runtime.launch import launch_local
     from .runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
 
-    console = Console(stderr=True, emoji=False)  # "m.py:factory: ..." must not become an emoji
+    console = report_console(stderr=True)
     cluster = _cluster(args)
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
@@ -361,14 +359,12 @@ def cmd_estimate(args) -> int:
 
 def cmd_compile(args) -> int:
     """``adaptdist compile``: write rank artifacts (see :mod:`adaptdist.compiler.artifacts`)."""
-    from rich.console import Console
+    from .console import report_console
 
     from .compiler.artifacts import compile_artifacts
     from .model_spec import ModelSpec
 
-    console = Console(emoji=False)
-    if not console.is_terminal:
-        console = Console(emoji=False, width=140)
+    console = report_console()
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     t0 = time.perf_counter()
@@ -385,7 +381,7 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     """``adaptdist run DIR``: check the artifacts against this cluster, then train with them on local ranks."""
-    from rich.console import Console
+    from .console import report_console
     from safetensors.torch import load_file
 
     from .cluster import Cluster
@@ -394,7 +390,7 @@ def cmd_run(args) -> int:
     from .runtime.launch import launch_local
     from .runtime.worker import TrainConfig, run_worker
 
-    console = Console(stderr=True, emoji=False)
+    console = report_console(stderr=True)
     d = Path(args.artifacts)
     if not d.is_dir():
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")

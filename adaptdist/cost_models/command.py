@@ -43,7 +43,6 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         AdaptdistError: bad model, plan, cluster or sizes (``adaptdist.cli.main`` prints it).
     """
     import torch
-    from rich.console import Console
 
     from ..annotations import ManualPlan
     from ..compiler.data_parallel import compile_program
@@ -52,9 +51,9 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
 
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
-    console = Console(emoji=False)
-    if not console.is_terminal:
-        console = Console(emoji=False, width=140)
+    from ..console import report_console
+
+    console = report_console()
     spec = ModelSpec.parse(args.model)
     module = spec.module()
     bucket_bytes = int(args.bucket_mb * 2**20)

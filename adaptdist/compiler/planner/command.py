@@ -91,15 +91,14 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
 def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     """Plan automatically and print the alternatives of ``args.node`` on each mesh axis, with the reason."""
     import torch
-    from rich.console import Console
     from rich.table import Table
 
     from ...model_spec import ModelSpec
     from ..capture import capture
 
-    console = Console(emoji=False)
-    if not console.is_terminal:
-        console = Console(emoji=False, width=140)
+    from ...console import report_console
+
+    console = report_console()
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)

@@ -90,7 +90,7 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
         prob = sol.problem
         if node not in prob.var_of:
             continue
-        choice = list(getattr(sol, "choice", sol.result.choice))
+        choice = list(sol.choice)
         i = prob.var_of[node]
         v = prob.vars[i]
         alts = []

@@ -93,8 +93,13 @@ class Evaluation:
 
 @dataclass
 class AxisSolution:
+    """One mesh axis's last problem, the solver's result on it, and ``choice``: the strategy index of each of
+    ``problem``'s decisions (the result's, or, when the problem was rebuilt with every other axis final for
+    the evaluation, the same strategies re-indexed in the rebuilt problem)."""
+
     problem: AxisProblem
     result: ILPResult
+    choice: tuple[int, ...]
 
 
 @dataclass
@@ -230,7 +235,7 @@ def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constrain
             new = chosen_strategies(prob, res.choice)
             changed |= new != chosen[a]
             chosen[a] = new
-            sols[a] = AxisSolution(prob, res)
+            sols[a] = AxisSolution(prob, res, res.choice)
             log.debug("mesh %s round %d axis %s: %.4f s (%s, gap %.2g%%, %d vars)", c, rnd, a, res.objective_s,
                       res.status, 100 * res.gap, res.num_variables)
         if not changed or len(order) == 1:
@@ -241,9 +246,8 @@ def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constrain
             prob = build_axis_problem(pg, c.mesh, a, c.batch_axis, cluster, strat[a], others, constraints,
                                       state_copies, capacity_bytes)
             choice = tuple(prob.vars[i].strategies.index(chosen[a][v.members[0]]) for i, v in enumerate(prob.vars))
-            sols[a] = AxisSolution(prob, sols[a].result)
-            sols[a].choice = choice  # type: ignore[attr-defined]
-    choices = {a: getattr(sols[a], "choice", sols[a].result.choice) for a in order}
+            sols[a] = AxisSolution(prob, sols[a].result, choice)
+    choices = {a: sols[a].choice for a in order}
     ev = evaluate(pg, c, {a: s.problem for a, s in sols.items()}, choices, capacity_bytes)
     return ev, sols, {a: dict(chosen[a] or {}) for a in order}
 
@@ -376,12 +380,10 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
 
 
 def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:
-    """Each axis's strategies from an earlier automatic plan (its ``node_strategies`` and parameter
-    placements), to start the coordinate descent from; None for a plan without them."""
+    """Each axis's node strategies from an earlier automatic plan (its ``node_strategies``), to start the
+    coordinate descent from; None for a plan without them."""
     if previous is None or not previous.node_strategies:
         return None
-    from ...placement import parse_placement
-
     out: dict[str, dict[str, Strategy]] = {a: {} for a in previous.mesh}
     for k, a in enumerate(previous.mesh):
         for n, texts in previous.node_strategies.items():
