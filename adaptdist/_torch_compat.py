@@ -333,3 +333,33 @@ def dtensor_placement(p: Any) -> Any:
     if name == "Partial":
         return Partial(p.op)
     return Replicate()
+
+
+def dynamo_source_name(placeholder: Any) -> str | None:
+    """The source text (``L['self']._modules['fc']._parameters['weight']``) of a Dynamo graph
+    placeholder, from ``node.meta["grapharg"]``; None when Dynamo recorded none."""
+    arg = placeholder.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name
+
+
+def dynamo_graph_break_reasons() -> dict[str, int]:
+    """Dynamo's graph-break reasons so far in this process (first line of each) -> count."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        key = str(reason).strip().split("\n")[0]
+        out[key] = out.get(key, 0) + count
+    return out
+
+
+def sdpa_math_only():
+    """Context manager: ``scaled_dot_product_attention`` runs its math form (matmul, softmax), which
+    torch.vmap batches; torch's fused CPU kernel has no vmap rule (vmap would loop over the batch)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])

@@ -38,7 +38,9 @@ Keys:
     ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
         :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
-        ``"loss"`` or ``"grad:<fqn>"``.
+        ``"loss"`` or ``"grad:<fqn>"``; graphs of the torch.compile backend add per-rank outputs
+        (:data:`PER_RANK_ROLES`): ``"out:<k>"`` (forward output k) and ``"grad_in:<k>"`` (gradient of
+        batch input k), laid out like the batch inputs.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ STRATEGIES = "adaptdist.strategies"
 VOCAB_BOUNDS = "adaptdist.vocab_bounds"
 RESHARDED = "adaptdist.resharded"
 FALLBACKS = "adaptdist.fallbacks"
+PER_RANK_ROLES = ("out:", "grad_in:")
 
 Layout = tuple[Placement, ...]
 

@@ -65,7 +65,7 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
     coords = dict(zip(mesh.names, mesh.coords(program.rank)))
     out = {}
     for f in program.input_fqns:
-        shape = list(program.global_shapes.get(f, list(program.state[f].shape)))
+        shape = list(program.global_shapes[f] if f in program.global_shapes else program.state[f].shape)
         pls = program.state_placements.get(f, ["R"] * len(mesh.names))
         ranges = [[0, n] for n in shape]
         by_axis = dict(zip(mesh.names, pls))

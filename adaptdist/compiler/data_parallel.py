@@ -264,8 +264,6 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
         CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower_mesh` and
             :func:`~adaptdist.annotations.resolve_param_placements`.
     """
-    from ..annotations import ManualPlan
-
     t0 = time.perf_counter()
     if captured is None:
         captured = capture(model, batch, loss_fn)
@@ -274,6 +272,27 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
     state = {f: named[f].detach() for f in captured.input_fqns}
+    return lower_plan(captured, plan, world_size, mesh=mesh, state=state, bucket_bytes=bucket_bytes,
+                      dump_dir=dump_dir, replicate_fallback=replicate_fallback, timings=timings)
+
+
+def lower_plan(captured: CapturedGraph, plan: Any, world_size: int, *, mesh: str | None = None,
+               state: dict[str, torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20,
+               dump_dir: str | None = None, replicate_fallback: bool = False,
+               timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
+    """Lower a captured step under ``plan`` (a :class:`~adaptdist.annotations.ManualPlan`, default data
+    parallel, or a saved/automatic :class:`~adaptdist.plan.Plan`) onto ``world_size`` ranks; ``mesh``
+    (``"dp=2,tp=2"``) sizes a manual plan's axes; ``state`` (full tensors by fqn) is split into each
+    rank's program. An automatic plan's node strategies are followed where the rules agree; where their
+    combination fails, its parameter placements are lowered with the rules' activation placements.
+
+    Raises:
+        UnsupportedOpError, UsageError: see :func:`lower_mesh` and
+            :func:`~adaptdist.annotations.resolve_param_placements`; a plan for another graph or size.
+    """
+    from ..annotations import ManualPlan
+
+    state = state or {}
     plan = plan if plan is not None else ManualPlan.parse("dp")
     if isinstance(plan, Plan):
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
@@ -298,7 +317,9 @@ def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_siz
                         "parameter placements with the rules' own activation placements instead", e)
             return lower_mesh(captured, m, **kwargs)
     m = plan.mesh(world_size, mesh)
-    placements = plan.axis_placements({f: tuple(t.shape) for f, t in state.items()}, set(captured.param_fqns))
+    shapes = {gmeta.get_fqn(p): tuple(p.meta["val"].shape) for p in captured.gm.graph.find_nodes(op="placeholder")
+              if gmeta.get_role(p) != "batch"}
+    placements = plan.axis_placements(shapes, set(captured.param_fqns))
     return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
                       bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
                       replicate_fallback=replicate_fallback, timings=timings)

@@ -150,7 +150,8 @@ def _reduce_at_producer(node: torch.fx.Node, out) -> bool:
 
 def _output_needs(node: torch.fx.Node, ctx: PassContext) -> dict:
     """The loss and mutated buffers must be replicated; a gradient must end in its parameter's
-    placement (Partial gradients of replicated parameters are left to the bucketing pass)."""
+    placement (Partial gradients of replicated parameters are left to the bucketing pass); per-rank
+    outputs (``out:k``, ``grad_in:k``) end split like the batch inputs."""
     outs = node.args[0]
     roles = gmeta.get_output_roles(node)
     param_pl = {gmeta.get_fqn(p): placement_of(p) for p in node.graph.find_nodes(op="placeholder")}
@@ -167,6 +168,12 @@ def _output_needs(node: torch.fx.Node, ctx: PassContext) -> dict:
                 needs[(0, j)] = want
             elif isinstance(want, Replicate) and isinstance(p, Shard):
                 needs[(0, j)] = want  # e.g. a replicated weight used on a sharded activation
+            continue
+        if roles[j].startswith(gmeta.PER_RANK_ROLES):
+            # a per-rank output (torch.compile backend): laid out like the batch inputs
+            want = Shard(0) if ctx.shards_batch else Replicate()
+            if p != want:
+                needs[(0, j)] = want
             continue
         if isinstance(p, Shard):
             raise UnsupportedOpError(

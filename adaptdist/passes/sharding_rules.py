@@ -901,6 +901,7 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten._softmax.default: softmax,
+    aten._safe_softmax.default: softmax,  # the math attention of the torch.compile backend
     aten._log_softmax.default: softmax,
     aten._softmax_backward_data.default: softmax,
     aten._log_softmax_backward_data.default: softmax,

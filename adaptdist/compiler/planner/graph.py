@@ -106,6 +106,7 @@ class PlanningGraph:
     peak_steps: list[int]
     batch_size: int
     fx_nodes: dict[str, torch.fx.Node] = field(repr=False, default_factory=dict)
+    per_rank_outputs: list[tuple[str, int]] = field(default_factory=list)  # split like the batch (backend)
 
     def resolve(self, node: torch.fx.Node) -> tuple[str, int] | None:
         """``(node, output index)`` an fx argument stands for (through getitem aliases), or None."""
@@ -262,7 +263,7 @@ def build_planning_graph(captured: CapturedGraph, cluster: Any, pins: Mapping[st
     out = next(iter(gm.graph.find_nodes(op="output")))
     roles = gmeta.get_output_roles(out)
     flat = list(out.args[0])
-    loss, replicated, grad_of = None, [], {}
+    loss, replicated, grad_of, per_rank = None, [], {}, []
     param_by_fqn = {p.fqn: p.name for p in nodes.values() if p.kind in ("param", "buffer")}
     for role, a in zip(roles, flat):
         if not isinstance(a, torch.fx.Node):
@@ -276,6 +277,8 @@ def build_planning_graph(captured: CapturedGraph, cluster: Any, pins: Mapping[st
             fqn = role.removeprefix("grad:")
             if fqn in param_by_fqn:
                 grad_of[param_by_fqn[fqn]] = src
+        elif role.startswith(gmeta.PER_RANK_ROLES):
+            per_rank.append(src)
         else:
             replicated.append(src)
     _liveness(gm, nodes, aliases, order)
@@ -284,7 +287,8 @@ def build_planning_graph(captured: CapturedGraph, cluster: Any, pins: Mapping[st
     for name, pn in nodes.items():
         pn.signature = sigs[name]
         pn.layer_class = classes[name]
-    pg = PlanningGraph(gm, nodes, order, edges, aliases, loss, replicated, grad_of, [], captured.batch_size, fx_nodes)
+    pg = PlanningGraph(gm, nodes, order, edges, aliases, loss, replicated, grad_of, [], captured.batch_size, fx_nodes,
+                       per_rank)
     pg.peak_steps = _peak_steps(pg)
     return pg
 

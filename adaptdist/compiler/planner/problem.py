@@ -417,6 +417,15 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
         for k, st in enumerate(strat_of[src]):
             vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte)
+    batch_layout = Shard(0) if batch_axis == axis and pg.batch_size > 1 else R
+    for src, idx in pg.per_rank_outputs:
+        if src not in var_of:
+            continue
+        sv = var_of[src]
+        nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
+        for k, st in enumerate(strat_of[src]):
+            vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), batch_layout, nbytes, n, lc.alpha_s,
+                                                     lc.beta_s_per_byte)
     fixed = [0.0 for _ in steps]
     return AxisProblem(axis, n, vars_, list(edge_map.values()), capacity_bytes, fixed, list(steps), var_of,
                        lc.alpha_s, lc.beta_s_per_byte, strat_of)

@@ -1,0 +1,246 @@
+"""Capture for the torch.compile backend: one rank's Dynamo graph -> the joint graph of all ranks' step.
+
+Under the backend's input contract (DDP's), each of the ``W`` ranks calls the compiled forward on
+its own inputs. The global computation is every rank's forward at once, which ``torch.vmap`` over
+a new leading *rank* dim expresses exactly: constants Dynamo baked into the graph for this rank's
+shapes (view sizes, the batch size) stay per-rank constants, and whatever the model reduces over
+its inputs (a mean loss, BatchNorm statistics) stays per rank, as under DDP. Every user input and
+every output gets that leading dim of size ``W``; row ``r`` is rank ``r``'s.
+
+Attention is captured in its math form (matmul, softmax): torch's fused CPU attention kernel has no
+vmap rule, and vmap would run it once per rank (``select`` of each rank's row: a gather under any
+plan). The math form materializes the ``T x T`` scores per head; the fused kernel would not.
+
+The backward needs the outputs' gradients, which arrive only at ``loss.backward()``: they enter the
+joint graph as inputs too (``tangents``, also ``[W, ...]``), and the step's scalar "loss" is
+``sum_k <out_k, tangent_k>``, whose gradient is each parameter's vector-Jacobian product summed
+over ranks (source: reverse-mode AD as a VJP, e.g. Baydin et al., "Automatic Differentiation in
+Machine Learning: a Survey", 2018, section 3.2). The runtime divides the parameters' gradients by
+``W`` (DDP averages them) and splits the joint program into its forward and backward parts.
+
+Graph contract (adds two output roles to :mod:`adaptdist.compiler.capture`'s):
+    placeholders = [params..., buffers..., stacked user inputs..., stacked tangents...]
+    outputs      = (loss, grads of params..., ``out:k`` stacked forward outputs...,
+                    ``grad_in:k`` gradients of the stacked user inputs that require grad...)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from .. import _torch_compat as compat
+from .. import graph_meta as gmeta
+from ..errors import CaptureError
+from .capture import CapturedGraph, _gc_paused
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of the Dynamo graph: ``kind`` is ``param``, ``buffer`` or ``input`` (a user
+    input, per rank); ``fqn`` the module path of a parameter/buffer (``blocks.0.attn.qkv.weight``) or the
+    source text of an input (``L['x']``); ``global_shape`` its shape (one rank's, for an input)."""
+
+    kind: str
+    fqn: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def source_fqn(source_name: str) -> str | None:
+    """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` -> ``blocks.0.weight``;
+    None for a source that is not a module attribute chain."""
+    parts = _SOURCE_PART.findall(source_name)
+    return ".".join(parts) if parts else None
+
+
+def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphInput]:
+    """What each placeholder of a Dynamo graph is (from its source and its example value).
+
+    Raises:
+        CaptureError: a non-tensor input (a symbolic size: this backend compiles static shapes), or a
+            parameter Dynamo did not lift into an input (``inline_inbuilt_nn_modules`` turned off).
+    """
+    if any(n.op == "get_attr" and isinstance(getattr(gm, n.target, None), nn.Parameter) for n in gm.graph.nodes):
+        raise CaptureError("the Dynamo graph holds parameters as attributes; the adaptdist backend needs them as "
+                           "graph inputs (torch._dynamo.config.inline_inbuilt_nn_modules=True, torch's default)")
+    out = []
+    for ph, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        source = compat.dynamo_source_name(ph)
+        if not isinstance(ex, torch.Tensor):
+            raise CaptureError(
+                f"graph input {source or ph.name} is a {type(ex).__name__}, not a tensor: the adaptdist backend "
+                "compiles static shapes; call torch.compile(..., dynamic=False)")
+        fqn = source_fqn(source or "")
+        if isinstance(ex, nn.Parameter):
+            out.append(GraphInput("param", fqn or ph.name, tuple(ex.shape), ex.dtype, ex.requires_grad))
+        elif fqn is not None and "._buffers[" in (source or ""):
+            out.append(GraphInput("buffer", fqn, tuple(ex.shape), ex.dtype, False))
+        else:
+            out.append(GraphInput("input", source or ph.name, tuple(ex.shape), ex.dtype,
+                                  ex.requires_grad and ex.is_floating_point()))
+    return out
+
+
+def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    """Example values of the Dynamo graph's outputs (fake tensors)."""
+    outs = gm.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return [o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o for o in outs]
+
+
+class _Holder(nn.Module):
+    """A module tree holding tensors under their original dotted names (so plans and state dicts
+    speak the user's parameter names)."""
+
+    def put(self, fqn: str, value: torch.Tensor, param: bool) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, nn.Module())
+            mod = getattr(mod, p)
+        if param:
+            mod.register_parameter(leaf, value)
+        else:
+            mod.register_buffer(leaf, value)
+
+
+class _AllRanksStep(nn.Module):
+    """``forward(*stacked_inputs, *tangents)`` -> ``(sum_k <out_k, tangent_k>, *outs)``: every rank's
+    forward at once (vmap over dim 0), outputs detached (returned for the forward program)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: list[GraphInput], tangent_outputs: list[int],
+                 world_size: int):
+        super().__init__()
+        object.__setattr__(self, "gm", gm)  # not a submodule: its state is the holder's
+        self.state = _Holder()
+        self.inputs = inputs
+        self.tangent_outputs = tangent_outputs
+        self.world_size = world_size
+
+    def forward(self, *batch: torch.Tensor):
+        n_user = sum(1 for i in self.inputs if i.kind == "input")
+        user, tangents = batch[:n_user], batch[n_user:]
+        state = dict(self.state.named_parameters())
+        state.update(dict(self.state.named_buffers()))
+
+        def one_rank(*xs):
+            it = iter(xs)
+            args = [next(it) if i.kind == "input" else state[i.fqn] for i in self.inputs]
+            res = self.gm(*args)
+            return tuple(res) if isinstance(res, (tuple, list)) else (res,)
+
+        outs = torch.vmap(one_rank, randomness="different")(*user)
+        loss = sum((outs[k] * t).sum() for k, t in zip(self.tangent_outputs, tangents))
+        return (loss, *(o.detach() for o in outs))
+
+
+def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int
+                      ) -> tuple[CapturedGraph, list[int]]:
+    """The joint graph of all ``world_size`` ranks' forward and backward (module docstring).
+
+    Args:
+        gm: Dynamo's graph of one rank's forward (its placeholders described by ``inputs``).
+        inputs: from :func:`classify_inputs`.
+        world_size: ``W``, the size of the stacked rank dim.
+
+    Returns:
+        A CapturedGraph whose batch inputs are the stacked user inputs then the stacked tangents, with
+        ``batch_size == W`` and the output roles of the module docstring; and the indices of the outputs
+        that take a tangent (those requiring grad), in tangent order.
+
+    Raises:
+        CaptureError: the graph cannot be run for all ranks at once (an op without a vmap rule, a buffer
+            updated in place, a data-dependent shape), naming the construct and what to try.
+    """
+    outputs = _graph_outputs(gm)
+    tangent_outputs = [k for k, o in enumerate(outputs)
+                       if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    if not tangent_outputs:
+        raise CaptureError("no output of the compiled graph requires grad: there is nothing to train (the "
+                           "adaptdist backend compiles training steps; run inference without it)")
+    step = _AllRanksStep(gm, inputs, tangent_outputs, world_size)
+    mode = compat.fake_tensor_mode(allow_constants=True)
+    with mode:
+        for i in inputs:
+            if i.kind in ("param", "buffer"):
+                t = torch.empty(i.global_shape, dtype=i.dtype)
+                step.state.put(i.fqn, nn.Parameter(t, requires_grad=i.requires_grad) if i.kind == "param" else t,
+                               i.kind == "param")
+        batch = [torch.empty((world_size, *i.global_shape), dtype=i.dtype).requires_grad_(i.requires_grad)
+                 for i in inputs if i.kind == "input"]
+        batch += [torch.empty((world_size, *outputs[k].shape), dtype=outputs[k].dtype) for k in tangent_outputs]
+    with _gc_paused(), mode, compat.sdpa_math_only():
+        try:
+            joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
+        except Exception as e:
+            msg = str(e).split("\n")[0]
+            hint = ("A buffer updated in the forward (BatchNorm's running statistics in training mode) cannot "
+                    "be updated per rank; use adaptdist train, or norms without running statistics."
+                    if "inplace" in msg.lower() or "in-place" in msg.lower() else
+                    "Check that the model runs eagerly and under torch.vmap.")
+            raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
+                               f"{type(e).__name__}: {msg}. {hint}") from e
+    return _finish(joint, sig, len(outputs), world_size), tangent_outputs
+
+
+def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int) -> CapturedGraph:
+    graph = gm.graph
+    strip = len("state.")
+    if sig.buffers_to_mutate:
+        raise CaptureError(f"the compiled graph updates buffers in place ({sorted(sig.buffers_to_mutate.values())}); "
+                           "the adaptdist backend keeps buffers unchanged: use adaptdist train for such models")
+    user_ph = list(sig.user_inputs)
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.name in sig.inputs_to_parameters:
+            gmeta.set_role(ph, "param", sig.inputs_to_parameters[ph.name][strip:])
+        elif ph.name in sig.inputs_to_buffers:
+            gmeta.set_role(ph, "buffer", sig.inputs_to_buffers[ph.name][strip:])
+        else:
+            gmeta.set_role(ph, "batch")
+    out_node = graph.output_node()
+    outs = list(out_node.args[0])
+    by_name = {n.name: n for n in outs if isinstance(n, torch.fx.Node)}
+    bw = sig.backward_signature
+    loss = by_name[sig.user_outputs[0]]
+    forward_outs = [by_name[n] for n in sig.user_outputs[1:1 + n_outputs]]
+    grad_of = {p[strip:]: by_name[g] for g, p in bw.gradients_to_parameters.items()}
+    grad_in = {user_ph.index(u): by_name[g] for g, u in bw.gradients_to_user_inputs.items()}
+    params = [gmeta.get_fqn(p) for p in graph.find_nodes(op="placeholder") if gmeta.get_role(p) == "param"]
+    trainable = [f for f in params if f in grad_of]
+    frozen = [f for f in params if f not in grad_of]
+    new_outs = [loss] + [grad_of[f] for f in trainable] + forward_outs + [grad_in[k] for k in sorted(grad_in)]
+    roles = (["loss"] + [f"grad:{f}" for f in trainable] + [f"out:{k}" for k in range(len(forward_outs))]
+             + [f"grad_in:{k}" for k in sorted(grad_in)])
+    out_node.args = (tuple(new_outs),)
+    gmeta.set_output_roles(out_node, roles)
+    # Placeholder order: trainable params, frozen params, buffers, batch.
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    frozen_set = set(frozen)
+    order = {"param": 0, "buffer": 2, "batch": 3}
+    position = {p: i for i, p in enumerate(placeholders)}
+    ranked = sorted(placeholders, key=lambda p: (order[gmeta.get_role(p)] + (gmeta.get_fqn(p) in frozen_set),
+                                                 position[p]))
+    if ranked != placeholders:
+        anchor = next(n for n in graph.nodes if n.op != "placeholder")
+        for p in ranked:
+            anchor.prepend(p)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return CapturedGraph(
+        gm=gm, param_fqns=trainable, frozen_param_fqns=frozen,
+        buffer_fqns=[gmeta.get_fqn(p) for p in ranked if gmeta.get_role(p) == "buffer"],
+        num_batch_inputs=len(user_ph), mutated_buffer_fqns=[], loss_output_index=0,
+        grad_output_index={f: 1 + i for i, f in enumerate(trainable)}, batch_size=world_size,
+        model_name="compiled graph",
+    )

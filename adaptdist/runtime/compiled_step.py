@@ -1,0 +1,241 @@
+"""Run a compiled Dynamo graph as this rank's forward and backward programs (the torch.compile backend).
+
+:class:`CompiledStep` is what the backend returns to Dynamo: called with the graph's inputs (this
+rank's parameters, buffers and its own user inputs), it
+
+1. gathers the user inputs of the ranks whose rows this rank's program reads (the ranks of its
+   model-parallel group: tensor parallelism needs their batches on every rank of the group);
+2. gives the program this rank's shard of each parameter the plan shards;
+3. runs the forward program and returns this rank's own rows of the outputs;
+4. at ``backward()``, gathers the outputs' gradients the same way, runs the backward program, and
+   returns the parameters' gradients (divided by the world size: DDP averages over ranks; a sharded
+   parameter's gradient shards are all_gathered into the full gradient) and the user inputs' gradients
+   (this rank's own rows).
+
+Parameters keep their full tensors on every rank, and the optimizer the user built over them updates
+them whole: the plan shards compute and activations, not parameter memory. (Holding only the shard
+would change the parameters' shapes, and Dynamo re-traces the user's code, written for the full
+shapes, when a guarded shape changes; torch's answer, DTensor parameters, must be in place before
+Dynamo first sees the model: Dynamo keeps weak references to them that ``swap_tensors`` refuses.)
+
+:class:`ShardLayout` (on each sharded parameter, ``param._adaptdist_layout``) records where every
+rank's shard lies in the full tensor; :func:`full_state_dict` uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..compiler.partition import SplitProgram
+from ..errors import AdaptdistError
+
+
+@dataclass
+class ShardLayout:
+    """Where each rank's shard of one parameter lies: ``ranges[r][d] = [start, stop)`` of dim ``d`` on
+    rank ``r`` (torch.chunk along the mesh axes in lowering order); ``placements`` per mesh axis."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    placements: dict[str, str]
+    ranges: list[list[list[int]]]
+
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
+        t = full
+        for d, (lo, hi) in enumerate(self.ranges[rank]):
+            t = t.narrow(d, lo, hi - lo)
+        return t.contiguous().clone()
+
+    def gather(self, shard: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """The full tensor from every rank's ``shard`` (a collective over ``group``, default the world).
+
+        Shards are padded to the largest one's shape (uneven chunks, empty shards) and all_gathered.
+        """
+        world = dist.get_world_size(group)
+        biggest = [max(r[d][1] - r[d][0] for r in self.ranges) for d in range(len(self.global_shape))]
+        pad = torch.zeros(biggest, dtype=shard.dtype, device=shard.device)
+        pad[tuple(slice(0, s) for s in shard.shape)] = shard
+        parts = [torch.empty_like(pad) for _ in range(world)]
+        dist.all_gather(parts, pad, group=group)
+        full = torch.empty(self.global_shape, dtype=shard.dtype, device=shard.device)
+        for r, part in enumerate(parts):
+            box = tuple(slice(lo, hi) for lo, hi in self.ranges[r])
+            full[box] = part[tuple(slice(0, hi - lo) for lo, hi in self.ranges[r])]
+        return full
+
+
+@dataclass
+class RankIO:
+    """How this rank's program reads and writes the stacked ``[W, ...]`` per-rank tensors: it holds rows
+    ``[first_row, first_row + rows)``, which are the user inputs of the ranks of ``group`` (None: just
+    this rank), this rank's own row being ``own_row``."""
+
+    first_row: int
+    rows: int
+    own_row: int
+    group: Any
+
+
+class CompiledStep:
+    """This rank's compiled forward/backward of one Dynamo graph (module docstring).
+
+    Args:
+        split: the rank's program split into forward and backward (:mod:`adaptdist.compiler.partition`).
+        kinds: per Dynamo placeholder, ``param``, ``buffer`` or ``input``.
+        state_order: per program state input (params, frozen params, buffers in the program's order), the
+            Dynamo placeholder index it comes from.
+        input_order: Dynamo placeholder indices of the user inputs, in the program's batch order.
+        grad_params: Dynamo placeholder indices of the parameters whose gradients the program returns, in
+            its ``grad:`` output order.
+        layouts: sharded parameters by Dynamo placeholder index.
+        io: the row layout of this rank.
+        world_size: ``W`` (gradients of parameters are divided by it).
+        tangent_outputs: indices of the outputs that take a gradient (the program's tangent inputs).
+        grad_inputs: per ``grad_in:k`` output of the program, the user input (program batch index) it is for.
+        rank: this rank.
+        program: the whole (unsplit) RankProgram, for inspection (``mesh``, ``collectives()``).
+    """
+
+    def __init__(self, split: SplitProgram, kinds: list[str], state_order: list[int], input_order: list[int],
+                 grad_params: list[int], layouts: dict[int, ShardLayout], io: RankIO, world_size: int,
+                 tangent_outputs: list[int], grad_inputs: list[int], rank: int, program: Any = None):
+        self.split = split
+        self.program = program
+        self.kinds = kinds
+        self.state_order = state_order
+        self.input_order = input_order
+        self.grad_params = grad_params
+        self.layouts = layouts
+        self.io = io
+        self.world_size = world_size
+        self.tangent_outputs = tangent_outputs
+        self.grad_inputs = grad_inputs
+        self.rank = rank
+        self.calls = 0
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(self.program.mesh)
+
+    def collectives(self) -> list[str]:
+        """The collectives of this rank's program, in order (``op(group, numel)``)."""
+        return self.program.collectives()
+
+    def __call__(self, *args: torch.Tensor):
+        self.calls += 1
+        differentiable = [i for i in self.grad_params] + [self.input_order[k] for k in self.grad_inputs]
+        outs = _StepFunction.apply(self, differentiable, *args)
+        return tuple(outs)
+
+    def state_input(self, args: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+        """Dynamo input ``i`` (a parameter or buffer) as the program takes it: this rank's shard if sharded."""
+        t = args[i].detach()
+        layout = self.layouts.get(i)
+        if layout is None:
+            return t
+        if tuple(t.shape) != tuple(layout.global_shape):
+            raise AdaptdistError(f"parameter {layout.fqn} has shape {list(t.shape)}, but the program was compiled "
+                                 f"for {list(layout.global_shape)} (rank {self.rank})")
+        return layout.local(t, self.rank)
+
+    # --- data movement -----------------------------------------------------------------------------
+
+    def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's per-rank tensor -> the program's rows (its group's tensors stacked on a new dim 0)."""
+        t = t.detach().contiguous()
+        if self.io.group is None:
+            return t.unsqueeze(0)
+        parts = [torch.empty_like(t) for _ in range(self.io.rows)]
+        dist.all_gather(parts, t, group=self.io.group)
+        return torch.stack(parts)
+
+    def own_row(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.io.own_row]
+
+    def run_forward(self, args: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
+        """Run the forward program: (this rank's outputs, saved values, the program's inputs)."""
+        sp = self.split
+        state = [self.state_input(args, i) for i in self.state_order]
+        rows = [self.gather_rows(args[i]) for i in self.input_order]
+        program_inputs = state + rows  # then the tangents, which the forward never reads
+        res = sp.forward(*[program_inputs[i] for i in sp.forward_inputs])
+        n_out = len(sp.forward_roles)
+        outs = {int(r.split(":")[1]): v for r, v in zip(sp.forward_roles, res[:n_out])}
+        return [self.own_row(outs[k]).clone() for k in sorted(outs)], list(res[n_out:]), program_inputs
+
+    def run_backward(self, program_inputs: list[torch.Tensor], saved: list[torch.Tensor],
+                     grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> tuple[list, list]:
+        sp = self.split
+        tangents = []
+        for k in self.tangent_outputs:
+            g = grads[k] if grads[k] is not None else torch.zeros_like(outputs[k])
+            tangents.append(self.gather_rows(g))
+        inputs = list(program_inputs) + tangents
+        res = sp.backward(*saved, *[inputs[i] for i in sp.backward_inputs])
+        by_role = dict(zip(sp.backward_roles, res))
+        param_grads = []
+        for r, i in zip([r for r in sp.backward_roles if r.startswith("grad:")], self.grad_params):
+            g = by_role[r] / self.world_size
+            param_grads.append(self.layouts[i].gather(g) if i in self.layouts else g)
+        input_grads = [self.own_row(by_role[f"grad_in:{k}"]) for k in range(len(self.grad_inputs))]
+        return param_grads, input_grads
+
+
+class _StepFunction(torch.autograd.Function):
+    """Autograd's view of one compiled step: inputs = the Dynamo graph's inputs, outputs = its outputs."""
+
+    @staticmethod
+    def forward(ctx, step: CompiledStep, differentiable: list[int], *args: torch.Tensor):
+        outs, saved, program_inputs = step.run_forward(args)
+        ctx.step = step
+        ctx.differentiable = differentiable
+        ctx.num_args = len(args)
+        ctx.program_inputs = program_inputs
+        ctx.saved = saved
+        ctx.output_shapes = [(o.shape, o.dtype) for o in outs]
+        for k, o in enumerate(outs):
+            if k not in step.tangent_outputs:
+                ctx.mark_non_differentiable(o)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        step: CompiledStep = ctx.step
+        like = [torch.zeros(s, dtype=d) for s, d in ctx.output_shapes]
+        param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
+        ctx.saved = ctx.program_inputs = None
+        out: list[torch.Tensor | None] = [None] * ctx.num_args
+        for i, g in zip(ctx.differentiable, param_grads + input_grads):
+            out[i] = g
+        return (None, None, *out)
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """The model's ordinary, unsharded state dict (detached copies), on every rank (or only on rank 0:
+    other ranks get None). Keys are those of the model you passed to ``torch.compile`` (a compiled
+    wrapper's ``_orig_mod.`` prefix is dropped). Parameters carrying a shard layout (none, while the
+    backend keeps parameters whole: module docstring) are all_gathered, a collective every rank calls.
+
+    Raises:
+        AdaptdistError: a sharded parameter's layout does not match the process group's world size.
+    """
+    inner = getattr(model, "_orig_mod", model)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in inner.state_dict(keep_vars=True).items():
+        layout = getattr(t, "_adaptdist_layout", None)
+        if layout is None:
+            out[name] = t.detach().clone()
+            continue
+        if not dist.is_initialized() or dist.get_world_size() != len(layout.ranges):
+            raise AdaptdistError(f"parameter {name} was sharded over {len(layout.ranges)} ranks; call "
+                                 "full_state_dict on every rank of that job, with its process group alive")
+        out[name] = layout.gather(t.detach())
+    if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return out

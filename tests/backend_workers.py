@@ -1,0 +1,66 @@
+"""Worker functions for the torch.compile backend's multi-process tests (importable by spawned ranks).
+
+Each rank runs the user's ordinary loop: the model compiled with the adaptdist backend, an SGD
+optimizer over ``model.parameters()``, its own rows of each global batch (the DDP input contract),
+``loss.backward()``, ``opt.step()``. It records its loss, the full gradient of every parameter
+and, at the end, ``adaptdist.full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import adaptdist
+import adaptdist.models.gpt as gpt_module
+from adaptdist.annotations import ManualPlan
+from models import mlp, tiny_gpt
+
+FACTORIES = {
+    "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4),
+    "mlp": lambda batch: mlp(batch, seed=0),
+}
+
+
+def make_plan(model: str, plan: str):
+    """A plan argument for adaptdist.backend: presets that need the model's TP globs get them."""
+    if plan in ("tp", "dp,tp"):
+        return ManualPlan.parse(plan, gpt_module if model == "gpt" else None)
+    return plan
+
+
+def rank_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world)[rank]
+
+
+def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
+    """Run each case (model, plan, mesh, global batch size) for ``steps`` SGD steps through
+    ``torch.compile(model, backend=adaptdist.backend(...))``; one process group for all cases."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        out = []
+        for case in cases:
+            model, batch, loss_fn = FACTORIES[case["model"]](case["batch"])
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            be = adaptdist.backend(plan=make_plan(case["model"], case["plan"]), mesh=case.get("mesh"))
+            compiled = torch.compile(model, backend=be, fullgraph=True)
+            losses, grads = [], []
+            for _ in range(steps):
+                x, y = (rank_rows(t, rank, world) for t in batch)
+                loss = loss_fn(compiled(x), y)
+                loss.backward()
+                losses.append(loss.item())
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+            out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
+                        "meshes": [s.mesh for s in be.compiled],
+                        "collectives": [s.collectives() for s in be.compiled]})
+        return out
+    finally:
+        dist.destroy_process_group()
