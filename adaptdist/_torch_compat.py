@@ -363,3 +363,14 @@ def sdpa_math_only():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.MATH])
+
+
+def graph_breaks_reported(total: int) -> int:
+    """How many graph breaks adaptdist had reported before this call, and record ``total`` as reported.
+    Kept beside Dynamo's own break counters (``torch._dynamo.utils.counters``), so it lives and is
+    cleared with them."""
+    from torch._dynamo.utils import counters
+
+    before = counters["adaptdist"]["graph_breaks_reported"]
+    counters["adaptdist"]["graph_breaks_reported"] = max(before, total)
+    return before

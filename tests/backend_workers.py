@@ -36,6 +36,23 @@ def rank_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
+def mismatch_worker(timeout_s: float = 60.0) -> str:
+    """Rank 1 passes inputs of another shape than rank 0: every rank must refuse with the same error."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        model, (x, y), loss_fn = mlp(6, seed=0)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan="dp"), fullgraph=True)
+        try:
+            loss_fn(compiled(x[:2] if rank == 0 else x[:3]), y[:2] if rank == 0 else y[:3]).backward()
+        except Exception as e:  # Dynamo wraps the backend's error
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+    finally:
+        dist.destroy_process_group()
+
+
 def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
     """Run each case (model, plan, mesh, global batch size) for ``steps`` SGD steps through
     ``torch.compile(model, backend=adaptdist.backend(...))``; one process group for all cases."""

@@ -20,6 +20,7 @@ ranks as the input contract says, and a warning names the break.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,17 +263,22 @@ def _compiled_step(split: Any, program: Any, programs: Mapping[int, Any], inputs
 
 
 def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
-    """One warning per graph compiled after a graph break: how many breaks so far, why, and where this
-    graph starts (its first line of user code)."""
+    """One warning per new graph break: how many breaks there are so far, why, and where (after the user
+    line of the last op of the graph compiled right after the break). Dynamo records a break before it
+    compiles the graph that ends there, so that graph's compile is the one that warns."""
     reasons = compat.dynamo_graph_break_reasons()
-    if not reasons:
-        return
-    where = next((n.meta["stack_trace"].strip().splitlines()[-2].strip() for n in gm.graph.nodes
-                  if n.op == "call_function" and n.meta.get("stack_trace")), "(unknown)")
     total = sum(reasons.values())
+    if total <= compat.graph_breaks_reported(total):
+        return
+    lines = [m.group(1) + ":" + m.group(2) for n in gm.graph.nodes if n.meta.get("stack_trace")
+             for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
+    where = f"after {lines[-1]}" if lines else "(no source line recorded)"
     why = "; ".join(f"{r} (x{c})" for r, c in reasons.items())
     warnings.warn(
-        f"adaptdist: {total} graph break(s) so far ({why}); the graph starting at {where} is planned on its own, "
-        "its inputs and outputs split over the ranks like the batch (communication at every break). Remove the "
-        "break for one plan of the whole step; torch.compile(..., fullgraph=True) makes a break an error.",
+        f"adaptdist: {total} graph break(s) so far, the last {where}: {why}. Each graph between breaks is planned "
+        "on its own, its inputs and outputs split over the ranks like the batch (communication at every break). "
+        "Remove the break for one plan of the whole step; torch.compile(..., fullgraph=True) makes a break an error.",
         GraphBreakWarning, stacklevel=2)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')

@@ -77,8 +77,9 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
         source = compat.dynamo_source_name(ph)
         if not isinstance(ex, torch.Tensor):
             raise CaptureError(
-                f"graph input {source or ph.name} is a {type(ex).__name__}, not a tensor: the adaptdist backend "
-                "compiles static shapes; call torch.compile(..., dynamic=False)")
+                f"graph input {source or ph.name} is a {type(ex).__name__}, not a tensor: Dynamo made a shape "
+                "symbolic (it does after seeing the same code with other input shapes), and the adaptdist backend "
+                "compiles static shapes: call torch.compile(..., dynamic=False), which compiles each shape on its own")
         fqn = source_fqn(source or "")
         if isinstance(ex, nn.Parameter):
             out.append(GraphInput("param", fqn or ph.name, tuple(ex.shape), ex.dtype, ex.requires_grad))

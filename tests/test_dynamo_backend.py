@@ -1,0 +1,159 @@
+"""The torch.compile backend: ``torch.compile(model, backend="adaptdist")`` in an ordinary training loop.
+
+Real gloo processes (all cases of one world size in one process group): each rank passes its own rows
+of the global batch (DDP's contract); after each of 3 SGD steps, its loss equals eager's loss on those
+rows, every parameter's gradient equals the gradient of the ranks' mean loss in single-process eager
+PyTorch, and the parameters after the steps equal eager's, all to 1e-5. In-process (world of one): graph
+breaks, fullgraph=True, the entry point.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import adaptdist
+from adaptdist.compiler.dynamo_backend import GraphBreakWarning
+from adaptdist.runtime.launch import launch_local
+from adaptdist.errors import RuntimeLaunchError
+from backend_workers import FACTORIES, backend_sgd_worker, mismatch_worker
+
+STEPS, LR, TOL = 3, 0.5, 1e-5
+
+CASES = {
+    2: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
+        dict(model="gpt", plan="fsdp", batch=4), dict(model="mlp", plan="auto", batch=6)],
+    4: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
+        dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4)],  # one local shape for all: see below
+}
+
+
+# The cases of a world size share one process, and Dynamo makes the batch size symbolic when the same
+# forward code meets a second one (automatic dynamic shapes), which the backend refuses; so every case of
+# a world size has the same rows per rank (test_symbolic_shapes_are_refused_clearly covers the refusal).
+
+
+def _eager(case: dict, world: int):
+    """Per step: each rank's loss on its rows and the gradients of their mean; final parameters."""
+    model, (x, y), loss_fn = FACTORIES[case["model"]](case["batch"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for _ in range(STEPS):
+        losses = [loss_fn(model(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))]
+        (sum(losses) / world).backward()
+        history.append(([v.item() for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    return history, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_backend_sgd_equals_eager(world):
+    results = launch_local(backend_sgd_worker, (CASES[world], STEPS, LR), world)
+    for k, case in enumerate(CASES[world]):
+        history, params = _eager(case, world)
+        for r in range(world):
+            got = results[r][k]
+            for s, (losses, grads) in enumerate(history):
+                assert got["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
+                for n, g in grads.items():
+                    torch.testing.assert_close(got["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} rank {r} step {s} {n}")
+            for n, p in params.items():
+                torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"{case} rank {r} {n}")
+        mesh = results[0][k]["meshes"][0]
+        calls = results[0][k]["collectives"][0]
+        if case["plan"] in ("tp", "dp,tp"):
+            assert mesh.get("tp") == (2 if case["plan"] == "dp,tp" else world), mesh
+            assert any("adaptdist:tp" in c for c in calls), calls  # the model really runs tensor-parallel
+        if case["plan"] == "dp":
+            assert mesh == {"dp": world} and all("adaptdist:dp" in c for c in calls), calls
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_different_graphs_are_refused():
+    results = launch_local(mismatch_worker, (), 2)
+    for r in (0, 1):
+        assert "PlanMismatchError" in results[r] and "compiled different graphs" in results[r], results[r]
+
+
+class _Broken(nn.Module):
+    """Two linears with a graph break between them: the second graph's input requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def _sgd(model, fn, x, y, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for _ in range(steps):
+        loss = ((fn(x) - y) ** 2).mean()
+        loss.backward()
+        out.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_graph_break_warns_and_gradients_cross_it():
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    model, ref = _Broken(), _Broken()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _sgd(model, torch.compile(model, backend=adaptdist.backend(plan="dp")), x, y)
+    want = _sgd(ref, ref, x, y)
+    for (l1, g1), (l2, g2) in zip(got, want):
+        assert l1 == pytest.approx(l2, abs=TOL)
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)  # a.* only right if grad crosses the break
+    msgs = [str(w.message) for w in caught if issubclass(w.category, GraphBreakWarning)]
+    assert len(msgs) == 1 and "1 graph break(s)" in msgs[0] and "test_dynamo_backend.py" in msgs[0], msgs
+
+
+def test_fullgraph_makes_a_break_an_error():
+    torch._dynamo.reset()
+    model = _Broken()
+    with pytest.raises(Exception, match="graph_break|graph break"):
+        torch.compile(model, backend="adaptdist", fullgraph=True)(torch.randn(2, 6))
+
+
+def test_symbolic_shapes_are_refused_clearly():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    fn = torch.compile(model, backend=adaptdist.backend(plan="dp"))
+    fn(torch.randn(4, 6)).sum().backward()
+    with pytest.raises(Exception, match="dynamic=False"):
+        fn(torch.randn(5, 6)).sum().backward()  # a second batch size: Dynamo retraces with a symbolic size
+    static = torch.compile(model, backend=adaptdist.backend(plan="dp"), dynamic=False)
+    static(torch.randn(5, 6)).sum().backward()
+
+
+def test_backend_by_name_needs_no_import_and_equals_eager():
+    """``backend="adaptdist"`` resolves through the torch_dynamo_backends entry point."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("adaptdist").__module__ == "adaptdist.compiler.dynamo_backend"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    got = _sgd(model, torch.compile(model, backend="adaptdist"), x, y)
+    want = _sgd(ref, ref, x, y)
+    for (l1, g1), (l2, g2) in zip(got, want):
+        assert l1 == pytest.approx(l2, abs=TOL)
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)
+    assert adaptdist.full_state_dict(model).keys() == ref.state_dict().keys()
