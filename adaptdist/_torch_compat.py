@@ -163,6 +163,11 @@ def register_process_group(name: str, group: Any) -> None:
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
+def resolve_process_group(name: str) -> Any:
+    """The process group registered under ``name`` (see :func:`register_process_group`)."""
+    return torch._C._distributed_c10d._resolve_process_group(name)
+
+
 def unregister_all_process_groups() -> None:
     torch._C._distributed_c10d._unregister_all_process_groups()
 

@@ -81,3 +81,31 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
         return out
     finally:
         dist.destroy_process_group()
+
+
+def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
+    """Two models compiled on different meshes (GPT on dp=2 x tp=2, the MLP on dp=4: both name a ``dp``
+    axis, of different groups), their forwards and backwards interleaved; each model's losses and grads."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        runs = []
+        for name, plan, mesh in (("gpt", "dp,tp", "dp=2,tp=2"), ("mlp", "dp", None)):
+            model, batch, loss_fn = FACTORIES[name](4)
+            compiled = torch.compile(model, backend=adaptdist.backend(plan=make_plan(name, plan), mesh=mesh))
+            runs.append((model, compiled, [rank_rows(t, rank, world) for t in batch], loss_fn,
+                         torch.optim.SGD(model.parameters(), lr=lr)))
+        out = [{"losses": [], "grads": []} for _ in runs]
+        for _ in range(steps):
+            losses = [loss_fn(compiled(x), y) for _, compiled, (x, y), loss_fn, _ in runs]  # both forwards first
+            for k in reversed(range(len(runs))):
+                losses[k].backward()
+            for k, (model, _, _, _, opt) in enumerate(runs):
+                out[k]["losses"].append(losses[k].item())
+                out[k]["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -17,7 +17,7 @@ import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist.errors import RuntimeLaunchError
-from backend_workers import FACTORIES, backend_sgd_worker, mismatch_worker
+from backend_workers import FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
@@ -69,6 +69,19 @@ def test_backend_sgd_equals_eager(world):
             assert any("adaptdist:tp" in c for c in calls), calls  # the model really runs tensor-parallel
         if case["plan"] == "dp":
             assert mesh == {"dp": world} and all("adaptdist:dp" in c for c in calls), calls
+
+
+@pytest.mark.timeout(600)
+def test_two_models_on_different_meshes_interleaved():
+    """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""
+    results = launch_local(interleaved_meshes_worker, (2, LR), 4)
+    for k, case in enumerate([dict(model="gpt", batch=4), dict(model="mlp", batch=4)]):
+        history, _ = _eager(case, 4)
+        for r in range(4):
+            for s, (losses, grads) in enumerate(history[:2]):
+                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
+                for n, g in grads.items():
+                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0)
 
 
 @pytest.mark.timeout(300)

@@ -160,12 +160,16 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     programs = lower_plan(captured, plan, world, mesh=config.mesh if not isinstance(plan, Plan) else None)
     program = programs[rank]
     io = _rank_io(programs, rank, world)
+    groups = {}
     if distributed:
         from ..runtime.worker import register_mesh_groups
 
         register_mesh_groups(program, dist.get_backend())
+        groups = {name: compat.resolve_process_group(name) for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:",))
-    return _compiled_step(split, program, programs, inputs, tangent_outputs, io, world, rank)
+    step = _compiled_step(split, program, programs, inputs, tangent_outputs, io, world, rank)
+    step.process_groups = groups
+    return step
 
 
 def _plan(captured: Any, example_inputs: Sequence[Any], config: AdaptdistBackend, world: int, rank: int,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _torch_compat as compat
 from ..compiler.partition import SplitProgram
 from ..errors import AdaptdistError
 
@@ -118,6 +119,9 @@ class CompiledStep:
         self.grad_inputs = grad_inputs
         self.rank = rank
         self.calls = 0
+        # collective group name -> process group; registered again before each run, because another
+        # compiled graph (after a graph break, another model) may have pointed the same names elsewhere
+        self.process_groups: dict[str, Any] = {}
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -155,12 +159,17 @@ class CompiledStep:
         dist.all_gather(parts, t, group=self.io.group)
         return torch.stack(parts)
 
+    def _use_groups(self) -> None:
+        for name, group in self.process_groups.items():
+            compat.register_process_group(name, group)
+
     def own_row(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.io.own_row]
 
     def run_forward(self, args: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
         """Run the forward program: (this rank's outputs, saved values, the program's inputs)."""
         sp = self.split
+        self._use_groups()
         state = [self.state_input(args, i) for i in self.state_order]
         rows = [self.gather_rows(args[i]) for i in self.input_order]
         program_inputs = state + rows  # then the tangents, which the forward never reads
@@ -173,6 +182,7 @@ class CompiledStep:
                      grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> tuple[list, list]:
         sp = self.split
         tangents = []
+        self._use_groups()
         for k in self.tangent_outputs:
             g = grads[k] if grads[k] is not None else torch.zeros_like(outputs[k])
             tangents.append(self.gather_rows(g))
