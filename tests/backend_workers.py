@@ -19,9 +19,25 @@ import adaptdist.models.gpt as gpt_module
 from adaptdist.annotations import ManualPlan
 from models import mlp, tiny_gpt
 
+def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
+    """A Hugging Face GPT-2 built from a small config (random weights, no download), in eval mode (no
+    dropout); the loss is next-token cross entropy on its logits."""
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 97, (batch, seq_len), generator=g)
+    y = torch.randint(0, 97, (batch, seq_len), generator=g)
+    return model, (x, y), lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten())
+
+
 FACTORIES = {
     "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4),
     "mlp": lambda batch: mlp(batch, seed=0),
+    "hf_gpt2": hf_gpt2,
 }
 
 

@@ -72,6 +72,23 @@ def test_backend_sgd_equals_eager(world):
 
 
 @pytest.mark.timeout(600)
+def test_hugging_face_gpt2_through_the_backend():
+    """A Hugging Face GPT-2 (its own attention, masks, a ModelOutput) on 2 ranks, dp and the automatic plan."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    cases = [dict(model="hf_gpt2", plan="dp", batch=4), dict(model="hf_gpt2", plan="auto", batch=4)]
+    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
+    for k, case in enumerate(cases):
+        history, params = _eager(case, 2)
+        for r in range(2):
+            for s, (losses, grads) in enumerate(history):
+                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
+                for n, g in grads.items():
+                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
+            for n, p in params.items():
+                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(600)
 def test_two_models_on_different_meshes_interleaved():
     """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""
     results = launch_local(interleaved_meshes_worker, (2, LR), 4)
