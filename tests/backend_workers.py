@@ -69,6 +69,58 @@ def mismatch_worker(timeout_s: float = 60.0) -> str:
         dist.destroy_process_group()
 
 
+def full_grad(p: torch.Tensor) -> torch.Tensor:
+    """The full gradient of ``p``, all_gathered where the backend sharded the parameter."""
+    layout = getattr(p, "_adaptdist_layout", None)
+    return p.grad.clone() if layout is None else layout.gather(p.grad)
+
+
+def sharded_memory_worker(plan: str, timeout_s: float = 120.0) -> dict:
+    """GPT with AdamW (built before torch.compile) through the backend under ``plan``: this rank's parameter
+    and optimizer-state element counts, and the peak-memory metric (adaptdist.runtime.memory) of the second
+    step's compiled programs, with the parameters, optimizer state, batch and saved activations counted as
+    live. (The meter is a TorchDispatchMode, under which Dynamo does not run compiled code, so it is put
+    around the programs, inside the compiled call.)"""
+    from adaptdist.runtime.memory import PeakMemory
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        model, batch, loss_fn = tiny_gpt(8, 8, seed=0, num_heads=4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        be = adaptdist.backend(plan=plan)
+        compiled = torch.compile(model, backend=be, fullgraph=True)
+        x, y = (rank_rows(t, rank, world) for t in batch)
+        for measure in (False, True):
+            if measure:
+                step, peaks = be.compiled[0], []
+                live = [list(model.parameters()), [v for s in opt.state.values() for v in s.values()], x, y]
+                run_forward, run_backward = step.run_forward, step.run_backward
+
+                def metered_forward(args):
+                    with PeakMemory(existing=live) as pm:
+                        out = run_forward(args)
+                    peaks.append(pm.report.peak_bytes)
+                    return out
+
+                def metered_backward(program_inputs, saved, grads, outputs):
+                    with PeakMemory(existing=live + [program_inputs, saved, list(grads)]) as pm:
+                        out = run_backward(program_inputs, saved, grads, outputs)
+                    peaks.append(pm.report.peak_bytes)
+                    return out
+
+                step.run_forward, step.run_backward = metered_forward, metered_backward
+            loss_fn(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {"param_numel": sum(p.numel() for p in model.parameters()),
+                "state_numel": sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
+                "peak_bytes": max(peaks), "full": {k: v.shape for k, v in adaptdist.full_state_dict(compiled).items()}}
+    finally:
+        dist.destroy_process_group()
+
+
 def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
     """Run each case (model, plan, mesh, global batch size) for ``steps`` SGD steps through
     ``torch.compile(model, backend=adaptdist.backend(...))``; one process group for all cases."""
@@ -88,11 +140,12 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                 loss = loss_fn(compiled(x), y)
                 loss.backward()
                 losses.append(loss.item())
-                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                grads.append({n: full_grad(p) for n, p in model.named_parameters()})
                 opt.step()
                 opt.zero_grad()
             out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
                         "meshes": [s.mesh for s in be.compiled],
+                        "local_numel": sum(p.numel() for p in model.parameters()),
                         "collectives": [s.collectives() for s in be.compiled]})
         return out
     finally:
@@ -119,7 +172,7 @@ def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0) -
                 losses[k].backward()
             for k, (model, _, _, _, opt) in enumerate(runs):
                 out[k]["losses"].append(losses[k].item())
-                out[k]["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                out[k]["grads"].append({n: full_grad(p) for n, p in model.named_parameters()})
                 opt.step()
                 opt.zero_grad()
         return out

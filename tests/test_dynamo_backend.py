@@ -17,7 +17,8 @@ import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist.errors import RuntimeLaunchError
-from backend_workers import FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker
+from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
+                             sharded_memory_worker)
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
@@ -69,6 +70,9 @@ def test_backend_sgd_equals_eager(world):
             assert any("adaptdist:tp" in c for c in calls), calls  # the model really runs tensor-parallel
         if case["plan"] == "dp":
             assert mesh == {"dp": world} and all("adaptdist:dp" in c for c in calls), calls
+        full_numel = sum(p.numel() for p in params.values())
+        if case["plan"] in ("tp", "fsdp", "dp,tp"):  # each rank holds only its shards from the first call on
+            assert results[0][k]["local_numel"] < full_numel, (case, results[0][k]["local_numel"], full_numel)
 
 
 @pytest.mark.timeout(600)
@@ -99,6 +103,23 @@ def test_two_models_on_different_meshes_interleaved():
                 assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
                 for n, g in grads.items():
                     torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_sharded_plan_memory_falls_with_world_size():
+    """FSDP-like plan, AdamW built before torch.compile: parameters and optimizer state hold 1/W of the
+    model on each rank, and the peak-memory metric per rank falls from 2 to 4 ranks."""
+    by_world = {w: launch_local(sharded_memory_worker, ("fsdp",), w) for w in (2, 4)}
+    model, _, _ = FACTORIES["gpt"](8)
+    full = sum(p.numel() for p in model.parameters())
+    for w, res in by_world.items():
+        assert sum(res[r]["param_numel"] for r in range(w)) == full  # the shards tile the model exactly
+        for r in range(w):
+            assert res[r]["param_numel"] <= full // w + 64, (w, r, res[r]["param_numel"], full)
+            assert res[r]["state_numel"] == 2 * res[r]["param_numel"]  # AdamW: exp_avg, exp_avg_sq on the shard
+            assert res[r]["full"] == {k: v.shape for k, v in model.state_dict().items()}
+    peak = {w: max(res[r]["peak_bytes"] for r in range(w)) for w, res in by_world.items()}
+    assert peak[4] < peak[2], peak
 
 
 @pytest.mark.timeout(300)

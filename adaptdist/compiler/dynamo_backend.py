@@ -154,12 +154,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 "the ranks compiled different graphs (" + "; ".join(f"ranks {rs}: graph {fp[:12]}"
                                                                     for fp, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes")
-    plan = _plan(captured, example_inputs, config, world, rank, control)
+    plan = _plan(captured, inputs, config, world, rank, control)
     from .data_parallel import lower_plan
 
     programs = lower_plan(captured, plan, world, mesh=config.mesh if not isinstance(plan, Plan) else None)
     program = programs[rank]
     io = _rank_io(programs, rank, world)
+    step_layouts = _layouts(program, programs, inputs)
+    # parameters are given their shards at the first call; Dynamo must not re-trace for their new sizes
+    compat.drop_tensor_guards({inputs[k].source for k in step_layouts if inputs[k].kind == "param"})
     groups = {}
     if distributed:
         from ..runtime.worker import register_mesh_groups
@@ -167,16 +170,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         register_mesh_groups(program, dist.get_backend())
         groups = {name: compat.resolve_process_group(name) for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:",))
-    step = _compiled_step(split, program, programs, inputs, tangent_outputs, io, world, rank)
+    step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
     return step
 
 
-def _plan(captured: Any, example_inputs: Sequence[Any], config: AdaptdistBackend, world: int, rank: int,
+def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, world: int, rank: int,
           control: Any) -> Any:
-    """The plan every rank lowers: a manual plan as given; ``auto``: rank 0's planner result, broadcast."""
+    """The plan every rank lowers: a manual plan as given; ``auto``: rank 0's planner result, broadcast;
+    for a graph whose parameters an earlier graph already sharded, that graph's mesh and placements."""
     from ..annotations import ManualPlan
 
+    earlier = [i.layout for i in inputs if i.layout is not None]
+    if earlier:
+        return _plan_of_sharded(captured, earlier)
     spec = config.plan
     if isinstance(spec, (Plan, ManualPlan)):
         return spec
@@ -201,6 +208,25 @@ def _plan(captured: Any, example_inputs: Sequence[Any], config: AdaptdistBackend
     plan = Plan.from_json(text, "the automatic plan")
     log.info("adaptdist: plan %s on mesh %s", plan.name, dict(plan.mesh))
     return plan
+
+
+def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
+    """A plan keeping the layout of parameters sharded by an earlier compiled graph (the same code at
+    another input shape, or a parameter used on both sides of a graph break): its mesh, batch axis and
+    parameter placements; other parameters replicated.
+
+    Raises:
+        UsageError: the layouts come from plans on different meshes.
+    """
+    first = Plan.from_json(layouts[0].plan_json, "the plan of an earlier compiled graph")
+    for layout in layouts[1:]:
+        other = Plan.from_json(layout.plan_json, "the plan of an earlier compiled graph")
+        if dict(other.mesh) != dict(first.mesh) or other.batch_axis != first.batch_axis:
+            raise UsageError(f"parameters of this graph were sharded by plans on different meshes ({dict(first.mesh)} "
+                             f"and {dict(other.mesh)}, parameter {layout.fqn}); compile the model with one backend")
+    placements = {l.fqn: [l.placements[a] for a in first.mesh] for l in layouts}
+    return Plan(mesh=dict(first.mesh), batch_axis=first.batch_axis, param_placements=placements,
+                graph_fingerprint=graph_fingerprint(captured.gm), name=f"{first.name} (parameters already sharded)")
 
 
 def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
@@ -242,10 +268,23 @@ def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:
     return RankIO(off, size, rank - off, groups[(off, size)])
 
 
-def _compiled_step(split: Any, program: Any, programs: Mapping[int, Any], inputs: list[GraphInput],
-                   tangent_outputs: list[int], io: RankIO, world: int, rank: int) -> CompiledStep:
+def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]) -> dict[int, ShardLayout]:
+    """The layout of every state input the plan shards, by Dynamo input index (with the plan, so a later
+    graph that meets an already sharded parameter keeps its layout)."""
     from .artifacts import shard_layout
 
+    index_of = {i.fqn: k for k, i in enumerate(inputs) if i.kind != "input"}
+    if not program.state_placements:
+        return {}
+    by_rank = {r: shard_layout(p) for r, p in programs.items()}
+    plan_json = program.plan.to_json() if program.plan is not None else ""
+    return {index_of[f]: ShardLayout(f, tuple(inputs[index_of[f]].global_shape), dict(zip(program.mesh, pls)),
+                                     [by_rank[r][f]["ranges"] for r in sorted(by_rank)], plan_json)
+            for f, pls in program.state_placements.items() if f in index_of}
+
+
+def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], inputs: list[GraphInput],
+                   tangent_outputs: list[int], io: RankIO, world: int, rank: int) -> CompiledStep:
     index_of = {i.fqn: k for k, i in enumerate(inputs) if i.kind != "input"}
     state_order = [index_of[f] for f in program.input_fqns]
     input_order = [k for k, i in enumerate(inputs) if i.kind == "input"]
@@ -255,13 +294,6 @@ def _compiled_step(split: Any, program: Any, programs: Mapping[int, Any], inputs
     if len(roles) != len(differentiable_inputs):
         raise AdaptdistError(f"the program has {len(roles)} input gradients for {len(differentiable_inputs)} "
                              "inputs that require grad")
-    layouts = {}
-    by_rank = {r: shard_layout(p) for r, p in programs.items()}
-    for f, pls in program.state_placements.items():
-        if f not in index_of or inputs[index_of[f]].kind != "param":
-            continue
-        layouts[index_of[f]] = ShardLayout(f, tuple(inputs[index_of[f]].global_shape), dict(zip(program.mesh, pls)),
-                                           [by_rank[r][f]["ranges"] for r in sorted(by_rank)])
     return CompiledStep(split, [i.kind for i in inputs], state_order, input_order, grad_params, layouts, io,
                         world, tangent_outputs, differentiable_inputs, rank, program)
 

@@ -46,13 +46,17 @@ _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 class GraphInput:
     """One placeholder of the Dynamo graph: ``kind`` is ``param``, ``buffer`` or ``input`` (a user
     input, per rank); ``fqn`` the module path of a parameter/buffer (``blocks.0.attn.qkv.weight``) or the
-    source text of an input (``L['x']``); ``global_shape`` its shape (one rank's, for an input)."""
+    source text of an input (``L['x']``); ``global_shape`` its shape (one rank's, for an input; the full
+    shape of a parameter an earlier compiled graph sharded, whose ``layout`` is then set); ``source``
+    Dynamo's source text."""
 
     kind: str
     fqn: str
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    source: str = ""
+    layout: Any = None  # the ShardLayout of a parameter an earlier compiled graph already sharded
 
 
 def source_fqn(source_name: str) -> str | None:
@@ -82,12 +86,14 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
                 "compiles static shapes: call torch.compile(..., dynamic=False), which compiles each shape on its own")
         fqn = source_fqn(source or "")
         if isinstance(ex, nn.Parameter):
-            out.append(GraphInput("param", fqn or ph.name, tuple(ex.shape), ex.dtype, ex.requires_grad))
+            layout = getattr(ex, "_adaptdist_layout", None)
+            shape = tuple(layout.global_shape) if layout is not None else tuple(ex.shape)
+            out.append(GraphInput("param", fqn or ph.name, shape, ex.dtype, ex.requires_grad, source or "", layout))
         elif fqn is not None and "._buffers[" in (source or ""):
-            out.append(GraphInput("buffer", fqn, tuple(ex.shape), ex.dtype, False))
+            out.append(GraphInput("buffer", fqn, tuple(ex.shape), ex.dtype, False, source or ""))
         else:
             out.append(GraphInput("input", source or ph.name, tuple(ex.shape), ex.dtype,
-                                  ex.requires_grad and ex.is_floating_point()))
+                                  ex.requires_grad and ex.is_floating_point(), source or ""))
     return out
 
 

@@ -3,20 +3,16 @@
 :class:`CompiledStep` is what the backend returns to Dynamo: called with the graph's inputs (this
 rank's parameters, buffers and its own user inputs), it
 
-1. gathers the user inputs of the ranks whose rows this rank's program reads (the ranks of its
+1. on its first call, gives each parameter the plan shards this rank's shard as its data, so the
+   optimizer (built before or after) holds and updates only the shard, and its state is sharded too
+   (the backend removed Dynamo's size guards on those parameters: the graph stays the one traced for
+   the full shapes; :func:`~adaptdist._torch_compat.drop_tensor_guards`);
+2. gathers the user inputs of the ranks whose rows this rank's program reads (the ranks of its
    model-parallel group: tensor parallelism needs their batches on every rank of the group);
-2. gives the program this rank's shard of each parameter the plan shards;
 3. runs the forward program and returns this rank's own rows of the outputs;
 4. at ``backward()``, gathers the outputs' gradients the same way, runs the backward program, and
-   returns the parameters' gradients (divided by the world size: DDP averages over ranks; a sharded
-   parameter's gradient shards are all_gathered into the full gradient) and the user inputs' gradients
-   (this rank's own rows).
-
-Parameters keep their full tensors on every rank, and the optimizer the user built over them updates
-them whole: the plan shards compute and activations, not parameter memory. (Holding only the shard
-would change the parameters' shapes, and Dynamo re-traces the user's code, written for the full
-shapes, when a guarded shape changes; torch's answer, DTensor parameters, must be in place before
-Dynamo first sees the model: Dynamo keeps weak references to them that ``swap_tensors`` refuses.)
+   returns the parameters' gradients (this rank's shard, divided by the world size: DDP averages over
+   ranks) and the user inputs' gradients (this rank's own rows).
 
 :class:`ShardLayout` (on each sharded parameter, ``param._adaptdist_layout``) records where every
 rank's shard lies in the full tensor; :func:`full_state_dict` uses it.
@@ -39,12 +35,14 @@ from ..errors import AdaptdistError
 @dataclass
 class ShardLayout:
     """Where each rank's shard of one parameter lies: ``ranges[r][d] = [start, stop)`` of dim ``d`` on
-    rank ``r`` (torch.chunk along the mesh axes in lowering order); ``placements`` per mesh axis."""
+    rank ``r`` (torch.chunk along the mesh axes in lowering order); ``placements`` per mesh axis;
+    ``plan_json`` the plan that sharded it (a later graph meeting the parameter keeps its layout)."""
 
     fqn: str
     global_shape: tuple[int, ...]
     placements: dict[str, str]
     ranges: list[list[list[int]]]
+    plan_json: str = ""
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
@@ -132,21 +130,42 @@ class CompiledStep:
         return self.program.collectives()
 
     def __call__(self, *args: torch.Tensor):
+        if self.calls == 0:
+            self._shard_parameters(args)
         self.calls += 1
         differentiable = [i for i in self.grad_params] + [self.input_order[k] for k in self.grad_inputs]
         outs = _StepFunction.apply(self, differentiable, *args)
         return tuple(outs)
 
+    def _shard_parameters(self, args: Sequence[torch.Tensor]) -> None:
+        """Give each sharded parameter this rank's shard as its data (once, in place of the full tensor)."""
+        for i, layout in self.layouts.items():
+            p = args[i]
+            if self.kinds[i] != "param" or getattr(p, "_adaptdist_layout", None) is not None:
+                continue
+            with torch.no_grad():
+                p.data = layout.local(p.data, self.rank)
+            p._adaptdist_layout = layout
+
     def state_input(self, args: Sequence[torch.Tensor], i: int) -> torch.Tensor:
-        """Dynamo input ``i`` (a parameter or buffer) as the program takes it: this rank's shard if sharded."""
+        """Dynamo input ``i`` (a parameter or buffer) as the program takes it: this rank's shard if sharded
+        (parameters hold it already; a sharded buffer is sliced).
+
+        Raises:
+            AdaptdistError: the tensor is neither the full shape nor this rank's shard.
+        """
         t = args[i].detach()
         layout = self.layouts.get(i)
         if layout is None:
             return t
-        if tuple(t.shape) != tuple(layout.global_shape):
-            raise AdaptdistError(f"parameter {layout.fqn} has shape {list(t.shape)}, but the program was compiled "
-                                 f"for {list(layout.global_shape)} (rank {self.rank})")
-        return layout.local(t, self.rank)
+        local = tuple(hi - lo for lo, hi in layout.ranges[self.rank])
+        if tuple(t.shape) == local:
+            return t
+        if tuple(t.shape) == tuple(layout.global_shape):
+            return layout.local(t, self.rank)
+        raise AdaptdistError(f"{layout.fqn} has shape {list(t.shape)} on rank {self.rank}, but the program was "
+                             f"compiled for {list(layout.global_shape)} (this rank's shard: {list(local)}); was the "
+                             "parameter replaced after torch.compile?")
 
     # --- data movement -----------------------------------------------------------------------------
 
@@ -189,10 +208,7 @@ class CompiledStep:
         inputs = list(program_inputs) + tangents
         res = sp.backward(*saved, *[inputs[i] for i in sp.backward_inputs])
         by_role = dict(zip(sp.backward_roles, res))
-        param_grads = []
-        for r, i in zip([r for r in sp.backward_roles if r.startswith("grad:")], self.grad_params):
-            g = by_role[r] / self.world_size
-            param_grads.append(self.layouts[i].gather(g) if i in self.layouts else g)
+        param_grads = [by_role[r] / self.world_size for r in sp.backward_roles if r.startswith("grad:")]
         input_grads = [self.own_row(by_role[f"grad_in:{k}"]) for k in range(len(self.grad_inputs))]
         return param_grads, input_grads
 
@@ -229,8 +245,8 @@ class _StepFunction(torch.autograd.Function):
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
     """The model's ordinary, unsharded state dict (detached copies), on every rank (or only on rank 0:
     other ranks get None). Keys are those of the model you passed to ``torch.compile`` (a compiled
-    wrapper's ``_orig_mod.`` prefix is dropped). Parameters carrying a shard layout (none, while the
-    backend keeps parameters whole: module docstring) are all_gathered, a collective every rank calls.
+    wrapper's ``_orig_mod.`` prefix is dropped). Parameters the backend sharded are all_gathered: a
+    collective, which every rank must call.
 
     Raises:
         AdaptdistError: a sharded parameter's layout does not match the process group's world size.
