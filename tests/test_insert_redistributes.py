@@ -136,3 +136,87 @@ def test_slice_of_a_later_dim_feeds_layer_norm_backward_contiguous():
     for r, p in progs.items():
         for f in p.param_fqns:
             torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")], grads[f], atol=1e-5, rtol=1e-5)
+
+
+class ViewMeetsPartial(nn.Module):
+    """``tanh(h * s + u @ w)``: ``u @ w`` ``[B * T, D]`` is Partial (``u`` sharded on its columns, ``w`` on its
+    rows); ``h`` is the batch ``[B, T, D]`` (sharded on B) viewed as ``[B * T, D]``, so rank r holds rows
+    ``[T s_r, T e_r)`` of it, ``[s_r, e_r)`` its torch.chunk block of B, not a torch.chunk block of B * T."""
+
+    def __init__(self, batch_size, seq, dim=4, inner=6):
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(batch_size * seq, inner))
+        self.register_buffer("w", torch.randn(inner, dim))
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        return torch.tanh(x.reshape(b * t, d) * self.s + self.u @ self.w).reshape(b, t, d)
+
+
+def _producers(node):
+    """``node`` and everything it is computed from."""
+    seen, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.append(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _check_against_eager(model, batch, world, placements):
+    from passutil import local_shard, simulate_plan
+
+    progs, stored, outs = simulate_plan(model, batch, F.mse_loss, world, placements, shard_batch=True)
+    (loss, grads), = eager_sgd(model, [batch], F.mse_loss, 0.1, 1)[0]
+    for r, p in progs.items():
+        assert abs(float(outs[r][p.loss_index]) - loss) < 1e-5, r
+        for f in p.param_fqns:
+            torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")],
+                                       local_shard(grads[f], stored.get(f), world, r), atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {r} grad {f}")
+    return progs
+
+
+@pytest.mark.parametrize("batch_size,seq,world", [(5, 3, 2), (5, 2, 4), (2, 3, 3)])
+def test_partial_to_shard_meeting_a_view_of_a_shard_is_a_reduce_scatter(batch_size, seq, world):
+    """P -> S(0) of ``u @ w`` where it meets rows of a viewed batch shard (B = 5 over 2 ranks: rows [0, 9) and
+    [9, 15), where torch.chunk of 15 would give [0, 8) and [8, 15); over 4 ranks 4, 4, 2 and 0 rows; B = 2
+    over 3 ranks leaves rank 2 empty): a reduce_scatter of ``[B, T, D]`` in torch.chunk blocks of B, viewed
+    back; no all_reduce on that path, and loss and gradients equal eager on every rank."""
+    torch.manual_seed(0)
+    model = ViewMeetsPartial(batch_size, seq)
+    batch = (torch.randn(batch_size, seq, 4), torch.randn(batch_size, seq, 4))
+    progs = _check_against_eager(model, batch, world, {"u": "S(1)", "w": "S(0)"})
+    assert ["add", "mm", "P(sum)", "S(0)", "reduce_scatter_tensor"] in progs[0].plan.redistributions["tp"]
+    chunk = -(-batch_size // world)
+    for r, p in progs.items():
+        add = next(n for n in p.module.graph.nodes if n.name == "add")
+        kinds = {str(n.target) for n in _producers(add)}
+        assert any("reduce_scatter" in k for k in kinds) and not any("all_reduce" in k for k in kinds), (r, kinds)
+        rs = next(n for n in p.module.graph.nodes if "reduce_scatter" in str(n.target))
+        assert tuple(rs.args[0].meta["val"].shape) == (world * chunk, seq, 4)  # padded torch.chunk blocks of B
+        rows = max(0, min(chunk, batch_size - r * chunk)) * seq
+        assert tuple(add.meta["val"].shape) == (rows, 4)
+
+
+def test_forward_reduce_scatter_is_not_bucketed_with_gradients():
+    """A forward P -> S reduce_scatter (meeting the sharded batch) beside a gradient's reduce_scatter (``s``,
+    stored sharded): bucketing merges only gradients; the forward one stays before its consumer."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.u = nn.Parameter(torch.randn(10, 6))
+            self.register_buffer("w", torch.randn(6, 4))
+            self.s = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+        def forward(self, x):
+            return torch.tanh(x + self.u @ self.w) * self.s
+
+    torch.manual_seed(0)
+    batch = (torch.randn(10, 4), torch.randn(10, 4))
+    progs = _check_against_eager(M(), batch, 3, {"u": "S(1)", "w": "S(0)", "s": "S(0)"})
+    kinds = [c.split("(")[0].split(".")[1] for c in progs[0].collectives()]
+    assert kinds.count("reduce_scatter_tensor") == 2, kinds

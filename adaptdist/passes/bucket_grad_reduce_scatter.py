@@ -8,7 +8,8 @@ is rank r's block), the bucket is concatenated along dim 1 and flattened, one
 ``reduce_scatter`` gives every rank its row of the sum, which is split back into
 the per-parameter blocks. The collective is issued as soon as the bucket's last
 gradient exists and waited on just before the graph returns, so it overlaps the
-rest of backward.
+rest of backward. Only gradients are bucketed: a reduce_scatter whose result feeds an op
+(a Partial -> Shard redistribution in forward or backward) stays where its consumer needs it.
 
 Before/after (two gradients)::
 
@@ -51,6 +52,8 @@ def bucket_grad_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext) -> tu
             pre.insert(0, src)
             src = src.args[0]
         wait = next(iter(rs.users))
+        if not _feeds_output(wait):
+            continue  # a forward P->S (redistribution before a consumer): its consumer needs it where it is
         chains.append((src, pre, rs, wait))
     if len(chains) < 2:
         return gm, False
@@ -76,6 +79,15 @@ def bucket_grad_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext) -> tu
         graph.lint()
         gm.recompile()
     return gm, changed
+
+
+def _feeds_output(wait: torch.fx.Node) -> bool:
+    """Whether the reduce_scatter waited on by ``wait`` is a gradient's: its trim (and the permute and clone
+    back, for a dim other than 0) leads, one user each, to the graph's output."""
+    n = wait
+    while len(n.users) == 1 and n.op != "output":
+        n = next(iter(n.users))
+    return n.op == "output"
 
 
 def _merge(graph, bucket, ctx: PassContext, out: torch.fx.Node, order: dict) -> None:

@@ -6,11 +6,18 @@ functional collectives on the mesh axis's process group:
 * ``Partial -> Replicate``: ``all_reduce(sum)`` + ``wait_tensor``;
 * ``Replicate -> Shard(d)``: a local slice, bounds filled per rank by localization (made
   contiguous when ``d`` is not the outermost dim: some ATen kernels read strided inputs wrongly);
-* ``Partial -> Shard(d)``: a padded ``reduce_scatter`` (torch.chunk blocks) where those
-  are the blocks wanted: a gradient going to its parameter's shard, or a consumer whose
-  other sharded inputs are chunked parameters/inputs of that size; elsewhere (the other
-  operand's rows come from a view of another shard) all_reduce then a rank slice that
-  aligns with that operand.
+* ``Partial -> Shard(d)``: a padded ``reduce_scatter``. Rank r must end with the rows the
+  consumer's other sharded operands hold on rank r (localization aligns them). Those are
+  torch.chunk blocks of ``n`` (a gradient going to its parameter's shard, operands that are
+  parameters or batch inputs, or ops of them that keep the dim's size), or, where the operand's
+  rows come from a view that merged the sharded dim of a chunked value with ``k`` inner rows
+  (``[B, T, ...] S(0) -> [B * T, ...]``: rank r holds rows ``[k s_r, k e_r)``), torch.chunk
+  blocks of ``n / k`` groups of ``k`` rows. For those, ``x`` is viewed as ``[..., n / k, k, ...]``,
+  reduce-scattered in chunk blocks of ``n / k`` and viewed back: each rank receives exactly its
+  rows, with uneven and empty shards, at the volume of the chunk case
+  (``world * ceil(n / k / world) * k`` rows). Only where those rows cannot be derived from
+  torch.chunk blocks (an operand that is a rank slice, a multi-output op, a view whose sizes are
+  not multiples) is it still an all_reduce then a rank slice that aligns with that operand.
 
 * ``Shard(d) -> Replicate``: each rank pads its shard on ``d`` to the largest shard
   (torch.chunk shards are packed at the front, so the padding is only at the end
@@ -34,6 +41,9 @@ Before/after::
 """
 
 from __future__ import annotations
+
+import math
+import operator
 
 import torch
 import torch.fx
@@ -140,6 +150,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     val = x.meta["val"]
     nd, n, w = val.dim(), val.shape[dim], ctx.world_size
     block = -(-n // w)
+    mode = getattr(val, "fake_mode", None)
 
     def call(target, args, placement, kind=None, kwargs=None):
         return add_op(graph, target, args, placement, kwargs=kwargs, collective=kind, group=ctx.group_name)
@@ -151,6 +162,8 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
         rs = call(compat.functional_reduce_scatter_op(), (padded, "sum", w, ctx.group_name), Shard(0), "reduce_scatter")
         wt = call(compat.functional_wait_op(), (rs,), Shard(0), "wait")
         mine = call(aten.slice.Tensor, (wt, 0, 0, block), Shard(0))
+        with mode if mode is not None else torch.no_grad():
+            mine.meta["val"] = wt.meta["val"].new_empty((n, *wt.meta["val"].shape[1:]))  # global: n rows
         gmeta.set_scatter_trim(mine, 0, n, ctx.group_name)
         if dim:
             inv = [perm.index(d) for d in range(nd)]
@@ -216,10 +229,31 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: Pas
     return out
 
 
-def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node) -> str:
+def grouped_reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, k: int, ctx: PassContext,
+                           before: torch.fx.Node) -> torch.fx.Node:
+    """Insert the reduce_scatter of Partial ``x`` into ``Shard(dim)`` where rank r holds rows ``[k s_r, k e_r)``,
+    ``[s_r, e_r)`` its torch.chunk block of ``n / k`` (``n = x.shape[dim]``; the rows of a view that merged a
+    chunked dim with ``k`` inner rows), before ``before``.
+
+    ``x`` ``[..., n, ...]`` is viewed as ``[..., n / k, k, ...]``, reduce-scattered in torch.chunk blocks of
+    ``dim`` (:func:`reduce_scatter`) and viewed back; localization sizes the view from the scatter's block
+    (``k (e_r - s_r)`` rows). ``k == 1`` is the plain :func:`reduce_scatter`.
+    """
+    if k == 1:
+        return reduce_scatter(graph, x, dim, ctx, before)
+    shape = list(x.meta["val"].shape)
+    with graph.inserting_before(before):
+        grouped = add_op(graph, aten.reshape.default, (x, shape[:dim] + [shape[dim] // k, k] + shape[dim + 1:]),
+                         Partial())
+    mine = reduce_scatter(graph, grouped, dim, ctx, before)
+    with graph.inserting_before(before):
+        return add_op(graph, aten.reshape.default, (mine, shape), Shard(dim))
+
+
+def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node, group: str) -> str:
     """The collective that turns ``src_placement`` into ``target`` at ``consumer`` (see the module docstring)."""
     if isinstance(src_placement, Partial):
-        if isinstance(target, Shard) and _chunk_aligned(consumer, src, target):
+        if isinstance(target, Shard) and scatter_groups(consumer, src, target, group) is not None:
             return "reduce_scatter_tensor"
         return "all_reduce"
     if isinstance(src_placement, Shard) and src_placement != target:
@@ -227,29 +261,87 @@ def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node) -> s
     return "local"
 
 
-def _chunk_aligned(consumer: torch.fx.Node, src: torch.fx.Node, target: Shard) -> bool:
-    """Whether the shard ``target`` of ``src`` at ``consumer`` is torch.chunk blocks: a gradient going to its
-    parameter's shard, or an input whose consumer's other sharded inputs are parameters, buffers or batch
-    inputs (chunked placeholders) sharded on a dim of the same size."""
+def scatter_groups(consumer: torch.fx.Node, src: torch.fx.Node, target: Shard, group: str) -> int | None:
+    """``k`` where the rows of ``src`` that ``consumer`` wants on each rank (``target`` of ``src``) are torch.chunk
+    blocks of ``n / k`` groups of ``k`` rows (``n`` = the size of ``target.dim``; 1: plain chunk blocks), or None
+    where they cannot be derived from torch.chunk blocks.
+
+    They are what localization gives the consumer's other sharded operands of size ``n``
+    (:func:`_chunk_groups`), which must all agree. A gradient going to its parameter's shard is chunked (1), and
+    so is an input whose consumer has no other sharded operand (rank slices fall back to torch.chunk there).
+    """
     if consumer.op == "output":
-        return True
+        return 1
     n = src.meta["val"].shape[target.dim]
     others = [a for _, a in tensor_args(consumer) if a is not src and isinstance(placement_of(a), Shard)]
-    return bool(others) and all(a.op == "placeholder" and a.meta["val"].shape[placement_of(a).dim] == n
-                                for a in others)
+    if not others:
+        return 1
+    if any(_size_on_shard(a) != n for a in others):
+        return None
+    ks = {_chunk_groups(a, group) for a in others}
+    k = ks.pop() if len(ks) == 1 else None
+    return k if k is not None and n % k == 0 else None
+
+
+def _size_on_shard(a: torch.fx.Node) -> int:
+    return a.meta["val"].shape[placement_of(a).dim]
+
+
+def _chunk_groups(a: torch.fx.Node, group: str) -> int | None:
+    """``k`` such that localization gives Shard node ``a`` (size ``n`` on its sharded dim) the rows
+    ``[k s_r, k e_r)`` on rank r, ``[s_r, e_r)`` the torch.chunk block of ``n / k``; None if unknown.
+
+    Mirrors ``localize_shapes._intervals``: a placeholder or a reduce_scatter/all_to_all trim of this axis is
+    chunked (1); a view that merges its input's sharded dim ``n_in`` into ``n_out = j n_in`` multiplies ``k`` by
+    ``j``; a split by ``j`` divides it (``chunk(m) k / j = chunk(m / j') k / g``, ``g = gcd(k, j)``, ``j' = j / g``,
+    where localization checks that the bounds divide); any other op passes its first sharded input's rows on
+    unchanged, so it keeps ``k`` only when it keeps that input's size. Rank slices, multi-output ops and the
+    vocabulary-parallel marks align with other operands: None.
+    """
+    k = 1
+    factors: list[tuple[int, int]] = []
+    while True:
+        if a.op == "placeholder" or gmeta.get_scatter_trim(a, group) is not None:
+            break
+        if (a.op != "call_function" or a.target is operator.getitem or gmeta.get_rank_slice(a, group) is not None
+                or gmeta.get_vocab_bounds(a, group) is not None):
+            return None
+        ins = [b for _, b in tensor_args(a) if isinstance(gmeta.get_placements(b), tuple)
+               and isinstance(placement_of(b), Shard)]
+        if not ins:
+            return None
+        n_in, n_out = _size_on_shard(ins[0]), _size_on_shard(a)
+        if a.target in _VIEWS:
+            if not n_in or not n_out or max(n_in, n_out) % min(n_in, n_out):
+                return None
+            factors.append((n_in, n_out))
+        elif n_in != n_out:
+            return None
+        a = ins[0]
+    for n_in, n_out in reversed(factors):  # from the chunked source towards the operand
+        if n_out >= n_in:
+            k *= n_out // n_in
+        else:
+            j = n_in // n_out
+            k //= math.gcd(k, j)
+    return k
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
     cur = placement_of(src)
-    scatter = isinstance(cur, Partial) and isinstance(target, Shard) and _chunk_aligned(consumer, src, target)
-    key = (src, target, scatter)
+    groups = (scatter_groups(consumer, src, target, ctx.group_name)
+              if isinstance(cur, Partial) and isinstance(target, Shard) else None)
+    key = (src, target, groups)
     if key in cache:
         return cache[key]
     node = src
-    if scatter:
-        # torch.chunk blocks are what the consumer's other shards hold: a reduce_scatter
-        node = reduce_scatter(graph, src, target.dim, ctx, before=consumer)
+    if groups is not None:
+        # the rows the consumer's other operands hold are torch.chunk blocks (of groups of rows): a reduce_scatter
+        node = grouped_reduce_scatter(graph, src, target.dim, groups, ctx, before=consumer)
         cache[key] = node
         return node
     if isinstance(cur, Partial):
@@ -299,7 +391,7 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
             if placement_of(src) != layout[0]:
                 gmeta.add_resharded(node, src.name, repr(placement_of(src)), repr(layout[0]), ctx.group_name,
-                                    via(placement_of(src), layout[0], node, src))
+                                    via(placement_of(src), layout[0], node, src, ctx.group_name))
             new = _convert(graph, src, layout[0], ctx, node, cache)
             if len(path) == 1:
                 args[path[0]] = new
