@@ -233,15 +233,6 @@ def check_batch(batch, example, data) -> None:
                             f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")
 
 
-def _check_checkpointable(program) -> None:
-    """Refuse, before training, a layout whose checkpoint could not be written at the end."""
-    for f, pls in program.state_placements.items():
-        dims = [p for p in pls if p.startswith("S(")]
-        if len(dims) != len(set(dims)):
-            raise UsageError(f"parameter {f!r} is sharded on the same dim along two mesh axes ({pls}); the "
-                             "checkpoint cannot hold that layout yet: shard it on different dims per axis")
-
-
 def cmd_train(args) -> int:
     """``adaptdist train``: compile the plan, launch the ranks, train, checkpoint, sample.
 
@@ -299,7 +290,6 @@ def cmd_train(args) -> int:
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
                                dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
                                mesh=args.mesh if captured is None else None, captured=captured)
-    _check_checkpointable(programs[0])
     from .runtime.preflight import check_host_memory
 
     peak = check_host_memory(programs, args.optimizer, nproc)

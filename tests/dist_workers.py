@@ -79,3 +79,26 @@ def collective_edge_cases_worker(timeout_s: float = 30.0) -> dict:
         return {k: v.clone() for k, v in out.items()}
     finally:
         dist.destroy_process_group()
+
+
+def checkpoint_worker(program_dir: str, out_dir: str, batch: tuple, timeout_s: float = 60.0) -> dict:
+    """One AdamW step of this rank's program, then its checkpoint (``worker._checkpoint``: DCP of model and
+    optimizer state, model.safetensors on rank 0); returns the shards this rank holds."""
+    from types import SimpleNamespace
+
+    from adaptdist.runtime.worker import _checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        program = load_program(program_dir, rank, world_size=dist.get_world_size())
+        mesh = register_mesh_groups(program, "gloo")
+        runner = StepRunner(program, "adamw", 0.1)
+        runner.step(batch)
+        _checkpoint(SimpleNamespace(out_dir=out_dir), runner, rank, mesh)
+        optim = runner.optimizer_state_by_fqn()
+        return {"state": {f: t.clone() for f, t in runner.state.items()},
+                "exp_avg": {f: optim[f]["exp_avg"].clone() for f in program.param_fqns}}
+    finally:
+        dist.destroy_process_group()

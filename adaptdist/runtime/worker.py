@@ -227,17 +227,23 @@ def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) ->
     """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors.
 
     Sharded tensors are saved as DTensors with their placement and global shape, so the
-    checkpoint holds every shard once and can be loaded onto another layout.
+    checkpoint holds every shard once and can be loaded onto another layout. A tensor dim sharded
+    on two mesh axes is described over a mesh in lowering order where that differs from the mesh's
+    (:mod:`.checkpoint`; building that mesh is collective, like the save).
     """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from .checkpoint import as_global
+    from .checkpoint import as_global, ordered_device_mesh
 
     out = Path(cfg.out_dir)
     program = runner.program
-    model = {f: as_global(t, f, program, device_mesh) for f, t in runner.state.items()}
-    optim = {f: {k: as_global(v, f, program, device_mesh) if isinstance(v, torch.Tensor) and v.dim() else v
+    ordered = ordered_device_mesh(device_mesh, program)
+    # the same order on every rank (full_tensor below is collective); runner.state comes in the order of this
+    # rank's state.safetensors, which can differ between ranks when shard sizes differ
+    names = list(program.input_fqns) + sorted(set(runner.state) - set(program.input_fqns))
+    model = {f: as_global(runner.state[f], f, program, device_mesh, ordered) for f in names}
+    optim = {f: {k: as_global(v, f, program, device_mesh, ordered) if isinstance(v, torch.Tensor) and v.dim() else v
                  for k, v in st.items()}
              for f, st in runner.optimizer_state_by_fqn().items()}
     writer = dcp.FileSystemWriter(str(out / "checkpoint"), overwrite=True)
