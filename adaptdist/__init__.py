@@ -1,7 +1,8 @@
 """adaptdist: an end-to-end adaptive distributed training compiler for PyTorch.
 
 ``adaptdist.backend(...)`` configures the torch.compile backend (``backend="adaptdist"`` needs no
-import); ``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled.
+import; ``adaptdist.AdaptdistBackend`` is its class, ``adaptdist.ManualPlan`` a manual plan);
+``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled.
 """
 
 __version__ = "0.1.0"
@@ -13,8 +14,20 @@ def __getattr__(name: str):
         from .compiler.dynamo_backend import backend
 
         return backend
+    if name == "AdaptdistBackend":
+        from .compiler.dynamo_backend import AdaptdistBackend
+
+        return AdaptdistBackend
+    if name == "ManualPlan":
+        from .annotations import ManualPlan
+
+        return ManualPlan
     if name == "full_state_dict":
         from .runtime.compiled_step import full_state_dict
 
         return full_state_dict
     raise AttributeError(f"module 'adaptdist' has no attribute {name!r}")
+
+
+def __dir__():
+    return ["AdaptdistBackend", "ManualPlan", "__version__", "backend", "full_state_dict"]

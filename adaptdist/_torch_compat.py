@@ -396,3 +396,30 @@ def drop_tensor_guards(source_names: set[str]) -> int:
     for g in drop:
         guards.inner.remove(g)
     return len(drop)
+
+
+def dynamo_root_module() -> Any:
+    """The module whose ``forward`` Dynamo is compiling (its ``self``), called from inside a backend; None when
+    the compiled frame is not a module's method."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
+    code = getattr(tx, "f_code", None)
+    if code is None or code.co_argcount == 0:
+        return None
+    candidate = getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+    return candidate if isinstance(candidate, torch.nn.Module) else None
+
+
+def dynamo_frame_is_resume() -> bool:
+    """Whether the frame Dynamo is compiling resumes a function after a graph break (from a backend)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        code = getattr(InstructionTranslator.current_tx(), "f_code", None)
+    except AttributeError:
+        return False
+    return code is not None and "resume_in" in code.co_name

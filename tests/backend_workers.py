@@ -143,7 +143,10 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                 grads.append({n: full_grad(p) for n, p in model.named_parameters()})
                 opt.step()
                 opt.zero_grad()
+            with torch.no_grad():  # an eval pass after training: the sharded model through the same graph
+                eval_out = compiled(rank_rows(batch[0], rank, world))
             out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
+                        "eval_out": eval_out,
                         "meshes": [s.mesh for s in be.compiled],
                         "local_numel": sum(p.numel() for p in model.parameters()),
                         "collectives": [s.collectives() for s in be.compiled]})

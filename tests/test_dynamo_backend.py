@@ -16,7 +16,7 @@ import torch.nn as nn
 import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
-from adaptdist.errors import RuntimeLaunchError
+from adaptdist import errors as adaptdist_errors
 from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
                              sharded_memory_worker)
 
@@ -63,6 +63,11 @@ def test_backend_sgd_equals_eager(world):
                     torch.testing.assert_close(got["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} rank {r} step {s} {n}")
             for n, p in params.items():
                 torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"{case} rank {r} {n}")
+            trained, (x, _), _ = FACTORIES[case["model"]](case["batch"])
+            trained.load_state_dict(params, strict=False)
+            with torch.no_grad():
+                want = trained(x.chunk(world)[r])
+            torch.testing.assert_close(got["eval_out"], want, atol=TOL, rtol=0, msg=f"{case} rank {r} eval")
         mesh = results[0][k]["meshes"][0]
         calls = results[0][k]["collectives"][0]
         if case["plan"] in ("tp", "dp,tp"):
@@ -188,6 +193,35 @@ def test_symbolic_shapes_are_refused_clearly():
         fn(torch.randn(5, 6)).sum().backward()  # a second batch size: Dynamo retraces with a symbolic size
     static = torch.compile(model, backend=adaptdist.backend(plan="dp"), dynamic=False)
     static(torch.randn(5, 6)).sum().backward()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(plan="nonsense"), "plan='nonsense'"),
+    (dict(plan="tp"), "ManualPlan.parse"),
+    (dict(plan=5), "takes 'auto'"),
+    (dict(cluster="missing.yaml"), "no such file"),
+    (dict(cluster=5), "cluster file path"),
+    (dict(constraints="blah"), "constraints"),
+    (dict(constraints={"pins": 5}), "pins"),
+    (dict(mesh=(3, 5)), "mesh"),
+    (dict(mesh="nonsense"), "AXIS=SIZE"),
+    (dict(optimizer="lion"), "optimizer='lion'"),
+])
+def test_bad_backend_arguments_fail_where_they_are_written(kwargs, match):
+    with pytest.raises(adaptdist_errors.UsageError, match=match):
+        adaptdist.backend(**kwargs)
+
+
+def test_dropout_in_training_mode_trains():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Dropout(0.5), nn.Linear(64, 3)).train()
+    fn = torch.compile(model, backend=adaptdist.backend(plan="auto"))
+    h = torch.compile(model[:2], backend=adaptdist.backend(plan="dp"))(torch.randn(8, 6))
+    assert 0.3 < (h == 0).float().mean().item() < 0.7  # half the activations dropped
+    loss = fn(torch.randn(8, 6)).pow(2).mean()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_backend_by_name_needs_no_import_and_equals_eager():

@@ -35,6 +35,7 @@ from ..errors import AdaptdistError, PlanMismatchError, UsageError
 from ..mesh import Mesh
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
+from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, capture_all_ranks, classify_inputs
 from .partition import split_forward_backward
 
@@ -68,6 +69,54 @@ class AdaptdistBackend:
     mesh: str | None = None
     optimizer: str = "adamw"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Check every argument now, in the user's script, rather than at the first compiled call.
+
+        Raises:
+            UsageError: names the argument, what it got and what it takes.
+        """
+        from ..annotations import ManualPlan
+        from ..cost_models.memory import OPTIMIZERS
+        from .planner import Constraints
+
+        if isinstance(self.cluster, (str, Path)):
+            if not Path(self.cluster).is_file():
+                raise UsageError(f"adaptdist.backend(cluster={str(self.cluster)!r}): no such file; pass a cluster file "
+                                 "(adaptdist cluster detect writes one), a Cluster, or None for the local machine")
+        elif self.cluster is not None and not hasattr(self.cluster, "world_size"):
+            raise UsageError(f"adaptdist.backend(cluster=...) takes a cluster file path, an adaptdist Cluster or None; "
+                             f"got {type(self.cluster).__name__}")
+        if isinstance(self.plan, str):
+            key = self.plan.replace(" ", "")
+            if key in ("tp", "dp,tp"):
+                raise UsageError(f"adaptdist.backend(plan={self.plan!r}) needs the model's tensor-parallel globs: pass "
+                                 f"plan=ManualPlan.parse({self.plan!r}, module) with a module defining TP_PLAN = "
+                                 "{'blocks.*.fc.weight': 'S(0)', ...}, or a plan file")
+            if key != "auto":
+                try:
+                    self.plan = ManualPlan.parse(self.plan)
+                except UsageError as e:
+                    raise UsageError(f"adaptdist.backend(plan={self.plan!r}): {e}") from None
+        elif not isinstance(self.plan, (Plan, ManualPlan)):
+            raise UsageError(f"adaptdist.backend(plan=...) takes 'auto', 'dp', 'fsdp', a plan file path, a ManualPlan "
+                             f"or a Plan; got {type(self.plan).__name__}")
+        if isinstance(self.constraints, Mapping):
+            unknown = set(self.constraints) - {"pins", "forbid"}
+            pins, forbid = self.constraints.get("pins", {}), self.constraints.get("forbid", {})
+            if unknown or not isinstance(pins, Mapping) or not isinstance(forbid, Mapping):
+                raise UsageError("adaptdist.backend(constraints=...) takes {'pins': {param glob: {axis: placement}}, "
+                                 f"'forbid': {{param glob: [axis, ...]}}}}; got {dict(self.constraints)!r}")
+            self.constraints = Constraints(pins=pins, forbid=forbid)
+        elif self.constraints is not None and not isinstance(self.constraints, Constraints):
+            raise UsageError(f"adaptdist.backend(constraints=...) takes a mapping with 'pins'/'forbid' or a Constraints; "
+                             f"got {type(self.constraints).__name__}")
+        if self.mesh is not None:
+            if not isinstance(self.mesh, str):
+                raise UsageError(f"adaptdist.backend(mesh=...) takes text like 'dp=2,tp=2'; got {self.mesh!r}")
+            Mesh.parse(self.mesh)
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"adaptdist.backend(optimizer={self.optimizer!r}): not one of {', '.join(OPTIMIZERS)}")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
         step = compile_graph(gm, example_inputs, self)
@@ -135,24 +184,26 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
     _warn_graph_breaks(gm)
-    inputs = classify_inputs(gm, example_inputs)
-    captured, tangent_outputs, error = None, [], ""
+    inputs, captured, tangent_outputs, error = [], None, [], ""
     control = _control_group() if distributed else None
     try:
-        captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
-    except AdaptdistError as e:
-        error = f"error: {e}"
+        inputs = classify_inputs(gm, example_inputs)
+        with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
+            captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
+    except Exception as e:  # every failure is told to every rank, so none waits in a collective
         if not distributed:
             raise
+        error = f"error: {type(e).__name__}: {e}"
     if distributed:
-        fps = _agree("capturing the compiled graph", error or graph_fingerprint(captured.gm), rank, control)
-        if len(set(fps)) > 1:
+        texts = _agree("capturing the compiled graph", error or _signature(captured, inputs), rank, control)
+        if len(set(texts)) > 1:
             groups: dict[str, list[int]] = {}
-            for r, fp in enumerate(fps):
-                groups.setdefault(fp, []).append(r)
+            for r, text in enumerate(texts):
+                groups.setdefault(text, []).append(r)
             raise PlanMismatchError(
-                "the ranks compiled different graphs (" + "; ".join(f"ranks {rs}: graph {fp[:12]}"
-                                                                    for fp, rs in groups.items())
+                "the ranks compiled different graphs (" + "; ".join(
+                    f"ranks {rs}: graph {text.split(' ')[0][:12]}, inputs {text.partition(' ')[2]}"
+                    for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes")
     plan = _plan(captured, inputs, config, world, rank, control)
     from .data_parallel import lower_plan
@@ -161,8 +212,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     program = programs[rank]
     io = _rank_io(programs, rank, world)
     step_layouts = _layouts(program, programs, inputs)
-    # parameters are given their shards at the first call; Dynamo must not re-trace for their new sizes
-    compat.drop_tensor_guards({inputs[k].source for k in step_layouts if inputs[k].kind == "param"})
+    sharded = {inputs[k].source for k in step_layouts if inputs[k].kind == "param"}
+    # parameters hold their shards from the first call on (adaptdist.runtime.sharded_params): the module's
+    # hooks (installed once, whatever this graph's plan: a later graph after a break may shard) and no size
+    # guards on the sharded ones
+    root = compat.dynamo_root_module()
+    if root is not None:
+        install_hooks(root)
+    if sharded:
+        compat.drop_tensor_guards(sharded)
+        if root is None and not compat.dynamo_frame_is_resume():
+            log.warning("adaptdist: the compiled code is not a module's forward: its parameters are sharded, but a "
+                        "recompile (no_grad, a new input shape) would trace their shards; compile the module")
     groups = {}
     if distributed:
         from ..runtime.worker import register_mesh_groups
@@ -184,30 +245,29 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     earlier = [i.layout for i in inputs if i.layout is not None]
     if earlier:
         return _plan_of_sharded(captured, earlier)
-    spec = config.plan
-    if isinstance(spec, (Plan, ManualPlan)):
-        return spec
-    if not isinstance(spec, str):
-        raise UsageError(f"plan= must be 'auto', a preset, a file path, a ManualPlan or a Plan; got {type(spec).__name__}")
-    if spec != "auto":
-        if spec.replace(" ", "") in ("tp", "dp,tp"):
-            raise UsageError(f"plan={spec!r} needs the model's tensor-parallel globs: pass "
-                             f"plan=ManualPlan.parse({spec!r}, your_model_module) (a module with TP_PLAN) or a plan file")
-        return ManualPlan.parse(spec)
+    if isinstance(config.plan, (Plan, ManualPlan)):
+        return config.plan  # checked by AdaptdistBackend.__post_init__: otherwise "auto"
     distributed = dist.is_available() and dist.is_initialized()
     text = ""
     if rank == 0:
         try:
             text = _auto_plan(captured, config, world).to_json()
-        except AdaptdistError as e:
+        except Exception as e:  # told to every rank, so none waits in the broadcast
             if not distributed:
                 raise
-            text = f"error: {e}"
+            text = f"error: {type(e).__name__}: {e}"
     if distributed:
         text = _agree("planning", text, rank, control)[0]
     plan = Plan.from_json(text, "the automatic plan")
     log.info("adaptdist: plan %s on mesh %s", plan.name, dict(plan.mesh))
     return plan
+
+
+def _signature(captured: Any, inputs: list[GraphInput]) -> str:
+    """What ranks must agree on: the captured graph's fingerprint, then the user inputs' shapes and dtypes."""
+    shapes = ", ".join(f"{i.fqn} {str(i.dtype).removeprefix('torch.')}{list(i.global_shape)}"
+                       for i in inputs if i.kind == "input")
+    return f"{graph_fingerprint(captured.gm)} [{shapes}]"
 
 
 def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
@@ -231,7 +291,7 @@ def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
 
 def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
     from ..cluster import Cluster
-    from .planner import Constraints, plan_auto
+    from .planner import plan_auto
 
     cluster = config.cluster
     if cluster is None:
@@ -241,11 +301,8 @@ def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
     if cluster.world_size != world:
         raise UsageError(f"the cluster has {cluster.world_size} ranks but this job has {world}; pass a cluster of "
                          f"{world} devices (or none: the local machine)")
-    constraints = config.constraints
-    if isinstance(constraints, Mapping):
-        constraints = Constraints(pins=constraints.get("pins", {}), forbid=constraints.get("forbid", {}))
     mesh = Mesh.parse(config.mesh) if config.mesh else None
-    return plan_auto(captured, cluster, mesh=mesh, constraints=constraints, optimizer=config.optimizer).plan
+    return plan_auto(captured, cluster, mesh=mesh, constraints=config.constraints, optimizer=config.optimizer).plan
 
 
 def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:
@@ -278,9 +335,19 @@ def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]
         return {}
     by_rank = {r: shard_layout(p) for r, p in programs.items()}
     plan_json = program.plan.to_json() if program.plan is not None else ""
-    return {index_of[f]: ShardLayout(f, tuple(inputs[index_of[f]].global_shape), dict(zip(program.mesh, pls)),
-                                     [by_rank[r][f]["ranges"] for r in sorted(by_rank)], plan_json)
-            for f, pls in program.state_placements.items() if f in index_of}
+    out = {}
+    for f, pls in program.state_placements.items():
+        if f not in index_of:
+            continue
+        k = index_of[f]
+        ranges = [by_rank[r][f]["ranges"] for r in sorted(by_rank)]
+        earlier = inputs[k].layout
+        if earlier is not None and earlier.ranges != ranges:
+            raise AdaptdistError(f"parameter {f} was sharded as {earlier.ranges} by an earlier graph, and this "
+                                 f"graph's plan puts it at {ranges}")
+        out[k] = earlier or ShardLayout(f, tuple(inputs[k].global_shape), dict(zip(program.mesh, pls)), ranges,
+                                        plan_json)
+    return out
 
 
 def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], inputs: list[GraphInput],

@@ -82,8 +82,9 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if not isinstance(ex, torch.Tensor):
             raise CaptureError(
                 f"graph input {source or ph.name} is a {type(ex).__name__}, not a tensor: Dynamo made a shape "
-                "symbolic (it does after seeing the same code with other input shapes), and the adaptdist backend "
-                "compiles static shapes: call torch.compile(..., dynamic=False), which compiles each shape on its own")
+                "symbolic (dynamic=True does, and so does the default after meeting the same code with other input "
+                "shapes), and the adaptdist backend compiles static shapes: call torch.compile(..., dynamic=False), "
+                "which compiles each shape on its own")
         fqn = source_fqn(source or "")
         if isinstance(ex, nn.Parameter):
             layout = getattr(ex, "_adaptdist_layout", None)
@@ -170,11 +171,13 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             updated in place, a data-dependent shape), naming the construct and what to try.
     """
     outputs = _graph_outputs(gm)
-    tangent_outputs = [k for k, o in enumerate(outputs)
-                       if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
-    if not tangent_outputs:
-        raise CaptureError("no output of the compiled graph requires grad: there is nothing to train (the "
-                           "adaptdist backend compiles training steps; run inference without it)")
+    # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
+    # forward part is then all that runs, and it is the same as in training.
+    tangent_outputs = [k for k, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    if not tangent_outputs or not any(i.requires_grad for i in inputs):
+        raise CaptureError("no floating-point output or no parameter that requires grad in the compiled graph: "
+                           "nothing the adaptdist backend would split (it compiles training steps); run this part "
+                           "without torch.compile, or with another backend")
     step = _AllRanksStep(gm, inputs, tangent_outputs, world_size)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
@@ -191,9 +194,11 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
             msg = str(e).split("\n")[0]
-            hint = ("A buffer updated in the forward (BatchNorm's running statistics in training mode) cannot "
-                    "be updated per rank; use adaptdist train, or norms without running statistics."
-                    if "inplace" in msg.lower() or "in-place" in msg.lower() else
+            low = msg.lower()
+            hint = ("A buffer updated in the forward (BatchNorm's running statistics in training mode) cannot be "
+                    "updated per rank: use model.eval() for BatchNorm, BatchNorm(track_running_stats=False), "
+                    "GroupNorm/LayerNorm, or adaptdist train."
+                    if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var")) else
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e

@@ -926,6 +926,7 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.empty_like.default: like_factory,
     aten.full_like.default: like_factory,
     aten.rand_like.default: like_factory,
+    aten.bernoulli.p: like_factory,  # dropout under torch.vmap (the torch.compile backend)
     aten.randn_like.default: like_factory,
     aten._to_copy.default: identity,
     aten.clone.default: identity,

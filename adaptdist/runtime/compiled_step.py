@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .. import _torch_compat as compat
 from ..compiler.partition import SplitProgram
+from .sharded_params import accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
 
 
@@ -43,6 +44,7 @@ class ShardLayout:
     placements: dict[str, str]
     ranges: list[list[list[int]]]
     plan_json: str = ""
+    shard: torch.Tensor | None = None  # this rank's shard, once the parameter is sharded
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
@@ -134,38 +136,37 @@ class CompiledStep:
             self._shard_parameters(args)
         self.calls += 1
         differentiable = [i for i in self.grad_params] + [self.input_order[k] for k in self.grad_inputs]
-        outs = _StepFunction.apply(self, differentiable, *args)
+        # no backward will come under no_grad() (an eval loop): the forward then keeps nothing for it
+        keep = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        outs = _StepFunction.apply(self, differentiable, keep, *args)
         return tuple(outs)
 
     def _shard_parameters(self, args: Sequence[torch.Tensor]) -> None:
         """Give each sharded parameter this rank's shard as its data (once, in place of the full tensor)."""
         for i, layout in self.layouts.items():
-            p = args[i]
-            if self.kinds[i] != "param" or getattr(p, "_adaptdist_layout", None) is not None:
-                continue
-            with torch.no_grad():
-                p.data = layout.local(p.data, self.rank)
-            p._adaptdist_layout = layout
+            if self.kinds[i] == "param":
+                shard_parameter(args[i], layout, self.rank)
 
     def state_input(self, args: Sequence[torch.Tensor], i: int) -> torch.Tensor:
         """Dynamo input ``i`` (a parameter or buffer) as the program takes it: this rank's shard if sharded
-        (parameters hold it already; a sharded buffer is sliced).
+        (a parameter's from its layout, as it may hold a placeholder now; a sharded buffer is sliced).
 
         Raises:
-            AdaptdistError: the tensor is neither the full shape nor this rank's shard.
+            AdaptdistError: a sharded buffer is neither its full shape nor this rank's shard.
         """
         t = args[i].detach()
         layout = self.layouts.get(i)
         if layout is None:
             return t
+        if layout_of(args[i]) is not None:
+            return layout_of(args[i]).shard
         local = tuple(hi - lo for lo, hi in layout.ranges[self.rank])
         if tuple(t.shape) == local:
             return t
         if tuple(t.shape) == tuple(layout.global_shape):
             return layout.local(t, self.rank)
         raise AdaptdistError(f"{layout.fqn} has shape {list(t.shape)} on rank {self.rank}, but the program was "
-                             f"compiled for {list(layout.global_shape)} (this rank's shard: {list(local)}); was the "
-                             "parameter replaced after torch.compile?")
+                             f"compiled for {list(layout.global_shape)} (this rank's shard: {list(local)})")
 
     # --- data movement -----------------------------------------------------------------------------
 
@@ -217,13 +218,14 @@ class _StepFunction(torch.autograd.Function):
     """Autograd's view of one compiled step: inputs = the Dynamo graph's inputs, outputs = its outputs."""
 
     @staticmethod
-    def forward(ctx, step: CompiledStep, differentiable: list[int], *args: torch.Tensor):
+    def forward(ctx, step: CompiledStep, differentiable: list[int], keep: bool, *args: torch.Tensor):
         outs, saved, program_inputs = step.run_forward(args)
         ctx.step = step
         ctx.differentiable = differentiable
         ctx.num_args = len(args)
-        ctx.program_inputs = program_inputs
-        ctx.saved = saved
+        ctx.program_inputs = program_inputs if keep else None
+        ctx.saved = saved if keep else None
+        ctx.sharded = {i: args[i] for i in step.layouts if step.kinds[i] == "param"}
         ctx.output_shapes = [(o.shape, o.dtype) for o in outs]
         for k, o in enumerate(outs):
             if k not in step.tangent_outputs:
@@ -238,8 +240,11 @@ class _StepFunction(torch.autograd.Function):
         ctx.saved = ctx.program_inputs = None
         out: list[torch.Tensor | None] = [None] * ctx.num_args
         for i, g in zip(ctx.differentiable, param_grads + input_grads):
-            out[i] = g
-        return (None, None, *out)
+            if i in ctx.sharded:  # the shard's gradient goes to .grad directly: autograd expects the full shape
+                accumulate_grad(ctx.sharded[i], g)
+            else:
+                out[i] = g
+        return (None, None, None, *out)
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,84 @@
+"""Parameters that hold only this rank's shard, under torch.compile.
+
+After the first compiled call, a parameter the plan shards holds this rank's shard as its data, so the
+optimizer (built before or after ``torch.compile``) keeps sharded state. The user's code and Dynamo still
+see the parameter's full shape where it matters:
+
+- while the compiled module runs, a forward pre-hook on the module swaps each sharded parameter's data
+  for a *placeholder*: a full-shaped view of one element (stride 0, no memory), and a forward hook swaps
+  the shard back. When Dynamo re-traces the forward (``no_grad()`` for evaluation, a new input shape), it
+  traces the user's code on the full shapes, as the first time;
+- Dynamo's guards on those parameters' sizes are dropped at compile time
+  (:func:`adaptdist._torch_compat.drop_tensor_guards`), so the swaps alone never trigger a re-trace;
+- the compiled program reads the shard from :attr:`ShardLayout.shard`, and its gradient is accumulated
+  into ``param.grad`` directly (the shard's shape; autograd would expect the placeholder's).
+
+Between forward calls (``backward()``, ``opt.step()``, ``state_dict()``) the parameters are their shards.
+This is what FSDP2 does with DTensor parameters and all_gathers in its hooks; here the placeholder needs no
+communication, because the compiled program does the gathering the plan chose. The forward hook runs also
+when the forward raises. A compiled plain function (not a module) gets no hooks: its parameters are still
+sharded, but a re-trace would see their shards' shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+HOOKED = "_adaptdist_param_hooks"
+
+
+def layout_of(p: torch.Tensor) -> Any:
+    """The :class:`~adaptdist.runtime.compiled_step.ShardLayout` of a parameter adaptdist sharded, or None."""
+    return getattr(p, "_adaptdist_layout", None)
+
+
+def shard_parameter(p: nn.Parameter, layout: Any, rank: int) -> None:
+    """Make ``p`` hold rank ``rank``'s shard of its full data (once; a no-op if it is sharded already)."""
+    if layout_of(p) is not None:
+        return
+    with torch.no_grad():
+        layout.shard = layout.local(p.data, rank)
+        p.data = layout.shard
+    p._adaptdist_layout = layout
+
+
+def placeholder(layout: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A full-shaped tensor of one element (every stride 0): what Dynamo traces in a shard's place."""
+    return torch.zeros((), dtype=dtype, device=device).expand(layout.global_shape)
+
+
+@torch.compiler.disable
+def _to_placeholders(module: nn.Module, args: Any) -> None:
+    for p in module.parameters():
+        layout = layout_of(p)
+        if layout is not None and p.data.data_ptr() == layout.shard.data_ptr():
+            p.data = placeholder(layout, p.dtype, p.device)
+
+
+@torch.compiler.disable
+def _to_shards(module: nn.Module, args: Any, output: Any) -> None:
+    for p in module.parameters():
+        layout = layout_of(p)
+        if layout is not None:
+            p.data = layout.shard
+
+
+def install_hooks(module: nn.Module) -> None:
+    """Register the placeholder swaps (module docstring) on ``module``, once."""
+    if getattr(module, HOOKED, False):
+        return
+    module.register_forward_pre_hook(_to_placeholders)
+    module.register_forward_hook(_to_shards, always_call=True)
+    setattr(module, HOOKED, True)
+
+
+def accumulate_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``p.grad += grad`` (or ``= grad``), as autograd's AccumulateGrad does for a leaf."""
+    grad = grad.detach()
+    if p.grad is None:
+        p.grad = grad
+    else:
+        p.grad = p.grad + grad
