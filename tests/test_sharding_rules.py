@@ -87,3 +87,15 @@ def test_ops_without_rules_are_fine_when_replicated():
     assert run(n, [R]).out == R
     with pytest.raises(UnsupportedOpError, match="cumsum"):
         run(n, [Shard(0)])
+
+
+@pytest.mark.parametrize("target, args", [(aten.native_dropout.default, (..., 0.5, True)),
+                                          (aten.bernoulli.p, (..., 0.5)), (aten.rand_like.default, (...,))])
+def test_random_ops_never_draw_a_replicated_value_on_every_rank(target, args):
+    """Each rank drawing the whole replicated tensor would draw different numbers for one value: split."""
+    n, _ = node(target, *args, val_shape=[4, 16], arg_shapes=[[4, 16]])
+    res = run(n, [R])
+    out = res.out[0] if isinstance(res.out, tuple) else res.out
+    assert out == Shard(1) and list(res.needs.values()) == [Shard(1)]
+    res = run(n, [Shard(0)])
+    assert (res.out[0] if isinstance(res.out, tuple) else res.out) == Shard(0) and not res.needs

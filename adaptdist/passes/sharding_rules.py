@@ -178,12 +178,34 @@ def identity(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(pl(node.args[0]))
 
 
-def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """native_dropout(x) -> (out, mask), both laid out like x; a Partial input is reduced first."""
+def _split_dim(node: torch.fx.Node) -> int:
+    """The dim a random op splits a replicated input on: its largest (so most ranks draw something)."""
+    s = shape(node.args[0])
+    return max(range(len(s)), key=lambda d: (s[d], -d)) if s else 0
+
+
+def random_like(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``rand_like``/``randn_like``/``bernoulli.p``: random numbers laid out like the input when it is sharded
+    (each rank draws its own elements). A replicated (or Partial) input is split first: if every rank of
+    the group drew the whole tensor, each would draw different numbers for what the graph calls one
+    replicated value; split, each element is drawn once, and a consumer needing it whole gathers it."""
     p = pl(node.args[0])
-    if isinstance(p, Partial):
-        return RuleResult((R, R), {(0,): R})
-    return RuleResult((p, p))
+    if isinstance(p, Shard) or not shape(node.args[0]):
+        return RuleResult(p if isinstance(p, Shard) else R)
+    d = _split_dim(node)
+    return RuleResult(Shard(d), {(0,): Shard(d)} if isinstance(p, Replicate) else {(0,): R})
+
+
+def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """native_dropout(x) -> (out, mask), both laid out like x when x is sharded; a replicated input is split
+    first (its mask is random: see :func:`random_like`), a Partial one reduced."""
+    p = pl(node.args[0])
+    if isinstance(p, Shard):
+        return RuleResult((p, p))
+    if isinstance(p, Partial) or not shape(node.args[0]):
+        return RuleResult((R, R), {(0,): R}) if isinstance(p, Partial) else RuleResult((R, R))
+    d = _split_dim(node)
+    return RuleResult((Shard(d), Shard(d)), {(0,): Shard(d)})
 
 
 # ---------------------------------------------------------------- views
@@ -925,9 +947,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.zeros_like.default: like_factory,
     aten.empty_like.default: like_factory,
     aten.full_like.default: like_factory,
-    aten.rand_like.default: like_factory,
-    aten.bernoulli.p: like_factory,  # dropout under torch.vmap (the torch.compile backend)
-    aten.randn_like.default: like_factory,
+    aten.rand_like.default: random_like,
+    aten.bernoulli.p: random_like,  # dropout under torch.vmap (the torch.compile backend)
+    aten.randn_like.default: random_like,
     aten._to_copy.default: identity,
     aten.clone.default: identity,
     aten.alias.default: identity,
