@@ -220,3 +220,43 @@ def test_forward_reduce_scatter_is_not_bucketed_with_gradients():
     progs = _check_against_eager(M(), batch, 3, {"u": "S(1)", "w": "S(0)", "s": "S(0)"})
     kinds = [c.split("(")[0].split(".")[1] for c in progs[0].collectives()]
     assert kinds.count("reduce_scatter_tensor") == 2, kinds
+
+
+class LaterDimViewMeetsReplicated(nn.Module):
+    """``tanh(p.view(K, G * T) * x)``: ``p`` ``[K, G, T]`` sharded on G is viewed as ``[K, G * T]``, so rank r
+    holds columns ``[T s_r, T e_r)``, ``[s_r, e_r)`` its torch.chunk block of G, not a torch.chunk block of
+    G * T; the replicated batch ``x`` ``[K, G * T]`` is sliced on dim 1 (a strided slice, made contiguous)
+    to meet it."""
+
+    def __init__(self, k, groups, seq):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(k, groups, seq))
+
+    def forward(self, x):
+        k, g, t = self.p.shape
+        return torch.tanh(self.p.reshape(k, g * t) * x)
+
+
+@pytest.mark.parametrize("k,groups,seq,world", [(3, 3, 2, 2), (2, 5, 3, 4), (3, 2, 3, 3)])
+def test_slice_of_a_later_dim_meeting_a_view_of_a_shard_takes_its_columns(k, groups, seq, world):
+    """R -> S(1) of the batch ``x`` meets ``p.view`` (S(1)) whose columns are whole groups: G = 3 over 2 ranks
+    with T = 2 gives columns [0, 4) and [4, 6) where torch.chunk of 6 gives [0, 3) and [3, 6); G = 5 over 4
+    ranks gives 2, 2, 1 and 0 groups, G = 2 over 3 ranks leaves rank 2 empty. The slice of ``x`` is followed by
+    a contiguous clone, which the alignment looks through; loss and gradients equal eager on every rank."""
+    from passutil import local_shard, simulate_plan
+
+    torch.manual_seed(0)
+    model = LaterDimViewMeetsReplicated(k, groups, seq)
+    batch = (torch.randn(k, groups * seq), torch.randn(k, groups * seq))
+    progs, stored, outs = simulate_plan(model, batch, F.mse_loss, world, {"p": "S(1)"})
+    assert "torch.ops.aten.clone.default(slice_tensor" in progs[0].module.code
+    (loss, grads), = eager_sgd(model, [batch], F.mse_loss, 0.1, 1)[0]
+    chunk = -(-groups // world)
+    for r, p in progs.items():
+        mul = next(n for n in p.module.graph.nodes if n.name == "mul")
+        assert tuple(mul.meta["val"].shape) == (k, max(0, min(chunk, groups - r * chunk)) * seq), r
+        assert abs(float(outs[r][p.loss_index]) - loss) < 1e-5, r
+        for f in p.param_fqns:
+            torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")],
+                                       local_shard(grads[f], stored.get(f), world, r), atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {r} grad {f}")
