@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .compiler.planner.command import add_parser as add_explain_parser
 
     add_explain_parser(sub, _add_common)  # adaptdist explain NODE
+    from .runtime.launch_script import add_parser as add_launch_parser
+
+    add_launch_parser(sub)  # adaptdist launch script.py
     c = sub.add_parser("compile", help="compile the model for a cluster into a directory of rank artifacts",
                        formatter_class=fmt)
     _add_common(c)
@@ -431,6 +434,13 @@ def cmd_cluster(args) -> int:
     return run(args)
 
 
+def cmd_launch(args) -> int:
+    """``adaptdist launch script.py``: see :mod:`adaptdist.runtime.launch_script`."""
+    from .runtime.launch_script import cmd_launch as run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``adaptdist`` command; returns the exit code (2 for a user error, with no traceback)."""
     ap = build_parser()
@@ -441,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
-                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run}
+                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch}
         return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
