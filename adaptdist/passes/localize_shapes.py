@@ -260,9 +260,11 @@ def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: in
     """A rank slice takes the interval of the sharded operand its consumer combines it with."""
     dim = gmeta.get_rank_slice(node, ctx.group_name)
     size = node.args[0].meta["val"].shape[dim]
-    for user in node.users:
+    # look through the contiguous copy redistribution puts after a slice of a non-leading dim
+    mine = {node} | {u for u in node.users if u.target is aten.clone.default}
+    for user in [c for m in mine for c in m.users]:
         for _, a in tensor_args(user):
-            if a is not node and a in ivs and isinstance(placement_of(a), Shard) and shape_at(a) == size:
+            if a not in mine and a in ivs and isinstance(placement_of(a), Shard) and shape_at(a) == size:
                 return ivs[a]
     return chunk_interval(size, ctx.world_size, rank)
 
