@@ -2,7 +2,8 @@
 
 ``adaptdist.backend(...)`` configures the torch.compile backend (``backend="adaptdist"`` needs no
 import; ``adaptdist.AdaptdistBackend`` is its class, ``adaptdist.ManualPlan`` a manual plan);
-``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled.
+``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled, and
+``adaptdist.clip_grad_norm_(model, max_norm)`` clips by the norm of its whole (sharded) gradient.
 """
 
 __version__ = "0.1.0"
@@ -22,6 +23,10 @@ def __getattr__(name: str):
         from .annotations import ManualPlan
 
         return ManualPlan
+    if name == "clip_grad_norm_":
+        from .runtime.sharded_params import clip_grad_norm_
+
+        return clip_grad_norm_
     if name == "full_state_dict":
         from .runtime.compiled_step import full_state_dict
 
@@ -30,4 +35,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return ["AdaptdistBackend", "ManualPlan", "__version__", "backend", "full_state_dict"]
+    return ["AdaptdistBackend", "ManualPlan", "__version__", "backend", "clip_grad_norm_", "full_state_dict"]

@@ -139,6 +139,8 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                 x, y = (rank_rows(t, rank, world) for t in batch)
                 loss = loss_fn(compiled(x), y)
                 loss.backward()
+                if case.get("clip"):
+                    adaptdist.clip_grad_norm_(model, case["clip"])
                 losses.append(loss.item())
                 grads.append({n: full_grad(p) for n, p in model.named_parameters()})
                 opt.step()

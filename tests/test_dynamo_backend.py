@@ -24,9 +24,9 @@ STEPS, LR, TOL = 3, 0.5, 1e-5
 
 CASES = {
     2: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
-        dict(model="gpt", plan="fsdp", batch=4), dict(model="mlp", plan="auto", batch=6)],
+        dict(model="gpt", plan="fsdp", batch=4, clip=0.05), dict(model="mlp", plan="auto", batch=6)],
     4: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
-        dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4)],  # one local shape for all: see below
+        dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4, clip=0.05)],  # one local shape: see below
 }
 
 
@@ -43,6 +43,8 @@ def _eager(case: dict, world: int):
     for _ in range(STEPS):
         losses = [loss_fn(model(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))]
         (sum(losses) / world).backward()
+        if case.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         history.append(([v.item() for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}))
         opt.step()
         opt.zero_grad()

@@ -82,3 +82,48 @@ def accumulate_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
         p.grad = grad
     else:
         p.grad = p.grad + grad
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model the backend sharded: the 2-norm of the whole model's
+    gradient, from every rank's shards, and every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``
+    (torch's rule). A collective when some parameter is sharded: every rank must call it. torch's own
+    function would take the norm of this rank's shards only.
+
+    Args:
+        parameters: a module or an iterable of parameters (e.g. ``model.parameters()``).
+        max_norm: the largest allowed norm (> 0).
+
+    Returns:
+        The norm before clipping (float64 scalar tensor), the same on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` is not positive.
+    """
+    import torch.distributed as dist
+
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+    with_grad = [p for p in params if p.grad is not None]
+    whole = torch.zeros((), dtype=torch.float64)
+    shards = torch.zeros((), dtype=torch.float64)
+    sharded = False
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    for p in with_grad:
+        sq = p.grad.detach().double().pow(2).sum()
+        layout = layout_of(p)
+        if layout is None:
+            whole = whole + sq  # the same on every rank: counted once
+        else:
+            sharded = True
+            copies = sum(r == layout.ranges[rank] for r in layout.ranges)  # ranks holding this very shard
+            shards = shards + sq / copies
+    if sharded and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(shards)
+    norm = (whole + shards).sqrt()
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    if coef < 1.0:
+        for p in with_grad:
+            p.grad.mul_(coef)
+    return norm
