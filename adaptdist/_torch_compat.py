@@ -423,3 +423,11 @@ def dynamo_frame_is_resume() -> bool:
     except AttributeError:
         return False
     return code is not None and "resume_in" in code.co_name
+
+
+def in_compiled_module_call() -> bool:
+    """Whether a ``torch.compile``d module's call is in progress (so a module's forward hook runs for the
+    compiled model, not for an eager call of the original module)."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    return _is_in_optimized_module()

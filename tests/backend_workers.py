@@ -183,3 +183,46 @@ def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0) -
         return out
     finally:
         dist.destroy_process_group()
+
+
+def sharded_usage_worker(timeout_s: float = 120.0) -> dict:
+    """What a training loop does around a model whose parameters the backend sharded (MLP, fsdp, 2 ranks):
+    gradient accumulation over micro-batches of two shapes (dynamic=False: a re-trace while the shards hold
+    gradients), zero_grad(set_to_none=False) then an eval pass, state_dict()/load_state_dict, and a direct
+    call of the original module."""
+    import warnings
+
+    from adaptdist.runtime.sharded_params import ShardedStateWarning
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        model, (x, y), loss_fn = mlp(12, seed=0)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan="fsdp"), dynamic=False)
+        out: dict = {}
+        for rows in ((0, 8), (8, 12)):  # micro-batches of 4 and 2 rows per rank, gradients accumulated
+            xm, ym = (rank_rows(t[rows[0]:rows[1]], rank, world) for t in (x, y))
+            loss_fn(compiled(xm), ym).backward()
+        out["grads"] = {n: full_grad(p) for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            out["eval"] = compiled(rank_rows(x, rank, world))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sd = model.state_dict()
+        out["state_dict_warned"] = any(issubclass(w.category, ShardedStateWarning) for w in caught)
+        out["state_dict_shapes"] = {k: tuple(v.shape) for k, v in sd.items()}
+        reference, _, _ = mlp(12, seed=5)
+        model.load_state_dict(reference.state_dict())  # full tensors: each rank keeps its shard
+        with torch.no_grad():
+            out["after_load"] = compiled(rank_rows(x, rank, world))
+        out["loaded_full"] = adaptdist.full_state_dict(compiled)
+        try:
+            model(x)
+            out["direct_call"] = "no error"
+        except Exception as e:
+            out["direct_call"] = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        dist.destroy_process_group()

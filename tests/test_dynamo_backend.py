@@ -18,7 +18,7 @@ from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
 from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
-                             sharded_memory_worker)
+                             sharded_memory_worker, sharded_usage_worker)
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
@@ -127,6 +127,33 @@ def test_sharded_plan_memory_falls_with_world_size():
             assert res[r]["full"] == {k: v.shape for k, v in model.state_dict().items()}
     peak = {w: max(res[r]["peak_bytes"] for r in range(w)) for w, res in by_world.items()}
     assert peak[4] < peak[2], peak
+
+
+@pytest.mark.timeout(600)
+def test_training_loop_habits_with_sharded_parameters():
+    """Accumulating gradients over micro-batches of two shapes, zero_grad(set_to_none=False) then eval,
+    state_dict/load_state_dict, and a direct call of the original module, on FSDP-sharded parameters."""
+    results = launch_local(sharded_usage_worker, (), 2)
+    model, (x, y), loss_fn = FACTORIES["mlp"](12)
+    for rows in ((0, 8), (8, 12)):
+        xs, ys = x[rows[0]:rows[1]], y[rows[0]:rows[1]]
+        (sum(loss_fn(model(a), b) for a, b in zip(xs.chunk(2), ys.chunk(2))) / 2).backward()
+    reference, _, _ = FACTORIES["mlp"](12)
+    from models import mlp
+
+    loaded, _, _ = mlp(12, seed=5)
+    with torch.no_grad():
+        for r in range(2):
+            got = results[r]
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(got["grads"][n], p.grad, atol=TOL, rtol=0, msg=n)
+            torch.testing.assert_close(got["eval"], model(x.chunk(2)[r]), atol=TOL, rtol=0)
+            assert got["state_dict_warned"]
+            assert got["state_dict_shapes"]["fc1.weight"][0] < model.fc1.weight.shape[0]  # a shard
+            torch.testing.assert_close(got["after_load"], loaded(x.chunk(2)[r]), atol=TOL, rtol=0)
+            for n, v in loaded.state_dict().items():
+                torch.testing.assert_close(got["loaded_full"][n], v, atol=0, rtol=0)
+            assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
 
 
 @pytest.mark.timeout(300)

@@ -20,6 +20,7 @@ rank's shard lies in the full tensor; :func:`full_state_dict` uses it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from .. import _torch_compat as compat
 from ..compiler.partition import SplitProgram
-from .sharded_params import accumulate_grad, layout_of, shard_parameter
+from .sharded_params import ShardedStateWarning, accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
 
 
@@ -45,6 +46,7 @@ class ShardLayout:
     ranges: list[list[list[int]]]
     plan_json: str = ""
     shard: torch.Tensor | None = None  # this rank's shard, once the parameter is sharded
+    grad: torch.Tensor | None = None  # the shard's gradient, set aside while the module runs
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
@@ -258,7 +260,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     """
     inner = getattr(model, "_orig_mod", model)
     out: dict[str, torch.Tensor] = {}
-    for name, t in inner.state_dict(keep_vars=True).items():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardedStateWarning)
+        state = inner.state_dict(keep_vars=True)
+    for name, t in state.items():
         layout = getattr(t, "_adaptdist_layout", None)
         if layout is None:
             out[name] = t.detach().clone()

@@ -13,7 +13,9 @@ see the parameter's full shape where it matters:
 - the compiled program reads the shard from :attr:`ShardLayout.shard`, and its gradient is accumulated
   into ``param.grad`` directly (the shard's shape; autograd would expect the placeholder's).
 
-Between forward calls (``backward()``, ``opt.step()``, ``state_dict()``) the parameters are their shards.
+Between forward calls (``backward()``, ``opt.step()``, ``state_dict()``) the parameters are their shards
+(``state_dict()`` warns so; ``load_state_dict`` of full tensors keeps each rank's shard of them). Calling
+the original module directly, not through ``torch.compile``, raises: it would compute with placeholders.
 This is what FSDP2 does with DTensor parameters and all_gathers in its hooks; here the placeholder needs no
 communication, because the compiled program does the gathering the plan chose. The forward hook runs also
 when the forward raises. A compiled plain function (not a module) gets no hooks: its parameters are still
@@ -22,10 +24,14 @@ sharded, but a re-trace would see their shards' shapes.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from .. import _torch_compat as compat
+from ..errors import AdaptdistError
 
 HOOKED = "_adaptdist_param_hooks"
 
@@ -50,28 +56,71 @@ def placeholder(layout: Any, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.zeros((), dtype=dtype, device=device).expand(layout.global_shape)
 
 
+class ShardedStateWarning(UserWarning):
+    """A state dict of a model whose parameters adaptdist sharded holds this rank's shards."""
+
+
+def _sharded(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if layout_of(p) is not None]
+
+
 @torch.compiler.disable
 def _to_placeholders(module: nn.Module, args: Any) -> None:
-    for p in module.parameters():
+    sharded = _sharded(module)
+    if not sharded:
+        return
+    if not compat.in_compiled_module_call():
+        name, p = sharded[0]
+        raise AdaptdistError(
+            f"{type(module).__name__} was called directly, but adaptdist sharded its parameters ({name} holds "
+            f"this rank's shard {list(p.shape)} of {list(layout_of(p).global_shape)}, and {len(sharded) - 1} more): "
+            "call the torch.compile'd model, or load adaptdist.full_state_dict(compiled) into an uncompiled copy")
+    for _, p in sharded:
         layout = layout_of(p)
-        if layout is not None and p.data.data_ptr() == layout.shard.data_ptr():
+        if p.data.data_ptr() == layout.shard.data_ptr():
+            # the gradient goes aside too: Dynamo copies it onto its fake of the full-shaped placeholder
+            layout.grad, p.grad = p.grad, None
             p.data = placeholder(layout, p.dtype, p.device)
 
 
 @torch.compiler.disable
 def _to_shards(module: nn.Module, args: Any, output: Any) -> None:
-    for p in module.parameters():
+    for _, p in _sharded(module):
         layout = layout_of(p)
-        if layout is not None:
-            p.data = layout.shard
+        p.data = layout.shard
+        if layout.grad is not None:
+            p.grad, layout.grad = layout.grad, None
+
+
+def _warn_sharded_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    if _sharded(module):
+        warnings.warn("this state dict holds each sharded parameter's shard on this rank, not the full tensor; "
+                      "adaptdist.full_state_dict(model) returns the full one (load_state_dict takes either)",
+                      ShardedStateWarning, stacklevel=3)
+
+
+def _shard_loaded_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` of full tensors into a sharded model: each rank keeps its own shard of them."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    for name, p in _sharded(module):
+        key = prefix + name
+        full = state_dict.get(key)
+        layout = layout_of(p)
+        if isinstance(full, torch.Tensor) and tuple(full.shape) == tuple(layout.global_shape):
+            state_dict[key] = layout.local(full, rank)
 
 
 def install_hooks(module: nn.Module) -> None:
-    """Register the placeholder swaps (module docstring) on ``module``, once."""
+    """Register on ``module``, once: the placeholder swaps around its forward (module docstring), the warning
+    on ``state_dict()`` that it holds shards, and the sharding of full tensors given to ``load_state_dict``."""
     if getattr(module, HOOKED, False):
         return
     module.register_forward_pre_hook(_to_placeholders)
     module.register_forward_hook(_to_shards, always_call=True)
+    module.register_state_dict_post_hook(_warn_sharded_state)
+    module.register_load_state_dict_pre_hook(_shard_loaded_state)
     setattr(module, HOOKED, True)
 
 
