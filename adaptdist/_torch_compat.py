@@ -370,32 +370,38 @@ def sdpa_math_only():
     return sdpa_kernel([SDPBackend.MATH])
 
 
+def _mark(key: str, total: int) -> int:
+    from torch._dynamo.utils import counters
+
+    before = counters["adaptdist"][key]
+    counters["adaptdist"][key] = max(before, total)
+    return before
+
+
 def graph_breaks_reported(total: int) -> int:
     """How many graph breaks adaptdist had reported before this call, and record ``total`` as reported.
     Kept beside Dynamo's own break counters (``torch._dynamo.utils.counters``), so it lives and is
     cleared with them."""
+    return _mark("graph_breaks_reported", total)
+
+
+def graph_breaks_noted(total: int) -> int:
+    """How many graph breaks had been seen at an earlier compile; records ``total`` (as above)."""
+    return _mark("graph_breaks_noted", total)
+
+
+def note_graph_break_site(site: str, count: int) -> None:
+    """Record where ``count`` new graph breaks are (beside Dynamo's counters, as above)."""
     from torch._dynamo.utils import counters
 
-    before = counters["adaptdist"]["graph_breaks_reported"]
-    counters["adaptdist"]["graph_breaks_reported"] = max(before, total)
-    return before
+    counters["adaptdist_graph_break_sites"][site] += count
 
 
-def drop_tensor_guards(source_names: set[str]) -> int:
-    """Remove the TENSOR_MATCH guards (dtype, device, sizes, strides) Dynamo is about to install on the
-    named sources of the frame being compiled; returns how many were removed. Called from a backend (inside
-    Dynamo's compile of the frame). The adaptdist backend gives a parameter its shard after the first call;
-    with the size guard in place Dynamo would re-trace the user's code, written for the full shape."""
-    from torch._guards import TracingContext
+def graph_break_sites() -> dict[str, int]:
+    """Where the graph breaks noted so far are: site -> count."""
+    from torch._dynamo.utils import counters
 
-    ctx = TracingContext.try_get()
-    if ctx is None or not source_names:
-        return 0
-    guards = ctx.guards_context.dynamo_guards
-    drop = [g for g in guards.inner if g.name in source_names and g.create_fn_name() == "TENSOR_MATCH"]
-    for g in drop:
-        guards.inner.remove(g)
-    return len(drop)
+    return dict(counters["adaptdist_graph_break_sites"])
 
 
 def dynamo_root_module() -> Any:

@@ -193,6 +193,7 @@ def test_graph_break_warns_and_gradients_cross_it():
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     model, ref = _Broken(), _Broken()
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _sgd(model, torch.compile(model, backend=adaptdist.backend(plan="dp")), x, y)
@@ -203,6 +204,38 @@ def test_graph_break_warns_and_gradients_cross_it():
             torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)  # a.* only right if grad crosses the break
     msgs = [str(w.message) for w in caught if issubclass(w.category, GraphBreakWarning)]
     assert len(msgs) == 1 and "1 graph break(s)" in msgs[0] and "test_dynamo_backend.py" in msgs[0], msgs
+
+
+class _TwoBreaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch._dynamo.graph_break()
+        h = torch.tanh(self.b(h))
+        torch._dynamo.graph_break()
+        return self.c(h)
+
+
+def test_one_warning_names_every_graph_break():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    model, ref = _TwoBreaks(), _TwoBreaks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _sgd(model, torch.compile(model, backend="adaptdist"), x, y)
+    want = _sgd(ref, ref, x, y)
+    for (l1, g1), (l2, g2) in zip(got, want):
+        assert l1 == pytest.approx(l2, abs=TOL)
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, GraphBreakWarning)]
+    assert len(msgs) == 1, msgs
+    assert "2 graph break(s)" in msgs[0] and msgs[0].count("test_dynamo_backend.py:") == 2, msgs
 
 
 def test_fullgraph_makes_a_break_an_error():

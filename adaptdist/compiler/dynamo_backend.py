@@ -14,7 +14,8 @@ constraints=...))``, in a script started by torchrun: each captured graph is
 
 Without an initialized process group the world is one rank (the program equals eager). A graph break
 splits the forward into several graphs; each is planned alone, its boundary tensors split over the
-ranks as the input contract says, and a warning names the break.
+ranks as the input contract says, and one warning, once the first step has compiled every graph, says
+how many breaks there are, where and why.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
-    _warn_graph_breaks(gm)
+    _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error = [], None, [], ""
     control = _control_group() if distributed else None
     try:
@@ -233,6 +234,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     split = split_forward_backward(program.graph_module, ("out:",))
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
+    if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
+        step.after_first_step = report_graph_breaks
     return step
 
 
@@ -365,22 +368,31 @@ def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], in
                         world, tangent_outputs, differentiable_inputs, rank, program)
 
 
-def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
-    """One warning per new graph break: how many breaks there are so far, why, and where (after the user
-    line of the last op of the graph compiled right after the break). Dynamo records a break before it
-    compiles the graph that ends there, so that graph's compile is the one that warns."""
+def _note_graph_breaks(gm: torch.fx.GraphModule) -> None:
+    """Record where new graph breaks are: Dynamo records a break before it compiles the graph that ends
+    there, so the breaks new at this compile are after this graph's last line of user code."""
+    total = sum(compat.dynamo_graph_break_reasons().values())
+    new = total - compat.graph_breaks_noted(total)
+    if new <= 0:
+        return
+    lines = [m.group(1) + ":" + m.group(2) for n in gm.graph.nodes if n.meta.get("stack_trace")
+             for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
+    compat.note_graph_break_site(f"after {lines[-1]}" if lines else "(no source line recorded)", new)
+
+
+def report_graph_breaks() -> None:
+    """One warning for the graph breaks not reported yet: how many, where, and Dynamo's reasons. Called once
+    the first step has compiled every graph (the first graph's first backward, or its second call)."""
     reasons = compat.dynamo_graph_break_reasons()
     total = sum(reasons.values())
     if total <= compat.graph_breaks_reported(total):
         return
-    lines = [m.group(1) + ":" + m.group(2) for n in gm.graph.nodes if n.meta.get("stack_trace")
-             for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
-    where = f"after {lines[-1]}" if lines else "(no source line recorded)"
-    why = "; ".join(f"{r} (x{c})" for r, c in reasons.items())
+    where = "; ".join(f"{site}{f' (x{c})' if c > 1 else ''}" for site, c in compat.graph_break_sites().items())
+    why = "; ".join(f"{r}{f' (x{c})' if c > 1 else ''}" for r, c in reasons.items())
     warnings.warn(
-        f"adaptdist: {total} graph break(s) so far, the last {where}: {why}. Each graph between breaks is planned "
-        "on its own, its inputs and outputs split over the ranks like the batch (communication at every break). "
-        "Remove the break for one plan of the whole step; torch.compile(..., fullgraph=True) makes a break an error.",
+        f"adaptdist: {total} graph break(s), {where}: {why}. Each graph between breaks is planned on its own, its "
+        "inputs and outputs split over the ranks like the batch (communication at every break). Remove the breaks "
+        "for one plan of the whole step; torch.compile(..., fullgraph=True) makes a break an error.",
         GraphBreakWarning, stacklevel=2)
 
 

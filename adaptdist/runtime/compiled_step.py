@@ -124,6 +124,9 @@ class CompiledStep:
         # collective group name -> process group; registered again before each run, because another
         # compiled graph (after a graph break, another model) may have pointed the same names elsewhere
         self.process_groups: dict[str, Any] = {}
+        # called once after this graph's first backward (or at its second call, without one): the end of the
+        # first step, when every graph of the step is compiled (the backend reports graph breaks there)
+        self.after_first_step: Any = None
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -136,12 +139,19 @@ class CompiledStep:
     def __call__(self, *args: torch.Tensor):
         if self.calls == 0:
             self._shard_parameters(args)
+        elif self.calls == 1:
+            self.first_step_done()
         self.calls += 1
         differentiable = [i for i in self.grad_params] + [self.input_order[k] for k in self.grad_inputs]
         # no backward will come under no_grad() (an eval loop): the forward then keeps nothing for it
         keep = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         outs = _StepFunction.apply(self, differentiable, keep, *args)
         return tuple(outs)
+
+    def first_step_done(self) -> None:
+        if self.after_first_step is not None:
+            callback, self.after_first_step = self.after_first_step, None
+            callback()
 
     def _shard_parameters(self, args: Sequence[torch.Tensor]) -> None:
         """Give each sharded parameter this rank's shard as its data (once, in place of the full tensor)."""
@@ -240,6 +250,7 @@ class _StepFunction(torch.autograd.Function):
         like = [torch.zeros(s, dtype=d) for s, d in ctx.output_shapes]
         param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None
+        step.first_step_done()
         out: list[torch.Tensor | None] = [None] * ctx.num_args
         for i, g in zip(ctx.differentiable, param_grads + input_grads):
             if i in ctx.sharded:  # the shard's gradient goes to .grad directly: autograd expects the full shape
