@@ -86,3 +86,37 @@ def test_profile_rejects_bad_sizes():
 
     with pytest.raises(ClusterSpecError, match="two distinct sizes"):
         profile_local(2, "cpu", (4096,))
+
+
+def test_a_point_is_the_median_batch_and_send_recv_one_way():
+    from adaptdist.calibrate.bench import point_seconds
+
+    # one batch slowed by outside load (9 ms) moves neither the median nor the point
+    assert point_seconds("all_reduce", [1.0e-3, 1.2e-3, 9.0e-3, 1.1e-3, 1.3e-3]) == pytest.approx(1.2e-3)
+    assert point_seconds("all_reduce", [2e-3, 4e-3]) == pytest.approx(3e-3)
+    assert point_seconds("send_recv", [1.0e-3, 1.2e-3, 1.4e-3]) == pytest.approx(0.6e-3)  # half a round trip
+
+
+def test_profile_times_the_functional_collectives_the_programs_issue():
+    """On a 1-rank gloo group: every timed call is a functional collective + wait_tensor (a new tensor, as in
+    a rank program), not the in-place ``dist`` call on a reused buffer; the compute burst is a no-op off CPU
+    or at busy_s = 0, and runs on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    from adaptdist import _torch_compat as compat
+    from adaptdist.calibrate.bench import PROFILE_GROUP, _collective_call, _compute_burst
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        compat.register_process_group(PROFILE_GROUP, dist.group.WORLD)
+        cpu = torch.device("cpu")
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            out = _collective_call(name, 4096, 1, 0, cpu)()
+            assert isinstance(out, torch.Tensor) and out.numel() == 1024, name
+        assert _compute_burst(0.0, cpu)() is None
+        assert _compute_burst(1e-3, torch.device("cuda")) is not None  # no-op; never touches a GPU
+        burst = _compute_burst(1e-4, cpu)
+        burst()
+    finally:
+        dist.destroy_process_group()

@@ -68,8 +68,17 @@ def test_views_move_nothing_and_bmm_addmm_counts():
     by = {n.name: n for n in s.nodes}
     assert by["t"].kind == "view" and node_cost(s, by["t"], f).bytes == 0
     assert node_cost(s, by["addmm"], f).flops == 2 * 4 * 8 * 6
-    assert node_cost(s, by["addmm"], f).bytes == (6 + 4 * 8 + 8 * 6 + 4 * 6) * 4
+    # bias, x, w read once, the [4, 6] output written once -- and twice more: ATen copies the broadcast
+    # bias into the output, then the GEMM (beta = 1) reads it back and writes it again
+    assert node_cost(s, by["addmm"], f).bytes == (6 + 4 * 8 + 8 * 6 + 4 * 6 + 2 * 4 * 6) * 4
     assert node_cost(s, by["bmm"], f).flops == 2 * 3 * 2 * 5 * 7
+    assert node_cost(s, by["bmm"], f).bytes == (3 * 2 * 5 + 3 * 5 * 7 + 3 * 2 * 7) * 4  # no bias: no extra pass
+
+
+def test_addmm_without_bias_term_moves_no_extra_bytes():
+    s = _schedule(lambda bias, x, w: torch.addmm(bias, x, w, beta=0), [([6], F32), ([4, 8], F32), ([8, 6], F32)])
+    addmm = next(n for n in s.nodes if n.name == "addmm")
+    assert node_cost(s, addmm, flop_formulas()).bytes == (6 + 4 * 8 + 8 * 6 + 4 * 6) * 4
 
 
 def test_roofline_picks_the_slower_bound():
@@ -95,3 +104,23 @@ def test_node_time_on_a_device():
     assert node_time_s(mm, gpu) == pytest.approx(max(flop_s, mem_s))  # roofline: the GPU overlaps the two
     cpu = DeviceFigures(0, "h", "cpu", {"float32": 1e9}, 2**30, 1e9)
     assert node_time_s(mm, cpu) == pytest.approx(flop_s + mem_s)  # one CPU core does one after the other
+
+
+def test_views_of_a_waited_bucket_alias_the_collectives_storage():
+    # a gradient bucket: cat, all_reduce, wait, split back into gradients. At run time wait_tensor returns the
+    # collective's output and split_with_sizes views it: no new storage, no bytes moved (before, the fake run's
+    # copy made the split a "compute" node moving the whole bucket)
+    def fn(a, b):
+        bucket = torch.cat([a.reshape(-1), b.reshape(-1)])
+        red = torch.ops._c10d_functional.all_reduce.default(bucket, "sum", "g")
+        red = torch.ops._c10d_functional.wait_tensor.default(red)
+        ga, gb = torch.ops.aten.split_with_sizes.default(red, [12, 8])
+        return ga.view(3, 4), gb.view(2, 4)
+
+    s = _schedule(fn, [([3, 4], F32), ([2, 4], F32)])
+    coll = next(n for n in s.nodes if n.kind == "collective")
+    wait = next(n for n in s.nodes if n.kind == "wait")
+    split = next(n for n in s.nodes if "split_with_sizes" in str(n.target))
+    assert wait.waits_on == coll.index
+    assert split.kind == "view" and node_cost(s, split, flop_formulas()).bytes == 0
+    assert {t.storage for t in split.tensor_outputs()} == {coll.outputs[0].storage}

@@ -5,14 +5,33 @@
 time, so ranks that share cores or memory channels slow each other down exactly as they will
 while training.
 
-Collective timing: for every (collective, message size) one warm-up call and one timed call
-whose slowest-rank time sets the iteration count k (about ``target_s`` of calls per batch);
-then ``repeats`` rounds, each timing one batch of k back-to-back calls of every (collective,
-size) between barriers. A batch's time is the slowest rank's; the fastest of a point's batches,
-divided by k, is its time per call. Rounds spread each point's batches over the whole run and
-other load on the machine only ever adds time, so a burst of outside load spoils one batch,
-not a point. Message sizes follow nccl-tests' convention (see :mod:`adaptdist.cluster`).
-send_recv is a ping-pong between ranks 0 and 1 (half the round trip).
+Collective timing, as a training step pays for its collectives:
+
+- the call is the one the generated rank programs make: the functional collective
+  (``torch.ops._c10d_functional.all_reduce`` / ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` / ``all_to_all_single``, which allocate their output) followed by
+  ``wait_tensor``, on the world group registered under a name (send_recv, which programs do not
+  issue, stays a ``dist.send`` / ``dist.recv`` ping-pong between ranks 0 and 1: half the round trip);
+- on CPU each timed call follows a burst of compute, the same fixed number of small matmuls on
+  every rank (about ``busy_s`` seconds, 1 ms by default; not timed), because in a step a
+  collective is issued between kernels: by then the backend's threads have gone idle and the
+  ranks arrive with the small skew of equal work. Measured on the 2-core development machine
+  (2 gloo ranks, one thread each; ``benchmarks/RESULTS.md``, cost-model accuracy) a 256 KiB
+  all_reduce took 0.5 ms per call back to back but 1.0-1.4 ms after 0.5-2 ms of compute (1.7 ms
+  after 4 ms), and the tensor-parallel all_reduces (384 KiB) inside real steps 1.4 ms on average,
+  counted from the last rank's arrival; the in-place
+  ``dist.all_reduce`` on a reused buffer that was timed before missed the functional op's output
+  allocation (16 MiB: 13.9 vs 21.4 ms per call);
+- the time of a call is the slowest rank's mean over a batch of ``k`` calls (``k`` from one warm
+  call, about ``target_s`` of calls per batch); ``repeats`` rounds each time one batch of every
+  (collective, size) between barriers, and a point's time is the *median* of its batches. The
+  mean over a batch keeps the occasional slow call (on shared cores a thread sometimes waits a
+  scheduler time slice: a 384 KiB all_reduce here has p50 0.6-0.7 ms, p90 3-4 ms), which every step with
+  many collectives pays; the median over rounds spread through the run drops a batch spoiled by
+  a burst of outside load. (Before, the fastest batch was taken: the calibrated all_reduce was
+  0.67 ms at 384 KiB where steps paid 1.4 ms.)
+
+Message sizes follow nccl-tests' convention (see :mod:`adaptdist.cluster`).
 
 Compute: for each dtype an n x n matmul (2 n^3 FLOP, n = 1024 on CPU, 8192 on CUDA, smaller when
 one call would take over a quarter of the window), and an
@@ -30,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +71,8 @@ class BenchConfig:
         repeats: timed batches per message size.
         max_iters: most calls per batch.
         compute_dtypes: dtypes whose matmul rate is measured.
+        busy_s: seconds of compute every rank runs before each timed collective call (CPU only; 0:
+            back to back); see the module docstring.
         compute_window_s: seconds each compute measurement runs.
         elementwise_bytes: bytes of each elementwise operand.
         progress_file: where rank 0 writes ``{"done": i, "total": n, "label": str}`` (None: nowhere).
@@ -65,6 +87,7 @@ class BenchConfig:
     target_s: float = 0.025
     repeats: int = 7
     max_iters: int = 200
+    busy_s: float = 1e-3
     compute_dtypes: tuple[str, ...] = COMPUTE_DTYPES
     compute_window_s: float = 0.4
     elementwise_bytes: int = 64 * 2**20
@@ -91,26 +114,37 @@ class _Progress:
             os.replace(tmp, self.path)
 
 
+PROFILE_GROUP = "adaptdist:profile"
+"""The name the world group is registered under for the functional collectives timed here."""
+
+
 def _collective_call(name: str, nbytes: int, world: int, rank: int, device):
-    """A zero-argument function issuing one ``name`` call on a message of ``nbytes`` bytes."""
+    """A zero-argument function issuing one ``name`` call on a message of ``nbytes`` bytes the way a
+    generated rank program does: the functional collective on the group registered as
+    :data:`PROFILE_GROUP`, then ``wait_tensor`` (send_recv: a ``dist.send`` / ``dist.recv`` round trip)."""
     import torch
     import torch.distributed as dist
 
+    from .. import _torch_compat as compat
+
     numel = max(world, (nbytes // 4) // world * world)  # float32, divisible by the world size
     x = torch.ones(numel, dtype=torch.float32, device=device)
+    wait = compat.functional_wait_op()
+    g = PROFILE_GROUP
     if name == "all_reduce":
-        return lambda: dist.all_reduce(x)
+        op = compat.functional_all_reduce_op()
+        return lambda: wait(op(x, "sum", g))
     if name == "all_gather":  # nbytes = the gathered output
-        out, inp = x, torch.ones(numel // world, dtype=torch.float32, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(out, inp)
+        inp = torch.ones(numel // world, dtype=torch.float32, device=device)
+        op = compat.functional_all_gather_op()
+        return lambda: wait(op(inp, world, g))
     if name == "reduce_scatter":  # nbytes = the unscattered input
-        out = torch.empty(numel // world, dtype=torch.float32, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(out, x)
+        op = compat.functional_reduce_scatter_op()
+        return lambda: wait(op(x, "sum", world, g))
     if name == "all_to_all":
-        out = torch.empty_like(x)
-        return lambda: dist.all_to_all_single(out, x)
+        op = compat.functional_all_to_all_op()
+        splits = [numel // world] * world
+        return lambda: wait(op(x, splits, splits, g))
     if name == "send_recv":  # ping-pong between ranks 0 and 1; one call = one round trip
         if rank == 0:
             return lambda: (dist.send(x, 1), dist.recv(x, 1))
@@ -118,6 +152,32 @@ def _collective_call(name: str, nbytes: int, world: int, rank: int, device):
             return lambda: (dist.recv(x, 0), dist.send(x, 0))
         return lambda: None
     raise ValueError(f"unknown collective {name!r}")
+
+
+def _compute_burst(busy_s: float, device):
+    """A zero-argument function running about ``busy_s`` seconds of compute, the same work on every
+    rank: repeated ``[256, 256] x [256, 256]`` matmuls, as many as the slowest rank runs in ``busy_s``
+    (a collective call; every rank must call this together). A no-op when ``busy_s`` is 0 or off CPU
+    (a GPU's collectives run on their own stream: a compute burst there would time stream waits)."""
+    import torch
+
+    if busy_s <= 0 or device.type != "cpu":
+        return lambda: None
+    a = torch.randn(256, 256, device=device)
+    b = torch.randn(256, 256, device=device)
+    c = torch.empty(256, 256, device=device)
+    torch.mm(a, b, out=c)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b, out=c)
+    one = _slowest((time.perf_counter() - t0) / 8, device)
+    reps = max(1, round(busy_s / max(one, 1e-9)))
+
+    def burst() -> None:
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+
+    return burst
 
 
 def _slowest(seconds: float, device) -> float:
@@ -140,9 +200,14 @@ def _sync(device) -> None:
 def time_collectives(cfg: BenchConfig, rank: int, world: int, device, progress: "_Progress"
                      ) -> dict[str, list[list[float]]]:
     """Seconds per call of every collective at every size: {name: [[nbytes, seconds], ...]}
-    (slowest rank, fastest of ``cfg.repeats`` batches spread over rounds; see the module doc)."""
+    (each call after a compute burst on every rank; the slowest rank's mean over a batch; the median of
+    ``cfg.repeats`` batches spread over rounds; see the module docstring)."""
     import torch.distributed as dist
 
+    from .. import _torch_compat as compat
+
+    compat.register_process_group(PROFILE_GROUP, dist.group.WORLD)
+    burst = _compute_burst(cfg.busy_s, device)
     points = []  # (name, nbytes, call, iterations)
     for name in cfg.collectives:
         progress.step(f"{name}: warm-up", 0)
@@ -151,6 +216,7 @@ def time_collectives(cfg: BenchConfig, rank: int, world: int, device, progress: 
             call()
             _sync(device)
             dist.barrier()
+            burst()
             t0 = time.perf_counter()
             call()
             _sync(device)
@@ -158,23 +224,34 @@ def time_collectives(cfg: BenchConfig, rank: int, world: int, device, progress: 
             iters = int(min(cfg.max_iters, max(1, math.ceil(cfg.target_s / max(one, 1e-7)))))
             points.append((name, nbytes, call, iters))
         progress.step(f"{name}: warm-up")
-    best = [math.inf] * len(points)
+    batches: list[list[float]] = [[] for _ in points]
     for r in range(cfg.repeats):
         for i, (name, nbytes, call, iters) in enumerate(points):
             if i == 0 or points[i - 1][0] != name:
                 progress.step(f"round {r + 1}/{cfg.repeats} {name}", 0)
             dist.barrier()
-            t0 = time.perf_counter()
+            spent = 0.0
             for _ in range(iters):
+                burst()
+                t0 = time.perf_counter()
                 call()
-            _sync(device)
-            best[i] = min(best[i], _slowest(time.perf_counter() - t0, device) / iters)
+                _sync(device)
+                spent += time.perf_counter() - t0
+            batches[i].append(_slowest(spent, device) / iters)
             if i + 1 == len(points) or points[i + 1][0] != name:
                 progress.step(f"round {r + 1}/{cfg.repeats} {name}")
     out: dict[str, list[list[float]]] = {}
-    for (name, nbytes, _, _), t in zip(points, best):
-        out.setdefault(name, []).append([nbytes, t / 2 if name == "send_recv" else t])  # one way: half a round trip
+    for (name, nbytes, _, _), ts in zip(points, batches):
+        out.setdefault(name, []).append([nbytes, point_seconds(name, ts)])
     return out
+
+
+def point_seconds(name: str, batch_means_s: list[float]) -> float:
+    """Seconds per call of one (collective, size) from its batches' per-call means: their median (a batch
+    spoiled by outside load does not move it; module docstring); send_recv's call is a round trip, so one
+    way is half of it."""
+    t = statistics.median(batch_means_s)
+    return t / 2 if name == "send_recv" else t
 
 
 def _run_window(fn, window_s: float, device) -> tuple[int, float]:

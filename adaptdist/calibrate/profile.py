@@ -3,8 +3,10 @@
 The ranks run :func:`.bench.profile_rank` under torch's elastic launcher (gloo on CPU, nccl
 on CUDA). Their timings become:
 
-- per collective, an alpha-beta fit (:func:`.fit.fit_alpha_beta`) stored in the cluster's
-  calibration block under the tier the ranks span (``intra_host`` for a local run);
+- per collective, an alpha-beta fit (:func:`.fit.fit_alpha_beta`) of the time a call costs inside a
+  training step (the functional collective the rank programs issue, after a burst of compute; the
+  median over rounds of batch means: :mod:`.bench`), stored in the cluster's calibration block under
+  the tier the ranks span (``intra_host`` for a local run);
 - the tier's link: latency_s = alpha and bandwidth_bytes_per_s = 1 / beta of the send_recv fit;
 - per device, ``peak_flops`` = the measured matmul FLOP/s per dtype,
   ``memory_bandwidth_bytes_per_s`` = the elementwise add rate and (CPU) ``op_overhead_s`` = the host time
@@ -78,7 +80,7 @@ def _poll_progress(path: Path, console, total: int, stop: threading.Event) -> No
 def profile_local(nproc: int = 2, device_kind: str = "auto",
                   sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES, *, console=None,
                   threads_per_rank: int | None = None, target_s: float = 0.025, repeats: int = 7,
-                  compute_window_s: float = 0.4, elementwise_bytes: int = 64 * 2**20,
+                  busy_s: float = 1e-3, compute_window_s: float = 0.4, elementwise_bytes: int = 64 * 2**20,
                   compute_dtypes: tuple[str, ...] | None = None, timeout_s: float = 60.0) -> ProfileResult:
     """Measure this machine with ``nproc`` ranks all running at once; return a calibrated cluster.
 
@@ -89,6 +91,7 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
         console: a rich Console to draw a progress bar on (None: silent).
         threads_per_rank: torch threads per rank; default usable cores // nproc, at least 1.
         target_s, repeats: seconds per timed batch and batches per size (see :mod:`.bench`).
+        busy_s: seconds of compute every rank runs before each timed collective call (CPU; see :mod:`.bench`).
         compute_window_s: seconds each matmul / elementwise measurement runs.
         elementwise_bytes: bytes of each elementwise operand (well beyond the caches).
         compute_dtypes: matmul dtypes to measure (default float32, bfloat16, float16, float64).
@@ -117,7 +120,7 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
     with tempfile.TemporaryDirectory(prefix="adaptdist-profile-") as tmp:
         progress_file = Path(tmp) / "progress.json"
         cfg = BenchConfig(backend=base.backend, device_kind=kind, sizes_bytes=sizes, threads_per_rank=threads,
-                          target_s=target_s, repeats=repeats, compute_window_s=compute_window_s,
+                          target_s=target_s, repeats=repeats, busy_s=busy_s, compute_window_s=compute_window_s,
                           elementwise_bytes=elementwise_bytes,
                           compute_dtypes=tuple(compute_dtypes or COMPUTE_DTYPES),
                           progress_file=str(progress_file), timeout_s=timeout_s)

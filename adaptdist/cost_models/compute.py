@@ -36,6 +36,13 @@ issues and waits by :func:`~.estimate.rank_events`.
   bytes term prices them.
 - bytes: every distinct tensor argument read once plus every output written once
   (elements of the tensor itself, not of the storage it views). View ops move nothing.
+  ``addmm`` / ``baddbmm`` with ``beta != 0`` move two more outputs' worth (:func:`extra_bytes`):
+  ATen's CPU kernel (``addmm_impl_cpu_`` in ``aten/src/ATen/native/LinearAlgebra.cpp``; CUDA's
+  path without the cuBLASLt bias epilogue likewise) first copies the broadcast bias into the
+  output, then runs the GEMM with ``beta = 1``, which reads the output back and writes it again.
+  Measured on the 2-core machine (``benchmarks/RESULTS.md``): the GPT's ``addmm`` nodes ran 15-24%
+  slower than its ``mm`` nodes of the same shapes, 36 us per ``[256, 192]`` output and 94 us per
+  ``[256, 768]`` one; the two extra passes predict 30 and 120 us.
 - peak: ``peak_flops`` of the output's dtype name, else of ``"float32"``.
 """
 
@@ -118,6 +125,22 @@ class NodeCost:
     dtype: str
 
 
+_BIAS_COPY_OPS = ("addmm", "baddbmm")
+
+
+def extra_bytes(node: StepNode, outs: list[TensorSpec]) -> Any:
+    """Memory traffic of ``node`` beyond reading its arguments and writing its outputs once, bytes:
+    ``2 x`` the output for ``addmm`` / ``baddbmm`` with ``beta != 0`` (bias copied into the output, then
+    read and written again by the GEMM; module docstring), else 0."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is None or getattr(packet, "__name__", "") not in _BIAS_COPY_OPS or not outs:
+        return 0
+    beta = node.kwargs.get("beta", 1) if isinstance(node.kwargs, dict) else 1
+    if isinstance(beta, (int, float)) and beta == 0:
+        return 0
+    return 2 * outs[0].nbytes
+
+
 def node_cost(schedule: StepSchedule, node: StepNode, formulas: Mapping[Any, Callable]) -> NodeCost:
     """FLOPs (from ``formulas``; 0 when the op has none) and bytes moved (module docstring) of ``node``.
 
@@ -136,6 +159,7 @@ def node_cost(schedule: StepSchedule, node: StepNode, formulas: Mapping[Any, Cal
                 moved = moved + t.nbytes
     for t in outs:
         moved = moved + t.nbytes
+    moved = moved + extra_bytes(node, outs)
     flops: Any = 0
     packet = getattr(node.target, "overloadpacket", None)
     formula = formulas.get(packet) if packet is not None else None

@@ -13,7 +13,8 @@ compute) and records, in the program's node order:
 
 Storage identity comes from the fake run (views share their base's storage, as at run
 time), except ``wait_tensor``, which at run time returns its input
-(``torch/csrc/distributed/c10d/Functional.cpp``) and under fake tensors a copy.
+(``torch/csrc/distributed/c10d/Functional.cpp``) and under fake tensors a copy: its output, and
+every later view of it (a gradient bucket's ``split_with_sizes``), gets the collective's storage.
 
 A schedule's integers (every dim of every tensor, every storage's bytes) can be replaced
 all at once (:meth:`StepSchedule.numbers` / :meth:`StepSchedule.with_numbers`); that is how
@@ -267,6 +268,9 @@ def _assemble(gm, values, input_roles, output_roles, rank, mesh, param_fqns) -> 
                 continue
             if coll == "wait":
                 sid = _wait_source_storage(n, nodes, index)
+                # later views of the waited tensor (split_with_sizes of a gradient bucket, a view of an
+                # all_gather's output) alias the collective's storage at run time, not a new one
+                storage_ids.setdefault(compat.storage_key(leaf), sid)
             else:
                 key = compat.storage_key(leaf)
                 sid = storage_ids.get(key)
