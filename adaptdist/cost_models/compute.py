@@ -40,9 +40,9 @@ issues and waits by :func:`~.estimate.rank_events`.
   ATen's CPU kernel (``addmm_impl_cpu_`` in ``aten/src/ATen/native/LinearAlgebra.cpp``; CUDA's
   path without the cuBLASLt bias epilogue likewise) first copies the broadcast bias into the
   output, then runs the GEMM with ``beta = 1``, which reads the output back and writes it again.
-  Measured on the 2-core machine (``benchmarks/RESULTS.md``): the GPT's ``addmm`` nodes ran 15-24%
-  slower than its ``mm`` nodes of the same shapes, 36 us per ``[256, 192]`` output and 94 us per
-  ``[256, 768]`` one; the two extra passes predict 30 and 120 us.
+  Measured on the 2-core machine (``benchmarks/RESULTS.md``): the GPT's ``addmm`` nodes ran 15-26%
+  longer than its ``mm`` nodes of the same shapes, 39 us more per ``[256, 192]`` output and 83-118 us
+  per ``[256, 768]`` one; the two extra passes predict 30 and 120 us.
 - peak: ``peak_flops`` of the output's dtype name, else of ``"float32"``.
 """
 
