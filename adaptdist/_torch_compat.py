@@ -404,6 +404,23 @@ def graph_break_sites() -> dict[str, int]:
     return dict(counters["adaptdist_graph_break_sites"])
 
 
+def drop_tensor_guards(source_names: set[str]) -> int:
+    """Remove the TENSOR_MATCH guards (dtype, device, sizes, strides) Dynamo is about to install on the
+    named sources of the frame being compiled; returns how many were removed. Called from a backend (inside
+    Dynamo's compile of the frame). The adaptdist backend gives a parameter its shard after the first call;
+    with the size guard in place Dynamo would re-trace the user's code, written for the full shape."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None or not source_names:
+        return 0
+    guards = ctx.guards_context.dynamo_guards
+    drop = [g for g in guards.inner if g.name in source_names and g.create_fn_name() == "TENSOR_MATCH"]
+    for g in drop:
+        guards.inner.remove(g)
+    return len(drop)
+
+
 def dynamo_root_module() -> Any:
     """The module whose ``forward`` Dynamo is compiling (its ``self``), called from inside a backend; None when
     the compiled frame is not a module's method."""
