@@ -189,6 +189,14 @@ def _sgd(model, fn, x, y, steps=3):
     return out
 
 
+def _assert_same_steps(got, want):
+    """Per step: the loss and every parameter's gradient equal to TOL."""
+    for (l1, g1), (l2, g2) in zip(got, want, strict=True):
+        assert l1 == pytest.approx(l2, abs=TOL)
+        for n in g2:
+            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0, msg=n)
+
+
 def test_graph_break_warns_and_gradients_cross_it():
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     model, ref = _Broken(), _Broken()
@@ -198,10 +206,7 @@ def test_graph_break_warns_and_gradients_cross_it():
         warnings.simplefilter("always")
         got = _sgd(model, torch.compile(model, backend=adaptdist.backend(plan="dp")), x, y)
     want = _sgd(ref, ref, x, y)
-    for (l1, g1), (l2, g2) in zip(got, want):
-        assert l1 == pytest.approx(l2, abs=TOL)
-        for n in g2:
-            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)  # a.* only right if grad crosses the break
+    _assert_same_steps(got, want)  # a.* only right if the gradient crosses the break
     msgs = [str(w.message) for w in caught if issubclass(w.category, GraphBreakWarning)]
     assert len(msgs) == 1 and "1 graph break(s)" in msgs[0] and "test_dynamo_backend.py" in msgs[0], msgs
 
@@ -229,10 +234,7 @@ def test_one_warning_names_every_graph_break():
         warnings.simplefilter("always")
         got = _sgd(model, torch.compile(model, backend="adaptdist"), x, y)
     want = _sgd(ref, ref, x, y)
-    for (l1, g1), (l2, g2) in zip(got, want):
-        assert l1 == pytest.approx(l2, abs=TOL)
-        for n in g2:
-            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)
+    _assert_same_steps(got, want)
     msgs = [str(w.message) for w in caught if issubclass(w.category, GraphBreakWarning)]
     assert len(msgs) == 1, msgs
     assert "2 graph break(s)" in msgs[0] and msgs[0].count("test_dynamo_backend.py:") == 2, msgs
@@ -299,10 +301,7 @@ def test_backend_by_name_needs_no_import_and_equals_eager():
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     got = _sgd(model, torch.compile(model, backend="adaptdist"), x, y)
     want = _sgd(ref, ref, x, y)
-    for (l1, g1), (l2, g2) in zip(got, want):
-        assert l1 == pytest.approx(l2, abs=TOL)
-        for n in g2:
-            torch.testing.assert_close(g1[n], g2[n], atol=TOL, rtol=0)
+    _assert_same_steps(got, want)
     assert adaptdist.full_state_dict(model).keys() == ref.state_dict().keys()
 
 

@@ -229,13 +229,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     strip = len("model.")
-    for ph in placeholders:
-        if ph.name in sig.inputs_to_parameters:
-            gmeta.set_role(ph, "param", sig.inputs_to_parameters[ph.name][strip:])
-        elif ph.name in sig.inputs_to_buffers:
-            gmeta.set_role(ph, "buffer", sig.inputs_to_buffers[ph.name][strip:])
-        else:
-            gmeta.set_role(ph, "batch")
+    set_input_roles(graph, sig, strip)
     out_node = graph.output_node()
     outs = list(out_node.args[0])
     name_to_out = {n.name: i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node)}
@@ -284,18 +278,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     placeholders = list(graph.find_nodes(op="placeholder"))
     trainable = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) in grad_of]
     frozen = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) not in grad_of]
-    # Placeholder order: trainable params, frozen params, buffers, batch (each in aot's order).
-    order = {"param": 0, "buffer": 2, "batch": 3}
-    frozen_set = set(frozen)
-    position = {p: i for i, p in enumerate(placeholders)}
-    ranked = sorted(
-        placeholders,
-        key=lambda p: (order[gmeta.get_role(p)] + (1 if gmeta.get_fqn(p) in frozen_set else 0), position[p]),
-    )
-    if ranked != placeholders:
-        anchor = next(n for n in graph.nodes if n.op != "placeholder")
-        for p in ranked:
-            anchor.prepend(p)
+    ranked = order_placeholders(graph, set(frozen))
     new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(
@@ -318,3 +301,29 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         tied=tied,
     )
 
+
+def set_input_roles(graph: torch.fx.Graph, sig: Any, strip: int) -> None:
+    """Mark each placeholder of an aot-exported graph ``param``/``buffer`` (with its fqn, the first ``strip``
+    characters of aot's name dropped: the wrapper module's prefix) or ``batch``."""
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.name in sig.inputs_to_parameters:
+            gmeta.set_role(ph, "param", sig.inputs_to_parameters[ph.name][strip:])
+        elif ph.name in sig.inputs_to_buffers:
+            gmeta.set_role(ph, "buffer", sig.inputs_to_buffers[ph.name][strip:])
+        else:
+            gmeta.set_role(ph, "batch")
+
+
+def order_placeholders(graph: torch.fx.Graph, frozen: set[str]) -> list[torch.fx.Node]:
+    """Reorder the placeholders as the graph contract says: trainable params, frozen params (fqns in
+    ``frozen``), buffers, batch, each in aot's order; returns them in that order."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    order = {"param": 0, "buffer": 2, "batch": 3}
+    position = {p: i for i, p in enumerate(placeholders)}
+    ranked = sorted(placeholders,
+                    key=lambda p: (order[gmeta.get_role(p)] + (gmeta.get_fqn(p) in frozen), position[p]))
+    if ranked != placeholders:
+        anchor = next(n for n in graph.nodes if n.op != "placeholder")
+        for p in ranked:
+            anchor.prepend(p)
+    return ranked

@@ -127,7 +127,12 @@ class AdaptdistBackend:
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
             optimizer: str = "adamw") -> AdaptdistBackend:
-    """A configured ``adaptdist`` backend for ``torch.compile`` (see :class:`AdaptdistBackend`)."""
+    """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
+
+    Raises:
+        UsageError: a bad argument, named with what it takes (a missing cluster file, an unknown plan
+            preset, a malformed mesh or constraints, an unknown optimizer).
+    """
     return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer)
 
 

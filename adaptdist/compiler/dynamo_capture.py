@@ -37,7 +37,7 @@ import torch.nn as nn
 from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
-from .capture import CapturedGraph, _gc_paused
+from .capture import CapturedGraph, _gc_paused, order_placeholders, set_input_roles
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
@@ -212,13 +212,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
         raise CaptureError(f"the compiled graph updates buffers in place ({sorted(sig.buffers_to_mutate.values())}); "
                            "the adaptdist backend keeps buffers unchanged: use adaptdist train for such models")
     user_ph = list(sig.user_inputs)
-    for ph in graph.find_nodes(op="placeholder"):
-        if ph.name in sig.inputs_to_parameters:
-            gmeta.set_role(ph, "param", sig.inputs_to_parameters[ph.name][strip:])
-        elif ph.name in sig.inputs_to_buffers:
-            gmeta.set_role(ph, "buffer", sig.inputs_to_buffers[ph.name][strip:])
-        else:
-            gmeta.set_role(ph, "batch")
+    set_input_roles(graph, sig, strip)
     out_node = graph.output_node()
     outs = list(out_node.args[0])
     by_name = {n.name: n for n in outs if isinstance(n, torch.fx.Node)}
@@ -235,17 +229,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
              + [f"grad_in:{k}" for k in sorted(grad_in)])
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(out_node, roles)
-    # Placeholder order: trainable params, frozen params, buffers, batch.
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    frozen_set = set(frozen)
-    order = {"param": 0, "buffer": 2, "batch": 3}
-    position = {p: i for i, p in enumerate(placeholders)}
-    ranked = sorted(placeholders, key=lambda p: (order[gmeta.get_role(p)] + (gmeta.get_fqn(p) in frozen_set),
-                                                 position[p]))
-    if ranked != placeholders:
-        anchor = next(n for n in graph.nodes if n.op != "placeholder")
-        for p in ranked:
-            anchor.prepend(p)
+    ranked = order_placeholders(graph, set(frozen))
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

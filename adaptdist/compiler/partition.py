@@ -47,7 +47,8 @@ class SplitProgram:
 
 def split_forward_backward(gm: torch.fx.GraphModule, forward_roles: tuple[str, ...]) -> SplitProgram:
     """Split ``gm`` (module docstring); an output is a forward output when its role starts with one of
-    ``forward_roles``."""
+    ``forward_roles``. Values and shapes are unchanged: the parts compute exactly the joint program's
+    outputs. ``gm``'s output node must carry output roles (:func:`adaptdist.graph_meta.set_output_roles`)."""
     graph = gm.graph
     out_node = graph.output_node()
     roles = gmeta.get_output_roles(out_node)

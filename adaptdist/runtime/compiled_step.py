@@ -196,6 +196,7 @@ class CompiledStep:
             compat.register_process_group(name, group)
 
     def own_row(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's row of a program output ``[rows, ...]`` -> ``[...]`` (a view)."""
         return t[self.io.own_row]
 
     def run_forward(self, args: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
@@ -212,6 +213,10 @@ class CompiledStep:
 
     def run_backward(self, program_inputs: list[torch.Tensor], saved: list[torch.Tensor],
                      grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> tuple[list, list]:
+        """Run the backward program on the outputs' gradients (``grads[k]``: this rank's ``[...]`` gradient of
+        output k, None for zeros shaped like ``outputs[k]``), gathered into the program's rows. Returns the
+        parameters' gradients (this rank's shards, divided by the world size) in ``grad:`` order, and the user
+        inputs' gradients (this rank's rows) in ``grad_in:`` order."""
         sp = self.split
         tangents = []
         self._use_groups()
