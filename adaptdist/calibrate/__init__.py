@@ -8,8 +8,7 @@ One job per module:
 - :mod:`.fit`       the alpha-beta least-squares fit of collective timings;
 - :mod:`.bench`     what every rank runs while profiling (collectives, matmul, elementwise);
 - :mod:`.profile`   ``adaptdist cluster profile``: launch the ranks, show progress, write
-  a calibrated cluster file;
-- :mod:`.command`   the ``adaptdist cluster`` subcommand's arguments and handler.
+  a calibrated cluster file.
 
 The data model itself lives in :mod:`adaptdist.cluster`. This package imports nothing
 at import time so that ``adaptdist.cluster`` may import :mod:`.hardware` freely.

@@ -62,7 +62,7 @@ def cmd_cluster(args) -> int:
     """
     from rich.console import Console
 
-    from .detect import describe_machine, detect_local
+    from ..calibrate.detect import describe_machine, detect_local
 
     console = Console(stderr=True, emoji=False)
     if not console.is_terminal:
@@ -75,7 +75,7 @@ def cmd_cluster(args) -> int:
                       f"topology fingerprint {cluster.topology_fingerprint()}; "
                       f"`adaptdist cluster profile` measures them")
         return 0
-    from .profile import DEFAULT_SIZES_BYTES, profile_local
+    from ..calibrate.profile import DEFAULT_SIZES_BYTES, profile_local
 
     if args.quick:
         sizes, extra = QUICK_SIZES_BYTES, dict(target_s=0.002, repeats=2, compute_window_s=0.05,

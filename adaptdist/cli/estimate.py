@@ -5,8 +5,8 @@
                        [--algorithm ring|tree|auto] [--symbolic]
 
 It compiles the plan exactly as ``train`` would (same bucket size) and costs every rank's
-lowered program (:func:`~.estimate.estimate_programs`); ``--symbolic`` also fits the costs
-as formulas in B, T and the mesh-axis sizes (:mod:`.symbolic`) and prints them.
+lowered program (:func:`adaptdist.cost_models.estimate.estimate_programs`); ``--symbolic`` also fits the costs
+as formulas in B, T and the mesh-axis sizes (:mod:`adaptdist.cost_models.symbolic`) and prints them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     from ..annotations import ManualPlan
     from ..compiler.data_parallel import compile_program
     from ..model_spec import ModelSpec
-    from .estimate import collectives_summary, estimate_programs, estimate_table
+    from ..cost_models.estimate import collectives_summary, estimate_programs, estimate_table
 
     if args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
@@ -59,7 +59,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     bucket_bytes = int(args.bucket_mb * 2**20)
     optimizer = args.optimizer.replace("-", "_")
     if args.plan == "auto":
-        from ..cli import resolve_plan
+        from .common import resolve_plan
 
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
@@ -119,7 +119,7 @@ def _print_symbolic(console, args, cluster, plan, p0, compile_at, optimizer: str
     from rich.table import Table
 
     from ..plan import Plan
-    from .symbolic import fit_symbolic_estimate
+    from ..cost_models.symbolic import fit_symbolic_estimate
 
     if isinstance(plan, Plan):
         raise UsageError("--symbolic compiles other batch and mesh sizes, which a saved plan.json (made for one "

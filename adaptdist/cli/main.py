@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import AdaptdistError, UsageError
+from ..errors import AdaptdistError, UsageError
+from .common import resolve_plan
 
 
 def _positive(kind):
@@ -84,16 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state the automatic plan must fit")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
-    from .calibrate.command import add_parser as add_cluster_parser
+    from .cluster import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
-    from .cost_models.command import add_parser as add_estimate_parser
+    from .estimate import add_parser as add_estimate_parser
 
     add_estimate_parser(sub, _add_common)  # adaptdist estimate
-    from .compiler.planner.command import add_parser as add_explain_parser
+    from .explain import add_parser as add_explain_parser
 
     add_explain_parser(sub, _add_common)  # adaptdist explain NODE
-    from .runtime.launch_script import add_parser as add_launch_parser
+    from .launch import add_parser as add_launch_parser
 
     add_launch_parser(sub)  # adaptdist launch script.py
     c = sub.add_parser("compile", help="compile the model for a cluster into a directory of rank artifacts",
@@ -120,22 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str, layers: bool = True):
-    """``--plan`` as a plan object, and the captured step when the planner captured it (else None):
-    ``auto`` runs the planner for ``cluster`` (printing its summary), anything else is a manual plan."""
-    from .annotations import ManualPlan
-
-    if args.plan != "auto":
-        return ManualPlan.parse(args.plan, spec.module()), None
-    from .compiler.capture import capture
-    from .compiler.planner.command import print_summary, run_planner
-
-    captured = capture(model, example, loss_fn)
-    result = run_planner(captured, cluster, args.mesh, optimizer, console)
-    print_summary(console, result, layers=layers)
-    return result.plan, captured
-
-
 MAX_LOWERED_RANKS = 16
 """``adaptdist plan`` lowers an automatic plan to show shards and collectives only up to this many ranks."""
 
@@ -145,10 +130,10 @@ def cmd_plan(args) -> int:
     import torch
     from rich.table import Table
 
-    from .compiler.consistency import collective_calls
-    from .console import report_console
-    from .compiler.data_parallel import compile_program
-    from .model_spec import ModelSpec
+    from ..compiler.consistency import collective_calls
+    from ..console import report_console
+    from ..compiler.data_parallel import compile_program
+    from ..model_spec import ModelSpec
 
     console = report_console()
     cluster = _cluster(args)
@@ -168,7 +153,7 @@ def cmd_plan(args) -> int:
                                mesh=args.mesh if captured is None else None, captured=captured)
     p0 = programs[0]
     if captured is not None:
-        from .cost_models.estimate import estimate_programs
+        from ..cost_models.estimate import estimate_programs
 
         est = estimate_programs(programs, cluster, args.optimizer.replace("-", "_"))
         console.print(f"adaptdist estimate of the lowered programs (overlap timeline, exact collectives): step "
@@ -201,17 +186,17 @@ def cmd_plan(args) -> int:
 
 
 def _cluster(args):
-    from .cluster import Cluster
+    from ..cluster import Cluster
 
     if args.cluster:
         return Cluster.from_yaml(args.cluster)
     if args.nproc is None and getattr(args, "mesh", None):
-        from .mesh import Mesh
+        from ..mesh import Mesh
 
         return Cluster.local(Mesh.parse(args.mesh).world_size)
     plan_file = Path(getattr(args, "plan", "") or "")
     if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
-        from .plan import Plan
+        from ..plan import Plan
 
         return Cluster.local(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
     return Cluster.local(2 if args.nproc is None else args.nproc)
@@ -223,7 +208,7 @@ def check_batch(batch, example, data) -> None:
     Raises:
         DataError: names the element and what differs.
     """
-    from .errors import DataError
+    from ..errors import DataError
 
     src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
     if not isinstance(batch, (tuple, list)) or len(batch) != len(example):
@@ -243,14 +228,14 @@ def cmd_train(args) -> int:
         AdaptdistError: any bad input (model, data, cluster, plan); ``main`` prints it as one paragraph.
     """
     import torch
-    from .console import report_console
+    from ..console import report_console
     from safetensors.torch import load_file, save_file
 
-    from .compiler.data_parallel import compile_program
-    from .model_spec import ModelSpec
-    from .program import save_programs
-    from .runtime.launch import launch_local
-    from .runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
+    from ..compiler.data_parallel import compile_program
+    from ..model_spec import ModelSpec
+    from ..program import save_programs
+    from ..runtime.launch import launch_local
+    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
 
     console = report_console(stderr=True)
     cluster = _cluster(args)
@@ -293,7 +278,7 @@ def cmd_train(args) -> int:
     programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
                                dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
                                mesh=args.mesh if captured is None else None, captured=captured)
-    from .runtime.preflight import check_host_memory
+    from ..runtime.preflight import check_host_memory
 
     peak = check_host_memory(programs, args.optimizer, nproc)
     save_programs(programs, out / "programs")
@@ -344,18 +329,18 @@ def cmd_train(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    """``adaptdist estimate``: predicted step time and memory per rank; see :mod:`adaptdist.cost_models.command`."""
-    from .cost_models.command import cmd_estimate as run
+    """``adaptdist estimate``: predicted step time and memory per rank; see :mod:`adaptdist.cli.estimate`."""
+    from .estimate import cmd_estimate as run
 
     return run(args, _cluster(args))
 
 
 def cmd_compile(args) -> int:
     """``adaptdist compile``: write rank artifacts (see :mod:`adaptdist.compiler.artifacts`)."""
-    from .console import report_console
+    from ..console import report_console
 
-    from .compiler.artifacts import compile_artifacts
-    from .model_spec import ModelSpec
+    from ..compiler.artifacts import compile_artifacts
+    from ..model_spec import ModelSpec
 
     console = report_console()
     cluster = _cluster(args)
@@ -374,14 +359,14 @@ def cmd_compile(args) -> int:
 
 def cmd_run(args) -> int:
     """``adaptdist run DIR``: check the artifacts against this cluster, then train with them on local ranks."""
-    from .console import report_console
+    from ..console import report_console
     from safetensors.torch import load_file
 
-    from .cluster import Cluster
-    from .compiler.artifacts import check_artifacts, data_spec
-    from .program import read_manifest
-    from .runtime.launch import launch_local
-    from .runtime.worker import TrainConfig, run_worker
+    from ..cluster import Cluster
+    from ..compiler.artifacts import check_artifacts, data_spec
+    from ..program import read_manifest
+    from ..runtime.launch import launch_local
+    from ..runtime.worker import TrainConfig, run_worker
 
     console = report_console(stderr=True)
     d = Path(args.artifacts)
@@ -421,22 +406,22 @@ def cmd_run(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    """``adaptdist explain NODE``: see :mod:`adaptdist.compiler.planner.command`."""
-    from .compiler.planner.command import cmd_explain as run
+    """``adaptdist explain NODE``: see :mod:`adaptdist.cli.explain`."""
+    from .explain import cmd_explain as run
 
     return run(args, _cluster(args))
 
 
 def cmd_cluster(args) -> int:
-    """``adaptdist cluster detect|profile``: see :mod:`adaptdist.calibrate.command`."""
-    from .calibrate.command import cmd_cluster as run
+    """``adaptdist cluster detect|profile``: see :mod:`adaptdist.cli.cluster`."""
+    from .cluster import cmd_cluster as run
 
     return run(args)
 
 
 def cmd_launch(args) -> int:
-    """``adaptdist launch script.py``: see :mod:`adaptdist.runtime.launch_script`."""
-    from .runtime.launch_script import cmd_launch as run
+    """``adaptdist launch script.py``: see :mod:`adaptdist.cli.launch`."""
+    from .launch import cmd_launch as run
 
     return run(args)
 

@@ -97,7 +97,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     from ..program import save_programs
     from .capture import capture
     from .data_parallel import compile_program
-    from .planner.command import print_summary, run_planner
+    from .planner.summary import print_summary, run_planner
     from .report import render_report
 
     out = Path(out_dir)

@@ -14,8 +14,7 @@ One job per module (each formula's source is in its module's docstring):
 - :mod:`.estimate`       all of it for every rank of ``compile_program``'s output (:func:`estimate_programs`);
 - :mod:`.symbolic`       the same costs as sympy expressions in batch size, sequence length and mesh-axis sizes;
 - :mod:`.hardware`       the cluster interface the models read (a Protocol) and a plain-number cluster;
-- :mod:`.numbers`        arithmetic shared by concrete and symbolic costs;
-- :mod:`.command`        ``adaptdist estimate``.
+- :mod:`.numbers`        arithmetic shared by concrete and symbolic costs.
 
 Units are in names: ``_s``, ``_bytes``, ``_bytes_per_s``, FLOPs as plain counts.
 """

@@ -1,0 +1,75 @@
+"""The planner's search with a status line, and its summary on a console: what ``--plan auto`` (the
+default of train, plan, estimate and compile) prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import UsageError
+from .explain import layer_rows
+from .search import PlannerResult, plan_auto
+
+
+def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None
+                ) -> PlannerResult:
+    """:func:`plan_auto` on ``captured`` for ``cluster`` (``mesh``: a fixed ``"dp=2,tp=2"``), with a status line
+    while it searches."""
+    from ...mesh import Mesh
+
+    fixed = Mesh.parse(mesh) if mesh else None
+    if fixed is not None and fixed.world_size != cluster.world_size:
+        raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
+    if console is None:
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer)
+    with console.status("planning") as status:
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+                         progress=lambda text: status.update(f"planning: {text}"))
+
+
+def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
+    """The chosen mesh, predicted time and memory per rank, shapes tried, and (``layers``) the per-layer table."""
+    from rich.table import Table
+
+    ev, plan = result.predicted, result.plan
+    mesh = ",".join(f"{a}={n}" for a, n in plan.mesh.items())
+    comm = ", ".join(f"{a} {1e3 * t:.3f} ms" for a, t in ev.communication_s.items())
+    stats = "; ".join(f"{a}: {s.result.status}, gap {100 * s.result.gap:.2g}%, {s.result.num_variables} variables"
+                      for a, s in result.axes.items())
+    console.print(f"automatic plan: mesh {mesh}, batch {'split over ' + plan.batch_axis if plan.batch_axis else 'replicated'}"
+                  f"; predicted step {1e3 * ev.step_s:.3f} ms per rank (compute {1e3 * ev.compute_s:.3f} ms, "
+                  f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
+                  f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
+                  f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    if len(result.tried) > 1:
+        t = Table(title="mesh shapes tried (predicted per rank)")
+        for col in ("mesh", "batch axis", "step ms", "communication ms", "memory MiB", ""):
+            t.add_column(col)
+        for c, ev_or_why in result.tried:
+            if isinstance(ev_or_why, str):
+                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", ev_or_why)
+            else:
+                t.add_row(str(c), str(c.batch_axis or "-"), f"{1e3 * ev_or_why.step_s:.3f}",
+                          f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
+                          f"{ev_or_why.memory_bytes / 2**20:,.1f}", "chosen" if c == result.candidate else "")
+        console.print(t)
+        fastest = min((e.step_s for _, e in result.tried if not isinstance(e, str)), default=ev.step_s)
+        if fastest < ev.step_s:
+            from .search import TIE_TOLERANCE
+
+            console.print(f"(shapes predicted within {100 * TIE_TOLERANCE:.0f}% of the fastest count as ties, the "
+                          "model is not that exact: the first in order wins, a batch axis before none and fewer axes "
+                          "before more)")
+    if not layers:
+        sharded = {f: p for f, p in plan.param_placements.items() if any(x != "R" for x in p)}
+        total = len(result.graph.params())
+        console.print(f"parameters: {total - len(sharded)} of {total} replicated on every axis"
+                      + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"
+                         + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
+                      + " (adaptdist plan shows the per-layer table)")
+    if layers:
+        t = Table(title="parameter placements (per layer pattern)")
+        for col in ("parameters", "placement per mesh axis", "count"):
+            t.add_column(col)
+        for pattern, text, n in layer_rows(result):
+            t.add_row(pattern, text, str(n))
+        console.print(t)
