@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from adaptdist.cli import main
-from adaptdist.cluster import Cluster
+from adaptdist.calibrate.local import load_cluster, local_cluster
 from adaptdist.compiler.artifacts import check_artifacts
 from adaptdist.errors import ProgramLoadError
 
@@ -53,7 +53,7 @@ def test_compile_writes_every_file_with_its_hash(artifacts):
 
 
 def test_check_passes_on_the_cluster_compiled_for(artifacts):
-    assert check_artifacts(artifacts, Cluster.local(2))["world_size"] == 2
+    assert check_artifacts(artifacts, local_cluster(2))["world_size"] == 2
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -67,7 +67,7 @@ def test_missing_file_is_named(artifacts, tmp_path):
     d = _copy(artifacts, tmp_path / "a")
     (d / "rank1" / "graph.txt").unlink()
     with pytest.raises(ProgramLoadError, match=r"rank1/graph\.txt.*missing"):
-        check_artifacts(d, Cluster.local(2))
+        check_artifacts(d, local_cluster(2))
 
 
 def test_edited_program_fails_its_hash(artifacts, tmp_path):
@@ -75,7 +75,7 @@ def test_edited_program_fails_its_hash(artifacts, tmp_path):
     p = d / "rank0" / "program.py"
     p.write_text(p.read_text() + "\n# edited\n")
     with pytest.raises(ProgramLoadError, match=r"rank0/program\.py.*sha256"):
-        check_artifacts(d, Cluster.local(2))
+        check_artifacts(d, local_cluster(2))
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -88,12 +88,12 @@ def test_version_mismatch_is_named(artifacts, tmp_path, field, value, message):
     m[field] = value
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ProgramLoadError, match=message):
-        check_artifacts(d, Cluster.local(2))
+        check_artifacts(d, local_cluster(2))
 
 
 def test_world_size_and_topology_mismatch(artifacts, tmp_path):
     with pytest.raises(ProgramLoadError, match="compiled for 2 ranks, this cluster has 4"):
-        check_artifacts(artifacts, Cluster.local(4))
+        check_artifacts(artifacts, local_cluster(4))
     cfile = tmp_path / "c.yaml"
     cfile.write_text(textwrap.dedent("""
         schema_version: 1
@@ -102,7 +102,7 @@ def test_world_size_and_topology_mismatch(artifacts, tmp_path):
           - {name: b, device_kind: cpu, num_devices: 1}
     """))
     with pytest.raises(ProgramLoadError, match="another cluster topology"):
-        check_artifacts(artifacts, Cluster.from_yaml(cfile))
+        check_artifacts(artifacts, load_cluster(cfile))
 
 
 def test_run_trains_and_matches_train(artifacts, model_file, tmp_path):

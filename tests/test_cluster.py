@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from adaptdist.cluster import SCHEMA_VERSION, Cluster, Host
+from adaptdist.calibrate.local import load_cluster, local_cluster, uniform_host
+from adaptdist.cluster import Cluster
+from adaptdist.cluster_file import SCHEMA_VERSION, cluster_from_dict, cluster_to_dict, save_cluster
 from adaptdist.errors import AdaptdistError, ClusterSpecError
 
 
@@ -19,51 +21,51 @@ def write(tmp_path, text: str, name: str = "cluster.yaml"):
 def load_error(tmp_path, text: str) -> str:
     p = write(tmp_path, text)
     with pytest.raises(ClusterSpecError) as ei:
-        Cluster.from_yaml(p)
+        load_cluster(p)
     msg = str(ei.value)
     assert "cluster.yaml" in msg, msg  # every file error names the file
     return msg
 
 
-# --- Cluster.local -------------------------------------------------------------------------------
+# --- local_cluster -------------------------------------------------------------------------------
 
 def test_local():
-    c = Cluster.local(3)
+    c = local_cluster(3)
     assert c.world_size == 3
     assert c.device_kind == "cpu"
     assert c.backend == "gloo"
     assert [h.name for h in c.hosts] == ["localhost"] and c.hosts[0].num_devices == 3
     assert [d.rank for d in c.devices] == [0, 1, 2] and all(d.kind == "cpu" for d in c.devices)
-    assert c.hosts == (Host.uniform("localhost", "cpu", 3),)
+    assert c.hosts == (uniform_host("localhost", "cpu", 3),)
     assert repr(c) == "Cluster(localhost:3xcpu)"
     assert not c.calibrated and c.collective_fit("all_reduce", "intra_host") is None
 
 
 def test_local_cuda_backend_is_nccl():
-    assert Cluster.local(2, "cuda").backend == "nccl"
+    assert local_cluster(2, "cuda").backend == "nccl"
 
 
 @pytest.mark.parametrize("n", [0, -2, 1.5, "2", None, True])
 def test_local_bad_nproc(n):
     with pytest.raises(ClusterSpecError, match="positive"):
-        Cluster.local(n)
+        local_cluster(n)
 
 
 def test_local_bad_device_kind():
     with pytest.raises(ClusterSpecError, match="device_kind 'tpu'"):
-        Cluster.local(2, "tpu")
+        local_cluster(2, "tpu")
 
 
 def test_errors_are_adaptdist_errors():
     assert issubclass(ClusterSpecError, AdaptdistError)
 
 
-# --- from_yaml: valid ------------------------------------------------------------------------------
+# --- load_cluster: valid ------------------------------------------------------------------------------
 
 def test_from_yaml_valid(tmp_path):
     p = write(tmp_path, "schema_version: 1\nhosts:\n  - {name: localhost, device_kind: cpu, num_devices: 2}\n")
-    c = Cluster.from_yaml(p)
-    assert c == Cluster.local(2)
+    c = load_cluster(p)
+    assert c == local_cluster(2)
     assert c.world_size == 2 and c.backend == "gloo"
 
 
@@ -78,24 +80,24 @@ hosts:
     device_kind: cpu
     num_devices: 3
 """)
-    c = Cluster.from_yaml(str(p))
+    c = load_cluster(str(p))
     assert [h.name for h in c.hosts] == ["a", "b"]
     assert c.world_size == 5
-    assert c.to_dict()["schema_version"] == SCHEMA_VERSION
-    assert Cluster.from_dict(c.to_dict()) == c
+    assert cluster_to_dict(c)["schema_version"] == SCHEMA_VERSION
+    assert cluster_from_dict(cluster_to_dict(c)) == c
 
 
 def test_from_yaml_cuda(tmp_path):
     p = write(tmp_path, "schema_version: 1\nhosts:\n  - {name: gpu0, device_kind: cuda, num_devices: 8}\n")
-    c = Cluster.from_yaml(p)
+    c = load_cluster(p)
     assert c.device_kind == "cuda" and c.backend == "nccl" and c.world_size == 8
 
 
-# --- from_yaml: errors -----------------------------------------------------------------------------
+# --- load_cluster: errors -----------------------------------------------------------------------------
 
 def test_file_missing(tmp_path):
     with pytest.raises(ClusterSpecError, match="does not exist") as ei:
-        Cluster.from_yaml(tmp_path / "nope.yaml")
+        load_cluster(tmp_path / "nope.yaml")
     assert "nope.yaml" in str(ei.value)
 
 
@@ -108,7 +110,7 @@ def test_not_utf8(tmp_path):
     p = tmp_path / "cluster.yaml"
     p.write_bytes(b"schema_version: 1\nhosts: \xff\xfe\n")
     with pytest.raises(ClusterSpecError, match="cluster.yaml"):
-        Cluster.from_yaml(p)
+        load_cluster(p)
 
 
 def test_schema_version_missing(tmp_path):
@@ -123,11 +125,11 @@ def test_schema_version_wrong(tmp_path, version):
 
 
 def test_version_1_round_trips_as_version_2(tmp_path):
-    c = Cluster.from_yaml(write(tmp_path, "schema_version: 1\nhosts:\n  - {name: h, device_kind: cpu, num_devices: 2}\n"))
-    assert SCHEMA_VERSION == 2 and c.to_dict()["schema_version"] == 2
+    c = load_cluster(write(tmp_path, "schema_version: 1\nhosts:\n  - {name: h, device_kind: cpu, num_devices: 2}\n"))
+    assert SCHEMA_VERSION == 2 and cluster_to_dict(c)["schema_version"] == 2
     out = tmp_path / "v2.yaml"
-    c.to_yaml(out)
-    assert Cluster.from_yaml(out) == c
+    save_cluster(c, out)
+    assert load_cluster(out) == c
 
 
 def test_hosts_missing(tmp_path):
@@ -202,7 +204,7 @@ hosts:
 
 
 def test_mixed_device_kinds_load_but_have_no_single_backend(tmp_path):
-    c = Cluster.from_yaml(write(tmp_path, """\
+    c = load_cluster(write(tmp_path, """\
 schema_version: 1
 hosts:
   - {name: a, device_kind: cpu, num_devices: 1}
@@ -226,10 +228,10 @@ def test_empty_cluster_direct():
 # --- frozen ----------------------------------------------------------------------------------------
 
 def test_frozen():
-    c = Cluster.local(2)
+    c = local_cluster(2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.hosts = ()  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.hosts[0].num_devices = 4  # type: ignore[misc]
     assert isinstance(c.hosts, tuple)
-    assert hash(c) == hash(Cluster.local(2))
+    assert hash(c) == hash(local_cluster(2))

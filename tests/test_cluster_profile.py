@@ -10,7 +10,8 @@ import pytest
 
 from adaptdist.calibrate.profile import calibrate
 from adaptdist.cli import main
-from adaptdist.cluster import COLLECTIVES, Cluster
+from adaptdist.calibrate.local import load_cluster, local_cluster
+from adaptdist.cluster import COLLECTIVES
 from adaptdist.errors import ClusterSpecError
 
 
@@ -26,9 +27,9 @@ def test_profile_two_gloo_ranks_quick(tmp_path, capsys):
     assert wall < 60, wall
     m = re.search(r"profiled 2 cpu ranks in ([\d.]+) s", err)
     assert m and 0 < float(m.group(1)) <= wall + 1, err
-    c = Cluster.from_yaml(out)
+    c = load_cluster(out)
     assert c.calibrated and c.world_size == 2 and c.calibration.backend == "gloo"
-    assert c.topology_fingerprint() == Cluster.local(2).topology_fingerprint()  # same machine, same topology
+    assert c.topology_fingerprint() == local_cluster(2).topology_fingerprint()  # same machine, same topology
     for name in COLLECTIVES:
         fit = c.collective_fit(name, "intra_host")
         assert fit is not None, name
@@ -43,7 +44,7 @@ def test_profile_two_gloo_ranks_quick(tmp_path, capsys):
         assert set(d.peak_flops) >= {"float32"}
         assert all(math.isfinite(v) and v > 0 for v in d.peak_flops.values()), d.peak_flops
         assert math.isfinite(d.memory_bandwidth_bytes_per_s) and d.memory_bandwidth_bytes_per_s > 0
-        assert d.memory_bytes == Cluster.local(2).device(d.rank).memory_bytes
+        assert d.memory_bytes == local_cluster(2).device(d.rank).memory_bytes
     assert "collectives: time(n) = alpha + beta n" in err and "all_to_all" in err
 
 
@@ -59,7 +60,7 @@ def _fake_results(world=2, flops=(4e10, 3e10)):
 
 
 def test_calibrate_from_measurements():
-    base = Cluster.local(2)
+    base = local_cluster(2)
     c = calibrate(base, _fake_results(), wall_s=3.25)
     assert c.calibrated and c.calibration.wall_s == 3.25 and c.calibration.torch_version
     fit = c.collective_fit("all_reduce", "intra_host")
@@ -73,12 +74,12 @@ def test_calibrate_from_measurements():
 
 def test_calibrate_missing_rank_or_float32():
     with pytest.raises(ClusterSpecError, match=r"rank\(s\) \[1\]"):
-        calibrate(Cluster.local(2), {0: _fake_results()[0]})
+        calibrate(local_cluster(2), {0: _fake_results()[0]})
     res = _fake_results()
     res[1]["peak_flops"] = {"bfloat16": 1e10}
     res[1]["failed_dtypes"] = {"float32": "no kernel"}
     with pytest.raises(ClusterSpecError, match="rank 1 could not time a float32 matmul: no kernel"):
-        calibrate(Cluster.local(2), res)
+        calibrate(local_cluster(2), res)
 
 
 def test_profile_rejects_bad_sizes():

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from adaptdist.calibrate.profile import calibrate
-from adaptdist.cluster import COLLECTIVES, Cluster, Host
+from adaptdist.calibrate.local import load_cluster, local_cluster
+from adaptdist.cluster import COLLECTIVES, Host
+from adaptdist.cluster_file import save_cluster
 from adaptdist.compiler.data_parallel import compile_program
 from adaptdist.cost_models.compute import dispatches_op, roofline_time_s
 from adaptdist.cost_models.estimate import estimate_programs
@@ -98,11 +100,11 @@ def test_profile_records_the_op_overhead_and_cluster_files_keep_it(tmp_path):
                    "peak_flops": {"float32": 4e10}, "failed_dtypes": {}, "memory_bandwidth_bytes_per_s": 5e9,
                    "op_overhead_s": 3.5e-6 + r * 1e-7, "threads": 1, "device_name": "cpu", "memory_bytes": None}
                for r in range(2)}
-    c = calibrate(Cluster.local(2), results)
+    c = calibrate(local_cluster(2), results)
     assert c.device(0).op_overhead_s == 3.5e-6 and c.device(1).op_overhead_s == pytest.approx(3.6e-6)
     f = tmp_path / "c.yaml"
-    c.save(f)
-    back = Cluster.from_yaml(f)
+    save_cluster(c, f)
+    back = load_cluster(f)
     assert back.device(1).op_overhead_s == pytest.approx(3.6e-6)
     programs = compile_program(*_build(), 2)
     without = dataclasses.replace(back, hosts=tuple(
@@ -111,8 +113,8 @@ def test_profile_records_the_op_overhead_and_cluster_files_keep_it(tmp_path):
     gap = (estimate_programs(programs, back, "sgd").ranks[1].compute_s
            - estimate_programs(programs, without, "sgd").ranks[1].compute_s)
     assert gap == pytest.approx(3.6e-6 * ops)
-    assert Cluster.local(2).device(0).op_overhead_s is None  # uncalibrated: not modelled
+    assert local_cluster(2).device(0).op_overhead_s is None  # uncalibrated: not modelled
     text = f.read_text().replace("op_overhead_s: 3.6e-06", "op_overhead_s: -1.0e-06")
     f.write_text(text)
     with pytest.raises(ClusterSpecError, match=r"devices\[1\]\.op_overhead_s"):
-        Cluster.from_yaml(f)
+        load_cluster(f)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptdist.cli import main
-from adaptdist.cluster import Cluster
+from adaptdist.calibrate.local import local_cluster
 from adaptdist.compiler.data_parallel import compile_program
 from adaptdist.cost_models.communication import collective_time_s
 from adaptdist.cost_models.estimate import estimate_programs
@@ -69,7 +69,7 @@ def test_ranks_on_two_hosts_pay_the_inter_host_link(mlp_programs):
 
 
 def test_real_cluster_and_errors(mlp_programs):
-    est = estimate_programs(mlp_programs, Cluster.local(2), "adamw")
+    est = estimate_programs(mlp_programs, local_cluster(2), "adamw")
     assert set(est.ranks) == {0, 1} and est.step_s > 0
     with pytest.raises(UsageError, match="cluster"):
         estimate_programs(mlp_programs, FixedCluster.uniform([("h", 1)]), "adamw")

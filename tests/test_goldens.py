@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adaptdist.annotations import ManualPlan
-from adaptdist.cluster import Cluster
+from adaptdist.calibrate.local import load_cluster
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.data_parallel import compile_program
 from adaptdist.compiler.planner import plan_auto
@@ -45,7 +45,7 @@ def _cases():
 
     def llama_auto():
         model, batch, loss = tiny_llama(8, 8)
-        cluster = Cluster.from_yaml(GOLDENS / "cluster_4cpu.yaml")
+        cluster = load_cluster(GOLDENS / "cluster_4cpu.yaml")
         captured = capture(model, batch, loss)
         plan = plan_auto(captured, cluster).plan
         return compile_program(model, batch, loss, 4, plan, captured=captured)

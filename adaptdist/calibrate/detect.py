@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..cluster import Cluster, Device, Host, default_links
+from ..cluster import Cluster, Device, Host
 from ..errors import ClusterSpecError
 from . import hardware
+from .local import default_links, local_cluster
 
 
 def cuda_device_count() -> int:
@@ -35,7 +36,7 @@ def detect_local(nproc: int | None = None, device_kind: str = "auto") -> Cluster
     """
     kind = resolve_device_kind(device_kind)
     if kind == "cpu":
-        return Cluster.local(2 if nproc is None else nproc, "cpu")
+        return local_cluster(2 if nproc is None else nproc, "cpu")
     if kind != "cuda":
         raise ClusterSpecError(f"--device-kind {device_kind!r} is not one of auto, cpu, cuda")
     import torch

@@ -99,8 +99,10 @@ def cmd_cluster(args) -> int:
 
 
 def _write(cluster, out: str, comment: str) -> None:
+    from ..cluster_file import save_cluster
+
     try:
-        cluster.save(out, comment)
+        save_cluster(cluster, out, comment)
     except OSError as e:
         raise UsageError(f"cannot write --out {out!r}: {e.strerror or e}") from None
 

@@ -186,20 +186,20 @@ def cmd_plan(args) -> int:
 
 
 def _cluster(args):
-    from ..cluster import Cluster
+    from ..calibrate.local import load_cluster, local_cluster
 
     if args.cluster:
-        return Cluster.from_yaml(args.cluster)
+        return load_cluster(args.cluster)
     if args.nproc is None and getattr(args, "mesh", None):
         from ..mesh import Mesh
 
-        return Cluster.local(Mesh.parse(args.mesh).world_size)
+        return local_cluster(Mesh.parse(args.mesh).world_size)
     plan_file = Path(getattr(args, "plan", "") or "")
     if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
         from ..plan import Plan
 
-        return Cluster.local(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
-    return Cluster.local(2 if args.nproc is None else args.nproc)
+        return local_cluster(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
+    return local_cluster(2 if args.nproc is None else args.nproc)
 
 
 def check_batch(batch, example, data) -> None:
@@ -362,7 +362,7 @@ def cmd_run(args) -> int:
     from ..console import report_console
     from safetensors.torch import load_file
 
-    from ..cluster import Cluster
+    from ..calibrate.local import load_cluster, local_cluster
     from ..compiler.artifacts import check_artifacts, data_spec
     from ..program import read_manifest
     from ..runtime.launch import launch_local
@@ -373,7 +373,7 @@ def cmd_run(args) -> int:
     if not d.is_dir():
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
     manifest = read_manifest(d)
-    cluster = Cluster.from_yaml(args.cluster) if args.cluster else Cluster.local(manifest["world_size"])
+    cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])
     manifest = check_artifacts(d, cluster)
     if len(cluster.hosts) > 1:
         raise UsageError(f"{cluster!r} has several hosts: on each host run `torchrun --nnodes "

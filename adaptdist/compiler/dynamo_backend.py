@@ -298,14 +298,14 @@ def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
 
 
 def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
-    from ..cluster import Cluster
+    from ..calibrate.local import load_cluster, local_cluster
     from .planner import plan_auto
 
     cluster = config.cluster
     if cluster is None:
-        cluster = Cluster.local(world)
+        cluster = local_cluster(world)
     elif isinstance(cluster, (str, Path)):
-        cluster = Cluster.from_yaml(cluster)
+        cluster = load_cluster(cluster)
     if cluster.world_size != world:
         raise UsageError(f"the cluster has {cluster.world_size} ranks but this job has {world}; pass a cluster of "
                          f"{world} devices (or none: the local machine)")

@@ -223,4 +223,4 @@ def as_cost_cluster(cluster: object) -> ClusterLike:
     if all(callable(getattr(cluster, m, None)) for m in ("device", "link", "collective_fit")):
         return cluster  # type: ignore[return-value]
     raise ClusterSpecError(f"{cluster!r} is not a cluster: it lacks device(), link() or collective_fit(); "
-                           "load one with Cluster.from_yaml or build it with Cluster.local")
+                           "load one with adaptdist.calibrate.local.load_cluster or build it with local_cluster")
