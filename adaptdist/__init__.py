@@ -6,7 +6,7 @@ import; ``adaptdist.AdaptdistBackend`` is its class, ``adaptdist.ManualPlan`` a 
 ``adaptdist.clip_grad_norm_(model, max_norm)`` clips by the norm of its whole (sharded) gradient.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def __getattr__(name: str):

@@ -121,3 +121,11 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({self})"
+
+
+def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
+    """Axes of ``mesh`` in the order the lowering takes them: model-parallel axes first (mesh order), the
+    batch axis last, so data-parallel gradient buckets are built from already-local (model-parallel)
+    shards. A tensor dim sharded on several axes is chunked in this order (outer first); the runtime's
+    checkpoints describe shards in it."""
+    return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])

@@ -8,13 +8,15 @@ global batches, and ``sample(model, num_bytes)`` returning text. The default,
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.nn as nn
 
-from .errors import UsageError
+from .errors import AdaptdistError, UsageError
 
 BUILTIN = {
     "builtin:gpt": (Path(__file__).parent / "models" / "gpt.py", "factory"),
@@ -57,8 +59,6 @@ class ModelSpec:
         Raises:
             UsageError: the file fails to import; names the file, line and error.
         """
-        from .runtime.worker import load_module
-
         try:
             return load_module(str(self.file), "adaptdist_model_module")
         except Exception as e:
@@ -98,3 +98,17 @@ def _where(e: BaseException, file: Path) -> str:
         return f" at {e.filename}:{e.lineno}"
     frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == file]
     return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+
+
+def load_module(path: str, name: str = "adaptdist_user_module"):
+    """Import a Python file by path."""
+    folder = str(Path(path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # like `python FILE.py`: modules beside it are importable
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise AdaptdistError(f"cannot import {path!r} as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from safetensors.torch import load_file, save_file
 
-from . import __version__
+from ._version import __version__
 from . import _torch_compat as compat
 from .errors import ProgramLoadError
 
@@ -135,6 +135,28 @@ class RankProgram:
             "state_placements": self.state_placements,
             "global_shapes": self.global_shapes,
         }
+
+
+@dataclass
+class SplitProgram:
+    """The two parts of a joint program (:func:`adaptdist.compiler.partition.split_forward_backward`).
+
+    Attributes:
+        forward: ``forward(*placeholders it uses)`` -> ``(*forward outputs, *saved)``.
+        backward: ``backward(*saved, *placeholders it uses)`` -> the other outputs.
+        forward_inputs / backward_inputs: indices of the joint program's placeholders each part takes
+            (after the saved values, for the backward).
+        forward_roles / backward_roles: the output roles of each part (saved values excluded).
+        num_saved: how many values the forward part returns after its outputs.
+    """
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    forward_inputs: list[int]
+    backward_inputs: list[int]
+    forward_roles: list[str]
+    backward_roles: list[str]
+    num_saved: int
 
 
 def _sha256(path: Path) -> str:
@@ -282,3 +304,45 @@ def module_from_source(code: str, filename: str) -> torch.nn.Module:
     namespace = compat.fx_code_globals()
     exec(compile(code, filename, "exec"), namespace)  # noqa: S102 - hash-checked generated code
     return namespace["RankProgramModule"]()
+
+
+def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
+    """Check an artifact directory before running it; returns its manifest.
+
+    Every file in the manifest must exist and match its sha256; the format and torch versions must
+    be this adaptdist's and torch's; with ``cluster``, its world size and topology fingerprint must be
+    the manifest's.
+
+    Raises:
+        ProgramLoadError: names the file and what differs.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ProgramLoadError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    manifest = read_manifest(d)
+    for rel, digest in sorted(manifest["files"].items()):
+        p = d / rel
+        if not p.is_file():
+            raise ProgramLoadError(f"{str(p)!r} is listed in {str(d / 'manifest.json')!r} but missing; copy the "
+                                   "whole directory, or compile again")
+        if _sha256(p) != digest:
+            raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
+                                   "(corrupted or edited); compile again")
+    for r in range(manifest["world_size"]):
+        if f"rank{r}/program.py" not in manifest["files"]:
+            raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/program.py for world size "
+                                   f"{manifest['world_size']}; compile again")
+    if cluster is not None:
+        if cluster.world_size != manifest["world_size"]:
+            raise ProgramLoadError(
+                f"{str(d)!r} was compiled for {manifest['world_size']} ranks, this cluster has {cluster.world_size} "
+                f"({cluster!r}); compile again for this cluster")
+        want = manifest.get("cluster_fingerprint")
+        got = cluster.topology_fingerprint()
+        if want is not None and want != got:
+            hosts = manifest.get("cluster_hosts", [])
+            raise ProgramLoadError(
+                f"{str(d)!r} was compiled for another cluster topology (fingerprint {want}: hosts "
+                f"{', '.join(f'{h}: {n} x {k}' for h, n, k in hosts)}), this is {cluster!r} (fingerprint {got}); "
+                "compile again for this cluster, or pass the cluster file it was compiled for with --cluster")
+    return manifest

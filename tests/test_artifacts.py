@@ -10,8 +10,8 @@ import pytest
 
 from adaptdist.cli import main
 from adaptdist.calibrate.local import load_cluster, local_cluster
-from adaptdist.compiler.artifacts import check_artifacts
 from adaptdist.errors import ProgramLoadError
+from adaptdist.program import check_artifacts
 
 
 @pytest.fixture(scope="module")

@@ -363,8 +363,8 @@ def cmd_run(args) -> int:
     from safetensors.torch import load_file
 
     from ..calibrate.local import load_cluster, local_cluster
-    from ..compiler.artifacts import check_artifacts, data_spec
-    from ..program import read_manifest
+    from ..program import check_artifacts, read_manifest
+    from ..runtime.run_artifacts import data_spec
     from ..runtime.launch import launch_local
     from ..runtime.worker import TrainConfig, run_worker
 

@@ -16,7 +16,7 @@ An artifact directory (:func:`compile_artifacts`)::
     report.html                  pictures: the mesh, placements per layer, predicted time and memory
                                  per rank
 
-:func:`check_artifacts` (what ``adaptdist run`` does before anything runs) refuses, naming the file
+:func:`adaptdist.program.check_artifacts` (what ``adaptdist run`` does before anything runs) refuses, naming the file
 and what differs: a missing file, a hash mismatch, another format or torch version, another world
 size, or a cluster of another topology. Loading never unpickles: tensors are safetensors, and a
 rank's program is its generated source, executed only after its hash matched. Artifacts are code:
@@ -31,11 +31,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ..errors import ProgramLoadError, UsageError
+from ..errors import UsageError
 from ..placement import Shard, chunk_interval, parse_placement
 
 log = logging.getLogger("adaptdist.compiler")
@@ -56,8 +56,7 @@ class CompileResult:
 def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
     """Per state tensor of ``program``: global shape, placement per mesh axis, and the ``[start, stop)`` of
     every dim this rank holds (torch.chunk along the axes in lowering order)."""
-    from .data_parallel import lowering_order
-    from ..mesh import Mesh
+    from ..mesh import Mesh, lowering_order
 
     mesh = Mesh(tuple(program.mesh.items()))
     batch_axis = program.plan.batch_axis if program.plan is not None else None
@@ -161,68 +160,3 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     manifest["files"]["report.html"] = _sha256(d / "report.html")
     (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return CompileResult(d, programs, programs[0].plan, phases, planner)
-
-
-def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
-    """Check an artifact directory before running it; returns its manifest.
-
-    Every file in the manifest must exist and match its sha256; the format and torch versions must
-    be this adaptdist's and torch's; with ``cluster``, its world size and topology fingerprint must be
-    the manifest's.
-
-    Raises:
-        ProgramLoadError: names the file and what differs.
-    """
-    from ..program import _sha256, read_manifest
-
-    d = Path(directory)
-    if not d.is_dir():
-        raise ProgramLoadError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
-    manifest = read_manifest(d)
-    for rel, digest in sorted(manifest["files"].items()):
-        p = d / rel
-        if not p.is_file():
-            raise ProgramLoadError(f"{str(p)!r} is listed in {str(d / 'manifest.json')!r} but missing; copy the "
-                                   "whole directory, or compile again")
-        if _sha256(p) != digest:
-            raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
-                                   "(corrupted or edited); compile again")
-    for r in range(manifest["world_size"]):
-        if f"rank{r}/program.py" not in manifest["files"]:
-            raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/program.py for world size "
-                                   f"{manifest['world_size']}; compile again")
-    if cluster is not None:
-        if cluster.world_size != manifest["world_size"]:
-            raise ProgramLoadError(
-                f"{str(d)!r} was compiled for {manifest['world_size']} ranks, this cluster has {cluster.world_size} "
-                f"({cluster!r}); compile again for this cluster")
-        want = manifest.get("cluster_fingerprint")
-        got = cluster.topology_fingerprint()
-        if want is not None and want != got:
-            hosts = manifest.get("cluster_hosts", [])
-            raise ProgramLoadError(
-                f"{str(d)!r} was compiled for another cluster topology (fingerprint {want}: hosts "
-                f"{', '.join(f'{h}: {n} x {k}' for h, n, k in hosts)}), this is {cluster!r} (fingerprint {got}); "
-                "compile again for this cluster, or pass the cluster file it was compiled for with --cluster")
-    return manifest
-
-
-def data_spec(manifest: Mapping[str, Any], directory: Path, data: str | None, seed: int) -> Any:
-    """Where ``adaptdist run`` takes batches: the model file's ``data(batch_size, seq_len, path=--data)`` when it
-    has one, else the example batch saved with the artifacts.
-
-    Raises:
-        UsageError: ``--data`` given but the model file (if still there) defines no data().
-    """
-    from ..runtime.worker import DataSpec, load_module
-
-    B, T = manifest["batch_size"], manifest["seq_len"]
-    model_file = Path(manifest.get("model_file", ""))
-    if model_file.is_file():
-        module = load_module(str(model_file))
-        if callable(getattr(module, "data", None)):
-            return DataSpec(str(model_file), "data", B, T, path=data, seed=seed)
-    if data:
-        raise UsageError(f"--data was given but the model file {str(model_file)!r} (recorded in the manifest) "
-                         "is missing or defines no data(batch_size, seq_len, path=...) function")
-    return DataSpec(str(model_file), None, B, T, batch_file=str(directory / "example_batch.safetensors"))

@@ -13,7 +13,7 @@ import re
 import torch
 import torch.fx
 
-from .. import __version__
+from .._version import __version__
 from .. import graph_meta as gmeta
 from ..program import RankProgram
 from ..mesh import Mesh

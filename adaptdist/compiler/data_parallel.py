@@ -28,7 +28,7 @@ from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
 from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
 from ..passes.vocab_parallel_loss import vocab_parallel_loss
-from ..mesh import Mesh
+from ..mesh import Mesh, lowering_order
 from ..placement import Placement, Replicate, Shard, chunk_interval
 from ..errors import AdaptdistError, InternalError, UnsupportedOpError, UsageError
 from ..plan import Plan, graph_fingerprint
@@ -90,13 +90,6 @@ def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", sh
     return lower_mesh(captured, Mesh.one_axis(mesh_axis, world_size), batch_axis=mesh_axis if shard_batch else None,
                       axis_placements={mesh_axis: dict(param_placements or {})}, bucket_bytes=bucket_bytes,
                       state=state, dump_dir=dump_dir, plan_name=plan_name, replicate_fallback=replicate_fallback)
-
-
-def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
-    """Axes in the order they are lowered: model-parallel axes first (mesh order), the batch axis last,
-    so data-parallel gradient buckets are built from already-local (model-parallel) shards. A tensor dim
-    sharded on several axes is chunked in this order (outer first)."""
-    return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
 
 
 def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,

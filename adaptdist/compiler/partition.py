@@ -15,34 +15,11 @@ lowered graphs, whose collectives torch's partitioner does not know.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx
 
 from .. import graph_meta as gmeta
-
-
-@dataclass
-class SplitProgram:
-    """The two parts of a joint program.
-
-    Attributes:
-        forward: ``forward(*placeholders it uses)`` -> ``(*forward outputs, *saved)``.
-        backward: ``backward(*saved, *placeholders it uses)`` -> the other outputs.
-        forward_inputs / backward_inputs: indices of the joint program's placeholders each part takes
-            (after the saved values, for the backward).
-        forward_roles / backward_roles: the output roles of each part (saved values excluded).
-        num_saved: how many values the forward part returns after its outputs.
-    """
-
-    forward: torch.fx.GraphModule
-    backward: torch.fx.GraphModule
-    forward_inputs: list[int]
-    backward_inputs: list[int]
-    forward_roles: list[str]
-    backward_roles: list[str]
-    num_saved: int
+from ..program import SplitProgram
 
 
 def split_forward_backward(gm: torch.fx.GraphModule, forward_roles: tuple[str, ...]) -> SplitProgram:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _torch_compat as compat
-from ..compiler.partition import SplitProgram
+from ..program import SplitProgram
 from .sharded_params import ShardedStateWarning, accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
 

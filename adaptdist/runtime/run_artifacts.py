@@ -5,8 +5,9 @@ On each host::
     torchrun --nnodes H --nproc-per-node N --rdzv-endpoint HOST:PORT \\
         -m adaptdist.runtime.run_artifacts DIR [--steps S] [--data FILE] [--out DIR]
 
-Every rank checks the artifacts (files, hashes, versions; its world size against the manifest's)
-before loading its program, then runs the same step loop as ``adaptdist run``.
+Every rank checks the artifacts (files, hashes, versions: :func:`adaptdist.program.check_artifacts`; its
+world size against the manifest's) before loading its program, then runs the same step loop as
+``adaptdist run`` (:func:`data_spec` is where both take their batches). Nothing here imports the compiler.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/artifacts")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
-    from ..compiler.artifacts import check_artifacts, data_spec
     from ..errors import AdaptdistError, RuntimeLaunchError
+    from ..program import check_artifacts
     from .worker import TrainConfig, run_worker
 
     try:
@@ -59,6 +63,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def data_spec(manifest: Mapping[str, Any], directory: Path, data: str | None, seed: int) -> Any:
+    """Where ``adaptdist run`` takes batches: the model file's ``data(batch_size, seq_len, path=--data)`` when it
+    has one, else the example batch saved with the artifacts.
+
+    Raises:
+        UsageError: ``--data`` given but the model file (if still there) defines no data().
+    """
+    from ..model_spec import load_module
+    from .worker import DataSpec
+
+    B, T = manifest["batch_size"], manifest["seq_len"]
+    model_file = Path(manifest.get("model_file", ""))
+    if model_file.is_file():
+        module = load_module(str(model_file))
+        if callable(getattr(module, "data", None)):
+            return DataSpec(str(model_file), "data", B, T, path=data, seed=seed)
+    if data:
+        raise UsageError(f"--data was given but the model file {str(model_file)!r} (recorded in the manifest) "
+                         "is missing or defines no data(batch_size, seq_len, path=...) function")
+    return DataSpec(str(model_file), None, B, T, batch_file=str(directory / "example_batch.safetensors"))
 
 
 if __name__ == "__main__":

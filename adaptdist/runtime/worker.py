@@ -7,11 +7,9 @@ which are set as ``.grad`` before ``optimizer.step()``.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,6 +21,7 @@ import torch.distributed as dist
 
 from .. import _torch_compat as compat
 from ..errors import AdaptdistError, DataError
+from ..model_spec import load_module
 from ..program import RankProgram, load_program
 from .grad_clip import clip_grad_norm_
 from .memory import PeakMemory
@@ -63,20 +62,6 @@ class TrainConfig:
     unit: str = "tokens"
     max_grad_norm: float | None = None
     extra: dict = field(default_factory=dict)
-
-
-def load_module(path: str, name: str = "adaptdist_user_module"):
-    """Import a Python file by path."""
-    folder = str(Path(path).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)  # like `python FILE.py`: modules beside it are importable
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise AdaptdistError(f"cannot import {path!r} as a Python module")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def global_batches(spec: DataSpec) -> Iterator[tuple[torch.Tensor, ...]]:
