@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
+# torch's pytree helpers are private (torch.utils._pytree); everything else reaches them through here
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: F401 -- re-exported
 
 
 def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
@@ -238,6 +240,13 @@ def flop_shape_wrapper(formula: Callable) -> Callable:
     from torch.utils.flop_counter import shape_wrapper
 
     return shape_wrapper(formula)
+
+
+def mark_flop_formula_raw(formula: Callable) -> Callable:
+    """Set ``FlopCounterMode``'s private ``_get_raw`` flag on ``formula`` (it then calls the formula as it is,
+    on tensors or shapes, instead of wrapping it in ``shape_wrapper`` a second time); returns it."""
+    formula._get_raw = True  # type: ignore[attr-defined]
+    return formula
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -42,6 +42,11 @@ class CollectiveMismatchError(AdaptdistError):
     """Ranks would issue different collectives (a hang at run time); raised at compile time."""
 
 
+class SimulationError(AdaptdistError):
+    """Ranks' programs run together in one process (:mod:`adaptdist.runtime.simulate`) would hang or mismatch
+    at a collective; the message names the ranks, the group and the nodes."""
+
+
 class PlanMismatchError(AdaptdistError):
     """A plan was made for another graph (model, batch shape or torch version)."""
 

@@ -52,9 +52,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from torch.utils._pytree import tree_map
-
 from .. import _torch_compat as compat
+from .._torch_compat import tree_map
 from ..errors import ClusterSpecError, UnsupportedOpError
 from .hardware import DeviceLike, op_overhead_s
 from .numbers import is_symbolic, smax
@@ -96,8 +95,7 @@ def _raw(formula: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         return formula(*args, **kwargs)
 
-    call._get_raw = True  # type: ignore[attr-defined]
-    return call
+    return compat.mark_flop_formula_raw(call)
 
 
 def flop_formulas() -> dict[Any, Callable]:

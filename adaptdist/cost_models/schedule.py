@@ -28,9 +28,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import _torch_compat as compat
+from .._torch_compat import tree_flatten, tree_map
 from ..errors import UnsupportedOpError
 from .communication import functional_collective_kind
 from .numbers import sprod

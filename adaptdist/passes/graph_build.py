@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_leaves
 
 from .. import graph_meta as gmeta
+from .._torch_compat import tree_leaves
 
 
 def set_fake_val(node: torch.fx.Node) -> None:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from .. import _torch_compat as compat
+from .._torch_compat import tree_leaves
 
 
 @dataclass(frozen=True)

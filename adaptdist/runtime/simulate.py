@@ -19,11 +19,8 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as compat
+from ..errors import SimulationError
 from ..mesh import Mesh
-
-
-class SimulationError(ValueError):
-    """The ranks' programs would hang or mismatch at a collective."""
 
 
 def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequence[Sequence[Any]],
