@@ -4,9 +4,10 @@ Every import counts -- at module level, inside a function, under ``TYPE_CHECKING
 source (AST), nothing is imported. ``from . import X`` of a submodule is an edge to that submodule;
 ``from . import name`` of an attribute is an edge to the package's ``__init__``.
 
-The layers: the data model (``adaptdist/*.py``: cluster, cluster_file, mesh, placement, plan, program,
-strategy, graph_meta, annotations, model_spec, errors, ...) at the bottom; ``passes``, ``compiler``,
-``cost_models``, ``calibrate``, ``runtime`` above it; ``cli`` (the commands) on top.
+The layers, lowest first (README: Layout): the data model (``adaptdist/*.py``: cluster, cluster_file,
+mesh, placement, plan, program, strategy, graph_meta, annotations, model_spec, errors, ...), then
+``passes``, ``cost_models``, ``runtime``, ``calibrate``, ``compiler``, and ``cli`` (the commands) on top;
+each imports only the ones before it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "adaptdist"
-LAYERS = ("compiler", "passes", "cost_models", "runtime", "calibrate", "cli")
+LAYERS = ("passes", "cost_models", "runtime", "calibrate", "compiler", "cli")  # lowest first
 # packages beside the data model that are neither data model nor layer: built-in models and data
 # sources (user-level code, as a model file would be)
 NEITHER = ("models", "data")
@@ -155,4 +156,11 @@ def test_the_data_model_imports_no_layer_and_not_the_package(edges):
 
 def test_nothing_below_the_commands_imports_them(edges):
     bad = sorted((m, t) for m, ts in edges.items() for t in ts if layer(t) == "cli" and layer(m) != "cli")
+    assert bad == []
+
+
+def test_each_layer_imports_only_the_layers_below_it(edges):
+    rank = {"": -1, **{name: i for i, name in enumerate(LAYERS)}}
+    bad = sorted((m, t) for m, ts in edges.items() for t in ts
+                 if layer(m) is not None and layer(t) is not None and rank[layer(t)] > rank[layer(m)])
     assert bad == []
