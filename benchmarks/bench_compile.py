@@ -6,7 +6,7 @@ GPT-2-small-shaped model built from its config (``transformers.GPT2Config()``: 1
 124 M parameters, random weights, no download; eager attention and an explicit attention mask,
 because transformers' sdpa mask path has data-dependent checks our capture cannot trace; its
 padding-mask lookup, ``aten.index.Tensor``, has no sharding rule and runs replicated, as
-``--replicate-fallback`` does). Clusters: 2 local CPU ranks (``Cluster.local(2)``) and one host of
+``--replicate-fallback`` does). Clusters: 2 local CPU ranks (``local_cluster(2)``) and one host of
 8 GPUs (a cluster file with A100-like figures; compile only, nothing runs on them). Plans: the
 automatic planner (``--plan auto``) and the manual ``dp`` preset beside it. Every configuration is
 compiled ``--repeats`` times in this process (the first includes one-time imports and torch's
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from adaptdist.cluster import Cluster
+    from adaptdist.calibrate.local import load_cluster, local_cluster
     from adaptdist.compiler.artifacts import compile_artifacts
     from adaptdist.model_spec import ModelSpec
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_compile_"))
     (tmp / "hf_gpt2.py").write_text(HF_FACTORY)
     models = {"gpt": ("builtin:gpt", 16, 128), "gpt2": (f"{tmp / 'hf_gpt2.py'}:factory", 8, 128)}
-    clusters = {"cpu2": lambda: Cluster.local(2), "gpu8": lambda: Cluster.from_yaml(_gpu8_file(tmp))}
+    clusters = {"cpu2": lambda: local_cluster(2), "gpu8": lambda: load_cluster(_gpu8_file(tmp))}
     phases = ("capture", "planning", "lowering", "codegen", "estimate", "writing")
     table = Table(title=f"adaptdist compile time per phase, seconds (median of {args.repeats}; {time.strftime('%Y-%m-%d')})")
     for col in ("model", "cluster", "plan", *phases, "total", "mesh"):

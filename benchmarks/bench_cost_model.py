@@ -373,6 +373,7 @@ def calibrate(con, sampler: LoadSampler, w: int, threads: int, cluster_out: str 
     per rank) under the sampler phase ``calibrate/<w>``; prints its figures and returns the calibrated
     ``adaptdist.cluster.Cluster`` (also saved as ``cluster_out/cluster-<w>.yaml`` when given)."""
     from adaptdist.calibrate.profile import profile_local
+    from adaptdist.cluster_file import save_cluster
 
     sampler.phase = f"calibrate/{w}"
     t0 = time.perf_counter()
@@ -387,8 +388,8 @@ def calibrate(con, sampler: LoadSampler, w: int, threads: int, cluster_out: str 
               f"{sampler.summary(sampler.phase)}")
     if cluster_out:
         Path(cluster_out).mkdir(parents=True, exist_ok=True)
-        res.cluster.save(Path(cluster_out) / f"cluster-{w}.yaml",
-                         "written by benchmarks/bench_cost_model.py (adaptdist cluster profile)")
+        save_cluster(res.cluster, Path(cluster_out) / f"cluster-{w}.yaml",
+                     "written by benchmarks/bench_cost_model.py (adaptdist cluster profile)")
     return res.cluster
 
 
@@ -476,7 +477,8 @@ def main(argv=None) -> int:
 
     from adaptdist.annotations import ManualPlan
     from adaptdist.calibrate.hardware import usable_cores
-    from adaptdist.cluster import Cluster
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.cluster_file import cluster_to_dict
     from adaptdist.compiler.data_parallel import compile_program
     from adaptdist.cost_models import estimate_programs
     from adaptdist.models import gpt
@@ -500,7 +502,7 @@ def main(argv=None) -> int:
               f"after waiting {waited:.0f} s{'' if load0 < args.max_load else ' [red](still above --max-load)[/]'}")
     given = {}
     for f in args.cluster:
-        c = Cluster.from_yaml(f)
+        c = load_cluster(f)
         given[c.world_size] = (c, f)
 
     with LoadSampler() as sampler, tempfile.TemporaryDirectory(prefix="bench_cost_model-") as tmp:
@@ -634,7 +636,7 @@ def main(argv=None) -> int:
             "before_err": before_err, "median_before_err": med_before, "spearman_before": rho_before,
             "separated": sub, "spearman_all": rho_all, "concordant_pairs": [good, pairs],
             "load": sampler.samples, "other_runnable": sampler.others, "disturbed": disturbed,
-            "clusters": {w: clusters[w].to_dict() for w in worlds}}, indent=1, default=str))
+            "clusters": {w: cluster_to_dict(clusters[w]) for w in worlds}}, indent=1, default=str))
     return 0
 
 

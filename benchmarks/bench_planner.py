@@ -13,7 +13,7 @@ its search time and the predicted step time of its plan, as a ratio to the ILP's
   hosts; peak FLOP/s and memory bandwidth of an A100-80GB datasheet (the figures ``FixedCluster.uniform``
   gives CUDA devices: 312 TFLOP/s bf16, 19.5 fp32, 2.0 TB/s). Each is written as a cluster file (schema 2,
   ``adaptdist/cluster.py``; one device entry per GPU, ``links`` with the two tier defaults) and loaded with
-  ``Cluster.from_yaml``, as ``adaptdist plan --cluster FILE`` would; the load time is printed apart.
+  ``load_cluster``, as ``adaptdist plan --cluster FILE`` would; the load time is printed apart.
 - LLaMA-style: ``adaptdist.models.llama`` with LLaMA-3-8B shapes (dim 4096, 32 heads, 8 KV heads, FFN 14336,
   vocabulary 128256, sequence 8192, RoPE theta 5e5), bf16 parameters, ``--layers`` layers.
 - GPT-style: ``adaptdist.models.gpt`` with GPT-3-XL shapes (Brown et al. 2020, table 2.1: dim 2048, 16 heads,
@@ -291,7 +291,7 @@ def batch_for(spec: str, devices: int) -> int:
 def part_time(con, args, sampler, tmp: Path, out: dict) -> None:
     from rich.table import Table
 
-    from adaptdist.cluster import Cluster
+    from adaptdist.calibrate.local import load_cluster
     from bench_cost_model import wait_for_quiet
 
     models = [m for m in args.models.split(",") if m]
@@ -303,9 +303,9 @@ def part_time(con, args, sampler, tmp: Path, out: dict) -> None:
     for d in sorted(set(devices) | {HEADLINE["devices"]}):
         f = write_cluster_file(tmp / f"cluster-{d}.yaml", d)
         t0 = time.perf_counter()
-        clusters[d] = Cluster.from_yaml(f)
+        clusters[d] = load_cluster(f)
         con.print(f"cluster file {f.name}: {d} GPUs on {d // GPUS_PER_HOST} hosts, {f.stat().st_size / 1024:.0f} KiB, "
-                  f"Cluster.from_yaml {time.perf_counter() - t0:.2f} s")
+                  f"load_cluster {time.perf_counter() - t0:.2f} s")
     out["clusters"] = {d: str(tmp / f"cluster-{d}.yaml") for d in clusters}
 
     # ---- headline
@@ -418,6 +418,7 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
 
     from adaptdist.annotations import ManualPlan
     from adaptdist.calibrate.hardware import usable_cores
+    from adaptdist.cluster_file import cluster_to_dict
     from adaptdist.compiler.capture import capture
     from adaptdist.compiler.data_parallel import compile_program
     from adaptdist.compiler.planner import plan_auto
@@ -503,7 +504,7 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
         results[w] = {"meas": meas, "estimate_s": est, "best": best, "ratio": ratio, "ratio_per_round": per_round, "mesh": mesh,
                       "predicted_s": r.predicted.step_s, "plan_s": plan_s, "pass": ok, "outside": outside,
                       "tried": [(str(c), e if isinstance(e, str) else e.step_s) for c, e in r.tried],
-                      "param_placements": dict(r.plan.param_placements), "cluster": cluster.to_dict()}
+                      "param_placements": dict(r.plan.param_placements), "cluster": cluster_to_dict(cluster)}
     out["quality"] = results
 
 
