@@ -235,3 +235,21 @@ def test_frozen():
         c.hosts[0].num_devices = 4  # type: ignore[misc]
     assert isinstance(c.hosts, tuple)
     assert hash(c) == hash(local_cluster(2))
+
+
+# --- the file schema takes its figures from the caller --------------------------------------------
+
+def test_version_1_needs_the_callers_estimates(tmp_path):
+    from adaptdist import cluster_file
+    from adaptdist.calibrate.local import estimated_cluster
+
+    p = write(tmp_path, "schema_version: 1\nhosts:\n  - {name: a, device_kind: cpu, num_devices: 2}\n"
+                        "  - {name: b, device_kind: cpu, num_devices: 1}\n")
+    with pytest.raises(ClusterSpecError, match="no figures.*adaptdist.calibrate.local.load_cluster"):
+        cluster_file.load_cluster(p)
+    c = cluster_file.load_cluster(p, estimated_cluster)
+    assert c == load_cluster(p) and [h.ranks for h in c.hosts] == [(0, 1), (2,)]
+    assert c.tiers == ("intra_host", "inter_host") and not c.calibrated
+    seen = []
+    assert cluster_file.load_cluster(p, lambda hosts: seen.append(hosts) or local_cluster(3)) == local_cluster(3)
+    assert seen == [(("a", "cpu", 2), ("b", "cpu", 1))]
