@@ -133,7 +133,7 @@ class Device:
         host: name of the host it is on.
         kind: ``"cpu"`` or ``"cuda"``.
         peak_flops: FLOP/s per dtype name (``"float32"``, ``"bfloat16"``, ...); ``float32``
-            always present. Estimated peaks when the cluster is uncalibrated, measured
+            always present. Conservative estimates when the cluster is uncalibrated, measured
             matmul rates (all ranks busy at once) after ``adaptdist cluster profile``.
         memory_bytes: memory this rank may use, bytes.
         memory_bandwidth_bytes_per_s: memory bandwidth, bytes/s (measured: elementwise add).
@@ -362,7 +362,7 @@ class Host:
             fig = hardware.cuda_figures()
         return Host(name, tuple(
             Device(first_rank + i, name, device_kind, fig.peak_flops, fig.memory_bytes,
-                   fig.memory_bandwidth_bytes_per_s, fig.cores)
+                   fig.memory_bandwidth_bytes_per_s, fig.cores, fig.op_overhead_s)
             for i in range(num_devices)))
 
 
