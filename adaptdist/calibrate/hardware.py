@@ -6,7 +6,8 @@ cycle x clock), not a measurement; ``adaptdist cluster profile`` replaces them w
 ones. The CPU figures are deliberately conservative (half the peak FLOP/s, a per-op host
 overhead, gloo links as slow as measured on a shared 2-core machine, see :data:`_LINK_DEFAULTS`),
 so that an uncalibrated estimate errs on the slow side (benchmarks/RESULTS.md, "Uncalibrated
-estimates": the built-in GPT's estimate was 0.6-0.9x its measured step before, 1.2-1.5x after).
+estimates": the built-in GPT's estimate was 0.6-0.9x its measured step before, 1.0-1.5x after, on a
+lightly loaded machine).
 
 Sources of the per-cycle figures: Intel 64 and IA-32 Architectures Optimization
 Reference Manual (two 512-bit FMA units: 32 float32 FMAs = 64 FLOP per cycle per core;

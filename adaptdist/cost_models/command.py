@@ -97,7 +97,8 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     console.print(f"collectives per step on rank 0: {collectives_summary(est.ranks[0])}")
     if not calibrated:
         kind = cluster.device(0).kind
-        how = ("chosen to err on the slow side (on the 2-core development machine 1.2-1.5x the measured step)"
+        how = ("chosen to err on the slow side on an otherwise idle machine (1.0-1.5x the measured step of the "
+               "built-in GPT on 2 cores; other jobs on the cores make steps slower still)"
                if kind == "cpu" else "datasheet peaks, so expect real steps to be slower")
         console.print(f"[yellow]uncalibrated: these are default figures for {kind} ranks, {how}; "
                       f"for measured ones run `adaptdist cluster profile --nproc {cluster.world_size} --out "
