@@ -89,7 +89,7 @@ class Device:
         host: name of the host it is on.
         kind: ``"cpu"`` or ``"cuda"``.
         peak_flops: FLOP/s per dtype name (``"float32"``, ``"bfloat16"``, ...); ``float32``
-            always present. Estimated peaks when the cluster is uncalibrated, measured
+            always present. Conservative estimates when the cluster is uncalibrated, measured
             matmul rates (all ranks busy at once) after ``adaptdist cluster profile``.
         memory_bytes: memory this rank may use, bytes.
         memory_bandwidth_bytes_per_s: memory bandwidth, bytes/s (measured: elementwise add).

@@ -80,3 +80,89 @@ def global_shard(t, placements, mesh, rank, order):
             s, e = chunk_interval(t.shape[p.dim], mesh.size(axis), coords[axis])
             t = t.narrow(p.dim, s, e - s)
     return t
+
+
+def apply_pass(pass_, gm, ctx):
+    """Run one pass through its signature ``(gm, ctx) -> (gm, changed)``, then the tail a pass runner does
+    (dead code, lint, recompile), so a test sees the same graph whether the pass or the runner does it."""
+    gm, changed = pass_(gm, ctx)
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return gm, changed
+
+
+def pipeline():
+    """The lowering passes in pipeline order (passes/README.md's table), as (name, pass) pairs."""
+    from adaptdist.passes.bucket_grad_allreduce import bucket_grad_allreduce
+    from adaptdist.passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
+    from adaptdist.passes.bucket_param_allgather import bucket_param_allgather
+    from adaptdist.passes.combine_partial_sums import combine_partial_sums
+    from adaptdist.passes.decompose_addmm import decompose_addmm
+    from adaptdist.passes.globalize_reductions import globalize_reductions
+    from adaptdist.passes.insert_redistributes import insert_redistributes
+    from adaptdist.passes.propagate_placements import propagate_placements
+    from adaptdist.passes.regather_in_backward import regather_in_backward
+    from adaptdist.passes.relax_views import relax_views
+    from adaptdist.passes.vocab_parallel_embedding import vocab_parallel_embedding
+    from adaptdist.passes.vocab_parallel_loss import vocab_parallel_loss
+
+    return [(p.__name__, p) for p in (
+        decompose_addmm, propagate_placements, combine_partial_sums, globalize_reductions, propagate_placements,
+        insert_redistributes, vocab_parallel_embedding, vocab_parallel_loss, regather_in_backward,
+        bucket_param_allgather, bucket_grad_reduce_scatter, bucket_grad_allreduce, relax_views)]
+
+
+def lowered_until(factory_out, world_size, placements=None, stop_before="", **ctx_fields):
+    """Capture, complete ``placements`` ({fqn: Placement}, None: none sharded) on a 1-D ``dp`` axis and run the
+    pipeline up to (not including) the pass named ``stop_before`` ("" : all of it); returns (captured, gm, ctx)
+    with ``ctx`` holding the completed placements and ``ctx_fields`` (e.g. ``bucket_bytes``)."""
+    import dataclasses
+
+    from adaptdist.passes.complete_placements import complete_param_placements
+
+    cg, gm, ctx = captured_with_ctx(factory_out, world_size)
+    ctx = dataclasses.replace(ctx, param_placements=dict(placements or {}), **ctx_fields)
+    ctx = dataclasses.replace(ctx, param_placements=complete_param_placements(gm, ctx))
+    for name, p in pipeline():
+        if name == stop_before:
+            break
+        gm, _ = apply_pass(p, gm, ctx)
+    return cg, gm, ctx
+
+
+def fsdp_placements(model):
+    """Every parameter with a dim sharded on dim 0 (the fsdp preset's placements)."""
+    from adaptdist.placement import Shard
+
+    return {f: Shard(0) for f, p in model.named_parameters() if p.dim() >= 1}
+
+
+def collective_nodes(gm, kind):
+    """The nodes of ``gm`` marked as collective ``kind`` (``"all_gather"``, ``"reduce_scatter"``, ...)."""
+    from adaptdist import graph_meta as gmeta
+
+    return [n for n in gm.graph.nodes if gmeta.get_collective(n) == kind]
+
+
+def check_mesh_against_eager(model, batch, loss_fn, mesh_text, plan, **kw):
+    """Lower ``plan`` on ``mesh_text``, run every rank in one process and assert each rank's loss and its
+    shard of every gradient equal single-process eager (1e-5); returns the programs."""
+    import torch
+
+    from adaptdist.mesh import Mesh
+    from reference import eager_sgd
+
+    progs, outs = simulate_mesh(model, batch, loss_fn, mesh_text, plan, **kw)
+    (loss, grads), = eager_sgd(model, [batch], loss_fn, 0.1, 1)[0]
+    mesh = Mesh.parse(mesh_text)
+    batch_axis = progs[0].plan.batch_axis
+    order = [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
+    for r, p in progs.items():
+        assert abs(float(outs[r][p.loss_index]) - loss) < 1e-5, (r, float(outs[r][p.loss_index]), loss)
+        for f in p.param_fqns:
+            want = global_shard(grads[f], p.state_placements.get(f), mesh, r, order)
+            torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")], want, atol=1e-5, rtol=1e-5,
+                                       msg=f"rank {r} grad {f}")
+    return progs

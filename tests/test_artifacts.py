@@ -105,6 +105,7 @@ def test_world_size_and_topology_mismatch(artifacts, tmp_path):
         check_artifacts(artifacts, load_cluster(cfile))
 
 
+@pytest.mark.slow
 def test_run_trains_and_matches_train(artifacts, model_file, tmp_path):
     """`adaptdist run` on the artifacts gives the same losses as `adaptdist train` with the same plan."""
     assert main(["run", str(artifacts), "--steps", "3", "--optimizer", "sgd", "--out", str(tmp_path / "r")]) == 0
@@ -122,6 +123,7 @@ def test_run_refuses_a_tampered_directory_with_exit_code_2(artifacts, tmp_path, 
     assert "plan.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_torchrun_entry_runs_the_artifacts(artifacts, tmp_path):
     """The multi-host path: each rank started by torchrun checks and runs the artifacts."""
     import socket

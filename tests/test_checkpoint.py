@@ -13,6 +13,8 @@ from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
 from dist_workers import checkpoint_worker
 
+pytestmark = pytest.mark.slow  # every test here starts ranks (processes)
+
 
 class MLP7(nn.Module):
     """12 -> 7 -> 5: 7 rows over tp=2 are 4 and 3, each over dp=3 is 2, 2, 0 and 1, 1, 1."""

@@ -15,6 +15,7 @@ from adaptdist.cluster import COLLECTIVES
 from adaptdist.errors import ClusterSpecError
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_profile_two_gloo_ranks_quick(tmp_path, capsys):
     out = tmp_path / "calibrated.yaml"

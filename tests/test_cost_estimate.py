@@ -96,6 +96,9 @@ def test_cli_prints_the_estimate_table(model_file, capsys):
     out = capsys.readouterr().out
     assert "predicted step" in out and "peak MiB" in out and "all_reduce" in out
     assert out.count("cpu@localhost") == 2  # one row per rank
+    flat = " ".join(out.split())
+    assert "uncalibrated: these are default figures for cpu ranks" in flat  # --nproc: no measured figures
+    assert "adaptdist cluster profile --nproc 2 --out cluster.yaml" in flat
 
 
 def test_cli_symbolic_and_bad_optimizer(model_file, capsys):

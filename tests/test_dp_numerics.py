@@ -15,6 +15,8 @@ from dist_workers import dp_sgd_worker
 from models import convnet, tiny_gpt
 from reference import eager_sgd
 
+pytestmark = pytest.mark.slow  # every test here starts ranks (processes)
+
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
 

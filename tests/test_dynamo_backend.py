@@ -51,6 +51,7 @@ def _eager(case: dict, world: int):
     return history, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 4])
 def test_backend_sgd_equals_eager(world):
@@ -82,6 +83,7 @@ def test_backend_sgd_equals_eager(world):
             assert results[0][k]["local_numel"] < full_numel, (case, results[0][k]["local_numel"], full_numel)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hugging_face_gpt2_through_the_backend():
     """A Hugging Face GPT-2 (its own attention, masks, a ModelOutput) on 2 ranks, dp and the automatic plan."""
@@ -99,6 +101,7 @@ def test_hugging_face_gpt2_through_the_backend():
                 torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_models_on_different_meshes_interleaved():
     """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""
@@ -112,6 +115,7 @@ def test_two_models_on_different_meshes_interleaved():
                     torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sharded_plan_memory_falls_with_world_size():
     """FSDP-like plan, AdamW built before torch.compile: parameters and optimizer state hold 1/W of the
@@ -129,6 +133,7 @@ def test_sharded_plan_memory_falls_with_world_size():
     assert peak[4] < peak[2], peak
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_training_loop_habits_with_sharded_parameters():
     """Accumulating gradients over micro-batches of two shapes, zero_grad(set_to_none=False) then eval,
@@ -156,6 +161,7 @@ def test_training_loop_habits_with_sharded_parameters():
             assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ranks_with_different_graphs_are_refused():
     results = launch_local(mismatch_worker, (), 2)
@@ -305,6 +311,7 @@ def test_backend_by_name_needs_no_import_and_equals_eager():
     assert adaptdist.full_state_dict(model).keys() == ref.state_dict().keys()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_adaptdist_launch_runs_the_example_script(tmp_path):
     """``adaptdist launch`` starts a torchrun-style script on local ranks: the README's backend example."""

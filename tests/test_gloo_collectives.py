@@ -1,9 +1,12 @@
 """The functional collectives adaptdist emits, on gloo, with non-contiguous and zero-element inputs."""
 
+import pytest
 import torch
 
 from adaptdist.runtime.launch import launch_local
 from dist_workers import collective_edge_cases_worker
+
+pytestmark = pytest.mark.slow  # starts ranks (processes)
 
 
 def test_non_contiguous_and_empty_tensors_on_gloo():

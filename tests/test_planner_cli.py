@@ -24,6 +24,7 @@ def model_file(tmp_path):
     return f"{f}:factory"
 
 
+@pytest.mark.slow
 def test_plan_auto_prints_the_choice_and_saves_a_plan_the_lowering_follows(model_file, tmp_path, capsys):
     out_file = tmp_path / "plan.json"
     assert main(["plan", model_file, "--nproc", "2", "--batch-size", "64", "--out", str(out_file)]) == 0

@@ -20,6 +20,8 @@ from models import mlp, tiny_gpt, tiny_llama, two_shards
 from passutil import global_shard
 from reference import eager_sgd
 
+pytestmark = pytest.mark.slow  # every test here starts ranks (processes)
+
 STEPS, LR, TOL = 3, 0.5, 1e-5
 S1_TO_S0 = ManualPlan("s1-s0", ("tp",), None, (("a", ("S(1)",)), ("b", ("S(0)",))))  # all_to_all
 MLP_TP = ManualPlan("mlp-tp", ("tp",), None, (("fc1.weight", ("S(0)",)), ("fc1.bias", ("S(0)",)),

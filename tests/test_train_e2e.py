@@ -8,6 +8,8 @@ from safetensors.torch import load_file
 
 from adaptdist.cli import main
 
+pytestmark = pytest.mark.slow  # every test here starts ranks (processes)
+
 SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 SMALL = ["--batch-size", "4", "--seq-len", "16", "--threads-per-rank", "1", "--timeout-s", "60"]
 

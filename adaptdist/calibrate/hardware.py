@@ -1,9 +1,13 @@
 """Facts about this machine and the default (uncalibrated) figures estimated from them.
 
 Nothing here imports torch, so :class:`adaptdist.cluster.Cluster` can build a local
-cluster cheaply. Every estimate is a *peak* figure from the hardware's datasheet
-arithmetic (units per cycle x clock), not a measurement; ``adaptdist cluster profile``
-replaces them with measured ones.
+cluster cheaply. Every estimate starts from the hardware's datasheet arithmetic (units per
+cycle x clock), not a measurement; ``adaptdist cluster profile`` replaces them with measured
+ones. The CPU figures are deliberately conservative (half the peak FLOP/s, a per-op host
+overhead, gloo links as slow as measured on a shared 2-core machine, see :data:`_LINK_DEFAULTS`),
+so that an uncalibrated estimate errs on the slow side (benchmarks/RESULTS.md, "Uncalibrated
+estimates": the built-in GPT's estimate was 0.6-0.9x its measured step before, 1.0-1.5x after, on a
+lightly loaded machine).
 
 Sources of the per-cycle figures: Intel 64 and IA-32 Architectures Optimization
 Reference Manual (two 512-bit FMA units: 32 float32 FMAs = 64 FLOP per cycle per core;
@@ -22,7 +26,18 @@ DEFAULT_CLOCK_HZ = 2.5e9
 """Clock assumed when /proc/cpuinfo's model name does not state one (e.g. ``Xeon(R) Processor``)."""
 
 MEMORY_BANDWIDTH_PER_CORE_BYTES_PER_S = 10e9
-"""Rough DRAM bandwidth one busy core can draw (STREAM-like copy), bytes/s."""
+"""Rough DRAM bandwidth one busy core can draw (STREAM-like copy), bytes/s (``cluster profile`` measured
+13-14 GB/s per rank for an elementwise add on a quiet machine, 7 GB/s under load)."""
+
+CPU_PEAK_FRACTION = 0.5
+"""Fraction of the datasheet peak FLOP/s an uncalibrated CPU rank is assumed to reach: the small GEMMs
+of a model ran at 0.75-0.87 of the large-matmul rate on a quiet machine, and a shared machine gives
+less; 0.5 keeps the estimate on the slow side."""
+
+CPU_OP_OVERHEAD_S = 5e-6
+"""Host time of one dispatched ATen op on a CPU rank with a core of its own, seconds (``cluster profile``
+measured 2.3-3.5 us with every core busy, 8.6 us under load); scaled by ranks per core when the ranks
+outnumber the cores (7-10 us measured with 4 ranks on 2 cores)."""
 
 HOST_MEMORY_BANDWIDTH_CAP_BYTES_PER_S = 200e9
 """Upper bound on one host's DRAM bandwidth (a two-socket DDR5 server), bytes/s."""
@@ -117,22 +132,26 @@ class DeviceFigures:
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float
     cores: float | None = None
+    op_overhead_s: float | None = None
 
 
 def cpu_rank_figures(info: CpuInfo, ranks_on_host: int) -> DeviceFigures:
-    """Estimated figures of one CPU rank that shares the host with ``ranks_on_host - 1`` others.
+    """Estimated (uncalibrated, conservative) figures of one CPU rank that shares the host with
+    ``ranks_on_host - 1`` others.
 
     A rank gets ``cores / ranks_on_host`` cores (below 1 when oversubscribed), that share of
-    the per-core peak FLOP/s, ``memory_bytes / ranks_on_host`` of RAM, and that share of the
-    host's DRAM bandwidth ``min(cores x 10 GB/s, 200 GB/s)``.
+    :data:`CPU_PEAK_FRACTION` of the per-core peak FLOP/s, ``memory_bytes / ranks_on_host`` of RAM,
+    that share of the host's DRAM bandwidth ``min(cores x 10 GB/s, 200 GB/s)``, and a host overhead per
+    dispatched op of :data:`CPU_OP_OVERHEAD_S` x ``max(1, ranks_on_host / cores)`` seconds.
     """
     share = info.cores / ranks_on_host
     host_bw = min(info.cores * MEMORY_BANDWIDTH_PER_CORE_BYTES_PER_S, HOST_MEMORY_BANDWIDTH_CAP_BYTES_PER_S)
     return DeviceFigures(
-        peak_flops={k: v * share for k, v in info.peak_flops_per_core().items()},
+        peak_flops={k: v * share * CPU_PEAK_FRACTION for k, v in info.peak_flops_per_core().items()},
         memory_bytes=info.memory_bytes // ranks_on_host,
         memory_bandwidth_bytes_per_s=host_bw / ranks_on_host,
         cores=share,
+        op_overhead_s=CPU_OP_OVERHEAD_S * max(1.0, 1.0 / share),
     )
 
 
@@ -162,10 +181,15 @@ def cuda_figures(name: str = "", memory_bytes: int | None = None) -> DeviceFigur
 
 # tier -> kind -> (bandwidth bytes/s, latency s)
 _LINK_DEFAULTS = {
-    # gloo over loopback TCP (DESIGN.md: 2 ranks, 16 MiB all_reduce 1.47 GB/s, tiny 0.2 ms); NVLink-class
-    "intra_host": {"cpu": (1.5e9, 2e-4), "cuda": (1.0e11, 1e-5)},
-    # 10 Gb/s Ethernet for gloo; 100 Gb/s InfiniBand / RoCE for nccl
-    "inter_host": {"cpu": (1.25e9, 5e-5), "cuda": (1.25e10, 1e-5)},
+    # gloo over loopback TCP, per message of the ring formulas (communication.py): 0.9 GB/s and 0.5 ms give
+    # a whole all_reduce of 2 ranks alpha 1.0 ms, 0.9 GB/s and of 4 ranks alpha 3.0 ms, 0.6 GB/s -- the slow
+    # end of what was measured on the 2-core machine (DESIGN.md: 16 MiB 1.47 GB/s on 2 ranks, 0.60 GB/s on 4;
+    # cluster profile inside steps: alpha 0.35-1.06 ms, 0.95-1.23 GB/s on 2 ranks, 3.1-5.2 ms, 0.49-0.62 GB/s
+    # on 4); NVLink-class for cuda
+    "intra_host": {"cpu": (9e8, 5e-4), "cuda": (1.0e11, 1e-5)},
+    # 10 Gb/s Ethernet (1.25 GB/s raw) for gloo, assumed no faster than loopback (unmeasured);
+    # 100 Gb/s InfiniBand / RoCE for nccl
+    "inter_host": {"cpu": (8e8, 5e-4), "cuda": (1.25e10, 1e-5)},
 }
 
 

@@ -30,7 +30,7 @@ def uniform_host(name: str, device_kind: str, num_devices: int, first_rank: int 
         fig = hardware.cuda_figures()
     return Host(name, tuple(
         Device(first_rank + i, name, device_kind, fig.peak_flops, fig.memory_bytes,
-               fig.memory_bandwidth_bytes_per_s, fig.cores)
+               fig.memory_bandwidth_bytes_per_s, fig.cores, fig.op_overhead_s)
         for i in range(num_devices)))
 
 

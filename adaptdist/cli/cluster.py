@@ -113,7 +113,7 @@ def _show(console, cluster) -> None:
 
     from ..cluster import COLLECTIVES
 
-    dev = Table(title="devices (FLOP/s: " + ("measured matmul" if cluster.calibrated else "estimated peak") + ")")
+    dev = Table(title="devices (FLOP/s: " + ("measured matmul" if cluster.calibrated else "estimated, uncalibrated") + ")")
     dtypes = sorted({dt for d in cluster.devices for dt in d.peak_flops}, key=lambda s: (s != "float32", s))
     short = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16"}
     for col in ("rank", "host", "kind", "cores", *[f"{short.get(dt, dt)} TFLOP/s" for dt in dtypes], "memory GiB",

@@ -24,14 +24,17 @@ def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def check_host_memory(programs: dict, optimizer: str, num_local_ranks: int, available_bytes: int | None = None) -> int:
+def check_host_memory(programs: dict, optimizer: str, num_local_ranks: int, available_bytes: int | None = None,
+                      enforce: bool = True) -> int:
     """Predict each local rank's peak step memory (the cost model's liveness estimate, in the metric of
     :mod:`adaptdist.runtime.memory`) and refuse a job whose ranks together would not fit in this
-    host's available memory. Returns the predicted peak of the largest rank, bytes.
+    host's available memory. Returns the predicted peak of the largest rank, bytes. With
+    ``enforce=False`` (``train --skip-memory-check``) a job that would be refused only logs the
+    refusal's message as a warning and goes ahead.
 
     Raises:
         UsageError: the ranks' predicted peaks plus a per-process overhead exceed the available
-            memory; names both figures and what to change.
+            memory (and ``enforce``); names both figures and what to change.
     """
     from ..cost_models.memory import estimate_memory
     from ..cost_models.schedule import build_schedule
@@ -41,11 +44,15 @@ def check_host_memory(programs: dict, optimizer: str, num_local_ranks: int, avai
     need = num_local_ranks * (peak + RANK_OVERHEAD_BYTES)
     gib = 2**30
     if avail is not None and need > avail:
+        msg = (f"predicted peak memory {peak / gib:.1f} GiB per rank x {num_local_ranks} local ranks (plus about "
+               f"{RANK_OVERHEAD_BYTES / gib:.1f} GiB of runtime each) is {need / gib:.1f} GiB, but this host has "
+               f"{avail / gib:.1f} GiB available")
+        if not enforce:
+            log.warning("%s; running anyway (--skip-memory-check): the ranks may swap or be killed", msg)
+            return peak
         raise UsageError(
-            f"predicted peak memory {peak / gib:.1f} GiB per rank x {num_local_ranks} local ranks (plus about "
-            f"{RANK_OVERHEAD_BYTES / gib:.1f} GiB of runtime each) is {need / gib:.1f} GiB, but this host has "
-            f"{avail / gib:.1f} GiB available; lower --batch-size or --seq-len, or use a plan that shards "
-            "parameters (--plan fsdp) or activations (--plan tp / dp,tp)"
+            f"{msg}; lower --batch-size or --seq-len, or use a plan that shards parameters (--plan fsdp) or "
+            "activations (--plan tp / dp,tp); --skip-memory-check runs it anyway (if the prediction is too high)"
         )
     log.info("predicted peak memory %.0f MiB per rank", peak / 2**20)
     return peak
