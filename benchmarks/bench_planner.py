@@ -37,7 +37,7 @@ cProfile and prints where the planning time goes (not timed).
 built-in GPT of ``bench_cost_model`` (GPTConfig with 4 heads, global batch 8 x 64); its hand-written plans
 (``bench_cost_model.default_plans``: DP with 25 MiB and with 1 MiB gradient buckets, FSDP-like, TP, and
 DP x TP on a 2x2 mesh on 4 ranks) and the planner's plan, planned for the cluster ``adaptdist cluster
-profile`` calibrates right before (``plan_auto(capture(...), cluster)``, lowered by ``compile_program(...,
+profile`` calibrates right before (``plan_auto(capture(...), cluster)``, lowered by ``compile_model(...,
 plan, captured=...)``), all measured in one launch per world size in alternating rounds. Per world size:
 each plan's median step (slowest rank per step, median over every measured step) and the spread of its
 per-round medians; the ratio of the auto plan to the best hand-written plan, with the same ratio per round
@@ -419,7 +419,8 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
     from adaptdist.annotations import ManualPlan
     from adaptdist.calibrate.hardware import usable_cores
     from adaptdist.compiler.capture import capture
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.lowering_options import LoweringOptions
+from adaptdist.compiler.lowering import compile_model
     from adaptdist.compiler.planner import plan_auto
     from adaptdist.cost_models import estimate_programs
     from adaptdist.models import gpt
@@ -445,8 +446,8 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
     for p in hand:
         torch.manual_seed(args.seed)
         model, ex, loss_fn = gpt.factory(args.batch_size, args.seq_len, config)
-        compiled[p.name] = compile_program(model, ex, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
-                                           bucket_bytes=int(p.bucket_mb * MIB), mesh=p.mesh)
+        compiled[p.name] = compile_model(model, ex, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
+                                           options=LoweringOptions(grad_bucket_bytes=int(p.bucket_mb * MIB)), mesh=p.mesh)
         dirs[p.name] = tmp / p.name.replace("/", "_").replace(" ", "_")
         save_programs(compiled[p.name], dirs[p.name])
     con.print(f"compiled {len(hand)} hand-written plans in {time.perf_counter() - t0:.1f} s")
@@ -464,7 +465,7 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
         r = plan_auto(cap, cluster, optimizer="adamw")
         plan_s = time.perf_counter() - t0
         auto = f"auto/{w}"
-        compiled[auto] = compile_program(model, ex, loss_fn, w, r.plan, captured=cap)
+        compiled[auto] = compile_model(model, ex, loss_fn, w, r.plan, captured=cap)
         dirs[auto] = tmp / f"auto_{w}"
         save_programs(compiled[auto], dirs[auto])
         mesh = ",".join(f"{a}={n}" for a, n in r.plan.mesh.items())

@@ -1,14 +1,15 @@
 import pytest
 
 from adaptdist.compiler.consistency import check_collectives, collective_calls
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import CollectiveMismatchError
 from models import mlp, tiny_gpt
 
 
 def test_lowered_programs_agree_on_every_collective():
     model, batch, loss_fn = tiny_gpt(5, 8)
-    progs = compile_data_parallel(model, batch, loss_fn, 3, bucket_bytes=4096)  # uneven, one rank small
+    progs = compile_model(model, batch, loss_fn, 3, options=LoweringOptions(grad_bucket_bytes=4096))  # uneven, one rank small
     check_collectives(progs)
     calls = [collective_calls(p) for p in progs.values()]
     assert len(calls[0]) > 3 and all([c.key() for c in cs] == [c.key() for c in calls[0]] for cs in calls)
@@ -16,7 +17,7 @@ def test_lowered_programs_agree_on_every_collective():
 
 def test_a_rank_with_a_different_collective_is_refused_naming_both_ranks_and_the_node():
     model, batch, loss_fn = mlp(7)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     gm = progs[1].module
     ar = next(n for n in gm.graph.nodes if "all_reduce" in str(n.target))
     ar.args = (ar.args[0], ar.args[1], "adaptdist:other")  # as if rank 1 used another group
@@ -28,7 +29,7 @@ def test_a_rank_with_a_different_collective_is_refused_naming_both_ranks_and_the
 
 def test_a_rank_with_a_missing_collective_is_refused():
     model, batch, loss_fn = mlp(7)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     gm = progs[1].module
     wait = next(n for n in reversed(gm.graph.nodes) if "wait_tensor" in str(n.target))
     ar = wait.args[0]
@@ -46,12 +47,12 @@ def test_collectives_must_be_what_the_plan_implies():
 
     from adaptdist.annotations import ManualPlan
     from adaptdist.compiler.consistency import check_against_plan
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.errors import CollectiveMismatchError
     from models import mlp
 
     model, batch, loss_fn = mlp(7)
-    progs = compile_program(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))
+    progs = compile_model(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))
     plan = progs[0].plan
     kinds = {r[2] + "->" + r[3] for r in plan.redistributions["dp"]}
     assert "S(0)->R" in kinds and "P(sum)->S(0)" in kinds  # parameter gathers, gradient reduce_scatters

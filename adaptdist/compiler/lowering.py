@@ -1,4 +1,10 @@
-"""The data-parallel lowering pipeline: captured joint graph -> one RankProgram per rank."""
+"""The lowering: a captured joint graph and a :class:`~adaptdist.plan.Plan` -> one RankProgram per rank.
+
+One way in: :func:`lower` (``captured``, a ``Plan``, :class:`~adaptdist.lowering_options.LoweringOptions`).
+A manual plan (:class:`~adaptdist.annotations.ManualPlan`) becomes a ``Plan`` first
+(:func:`resolve_plan`); :func:`compile_model` captures a model's step and does both, for callers that
+start from the model.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -28,6 +34,7 @@ from ..passes.regather_in_backward import regather_in_backward
 from ..passes.relax_views import relax_views
 from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
 from ..passes.vocab_parallel_loss import vocab_parallel_loss
+from ..lowering_options import LoweringOptions
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval
 from ..errors import AdaptdistError, InternalError, UnsupportedOpError, UsageError
@@ -37,11 +44,14 @@ from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
 from .consistency import check_against_plan, check_collectives
 
+if TYPE_CHECKING:
+    from ..annotations import ManualPlan
+
 log = logging.getLogger("adaptdist.compiler")
 
 Pass = Callable[[torch.fx.GraphModule, PassContext], tuple[torch.fx.GraphModule, bool]]
 
-DP_PASSES: tuple[Pass, ...] = (
+PASSES: tuple[Pass, ...] = (
     decompose_addmm,
     propagate_placements,
     combine_partial_sums,
@@ -58,8 +68,8 @@ DP_PASSES: tuple[Pass, ...] = (
 )
 
 
-def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dump_dir: str | None = None
-               ) -> torch.fx.GraphModule:
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, options: LoweringOptions, passes=PASSES,
+               dump_dir: str | None = None, plan_name: str = "") -> torch.fx.GraphModule:
     """Run ``passes`` in order, logging each one's time; with ``dump_dir``, write the graph after each."""
     for i, p in enumerate(passes):
         t0 = time.perf_counter()
@@ -82,16 +92,6 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, passes=DP_PASSES, dum
     return gm
 
 
-def lower(captured: CapturedGraph, world_size: int, *, mesh_axis: str = "dp", shard_batch: bool = True,
-          param_placements: Mapping[str, Placement] | None = None, bucket_bytes: int = 25 * 2**20,
-          state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
-          plan_name: str = "", replicate_fallback: bool = False) -> dict[int, RankProgram]:
-    """Lower a captured step onto a 1-D mesh of ``world_size`` ranks: :func:`lower_mesh` with one axis."""
-    return lower_mesh(captured, Mesh.one_axis(mesh_axis, world_size), batch_axis=mesh_axis if shard_batch else None,
-                      axis_placements={mesh_axis: dict(param_placements or {})}, bucket_bytes=bucket_bytes,
-                      state=state, dump_dir=dump_dir, plan_name=plan_name, replicate_fallback=replicate_fallback)
-
-
 def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
     """Axes in the order they are lowered: model-parallel axes first (mesh order), the batch axis last,
     so data-parallel gradient buckets are built from already-local (model-parallel) shards. A tensor dim
@@ -99,12 +99,11 @@ def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
     return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
 
 
-def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
-               axis_placements: Mapping[str, Mapping[str, Placement]], bucket_bytes: int = 25 * 2**20,
-               state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None,
-               plan_name: str = "", replicate_fallback: bool = False,
-               axis_hints: Mapping[str, Mapping[str, Any]] | None = None,
-               timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
+def _lower_mesh(captured: CapturedGraph, mesh: Mesh, options: LoweringOptions, *, batch_axis: str | None,
+                axis_placements: Mapping[str, Mapping[str, Placement]],
+                state: dict[str, torch.Tensor] | None = None, plan_name: str = "",
+                axis_hints: Mapping[str, Mapping[str, Any]] | None = None,
+                timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
     """Lower a captured step onto an N-D ``mesh``; returns one RankProgram per rank.
 
     Batch inputs are split on dim 0 (torch.chunk semantics) over ``batch_axis`` (None:
@@ -139,16 +138,17 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
     redistributions: dict[str, list[list[str]]] = {}
     for axis in order:
         ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
-                          bucket_bytes=bucket_bytes, shard_batch=axis == batch_axis,
-                          param_placements=dict(axis_placements.get(axis, {})), replicate_fallback=replicate_fallback,
+                          bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
+                          shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
+                          replicate_fallback=options.replicate_fallback,
                           node_hints=dict((axis_hints or {}).get(axis, {})))
         ctxs[axis] = ctx
         if ctx.world_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
             axis_placements[axis] = {}
             continue
-        completed = (dict(ctx.param_placements) if axis_hints else
-                     complete_param_placements(next(iter(graphs.values())), ctx))
+        completed = ({f: p for f, p in ctx.param_placements.items() if not isinstance(p, Replicate)} if axis_hints
+                     else complete_param_placements(next(iter(graphs.values())), ctx))
         axis_placements[axis] = completed
         ctx = dataclasses.replace(ctx, param_placements=completed)
         ctxs[axis] = ctx
@@ -157,8 +157,8 @@ def lower_mesh(captured: CapturedGraph, mesh: Mesh, *, batch_axis: str | None,
                         "step (correct, but no faster than one rank)", captured.batch_size, ctx.world_size)
         lowered = {}
         for key, gm in graphs.items():
-            sub_dump = str(Path(dump_dir) / f"{axis}{''.join(map(str, key))}") if dump_dir else None
-            lowered[key] = run_passes(gm, ctx, dump_dir=sub_dump)
+            sub_dump = str(Path(options.dump_dir) / f"{axis}{''.join(map(str, key))}") if options.dump_dir else None
+            lowered[key] = run_passes(gm, ctx, options, dump_dir=sub_dump, plan_name=plan_name)
         first = next(iter(lowered.values()))
         k = mesh.index(axis)
         for n in first.graph.nodes:
@@ -241,59 +241,24 @@ def _local_state(state: dict[str, torch.Tensor], ctxs: list[PassContext], coords
     return out
 
 
-def lower_data_parallel(captured: CapturedGraph, world_size: int, bucket_bytes: int = 25 * 2**20,
-                        state: dict[str, torch.Tensor] | None = None, dump_dir: str | None = None
-                        ) -> dict[int, RankProgram]:
-    """Data parallelism: the batch split over ``world_size`` ranks, parameters replicated. See :func:`lower`."""
-    return lower(captured, world_size, bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir)
+def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, world_size: int,
+                 mesh: str | None = None) -> Plan:
+    """The :class:`~adaptdist.plan.Plan` that :func:`lower` takes, for ``plan`` on ``world_size`` ranks.
 
-
-def compile_program(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int, plan=None,
-                    bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None,
-                    replicate_fallback: bool = False, mesh: str | None = None,
-                    captured: CapturedGraph | None = None, timings: dict[str, float] | None = None
-                    ) -> dict[int, RankProgram]:
-    """Capture ``model``'s training step and lower it onto ``world_size`` ranks under ``plan``.
-
-    ``plan`` is an :class:`~adaptdist.annotations.ManualPlan` (default: data parallel) or a saved
-    :class:`~adaptdist.plan.Plan`; ``mesh`` (``"dp=2,tp=2"``) sizes a multi-axis plan's axes. Each
-    program holds its rank's shard of the model's current parameters and buffers. ``captured``: this
-    model's step already captured (the planner's), so it is not captured twice.
+    A :class:`~adaptdist.annotations.ManualPlan` (None: data parallel) is sized by ``mesh``
+    (``"dp=2,tp=2"``; see :meth:`ManualPlan.mesh`) and its globs resolved against the captured
+    parameters; its parameter placements are the ones annotated (the lowering completes the rest). A
+    ``Plan`` (saved or automatic) is checked against the graph, the world size and ``mesh``.
 
     Raises:
-        CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`lower_mesh` and
-            :func:`~adaptdist.annotations.resolve_param_placements`.
-    """
-    t0 = time.perf_counter()
-    if captured is None:
-        captured = capture(model, batch, loss_fn)
-        log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
-                 time.perf_counter() - t0)
-    named = dict(model.named_parameters())
-    named.update(dict(model.named_buffers()))
-    state = {f: named[f].detach() for f in captured.input_fqns}
-    return lower_plan(captured, plan, world_size, mesh=mesh, state=state, bucket_bytes=bucket_bytes,
-                      dump_dir=dump_dir, replicate_fallback=replicate_fallback, timings=timings)
-
-
-def lower_plan(captured: CapturedGraph, plan: Any, world_size: int, *, mesh: str | None = None,
-               state: dict[str, torch.Tensor] | None = None, bucket_bytes: int = 25 * 2**20,
-               dump_dir: str | None = None, replicate_fallback: bool = False,
-               timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
-    """Lower a captured step under ``plan`` (a :class:`~adaptdist.annotations.ManualPlan`, default data
-    parallel, or a saved/automatic :class:`~adaptdist.plan.Plan`) onto ``world_size`` ranks; ``mesh``
-    (``"dp=2,tp=2"``) sizes a manual plan's axes; ``state`` (full tensors by fqn) is split into each
-    rank's program. An automatic plan's node strategies are followed where the rules agree; where their
-    combination fails, its parameter placements are lowered with the rules' activation placements.
-
-    Raises:
-        UnsupportedOpError, UsageError: see :func:`lower_mesh` and
-            :func:`~adaptdist.annotations.resolve_param_placements`; a plan for another graph or size.
+        PlanMismatchError: a saved plan made for another graph.
+        UsageError: a plan for another number of ranks, ``mesh`` differing from a saved plan's, or a
+            bad ``mesh`` / annotation (see :func:`~adaptdist.annotations.resolve_param_placements`).
     """
     from ..annotations import ManualPlan
 
-    state = state or {}
-    plan = plan if plan is not None else ManualPlan.parse("dp")
+    if plan is None:
+        plan = ManualPlan.parse("dp")
     if isinstance(plan, Plan):
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
         m = plan.mesh_spec
@@ -303,29 +268,80 @@ def lower_plan(captured: CapturedGraph, plan: Any, world_size: int, *, mesh: str
                              "--nproc and --cluster a saved plan brings its mesh)")
         if mesh and Mesh.parse(mesh) != m:
             raise UsageError(f"--mesh {mesh} differs from the mesh {m} of plan {plan.name!r}; drop --mesh")
-        kwargs = dict(batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(), bucket_bytes=bucket_bytes,
-                      state=state, dump_dir=dump_dir, plan_name=plan.name, replicate_fallback=replicate_fallback,
-                      timings=timings)
-        if not plan.node_strategies:
-            return lower_mesh(captured, m, **kwargs)
-        try:
-            return lower_mesh(captured, m, axis_hints=plan.axis_hints(), **kwargs)
-        except UnsupportedOpError as e:
-            # the rules accepted each hint alone, but not their combination somewhere: keep the planner's
-            # parameter placements and let the rules place the activations
-            log.warning("the lowering could not follow the planner's node strategies (%s); lowering the plan's "
-                        "parameter placements with the rules' own activation placements instead", e)
-            return lower_mesh(captured, m, **kwargs)
+        return plan
+    if not isinstance(plan, ManualPlan):
+        raise UsageError(f"a plan is a ManualPlan (ManualPlan.parse('dp')) or a Plan (Plan.load('plan.json')), "
+                         f"not {type(plan).__name__}")
     m = plan.mesh(world_size, mesh)
     shapes = {gmeta.get_fqn(p): tuple(p.meta["val"].shape) for p in captured.gm.graph.find_nodes(op="placeholder")
               if gmeta.get_role(p) != "batch"}
-    placements = plan.axis_placements(shapes, set(captured.param_fqns))
-    return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
-                      bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
-                      replicate_fallback=replicate_fallback, timings=timings)
+    axis_pl = plan.axis_placements(shapes, set(captured.param_fqns))
+    fqns = sorted({f for pl in axis_pl.values() for f in pl})
+    return Plan(mesh=m.as_dict(), batch_axis=plan.batch_axis,
+                param_placements={f: [repr(axis_pl.get(a, {}).get(f, Replicate())) for a in m.names] for f in fqns},
+                graph_fingerprint=graph_fingerprint(captured.gm), name=plan.name)
 
 
-def compile_data_parallel(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
-                          bucket_bytes: int = 25 * 2**20, dump_dir: str | None = None) -> dict[int, RankProgram]:
-    """Data parallelism: :func:`compile_program` with the batch split and parameters replicated."""
-    return compile_program(model, batch, loss_fn, world_size, None, bucket_bytes, dump_dir)
+def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
+          state: dict[str, torch.Tensor] | None = None, timings: dict[str, float] | None = None
+          ) -> dict[int, RankProgram]:
+    """Lower a captured step under ``plan`` (see :func:`resolve_plan` for a manual one) with ``options``.
+
+    ``state`` (full tensors by fqn) is split into each rank's program (absent: programs without state).
+    Batch inputs are split on dim 0 (torch.chunk semantics) over the plan's batch axis; parameter ``f``
+    takes ``plan.param_placements[f]`` on each axis. The mesh is lowered one axis at a time (see
+    :func:`lowering_order`): the whole pass pipeline runs for that axis and every coordinate along it
+    gets its localized graph, which the next axis lowers in turn. A plan with the planner's node
+    strategies is followed where the rules agree, and its parameter placements are taken as given;
+    a plan without them (manual) has its unannotated parameters completed. Each rank's program means
+    exactly what the single-process step means on the whole global batch. ``timings`` (if given)
+    receives the seconds spent in ``lowering`` and ``codegen``.
+
+    Raises:
+        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode BatchNorm over a
+            split batch).
+        CollectiveMismatchError: ranks of one group would issue different collectives.
+        UsageError: ``plan`` is not a Plan.
+    """
+    if not isinstance(plan, Plan):
+        raise UsageError(f"lower() takes a Plan (resolve_plan turns a ManualPlan into one), not {type(plan).__name__}")
+    if not isinstance(options, LoweringOptions):
+        raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
+    m = plan.mesh_spec
+    kwargs = dict(batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(), state=state or {},
+                  plan_name=plan.name, timings=timings)
+    if not plan.node_strategies:
+        return _lower_mesh(captured, m, options, **kwargs)
+    try:
+        return _lower_mesh(captured, m, options, axis_hints=plan.axis_hints(), **kwargs)
+    except UnsupportedOpError as e:
+        # the rules accepted each hint alone, but not their combination somewhere: keep the planner's
+        # parameter placements and let the rules place the activations
+        log.warning("the lowering could not follow the planner's node strategies (%s); lowering the plan's "
+                    "parameter placements with the rules' own activation placements instead", e)
+        return _lower_mesh(captured, m, options, **kwargs)
+
+
+def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
+                  plan: "ManualPlan | Plan | None" = None, options: LoweringOptions | None = None, *,
+                  mesh: str | None = None, captured: CapturedGraph | None = None,
+                  timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
+    """Capture ``model``'s training step (unless ``captured`` is given: the planner's capture of it),
+    resolve ``plan`` (:func:`resolve_plan`; None: data parallel) and :func:`lower` it with ``options``
+    (None: the defaults) onto ``world_size`` ranks. Each program holds its rank's shard of the model's
+    current parameters and buffers.
+
+    Raises:
+        CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`resolve_plan`, :func:`lower`.
+    """
+    t0 = time.perf_counter()
+    if captured is None:
+        captured = capture(model, batch, loss_fn)
+        log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
+                 time.perf_counter() - t0)
+    named = dict(model.named_parameters())
+    named.update(dict(model.named_buffers()))
+    state = {f: named[f].detach() for f in captured.input_fqns}
+    resolved = resolve_plan(plan, captured, world_size, mesh)
+    return lower(captured, resolved, options if options is not None else LoweringOptions(), state=state,
+                 timings=timings)

@@ -3,7 +3,7 @@
 A DTensor chunks a tensor dim sharded over several mesh dims from left to right (torch.chunk
 at each level: ``compute_local_shape_and_global_offset`` in ``torch/distributed/tensor/_utils.py``);
 adaptdist chunks it over its mesh axes in lowering order (model-parallel axes first, the batch axis
-last: :func:`~adaptdist.compiler.data_parallel.lowering_order`). Where the two orders differ for such a
+last: :func:`~adaptdist.compiler.lowering.lowering_order`). Where the two orders differ for such a
 dim (``S(0)`` on both axes of ``dp=2,tp=2`` with ``dp`` the batch axis: rows chunked by ``tp``, then by
 ``dp``), the tensor is described over a DeviceMesh of the same ranks whose dims are in lowering order
 (:func:`ordered_device_mesh`), so every rank's shard gets its own global offset and size, uneven and
@@ -26,7 +26,7 @@ from ..program import RankProgram
 def shard_order(program: RankProgram) -> list[str]:
     """The program's mesh axes in the order a tensor dim sharded on several of them is chunked
     (lowering order: the batch axis last)."""
-    from ..compiler.data_parallel import lowering_order
+    from ..compiler.lowering import lowering_order
     from ..mesh import Mesh
 
     batch_axis = program.plan.batch_axis if program.plan is not None else None

@@ -23,19 +23,19 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     return p
 
 
-def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None
-                ) -> PlannerResult:
+def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None,
+                replicate_fallback: bool = False) -> PlannerResult:
     """:func:`plan_auto` on ``captured`` for ``cluster`` (``mesh``: a fixed ``"dp=2,tp=2"``), with a status line
-    while it searches."""
+    while it searches; ``replicate_fallback`` as ``--replicate-fallback``."""
     from ...mesh import Mesh
 
     fixed = Mesh.parse(mesh) if mesh else None
     if fixed is not None and fixed.world_size != cluster.world_size:
         raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
     if console is None:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer)
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback)
     with console.status("planning") as status:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
                          progress=lambda text: status.update(f"planning: {text}"))
 
 
