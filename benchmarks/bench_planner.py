@@ -504,7 +504,7 @@ from adaptdist.compiler.lowering import compile_model
         results[w] = {"meas": meas, "estimate_s": est, "best": best, "ratio": ratio, "ratio_per_round": per_round, "mesh": mesh,
                       "predicted_s": r.predicted.step_s, "plan_s": plan_s, "pass": ok, "outside": outside,
                       "tried": [(str(c), e if isinstance(e, str) else e.step_s) for c, e in r.tried],
-                      "param_placements": dict(r.plan.param_placements), "cluster": cluster.to_dict()}
+                      "param_placements": {f: [repr(p) for p in pls] for f, pls in r.plan.param_placements.items()}, "cluster": cluster.to_dict()}
     out["quality"] = results
 
 

@@ -34,9 +34,9 @@ def lower_1d(cg, world_size, *, mesh_axis="dp", shard_batch=True, param_placemen
     from adaptdist.plan import Plan, graph_fingerprint
 
     plan = Plan(mesh={mesh_axis: world_size}, batch_axis=mesh_axis if shard_batch else None,
-                param_placements={f: [repr(p)] for f, p in (param_placements or {}).items()},
+                param_placements={f: (p,) for f, p in (param_placements or {}).items()},
                 graph_fingerprint=graph_fingerprint(cg.gm), name="test",
-                node_strategies={n: [s.text()] for n, s in (node_strategies or {}).items()})
+                node_strategies={n: (s,) for n, s in (node_strategies or {}).items()})
     return lower(cg, plan, options or LoweringOptions(), state=state)
 
 

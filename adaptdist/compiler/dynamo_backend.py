@@ -35,6 +35,7 @@ from .. import _torch_compat as compat
 from ..errors import AdaptdistError, PlanMismatchError, UsageError
 from ..lowering_options import LoweringOptions
 from ..mesh import Mesh
+from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
@@ -312,7 +313,7 @@ def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
         if dict(other.mesh) != dict(first.mesh) or other.batch_axis != first.batch_axis:
             raise UsageError(f"parameters of this graph were sharded by plans on different meshes ({dict(first.mesh)} "
                              f"and {dict(other.mesh)}, parameter {layout.fqn}); compile the model with one backend")
-    placements = {l.fqn: [l.placements[a] for a in first.mesh] for l in layouts}
+    placements = {l.fqn: tuple(parse_placement(l.placements[a]) for a in first.mesh) for l in layouts}
     return Plan(mesh=dict(first.mesh), batch_axis=first.batch_axis, param_placements=placements,
                 graph_fingerprint=graph_fingerprint(captured.gm), name=f"{first.name} (parameters already sharded)")
 

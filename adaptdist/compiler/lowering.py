@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -36,9 +37,9 @@ from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
 from ..passes.vocab_parallel_loss import vocab_parallel_loss
 from ..lowering_options import LoweringOptions
 from ..mesh import Mesh
-from ..placement import Placement, Replicate, Shard, chunk_interval
+from ..placement import Placement, Replicate, Shard, chunk_interval, parse_placement
 from ..errors import AdaptdistError, InternalError, UnsupportedOpError, UsageError
-from ..plan import Plan, graph_fingerprint
+from ..plan import Departure, LoweringRecord, Plan, Redistribution, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
 from .codegen import make_rank_program
@@ -99,21 +100,20 @@ def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
     return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
 
 
-def _lower_mesh(captured: CapturedGraph, mesh: Mesh, options: LoweringOptions, *, batch_axis: str | None,
-                axis_placements: Mapping[str, Mapping[str, Placement]],
-                state: dict[str, torch.Tensor] | None = None, plan_name: str = "",
-                axis_hints: Mapping[str, Mapping[str, Any]] | None = None,
-                timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
-    """Lower a captured step onto an N-D ``mesh``; returns one RankProgram per rank.
+def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *, follow_strategies: bool,
+                state: dict[str, torch.Tensor] | None = None, timings: dict[str, float] | None = None,
+                departures: tuple[Departure, ...] = ()) -> dict[int, RankProgram]:
+    """Lower a captured step onto ``plan``'s N-D mesh; returns one RankProgram per rank, each carrying
+    ``plan`` with the :class:`~adaptdist.plan.LoweringRecord` of this lowering (and ``departures``).
 
-    Batch inputs are split on dim 0 (torch.chunk semantics) over ``batch_axis`` (None:
-    replicated); parameter ``f`` takes placement ``axis_placements[axis][f]`` on each
-    axis (absent: replicated). The mesh is lowered one axis at a time (see
+    Batch inputs are split on dim 0 (torch.chunk semantics) over the batch axis (None:
+    replicated); parameter ``f`` takes placement ``plan.param_placements[f]`` on each
+    axis (absent: completed, or replicated). The mesh is lowered one axis at a time (see
     :func:`lowering_order`): the whole pass pipeline runs for that axis and every
     coordinate along it gets its localized graph, which the next axis lowers in turn,
     treating the collectives already there as ordinary (linear) ops. Axes of size 1 are
-    skipped: they change nothing. ``axis_hints`` (an automatic plan's node strategies per axis) are
-    followed where the rules agree, and parameters are then taken as given (no completion). Each
+    skipped: they change nothing. With ``follow_strategies``, the plan's node strategies (an automatic
+    plan's) are followed where the rules agree, and parameters are then taken as given (no completion). Each
     rank's program means exactly what the
     single-process step means on the whole global batch, and its state holds its own
     shard of every parameter. ``timings`` (if given) receives the seconds spent in ``lowering``
@@ -126,16 +126,16 @@ def _lower_mesh(captured: CapturedGraph, mesh: Mesh, options: LoweringOptions, *
     """
     t_start = time.perf_counter()
     codegen_s = 0.0
-    if batch_axis is not None:
-        mesh.index(batch_axis)
-    for axis in axis_placements:
-        mesh.index(axis)
+    mesh, batch_axis = plan.mesh_spec, plan.batch_axis
+    axis_placements = plan.axis_placements()
+    axis_hints = plan.axis_hints() if follow_strategies else None
+    plan_name = plan.name
     order = lowering_order(mesh, batch_axis)
     axis_placements = {a: dict(pl) for a, pl in axis_placements.items()}  # completion adds to these
     graphs: dict[tuple[int, ...], torch.fx.GraphModule] = {(): copy_graph_module(captured.gm)}
     ctxs: dict[str, PassContext] = {}
-    node_placements: dict[str, list[str]] = {}
-    redistributions: dict[str, list[list[str]]] = {}
+    node_placements: dict[str, list[Placement]] = {}
+    redistributions: dict[str, list[Redistribution]] = {}
     for axis in order:
         ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
@@ -156,31 +156,38 @@ def _lower_mesh(captured: CapturedGraph, mesh: Mesh, options: LoweringOptions, *
             log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
                         "step (correct, but no faster than one rank)", captured.batch_size, ctx.world_size)
         lowered = {}
-        for key, gm in graphs.items():
-            sub_dump = str(Path(options.dump_dir) / f"{axis}{''.join(map(str, key))}") if options.dump_dir else None
-            lowered[key] = run_passes(gm, ctx, options, dump_dir=sub_dump, plan_name=plan_name)
+        try:
+            for key, gm in graphs.items():
+                sub_dump = str(Path(options.dump_dir) / f"{axis}{''.join(map(str, key))}") if options.dump_dir else None
+                lowered[key] = run_passes(gm, ctx, options, dump_dir=sub_dump, plan_name=plan_name)
+        except UnsupportedOpError as e:
+            e.axis = axis  # for the departure record (lower)
+            raise
         first = next(iter(lowered.values()))
         k = mesh.index(axis)
         for n in first.graph.nodes:
             if n.op != "output" and gmeta.get_placements(n) is not None:
-                node_placements.setdefault(n.name, ["R"] * len(mesh.names))[k] = repr(gmeta.get_placements(n)[0])
+                node_placements.setdefault(n.name, [Replicate()] * len(mesh.names))[k] = gmeta.get_placements(n)[0]
         for n in first.graph.nodes:
             for src, frm, to, _, by in gmeta.get_resharded(n, ctx.group_name):
-                redistributions.setdefault(axis, []).append([n.name, src, frm, to, by])
-        graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
-                  for i in range(ctx.world_size)}
-    plan = Plan(
-        mesh=mesh.as_dict(), batch_axis=batch_axis,
-        param_placements={f: [repr(axis_placements.get(a, {}).get(f, Replicate())) for a in mesh.names]
+                redistributions.setdefault(axis, []).append(
+                    Redistribution(n.name, src, parse_placement(frm), parse_placement(to), by))
+        try:
+            graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
+                      for i in range(ctx.world_size)}
+        except UnsupportedOpError as e:
+            e.axis = axis
+            raise
+    record = LoweringRecord(
+        param_placements={f: tuple(axis_placements.get(a, {}).get(f, Replicate()) for a in mesh.names)
                           for f in sorted({f for pl in axis_placements.values() for f in pl})},
-        graph_fingerprint=graph_fingerprint(captured.gm), name=plan_name,
-        node_placements=node_placements, redistributions=redistributions,
-        node_strategies={n: [h.get(n).text() if h.get(n) is not None else "" for h in
-                             [(axis_hints or {}).get(a, {}) for a in mesh.names]]
-                         for n in sorted({n for h in (axis_hints or {}).values() for n in h})},
+        node_placements={n: tuple(p) for n, p in node_placements.items()},
+        redistributions={a: tuple(rs) for a, rs in redistributions.items()},
+        departures=tuple(departures),
     )
+    plan = dataclasses.replace(plan, lowered=record)
     if axis_hints:
-        _log_hints(lowered_placements=node_placements, plan=plan, mesh=mesh)
+        _log_hints(plan)
     global_shapes = {gmeta.get_fqn(ph): list(ph.meta["val"].shape)
                      for ph in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(ph) != "batch"}
     state_placements = {f: [repr(axis_placements.get(a, {}).get(f, Replicate())) if mesh.size(a) > 1 else "R"
@@ -214,16 +221,17 @@ def _lower_mesh(captured: CapturedGraph, mesh: Mesh, options: LoweringOptions, *
     return programs
 
 
-def _log_hints(lowered_placements: Mapping[str, list[str]], plan: Plan, mesh: Mesh) -> None:
+def _log_hints(plan: Plan) -> None:
     """Log how many of the planner's output placements the lowering reproduced."""
     total = same = 0
-    for n, texts in plan.node_strategies.items():
-        if n not in lowered_placements:
+    lowered = plan.lowered.node_placements
+    for n, sts in plan.node_strategies.items():
+        if n not in lowered:
             continue
-        for k, t in enumerate(texts):
-            if t and mesh.sizes[k] > 1:
+        for k, s in enumerate(sts):
+            if s is not None and s.outputs and plan.mesh_spec.sizes[k] > 1:
                 total += 1
-                same += lowered_placements[n][k] == t.partition("->")[2].split(",")[0]
+                same += lowered[n][k] == s.outputs[0]
     log.info("planner strategies followed: %d of %d node placements as planned", same, total)
 
 
@@ -278,7 +286,7 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
     axis_pl = plan.axis_placements(shapes, set(captured.param_fqns))
     fqns = sorted({f for pl in axis_pl.values() for f in pl})
     return Plan(mesh=m.as_dict(), batch_axis=plan.batch_axis,
-                param_placements={f: [repr(axis_pl.get(a, {}).get(f, Replicate())) for a in m.names] for f in fqns},
+                param_placements={f: tuple(axis_pl.get(a, {}).get(f, Replicate()) for a in m.names) for f in fqns},
                 graph_fingerprint=graph_fingerprint(captured.gm), name=plan.name)
 
 
@@ -307,19 +315,33 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
         raise UsageError(f"lower() takes a Plan (resolve_plan turns a ManualPlan into one), not {type(plan).__name__}")
     if not isinstance(options, LoweringOptions):
         raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
-    m = plan.mesh_spec
-    kwargs = dict(batch_axis=plan.batch_axis, axis_placements=plan.axis_placements(), state=state or {},
-                  plan_name=plan.name, timings=timings)
+    plan = dataclasses.replace(plan, lowered=None)
+    kwargs = dict(state=state or {}, timings=timings)
     if not plan.node_strategies:
-        return _lower_mesh(captured, m, options, **kwargs)
+        return _lower_mesh(captured, plan, options, follow_strategies=False, **kwargs)
     try:
-        return _lower_mesh(captured, m, options, axis_hints=plan.axis_hints(), **kwargs)
+        return _lower_mesh(captured, plan, options, follow_strategies=True, **kwargs)
     except UnsupportedOpError as e:
-        # the rules accepted each hint alone, but not their combination somewhere: keep the planner's
-        # parameter placements and let the rules place the activations
-        log.warning("the lowering could not follow the planner's node strategies (%s); lowering the plan's "
-                    "parameter placements with the rules' own activation placements instead", e)
-        return _lower_mesh(captured, m, options, **kwargs)
+        # the rules accepted each strategy alone, but not their combination somewhere: keep the planner's
+        # parameter placements and let the rules place the activations; one line, recorded in the plan
+        d = _departure(e)
+        log.warning("plan %r: the lowering departs from the planner's node strategies at %s; it lowers the plan's "
+                    "parameter placements with the rules' own activation placements instead", plan.name, d.line())
+        return _lower_mesh(captured, plan, options, follow_strategies=False, departures=(d,), **kwargs)
+
+
+_NODE_IN_MESSAGE = re.compile(r"(?:at node|node) '([^']+)'|While executing %(\w+)")
+
+
+def _departure(e: Exception) -> Departure:
+    """The node and one-line reason of a failure to follow the planner's strategies (``e.axis`` set by
+    :func:`_lower_mesh`)."""
+    text = str(e)
+    m = _NODE_IN_MESSAGE.search(text)
+    node = (m.group(1) or m.group(2)) if m else "?"
+    reason = next((line.strip() for line in text.splitlines() if line.strip() and
+                   not line.strip().startswith("While executing")), type(e).__name__)
+    return Departure(node, getattr(e, "axis", ""), reason)
 
 
 def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,

@@ -69,7 +69,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         auto, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer)
         programs = compile_model(model, example, loss_fn, cluster.world_size, auto, options, captured=captured)
         plan = ManualPlan(name="auto", mesh_axes=tuple(auto.mesh), batch_axis=auto.batch_axis,
-                          params=tuple((f, tuple(p)) for f, p in auto.param_placements.items()))
+                          params=tuple((f, tuple(map(repr, p))) for f, p in auto.param_placements.items()))
     else:
         plan = ManualPlan.parse(args.plan, module)
 

@@ -11,6 +11,9 @@ from ...errors import UsageError
 from .explain import explain, layer_rows
 from .search import PlannerResult, plan_auto
 
+MAX_LOWERED_RANKS = 16
+"""``explain`` lowers the plan to show what the lowering did with the node only up to this many ranks."""
+
 
 def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """``adaptdist explain NODE [model] ...``."""
@@ -73,7 +76,8 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                           "model is not that exact: the first in order wins, a batch axis before none and fewer axes "
                           "before more)")
     if not layers:
-        sharded = {f: p for f, p in plan.param_placements.items() if any(x != "R" for x in p)}
+        sharded = {f: "[" + ", ".join(map(repr, p)) + "]" for f, p in plan.param_placements.items()
+                   if any(repr(x) != "R" for x in p)}
         total = len(result.graph.params())
         console.print(f"parameters: {total - len(sharded)} of {total} replicated on every axis"
                       + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"
@@ -107,7 +111,7 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     from .explain import find_node
     from .graph import build_planning_graph
 
-    find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
+    node = find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
     result = run_planner(captured, cluster, args.mesh, args.optimizer.replace("-", "_"), console)
     print_summary(console, result, layers=False)
     console.print(f"(planned in {time.perf_counter() - t0:.1f} s)")
@@ -124,4 +128,15 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
                       f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
         console.print(t)
         console.print(f"why: {ax.reason}")
+    if cluster.world_size <= MAX_LOWERED_RANKS:  # what the lowering made of the decision, beside it
+        from ...lowering_options import LoweringOptions
+        from ..lowering import compile_model
+        from .explain import lowered_lines
+
+        programs = compile_model(model, example, loss_fn, cluster.world_size, result.plan,
+                                 LoweringOptions(replicate_fallback=bool(getattr(args, "replicate_fallback", False))),
+                                 captured=captured)
+        fqn = args.node if args.node != node else None
+        for line in lowered_lines(programs[0].plan, node, fqn):
+            console.print(line)
     return 0

@@ -40,6 +40,7 @@ from ...passes.context import PassContext
 from ...passes.list_strategies import node_strategies
 from ...passes.sharding_rules import tensor_args
 from ...placement import Partial, Placement, Replicate, Shard
+from ...redistribute import transition_collective
 from ...strategy import Strategy
 from .graph import PlanningGraph
 
@@ -60,14 +61,8 @@ def splits(s: Strategy) -> bool:
 def reshard_collective(src: Placement | None, dst: Placement | None) -> str | None:
     """The collective that turns ``src`` into ``dst`` on one axis (None: nothing to do or a local slice):
     P->R all_reduce, P->S reduce_scatter, S->R all_gather, S(i)->S(j) all_to_all, S->P all_gather
-    (then a local zeroing), R->S and R->P local."""
-    if src is None or dst is None or src == dst:
-        return None
-    if isinstance(src, Partial):
-        return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
-    if isinstance(src, Shard):
-        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
-    return None
+    (then a local zeroing), R->S and R->P local: :func:`adaptdist.redistribute.transition_collective`."""
+    return transition_collective(src, dst)
 
 
 def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,

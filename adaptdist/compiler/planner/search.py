@@ -37,6 +37,7 @@ from ...cost_models.memory import optimizer_model
 from ...errors import PlanInfeasibleError, UsageError
 from ...mesh import Mesh
 from ...plan import Plan, graph_fingerprint
+from ...placement import Placement, Replicate
 from ...strategy import Strategy
 from ..capture import CapturedGraph
 from .graph import PlanningGraph, build_planning_graph
@@ -388,30 +389,29 @@ def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | N
     coordinate descent from; None for a plan without them."""
     if previous is None or not previous.node_strategies:
         return None
-    out: dict[str, dict[str, Strategy]] = {a: {} for a in previous.mesh}
-    for k, a in enumerate(previous.mesh):
-        for n, texts in previous.node_strategies.items():
-            if texts[k]:
-                out[a][n] = Strategy.parse(texts[k])
-    return out
+    return previous.axis_hints()
 
 
 def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chosen: Mapping[str, Mapping[str, Strategy]]
              ) -> Plan:
     names = c.mesh.names
 
-    def place(node: str, a: str) -> str:
+    def place(node: str, a: str) -> Placement:
         s = chosen.get(a, {}).get(node)
-        return repr(s.outputs[0]) if s is not None and s.outputs and s.outputs[0] is not None else "R"
+        return s.outputs[0] if s is not None and s.outputs and s.outputs[0] is not None else Replicate()
 
     params = {}
     for pn in pg.params():
-        pls = [place(pn.name, a) for a in names]
-        if any(p != "R" for p in pls):
+        pls = tuple(place(pn.name, a) for a in names)
+        if any(not isinstance(p, Replicate) for p in pls):
             params[pn.fqn] = pls
     ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]
-    nodes = {n: [place(n, a) for a in names] for n in ops}
-    strategies = {n: [chosen[a][n].text() if n in chosen.get(a, {}) else "" for a in names] for n in ops}
+    def node_place(node: str, a: str) -> Any:
+        s = chosen.get(a, {}).get(node)
+        return tuple(s.outputs) if s is not None and len(s.outputs) > 1 else place(node, a)  # one per output
+
+    nodes = {n: tuple(node_place(n, a) for a in names) for n in ops}
+    strategies = {n: tuple(chosen.get(a, {}).get(n) for a in names) for n in ops}
     return Plan(mesh=c.mesh.as_dict(), batch_axis=c.batch_axis, param_placements=params,
                 graph_fingerprint=graph_fingerprint(captured.gm), node_placements=nodes, name="auto",
                 node_strategies=strategies)
