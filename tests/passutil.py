@@ -6,7 +6,7 @@ from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model, lower
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.passes.context import PassContext
-from adaptdist.passes.localize_shapes import copy_graph_module
+from adaptdist.passes.infra import copy_graph_module
 from adaptdist.runtime.simulate import simulate_ranks
 
 

@@ -13,32 +13,22 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx
 import torch.nn as nn
 
 from .. import graph_meta as gmeta
-from ..passes.bucket_grad_allreduce import bucket_grad_allreduce
-from ..passes.bucket_param_allgather import bucket_param_allgather
-from ..passes.combine_partial_sums import combine_partial_sums
-from ..passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
-from ..passes.decompose_addmm import decompose_addmm
 from ..passes.complete_placements import complete_param_placements
 from ..passes.context import PassContext
-from ..passes.globalize_reductions import globalize_reductions
-from ..passes.insert_redistributes import insert_redistributes
-from ..passes.localize_shapes import copy_graph_module, localize_shapes
-from ..passes.propagate_placements import propagate_placements
-from ..passes.regather_in_backward import regather_in_backward
-from ..passes.relax_views import relax_views
-from ..passes.vocab_parallel_embedding import vocab_parallel_embedding
-from ..passes.vocab_parallel_loss import vocab_parallel_loss
+from ..passes.infra import check_disabled, copy_graph_module, run_pipeline
+from ..passes.localize_shapes import localize_shapes
+from ..passes.pipeline import PASSES
 from ..lowering_options import LoweringOptions
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval, parse_placement
-from ..errors import AdaptdistError, InternalError, UnsupportedOpError, UsageError
+from ..errors import UnsupportedOpError, UsageError
 from ..plan import Departure, LoweringRecord, Plan, Redistribution, graph_fingerprint
 from ..program import RankProgram
 from .capture import CapturedGraph, capture
@@ -50,47 +40,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("adaptdist.compiler")
 
-Pass = Callable[[torch.fx.GraphModule, PassContext], tuple[torch.fx.GraphModule, bool]]
-
-PASSES: tuple[Pass, ...] = (
-    decompose_addmm,
-    propagate_placements,
-    combine_partial_sums,
-    globalize_reductions,
-    propagate_placements,
-    insert_redistributes,
-    vocab_parallel_embedding,
-    vocab_parallel_loss,
-    regather_in_backward,
-    bucket_param_allgather,
-    bucket_grad_reduce_scatter,
-    bucket_grad_allreduce,
-    relax_views,
-)
-
 
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, options: LoweringOptions, passes=PASSES,
                dump_dir: str | None = None, plan_name: str = "") -> torch.fx.GraphModule:
-    """Run ``passes`` in order, logging each one's time; with ``dump_dir``, write the graph after each."""
-    for i, p in enumerate(passes):
-        t0 = time.perf_counter()
-        try:
-            gm, changed = p(gm, ctx)
-        except AdaptdistError:
-            raise
-        except Exception as e:
-            log.debug("pass %s failed", p.__name__, exc_info=True)
-            raise InternalError(
-                f"internal error in pass {p.__name__}: {type(e).__name__}: {str(e).splitlines()[0]}. This is a bug "
-                "in adaptdist, not in your model: please report it (run with -v for the traceback); "
-                "--plan dp may avoid it"
-            ) from e
-        log.debug("pass %s: %.1f ms, changed=%s", p.__name__, 1e3 * (time.perf_counter() - t0), changed)
-        if dump_dir:
-            d = Path(dump_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"{i:02d}_{p.__name__}.txt").write_text(str(gm.graph))
-    return gm
+    """:func:`~adaptdist.passes.infra.run_pipeline` of ``passes`` (default: the lowering's
+    :data:`~adaptdist.passes.pipeline.PASSES`) over ``gm``."""
+    return run_pipeline(gm, ctx, passes, options, dump_dir=dump_dir, plan_name=plan_name)
 
 
 def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
@@ -309,12 +264,13 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
         UnsupportedOpError: an op cannot run with these placements (e.g. training-mode BatchNorm over a
             split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
-        UsageError: ``plan`` is not a Plan.
+        UsageError: ``plan`` is not a Plan, or ``options.disabled_passes`` names no pass of the pipeline.
     """
     if not isinstance(plan, Plan):
         raise UsageError(f"lower() takes a Plan (resolve_plan turns a ManualPlan into one), not {type(plan).__name__}")
     if not isinstance(options, LoweringOptions):
         raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
+    check_disabled(options, PASSES)
     plan = dataclasses.replace(plan, lowered=None)
     kwargs = dict(state=state or {}, timings=timings)
     if not plan.node_strategies:

@@ -55,7 +55,7 @@ from ..placement import Partial, Replicate, Shard
 from ..redistribute import FUNCTIONAL_OP, transition_collective
 from .context import PassContext
 from .graph_build import add_op
-from .propagate_placements import placement_of
+from .infra import padded_shard_size, placement_of
 from .sharding_rules import tensor_args
 
 aten = torch.ops.aten
@@ -150,7 +150,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     """
     val = x.meta["val"]
     nd, n, w = val.dim(), val.shape[dim], ctx.world_size
-    block = -(-n // w)
+    block = padded_shard_size(n, w)
     mode = getattr(val, "fake_mode", None)
 
     def call(target, args, placement, kind=None, kwargs=None):
@@ -185,7 +185,7 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: Pas
     val = x.meta["val"]
     nd, w = val.dim(), ctx.world_size
     n_i, n_j = val.shape[i], val.shape[j]
-    m_j = -(-n_j // w)
+    m_j = padded_shard_size(n_j, w)
     mode = getattr(val, "fake_mode", None)
     g = ctx.group_name
 
@@ -401,7 +401,4 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
                           for i, a in enumerate(args))
         gmeta.set_redistribute(node, {})
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed
