@@ -7,9 +7,12 @@ and options give the same programs whichever command lowers them.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
+from typing import Iterator
 
-from .errors import UsageError
+from .errors import AdaptdistError, UsageError
 
 MIB = 2**20
 
@@ -79,3 +82,41 @@ class LoweringOptions:
     def bucket_mb(self) -> float:
         """:attr:`grad_bucket_bytes` in MiB."""
         return self.grad_bucket_bytes / MIB
+
+
+_BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"; without --nproc and --cluster a saved plan brings its mesh"), ""),
+    (re.compile(r"(?:pass )?--replicate-fallback"), "pass adaptdist.backend(..., replicate_fallback=True)"),
+    (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
+    (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
+    (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),
+    (re.compile(r"run with -v for the traceback"),
+     "set logging.getLogger('adaptdist').setLevel(logging.DEBUG) for the traceback"),
+    (re.compile(r"\(--nproc/--cluster\)"), "(the torchrun job)"),
+    (re.compile(r"--nproc (\d+)(?:, or a cluster of that size)?"), r"torchrun --nproc-per-node \1"),
+)
+"""Command-line advice -> what ``adaptdist.backend(...)`` takes instead."""
+
+
+def advice_for(message: str, front_end: str) -> str:
+    """``message`` with its advice written for ``front_end``: the flags of the command line (``cli``, as
+    written) or the arguments of ``adaptdist.backend(...)`` (``backend``)."""
+    if front_end != "backend":
+        return message
+    for pattern, repl in _BACKEND_ADVICE:
+        message = pattern.sub(repl, message)
+    return message
+
+
+@contextlib.contextmanager
+def advice_fitting(front_end: str) -> Iterator[None]:
+    """Re-raise any :class:`~adaptdist.errors.AdaptdistError` from the block with its advice written for
+    ``front_end`` (:func:`advice_for`): the same error, its message rewritten."""
+    try:
+        yield
+    except AdaptdistError as e:
+        if front_end == "backend" and e.args and isinstance(e.args[0], str):
+            fitted = advice_for(e.args[0], front_end)
+            if fitted != e.args[0]:
+                e.args = (fitted,) + e.args[1:]
+        raise

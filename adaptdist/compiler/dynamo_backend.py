@@ -33,7 +33,7 @@ import torch.fx
 
 from .. import _torch_compat as compat
 from ..errors import AdaptdistError, PlanMismatchError, UsageError
-from ..lowering_options import LoweringOptions
+from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh
 from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
@@ -138,7 +138,8 @@ class AdaptdistBackend:
         return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
-        step = compile_graph(gm, example_inputs, self)
+        with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
+            step = compile_graph(gm, example_inputs, self)
         self.compiled.append(step)
         return step
 

@@ -25,7 +25,7 @@ from ..passes.context import PassContext
 from ..passes.infra import check_disabled, copy_graph_module, run_pipeline
 from ..passes.localize_shapes import localize_shapes
 from ..passes.pipeline import PASSES
-from ..lowering_options import LoweringOptions
+from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh
 from ..placement import Placement, Replicate, Shard, chunk_interval, parse_placement
 from ..errors import UnsupportedOpError, UsageError
@@ -270,6 +270,12 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
         raise UsageError(f"lower() takes a Plan (resolve_plan turns a ManualPlan into one), not {type(plan).__name__}")
     if not isinstance(options, LoweringOptions):
         raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
+    with advice_fitting(options.front_end):
+        return _lower(captured, plan, options, state, timings)
+
+
+def _lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, state: dict[str, torch.Tensor] | None,
+           timings: dict[str, float] | None) -> dict[int, RankProgram]:
     check_disabled(options, PASSES)
     plan = dataclasses.replace(plan, lowered=None)
     kwargs = dict(state=state or {}, timings=timings)
