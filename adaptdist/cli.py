@@ -57,6 +57,10 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
         p.add_argument("--replicate-fallback", action="store_true",
                        help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
                             "lists them) instead of stopping with UnsupportedOpError; --plan auto plans them so too")
+    p.add_argument("--debug-passes", action="store_true",
+                   help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
+    p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
+                   help="skip this lowering pass (repeatable; for debugging a pass; see adaptdist/passes/pipeline.py)")
 
 
 def lowering_options(args: argparse.Namespace):
@@ -70,7 +74,9 @@ def lowering_options(args: argparse.Namespace):
 
     return LoweringOptions.from_mb(getattr(args, "bucket_mb", None),
                                    replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
-                                   dump_dir=getattr(args, "dump_graphs", None), front_end="cli")
+                                   dump_dir=getattr(args, "dump_graphs", None),
+                                   debug=bool(getattr(args, "debug_passes", False)),
+                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per rank; None: cores // ranks, at least 1")
     t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
-    t.add_argument("--dump-graphs", metavar="DIR", help="write the graph after each pass to DIR")
+    t.add_argument("--dump-graphs", metavar="DIR",
+                   help="write the graph before and after each lowering pass, with its op-count diff, to DIR")
     p = sub.add_parser("plan", help="compile a plan and print where every parameter lives (no training)",
                        formatter_class=fmt)
     _add_common(p)

@@ -118,3 +118,13 @@ def test_internal_error_advice_fits_the_entry_point_and_the_plan(front_end, plan
         assert other in text
     else:
         assert "may avoid it" not in text  # the plan already is dp
+
+
+def test_the_commands_set_the_pipeline_options():
+    from adaptdist.cli import build_parser, lowering_options
+
+    args = build_parser().parse_args(["compile", "-o", "x", "--bucket-mb", "0.5", "--debug-passes",
+                                      "--disable-pass", "relax_views", "--replicate-fallback"])
+    assert lowering_options(args) == LoweringOptions(grad_bucket_bytes=2**19, debug=True,
+                                                     disabled_passes=("relax_views",), replicate_fallback=True)
+    assert lowering_options(build_parser().parse_args(["plan"])) == LoweringOptions()  # one default everywhere
