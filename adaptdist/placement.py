@@ -67,7 +67,10 @@ def parse_placement(text: str) -> Placement:
         return Replicate()
     for head in ("Shard(", "S("):
         if t.startswith(head) and t.endswith(")"):
-            return Shard(int(t[len(head):-1]))
+            dim = t[len(head):-1]
+            if not dim.isdigit():
+                raise ValueError(f"not a placement: {text!r}; use S(dim) with a dim >= 0, R or P(sum|avg)")
+            return Shard(int(dim))
     for head in ("Partial(", "P("):
         if t.startswith(head) and t.endswith(")"):
             inner = t[len(head):-1].strip("'\"") or "sum"

@@ -1,11 +1,15 @@
 """Plan: the chosen layout of a training step, as data.
 
-A Plan records the mesh, which axis splits the batch, each parameter's placement, and
-the resulting placement of every node of the joint graph, with a fingerprint of the
-graph it was made for. It is JSON with a schema version: written beside the rank
-programs (``plan.json``), readable by people, and loadable to train the same model
-again (``adaptdist train --plan plan.json``). A plan applied to another graph is
-refused, naming both fingerprints. The automatic planner will produce the same object.
+A Plan is a decision: the mesh, which axis splits the batch, each parameter's placement and (from
+the automatic planner) every node's strategy, with a fingerprint of the graph it was made for. What
+the lowering then did with it -- parameter placements it completed, every node's placement, the
+reshard points and their collectives, and where it departed from the planner's node strategies --
+is a :class:`LoweringRecord` attached to the plan the programs carry (``Plan.lowered``), kept apart
+from the decision. In memory everything is typed (:class:`~adaptdist.placement.Placement`,
+:class:`~adaptdist.strategy.Strategy`); text exists only at the JSON boundary (``plan.json``:
+written beside the rank programs, readable by people, loadable to train the same model again with
+``adaptdist train --plan plan.json``; every field is type-checked on load). A plan applied to
+another graph is refused, naming both fingerprints.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import torch.fx
 from . import graph_meta as gmeta
 from .errors import PlanMismatchError, UsageError
 from .mesh import Mesh
-from .placement import Placement, parse_placement
+from .placement import Partial, Placement, Replicate, Shard, parse_placement
+from .strategy import Strategy
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the decision and the lowering's record apart (``lowered``); 1 (record and decision mixed) still loads."""
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -47,72 +53,203 @@ def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
     return h.hexdigest()
 
 
+_PLACEMENTS = (Shard, Replicate, Partial)
+
+NodePlacement = Placement | tuple[Placement | None, ...]
+"""A node's placement on one axis: one Placement, or one per output of a multi-output op (None: not produced)."""
+
+
+def _is_node_placement(p: Any) -> bool:
+    return isinstance(p, _PLACEMENTS) or (isinstance(p, tuple) and all(x is None or isinstance(x, _PLACEMENTS)
+                                                                       for x in p))
+
+
+def _placements(value: Any, n: int, what: str, multi: bool = False) -> tuple[Placement, ...]:
+    """``value`` as a tuple of ``n`` placements (in memory: Placement objects only; ``multi``: or tuples of them)."""
+    t = tuple(value)
+    ok = _is_node_placement if multi else (lambda p: isinstance(p, _PLACEMENTS))
+    if len(t) != n or not all(ok(p) for p in t):
+        raise UsageError(f"plan: {what} must be {n} placement(s) (Shard/Replicate/Partial), got {value!r}")
+    return t
+
+
+def _parse_node_placement(text: str) -> NodePlacement:
+    """``S(0)`` or, for a multi-output op, ``(P(sum), None)``.
+
+    Raises:
+        ValueError: not a placement (from :func:`parse_placement`).
+    """
+    t = text.strip()
+    if t.startswith("(") and t.endswith(")"):
+        inner = t[1:-1].strip().rstrip(",")
+        return tuple(None if x.strip() == "None" else parse_placement(x) for x in inner.split(", ") if x.strip())
+    return parse_placement(t)
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One reshard point of a lowered mesh axis: ``source``'s value turned from ``src`` into ``dst`` for
+    ``consumer`` (``output`` for a gradient's all_reduce), by ``collective`` (a ``_c10d_functional`` op
+    name, or ``local`` for a slice)."""
+
+    consumer: str
+    source: str
+    src: Placement
+    dst: Placement
+    collective: str
+
+    def as_list(self) -> list[str]:
+        return [self.consumer, self.source, repr(self.src), repr(self.dst), self.collective]
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Where the lowering did not follow the planner's node strategies: the node, the mesh axis (``""``
+    when unknown) and the reason, one line."""
+
+    node: str
+    axis: str
+    reason: str
+
+    def line(self) -> str:
+        where = f"node {self.node!r}" + (f" on mesh axis {self.axis!r}" if self.axis else "")
+        return f"{where}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class LoweringRecord:
+    """What the lowering did with a plan (see the module docstring).
+
+    Attributes:
+        param_placements: fqn -> placement per mesh axis as lowered (completion included; parameters
+            absent are replicated).
+        node_placements: node name -> its placement per mesh axis, as each axis's lowering annotated it
+            (``R`` on axes lowered before the node existed).
+        redistributions: mesh axis -> its reshard points, in graph order.
+        departures: where the planner's node strategies were not followed (empty: followed, or none given).
+    """
+
+    param_placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    node_placements: Mapping[str, tuple[NodePlacement, ...]] = field(default_factory=dict)
+    redistributions: Mapping[str, tuple[Redistribution, ...]] = field(default_factory=dict)
+    departures: tuple[Departure, ...] = ()
+
+    def to_doc(self) -> dict:
+        return {
+            "param_placements": {f: [repr(p) for p in pls] for f, pls in self.param_placements.items()},
+            "node_placements": {n: [repr(p) for p in pls] for n, pls in self.node_placements.items()},
+            "redistributions": {a: [r.as_list() for r in rs] for a, rs in self.redistributions.items()},
+            "departures": [[d.node, d.axis, d.reason] for d in self.departures],
+        }
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A parameter or node whose lowered placement differs from the planner's decision (``planned`` None:
+    the decision left it open, e.g. a manual plan's unannotated parameter that completion placed)."""
+
+    kind: str  # "param" or "node"
+    name: str
+    planned: tuple[Placement, ...] | None
+    lowered: tuple[Placement, ...]
+
+    def line(self) -> str:
+        planned = "open" if self.planned is None else " ".join(map(repr, self.planned))
+        return f"{self.kind} {self.name}: planned {planned}, lowered {' '.join(map(repr, self.lowered))}"
+
+
 @dataclass(frozen=True)
 class Plan:
-    """A layout of one training step on a mesh (see the module docstring).
+    """A layout of one training step on a mesh: the decision (see the module docstring).
 
     Attributes:
         mesh: axis name -> size, e.g. ``{"dp": 2}``.
         batch_axis: the axis that splits the batch on dim 0, or None.
-        param_placements: fqn -> placement text per axis, e.g. ``{"fc1.weight": ["S(0)"]}``
-            (parameters absent are replicated).
-        redistributions: mesh axis -> the reshard points of that axis's lowering, each
-            ``[consumer node, input node, from placement, to placement, collective]`` (gradient
-            all_reduces have the consumer ``output``; the collective is ``local`` for a slice).
-        node_placements: node name -> its placement text per mesh axis, as each axis's lowering
-            annotated it (``"R"`` on axes lowered before the node existed); for reading and explain.
+        param_placements: fqn -> one placement per axis, e.g. ``{"fc1.weight": (Shard(0),)}``; parameters
+            absent are left to the lowering (a manual plan's: completed; an automatic plan lists every
+            sharded one, the rest are replicated).
         graph_fingerprint: :func:`graph_fingerprint` of the joint graph the plan was made for.
+        node_placements: node name -> the planner's output placement per mesh axis (automatic plans).
         name: where the plan came from (a preset, a file, or ``auto``: the planner).
-        node_strategies: node name -> its strategy text per mesh axis (``"S(0),R->S(0)"``), as the
+        node_strategies: node name -> its strategy per mesh axis (None on an axis of size 1), as the
             planner chose them; the lowering follows them where the op's rule agrees, and does not
             complete parameter placements of such a plan (the planner decided every one).
+        lowered: what the lowering did with this plan (None on a plan not lowered yet).
+
+    Raises:
+        UsageError: a field of the wrong type or length (names it).
     """
 
     mesh: Mapping[str, int]
     batch_axis: str | None
-    param_placements: Mapping[str, list[str]]
+    param_placements: Mapping[str, tuple[Placement, ...]]
     graph_fingerprint: str
-    node_placements: Mapping[str, list[str]] = field(default_factory=dict)
-    redistributions: Mapping[str, list[list[str]]] = field(default_factory=dict)
+    node_placements: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
     name: str = ""
     schema_version: int = SCHEMA_VERSION
-    node_strategies: Mapping[str, list[str]] = field(default_factory=dict)
+    node_strategies: Mapping[str, tuple[Strategy | None, ...]] = field(default_factory=dict)
+    lowered: LoweringRecord | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
             raise UsageError(f"plan schema_version {self.schema_version} is not {SCHEMA_VERSION}")
+        if not isinstance(self.mesh, Mapping) or not all(isinstance(a, str) and isinstance(n, int) and n >= 1
+                                                         for a, n in self.mesh.items()):
+            raise UsageError(f"plan: mesh must map axis names to sizes >= 1, got {self.mesh!r}")
         if self.batch_axis is not None and self.batch_axis not in self.mesh:
             raise UsageError(f"plan: batch_axis {self.batch_axis!r} is not a mesh axis of {dict(self.mesh)}")
+        n = len(self.mesh)
         for f, pls in self.param_placements.items():
-            if len(pls) != len(self.mesh):
-                raise UsageError(f"plan: {f!r} has {len(pls)} placements for a {len(self.mesh)}-axis mesh")
+            _placements(pls, n, f"param_placements[{f!r}]")
+        for node, pls in self.node_placements.items():
+            _placements(pls, n, f"node_placements[{node!r}]", multi=True)
+        for node, sts in self.node_strategies.items():
+            if len(sts) != n or not all(s is None or isinstance(s, Strategy) for s in sts):
+                raise UsageError(f"plan: node_strategies[{node!r}] must be {n} Strategy (or None), got {sts!r}")
+        if self.lowered is not None and not isinstance(self.lowered, LoweringRecord):
+            raise UsageError(f"plan: lowered must be a LoweringRecord, got {type(self.lowered).__name__}")
 
     @property
     def mesh_spec(self) -> Mesh:
         return Mesh(tuple((a, int(n)) for a, n in self.mesh.items()))
 
     def axis_placements(self) -> dict[str, dict[str, Placement]]:
-        """mesh axis name -> {fqn: Placement} (replicated ones left out)."""
-        return {a: self.placements_on_axis(i) for i, a in enumerate(self.mesh)}
+        """mesh axis name -> {fqn: Placement} of the decision (placements given as replicated are kept:
+        the lowering does not complete them)."""
+        return {a: {f: pls[i] for f, pls in self.param_placements.items()} for i, a in enumerate(self.mesh)}
 
-    def placements_on_axis(self, axis: int = 0) -> dict[str, Placement]:
-        """fqn -> Placement on mesh axis ``axis`` (replicated ones left out)."""
-        out = {}
-        for f, pls in self.param_placements.items():
-            p = parse_placement(pls[axis])
-            if type(p).__name__ != "Replicate":
-                out[f] = p
+    def axis_hints(self) -> dict[str, dict[str, Strategy]]:
+        """mesh axis name -> {node name: Strategy} from :attr:`node_strategies` (empty for manual plans)."""
+        out: dict[str, dict[str, Strategy]] = {a: {} for a in self.mesh}
+        for node, sts in self.node_strategies.items():
+            for a, s in zip(self.mesh, sts):
+                if s is not None:  # None on an axis of size 1: nothing to follow there
+                    out[a][node] = s
         return out
 
-    def axis_hints(self) -> dict[str, dict[str, Any]]:
-        """mesh axis name -> {node name: Strategy} from :attr:`node_strategies` (empty for manual plans)."""
-        from .strategy import Strategy
-
-        out: dict[str, dict[str, Any]] = {a: {} for a in self.mesh}
-        for node, texts in self.node_strategies.items():
-            for a, t in zip(self.mesh, texts):
-                if t:  # "" on an axis of size 1: nothing to follow there
-                    out[a][node] = Strategy.parse(t)
+    def differences(self) -> list[Difference]:
+        """Where :attr:`lowered` differs from the decision: parameters (on axes of size > 1) whose lowered
+        placement is not the planned one or was left open, and nodes whose lowered placement is not the
+        planner's (automatic plans). Empty when not lowered."""
+        if self.lowered is None:
+            return []
+        big = [i for i, a in enumerate(self.mesh) if self.mesh[a] > 1]
+        out = []
+        rep = (Replicate(),) * len(self.mesh)
+        for f in sorted(set(self.param_placements) | set(self.lowered.param_placements)):
+            low = self.lowered.param_placements.get(f, rep)
+            planned = self.param_placements.get(f)
+            if planned is None and self.node_strategies:
+                planned = rep  # an automatic plan lists its sharded parameters: the rest are decided replicated
+            if planned is None:
+                if any(not isinstance(low[i], Replicate) for i in big):
+                    out.append(Difference("param", f, None, low))
+            elif any(planned[i] != low[i] for i in big):
+                out.append(Difference("param", f, planned, low))
+        for node, planned in self.node_placements.items():
+            low = self.lowered.node_placements.get(node)
+            if low is not None and any(planned[i] != low[i] for i in big):
+                out.append(Difference("node", node, planned, low))
         return out
 
     def check_graph(self, gm: torch.fx.GraphModule, source: str = "the plan") -> None:
@@ -126,48 +263,149 @@ class Plan:
             )
 
     def to_json(self) -> str:
-        """The plan as indented, key-sorted JSON text."""
-        return json.dumps({
+        """The plan as indented, key-sorted JSON text: the decision at the top level, the lowering's record
+        under ``lowered`` with ``differences`` (one line each) where it departs from the decision."""
+        doc = {
             "schema_version": self.schema_version, "name": self.name, "mesh": [[a, n] for a, n in self.mesh.items()],
             "batch_axis": self.batch_axis, "graph_fingerprint": self.graph_fingerprint,
-            "param_placements": dict(self.param_placements), "node_placements": dict(self.node_placements),
-            "redistributions": {a: [list(r) for r in rs] for a, rs in self.redistributions.items()},
-            "node_strategies": dict(self.node_strategies),
-        }, indent=1, sort_keys=True)
+            "param_placements": {f: [repr(p) for p in pls] for f, pls in self.param_placements.items()},
+            "node_placements": {n: [repr(p) for p in pls] for n, pls in self.node_placements.items()},
+            "node_strategies": {n: [s.text() if s is not None else "" for s in sts]
+                                for n, sts in self.node_strategies.items()},
+        }
+        if self.lowered is not None:
+            doc["lowered"] = dict(self.lowered.to_doc(), differences=[d.line() for d in self.differences()])
+        return json.dumps(doc, indent=1, sort_keys=True)
 
     @staticmethod
     def from_json(text: str, source: str = "<plan>") -> "Plan":
-        """Parse a plan.
+        """Parse a plan (schema 2, or 1: its node placements and reshard points become the lowering record).
 
         Raises:
-            UsageError: not JSON, or a field is missing or malformed (names the field).
+            UsageError: not JSON, or a field is missing or malformed (names the file and the field).
         """
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
             raise UsageError(f"plan {source!r} is not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise UsageError(f"plan {source!r} is not a JSON object")
         for key in ("schema_version", "mesh", "batch_axis", "graph_fingerprint", "param_placements"):
             if key not in doc:
                 raise UsageError(f"plan {source!r} lacks the field {key!r}")
+        version = doc["schema_version"]
+        if version not in (1, SCHEMA_VERSION):
+            raise UsageError(f"plan {source!r}: schema_version {version!r} is not 1 or {SCHEMA_VERSION}")
         mesh = doc["mesh"]
         if isinstance(mesh, list):  # [[axis, size], ...] keeps the axis order through sort_keys
             if not all(isinstance(m, list) and len(m) == 2 for m in mesh):
                 raise UsageError(f"plan {source!r}: field 'mesh' must be [[axis, size], ...]")
             mesh = {a: n for a, n in mesh}
-        return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=doc["param_placements"],
-                    graph_fingerprint=doc["graph_fingerprint"], node_placements=doc.get("node_placements", {}),
-                    redistributions=doc.get("redistributions", {}),
-                    name=doc.get("name", Path(source).name), schema_version=doc["schema_version"],
-                    node_strategies=doc.get("node_strategies", {}))
+        if not isinstance(mesh, dict) or not all(isinstance(a, str) and isinstance(n, int) and not isinstance(n, bool)
+                                                 and n >= 1 for a, n in mesh.items()):
+            raise UsageError(f"plan {source!r}: field 'mesh' must be [[axis name, size >= 1], ...], got {doc['mesh']!r}")
+        n = len(mesh)
+        if doc["batch_axis"] is not None and doc["batch_axis"] not in mesh:
+            raise UsageError(f"plan {source!r}: field 'batch_axis' is {doc['batch_axis']!r}, not a mesh axis "
+                             f"of {list(mesh)}")
+        if not isinstance(doc["graph_fingerprint"], str):
+            raise UsageError(f"plan {source!r}: field 'graph_fingerprint' must be a string")
+        name = doc.get("name", Path(source).name)
+        if not isinstance(name, str):
+            raise UsageError(f"plan {source!r}: field 'name' must be a string")
+
+        def placements(field_name: str, value: Any, parse: Any = parse_placement) -> dict[str, tuple[Placement, ...]]:
+            if not isinstance(value, dict):
+                raise UsageError(f"plan {source!r}: field {field_name!r} must map names to placement lists")
+            out = {}
+            for k, texts in value.items():
+                if not isinstance(texts, list) or len(texts) != n or not all(isinstance(t, str) for t in texts):
+                    raise UsageError(f"plan {source!r}: field {field_name}[{k!r}] must be {n} placement text(s) "
+                                     f"(one per mesh axis), got {texts!r}")
+                try:
+                    out[k] = tuple(parse(t) for t in texts)
+                except ValueError as e:
+                    raise UsageError(f"plan {source!r}: field {field_name}[{k!r}]: {e}") from None
+            return out
+
+        def strategies(value: Any) -> dict[str, tuple[Strategy | None, ...]]:
+            if not isinstance(value, dict):
+                raise UsageError(f"plan {source!r}: field 'node_strategies' must map node names to strategy lists")
+            out = {}
+            for k, texts in value.items():
+                if not isinstance(texts, list) or len(texts) != n or not all(isinstance(t, str) for t in texts):
+                    raise UsageError(f"plan {source!r}: field node_strategies[{k!r}] must be {n} strategy text(s), "
+                                     f"got {texts!r}")
+                try:
+                    out[k] = tuple(Strategy.parse(t) if t else None for t in texts)
+                except ValueError as e:
+                    raise UsageError(f"plan {source!r}: field node_strategies[{k!r}]: {e}") from None
+            return out
+
+        def redistributions(field_name: str, value: Any) -> dict[str, tuple[Redistribution, ...]]:
+            if not isinstance(value, dict) or not all(a in mesh for a in value):
+                raise UsageError(f"plan {source!r}: field {field_name!r} must map mesh axes to reshard points")
+            out = {}
+            for a, rows in value.items():
+                got = []
+                for row in rows if isinstance(rows, list) else [None]:
+                    if not isinstance(row, list) or len(row) not in (4, 5) or not all(isinstance(x, str) for x in row):
+                        raise UsageError(f"plan {source!r}: field {field_name}[{a!r}] holds {row!r}; each reshard point "
+                                         "is [consumer, source, from, to, collective]")
+                    try:
+                        src, dst = parse_placement(row[2]), parse_placement(row[3])
+                    except ValueError as e:
+                        raise UsageError(f"plan {source!r}: field {field_name}[{a!r}]: {e}") from None
+                    by = row[4] if len(row) == 5 else _collective_of(src, dst)
+                    got.append(Redistribution(row[0], row[1], src, dst, by))
+                out[a] = tuple(got)
+            return out
+
+        def departures(value: Any) -> tuple[Departure, ...]:
+            if not isinstance(value, list) or not all(isinstance(d, list) and len(d) == 3 and
+                                                      all(isinstance(x, str) for x in d) for d in value):
+                raise UsageError(f"plan {source!r}: field 'lowered.departures' must be [[node, axis, reason], ...]")
+            return tuple(Departure(*d) for d in value)
+
+        if version == 1:  # the lowering's record sat at the top level, mixed with the decision
+            record = LoweringRecord(placements("param_placements", doc["param_placements"]),
+                                    placements("node_placements", doc.get("node_placements", {}), _parse_node_placement),
+                                    redistributions("redistributions", doc.get("redistributions", {})))
+            return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=record.param_placements,
+                        graph_fingerprint=doc["graph_fingerprint"], name=name,
+                        node_strategies=strategies(doc.get("node_strategies", {})), lowered=record)
+        lowered = None
+        if doc.get("lowered") is not None:
+            low = doc["lowered"]
+            if not isinstance(low, dict):
+                raise UsageError(f"plan {source!r}: field 'lowered' must be an object")
+            lowered = LoweringRecord(placements("lowered.param_placements", low.get("param_placements", {})),
+                                     placements("lowered.node_placements", low.get("node_placements", {}),
+                                                _parse_node_placement),
+                                     redistributions("lowered.redistributions", low.get("redistributions", {})),
+                                     departures(low.get("departures", [])))
+        return Plan(mesh=mesh, batch_axis=doc["batch_axis"],
+                    param_placements=placements("param_placements", doc["param_placements"]),
+                    graph_fingerprint=doc["graph_fingerprint"],
+                    node_placements=placements("node_placements", doc.get("node_placements", {}), _parse_node_placement),
+                    name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered)
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
         """Read a plan file.
 
         Raises:
-            UsageError: the file does not exist or is not a valid plan (names the field).
+            UsageError: the file does not exist or is not a valid plan (names the file and the field).
         """
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"plan file {str(p)!r} does not exist")
         return Plan.from_json(p.read_text(), str(p))
+
+
+def _collective_of(src: Placement, dst: Placement) -> str:
+    """The functional op of a transition (old plans' reshard points without one)."""
+    from .redistribute import FUNCTIONAL_OP, transition_collective
+
+    kind = transition_collective(src, dst)
+    return FUNCTIONAL_OP[kind] if kind is not None else "local"

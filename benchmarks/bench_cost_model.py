@@ -479,7 +479,8 @@ def main(argv=None) -> int:
     from adaptdist.calibrate.hardware import usable_cores
     from adaptdist.calibrate.local import load_cluster
     from adaptdist.cluster_file import cluster_to_dict
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.lowering_options import LoweringOptions
     from adaptdist.cost_models import estimate_programs
     from adaptdist.models import gpt
     from adaptdist.program import save_programs
@@ -519,8 +520,8 @@ def main(argv=None) -> int:
         for p in plans:
             torch.manual_seed(args.seed)
             model, example, loss_fn = gpt.factory(args.batch_size, args.seq_len, config)
-            compiled[p.name] = compile_program(model, example, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
-                                               bucket_bytes=int(p.bucket_mb * MIB), mesh=p.mesh)
+            compiled[p.name] = compile_model(model, example, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
+                                               options=LoweringOptions(grad_bucket_bytes=int(p.bucket_mb * MIB)), mesh=p.mesh)
             dirs[p.name] = Path(tmp) / p.name.replace("/", "_").replace(" ", "_")
             save_programs(compiled[p.name], dirs[p.name])
         con.print(f"{n_params / 1e6:.2f} M parameters; compiled {len(plans)} plans in {time.perf_counter() - t0:.1f} s")

@@ -221,7 +221,8 @@ def example_batch(args, tmp: str):
 def main(argv=None) -> int:
     from rich.table import Table
 
-    from adaptdist.compiler.data_parallel import compile_data_parallel
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.program import save_programs
     from adaptdist.runtime.launch import launch_local
 
@@ -231,8 +232,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_dp-") as tmp:
         model, example, loss_fn, n_params, batch_file = example_batch(args, tmp)
         t0 = time.perf_counter()
-        programs = compile_data_parallel(model, example, loss_fn, args.nproc,
-                                         bucket_bytes=int(args.bucket_mb * 2**20))
+        programs = compile_model(model, example, loss_fn, args.nproc,
+                                         options=LoweringOptions(grad_bucket_bytes=int(args.bucket_mb * 2**20)))
         save_programs(programs, Path(tmp) / "programs")
         con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist DP for {args.nproc} ranks in "
                   f"{time.perf_counter() - t0:.1f} s (not part of the timings)")

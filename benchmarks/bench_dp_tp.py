@@ -7,7 +7,7 @@ same data (the factory's example batch, repeated). On both sides the global batc
 split on the ``dp`` axis (each ``dp`` coordinate takes its ``torch.chunk``) and
 replicated along ``tp``.
 
-- adaptdist: ``compile_program(..., ManualPlan.parse("dp,tp", adaptdist.models.gpt),
+- adaptdist: ``compile_model(..., ManualPlan.parse("dp,tp", adaptdist.models.gpt),
   mesh="dp=2,tp=2")``: the model file's ``TP_PLAN`` on the ``tp`` axis (column-parallel
   ``attn.q``/``k``/``v`` by heads and ``fc``, row-parallel ``attn.proj`` and ``fc_out``; since
   commit ed6e53a also ``tok_emb.weight`` by vocabulary, so the tied head gives vocabulary-sharded

@@ -179,15 +179,16 @@ def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, 
     """Build the model with ``seed``, compile ``plan_text`` for ``world`` ranks (on ``mesh``, e.g.
     ``"dp=2,tp=2"``, for a multi-axis plan), save; returns seconds."""
     from adaptdist.annotations import ManualPlan
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.models import gpt
     from adaptdist.program import save_programs
 
     torch.manual_seed(seed)
     model, example, loss_fn = gpt.factory(batch_size, seq_len)
     t0 = time.perf_counter()
-    programs = compile_program(model, example, loss_fn, world, ManualPlan.parse(plan_text, gpt),
-                               bucket_bytes=bucket_bytes, mesh=mesh)
+    programs = compile_model(model, example, loss_fn, world, ManualPlan.parse(plan_text, gpt),
+                               options=LoweringOptions(grad_bucket_bytes=bucket_bytes), mesh=mesh)
     save_programs(programs, out_dir)
     return time.perf_counter() - t0
 

@@ -37,7 +37,7 @@ cProfile and prints where the planning time goes (not timed).
 built-in GPT of ``bench_cost_model`` (GPTConfig with 4 heads, global batch 8 x 64); its hand-written plans
 (``bench_cost_model.default_plans``: DP with 25 MiB and with 1 MiB gradient buckets, FSDP-like, TP, and
 DP x TP on a 2x2 mesh on 4 ranks) and the planner's plan, planned for the cluster ``adaptdist cluster
-profile`` calibrates right before (``plan_auto(capture(...), cluster)``, lowered by ``compile_program(...,
+profile`` calibrates right before (``plan_auto(capture(...), cluster)``, lowered by ``compile_model(...,
 plan, captured=...)``), all measured in one launch per world size in alternating rounds. Per world size:
 each plan's median step (slowest rank per step, median over every measured step) and the spread of its
 per-round medians; the ratio of the auto plan to the best hand-written plan, with the same ratio per round
@@ -420,7 +420,8 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
     from adaptdist.calibrate.hardware import usable_cores
     from adaptdist.cluster_file import cluster_to_dict
     from adaptdist.compiler.capture import capture
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.compiler.planner import plan_auto
     from adaptdist.cost_models import estimate_programs
     from adaptdist.models import gpt
@@ -446,8 +447,8 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
     for p in hand:
         torch.manual_seed(args.seed)
         model, ex, loss_fn = gpt.factory(args.batch_size, args.seq_len, config)
-        compiled[p.name] = compile_program(model, ex, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
-                                           bucket_bytes=int(p.bucket_mb * MIB), mesh=p.mesh)
+        compiled[p.name] = compile_model(model, ex, loss_fn, p.world, ManualPlan.parse(p.plan, gpt),
+                                           options=LoweringOptions(grad_bucket_bytes=int(p.bucket_mb * MIB)), mesh=p.mesh)
         dirs[p.name] = tmp / p.name.replace("/", "_").replace(" ", "_")
         save_programs(compiled[p.name], dirs[p.name])
     con.print(f"compiled {len(hand)} hand-written plans in {time.perf_counter() - t0:.1f} s")
@@ -465,7 +466,7 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
         r = plan_auto(cap, cluster, optimizer="adamw")
         plan_s = time.perf_counter() - t0
         auto = f"auto/{w}"
-        compiled[auto] = compile_program(model, ex, loss_fn, w, r.plan, captured=cap)
+        compiled[auto] = compile_model(model, ex, loss_fn, w, r.plan, captured=cap)
         dirs[auto] = tmp / f"auto_{w}"
         save_programs(compiled[auto], dirs[auto])
         mesh = ",".join(f"{a}={n}" for a, n in r.plan.mesh.items())
@@ -504,7 +505,8 @@ def part_quality(con, args, sampler, tmp: Path, out: dict) -> None:
         results[w] = {"meas": meas, "estimate_s": est, "best": best, "ratio": ratio, "ratio_per_round": per_round, "mesh": mesh,
                       "predicted_s": r.predicted.step_s, "plan_s": plan_s, "pass": ok, "outside": outside,
                       "tried": [(str(c), e if isinstance(e, str) else e.step_s) for c, e in r.tried],
-                      "param_placements": dict(r.plan.param_placements), "cluster": cluster_to_dict(cluster)}
+                      "param_placements": {f: [repr(p) for p in pls] for f, pls in r.plan.param_placements.items()},
+                      "cluster": cluster_to_dict(cluster)}
     out["quality"] = results
 
 

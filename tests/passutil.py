@@ -3,22 +3,46 @@
 from __future__ import annotations
 
 from adaptdist.compiler.capture import capture
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.compiler.lowering import compile_model, lower
+from adaptdist.lowering_options import LoweringOptions
 from adaptdist.passes.context import PassContext
-from adaptdist.passes.localize_shapes import copy_graph_module
+from adaptdist.passes.infra import copy_graph_module
 from adaptdist.runtime.simulate import simulate_ranks
 
 
-def captured_with_ctx(factory_out, world_size, bucket_bytes=25 * 2**20):
+def captured_with_ctx(factory_out, world_size, bucket_bytes=25 * 2**20):  # one bucket for the small test models
     model, batch, loss_fn = factory_out
     cg = capture(model, batch, loss_fn)
     ctx = PassContext(world_size=world_size, batch_size=cg.batch_size, bucket_bytes=bucket_bytes)
     return cg, copy_graph_module(cg.gm), ctx
 
 
+def _options(kw):
+    """LoweringOptions from the old keyword arguments of the tests (bucket_bytes, dump_dir, replicate_fallback)."""
+    if "options" in kw:
+        return kw.pop("options")
+    if "bucket_bytes" in kw:
+        kw["grad_bucket_bytes"] = kw.pop("bucket_bytes")
+    return LoweringOptions(**kw)
+
+
+def lower_1d(cg, world_size, *, mesh_axis="dp", shard_batch=True, param_placements=None, state=None, options=None,
+             node_strategies=None):
+    """Lower ``cg`` onto a 1-D mesh ``mesh_axis`` of ``world_size`` ranks: the batch split (``shard_batch``),
+    parameters placed as ``param_placements`` ({fqn: Placement}), ``node_strategies`` ({node: Strategy}) as a
+    planner's."""
+    from adaptdist.plan import Plan, graph_fingerprint
+
+    plan = Plan(mesh={mesh_axis: world_size}, batch_axis=mesh_axis if shard_batch else None,
+                param_placements={f: (p,) for f, p in (param_placements or {}).items()},
+                graph_fingerprint=graph_fingerprint(cg.gm), name="test",
+                node_strategies={n: (s,) for n, s in (node_strategies or {}).items()})
+    return lower(cg, plan, options or LoweringOptions(), state=state)
+
+
 def simulate(model, batch, loss_fn, world_size, **kw):
     """Compile DP programs and run all ranks in one process; returns (programs, outputs per rank)."""
-    progs = compile_data_parallel(model, batch, loss_fn, world_size, **kw)
+    progs = compile_model(model, batch, loss_fn, world_size, None, _options(kw))
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
     return progs, simulate_ranks([p.module for p in progs.values()], ins)
 
@@ -26,15 +50,14 @@ def simulate(model, batch, loss_fn, world_size, **kw):
 def simulate_plan(model, batch, loss_fn, world_size, placements, shard_batch=False, **kw):
     """Lower with manual parameter placements (globs) on a 1-D mesh and run all ranks in one process."""
     from adaptdist.annotations import resolve_param_placements
-    from adaptdist.compiler.data_parallel import lower
-
     cg = capture(model, batch, loss_fn)
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
     shapes = {f: tuple(named[f].shape) for f in cg.input_fqns}
     pp = resolve_param_placements(shapes, placements)
     state = {f: named[f].detach() for f in cg.input_fqns}
-    progs = lower(cg, world_size, mesh_axis="tp", shard_batch=shard_batch, param_placements=pp, state=state, **kw)
+    progs = lower_1d(cg, world_size, mesh_axis="tp", shard_batch=shard_batch, param_placements=pp, state=state,
+                     options=_options(kw))
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
     # the placements the programs store, completion included (e.g. the bias of a column-parallel layer)
     from adaptdist.placement import parse_placement
@@ -57,12 +80,11 @@ def simulate_mesh(model, batch, loss_fn, mesh_text, plan_text, **kw):
     every rank in one process with collectives on the mesh's groups; returns (programs, outputs)."""
     import adaptdist.models.gpt as gpt_module
     from adaptdist.annotations import ManualPlan
-    from adaptdist.compiler.data_parallel import compile_program
     from adaptdist.mesh import Mesh
 
     mesh = Mesh.parse(mesh_text)
     plan = plan_text if not isinstance(plan_text, str) else ManualPlan.parse(plan_text, kw.pop("model_module", gpt_module))
-    progs = compile_program(model, batch, loss_fn, mesh.world_size, plan, mesh=mesh_text, **kw)
+    progs = compile_model(model, batch, loss_fn, mesh.world_size, plan, _options(kw), mesh=mesh_text)
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
     return progs, simulate_ranks([p.module for p in progs.values()], ins, mesh)
 

@@ -139,3 +139,31 @@ def test_torchrun_entry_runs_the_artifacts(artifacts, tmp_path):
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+def test_compile_writes_the_programs_train_runs(tmp_path):
+    """`adaptdist compile` and `adaptdist train` lower with the same LoweringOptions defaults (one gradient
+    bucket size), so for the same model, ranks and plan they write identical rank programs. The model's
+    5 MiB of gradients fill several of the default 2 MiB buckets (25 MiB, the old compile default, would be one)."""
+    f = tmp_path / "wide.py"
+    f.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F
+
+        def factory(batch_size, seq_len):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
+            g = torch.Generator().manual_seed(1)
+            return model, (torch.randn(batch_size, 256, generator=g), torch.randint(0, 4, (batch_size,), generator=g)), \\
+                F.cross_entropy
+    """))
+    common = [f"{f}:factory", "--nproc", "2", "--batch-size", "4", "--plan", "dp"]
+    assert main(["compile", *common, "-o", str(tmp_path / "compiled")]) == 0
+    assert main(["train", *common, "--steps", "1", "--sample-bytes", "0", "--out", str(tmp_path / "trained")]) == 0
+    for r in range(2):
+        compiled = (tmp_path / "compiled" / f"rank{r}" / "program.py").read_text()
+        trained = (tmp_path / "trained" / "programs" / f"rank{r}" / "program.py").read_text()
+        assert compiled == trained, f"rank {r}: compile and train lowered different programs"
+        assert json.loads((tmp_path / "compiled" / f"rank{r}" / "program.json").read_text()) == \
+            json.loads((tmp_path / "trained" / "programs" / f"rank{r}" / "program.json").read_text())
+    assert compiled.count("all_reduce") > 1  # several gradient buckets: the bucket size is part of what agrees
+    assert (tmp_path / "compiled" / "plan.json").read_text() == (tmp_path / "trained" / "programs" / "plan.json").read_text()

@@ -1,6 +1,7 @@
 import torch
 
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.passes.bucket_grad_allreduce import plan_buckets
 from models import tiny_gpt
 from passutil import simulate
@@ -14,8 +15,8 @@ def _grad_all_reduces(prog):
 def test_bucket_size_controls_the_number_of_all_reduces():
     model, batch, loss_fn = tiny_gpt(4, 8)
     n_params = len(list(model.parameters()))
-    small = compile_data_parallel(model, batch, loss_fn, 2, bucket_bytes=1)
-    big = compile_data_parallel(model, batch, loss_fn, 2, bucket_bytes=2**30)
+    small = compile_model(model, batch, loss_fn, 2, options=LoweringOptions(grad_bucket_bytes=1))
+    big = compile_model(model, batch, loss_fn, 2, options=LoweringOptions(grad_bucket_bytes=2**30))
     # loss and nll total weight take 2 all_reduces; the rest are gradient buckets
     assert len(_grad_all_reduces(small[0])) == 2 + n_params  # one per gradient (parameters() counts a tied pair once)
     assert len(_grad_all_reduces(big[0])) == 2 + 1
@@ -25,7 +26,7 @@ def test_bucket_size_controls_the_number_of_all_reduces():
 
 def test_bucketed_gradients_equal_eager():
     model, batch, loss_fn = tiny_gpt(5, 8)
-    progs, outs = simulate(model, batch, loss_fn, 2, bucket_bytes=4096)
+    progs, outs = simulate(model, batch, loss_fn, 2, options=LoweringOptions(grad_bucket_bytes=4096))
     hist, _ = eager_sgd(model, [batch], loss_fn, 0.1, 1)
     p = progs[0]
     for r in range(2):

@@ -106,7 +106,7 @@ def test_loss_of_a_model_that_updates_buffers_is_the_loss():
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.annotations import ManualPlan
 
     torch.manual_seed(0)
@@ -119,6 +119,6 @@ def test_loss_of_a_model_that_updates_buffers_is_the_loss():
     roles = gmeta.get_output_roles(cg.gm.graph.output_node())
     assert roles[:3] == ["buffer:1.running_mean", "buffer:1.running_var", "buffer:1.num_batches_tracked"]
     assert roles[3] == "loss"
-    prog = compile_program(model, batch, F.cross_entropy, 1, ManualPlan.parse("dp"))[0]
+    prog = compile_model(model, batch, F.cross_entropy, 1, ManualPlan.parse("dp"))[0]
     out = prog(*[prog.state[f] for f in prog.input_fqns], *batch)
     assert abs(float(out[prog.loss_index]) - want) < 1e-6

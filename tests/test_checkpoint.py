@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from adaptdist.annotations import ManualPlan
 from adaptdist.compiler.artifacts import shard_layout
-from adaptdist.compiler.data_parallel import compile_program
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
 from dist_workers import checkpoint_worker
@@ -51,7 +51,7 @@ def test_dim_sharded_on_two_axes_checkpoints_at_its_offsets(tmp_path):
     plan = ManualPlan("nested", ("dp", "tp"), "dp", (("fc1.weight", ("S(0)", "S(0)")), ("fc1.bias", ("S(0)", "S(0)")),
                                                      ("fc2.weight", ("S(1)", "S(1)"))))
     model = MLP7()
-    progs = compile_program(model, batch, F.cross_entropy, 6, plan, mesh="dp=3,tp=2")
+    progs = compile_model(model, batch, F.cross_entropy, 6, plan, mesh="dp=3,tp=2")
     save_programs(progs, tmp_path / "programs")
     layouts = {r: shard_layout(p) for r, p in progs.items()}
     assert layouts[4]["fc1.weight"]["ranges"][0] == [4, 4]  # (dp=2, tp=0): an empty shard of 4 rows over dp=3

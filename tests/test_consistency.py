@@ -1,14 +1,15 @@
 import pytest
 
 from adaptdist.compiler.consistency import check_collectives, collective_calls
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import CollectiveMismatchError
 from models import mlp, tiny_gpt
 
 
 def test_lowered_programs_agree_on_every_collective():
     model, batch, loss_fn = tiny_gpt(5, 8)
-    progs = compile_data_parallel(model, batch, loss_fn, 3, bucket_bytes=4096)  # uneven, one rank small
+    progs = compile_model(model, batch, loss_fn, 3, options=LoweringOptions(grad_bucket_bytes=4096))  # uneven, one rank small
     check_collectives(progs)
     calls = [collective_calls(p) for p in progs.values()]
     assert len(calls[0]) > 3 and all([c.key() for c in cs] == [c.key() for c in calls[0]] for cs in calls)
@@ -16,7 +17,7 @@ def test_lowered_programs_agree_on_every_collective():
 
 def test_a_rank_with_a_different_collective_is_refused_naming_both_ranks_and_the_node():
     model, batch, loss_fn = mlp(7)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     gm = progs[1].module
     ar = next(n for n in gm.graph.nodes if "all_reduce" in str(n.target))
     ar.args = (ar.args[0], ar.args[1], "adaptdist:other")  # as if rank 1 used another group
@@ -28,7 +29,7 @@ def test_a_rank_with_a_different_collective_is_refused_naming_both_ranks_and_the
 
 def test_a_rank_with_a_missing_collective_is_refused():
     model, batch, loss_fn = mlp(7)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     gm = progs[1].module
     wait = next(n for n in reversed(gm.graph.nodes) if "wait_tensor" in str(n.target))
     ar = wait.args[0]
@@ -46,22 +47,30 @@ def test_collectives_must_be_what_the_plan_implies():
 
     from adaptdist.annotations import ManualPlan
     from adaptdist.compiler.consistency import check_against_plan
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.errors import CollectiveMismatchError
+    from adaptdist.placement import Partial, Replicate, Shard
+    from adaptdist.plan import LoweringRecord, Redistribution
     from models import mlp
 
     model, batch, loss_fn = mlp(7)
-    progs = compile_program(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))
+    progs = compile_model(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))
     plan = progs[0].plan
-    kinds = {r[2] + "->" + r[3] for r in plan.redistributions["dp"]}
+    record = plan.lowered
+    kinds = {f"{r.src!r}->{r.dst!r}" for r in record.redistributions["dp"]}
     assert "S(0)->R" in kinds and "P(sum)->S(0)" in kinds  # parameter gathers, gradient reduce_scatters
     check_against_plan(progs, plan)
-    no_gathers = dataclasses.replace(plan, redistributions={"dp": [r for r in plan.redistributions["dp"]
-                                                                    if not r[2].startswith("S")]})
-    with pytest.raises(CollectiveMismatchError, match="issues all_gather_into_tensor on mesh axis 'dp'.*implies no"):
+    no_gathers = dataclasses.replace(plan, lowered=dataclasses.replace(record, redistributions={
+        "dp": tuple(r for r in record.redistributions["dp"] if not isinstance(r.src, Shard))}))
+    with pytest.raises(CollectiveMismatchError, match="issues all_gather_into_tensor on mesh axis 'dp'.*records no"):
         check_against_plan(progs, no_gathers)
-    extra = dataclasses.replace(plan, redistributions={"dp": plan.redistributions["dp"] + [["x", "y", "S(1)", "R"]],
-                                                       "tp": [["x", "y", "P(sum)", "R"]]}, mesh={"dp": 2, "tp": 1},
-                                param_placements={})
-    with pytest.raises(CollectiveMismatchError, match="implies a all_reduce on mesh axis 'tp'.*issues none"):
+    extra = dataclasses.replace(plan, mesh={"dp": 2, "tp": 1}, param_placements={}, lowered=LoweringRecord(
+        redistributions={"dp": record.redistributions["dp"] + (Redistribution("x", "y", Shard(1), Replicate(),
+                                                                              "all_gather_into_tensor"),),
+                         "tp": (Redistribution("x", "y", Partial(), Replicate(), "all_reduce"),)}))
+    with pytest.raises(CollectiveMismatchError, match="reshard point needing all_reduce on mesh axis 'tp'.*issues none"):
         check_against_plan(progs, extra)
+    # the decision is checked too: a parameter the plan shards must be lowered sharded
+    moved = dataclasses.replace(plan, param_placements={**plan.param_placements, "fc1.weight": (Shard(1),)})
+    with pytest.raises(CollectiveMismatchError, match=r"decided fc1.weight S\(1\) on mesh axis 'dp'.*placed it S\(0\)"):
+        check_against_plan(progs, moved)

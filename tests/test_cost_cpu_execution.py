@@ -12,7 +12,8 @@ from adaptdist.calibrate.profile import calibrate
 from adaptdist.calibrate.local import load_cluster, local_cluster
 from adaptdist.cluster import COLLECTIVES, Host
 from adaptdist.cluster_file import save_cluster
-from adaptdist.compiler.data_parallel import compile_program
+from adaptdist.compiler.lowering import compile_model
+from adaptdist.lowering_options import LoweringOptions
 from adaptdist.cost_models.compute import dispatches_op, roofline_time_s
 from adaptdist.cost_models.estimate import estimate_programs
 from adaptdist.cost_models.hardware import DeviceFigures, FixedCluster, LinkFigures
@@ -34,7 +35,7 @@ def _build(batch_size=BATCH):
 @pytest.fixture(scope="module")
 def mlp_programs():
     # 256-byte buckets: the gradient all_reduces are issued during backward and waited for at the end
-    return compile_program(*_build(), 2, bucket_bytes=256)
+    return compile_model(*_build(), 2, options=LoweringOptions(grad_bucket_bytes=256))
 
 
 def _cluster(kind="cpu", op_overhead_s=0.0) -> FixedCluster:
@@ -82,7 +83,7 @@ def test_symbolic_costs_keep_the_op_overhead():
     concrete = {}
 
     def compile_at(p):
-        programs = compile_program(*_build(p.batch_size), p.mesh_dict["dp"])
+        programs = compile_model(*_build(p.batch_size), p.mesh_dict["dp"])
         concrete[(p.batch_size, p.mesh_dict["dp"])] = estimate_programs(programs, cluster, "adamw").ranks[0]
         return programs
 
@@ -106,7 +107,7 @@ def test_profile_records_the_op_overhead_and_cluster_files_keep_it(tmp_path):
     save_cluster(c, f)
     back = load_cluster(f)
     assert back.device(1).op_overhead_s == pytest.approx(3.6e-6)
-    programs = compile_program(*_build(), 2)
+    programs = compile_model(*_build(), 2)
     without = dataclasses.replace(back, hosts=tuple(
         Host(h.name, tuple(dataclasses.replace(d, op_overhead_s=None) for d in h.devices)) for h in back.hosts))
     ops = sum(dispatches_op(n) for n in build_schedule(programs[1]).nodes) + 1 * 4  # + sgd: 1 op per parameter

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from adaptdist.cli import main
 from adaptdist.calibrate.local import local_cluster
-from adaptdist.compiler.data_parallel import compile_program
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.cost_models.communication import collective_time_s
 from adaptdist.cost_models.estimate import estimate_programs
 from adaptdist.cost_models.hardware import DeviceFigures, FixedCluster, LinkFigures
@@ -23,7 +23,7 @@ def mlp_programs():
     torch.manual_seed(0)
     model = MLP(D_IN, D_HID, D_OUT)
     batch = (torch.randn(BATCH, D_IN), torch.randint(0, D_OUT, (BATCH,)))
-    return compile_program(model, batch, F.cross_entropy, 2)
+    return compile_model(model, batch, F.cross_entropy, 2)
 
 
 def _cluster(peaks=(1e9, 1e9), bandwidths=(1e9, 1e9), hosts=("a", "a")) -> FixedCluster:

@@ -75,7 +75,7 @@ def one_rank_group():
 def test_mlp_dp_estimate_within_10_percent_of_measured(one_rank_group, optimizer):
     """Rank 0's program of a 2-rank DP lowering, run for real (a 1-rank group: collectives are identities
     with the same allocations), measured with runtime/memory.py around its second step."""
-    from adaptdist.compiler.data_parallel import compile_program
+    from adaptdist.compiler.lowering import compile_model
     from adaptdist.cost_models.estimate import estimate_programs
     from adaptdist.cost_models.hardware import FixedCluster
     from adaptdist.runtime.worker import StepRunner
@@ -83,7 +83,7 @@ def test_mlp_dp_estimate_within_10_percent_of_measured(one_rank_group, optimizer
     torch.manual_seed(0)
     model = MLP(64, 256, 10)
     batch = (torch.randn(32, 64), torch.randint(0, 10, (32,)))
-    programs = compile_program(model, batch, F.cross_entropy, 2)
+    programs = compile_model(model, batch, F.cross_entropy, 2)
     est = estimate_programs(programs, FixedCluster.uniform([("h", 2)]), optimizer).ranks[0].memory
     prog = programs[0]
     runner = StepRunner(prog, optimizer, 1e-3)

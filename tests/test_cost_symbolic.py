@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptdist import _torch_compat as compat
-from adaptdist.compiler.data_parallel import compile_program
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.cost_models.estimate import estimate_programs
 from adaptdist.cost_models.hardware import FixedCluster
 from adaptdist.cost_models.schedule import schedule_from_graph
@@ -85,7 +85,7 @@ def test_mlp_dp_symbolic_equals_concrete_at_samples_and_new_points():
     concrete = {}
 
     def compile_at(p):
-        programs = compile_program(*build(p.batch_size), p.mesh_dict["dp"])
+        programs = compile_model(*build(p.batch_size), p.mesh_dict["dp"])
         concrete[(p.batch_size, p.mesh_dict["dp"])] = estimate_programs(programs, CLUSTER, "adamw").ranks[0]
         return programs
 
@@ -96,7 +96,7 @@ def test_mlp_dp_symbolic_equals_concrete_at_samples_and_new_points():
         _assert_equal(sym.evaluate(p.batch_size, p.seq_len, p.mesh_dict),
                       _concrete(concrete[(p.batch_size, p.mesh_dict["dp"])]))
     for bs, dp in ((40, 2), (24, 4), (64, 8)):  # never compiled while fitting
-        est = estimate_programs(compile_program(*build(bs), dp), CLUSTER, "adamw").ranks[0]
+        est = estimate_programs(compile_model(*build(bs), dp), CLUSTER, "adamw").ranks[0]
         _assert_equal(sym.evaluate(bs, 1, {"dp": dp}), _concrete(est))
     held = dataclasses.replace(sym, fixed=(("dp", 2),))
     with pytest.raises(UsageError, match="holds dp at 2"):
@@ -113,7 +113,7 @@ def test_gpt_tp_symbolic_equals_concrete_with_attention_and_seq_len():
         torch.manual_seed(0)
         model, batch, loss = gpt.factory(batch_size, seq_len, gpt.GPTConfig(dim=32, num_layers=1, num_heads=4,
                                                                             max_seq_len=seq_len))
-        return compile_program(model, batch, loss, tp, plan)
+        return compile_model(model, batch, loss, tp, plan)
 
     sym = fit_symbolic_estimate(lambda p: compile_at_sizes(p.batch_size, p.seq_len, p.mesh_dict["tp"]), 2, 8,
                                 {"tp": 2}, CLUSTER, "sgd")

@@ -8,7 +8,8 @@ on 2 and 3 ranks, with global batches not divisible by the world size (and, on
 import pytest
 import torch
 
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
 from dist_workers import dp_sgd_worker
@@ -40,7 +41,7 @@ def _batches(factory, batch_size, n):
 def test_dp_sgd_equals_eager(tmp_path, factory, batch_size, world):
     model, example, loss_fn = factory(batch_size)
     batches = _batches(factory, batch_size, STEPS)
-    programs = compile_data_parallel(model, example, loss_fn, world, bucket_bytes=8192)
+    programs = compile_model(model, example, loss_fn, world, options=LoweringOptions(grad_bucket_bytes=8192))
     save_programs(programs, tmp_path / "programs")
     results = launch_local(dp_sgd_worker, (str(tmp_path / "programs"), batches, LR, STEPS), world)
     history, final = eager_sgd(model, batches, loss_fn, LR, STEPS)

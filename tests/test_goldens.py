@@ -18,7 +18,7 @@ import torch
 from adaptdist.annotations import ManualPlan
 from adaptdist.calibrate.local import load_cluster
 from adaptdist.compiler.capture import capture
-from adaptdist.compiler.data_parallel import compile_program
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.compiler.planner import plan_auto
 from models import mlp, tiny_gpt, tiny_llama
 
@@ -35,20 +35,20 @@ def _plan_text(plan) -> str:
 def _cases():
     def mlp_dp():
         model, batch, loss = mlp(7)
-        return compile_program(model, batch, loss, 2, ManualPlan.parse("dp"))
+        return compile_model(model, batch, loss, 2, ManualPlan.parse("dp"))
 
     def gpt_dp_tp():
         import adaptdist.models.gpt as gpt_module
 
         model, batch, loss = tiny_gpt(4, 8)
-        return compile_program(model, batch, loss, 4, ManualPlan.parse("dp,tp", gpt_module), mesh="dp=2,tp=2")
+        return compile_model(model, batch, loss, 4, ManualPlan.parse("dp,tp", gpt_module), mesh="dp=2,tp=2")
 
     def llama_auto():
         model, batch, loss = tiny_llama(8, 8)
         cluster = load_cluster(GOLDENS / "cluster_4cpu.yaml")
         captured = capture(model, batch, loss)
         plan = plan_auto(captured, cluster).plan
-        return compile_program(model, batch, loss, 4, plan, captured=captured)
+        return compile_model(model, batch, loss, 4, plan, captured=captured)
 
     return {"mlp_dp_2cpu": mlp_dp, "gpt_dp2_tp2_4cpu": gpt_dp_tp, "llama_auto_4cpu": llama_auto}
 

@@ -106,8 +106,7 @@ def test_slice_of_a_later_dim_feeds_layer_norm_backward_contiguous():
     import torch.nn.functional as F
 
     from adaptdist.compiler.capture import capture
-    from adaptdist.compiler.data_parallel import lower_mesh
-    from adaptdist.mesh import Mesh
+    from passutil import lower_1d
     from adaptdist.runtime.simulate import simulate_ranks
     from adaptdist.strategy import Strategy
 
@@ -125,9 +124,11 @@ def test_slice_of_a_later_dim_feeds_layer_norm_backward_contiguous():
     cg = capture(model, (x, y), F.mse_loss)
     state = {f: dict(model.named_parameters())[f].detach() for f in cg.input_fqns}
     hint = Strategy.parse("S(1),S(1),S(1),S(1),R,R->S(1),P(sum),P(sum)")
+    progs = lower_1d(cg, 2, mesh_axis="tp", shard_batch=False, state=state,
+                     node_strategies={"native_layer_norm_backward": hint})
+    from adaptdist.mesh import Mesh
+
     mesh = Mesh.parse("tp=2")
-    progs = lower_mesh(cg, mesh, batch_axis=None, axis_placements={}, state=state,
-                       axis_hints={"tp": {"native_layer_norm_backward": hint}})
     assert "torch.ops.aten.clone.default(slice_tensor" in progs[0].module.code
     outs = simulate_ranks([p.module for p in progs.values()],
                           [[p.state[f] for f in p.input_fqns] + list(p.local_batch((x, y))) for p in progs.values()],
@@ -189,7 +190,8 @@ def test_partial_to_shard_meeting_a_view_of_a_shard_is_a_reduce_scatter(batch_si
     model = ViewMeetsPartial(batch_size, seq)
     batch = (torch.randn(batch_size, seq, 4), torch.randn(batch_size, seq, 4))
     progs = _check_against_eager(model, batch, world, {"u": "S(1)", "w": "S(0)"})
-    assert ["add", "mm", "P(sum)", "S(0)", "reduce_scatter_tensor"] in progs[0].plan.redistributions["tp"]
+    assert ["add", "mm", "P(sum)", "S(0)", "reduce_scatter_tensor"] in [
+        r.as_list() for r in progs[0].plan.lowered.redistributions["tp"]]
     chunk = -(-batch_size // world)
     for r, p in progs.items():
         add = next(n for n in p.module.graph.nodes if n.name == "add")

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.data_parallel import lowering_order
+from adaptdist.compiler.lowering import lowering_order
 from adaptdist.mesh import Mesh
 from models import MLP, tiny_gpt, tiny_llama
 from passutil import global_shard, simulate_mesh

@@ -84,7 +84,7 @@ def test_parameters_beyond_one_device_are_sharded_like_fsdp():
     assert roomy.predicted.memory_bytes > 2 * 10**9  # replicated, it would not fit
     assert tight.plan.batch_axis == "dp" and dict(tight.plan.mesh) == {"dp": 8}
     w = weights(tight.plan)
-    assert len(w) >= 12 and all(p[0].startswith("S(") for p in w.values()), w
+    assert len(w) >= 12 and all(isinstance(p[0], Shard) for p in w.values()), w
     assert tight.predicted.memory_bytes <= 2 * 10**9
 
 
@@ -93,7 +93,7 @@ def test_wide_layers_with_a_small_batch_on_fast_links_are_tensor_parallel():
     assert result.plan.batch_axis is None  # no data parallelism: 8 rows are nothing to split
     w = weights(result.plan)
     for i in range(2):  # Megatron: column-parallel first linear, row-parallel second
-        assert w[f"layers.{i}.0.weight"] == ["S(0)"] and w[f"layers.{i}.2.weight"] == ["S(1)"], w
+        assert w[f"layers.{i}.0.weight"] == (Shard(0),) and w[f"layers.{i}.2.weight"] == (Shard(1),), w
 
 
 def test_plan_is_deterministic():
@@ -145,7 +145,7 @@ def test_pins_and_forbidden_axes_are_obeyed():
     pinned = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"),
                        constraints=Constraints(pins={"layers.0.0.weight": {"tp": "R"}}))
     assert "layers.0.0.weight" not in pinned.plan.param_placements
-    assert pinned.plan.param_placements["layers.1.0.weight"] == ["S(0)"]  # layer 1 is a class of its own now
+    assert pinned.plan.param_placements["layers.1.0.weight"] == (Shard(0),)  # layer 1 is a class of its own now
 
 
 def test_impossible_memory_names_the_device_and_the_sizes():

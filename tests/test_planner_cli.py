@@ -33,6 +33,8 @@ def test_plan_auto_prints_the_choice_and_saves_a_plan_the_lowering_follows(model
     assert "parameter placements (per layer pattern)" in out
     plan = Plan.load(out_file)
     assert plan.name == "auto" and plan.node_strategies  # the planner's strategies travel with the plan
+    assert plan.lowered is not None and plan.lowered.node_placements  # and, apart, what the lowering did
+    assert plan.node_placements and plan.differences() == []  # the lowering followed the planner here
     assert main(["train", model_file, "--plan", str(out_file), "--steps", "2", "--batch-size", "64",
                  "--out", str(tmp_path / "run"), "--sample-bytes", "0"]) == 0
 
@@ -46,6 +48,7 @@ def test_explain_lists_alternatives_and_the_reason(model_file, capsys):
     assert main(["explain", "0.weight", model_file, "--nproc", "2", "--batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "strategy (inputs->outputs)" in out and "chosen" in out and "why:" in out
+    assert "lowered: " in out and "(as planned)" in out  # what the lowering made of the decision, beside it
 
 
 def test_explain_unknown_node_suggests_names(model_file, capsys):

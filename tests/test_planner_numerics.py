@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptdist.compiler.capture import capture
-from adaptdist.compiler.data_parallel import compile_program, lowering_order
+from adaptdist.compiler.lowering import compile_model, lowering_order
 from adaptdist.compiler.planner import plan_auto
 from adaptdist.cost_models.hardware import FixedCluster, LinkFigures
 from adaptdist.runtime.simulate import simulate_ranks
@@ -33,7 +33,7 @@ def test_auto_plan_matches_eager(make, batch, world, kind):
     model, data, loss_fn = make(batch, 8)
     cluster = FixedCluster.uniform([("h", world)]) if kind == "cpu" else _gpus(world)
     result = plan_auto(capture(model, data, loss_fn), cluster)
-    progs = compile_program(model, data, loss_fn, world, result.plan)
+    progs = compile_model(model, data, loss_fn, world, result.plan)
     mesh = result.plan.mesh_spec
     outs = simulate_ranks([p.module for p in progs.values()],
                           [[p.state[f] for f in p.input_fqns] + list(p.local_batch(data)) for p in progs.values()], mesh)

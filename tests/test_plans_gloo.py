@@ -11,7 +11,7 @@ import torch
 import adaptdist.models.gpt as gpt_module
 import adaptdist.models.llama as llama_module
 from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.data_parallel import compile_program, lowering_order
+from adaptdist.compiler.lowering import compile_model, lowering_order
 from adaptdist.mesh import Mesh
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
@@ -54,7 +54,7 @@ def test_plans_sgd_equal_eager(tmp_path, world):
         model, example, loss_fn = FACTORIES[name]()
         batches = [FACTORIES[name](seed=10 + s)[1] for s in range(STEPS)]
         plan = _plan(name, plan_text)
-        programs = compile_program(model, example, loss_fn, world, plan, mesh=mesh_text)
+        programs = compile_model(model, example, loss_fn, world, plan, mesh=mesh_text)
         save_programs(programs, tmp_path / f"case{i}")
         launch_cases.append((str(tmp_path / f"case{i}"), batches, clip))
         prepared.append((f"{name} {plan_text} {mesh_text or ''} clip={clip}", model, loss_fn, batches, programs, clip))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import UsageError
 from adaptdist.runtime.preflight import RANK_OVERHEAD_BYTES, available_memory_bytes, check_host_memory
 from models import tiny_gpt
@@ -10,7 +10,7 @@ from models import tiny_gpt
 
 def test_refuses_ranks_that_do_not_fit_and_names_the_figures():
     model, batch, loss_fn = tiny_gpt(4, 8)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     peak = check_host_memory(progs, "adamw", 2, available_bytes=2**40)
     assert 0 < peak < 64 * 2**20
     with pytest.raises(UsageError, match=r"x 2 local ranks.*GiB available; lower --batch-size or --seq-len"):
@@ -62,7 +62,7 @@ def test_skip_memory_check_is_documented_in_train_help(capsys):
 
 def test_check_host_memory_only_warns_when_not_enforced(caplog):
     model, batch, loss_fn = tiny_gpt(4, 8)
-    progs = compile_data_parallel(model, batch, loss_fn, 2)
+    progs = compile_model(model, batch, loss_fn, 2)
     with caplog.at_level("WARNING", logger="adaptdist.runtime"):
         peak = check_host_memory(progs, "adamw", 2, available_bytes=2**20, enforce=False)
     assert 0 < peak < 64 * 2**20 and "GiB per rank x 2 local ranks" in caplog.text

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from adaptdist import _torch_compat as compat
-from adaptdist.compiler.data_parallel import compile_data_parallel
+from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import AdaptdistError, ProgramLoadError
 from adaptdist.models.gpt import GPT, GPTConfig, lm_loss
 from adaptdist.program import FORMAT_VERSION, MANIFEST, load_program, read_manifest, save_programs
@@ -30,7 +30,7 @@ def compiled():
     tokens = torch.randint(0, 256, (4, 8), generator=g)
     targets = torch.randint(0, 256, (4, 8), generator=g)
     batch = (tokens, targets)
-    return compile_data_parallel(model, batch, lm_loss, WORLD), batch
+    return compile_model(model, batch, lm_loss, WORLD), batch
 
 
 @pytest.fixture(scope="module")

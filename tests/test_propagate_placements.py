@@ -80,14 +80,15 @@ def test_replicate_fallback_runs_unknown_ops_whole_and_warns_once(caplog):
     warnings = [r for r in caplog.records if "replicate fallback" in r.getMessage()]
     assert len(warnings) == 1 and "cumsum" in warnings[0].getMessage()
 
-    from adaptdist.compiler.data_parallel import lower
+    from adaptdist.lowering_options import LoweringOptions
+    from passutil import lower_1d
     from adaptdist.runtime.simulate import simulate_ranks
 
     caplog.clear()
     cg = capture(model, batch, F.mse_loss)
     with caplog.at_level(logging.WARNING, logger="adaptdist.passes"):  # the pipeline propagates twice
-        progs = lower(cg, 2, state={f: dict(model.named_parameters())[f].detach() for f in cg.input_fqns},
-                      replicate_fallback=True)
+        progs = lower_1d(cg, 2, state={f: dict(model.named_parameters())[f].detach() for f in cg.input_fqns},
+                         options=LoweringOptions(replicate_fallback=True))
     assert len([r for r in caplog.records if "replicate fallback" in r.getMessage()]) == 1
     ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
     outs = simulate_ranks([p.module for p in progs.values()], ins)

@@ -14,7 +14,8 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
     from ..compiler.planner.summary import print_summary, run_planner
 
     captured = capture(model, example, loss_fn)
-    result = run_planner(captured, cluster, args.mesh, optimizer, console)
+    result = run_planner(captured, cluster, args.mesh, optimizer, console,
+                         replicate_fallback=bool(getattr(args, "replicate_fallback", False)))
     print_summary(console, result, layers=layers)
     return result.plan, captured
 

@@ -27,7 +27,9 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="optimizer whose state and step are costed")
-    p.add_argument("--bucket-mb", type=float, default=2.0, help="gradient bucket size, MiB (as for train)")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket size, MiB (as for train; default: LoweringOptions', 2)")
+    p.add_argument("--replicate-fallback", action="store_true", help="as for train")
     p.add_argument("--algorithm", choices=("ring", "tree", "auto"), default="ring",
                    help="collective algorithm of the alpha-beta model (auto: the faster per collective)")
     p.add_argument("--symbolic", action="store_true",
@@ -45,18 +47,19 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     import torch
 
     from ..annotations import ManualPlan
-    from ..compiler.data_parallel import compile_program
+    from ..compiler.lowering import compile_model
+    from ..lowering_options import LoweringOptions
     from ..model_spec import ModelSpec
     from ..cost_models.estimate import collectives_summary, estimate_programs, estimate_table
 
-    if args.bucket_mb <= 0:
+    if args.bucket_mb is not None and args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     from ..console import report_console
 
     console = report_console()
     spec = ModelSpec.parse(args.model)
     module = spec.module()
-    bucket_bytes = int(args.bucket_mb * 2**20)
+    options = LoweringOptions.from_mb(args.bucket_mb, replicate_fallback=args.replicate_fallback, front_end="cli")
     optimizer = args.optimizer.replace("-", "_")
     if args.plan == "auto":
         from .common import resolve_plan
@@ -64,17 +67,16 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
         auto, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer)
-        programs = compile_program(model, example, loss_fn, cluster.world_size, auto, bucket_bytes=bucket_bytes,
-                                   captured=captured)
+        programs = compile_model(model, example, loss_fn, cluster.world_size, auto, options, captured=captured)
         plan = ManualPlan(name="auto", mesh_axes=tuple(auto.mesh), batch_axis=auto.batch_axis,
-                          params=tuple((f, tuple(p)) for f, p in auto.param_placements.items()))
+                          params=tuple((f, tuple(map(repr, p))) for f, p in auto.param_placements.items()))
     else:
         plan = ManualPlan.parse(args.plan, module)
 
     def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None):
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(batch_size, seq_len)
-        return compile_program(model, example, loss_fn, world_size, plan, bucket_bytes=bucket_bytes, mesh=mesh), example
+        return compile_model(model, example, loss_fn, world_size, plan, options, mesh=mesh), example
 
     if args.plan != "auto":
         programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh)

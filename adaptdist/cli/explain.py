@@ -10,6 +10,9 @@ from typing import Any, Callable
 from ..compiler.planner.explain import explain
 from ..compiler.planner.summary import print_summary, run_planner
 
+MAX_LOWERED_RANKS = 16
+"""``explain`` lowers the plan to show what the lowering did with the node only up to this many ranks."""
+
 
 def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """``adaptdist explain NODE [model] ...``."""
@@ -41,7 +44,7 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     from ..compiler.planner.explain import find_node
     from ..compiler.planner.graph import build_planning_graph
 
-    find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
+    node = find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
     result = run_planner(captured, cluster, args.mesh, args.optimizer.replace("-", "_"), console)
     print_summary(console, result, layers=False)
     console.print(f"(planned in {time.perf_counter() - t0:.1f} s)")
@@ -58,4 +61,15 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
                       f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
         console.print(t)
         console.print(f"why: {ax.reason}")
+    if cluster.world_size <= MAX_LOWERED_RANKS:  # what the lowering made of the decision, beside it
+        from ..compiler.lowering import compile_model
+        from ..compiler.planner.explain import lowered_lines
+        from ..lowering_options import LoweringOptions
+
+        programs = compile_model(model, example, loss_fn, cluster.world_size, result.plan,
+                                 LoweringOptions(replicate_fallback=bool(getattr(args, "replicate_fallback", False))),
+                                 captured=captured)
+        fqn = args.node if args.node != node else None
+        for line in lowered_lines(programs[0].plan, node, fqn):
+            console.print(line)
     return 0

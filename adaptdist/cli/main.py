@@ -46,6 +46,40 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs (pass timings)")
 
 
+def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
+    """The flags that set :class:`~adaptdist.lowering_options.LoweringOptions` (train, plan, compile; estimate has
+    its own ``--bucket-mb`` in :mod:`adaptdist.cli.estimate`)."""
+    from ..lowering_options import LoweringOptions
+
+    p.add_argument("--bucket-mb", type=_positive(float), default=None,
+                   help="gradient all_reduce / reduce_scatter bucket size, MiB (small buckets overlap with backward; "
+                        f"default {LoweringOptions().bucket_mb:g})")
+    if fallback:
+        p.add_argument("--replicate-fallback", action="store_true",
+                       help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
+                            "lists them) instead of stopping with UnsupportedOpError; --plan auto plans them so too")
+    p.add_argument("--debug-passes", action="store_true",
+                   help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
+    p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
+                   help="skip this lowering pass (repeatable; for debugging a pass; see adaptdist/passes/pipeline.py)")
+
+
+def lowering_options(args: argparse.Namespace):
+    """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
+    ``--replicate-fallback``, ``--dump-graphs``).
+
+    Raises:
+        UsageError: a bucket size that is not > 0.
+    """
+    from ..lowering_options import LoweringOptions
+
+    return LoweringOptions.from_mb(getattr(args, "bucket_mb", None),
+                                   replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
+                                   dump_dir=getattr(args, "dump_graphs", None),
+                                   debug=bool(getattr(args, "debug_passes", False)),
+                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``adaptdist`` argument parser: subcommands ``train`` and ``plan`` with one shared grammar."""
     ap = argparse.ArgumentParser(prog="adaptdist", description="Automatic distributed training for PyTorch.")
@@ -61,9 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); dp,tp: both on "
                         "a 2-D mesh (--mesh dp=2,tp=2); FILE: a plan YAML of parameter globs per mesh axis, or a "
                         "saved plan.json (checked against the model's graph)")
-    t.add_argument("--replicate-fallback", action="store_true",
-                   help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
-                        "lists them) instead of stopping with UnsupportedOpError")
+    _add_lowering(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
@@ -71,13 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip gradients to this global 2-norm (over all shards, as torch.nn.utils.clip_grad_norm_)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
-    t.add_argument("--bucket-mb", type=_positive(float), default=2.0,
-                   help="gradient all_reduce bucket size, MiB (small buckets overlap with backward)")
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
                    help="torch threads per rank; None: cores // ranks, at least 1")
     t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
-    t.add_argument("--dump-graphs", metavar="DIR", help="write the graph after each pass to DIR")
+    t.add_argument("--dump-graphs", metavar="DIR",
+                   help="write the graph before and after each lowering pass, with its op-count diff, to DIR")
     t.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the predicted peak memory of the local ranks exceeds this host's "
                         "available memory (the check then only warns)")
@@ -88,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state the automatic plan must fit")
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
+    _add_lowering(p)
     from .cluster import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
@@ -107,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state for the plan and the report")
     c.add_argument("-o", "--out", metavar="DIR", required=True, help="artifact directory to write")
-    c.add_argument("--replicate-fallback", action="store_true", help="as for train")
+    _add_lowering(c)
     r = sub.add_parser("run", help="train with the artifacts of `adaptdist compile` on local ranks",
                        formatter_class=fmt)
     r.add_argument("artifacts", metavar="DIR", help="the -o directory of `adaptdist compile`")
@@ -135,7 +167,7 @@ def cmd_plan(args) -> int:
 
     from ..compiler.consistency import collective_calls
     from ..console import report_console
-    from ..compiler.data_parallel import compile_program
+    from ..compiler.lowering import compile_model
     from ..model_spec import ModelSpec
 
     console = report_console()
@@ -152,8 +184,8 @@ def cmd_plan(args) -> int:
         console.print(f"(not lowered: {cluster.world_size} ranks; `adaptdist plan` lowers automatic plans of up to "
                       f"{MAX_LOWERED_RANKS} ranks to list each rank's shards and collectives)")
         return 0
-    programs = compile_program(model, example, loss_fn, cluster.world_size, plan,
-                               mesh=args.mesh if captured is None else None, captured=captured)
+    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args),
+                             mesh=args.mesh if captured is None else None, captured=captured)
     p0 = programs[0]
     if captured is not None:
         from ..cost_models.estimate import estimate_programs
@@ -234,7 +266,7 @@ def cmd_train(args) -> int:
     from ..console import report_console
     from safetensors.torch import load_file, save_file
 
-    from ..compiler.data_parallel import compile_program
+    from ..compiler.lowering import compile_model
     from ..model_spec import ModelSpec
     from ..program import save_programs
     from ..runtime.launch import launch_local
@@ -278,9 +310,8 @@ def cmd_train(args) -> int:
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
     plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer, layers=False)
-    programs = compile_program(model, example, loss_fn, nproc, plan, bucket_bytes=int(args.bucket_mb * 2**20),
-                               dump_dir=args.dump_graphs, replicate_fallback=args.replicate_fallback,
-                               mesh=args.mesh if captured is None else None, captured=captured)
+    programs = compile_model(model, example, loss_fn, nproc, plan, lowering_options(args),
+                             mesh=args.mesh if captured is None else None, captured=captured)
     from ..runtime.preflight import check_host_memory
 
     peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
@@ -351,7 +382,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
-                            console=console, replicate_fallback=args.replicate_fallback)
+                            console=console, options=lowering_options(args))
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
     console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))

@@ -80,10 +80,10 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
-                      replicate_fallback: bool = False) -> CompileResult:
+                      options: Any = None) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
-    it, and write the artifact directory (module docstring). ``replicate_fallback``: ops with no sharding
-    rule run whole on every rank (as ``--replicate-fallback``).
+    it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults), and write the
+    artifact directory (module docstring).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -95,7 +95,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     from ..cost_models.estimate import estimate_programs
     from ..program import save_programs
     from .capture import capture
-    from .data_parallel import compile_program
+    from ..lowering_options import LoweringOptions
+    from .lowering import compile_model
     from .planner.summary import print_summary, run_planner
     from .report import render_report
 
@@ -111,7 +112,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     t = time.perf_counter()
     planner = None
     if plan_arg == "auto":
-        planner = run_planner(captured, cluster, mesh, optimizer, console)
+        options = options if options is not None else LoweringOptions()
+        planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback)
         if console is not None:
             print_summary(console, planner)
         plan, mesh = planner.plan, None
@@ -119,8 +121,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         plan = ManualPlan.parse(plan_arg, spec.module())
     phases["planning"] = time.perf_counter() - t
     timings: dict[str, float] = {}
-    programs = compile_program(model, example, loss_fn, cluster.world_size, plan, mesh=mesh, captured=captured,
-                               timings=timings, replicate_fallback=replicate_fallback)
+    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, options, mesh=mesh, captured=captured,
+                             timings=timings)
     phases.update(timings)
     t = time.perf_counter()
     estimate = estimate_programs(programs, cluster, optimizer)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CollectiveMismatchError
+from ..placement import Placement, Replicate
+from ..redistribute import FUNCTIONAL_OP, transition_collective
 from ..program import RankProgram
 
 
@@ -82,50 +84,68 @@ def _compare(ra: int, a_calls: list[CollectiveCall], rb: int, b_calls: list[Coll
         )
 
 
-def implied_collectives(frm: str, to: str, at_output: bool) -> set[str]:
-    """The collective kinds a redistribution ``frm -> to`` (placement texts) lowers to: P->R
-    all_reduce; S->R all_gather; S(i)->S(j) all_to_all; P->S reduce_scatter for a gradient going to its
-    parameter's shard (``at_output``), else all_reduce and a local slice; R->S a local slice."""
-    if frm.startswith("P"):
-        return {"reduce_scatter_tensor"} if to.startswith("S") and at_output else {"all_reduce"}
-    if frm.startswith("S") and to.startswith("S") and frm != to:
-        return {"all_to_all_single"}
-    if frm.startswith("S") and frm != to:
-        return {"all_gather_into_tensor"}
-    return set()
+def implied_collectives(frm: Placement, to: Placement, at_output: bool) -> set[str]:
+    """The ``_c10d_functional`` ops a redistribution ``frm -> to`` lowers to, by the one table
+    (:data:`adaptdist.redistribute.TRANSITIONS`); a P->S not at a gradient going to its parameter's shard
+    (``at_output``) may be an all_reduce and a local slice instead, so it implies either."""
+    kind = transition_collective(frm, to)
+    if kind is None:
+        return set()
+    if kind == "reduce_scatter" and not at_output:
+        return {FUNCTIONAL_OP["all_reduce"]}
+    return {FUNCTIONAL_OP[kind]}
 
 
 def check_against_plan(programs: dict[int, RankProgram], plan) -> None:
-    """Raise unless, on every mesh axis, the programs issue exactly the kinds of collectives the
-    plan's reshard points imply (no collective the plan does not call for, none missing).
+    """Raise unless the programs do what ``plan`` says: the lowering kept every parameter placement the
+    decision fixed (``plan.param_placements``, on axes of size > 1), and on every mesh axis the programs
+    issue exactly the kinds of collectives the lowering's reshard points (``plan.lowered``) imply (no
+    collective it does not call for, none missing). The messages show the decision and the lowering.
 
     Raises:
-        CollectiveMismatchError: names the axis, the collective kind and a node issuing it, or
-            the reshard point whose collective is missing.
+        CollectiveMismatchError: names the parameter (planned vs lowered placement), or the axis, the
+            collective kind and a node issuing it, or the reshard point whose collective is missing.
     """
     p0 = programs[min(programs)]
+    record = plan.lowered
+    if record is None:
+        raise CollectiveMismatchError(f"plan {plan.name!r} carries no lowering record to check the programs against; "
+                                      "this is a lowering bug: please report it with the model")
+    rep = tuple(Replicate() for _ in plan.mesh)
+    for f, planned in plan.param_placements.items():
+        low = record.param_placements.get(f, rep)
+        for k, a in enumerate(plan.mesh):
+            if plan.mesh[a] > 1 and planned[k] != low[k]:
+                raise CollectiveMismatchError(
+                    f"plan {plan.name!r} decided {f} {planned[k]!r} on mesh axis {a!r}, but the lowering placed it "
+                    f"{low[k]!r}; this is a lowering bug: please report it with the model")
     calls = collective_calls(p0)
     for axis in plan.mesh:
         group = f"adaptdist:{axis}"
         implied: dict[str, list[str]] = {}
-        for consumer, src, frm, to, *by in plan.redistributions.get(axis, []):
-            kinds = ({by[0]} - {"local"}) if by else implied_collectives(frm, to, consumer == "output")
+        for r in record.redistributions.get(axis, ()):
+            kinds = {r.collective} - {"local"}
             for kind in kinds:
-                implied.setdefault(kind, []).append(f"{src} -> {consumer} ({frm} -> {to})")
+                implied.setdefault(kind, []).append(f"{r.source} -> {r.consumer} ({r.src!r} -> {r.dst!r})")
         issued: dict[str, str] = {}
         for c in calls:
             if c.group == group:
                 issued.setdefault(c.op, c.node)
         for kind, node in issued.items():
             if kind not in implied:
+                decided = plan.node_strategies.get(node)
                 raise CollectiveMismatchError(
-                    f"rank {p0.rank} issues {kind} on mesh axis {axis!r} (node {node!r}) but plan {plan.name!r} "
-                    f"implies no {kind} there (its reshard points on {axis!r} imply {sorted(implied) or 'none'}); "
-                    "this is a lowering bug: please report it with the model"
+                    f"rank {p0.rank} issues {kind} on mesh axis {axis!r} (node {node!r}) but the lowering of plan "
+                    f"{plan.name!r} records no reshard point needing {kind} there (its reshard points on {axis!r} "
+                    f"imply {sorted(implied) or 'none'}"
+                    + (f"; the planner's strategy for {node!r}: "
+                       + " / ".join(st.text() if st is not None else "-" for st in decided) if decided else "")
+                    + "); this is a lowering bug: please report it with the model"
                 )
         for kind, points in implied.items():
             if kind not in issued:
                 raise CollectiveMismatchError(
-                    f"plan {plan.name!r} implies a {kind} on mesh axis {axis!r} (at {points[0]}) but rank "
-                    f"{p0.rank} issues none there; this is a lowering bug: please report it with the model"
+                    f"the lowering of plan {plan.name!r} records a reshard point needing {kind} on mesh axis {axis!r} "
+                    f"(at {points[0]}) but rank {p0.rank} issues none there; this is a lowering bug: please report "
+                    "it with the model"
                 )

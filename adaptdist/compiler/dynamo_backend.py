@@ -33,7 +33,9 @@ import torch.fx
 
 from .. import _torch_compat as compat
 from ..errors import AdaptdistError, PlanMismatchError, UsageError
+from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh
+from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
@@ -61,6 +63,10 @@ class AdaptdistBackend:
             or a mapping with ``pins``/``forbid``).
         mesh: a fixed mesh (``"dp=2,tp=2"``) for ``auto`` or a manual plan.
         optimizer: sizes optimizer state in the planner's memory model (``adamw``, ``sgd``, ...).
+        bucket_mb: gradient bucket size, MiB (None: :class:`~adaptdist.lowering_options.LoweringOptions`' default,
+            as ``adaptdist train``).
+        replicate_fallback: ops with no sharding rule gather their inputs and run whole on every rank
+            (planned so by ``auto`` too) instead of raising UnsupportedOpError.
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -69,6 +75,8 @@ class AdaptdistBackend:
     constraints: Any = None
     mesh: str | None = None
     optimizer: str = "adamw"
+    bucket_mb: float | None = None
+    replicate_fallback: bool = False
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,22 +126,35 @@ class AdaptdistBackend:
             Mesh.parse(self.mesh)
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"adaptdist.backend(optimizer={self.optimizer!r}): not one of {', '.join(OPTIMIZERS)}")
+        if self.bucket_mb is not None and (isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float))
+                                           or not self.bucket_mb > 0):
+            raise UsageError(f"adaptdist.backend(bucket_mb={self.bucket_mb!r}) takes a number of MiB > 0, or None "
+                             "for the default")
+        if not isinstance(self.replicate_fallback, bool):
+            raise UsageError(f"adaptdist.backend(replicate_fallback={self.replicate_fallback!r}) takes True or False")
+
+    def lowering_options(self) -> LoweringOptions:
+        """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
+        return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
-        step = compile_graph(gm, example_inputs, self)
+        with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
+            step = compile_graph(gm, example_inputs, self)
         self.compiled.append(step)
         return step
 
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
-            optimizer: str = "adamw") -> AdaptdistBackend:
+            optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False
+            ) -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
         UsageError: a bad argument, named with what it takes (a missing cluster file, an unknown plan
-            preset, a malformed mesh or constraints, an unknown optimizer).
+            preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0).
     """
-    return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer)
+    return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer,
+                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback)
 
 
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
@@ -212,9 +233,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                     for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes")
     plan = _plan(captured, inputs, config, world, rank, control)
-    from .data_parallel import lower_plan
+    from .lowering import lower, resolve_plan
 
-    programs = lower_plan(captured, plan, world, mesh=config.mesh if not isinstance(plan, Plan) else None)
+    programs = lower(captured, resolve_plan(plan, captured, world, config.mesh if not isinstance(plan, Plan) else None),
+                     config.lowering_options())
     program = programs[rank]
     io = _rank_io(programs, rank, world)
     step_layouts = _layouts(program, programs, inputs)
@@ -292,7 +314,7 @@ def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
         if dict(other.mesh) != dict(first.mesh) or other.batch_axis != first.batch_axis:
             raise UsageError(f"parameters of this graph were sharded by plans on different meshes ({dict(first.mesh)} "
                              f"and {dict(other.mesh)}, parameter {layout.fqn}); compile the model with one backend")
-    placements = {l.fqn: [l.placements[a] for a in first.mesh] for l in layouts}
+    placements = {l.fqn: tuple(parse_placement(l.placements[a]) for a in first.mesh) for l in layouts}
     return Plan(mesh=dict(first.mesh), batch_axis=first.batch_axis, param_placements=placements,
                 graph_fingerprint=graph_fingerprint(captured.gm), name=f"{first.name} (parameters already sharded)")
 
@@ -310,7 +332,8 @@ def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
         raise UsageError(f"the cluster has {cluster.world_size} ranks but this job has {world}; pass a cluster of "
                          f"{world} devices (or none: the local machine)")
     mesh = Mesh.parse(config.mesh) if config.mesh else None
-    return plan_auto(captured, cluster, mesh=mesh, constraints=config.constraints, optimizer=config.optimizer).plan
+    return plan_auto(captured, cluster, mesh=mesh, constraints=config.constraints, optimizer=config.optimizer,
+                     replicate_fallback=config.replicate_fallback).plan
 
 
 def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:

@@ -128,7 +128,8 @@ def render_report(*, title: str, manifest: Mapping[str, Any], plan: Any, fqns: l
                   estimate: Any | None, planner_summary: str = "", phases_s: Mapping[str, float] | None = None) -> str:
     """The HTML text of ``report.html`` (module docstring)."""
     mesh = dict(plan.mesh)
-    rows = placement_rows(plan.param_placements, fqns, mesh)
+    placed = plan.lowered.param_placements if plan.lowered is not None else plan.param_placements  # as lowered
+    rows = placement_rows({f: [repr(p) for p in pls] for f, pls in placed.items()}, fqns, mesh)
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>",
              "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"

@@ -11,7 +11,7 @@ One job per module (each formula's source is in its module's docstring):
 - :mod:`.overlap`        the two-stream timeline: what communication hides behind computation, idle time;
 - :mod:`.memory`         peak live tensor bytes (``runtime/memory.py``'s metric) by liveness analysis,
                          with parameters, gradients, optimizer state (SGD, momentum, Adam/AdamW) and activations;
-- :mod:`.estimate`       all of it for every rank of ``compile_program``'s output (:func:`estimate_programs`);
+- :mod:`.estimate`       all of it for every rank of ``compile_model``'s output (:func:`estimate_programs`);
 - :mod:`.symbolic`       the same costs as sympy expressions in batch size, sequence length and mesh-axis sizes;
 - :mod:`.hardware`       the cluster interface the models read (a Protocol) and a plain-number cluster;
 - :mod:`.numbers`        arithmetic shared by concrete and symbolic costs.

@@ -1,6 +1,6 @@
 """Predicted step time and peak memory of every rank's lowered program.
 
-:func:`estimate_programs` costs exactly what :func:`~adaptdist.compiler.data_parallel.compile_program`
+:func:`estimate_programs` costs exactly what :func:`~adaptdist.compiler.lowering.compile_model`
 produced: for each rank it builds the program's :class:`~.schedule.StepSchedule`, prices every
 compute node on that rank's device (:mod:`.compute`), every collective on the links between
 its group's ranks (:mod:`.communication`), runs all ranks on the two-stream timeline
@@ -217,7 +217,7 @@ def estimate_programs(programs: Mapping[int, Any], cluster: Any, optimizer: str 
     """Predicted step time and peak memory of each rank's :class:`~adaptdist.program.RankProgram`.
 
     Args:
-        programs: rank -> program, as :func:`~adaptdist.compiler.data_parallel.compile_program` returns.
+        programs: rank -> program, as :func:`~adaptdist.compiler.lowering.compile_model` returns.
         cluster: an :class:`adaptdist.cluster.Cluster` or any :class:`~.hardware.ClusterLike`.
         optimizer: ``sgd``, ``sgd_momentum``, ``adam`` or ``adamw`` (its state and step are costed).
         algorithm: collective algorithm, ``ring``, ``tree`` or ``auto`` (:mod:`.communication`).

@@ -342,7 +342,7 @@ def fit_symbolic_estimate(compile_at: Callable[[SamplePoint], Mapping[int, Any]]
     without it; mesh axes are given up first, then T, then B.
 
     Args:
-        compile_at: a sample point -> ``{rank: RankProgram}`` (e.g. ``compile_program`` of the model built
+        compile_at: a sample point -> ``{rank: RankProgram}`` (e.g. ``compile_model`` of the model built
             for that batch size and sequence length on that mesh).
         cluster: the base point's cluster (:class:`~.hardware.ClusterLike` or ``adaptdist.cluster.Cluster``).
         rank: the rank whose program is costed (every sample must have it; rank 0 always exists).

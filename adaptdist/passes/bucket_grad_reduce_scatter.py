@@ -74,10 +74,6 @@ def bucket_grad_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext) -> tu
         if len(bucket) > 1:
             _merge(graph, bucket, ctx, out, order)
             changed = True
-    if changed:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
     return gm, changed
 
 

@@ -21,7 +21,6 @@ Before/after (two parameters, padded shards of 4x8 and 4)::
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -72,10 +71,6 @@ def bucket_param_allgather(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[
         if len(bucket) > 1:
             _merge(graph, bucket, ctx)
             changed = True
-    if changed:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
     return gm, changed
 
 
@@ -123,7 +118,3 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
         graph.erase_node(old_wait)
         graph.erase_node(old_ag)
 
-
-def padded_numel(pad: torch.fx.Node, largest_rows: int) -> int:
-    """Elements of one rank's padded shard: the largest shard's rows times the other dims."""
-    return largest_rows * math.prod(pad.meta["val"].shape[1:])

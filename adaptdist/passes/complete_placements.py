@@ -28,7 +28,7 @@ from .. import graph_meta as gmeta
 from ..placement import Placement, Replicate, Shard
 from .context import PassContext
 from .decompose_addmm import decompose_addmm
-from .localize_shapes import copy_graph_module
+from .infra import copy_graph_module
 from .propagate_placements import propagate_placements
 from .sharding_rules import tensor_args
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..lowering_options import LoweringOptions
 from ..placement import Placement
 
 
@@ -16,7 +17,7 @@ class PassContext:
         world_size: number of ranks on the (1-D, data-parallel) mesh axis.
         batch_size: global batch size (dim 0 of every batch input).
         mesh_axis: name of the mesh axis the batch is sharded over.
-        bucket_bytes: target size of one gradient all_reduce bucket, bytes.
+        bucket_bytes: target size of one gradient all_reduce bucket, bytes (default: LoweringOptions').
         shard_batch: whether batch inputs are split on dim 0 over the axis (data
             parallel); False keeps them replicated (e.g. a pure tensor-parallel axis).
         gather_bucket_bytes: target size of one bucket of parameter all_gathers, bytes.
@@ -31,9 +32,9 @@ class PassContext:
     world_size: int
     batch_size: int
     mesh_axis: str = "dp"
-    bucket_bytes: int = 25 * 2**20
+    bucket_bytes: int = LoweringOptions.grad_bucket_bytes
     shard_batch: bool = True
-    gather_bucket_bytes: int = 4 * 2**20
+    gather_bucket_bytes: int = LoweringOptions.gather_bucket_bytes
     replicate_fallback: bool = False
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
     node_hints: Mapping[str, Any] = field(default_factory=dict)

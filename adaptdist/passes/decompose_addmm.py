@@ -43,7 +43,4 @@ def decompose_addmm(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.f
         node.replace_all_uses_with(add)
         graph.erase_node(node)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed

@@ -32,7 +32,7 @@ import torch.fx
 from ..placement import Shard
 from .context import PassContext
 from .graph_build import set_fake_val
-from .propagate_placements import placement_of
+from .infra import placement_of
 
 aten = torch.ops.aten
 
@@ -140,9 +140,6 @@ def globalize_reductions(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
                     d.meta["val"] = node.meta["val"]
                 node.replace_all_uses_with(d, delete_user_cb=lambda u: u is not d)
             changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed
 
 

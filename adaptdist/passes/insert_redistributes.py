@@ -52,9 +52,10 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
+from ..redistribute import FUNCTIONAL_OP, transition_collective
 from .context import PassContext
 from .graph_build import add_op
-from .propagate_placements import placement_of
+from .infra import padded_shard_size, placement_of
 from .sharding_rules import tensor_args
 
 aten = torch.ops.aten
@@ -149,7 +150,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     """
     val = x.meta["val"]
     nd, n, w = val.dim(), val.shape[dim], ctx.world_size
-    block = -(-n // w)
+    block = padded_shard_size(n, w)
     mode = getattr(val, "fake_mode", None)
 
     def call(target, args, placement, kind=None, kwargs=None):
@@ -184,7 +185,7 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: Pas
     val = x.meta["val"]
     nd, w = val.dim(), ctx.world_size
     n_i, n_j = val.shape[i], val.shape[j]
-    m_j = -(-n_j // w)
+    m_j = padded_shard_size(n_j, w)
     mode = getattr(val, "fake_mode", None)
     g = ctx.group_name
 
@@ -251,14 +252,13 @@ def grouped_reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, k:
 
 
 def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node, group: str) -> str:
-    """The collective that turns ``src_placement`` into ``target`` at ``consumer`` (see the module docstring)."""
-    if isinstance(src_placement, Partial):
-        if isinstance(target, Shard) and scatter_groups(consumer, src, target, group) is not None:
-            return "reduce_scatter_tensor"
-        return "all_reduce"
-    if isinstance(src_placement, Shard) and src_placement != target:
-        return "all_to_all_single" if isinstance(target, Shard) else "all_gather_into_tensor"
-    return "local"
+    """The ``_c10d_functional`` op that turns ``src_placement`` into ``target`` at ``consumer`` (``local``: none), by
+    :data:`adaptdist.redistribute.TRANSITIONS`; a P->S whose rows are not torch.chunk blocks (of groups) of the
+    consumer's is an all_reduce and a local slice instead (see the module docstring)."""
+    kind = transition_collective(src_placement, target)
+    if kind == "reduce_scatter" and scatter_groups(consumer, src, target, group) is None:
+        kind = "all_reduce"
+    return FUNCTIONAL_OP[kind] if kind is not None else "local"
 
 
 def scatter_groups(consumer: torch.fx.Node, src: torch.fx.Node, target: Shard, group: str) -> int | None:
@@ -401,7 +401,4 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
                           for i, a in enumerate(args))
         gmeta.set_redistribute(node, {})
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed

@@ -28,10 +28,10 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Shard, chunk_interval
-from .bucket_param_allgather import padded_numel
+from .infra import copy_graph_module, padded_numel
 from .sharding_rules import tensor_args
 from .context import PassContext
-from .propagate_placements import placement_of
+from .infra import placement_of
 
 aten = torch.ops.aten
 
@@ -57,16 +57,6 @@ _BATCH_INT_ARG = {
     aten.native_group_norm.default: 3,
     aten.native_group_norm_backward.default: 5,
 }
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A structural copy of ``gm`` whose nodes keep (shallow copies of) their meta."""
-    g = torch.fx.Graph()
-    out = g.graph_copy(gm.graph, {})
-    g.output(out)
-    g.output_node().meta.update(gm.graph.output_node().meta)
-    new = torch.fx.GraphModule(gm, g)
-    return new
 
 
 def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tuple[torch.fx.GraphModule, bool]:

@@ -31,18 +31,10 @@ from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
+from .infra import placement_of
 from .sharding_rules import RuleResult, apply_rule, gather_all, rule_for, tensor_args
 
 log = logging.getLogger("adaptdist.passes")
-AXIS = 0  # the data-parallel mesh axis; an N-D mesh repeats this per axis
-
-
-def placement_of(node: torch.fx.Node):
-    """The placement (or tuple of placements, for multi-output ops) of ``node`` on the DP axis."""
-    layout = gmeta.get_placements(node)
-    if layout is None:
-        raise AssertionError(f"node {node.name} has no placement yet")
-    return layout[AXIS]
 
 
 def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:

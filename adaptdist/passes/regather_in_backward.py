@@ -54,9 +54,6 @@ def regather_in_backward(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         for u in late:
             u.replace_input_with(full, copy)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed
 
 

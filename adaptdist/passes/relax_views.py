@@ -33,6 +33,4 @@ def relax_views(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gr
         if n.op == "call_function" and n.target in (aten.view.default, aten._unsafe_view.default):
             n.target = aten.reshape.default
             changed = True
-    if changed:
-        gm.recompile()
     return gm, changed

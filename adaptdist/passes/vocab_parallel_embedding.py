@@ -30,7 +30,7 @@ from .. import graph_meta as gmeta
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
 from .graph_build import add_op
-from .propagate_placements import placement_of
+from .infra import placement_of
 from .sharding_rules import _arg, vocab_parallel_lookup
 
 aten = torch.ops.aten
@@ -81,7 +81,4 @@ def vocab_parallel_embedding(gm: torch.fx.GraphModule, ctx: PassContext) -> tupl
             bw.args = (g, safe, bw.args[2], padding_idx, *bw.args[4:])
             gmeta.set_vocab_bounds(bw, "backward", table, ctx.group_name)
         changed = True
-    if changed:
-        graph.lint()
-        gm.recompile()
     return gm, changed

@@ -38,7 +38,7 @@ from .. import graph_meta as gmeta
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
 from .graph_build import add_op
-from .propagate_placements import placement_of
+from .infra import placement_of
 from .sharding_rules import vocab_parallel_nll
 
 aten = torch.ops.aten
@@ -124,8 +124,4 @@ def vocab_parallel_loss(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[tor
                     g = add_op(graph, aten.div.Tensor, (g, count), R)
             node.args = (g, logp, local_y, None, _SUM, _LOCAL_IGNORE, count)
             changed = True
-    if changed:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
     return gm, changed

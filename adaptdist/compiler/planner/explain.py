@@ -52,7 +52,7 @@ def layer_rows(result: PlannerResult) -> list[tuple[str, str, int]]:
     names = list(result.plan.mesh)
     rows: dict[tuple[str, str], int] = {}
     for pn in result.graph.params():
-        pls = result.plan.param_placements.get(pn.fqn, ["R"] * len(names))
+        pls = [repr(p) for p in result.plan.param_placements.get(pn.fqn, ())] or ["R"] * len(names)
         text = " ".join(f"{a}:{p}" for a, p in zip(names, pls))
         key = (_LAYER.sub(".*.", pn.fqn or pn.name), text)
         rows[key] = rows.get(key, 0) + 1
@@ -107,6 +107,34 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
         chosen = alts[choice[i]]
         out.append(AxisExplanation(axis, v.key, len(v.members) + len(v.followers), alts,
                                    _reason(prob, i, choice, alts, chosen)))
+    return out
+
+
+def lowered_lines(plan, node: str, fqn: str | None = None) -> list[str]:
+    """What the lowering did with ``node`` under ``plan`` (a plan carrying its :class:`~adaptdist.plan.LoweringRecord`,
+    as the lowered programs do): its placement per mesh axis against the planner's, and the lowering's departures
+    from the planner's strategies (``adaptdist explain`` prints these lines). ``fqn``: the parameter ``node``
+    holds (its planned placement is the plan's parameter placement, replicated when the plan lists none)."""
+    record = plan.lowered
+    if record is None:
+        return ["(not lowered)"]
+    out = []
+    low = record.node_placements.get(node)
+    planned = plan.node_placements.get(node)
+    if fqn is not None:
+        from ...placement import Replicate
+
+        planned = plan.param_placements.get(fqn, tuple(Replicate() for _ in plan.mesh))
+    if low is None:
+        out.append(f"lowered: {node} is not a node of the lowered graph (a view or an op the lowering rewrote)")
+    else:
+        text = ", ".join(f"{a}: {p!r}" for a, p in zip(plan.mesh, low))
+        if planned is None or tuple(planned) == tuple(low):
+            out.append(f"lowered: {text}" + (" (as planned)" if planned is not None else ""))
+        else:
+            out.append(f"lowered: {text}; differs from the planner's "
+                       + ", ".join(f"{a}: {p!r}" for a, p in zip(plan.mesh, planned)))
+    out += [f"departure: {d.line()}" for d in record.departures]
     return out
 
 

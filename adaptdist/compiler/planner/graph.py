@@ -38,7 +38,7 @@ from ...cost_models import compute as compute_cost
 from ...cost_models.hardware import op_overhead_s
 from ...passes.context import PassContext
 from ...passes.decompose_addmm import decompose_addmm
-from ...passes.localize_shapes import copy_graph_module
+from ...passes.infra import copy_graph_module
 from ...passes.sharding_rules import tensor_args
 from ..capture import CapturedGraph
 

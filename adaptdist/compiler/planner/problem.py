@@ -40,6 +40,7 @@ from ...passes.context import PassContext
 from ...passes.list_strategies import node_strategies
 from ...passes.sharding_rules import tensor_args
 from ...placement import Partial, Placement, Replicate, Shard
+from ...redistribute import transition_collective
 from ...strategy import Strategy
 from .graph import PlanningGraph
 
@@ -60,14 +61,8 @@ def splits(s: Strategy) -> bool:
 def reshard_collective(src: Placement | None, dst: Placement | None) -> str | None:
     """The collective that turns ``src`` into ``dst`` on one axis (None: nothing to do or a local slice):
     P->R all_reduce, P->S reduce_scatter, S->R all_gather, S(i)->S(j) all_to_all, S->P all_gather
-    (then a local zeroing), R->S and R->P local."""
-    if src is None or dst is None or src == dst:
-        return None
-    if isinstance(src, Partial):
-        return "reduce_scatter" if isinstance(dst, Shard) else "all_reduce"
-    if isinstance(src, Shard):
-        return "all_to_all" if isinstance(dst, Shard) else "all_gather"
-    return None
+    (then a local zeroing), R->S and R->P local: :func:`adaptdist.redistribute.transition_collective`."""
+    return transition_collective(src, dst)
 
 
 def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,
@@ -202,15 +197,18 @@ def pinned_nodes(pg: PlanningGraph, constraints: Constraints) -> dict[str, str]:
     return {k: ";".join(v) for k, v in out.items()}
 
 
-def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict) -> dict[str, list[Strategy]]:
+def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict, replicate_fallback: bool = False
+                       ) -> dict[str, list[Strategy]]:
     """Each node's candidate strategies on an axis of ``n`` ranks (list_strategies' candidates, memoized
     by node signature): batch inputs ``S(0)`` on the batch axis and ``R`` elsewhere; outputs never
-    sharded on a dim shorter than ``n`` (every rank would hold a sliver or nothing).
+    sharded on a dim shorter than ``n`` (every rank would hold a sliver or nothing). With ``replicate_fallback``
+    an op with no strategy gathers its inputs and runs whole on every rank (the lowering's ``--replicate-fallback``).
 
     Raises:
         UnsupportedOpError: a node has no strategy at all (names op, node and shapes).
     """
-    ctx = PassContext(world_size=n, batch_size=pg.batch_size, mesh_axis="plan", shard_batch=batch_axis)
+    ctx = PassContext(world_size=n, batch_size=pg.batch_size, mesh_axis="plan", shard_batch=batch_axis,
+                      replicate_fallback=replicate_fallback)
     out: dict[str, list[Strategy]] = {}
     for name in pg.order:
         fx = pg.fx_nodes[name]
@@ -220,7 +218,7 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict)
         if pn.kind == "batch":
             out[name] = [Strategy((), (Shard(0) if batch_axis and pg.batch_size > 1 else R,), "adaptdist")]
             continue
-        key = (pn.signature, n, batch_axis)
+        key = (pn.signature, n, batch_axis, replicate_fallback)
         if key not in cache:
             found = node_strategies(fx, ctx)
             keep = [s for s in found if all(
@@ -231,6 +229,8 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict)
                 keep = [st for st in keep if _view_shards_align(fx, st, n)]
             if not keep and fx.op == "call_function" and not tensor_args(fx):
                 keep = [Strategy((), (R,), "adaptdist")]  # a factory op (arange, zeros): made whole on every rank
+            if not keep and fx.op == "call_function" and replicate_fallback:
+                keep = [Strategy((R,) * len(tensor_args(fx)), (R,), "adaptdist")]  # gathered, run whole
             if not keep and fx.op == "call_function":
                 raise UnsupportedOpError(f"op {fx.target} at node {name!r} ({gmeta.shape_str(fx)}) has no sharding "
                                          "strategy the planner can use; see adaptdist/passes/sharding_rules.py")

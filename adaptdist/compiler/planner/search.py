@@ -37,6 +37,7 @@ from ...cost_models.memory import optimizer_model
 from ...errors import PlanInfeasibleError, UsageError
 from ...mesh import Mesh
 from ...plan import Plan, graph_fingerprint
+from ...placement import Placement, Replicate
 from ...strategy import Strategy
 from ..capture import CapturedGraph
 from .graph import PlanningGraph, build_planning_graph
@@ -209,8 +210,8 @@ def _hint(problem: AxisProblem, previous: Mapping[str, Strategy] | None) -> list
 def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constraints: Constraints, state_copies: int,
                     capacity_bytes: float, cache: dict, time_limit_s: float,
                     warm: Mapping[str, Mapping[str, Strategy]] | None = None, rounds: int = MAX_ROUNDS,
-                    start: Mapping[str, Mapping[str, Strategy]] | None = None, searcher: Callable = solve
-                    ) -> tuple[Evaluation, dict[str, AxisSolution], dict[str, dict[str, Strategy]]]:
+                    start: Mapping[str, Mapping[str, Strategy]] | None = None, searcher: Callable = solve,
+                    replicate_fallback: bool = False) -> tuple[Evaluation, dict[str, AxisSolution], dict[str, dict[str, Strategy]]]:
     """Coordinate descent over ``c``'s axes (module docstring), ``rounds`` rounds from ``start`` (each axis's
     strategies from an earlier call; None: every axis unsolved), each axis solved by ``searcher`` (the ILP's
     :func:`~.ilp.solve`, or the baseline :func:`~.random_walk.random_walk`); returns the evaluation, each
@@ -223,7 +224,7 @@ def solve_candidate(pg: PlanningGraph, c: MeshCandidate, cluster: Any, constrain
     chosen: dict[str, dict[str, Strategy] | None] = {a: (dict(start[a]) if start and a in start else None)
                                                      for a in order}  # a warm plan only hints
     sols: dict[str, AxisSolution] = {}
-    strat = {a: strategies_on_axis(pg, c.mesh.size(a), a == c.batch_axis, cache) for a in order}
+    strat = {a: strategies_on_axis(pg, c.mesh.size(a), a == c.batch_axis, cache, replicate_fallback) for a in order}
     for rnd in range(rounds):
         changed = False
         for a in order:
@@ -278,7 +279,7 @@ def _check_pins(pg: PlanningGraph, constraints: Constraints) -> None:
 def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None, batch_axis: str | None = None,
               constraints: Constraints | None = None, optimizer: str = "adamw", time_limit_s: float = 30.0,
               previous: Plan | None = None, progress: Callable[[str], None] | None = None,
-              searcher: str = "ilp") -> PlannerResult:
+              searcher: str = "ilp", replicate_fallback: bool = False) -> PlannerResult:
     """Choose the mesh shape (unless ``mesh`` is given) and every node's strategy (module docstring).
 
     Args:
@@ -292,6 +293,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         previous: an earlier automatic plan to warm-start from: on its mesh shape, the descent starts from
             its strategies (and MIP backends that take hints get them).
         searcher: ``ilp`` (the default) or ``random_walk`` (the baseline of :mod:`.random_walk`).
+        replicate_fallback: ops with no sharding strategy run whole on every rank (their inputs gathered)
+            instead of raising UnsupportedOpError (``--replicate-fallback``).
 
     Raises:
         PlanInfeasibleError: no mesh shape fits the memory, or the pins contradict (message says which).
@@ -338,7 +341,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             start = warm if warm is not None and previous is not None and dict(previous.mesh) == c.mesh.as_dict() \
                 else None
             found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s, warm,
-                                       rounds=1 if screen else MAX_ROUNDS, searcher=search_fn, start=start)
+                                       rounds=1 if screen else MAX_ROUNDS, searcher=search_fn, start=start,
+                                       replicate_fallback=replicate_fallback)
         except Infeasible as e:
             tried.append((c, f"infeasible ({e})"))
     if screen:
@@ -348,7 +352,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
                 progress(f"refine mesh {c}")
             try:
                 found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s,
-                                           warm, rounds=MAX_ROUNDS - 1, start=found[c][2], searcher=search_fn)
+                                           warm, rounds=MAX_ROUNDS - 1, start=found[c][2], searcher=search_fn,
+                                           replicate_fallback=replicate_fallback)
             except Infeasible as e:
                 tried.append((c, f"infeasible ({e})"))
                 del found[c]
@@ -384,30 +389,29 @@ def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | N
     coordinate descent from; None for a plan without them."""
     if previous is None or not previous.node_strategies:
         return None
-    out: dict[str, dict[str, Strategy]] = {a: {} for a in previous.mesh}
-    for k, a in enumerate(previous.mesh):
-        for n, texts in previous.node_strategies.items():
-            if texts[k]:
-                out[a][n] = Strategy.parse(texts[k])
-    return out
+    return previous.axis_hints()
 
 
 def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chosen: Mapping[str, Mapping[str, Strategy]]
              ) -> Plan:
     names = c.mesh.names
 
-    def place(node: str, a: str) -> str:
+    def place(node: str, a: str) -> Placement:
         s = chosen.get(a, {}).get(node)
-        return repr(s.outputs[0]) if s is not None and s.outputs and s.outputs[0] is not None else "R"
+        return s.outputs[0] if s is not None and s.outputs and s.outputs[0] is not None else Replicate()
 
     params = {}
     for pn in pg.params():
-        pls = [place(pn.name, a) for a in names]
-        if any(p != "R" for p in pls):
+        pls = tuple(place(pn.name, a) for a in names)
+        if any(not isinstance(p, Replicate) for p in pls):
             params[pn.fqn] = pls
     ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]
-    nodes = {n: [place(n, a) for a in names] for n in ops}
-    strategies = {n: [chosen[a][n].text() if n in chosen.get(a, {}) else "" for a in names] for n in ops}
+    def node_place(node: str, a: str) -> Any:
+        s = chosen.get(a, {}).get(node)
+        return tuple(s.outputs) if s is not None and len(s.outputs) > 1 else place(node, a)  # one per output
+
+    nodes = {n: tuple(node_place(n, a) for a in names) for n in ops}
+    strategies = {n: tuple(chosen.get(a, {}).get(n) for a in names) for n in ops}
     return Plan(mesh=c.mesh.as_dict(), batch_axis=c.batch_axis, param_placements=params,
                 graph_fingerprint=graph_fingerprint(captured.gm), node_placements=nodes, name="auto",
                 node_strategies=strategies)

@@ -10,19 +10,19 @@ from .explain import layer_rows
 from .search import PlannerResult, plan_auto
 
 
-def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None
-                ) -> PlannerResult:
+def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None,
+                replicate_fallback: bool = False) -> PlannerResult:
     """:func:`plan_auto` on ``captured`` for ``cluster`` (``mesh``: a fixed ``"dp=2,tp=2"``), with a status line
-    while it searches."""
+    while it searches; ``replicate_fallback`` as ``--replicate-fallback``."""
     from ...mesh import Mesh
 
     fixed = Mesh.parse(mesh) if mesh else None
     if fixed is not None and fixed.world_size != cluster.world_size:
         raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
     if console is None:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer)
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback)
     with console.status("planning") as status:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
                          progress=lambda text: status.update(f"planning: {text}"))
 
 
@@ -60,7 +60,8 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                           "model is not that exact: the first in order wins, a batch axis before none and fewer axes "
                           "before more)")
     if not layers:
-        sharded = {f: p for f, p in plan.param_placements.items() if any(x != "R" for x in p)}
+        sharded = {f: "[" + ", ".join(map(repr, p)) + "]" for f, p in plan.param_placements.items()
+                   if any(repr(x) != "R" for x in p)}
         total = len(result.graph.params())
         console.print(f"parameters: {total - len(sharded)} of {total} replicated on every axis"
                       + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"

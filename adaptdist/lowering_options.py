@@ -1,0 +1,122 @@
+"""LoweringOptions: how a plan is lowered into rank programs (bucket sizes, fallback, dumps, checks).
+
+Defined once, with its defaults, in the data model: every front end (``adaptdist train``, ``plan``,
+``estimate``, ``compile`` and the torch.compile backend) builds one, so the same captured graph, plan
+and options give the same programs whichever command lowers them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import AdaptdistError, UsageError
+
+MIB = 2**20
+
+FRONT_ENDS = ("cli", "backend")
+"""Where a lowering is asked for: the ``adaptdist`` command or ``adaptdist.backend(...)``; error advice
+names that entry point's flags or arguments."""
+
+
+@dataclass(frozen=True)
+class LoweringOptions:
+    """Settings of one lowering (:func:`adaptdist.compiler.lowering.lower`).
+
+    Attributes:
+        grad_bucket_bytes: target size of one gradient all_reduce / reduce_scatter bucket, bytes
+            (``--bucket-mb``; 2 MiB: small buckets overlap with backward, measured faster in RESULTS.md).
+        gather_bucket_bytes: target size of one bucket of parameter all_gathers, bytes.
+        replicate_fallback: ops with no sharding rule gather their inputs and run whole on every rank
+            (one warning lists them) instead of raising UnsupportedOpError.
+        dump_dir: write the graph before and after each pass here, with an op-count diff (None: no dumps).
+        debug: run the graph invariant checks of ``passes/README.md`` after every pass.
+        disabled_passes: names of passes to skip (see ``lowering.PASSES``); for debugging a pass.
+        front_end: ``"cli"`` or ``"backend"``: which entry point's flags error messages advise.
+
+    Raises:
+        UsageError: a bucket size below 1 byte, an unknown front end, or disabled_passes not a tuple of names.
+    """
+
+    grad_bucket_bytes: int = 2 * MIB
+    gather_bucket_bytes: int = 4 * MIB
+    replicate_fallback: bool = False
+    dump_dir: str | None = None
+    debug: bool = False
+    disabled_passes: tuple[str, ...] = ()
+    front_end: str = "cli"
+
+    def __post_init__(self) -> None:
+        for name in ("grad_bucket_bytes", "gather_bucket_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"LoweringOptions.{name} must be an int >= 1 (bytes), got {v!r}")
+        if not isinstance(self.replicate_fallback, bool):
+            raise UsageError(f"LoweringOptions.replicate_fallback must be True or False, got {self.replicate_fallback!r}")
+        if not isinstance(self.debug, bool):
+            raise UsageError(f"LoweringOptions.debug must be True or False, got {self.debug!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise UsageError(f"LoweringOptions.dump_dir must be a directory path (str) or None, got {self.dump_dir!r}")
+        if not isinstance(self.disabled_passes, tuple) or not all(isinstance(p, str) for p in self.disabled_passes):
+            raise UsageError(f"LoweringOptions.disabled_passes must be a tuple of pass names, got {self.disabled_passes!r}")
+        if self.front_end not in FRONT_ENDS:
+            raise UsageError(f"LoweringOptions.front_end must be one of {FRONT_ENDS}, got {self.front_end!r}")
+
+    @staticmethod
+    def from_mb(bucket_mb: float | None = None, **kw) -> "LoweringOptions":
+        """Options with the gradient bucket given in MiB (``--bucket-mb``, ``backend(bucket_mb=...)``); None: the
+        default. Other keywords as the attributes.
+
+        Raises:
+            UsageError: ``bucket_mb`` not a number > 0.
+        """
+        if bucket_mb is None:
+            return LoweringOptions(**kw)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise UsageError(f"the gradient bucket size must be a number of MiB > 0, got {bucket_mb!r}")
+        return LoweringOptions(grad_bucket_bytes=max(1, int(bucket_mb * MIB)), **kw)
+
+    @property
+    def bucket_mb(self) -> float:
+        """:attr:`grad_bucket_bytes` in MiB."""
+        return self.grad_bucket_bytes / MIB
+
+
+_BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"; without --nproc and --cluster a saved plan brings its mesh"), ""),
+    (re.compile(r"(?:pass )?--replicate-fallback"), "pass adaptdist.backend(..., replicate_fallback=True)"),
+    (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
+    (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
+    (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),
+    (re.compile(r"run with -v for the traceback"),
+     "set logging.getLogger('adaptdist').setLevel(logging.DEBUG) for the traceback"),
+    (re.compile(r"\(--nproc/--cluster\)"), "(the torchrun job)"),
+    (re.compile(r"--nproc (\d+)(?:, or a cluster of that size)?"), r"torchrun --nproc-per-node \1"),
+)
+"""Command-line advice -> what ``adaptdist.backend(...)`` takes instead."""
+
+
+def advice_for(message: str, front_end: str) -> str:
+    """``message`` with its advice written for ``front_end``: the flags of the command line (``cli``, as
+    written) or the arguments of ``adaptdist.backend(...)`` (``backend``)."""
+    if front_end != "backend":
+        return message
+    for pattern, repl in _BACKEND_ADVICE:
+        message = pattern.sub(repl, message)
+    return message
+
+
+@contextlib.contextmanager
+def advice_fitting(front_end: str) -> Iterator[None]:
+    """Re-raise any :class:`~adaptdist.errors.AdaptdistError` from the block with its advice written for
+    ``front_end`` (:func:`advice_for`): the same error, its message rewritten."""
+    try:
+        yield
+    except AdaptdistError as e:
+        if front_end == "backend" and e.args and isinstance(e.args[0], str):
+            fitted = advice_for(e.args[0], front_end)
+            if fitted != e.args[0]:
+                e.args = (fitted,) + e.args[1:]
+        raise

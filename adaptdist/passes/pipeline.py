@@ -1,0 +1,36 @@
+"""The lowering's pass pipeline, as data: one ordered tuple, run by :func:`.infra.run_pipeline` once per mesh
+axis (``passes/README.md`` describes each pass; ``tests/test_pass_pipeline.py`` checks its table against
+:data:`PASSES`)."""
+
+from __future__ import annotations
+
+from .bucket_grad_allreduce import bucket_grad_allreduce
+from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
+from .bucket_param_allgather import bucket_param_allgather
+from .combine_partial_sums import combine_partial_sums
+from .decompose_addmm import decompose_addmm
+from .globalize_reductions import globalize_reductions
+from .infra import Pass
+from .insert_redistributes import insert_redistributes
+from .propagate_placements import propagate_placements
+from .regather_in_backward import regather_in_backward
+from .relax_views import relax_views
+from .vocab_parallel_embedding import vocab_parallel_embedding
+from .vocab_parallel_loss import vocab_parallel_loss
+
+PASSES: tuple[Pass, ...] = (
+    decompose_addmm,
+    propagate_placements,
+    combine_partial_sums,
+    globalize_reductions,
+    propagate_placements,
+    insert_redistributes,
+    vocab_parallel_embedding,
+    vocab_parallel_loss,
+    regather_in_backward,
+    bucket_param_allgather,
+    bucket_grad_reduce_scatter,
+    bucket_grad_allreduce,
+    relax_views,
+)
+"""The passes of one mesh axis's lowering, in order (``propagate_placements`` runs twice)."""

@@ -1,0 +1,117 @@
+"""Error advice fits where it is given: the command's flags from `adaptdist ...`, the backend's arguments from
+`adaptdist.backend(...)` (LoweringOptions.front_end); the backend's lowering arguments (bucket_mb,
+replicate_fallback) are checked where written; `--plan auto` honours --replicate-fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptdist
+from adaptdist.annotations import ManualPlan
+from adaptdist.compiler.capture import capture
+from adaptdist.compiler.lowering import lower, resolve_plan
+from adaptdist.errors import UnsupportedOpError, UsageError
+from adaptdist.lowering_options import LoweringOptions, advice_fitting
+
+
+class CumSum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.fc(x), dim=0)  # over the batch dim: no rule for a split batch
+
+
+def _cumsum_step():
+    torch.manual_seed(0)
+    return capture(CumSum(), (torch.randn(6, 4), torch.randn(6, 4)), F.mse_loss)
+
+
+@pytest.mark.parametrize("front_end", ["cli", "backend"])
+def test_no_sharding_rule_advises_the_fallback_of_the_entry_point(front_end):
+    cg = _cumsum_step()
+    plan = resolve_plan(ManualPlan.parse("dp"), cg, 2)
+    with pytest.raises(UnsupportedOpError, match="no sharding rule") as e:
+        lower(cg, plan, LoweringOptions(front_end=front_end))
+    text = str(e.value)
+    if front_end == "cli":
+        assert "--replicate-fallback" in text
+    else:
+        assert "adaptdist.backend(..., replicate_fallback=True)" in text and "--" not in text
+    programs = lower(cg, plan, LoweringOptions(front_end=front_end, replicate_fallback=True))  # the advice works
+    assert len(programs) == 2
+
+
+@pytest.mark.parametrize("front_end", ["cli", "backend"])
+def test_mesh_advice_names_the_mesh_argument_of_the_entry_point(front_end):
+    import adaptdist.models.gpt as gpt_module
+    from models import tiny_gpt
+
+    model, batch, loss = tiny_gpt(4, 8)
+    cg = capture(model, batch, loss)
+    with pytest.raises(UsageError) as e, advice_fitting(front_end):
+        resolve_plan(ManualPlan.parse("dp,tp", gpt_module), cg, 4, mesh="dp=4")
+    text = str(e.value)
+    if front_end == "cli":
+        assert text.startswith("--mesh 'dp=4' has axes ['dp']") and "--mesh dp=N,tp=N" in text
+    else:
+        assert text.startswith("adaptdist.backend(mesh='dp=4') has axes ['dp']") and "--" not in text
+        assert "adaptdist.backend(mesh='dp=N,tp=N')" in text
+
+
+def test_the_backend_rewrites_the_advice_of_every_error_it_raises(monkeypatch):
+    import adaptdist.compiler.dynamo_backend as db
+
+    def fails(gm, example_inputs, config):
+        raise UsageError("rank 1 reads the inputs of ranks [0, 1]; list the batch axis first in --mesh / the plan file; "
+                         "internal: run with -v for the traceback; --plan dp may avoid it")
+
+    monkeypatch.setattr(db, "compile_graph", fails)
+    with pytest.raises(UsageError) as e:
+        adaptdist.backend(plan="dp")(None, [])
+    text = str(e.value)
+    assert "adaptdist.backend(mesh=...)" in text and "adaptdist.backend(plan='dp')" in text and "-v" not in text
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bucket_mb=0), r"bucket_mb=0\) takes a number of MiB > 0"),
+    (dict(bucket_mb="big"), r"bucket_mb='big'\)"),
+    (dict(replicate_fallback="yes"), r"replicate_fallback='yes'\) takes True or False"),
+])
+def test_bad_lowering_arguments_of_the_backend_fail_where_written(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        adaptdist.backend(**kwargs)
+
+
+def test_backend_lowering_options_are_the_commands_defaults_unless_given():
+    assert adaptdist.backend().lowering_options() == LoweringOptions(front_end="backend")
+    opts = adaptdist.backend(bucket_mb=0.5, replicate_fallback=True).lowering_options()
+    assert opts.grad_bucket_bytes == 2**19 and opts.replicate_fallback and opts.front_end == "backend"
+
+
+@pytest.mark.parametrize("kwargs", [dict(grad_bucket_bytes=0), dict(gather_bucket_bytes=1.5), dict(front_end="web"),
+                                    dict(disabled_passes=["relax_views"]), dict(replicate_fallback=1)])
+def test_lowering_options_are_checked(kwargs):
+    with pytest.raises(UsageError, match="LoweringOptions"):
+        LoweringOptions(**kwargs)
+
+
+def test_plan_auto_honours_replicate_fallback(monkeypatch):
+    """An op with no strategy at all stops the planner, unless --replicate-fallback: then it is planned
+    replicated (its inputs gathered) and the plan lowers."""
+    import adaptdist.compiler.planner.problem as problem
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.compiler.planner import plan_auto
+
+    real = problem.node_strategies
+    monkeypatch.setattr(problem, "node_strategies", lambda fx, ctx: [] if fx.target is torch.ops.aten.cumsum.default
+                        else real(fx, ctx))
+    cg = _cumsum_step()
+    with pytest.raises(UnsupportedOpError, match="cumsum"):
+        plan_auto(cg, local_cluster(2))
+    plan = plan_auto(cg, local_cluster(2), replicate_fallback=True).plan
+    assert lower(cg, plan, LoweringOptions(replicate_fallback=True))
