@@ -121,7 +121,7 @@ def test_internal_error_advice_fits_the_entry_point_and_the_plan(front_end, plan
 
 
 def test_the_commands_set_the_pipeline_options():
-    from adaptdist.cli import build_parser, lowering_options
+    from adaptdist.cli.main import build_parser, lowering_options
 
     args = build_parser().parse_args(["compile", "-o", "x", "--bucket-mb", "0.5", "--debug-passes",
                                       "--disable-pass", "relax_views", "--replicate-fallback"])
