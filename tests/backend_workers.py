@@ -34,10 +34,30 @@ def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
     return model, (x, y), lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten())
 
 
+class ScalarLoss(torch.nn.Module):
+    """Returns its own scalar loss, with Python scalars in the arithmetic (Dynamo lifts them to tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.sqrt((y * y).sum() + 1e-3) * 0.1 + 0.5
+
+
+def scalar_loss(batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = ScalarLoss()
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch, 8, generator=g), torch.zeros(batch)), lambda out, _: out
+
+
 FACTORIES = {
     "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4),
     "mlp": lambda batch: mlp(batch, seed=0),
     "hf_gpt2": hf_gpt2,
+    "scalar_loss": scalar_loss,
 }
 
 

@@ -1117,6 +1117,11 @@ def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> Rule
     Raises:
         UnsupportedOpError: neither source has a strategy and some input is sharded or partial.
     """
+    if not tensor_args(node):
+        # made from Python values alone, e.g. ``_to_copy(0.5, dtype=f32)`` for a scalar in the model's
+        # arithmetic: the same on every rank
+        v = gmeta.val(node)
+        return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
     rule = rule_for(node)
     if rule is not None:
         res = rule(node, pl)
