@@ -319,7 +319,7 @@ def lower_plan(captured: CapturedGraph, plan: Any, world_size: int, *, mesh: str
     m = plan.mesh(world_size, mesh)
     shapes = {gmeta.get_fqn(p): tuple(p.meta["val"].shape) for p in captured.gm.graph.find_nodes(op="placeholder")
               if gmeta.get_role(p) != "batch"}
-    placements = plan.axis_placements(shapes, set(captured.param_fqns))
+    placements = plan.axis_placements(shapes, set(captured.param_fqns), {a: m.size(a) for a in m.names})
     return lower_mesh(captured, m, batch_axis=plan.batch_axis, axis_placements=placements,
                       bucket_bytes=bucket_bytes, state=state, dump_dir=dump_dir, plan_name=plan.name,
                       replicate_fallback=replicate_fallback, timings=timings)

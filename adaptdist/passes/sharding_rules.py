@@ -720,12 +720,16 @@ def nll_loss_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
             if isinstance(pl(node.args[i]), Partial):
                 needs[(i,)] = R
         return RuleResult(R, needs)
-    if not isinstance(px, Shard):
+    if len(shape(x)) < 2:
+        return gather_all(node, pl, "only the batch dim (0) of the loss input may be sharded")
+    # the gradient is laid out by sample (dim 0), as the forward's sharded loss input: log-probabilities
+    # sharded by class (S(1)) with batch-sharded targets are moved to the batch dim first
+    if px != Shard(0):
         needs[(1,)] = Shard(0)
-    if not isinstance(pt, Shard):
+    if pt != Shard(0):
         needs[(2,)] = Shard(0)
     if reduction == 0:
-        if not isinstance(pl(g), Shard):
+        if pl(g) != Shard(0):
             needs[(0,)] = Shard(0)
     elif not isinstance(pl(g), Replicate):
         needs[(0,)] = R
