@@ -144,3 +144,29 @@ def hf_vit(batch_size: int = 5, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 1)
     return model, (torch.randn(batch_size, 3, 8, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)), \
         F.cross_entropy
+
+
+class _HFLlama(nn.Module):
+    def __init__(self, attn: str = "eager"):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16, use_cache=False, attn_implementation=attn)
+        self.model = LlamaForCausalLM(cfg)
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+HF_LLAMA_TP_PLAN = {"model.model.layers.*.self_attn.k_proj.weight": "S(0)"}  # GQA: 2 kv heads for 4 query heads
+
+
+def hf_llama(batch_size: int = 4, seq_len: int = 8, seed: int = 0):
+    """Hugging Face LLaMA from a config (GQA, eager attention; random weights, no download)."""
+    torch.manual_seed(0)
+    model = _HFLlama()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 32, (batch_size, seq_len), generator=g)
+    y = torch.randint(0, 32, (batch_size, seq_len), generator=g)
+    return model, (x, y), lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten())
