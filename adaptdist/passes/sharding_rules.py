@@ -15,7 +15,8 @@ divided by the global count.
 Where a known op cannot consume a sharded input as it is (a view that splits the
 shard, a softmax or max over the sharded dim, a concatenation along it), the rule
 asks for every input replicated (:func:`gather_all`): correct, at the price of an
-all_gather. Only ops with no rule at all are refused:
+all_gather. An op without a rule of ours takes DTensor's strategy that moves the least
+(:func:`dtensor_choice`, the strategies the planner lists too). Only ops with neither are refused:
 :class:`~adaptdist.errors.UnsupportedOpError` names the op, node, shapes and
 placements, and says what to try.
 """
@@ -1048,7 +1049,6 @@ def dtensor_node_strategies(node: torch.fx.Node, mesh_size: int) -> list[Strateg
     return out or None
 
 
-
 def _reshard_bytes(src: Placement, dst: Placement, nbytes: int, n: int) -> float | None:
     """Bytes one rank receives to turn ``src`` into ``dst`` over ``n`` ranks (None: impossible, nothing
     turns a value into a partial sum); a ranking only, the planner has the real costs."""
@@ -1070,14 +1070,24 @@ def dtensor_choice(node: torch.fx.Node, pl: PlacementOf, mesh_size: int) -> Rule
     if not strategies:
         return None
     args = tensor_args(node)
+    val = gmeta.val(node)
+    outs_val = list(val) if isinstance(val, (tuple, list)) else [val]
+
+    def too_small(p: Placement | None, v: Any) -> bool:  # a shard some rank would hold nothing of
+        return isinstance(p, Shard) and isinstance(v, torch.Tensor) and (p.dim >= v.dim() or v.shape[p.dim] < mesh_size)
+
     best = None
     for k, s in enumerate(strategies):
+        if any(too_small(p, v) for p, v in zip(s.outputs, outs_val)):
+            continue
         needs: dict[ArgPath, Placement] = {}
         cost = 0.0
         for (path, a), want in zip(args, s.inputs):
             have = pl(a)
             if want is None or want == have:
                 continue
+            if too_small(want, gmeta.val(a)):
+                break
             v = gmeta.val(a)
             nbytes = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
             c = _reshard_bytes(have, want, nbytes, mesh_size)
