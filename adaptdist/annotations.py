@@ -129,20 +129,31 @@ class ManualPlan:
                         "pass --mesh to choose the sizes", self.name, world_size, model_axis)
         return Mesh(tuple((a, small if a == model_axis else world_size // small) for a in self.mesh_axes))
 
-    def axis_placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
-                        ) -> dict[str, dict[str, Placement]]:
+    def axis_placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None,
+                        axis_sizes: Mapping[str, int] | None = None) -> dict[str, dict[str, Placement]]:
         """mesh axis -> {fqn: Placement}: the globs resolved against the model's state (see
         :func:`resolve_param_placements`); ``fsdp_axis`` shards every trainable parameter
-        (``trainable``) with a dim on dim 0 along that axis, unless a glob placed it there."""
+        (``trainable``) along that axis, unless a glob placed it there, on the dim :func:`fsdp_dim`
+        chooses for the axis's size (``axis_sizes``; 2 when not given): dim 0 when every rank gets
+        rows of it, else its largest dim that does (ViT's ``[1, 1, D]`` class token: dim 2); a parameter
+        no dim of which every rank can share in (e.g. ``[1]``) is placed ``R`` explicitly (logged)."""
         out: dict[str, dict[str, Placement]] = {}
         for k, axis in enumerate(self.mesh_axes):
             out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
                                                  keep_replicate=True)
         if self.fsdp_axis is not None:
             pl = out.setdefault(self.fsdp_axis, {})
+            n = (axis_sizes or {}).get(self.fsdp_axis, 2)
+            moved = []
             for f, s in shapes.items():
-                if len(s) >= 1 and (trainable is None or f in trainable):
-                    pl.setdefault(f, Shard(0))
+                if len(s) >= 1 and (trainable is None or f in trainable) and f not in pl:
+                    d = fsdp_dim(s, n)
+                    pl[f] = Replicate() if d is None else Shard(d)
+                    if d != 0:
+                        moved.append(f"{f} {list(s)} -> {pl[f]!r}")
+            if moved:
+                log.info("plan %r: %d parameter(s) have fewer than %d rows on dim 0, so FSDP shards another dim or "
+                         "keeps them replicated: %s", self.name, len(moved), n, ", ".join(moved))
         return out
 
     def placements(self, shapes: Mapping[str, tuple[int, ...]], trainable: set[str] | None = None
@@ -217,6 +228,16 @@ class ManualPlan:
         if batch is not None and not isinstance(batch, str):
             raise UsageError(f"plan file {text!r}: 'batch_axis' must be a mesh axis name or null")
         return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+
+
+def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
+    """The dim FSDP shards a parameter of ``shape`` on over ``n`` ranks: 0 when it has at least ``n`` rows
+    (torch.chunk gives every rank some), else the largest dim that has (the lowest on a tie), else None
+    (keep it replicated: some rank would hold an empty shard)."""
+    if shape and shape[0] >= n:
+        return 0
+    ok = [d for d in range(len(shape)) if shape[d] >= n]
+    return max(ok, key=lambda d: (shape[d], -d)) if ok else None
 
 
 def _tp_plan(model_module) -> dict:

@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx
@@ -167,6 +167,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _own_memory(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` contiguous, each in memory of its own: safetensors refuses tensors that share memory
+    (two buffers registered from one tensor, a batch holding one tensor twice); only those are copied."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        if v.numel() and ptr in seen:
+            v = v.clone()
+        seen.add(ptr)
+        out[k] = v
+    return out
+
+
 def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None,
                   extra_files: dict[str, str | bytes] | None = None) -> Path:
     """Write all ranks' programs and a manifest to ``directory``; returns its path. ``extra`` adds manifest
@@ -189,10 +204,10 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         rd.mkdir(exist_ok=True)
         (rd / "program.py").write_text(prog.code)
         (rd / "program.json").write_text(json.dumps(prog._meta(), indent=1))
-        save_file({k: v.detach().contiguous() for k, v in prog.state.items()}, str(rd / "state.safetensors"))
+        save_file(_own_memory(prog.state), str(rd / "state.safetensors"))
         names = ["program.py", "program.json", "state.safetensors"]
         if prog.constants:
-            save_file({k: v.contiguous() for k, v in prog.constants.items()}, str(rd / "constants.safetensors"))
+            save_file(_own_memory(prog.constants), str(rd / "constants.safetensors"))
             names.append("constants.safetensors")
         for name in names:
             files[f"rank{r}/{name}"] = _sha256(rd / name)

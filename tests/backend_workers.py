@@ -34,10 +34,60 @@ def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
     return model, (x, y), lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten())
 
 
+class _PaddedBert(torch.nn.Module):
+    """BERT whose attention mask comes from padding (id 0): its mask path indexes the mask by batch position."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        self.bert = BertForMaskedLM(BertConfig(vocab_size=31, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0))
+
+    def forward(self, ids):
+        return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits
+
+
+def hf_bert(batch: int, seq_len: int = 8, seed: int = 0):
+    """A Hugging Face BERT from a small config (random weights, no download) on padded rows."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    model = _PaddedBert()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(1, 31, (batch, seq_len), generator=g)
+    for r in range(batch):
+        x[r, seq_len - r % 4:] = 0  # rows padded by 0..3 tokens
+    y = torch.randint(0, 31, (batch, seq_len), generator=g)
+    return model, (x, y), lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+class ScalarLoss(torch.nn.Module):
+    """Returns its own scalar loss, with Python scalars in the arithmetic (Dynamo lifts them to tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.sqrt((y * y).sum() + 1e-3) * 0.1 + 0.5
+
+
+def scalar_loss(batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = ScalarLoss()
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch, 8, generator=g), torch.zeros(batch)), lambda out, _: out
+
+
 FACTORIES = {
     "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4),
     "mlp": lambda batch: mlp(batch, seed=0),
     "hf_gpt2": hf_gpt2,
+    "scalar_loss": scalar_loss,
+    "hf_bert": hf_bert,
 }
 
 

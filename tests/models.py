@@ -94,3 +94,79 @@ def two_shards(batch_size: int = 3, rows: int = 9, cols: int = 7, seed: int = 0)
     model = TwoShards(rows, cols)
     g = torch.Generator().manual_seed(seed + 1)
     return model, (torch.randn(batch_size, rows, generator=g), torch.randn(batch_size, cols, generator=g)), F.mse_loss
+
+
+class TinyViT(nn.Module):
+    """ViT's parameters whose dim 0 has one row: the class token [1, 1, D] and position embedding
+    [1, N + 1, D] (FSDP cannot split dim 0 over 2 ranks)."""
+
+    def __init__(self, dim: int = 8, patches: int = 4, patch_dim: int = 6, classes: int = 3):
+        super().__init__()
+        self.patch = nn.Linear(patch_dim, dim)
+        self.cls_token = nn.Parameter(0.1 * torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(0.1 * torch.randn(1, patches + 1, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):  # x: [B, patches, patch_dim]
+        h = self.patch(x)
+        h = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), h], dim=1) + self.pos_embed
+        return self.head(self.norm(h)[:, 0])
+
+
+def tiny_vit(batch_size: int = 5, seed: int = 0):
+    torch.manual_seed(0)
+    model = TinyViT()
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch_size, 4, 6, generator=g), torch.randint(0, 3, (batch_size,), generator=g)), \
+        F.cross_entropy
+
+
+class _HFViT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        cfg = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=8, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+        self.vit = ViTForImageClassification(cfg)
+
+    def forward(self, pixels):
+        return self.vit(pixel_values=pixels).logits
+
+
+def hf_vit(batch_size: int = 5, seed: int = 0):
+    """Hugging Face ViT from a config (random weights, no download): cls_token [1, 1, 8], position
+    embeddings [1, 5, 8]."""
+    torch.manual_seed(0)
+    model = _HFViT()
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch_size, 3, 8, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)), \
+        F.cross_entropy
+
+
+class _HFLlama(nn.Module):
+    def __init__(self, attn: str = "eager"):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16, use_cache=False, attn_implementation=attn)
+        self.model = LlamaForCausalLM(cfg)
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+HF_LLAMA_TP_PLAN = {"model.model.layers.*.self_attn.k_proj.weight": "S(0)"}  # GQA: 2 kv heads for 4 query heads
+
+
+def hf_llama(batch_size: int = 4, seq_len: int = 8, seed: int = 0):
+    """Hugging Face LLaMA from a config (GQA, eager attention; random weights, no download)."""
+    torch.manual_seed(0)
+    model = _HFLlama()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 32, (batch_size, seq_len), generator=g)
+    y = torch.randint(0, 32, (batch_size, seq_len), generator=g)
+    return model, (x, y), lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten())

@@ -68,3 +68,12 @@ def test_uses_that_disagree_keep_the_cheaper_storage():
     cg = capture(TwoUses(), batch, torch.nn.functional.mse_loss)
     ctx = PassContext(2, 4, mesh_axis="tp", shard_batch=False, param_placements={"fc.weight": Shard(0)})
     assert complete_param_placements(cg.gm, ctx) == {"fc.weight": Shard(0)}
+
+
+def test_fsdp_shards_another_dim_where_dim_0_has_fewer_rows_than_ranks():
+    """ViT's class token [1, 1, D] and position embedding [1, N, D]: dim 0 would leave a rank an empty shard,
+    so FSDP shards their largest dim that every rank shares in; a parameter with no such dim stays R."""
+    shapes = {"cls_token": (1, 1, 8), "pos_embed": (1, 5, 8), "w": (6, 4), "gate": (1,), "few": (3, 2)}
+    pl = ManualPlan.parse("fsdp").axis_placements(shapes, set(shapes), {"dp": 4})["dp"]
+    assert pl == {"cls_token": Shard(2), "pos_embed": Shard(2), "w": Shard(0), "gate": Replicate(), "few": Replicate()}
+    assert ManualPlan.parse("fsdp").axis_placements(shapes, set(shapes), {"dp": 2})["dp"]["few"] == Shard(0)

@@ -35,10 +35,10 @@ CASES = {
 # a world size has the same rows per rank (test_symbolic_shapes_are_refused_clearly covers the refusal).
 
 
-def _eager(case: dict, world: int):
+def _eager(case: dict, world: int, lr: float = LR):
     """Per step: each rank's loss on its rows and the gradients of their mean; final parameters."""
     model, (x, y), loss_fn = FACTORIES[case["model"]](case["batch"])
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     history = []
     for _ in range(STEPS):
         losses = [loss_fn(model(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))]
@@ -102,6 +102,41 @@ def test_hugging_face_gpt2_through_the_backend():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hugging_face_padding_masks_under_dp():
+    """BERT's padding mask (``mask[batch_idx, kv_idx]``: aten.index with the batch sharded) once had no rule
+    under dp; propagation now takes DTensor's strategy, as the planner does. 2 ranks equal eager."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    cases = [dict(model="hf_bert", plan="dp", batch=4), dict(model="hf_bert", plan="fsdp", batch=4)]
+    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
+    for k, case in enumerate(cases):
+        history, params = _eager(case, 2)
+        for r in range(2):
+            for s, (losses, grads) in enumerate(history):
+                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
+                for n, g in grads.items():
+                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
+            for n, p in params.items():
+                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_a_model_returning_its_own_loss_with_python_scalars():
+    """``return torch.sqrt((y * y).sum() + 1e-3) * 0.1 + 0.5``: the scalars become ``_to_copy(0.1)`` nodes without
+    tensor inputs (once an InternalError in propagate_placements); under auto and dp, 2 ranks equal eager."""
+    cases = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="scalar_loss", plan="dp", batch=6)]
+    results = launch_local(backend_sgd_worker, (cases, STEPS, 0.05), 2)
+    for k, case in enumerate(cases):
+        history, params = _eager(case, 2, lr=0.05)
+        for r in range(2):
+            for s, (losses, grads) in enumerate(history):
+                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
+                for n, g in grads.items():
+                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
+            for n, p in params.items():
+                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+
+
 @pytest.mark.timeout(600)
 def test_two_models_on_different_meshes_interleaved():
     """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""

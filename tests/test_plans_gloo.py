@@ -5,6 +5,9 @@ loss, this rank's shard of every gradient and of every updated parameter. All ca
 one world size run in one process group (one launch), to keep CI fast.
 """
 
+import importlib.util
+import types
+
 import pytest
 import torch
 
@@ -16,7 +19,7 @@ from adaptdist.mesh import Mesh
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
 from dist_workers import multi_case_sgd_worker
-from models import mlp, tiny_gpt, tiny_llama, two_shards
+from models import HF_LLAMA_TP_PLAN, hf_llama, hf_vit, mlp, tiny_gpt, tiny_llama, tiny_vit, two_shards
 from passutil import global_shard
 from reference import eager_sgd
 
@@ -27,14 +30,17 @@ S1_TO_S0 = ManualPlan("s1-s0", ("tp",), None, (("a", ("S(1)",)), ("b", ("S(0)",)
 MLP_TP = ManualPlan("mlp-tp", ("tp",), None, (("fc1.weight", ("S(0)",)), ("fc1.bias", ("S(0)",)),
                                               ("fc2.weight", ("S(1)",))))
 FACTORIES = {"two_shards": lambda seed=0: two_shards(3, 9, 7, seed=seed), "mlp": lambda seed=0: mlp(7, seed=seed), "gpt": lambda seed=0: tiny_gpt(4, 8, seed=seed, num_heads=4),
-             "llama": lambda seed=0: tiny_llama(4, 8, seed=seed)}
-MODULES = {"two_shards": None, "mlp": None, "gpt": gpt_module, "llama": llama_module}
+             "llama": lambda seed=0: tiny_llama(4, 8, seed=seed), "vit": lambda seed=0: tiny_vit(5, seed=seed),
+             "hf_vit": lambda seed=0: hf_vit(5, seed=seed), "hf_llama": lambda seed=0: hf_llama(4, 8, seed=seed)}
+MODULES = {"two_shards": None, "mlp": None, "gpt": gpt_module, "llama": llama_module, "vit": None, "hf_vit": None,
+           "hf_llama": types.SimpleNamespace(TP_PLAN=HF_LLAMA_TP_PLAN)}
 
 # (model, plan, mesh or None for a 1-D mesh of the world size, max grad norm)
 CASES = {
     2: [("two_shards", "tp", None, None), ("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
         ("gpt", "fsdp", None, None), ("llama", "tp", None, None), ("llama", "fsdp", None, None),
-        ("gpt", "dp", None, 0.5)],
+        ("gpt", "dp", None, 0.5), ("vit", "fsdp", None, None), ("hf_vit", "fsdp", None, None),
+        ("hf_llama", "tp", None, None)],
     4: [("two_shards", "tp", None, None), ("mlp", "tp", None, None), ("mlp", "fsdp", None, None), ("gpt", "tp", None, None),
         ("gpt", "fsdp", None, 0.5), ("llama", "fsdp", None, None), ("gpt", "dp,tp", "dp=2,tp=2", None),
         ("llama", "dp,tp", "dp=2,tp=2", None), ("gpt", "dp,tp", "dp=2,tp=2", 0.5)],
@@ -50,7 +56,8 @@ def _plan(model_name, plan):
 @pytest.mark.parametrize("world", [2, 4])
 def test_plans_sgd_equal_eager(tmp_path, world):
     prepared, launch_cases = [], []
-    for i, (name, plan_text, mesh_text, clip) in enumerate(CASES[world]):
+    cases = [c for c in CASES[world] if not c[0].startswith("hf_") or importlib.util.find_spec("transformers")]
+    for i, (name, plan_text, mesh_text, clip) in enumerate(cases):
         model, example, loss_fn = FACTORIES[name]()
         batches = [FACTORIES[name](seed=10 + s)[1] for s in range(STEPS)]
         plan = _plan(name, plan_text)
@@ -59,6 +66,7 @@ def test_plans_sgd_equal_eager(tmp_path, world):
         launch_cases.append((str(tmp_path / f"case{i}"), batches, clip))
         prepared.append((f"{name} {plan_text} {mesh_text or ''} clip={clip}", model, loss_fn, batches, programs, clip))
     results = launch_local(multi_case_sgd_worker, (launch_cases, LR, STEPS), world)
+    name_of = [name for name, *_ in cases]
     for i, (label, model, loss_fn, batches, programs, clip) in enumerate(prepared):
         history, final = eager_sgd(model, batches, loss_fn, LR, STEPS, max_grad_norm=clip)
         p0 = programs[0]
@@ -77,3 +85,6 @@ def test_plans_sgd_equal_eager(tmp_path, world):
                                            rtol=TOL, msg=f"{label}: rank {r} param {f}")
             if clip is not None:
                 assert res["norms"][0] > clip, f"{label}: the test must actually clip"
+        if name_of[i] in ("vit", "hf_vit"):  # dim 0 of the class token has 1 row: FSDP shards its dim 2
+            cls = "cls_token" if name_of[i] == "vit" else "vit.vit.embeddings.cls_token"
+            assert programs[0].state_placements[cls] == ["S(2)"], programs[0].state_placements

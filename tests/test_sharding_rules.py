@@ -83,10 +83,22 @@ def test_sum_over_sharded_dim_is_partial_and_max_is_refused():
 
 
 def test_ops_without_rules_are_fine_when_replicated():
-    n, _ = node(aten.cumsum.default, ..., 0, val_shape=[6, 4], arg_shapes=[[6, 4]])
+    n, _ = node(aten.renorm.default, ..., 2, 0, 1.0, val_shape=[6, 4], arg_shapes=[[6, 4]])
     assert run(n, [R]).out == R
-    with pytest.raises(UnsupportedOpError, match="cumsum"):
+    with pytest.raises(UnsupportedOpError, match="renorm"):  # neither ours nor DTensor's
         run(n, [Shard(0)])
+
+
+def test_ops_without_our_rule_take_the_dtensor_strategy_that_moves_least():
+    """The sources the planner lists: topk along the last dim keeps a batch shard (nothing moves);
+    a cumulative sum over the sharded dim moves the shard to another dim rather than gather it all."""
+    n, _ = node(aten.topk.default, ..., 3, -1, val_shape=[6, 3], arg_shapes=[[6, 4]])
+    n.meta["val"] = (torch.empty(6, 3), torch.empty(6, 3, dtype=torch.long))
+    res = run(n, [Shard(0)])
+    assert res.out == (Shard(0), Shard(0)) and res.needs == {}
+    n, _ = node(aten.cumsum.default, ..., 0, val_shape=[6, 4], arg_shapes=[[6, 4]])
+    res = run(n, [Shard(0)])
+    assert res.out == Shard(1) and res.needs == {(0,): Shard(1)}
 
 
 @pytest.mark.parametrize("target, args", [(aten.native_dropout.default, (..., 0.5, True)),

@@ -178,3 +178,55 @@ def test_dim_sharded_on_two_axes_trains_and_checkpoints_full_tensors(tmp_path):
     for k, v in full.items():
         assert torch.equal(restored[k], v), k
         torch.testing.assert_close(v, reference[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+SHARED_BATCH_MODELS = {
+    "autoencoder_x_x": (
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "def factory(batch_size, seq_len):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(6, 3), nn.Tanh(), nn.Linear(3, 6))\n"
+        "    x = torch.randn(batch_size, 6, generator=torch.Generator().manual_seed(1))\n"
+        "    return model, (x, x), F.mse_loss\n"),
+    "ids_labels_labels": (
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.a = nn.Embedding(10, 10); self.b = nn.Embedding(10, 10)\n"
+        "    def forward(self, ids, labels):\n"
+        "        return self.a(ids) + 0.5 * self.b(labels)\n"
+        "def factory(batch_size, seq_len):\n"
+        "    torch.manual_seed(0)\n"
+        "    ids = torch.randint(0, 10, (batch_size, seq_len), generator=torch.Generator().manual_seed(1))\n"
+        "    labels = (ids + 1) % 10\n"
+        "    return M(), (ids, labels, labels), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())\n"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_BATCH_MODELS))
+def test_example_batch_holding_one_tensor_twice_trains_like_eager(tmp_path, name):
+    """``(x, x)`` for an autoencoder, ``(ids, labels, labels)``: the example batch is saved (once a raw
+    safetensors "Some tensors share memory" traceback) and trained on; 3 SGD steps on 2 ranks give eager's
+    losses and parameters."""
+    import importlib.util
+
+    import torch
+
+    from reference import eager_sgd
+
+    (tmp_path / f"{name}.py").write_text(SHARED_BATCH_MODELS[name])
+    out = tmp_path / "run"
+    rc = main(["train", f"{tmp_path / name}.py:factory", "--nproc", "2", "--plan", "dp", "--batch-size", "5",
+               "--seq-len", "4", "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--sample-bytes", "0",
+               "--out", str(out), "--threads-per-rank", "1", "--timeout-s", "60"])
+    assert rc == 0
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, batch, loss_fn = module.factory(5, 4)
+    history, final = eager_sgd(model, [batch], loss_fn, 0.1, 3)
+    losses = json.loads((out / "summary.json").read_text())["losses"]
+    assert losses == pytest.approx([loss for loss, _ in history], abs=1e-5)
+    weights = load_file(str(out / "model.safetensors"))
+    for f, p in final.items():
+        torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)

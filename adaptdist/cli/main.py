@@ -297,7 +297,9 @@ def cmd_train(args) -> int:
     data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
                     path=args.data, seed=args.seed)
     if not has_data:
-        save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, str(out / "example_batch.safetensors"))
+        # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
+        save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},
+                  str(out / "example_batch.safetensors"))
         data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
         console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
     check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data

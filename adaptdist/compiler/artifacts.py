@@ -129,7 +129,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["estimate"] = time.perf_counter() - t
     t = time.perf_counter()
     extra_files: dict[str, str | bytes] = {
-        "example_batch.safetensors": save_tensors({f"b{i}": x.contiguous() for i, x in enumerate(example)})}
+        "example_batch.safetensors": save_tensors({f"b{i}": x.detach().clone(memory_format=torch.contiguous_format)
+                                                     for i, x in enumerate(example)})}
     for r, p in programs.items():
         extra_files[f"rank{r}/graph.txt"] = str(p.graph_module.graph)
         extra_files[f"rank{r}/shards.json"] = json.dumps(shard_layout(p), indent=1)

@@ -231,7 +231,7 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
     m = plan.mesh(world_size, mesh)
     shapes = {gmeta.get_fqn(p): tuple(p.meta["val"].shape) for p in captured.gm.graph.find_nodes(op="placeholder")
               if gmeta.get_role(p) != "batch"}
-    axis_pl = plan.axis_placements(shapes, set(captured.param_fqns))
+    axis_pl = plan.axis_placements(shapes, set(captured.param_fqns), {a: m.size(a) for a in m.names})
     fqns = sorted({f for pl in axis_pl.values() for f in pl})
     return Plan(mesh=m.as_dict(), batch_axis=plan.batch_axis,
                 param_placements={f: tuple(axis_pl.get(a, {}).get(f, Replicate()) for a in m.names) for f in fqns},

@@ -25,54 +25,14 @@ import operator
 import torch
 import torch.fx
 
-from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
 from ..strategy import Strategy
 from .context import PassContext
-from .sharding_rules import RuleResult, _arg, rule_for, tensor_args
+from .sharding_rules import RuleResult, _arg, dtensor_node_strategies, rule_for, tensor_args
 
 R = Replicate()
-
-
-def _ours(p) -> Placement | None:
-    """A DTensor placement as ours (None for placements adaptdist has no word for, e.g. Partial(max))."""
-    if p is None:
-        return None
-    name = type(p).__name__
-    if name == "Replicate":
-        return R
-    if name == "Shard":
-        return Shard(p.dim)
-    if name == "Partial" and p.reduce_op in ("sum", "avg"):
-        return Partial(p.reduce_op)
-    return None
-
-
-def _from_dtensor(node: torch.fx.Node, mesh_size: int) -> list[Strategy] | None:
-    def v(a):
-        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
-
-    args = torch.fx.node.map_arg(node.args, v)
-    kwargs = torch.fx.node.map_arg(node.kwargs, v)
-    rows = compat.dtensor_strategies(node.target, args, kwargs, mesh_size)
-    n_in = len(tensor_args(node))
-    if not rows or any(len(ins) != n_in for _, ins in rows):
-        return None  # no strategy, or one that leaves its inputs unstated: use our rule
-    out = []
-    for outs, ins in rows:
-        o, i = tuple(_ours(p) for p in outs), tuple(_ours(p) for p in ins)
-        if any(p is None for p, q in zip(o + i, list(outs) + list(ins)) if q is not None):
-            continue  # a placement we do not lower (Partial(max), strided shards)
-        out.append(Strategy(i, o, "dtensor"))
-    n_out = len(out[0].outputs) if out else 1
-    if out and not any(all(isinstance(p, Replicate) or p is None for p in s.inputs + s.outputs) for s in out):
-        val = gmeta.val(node)
-        outs = tuple(None if isinstance(val, (tuple, list)) and not isinstance(val[k], torch.Tensor) else R
-                     for k in range(n_out))
-        out.insert(0, Strategy((R,) * n_in, outs, "dtensor"))  # DTensor adds all-replicate implicitly
-    return out or None
 
 
 def _candidates(node: torch.fx.Node) -> list[Placement]:
@@ -97,9 +57,11 @@ def _from_rule(node: torch.fx.Node) -> list[Strategy]:
     found: list[Strategy] = []
     for trial in trials:
         try:
-            res: RuleResult = rule(node, lambda a, t=trial: t.get(a, R))
+            res: RuleResult | None = rule(node, lambda a, t=trial: t.get(a, R))
         except UnsupportedOpError:
             continue
+        if res is None:
+            continue  # our rule leaves this form to DTensor's strategies (listed above)
         ins = tuple(res.needs.get(path, trial.get(a, R)) for path, a in zip(paths, args))
         outs = res.out if isinstance(res.out, tuple) else (res.out,)
         s = Strategy(ins, tuple(outs), "adaptdist")
@@ -128,7 +90,7 @@ def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
             if st.outputs[idx] is not None and s not in out:
                 out.append(s)
         return out
-    torch_side = _from_dtensor(node, ctx.world_size) or []
+    torch_side = dtensor_node_strategies(node, ctx.world_size) or []
     rule_side = _from_rule(node)
     if node.target == torch.ops.aten.embedding_dense_backward.default and not _arg(node, 4, "scale_grad_by_freq", False):
         # each rank's own rows of a vocabulary-parallel table; valid together with its forward lookup

@@ -2,7 +2,8 @@
 
 Seeds: batch inputs ``Shard(0)`` (``Replicate()`` when ``ctx.shards_batch`` is false:
 one rank, or a batch of one sample), parameters and buffers ``Replicate()``. One
-forward sweep in topological order applies :mod:`.sharding_rules` to each node;
+forward sweep in topological order applies :func:`.sharding_rules.apply_rule` to each node (our rule
+for the op, else DTensor's strategy that moves the least: the sources the planner chooses from);
 where a rule needs an input in another placement, the node records it under
 ``adaptdist.redistribute`` (the redistribution pass inserts the collective).
 Planner hints (``ctx.node_hints``, from an automatic plan): a node with one takes the planner's
@@ -68,7 +69,8 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             out = Replicate()
         elif node.op == "call_function":
             try:
-                res = _follow_hint(node, ctx.node_hints.get(node.name), seen_as) or apply_rule(node, seen_as)
+                res = (_follow_hint(node, ctx.node_hints.get(node.name), seen_as, ctx.world_size)
+                       or apply_rule(node, seen_as, ctx.world_size))
             except UnsupportedOpError:
                 if not ctx.replicate_fallback or rule_for(node) is not None:
                     raise
@@ -104,7 +106,7 @@ def _same(out, hinted: tuple) -> bool:
     return len(outs) == len(hinted) and all(h is None or o == h for o, h in zip(outs, hinted))
 
 
-def _follow_hint(node: torch.fx.Node, hint, seen_as) -> RuleResult | None:
+def _follow_hint(node: torch.fx.Node, hint, seen_as, mesh_size: int) -> RuleResult | None:
     """The planner's strategy for ``node`` as a rule result: the op's own rule applied to the hinted input
     placements must give the hinted outputs and need nothing more; inputs whose placement differs are
     redistributed to the hinted one, which must not be Partial (nothing turns a value into a partial
@@ -116,7 +118,7 @@ def _follow_hint(node: torch.fx.Node, hint, seen_as) -> RuleResult | None:
         return None
     want = {a: p for (_, a), p in zip(args, hint.inputs) if p is not None}
     try:
-        res = apply_rule(node, lambda a: want.get(a, seen_as(a)))
+        res = apply_rule(node, lambda a: want.get(a, seen_as(a)), mesh_size)
     except UnsupportedOpError:
         return None
     if res.needs or not _same(res.out, hint.outputs):

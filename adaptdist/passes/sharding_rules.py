@@ -15,7 +15,8 @@ divided by the global count.
 Where a known op cannot consume a sharded input as it is (a view that splits the
 shard, a softmax or max over the sharded dim, a concatenation along it), the rule
 asks for every input replicated (:func:`gather_all`): correct, at the price of an
-all_gather. Only ops with no rule at all are refused:
+all_gather. An op without a rule of ours takes DTensor's strategy that moves the least
+(:func:`dtensor_choice`, the strategies the planner lists too). Only ops with neither are refused:
 :class:`~adaptdist.errors.UnsupportedOpError` names the op, node, shapes and
 placements, and says what to try.
 """
@@ -34,6 +35,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
+from ..strategy import Strategy
 
 log = logging.getLogger("adaptdist.passes")
 aten = torch.ops.aten
@@ -719,12 +721,16 @@ def nll_loss_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
             if isinstance(pl(node.args[i]), Partial):
                 needs[(i,)] = R
         return RuleResult(R, needs)
-    if not isinstance(px, Shard):
+    if len(shape(x)) < 2:
+        return gather_all(node, pl, "only the batch dim (0) of the loss input may be sharded")
+    # the gradient is laid out by sample (dim 0), as the forward's sharded loss input: log-probabilities
+    # sharded by class (S(1)) with batch-sharded targets are moved to the batch dim first
+    if px != Shard(0):
         needs[(1,)] = Shard(0)
-    if not isinstance(pt, Shard):
+    if pt != Shard(0):
         needs[(2,)] = Shard(0)
     if reduction == 0:
-        if not isinstance(pl(g), Shard):
+        if pl(g) != Shard(0):
             needs[(0,)] = Shard(0)
     elif not isinstance(pl(g), Replicate):
         needs[(0,)] = R
@@ -793,12 +799,18 @@ class _Attention:
         return RuleResult((Shard(d),) * self.num_outputs, needs)
 
 
-def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
     """Training-mode BatchNorm over a sharded batch raises (per-rank statistics would be wrong);
-    replicated inputs and eval-mode backward are fine."""
+    replicated inputs and eval-mode backward are fine. The backward of BatchNorm without running
+    statistics is left to DTensor's strategies (None), like its forward."""
     if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
         # eval-mode BatchNorm: running statistics, nothing depends on other samples
         return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
+    if node.target == aten.native_batch_norm_backward.default and node.args[3] is None:
+        # no running statistics (track_running_stats=False; its forward is ``_native_batch_norm_legit.no_stats``,
+        # which has no rule of ours): DTensor's strategies, channels sharded or all replicated, keep the
+        # statistics over the whole batch
+        return None
     x = node.args[0]
     if isinstance(pl(x), Replicate):
         n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
@@ -983,12 +995,113 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy_backward.default: loss_with_reduction(4, backward=True),
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
     aten.constant_pad_nd.default: constant_pad,
+    aten.copy.default: pointwise,  # copy(self, src): src broadcast to self, e.g. x[..., 1:] = y
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
     compat.functional_all_to_all_op(): other_axis_collective,
     compat.functional_wait_op(): other_axis_collective,
 }
+
+
+# ---------------------------------------------------------------- DTensor's strategies, after ours
+
+
+def _ours(p) -> Placement | None:
+    """A DTensor placement as ours (None for placements adaptdist has no word for, e.g. Partial(max))."""
+    if p is None:
+        return None
+    name = type(p).__name__
+    if name == "Replicate":
+        return R
+    if name == "Shard":
+        return Shard(p.dim)
+    if name == "Partial" and p.reduce_op in ("sum", "avg"):
+        return Partial(p.reduce_op)
+    return None
+
+
+def dtensor_node_strategies(node: torch.fx.Node, mesh_size: int) -> list[Strategy] | None:
+    """DTensor's strategies for ``node`` along one mesh axis of ``mesh_size`` ranks, in our placements
+    (through :func:`adaptdist._torch_compat.dtensor_strategies`); the all-replicated one first where
+    DTensor leaves it implicit. None when DTensor has none for this op and these arguments."""
+    def v(a):
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    args = torch.fx.node.map_arg(node.args, v)
+    kwargs = torch.fx.node.map_arg(node.kwargs, v)
+    rows = compat.dtensor_strategies(node.target, args, kwargs, mesh_size)
+    n_in = len(tensor_args(node))
+    if not rows or any(len(ins) != n_in for _, ins in rows):
+        return None  # no strategy, or one that leaves its inputs unstated: use our rule
+    out = []
+    for outs, ins in rows:
+        o, i = tuple(_ours(p) for p in outs), tuple(_ours(p) for p in ins)
+        if any(p is None for p, q in zip(o + i, list(outs) + list(ins)) if q is not None):
+            continue  # a placement we do not lower (Partial(max), strided shards)
+        out.append(Strategy(i, o, "dtensor"))
+    n_out = len(out[0].outputs) if out else 1
+    if out and not any(all(isinstance(p, Replicate) or p is None for p in s.inputs + s.outputs) for s in out):
+        val = gmeta.val(node)
+        outs = tuple(None if isinstance(val, (tuple, list)) and not isinstance(val[k], torch.Tensor) else R
+                     for k in range(n_out))
+        out.insert(0, Strategy((R,) * n_in, outs, "dtensor"))  # DTensor adds all-replicate implicitly
+    return out or None
+
+
+def _reshard_bytes(src: Placement, dst: Placement, nbytes: int, n: int) -> float | None:
+    """Bytes one rank receives to turn ``src`` into ``dst`` over ``n`` ranks (None: impossible, nothing
+    turns a value into a partial sum); a ranking only, the planner has the real costs."""
+    if src == dst or (isinstance(src, Replicate) and isinstance(dst, Shard)):
+        return 0.0  # nothing / a local slice
+    if isinstance(dst, Partial):
+        return None
+    if isinstance(src, Shard):
+        return nbytes * (n - 1) / n * (1 if isinstance(dst, Replicate) else 1 / n)
+    return nbytes * (n - 1) / n * (2 if isinstance(dst, Replicate) else 1)  # Partial: all_reduce / reduce_scatter
+
+
+def dtensor_choice(node: torch.fx.Node, pl: PlacementOf, mesh_size: int) -> RuleResult | None:
+    """The DTensor strategy for ``node`` that moves the fewest bytes from the placements its inputs have
+    (ties: the one whose outputs stay sharded, then DTensor's order), as a rule result; None when DTensor
+    has no strategy for it. An op that keeps samples apart (``topk`` on the last dim, an index by
+    per-sample positions) keeps a batch shard this way; one that mixes them gathers or moves the shard."""
+    strategies = dtensor_node_strategies(node, mesh_size)
+    if not strategies:
+        return None
+    args = tensor_args(node)
+    val = gmeta.val(node)
+    outs_val = list(val) if isinstance(val, (tuple, list)) else [val]
+
+    def too_small(p: Placement | None, v: Any) -> bool:  # a shard some rank would hold nothing of
+        return isinstance(p, Shard) and isinstance(v, torch.Tensor) and (p.dim >= v.dim() or v.shape[p.dim] < mesh_size)
+
+    best = None
+    for k, s in enumerate(strategies):
+        if any(too_small(p, v) for p, v in zip(s.outputs, outs_val)):
+            continue
+        needs: dict[ArgPath, Placement] = {}
+        cost = 0.0
+        for (path, a), want in zip(args, s.inputs):
+            have = pl(a)
+            if want is None or want == have:
+                continue
+            if too_small(want, gmeta.val(a)):
+                break
+            v = gmeta.val(a)
+            nbytes = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+            c = _reshard_bytes(have, want, nbytes, mesh_size)
+            if c is None:
+                break
+            needs[path] = want
+            cost += c
+        else:
+            outs = tuple(R if p is None else p for p in s.outputs)
+            key = (cost, sum(not isinstance(p, Shard) for p in outs), k)
+            if best is None or key < best[0]:
+                best = (key, RuleResult(outs if len(outs) > 1 or isinstance(gmeta.val(node), (tuple, list))
+                                        else outs[0], needs))
+    return best[1] if best else None
 
 
 def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], RuleResult] | None:
@@ -1006,20 +1119,33 @@ def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], Rule
     return None
 
 
-def apply_rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """Placement of ``node``'s output(s) along one mesh axis given its inputs' placements.
+def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> RuleResult:
+    """Placement of ``node``'s output(s) along one mesh axis of ``mesh_size`` ranks given its inputs'.
 
-    Ops without a rule are fine while all their tensor inputs are replicated
-    (then every rank computes the same value).
+    The sources, in order (the same ones :mod:`.list_strategies` offers the planner, so every plan
+    lowers what the automatic one does): our rule for the op; DTensor's strategies for it
+    (:func:`dtensor_choice`) where we have no rule or ours leaves this form to DTensor (returns None);
+    ops with neither are fine while all their tensor inputs are replicated (then every rank computes
+    the same value).
 
     Raises:
-        UnsupportedOpError: the op has no rule and some input is sharded or partial.
+        UnsupportedOpError: neither source has a strategy and some input is sharded or partial.
     """
+    if not tensor_args(node):
+        # made from Python values alone, e.g. ``_to_copy(0.5, dtype=f32)`` for a scalar in the model's
+        # arithmetic: the same on every rank
+        v = gmeta.val(node)
+        return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
     rule = rule_for(node)
     if rule is not None:
-        return rule(node, pl)
+        res = rule(node, pl)
+        if res is not None:
+            return res
     ins = [pl(a) for _, a in tensor_args(node)]
     if all(isinstance(p, Replicate) for p in ins):
         v = gmeta.val(node)
         return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
-    raise unsupported(node, pl, "no sharding rule is registered for this op")
+    res = dtensor_choice(node, pl, mesh_size)
+    if res is not None:
+        return res
+    raise unsupported(node, pl, "no sharding rule is registered for this op, and DTensor has no strategy for it")
