@@ -17,23 +17,24 @@ from adaptdist.errors import UnsupportedOpError, UsageError
 from adaptdist.lowering_options import LoweringOptions, advice_fitting
 
 
-class CumSum(nn.Module):
+class PairwiseDistances(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
-        return torch.cumsum(self.fc(x), dim=0)  # over the batch dim: no rule for a split batch
+        h = self.fc(x)
+        return torch.cdist(h, h)  # distances between samples: no rule of ours nor DTensor's
 
 
-def _cumsum_step():
+def _pairwise_step():
     torch.manual_seed(0)
-    return capture(CumSum(), (torch.randn(6, 4), torch.randn(6, 4)), F.mse_loss)
+    return capture(PairwiseDistances(), (torch.randn(6, 4), torch.randn(6, 6)), F.mse_loss)
 
 
 @pytest.mark.parametrize("front_end", ["cli", "backend"])
 def test_no_sharding_rule_advises_the_fallback_of_the_entry_point(front_end):
-    cg = _cumsum_step()
+    cg = _pairwise_step()
     plan = resolve_plan(ManualPlan.parse("dp"), cg, 2)
     with pytest.raises(UnsupportedOpError, match="no sharding rule") as e:
         lower(cg, plan, LoweringOptions(front_end=front_end))
@@ -108,10 +109,10 @@ def test_plan_auto_honours_replicate_fallback(monkeypatch):
     from adaptdist.compiler.planner import plan_auto
 
     real = problem.node_strategies
-    monkeypatch.setattr(problem, "node_strategies", lambda fx, ctx: [] if fx.target is torch.ops.aten.cumsum.default
+    monkeypatch.setattr(problem, "node_strategies", lambda fx, ctx: [] if fx.target is torch.ops.aten._cdist_forward.default
                         else real(fx, ctx))
-    cg = _cumsum_step()
-    with pytest.raises(UnsupportedOpError, match="cumsum"):
+    cg = _pairwise_step()
+    with pytest.raises(UnsupportedOpError, match="cdist"):
         plan_auto(cg, local_cluster(2))
     plan = plan_auto(cg, local_cluster(2), replicate_fallback=True).plan
     assert lower(cg, plan, LoweringOptions(replicate_fallback=True))
