@@ -431,9 +431,17 @@ def dynamo_root_module() -> Any:
     except AttributeError:
         return None
     code = getattr(tx, "f_code", None)
-    if code is None or code.co_argcount == 0:
+    if code is None:
         return None
-    candidate = getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+    f_locals = getattr(tx, "f_locals", {})
+    # a torch.nn.* module (nn.Sequential, ...) is compiled through external_utils.wrap_inline: the frame is
+    # its ``inner(*args, **kwargs)``, calling the module held in the closure variable ``fn``
+    wrapped = f_locals.get("fn") if code.co_name == "inner" and code.co_argcount == 0 else None
+    if isinstance(wrapped, torch.nn.Module):
+        return wrapped
+    if code.co_argcount == 0:
+        return None
+    candidate = f_locals.get(code.co_varnames[0])
     return candidate if isinstance(candidate, torch.nn.Module) else None
 
 

@@ -235,7 +235,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         from ..runtime.worker import register_mesh_groups
 
         register_mesh_groups(program, dist.get_backend())
-        groups = {name: compat.resolve_process_group(name) for name in program.group_names.values()}
+        # by torch's group name, not the group object (CompiledStep.process_groups says why)
+        groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:",))
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
@@ -330,7 +331,8 @@ def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:
         groups[(off, size)] = (dist.new_group(list(range(off, off + size))) if 1 < size < world else
                                dist.group.WORLD if size == world > 1 else None)
     off, size = slices[rank]
-    return RankIO(off, size, rank - off, groups[(off, size)])
+    group = groups[(off, size)]
+    return RankIO(off, size, rank - off, None if group is None else group.group_name)
 
 
 def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]) -> dict[int, ShardLayout]:
