@@ -163,6 +163,35 @@ def register_process_group(name: str, group: Any) -> None:
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
+def release_import_time_default_groups() -> int:
+    """Drop the references to the default process group that ``torch.distributed.nn.functional`` takes when
+    it is first imported after ``init_process_group`` (its collectives are declared ``group=group.WORLD``,
+    which Python evaluates at import time; ``import torch._dynamo``, i.e. the first ``torch.compile``,
+    imports it). Each such default becomes None, which those functions read as the default group, the same
+    group while it lives. Returns how many defaults were replaced.
+
+    Why: while anything references a gloo group, ``destroy_process_group()`` cannot free it, so its worker
+    threads run on into interpreter finalization; one that then releases a finished work's tensors needs
+    the GIL, and Python ends that thread from under C++ code: "terminate called without an active
+    exception" (SIGABRT) at exit, now and then, on some rank.
+    """
+    import torch.distributed as dist
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None or not dist.is_available():
+        return 0
+    replaced = 0
+    for fn in list(vars(mod).values()):
+        while callable(fn) and not hasattr(fn, "__defaults__") and hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        defaults = getattr(fn, "__defaults__", None)
+        if not defaults or not any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            continue
+        fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+        replaced += sum(isinstance(d, dist.ProcessGroup) for d in defaults)
+    return replaced
+
+
 def resolve_process_group(name: str) -> Any:
     """The process group registered under ``name`` (see :func:`register_process_group`)."""
     return torch._C._distributed_c10d._resolve_process_group(name)

@@ -189,6 +189,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
+    if distributed:  # so that destroy_process_group() frees the groups (its docstring says why)
+        compat.release_import_time_default_groups()
     _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error = [], None, [], ""
     control = _control_group() if distributed else None
