@@ -474,6 +474,35 @@ def dynamo_root_module() -> Any:
     return candidate if isinstance(candidate, torch.nn.Module) else None
 
 
+def dynamo_compiled_wrapper(module: Any) -> Any:
+    """The ``torch.compile`` wrapper (``OptimizedModule``) whose call is compiling ``module``, from inside a
+    backend: found on the Python call stack (its ``__call__`` runs the wrapper's own hooks eagerly, then the
+    compiled frame); None when there is none (a compiled function, or a module's method compiled directly)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, OptimizedModule) and candidate._orig_mod is module:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def dynamo_root_is_wrapped() -> bool:
+    """Whether the frame Dynamo compiles is external_utils.wrap_inline's ``inner`` around a torch.nn module
+    (the module's hooks are then traced, not run before the frame)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return False
+    code = getattr(tx, "f_code", None)
+    return (code is not None and code.co_name == "inner"
+            and isinstance(getattr(tx, "f_locals", {}).get("fn"), torch.nn.Module))
+
+
 def dynamo_frame_is_resume() -> bool:
     """Whether the frame Dynamo is compiling resumes a function after a graph break (from a backend)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator

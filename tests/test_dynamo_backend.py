@@ -18,13 +18,16 @@ from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
 from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
-                             sharded_memory_worker, sharded_usage_worker)
+                             sequential_mlp, sequential_worker, sharded_memory_worker, sharded_usage_worker,
+                             teardown_worker)
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
 CASES = {
     2: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
-        dict(model="gpt", plan="fsdp", batch=4, clip=0.05), dict(model="mlp", plan="auto", batch=6)],
+        dict(model="gpt", plan="fsdp", batch=4, clip=0.05), dict(model="mlp", plan="auto", batch=6),
+        # each rank builds its model from its own seed: every rank must train rank 0's (DDP's broadcast)
+        dict(model="mlp", plan="dp", batch=6, rank_seeded=True), dict(model="gpt", plan="fsdp", batch=4, rank_seeded=True)],
     4: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
         dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4, clip=0.05)],  # one local shape: see below
 }
@@ -154,6 +157,65 @@ def test_training_loop_habits_with_sharded_parameters():
             for n, v in loaded.state_dict().items():
                 torch.testing.assert_close(got["loaded_full"][n], v, atol=0, rtol=0)
             assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
+
+
+@pytest.mark.timeout(600)
+def test_top_level_sequential_under_a_sharded_plan():
+    """nn.Sequential (compiled by Dynamo through another frame than a module's forward) gets the placeholder
+    hooks: SGD steps, a no_grad re-trace, a re-trace at a new batch size, the state_dict warning and
+    load_state_dict of full tensors all work on its sharded parameters, with eager's numbers."""
+    from models import mlp
+
+    results = launch_local(sequential_worker, (STEPS, LR), 2)
+    model = sequential_mlp()
+    _, (x, y), loss_fn = mlp(12, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for _ in range(STEPS):
+        losses = [loss_fn(model(a), b) for a, b in zip(x[:8].chunk(2), y[:8].chunk(2))]
+        (sum(losses) / 2).backward()
+        history.append(([v.item() for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    wide = [loss_fn(model(a), b) for a, b in zip(x.chunk(2), y.chunk(2))]
+    (sum(wide) / 2).backward()
+    loaded = sequential_mlp(seed=5)
+    full_numel = sum(p.numel() for p in model.parameters())
+    for r in range(2):
+        got = results[r]
+        for s, (losses, grads) in enumerate(history):
+            assert got["losses"][s] == pytest.approx(losses[r], abs=TOL), (r, s)
+            for n, g in grads.items():
+                torch.testing.assert_close(got["grads"][s][n], g, atol=TOL, rtol=0, msg=f"rank {r} step {s} {n}")
+        assert got["local_numel"] < full_numel  # sharded
+        with torch.no_grad():
+            torch.testing.assert_close(got["eval"], model(x[:8].chunk(2)[r]), atol=TOL, rtol=0)
+            torch.testing.assert_close(got["after_load"], loaded(x[:8].chunk(2)[r]), atol=TOL, rtol=0)
+        assert got["wide_loss"] == pytest.approx(wide[r].item(), abs=TOL)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got["wide_grads"][n], p.grad, atol=TOL, rtol=0, msg=n)
+            torch.testing.assert_close(got["params"][n], p.detach(), atol=TOL, rtol=0, msg=n)
+        assert got["state_dict_warned"]
+        assert not any("not a module's forward" in line for line in got["log"]), got["log"]
+        assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
+        assert got["graph_breaks"] == [], got["graph_breaks"]  # the hooks run before the compiled frame
+    # rank 0 says what it compiled, once per graph (training, the no_grad eval, the new batch size); rank 1 not
+    compiled = [line for line in results[0]["log"] if "compiled graph" in line]
+    assert len(compiled) == 3, results[0]["log"]
+    assert all("plan 'fsdp" in line and "mesh dp=2" in line and "predicted step" in line and " MiB" in line
+               and "compiled in" in line for line in compiled), compiled
+    assert not any("compiled graph" in line for line in results[1]["log"]), results[1]["log"]
+
+
+@pytest.mark.timeout(300)
+def test_destroy_process_group_stops_the_gloo_threads():
+    """After destroy_process_group() no gloo worker thread is left: nothing the backend (or torch's
+    torch.distributed.nn.functional, imported by the first torch.compile) holds keeps a group alive into
+    interpreter finalization, where such a thread aborted the process ("terminate called without an active
+    exception")."""
+    results = launch_local(teardown_worker, (), 2)
+    for r in range(2):
+        assert not any("gloo" in name for name in results[r]), results[r]
 
 
 @pytest.mark.timeout(300)
