@@ -176,3 +176,18 @@ def test_dim_sharded_on_two_axes_trains_and_checkpoints_full_tensors(tmp_path):
     for k, v in full.items():
         assert torch.equal(restored[k], v), k
         torch.testing.assert_close(v, reference[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_adamw_has_torch_defaults_and_help_says_so(capsys):
+    """``--optimizer adamw`` is torch's AdamW as a user's loop builds it (weight_decay 0.01, not 0)."""
+    import torch
+
+    from adaptdist.runtime.worker import make_optimizer
+
+    p = torch.nn.Parameter(torch.ones(3))
+    ours = make_optimizer("adamw", [p], 1e-3).defaults
+    torchs = torch.optim.AdamW([p], lr=1e-3).defaults
+    assert ours == torchs and ours["weight_decay"] == 0.01
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "weight_decay=0.01" in " ".join(capsys.readouterr().out.split())
