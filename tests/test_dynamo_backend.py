@@ -387,3 +387,30 @@ def test_adaptdist_launch_runs_the_example_script(tmp_path):
         assert run["local_numel"] < sum(p.numel() for p in full.parameters())  # each rank holds shards
         assert sum(run["losses"][-4:]) / 4 < run["losses"][0] - 0.5  # it learns
     assert main(["launch", str(tmp_path / "missing.py")]) == 2
+
+
+def test_shapes_in_backend_errors_are_one_ranks():
+    """The backend captures every rank's forward at once, with a leading rank dim; the shapes that error
+    messages show (graph_meta.shape_str, used by the passes and the planner) are one rank's."""
+    from adaptdist import graph_meta as gmeta
+    from adaptdist.compiler.dynamo_capture import capture_all_ranks, classify_inputs
+
+    seen = {}
+
+    def capture_only(gm, example_inputs):
+        seen["captured"], _ = capture_all_ranks(gm, classify_inputs(gm, example_inputs), 2)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 2), nn.Tanh())  # 2 outputs = the world size: no confusion either way
+    torch.compile(model, backend=capture_only, dynamic=False)(torch.randn(5, 6))
+    graph = seen["captured"].gm.graph
+    x = next(n for n in graph.find_nodes(op="placeholder") if gmeta.get_role(n) == "batch")
+    assert gmeta.shape_str(x) == "float32[5, 6] per rank"
+    tanh = next(n for n in graph.nodes if n.target == torch.ops.aten.tanh.default)
+    assert gmeta.shape_str(tanh) == "float32[5, 2] per rank"
+    weight = next(n for n in graph.find_nodes(op="placeholder") if gmeta.get_fqn(n) == "0.weight")
+    assert gmeta.shape_str(weight) == "float32[2, 6]"
+    grads = [n for n in graph.output_node().args[0] if isinstance(n, torch.fx.Node) and n.target != torch.ops.aten.tanh.default]
+    assert all("per rank" not in gmeta.shape_str(g) for g in grads if list(gmeta.val(g).shape) in ([2, 6], [2]))
