@@ -414,3 +414,24 @@ def test_shapes_in_backend_errors_are_one_ranks():
     assert gmeta.shape_str(weight) == "float32[2, 6]"
     grads = [n for n in graph.output_node().args[0] if isinstance(n, torch.fx.Node) and n.target != torch.ops.aten.tanh.default]
     assert all("per rank" not in gmeta.shape_str(g) for g in grads if list(gmeta.val(g).shape) in ([2, 6], [2]))
+
+
+def test_rank0_logs_one_line_per_compiled_graph_and_no_traces(caplog, capfd):
+    """What the backend chose is one INFO line per graph (plan, mesh, predicted step and memory, compile time);
+    a successful compile prints nothing else of its internals."""
+    import logging
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with caplog.at_level(logging.INFO, logger="adaptdist"):
+        fn = torch.compile(model, backend="adaptdist", dynamic=False)
+        fn(torch.randn(5, 6)).sum().backward()
+        fn(torch.randn(4, 6)).sum().backward()  # a second graph (another batch size)
+    lines = [r.getMessage() for r in caplog.records if "compiled graph" in r.getMessage()]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "mesh dp=1" in line and "predicted step" in line and " ms" in line and " MiB" in line, line
+        assert "compiled in" in line and "plan '" in line, line
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "While executing" not in err, err
