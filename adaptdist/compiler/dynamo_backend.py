@@ -247,12 +247,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
     if rank == 0:
-        _log_compiled(programs, config, world, len(config.compiled) + 1, time.perf_counter() - t0)
+        _log_compiled(programs, config, world, time.perf_counter() - t0)
     return step
 
 
-def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: int, graph_number: int,
-                  compile_s: float) -> None:
+def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: int, compile_s: float) -> None:
     """One INFO line on what was compiled (as ``adaptdist train`` prints it): the plan, its mesh, the cost
     model's predicted step time and peak memory per rank, and the compile time. A prediction that fails
     (a cluster file of other ranks, an op without a cost) is named in the line instead."""
@@ -273,8 +272,8 @@ def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: 
                      f"{est.peak_memory_bytes / 2**20:.3g} MiB per rank")
     except Exception as e:  # the line is informative only: the compile has succeeded
         predicted = f"no prediction ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    log.info("adaptdist: compiled graph %d with plan %r on mesh %s (%d ranks): %s; compiled in %.1f s",
-             graph_number, name, mesh, world, predicted, compile_s)
+    log.info("adaptdist: compiled graph with plan %r on mesh %s (%d ranks): %s; compiled in %.1f s", name, mesh,
+             world, predicted, compile_s)
 
 
 def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, world: int, rank: int,
