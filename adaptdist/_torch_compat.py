@@ -181,14 +181,14 @@ def release_import_time_default_groups() -> int:
     if mod is None or not dist.is_available():
         return 0
     replaced = 0
-    for fn in list(vars(mod).values()):
-        while callable(fn) and not hasattr(fn, "__defaults__") and hasattr(fn, "__wrapped__"):
-            fn = fn.__wrapped__
-        defaults = getattr(fn, "__defaults__", None)
-        if not defaults or not any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            continue
-        fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
-        replaced += sum(isinstance(d, dist.ProcessGroup) for d in defaults)
+    for obj in list(vars(mod).values()):
+        fn = obj
+        while callable(fn):  # the function and the functions it wraps (functools.wraps' __wrapped__)
+            defaults = getattr(fn, "__defaults__", None) or ()
+            if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+                replaced += sum(isinstance(d, dist.ProcessGroup) for d in defaults)
+            fn = getattr(fn, "__wrapped__", None)
     return replaced
 
 
