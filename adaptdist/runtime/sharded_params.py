@@ -18,7 +18,9 @@ Between forward calls (``backward()``, ``opt.step()``, ``state_dict()``) the par
 the original module directly, not through ``torch.compile``, raises: it would compute with placeholders.
 This is what FSDP2 does with DTensor parameters and all_gathers in its hooks; here the placeholder needs no
 communication, because the compiled program does the gathering the plan chose. The forward hook runs also
-when the forward raises. A compiled plain function (not a module) gets no hooks: its parameters are still
+when the forward raises. A torch.nn module itself (``nn.Sequential``, ...) is compiled by Dynamo in a frame
+that traces the module's own hooks, so its swaps are hooks of its ``torch.compile`` wrapper instead (they run
+before that frame), and the module keeps only a pre-hook refusing direct calls. A compiled plain function (not a module) gets no hooks: its parameters are still
 sharded, but a re-trace would see their shards' shapes.
 """
 
