@@ -165,6 +165,35 @@ def register_process_group(name: str, group: Any) -> None:
     torch._C._distributed_c10d._register_process_group(name, group)
 
 
+def release_import_time_default_groups() -> int:
+    """Drop the references to the default process group that ``torch.distributed.nn.functional`` takes when
+    it is first imported after ``init_process_group`` (its collectives are declared ``group=group.WORLD``,
+    which Python evaluates at import time; ``import torch._dynamo``, i.e. the first ``torch.compile``,
+    imports it). Each such default becomes None, which those functions read as the default group, the same
+    group while it lives. Returns how many defaults were replaced.
+
+    Why: while anything references a gloo group, ``destroy_process_group()`` cannot free it, so its worker
+    threads run on into interpreter finalization; one that then releases a finished work's tensors needs
+    the GIL, and Python ends that thread from under C++ code: "terminate called without an active
+    exception" (SIGABRT) at exit, now and then, on some rank.
+    """
+    import torch.distributed as dist
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None or not dist.is_available():
+        return 0
+    replaced = 0
+    for obj in list(vars(mod).values()):
+        fn = obj
+        while callable(fn):  # the function and the functions it wraps (functools.wraps' __wrapped__)
+            defaults = getattr(fn, "__defaults__", None) or ()
+            if any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+                replaced += sum(isinstance(d, dist.ProcessGroup) for d in defaults)
+            fn = getattr(fn, "__wrapped__", None)
+    return replaced
+
+
 def resolve_process_group(name: str) -> Any:
     """The process group registered under ``name`` (see :func:`register_process_group`)."""
     return torch._C._distributed_c10d._resolve_process_group(name)
@@ -440,10 +469,47 @@ def dynamo_root_module() -> Any:
     except AttributeError:
         return None
     code = getattr(tx, "f_code", None)
-    if code is None or code.co_argcount == 0:
+    if code is None:
         return None
-    candidate = getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+    f_locals = getattr(tx, "f_locals", {})
+    # a torch.nn.* module (nn.Sequential, ...) is compiled through external_utils.wrap_inline: the frame is
+    # its ``inner(*args, **kwargs)``, calling the module held in the closure variable ``fn``
+    wrapped = f_locals.get("fn") if code.co_name == "inner" and code.co_argcount == 0 else None
+    if isinstance(wrapped, torch.nn.Module):
+        return wrapped
+    if code.co_argcount == 0:
+        return None
+    candidate = f_locals.get(code.co_varnames[0])
     return candidate if isinstance(candidate, torch.nn.Module) else None
+
+
+def dynamo_compiled_wrapper(module: Any) -> Any:
+    """The ``torch.compile`` wrapper (``OptimizedModule``) whose call is compiling ``module``, from inside a
+    backend: found on the Python call stack (its ``__call__`` runs the wrapper's own hooks eagerly, then the
+    compiled frame); None when there is none (a compiled function, or a module's method compiled directly)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, OptimizedModule) and candidate._orig_mod is module:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def dynamo_root_is_wrapped() -> bool:
+    """Whether the frame Dynamo compiles is external_utils.wrap_inline's ``inner`` around a torch.nn module
+    (the module's hooks are then traced, not run before the frame)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return False
+    code = getattr(tx, "f_code", None)
+    return (code is not None and code.co_name == "inner"
+            and isinstance(getattr(tx, "f_locals", {}).get("fn"), torch.nn.Module))
 
 
 def dynamo_frame_is_resume() -> bool:

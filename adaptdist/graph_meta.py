@@ -37,6 +37,9 @@ Keys:
         replicate fallback (so its warning is given once per graph, not per propagation).
     ``adaptdist.strategies``: the node's candidate strategies along one mesh axis (a list of
         :class:`~adaptdist.strategy.Strategy`), from the list-strategies pass.
+    ``adaptdist.rank_dim``: on nodes of a graph the torch.compile backend captured for all ranks
+        at once, True where dim 0 of the value is the internal rank dim (error messages show the
+        shape without it: one rank's shape).
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``; graphs of the torch.compile backend add per-rank outputs
         (:data:`PER_RANK_ROLES`): ``"out:<k>"`` (forward output k) and ``"grad_in:<k>"`` (gradient of
@@ -68,6 +71,7 @@ VOCAB_BOUNDS = "adaptdist.vocab_bounds"
 RESHARDED = "adaptdist.resharded"
 FALLBACKS = "adaptdist.fallbacks"
 PER_RANK_ROLES = ("out:", "grad_in:")
+RANK_DIM = "adaptdist.rank_dim"
 
 Layout = tuple[Placement, ...]
 
@@ -78,10 +82,13 @@ def val(node: torch.fx.Node) -> Any:
 
 
 def shape_str(node: Any) -> str:
-    """A short description of a node's shape(s) for error messages."""
+    """A short description of a node's shape(s) for error messages (one rank's shape, ``... per rank``,
+    for a value that carries the torch.compile backend's internal rank dim)."""
     if not isinstance(node, torch.fx.Node):
         return repr(node)
     v = val(node)
+    if isinstance(v, torch.Tensor) and has_rank_dim(node) and v.dim() > 0:
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape[1:])} per rank"
     if isinstance(v, torch.Tensor):
         return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
     if isinstance(v, (tuple, list)):
@@ -89,6 +96,15 @@ def shape_str(node: Any) -> str:
             f"{list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x) for x in v
         ) + ")"
     return repr(v)
+
+
+def mark_rank_dim(node: torch.fx.Node) -> None:
+    """Record that dim 0 of ``node``'s value is the backend's internal rank dim."""
+    node.meta[RANK_DIM] = True
+
+
+def has_rank_dim(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get(RANK_DIM, False))
 
 
 def get_role(node: torch.fx.Node) -> str | None:

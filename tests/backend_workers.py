@@ -8,6 +8,7 @@ and, at the end, ``adaptdist.full_state_dict``.
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -88,6 +89,12 @@ FACTORIES = {
     "hf_gpt2": hf_gpt2,
     "scalar_loss": scalar_loss,
     "hf_bert": hf_bert,
+}
+
+
+SEEDED = {  # the same models, built from another seed: each rank's own initial weights
+    "gpt": lambda batch, seed: tiny_gpt(batch, 8, seed=seed, num_heads=4)[0],
+    "mlp": lambda batch, seed: mlp(batch, seed=seed)[0],
 }
 
 
@@ -181,6 +188,8 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
         out = []
         for case in cases:
             model, batch, loss_fn = FACTORIES[case["model"]](case["batch"])
+            if case.get("rank_seeded"):  # rank r builds its model from seed r (rank 0's are eager's weights)
+                model.load_state_dict(SEEDED[case["model"]](case["batch"], rank).state_dict())
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             be = adaptdist.backend(plan=make_plan(case["model"], case["plan"]), mesh=case.get("mesh"))
             compiled = torch.compile(model, backend=be, fullgraph=True)
@@ -276,3 +285,99 @@ def sharded_usage_worker(timeout_s: float = 120.0) -> dict:
         return out
     finally:
         dist.destroy_process_group()
+
+
+def sequential_mlp(seed: int = 0) -> torch.nn.Sequential:
+    """A top-level nn.Sequential (Dynamo compiles a torch.nn module through its wrap_inline frame)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+def sequential_worker(steps: int, lr: float, timeout_s: float = 120.0) -> dict:
+    """A top-level nn.Sequential under fsdp (its parameters sharded) on 2 ranks: ``steps`` SGD steps on 4 rows
+    per rank, an eval pass under no_grad (a re-trace), a training step at 6 rows per rank (a re-trace at a new
+    batch size), state_dict() (warns that it holds shards), load_state_dict of full tensors; the adaptdist
+    log lines of the run."""
+    import warnings
+
+    from adaptdist.compiler.dynamo_backend import GraphBreakWarning
+    from adaptdist.runtime.sharded_params import ShardedStateWarning
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    records = _Records()
+    logger = logging.getLogger("adaptdist")
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        model = sequential_mlp()
+        _, (x, y), loss_fn = mlp(12, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan="fsdp"), dynamic=False)
+        out: dict = {"losses": [], "grads": []}
+        caught = warnings.catch_warnings(record=True)  # the graph-break warnings of the whole run
+        breaks = caught.__enter__()
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            loss = loss_fn(compiled(rank_rows(x[:8], rank, world)), rank_rows(y[:8], rank, world))
+            loss.backward()
+            out["losses"].append(loss.item())
+            out["grads"].append({n: full_grad(p) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        out["local_numel"] = sum(p.numel() for p in model.parameters())
+        with torch.no_grad():
+            out["eval"] = compiled(rank_rows(x[:8], rank, world))
+        loss = loss_fn(compiled(rank_rows(x, rank, world)), rank_rows(y, rank, world))  # 6 rows per rank
+        loss.backward()
+        out["wide_loss"] = loss.item()
+        out["wide_grads"] = {n: full_grad(p) for n, p in model.named_parameters()}
+        opt.zero_grad()
+        out["params"] = adaptdist.full_state_dict(compiled)
+        caught.__exit__(None, None, None)
+        out["graph_breaks"] = [str(w.message) for w in breaks if issubclass(w.category, GraphBreakWarning)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.state_dict()
+        out["state_dict_warned"] = any(issubclass(w.category, ShardedStateWarning) for w in caught)
+        model.load_state_dict(sequential_mlp(seed=5).state_dict())  # full tensors: each rank keeps its shard
+        with torch.no_grad():
+            out["after_load"] = compiled(rank_rows(x[:8], rank, world))
+        out["log"] = records.lines
+        try:
+            model(x)
+            out["direct_call"] = "no error"
+        except Exception as e:
+            out["direct_call"] = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        logger.removeHandler(records)
+        dist.destroy_process_group()
+
+
+def teardown_worker(timeout_s: float = 120.0) -> list[str]:
+    """A training step through the backend (fsdp), then destroy_process_group(): the names of this process's
+    threads left (/proc/self/task). torch.compile first runs after init_process_group here, as in a script."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = int(os.environ["RANK"]), dist.get_world_size()
+    model, (x, y), loss_fn = mlp(4, seed=0)
+    compiled = torch.compile(model, backend=adaptdist.backend(plan="fsdp"), dynamic=False)
+    loss_fn(compiled(rank_rows(x, rank, world)), rank_rows(y, rank, world)).backward()
+    adaptdist.full_state_dict(compiled)
+    dist.destroy_process_group()
+    import gc
+
+    gc.collect()
+    tasks = sorted(os.listdir("/proc/self/task"))
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]

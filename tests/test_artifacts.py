@@ -141,6 +141,7 @@ def test_torchrun_entry_runs_the_artifacts(artifacts, tmp_path):
     assert (tmp_path / "o" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_compile_writes_the_programs_train_runs(tmp_path):
     """`adaptdist compile` and `adaptdist train` lower with the same LoweringOptions defaults (one gradient
     bucket size), so for the same model, ranks and plan they write identical rank programs. The model's

@@ -18,13 +18,16 @@ from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
 from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
-                             sharded_memory_worker, sharded_usage_worker)
+                             sequential_mlp, sequential_worker, sharded_memory_worker, sharded_usage_worker,
+                             teardown_worker)
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
 CASES = {
     2: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
-        dict(model="gpt", plan="fsdp", batch=4, clip=0.05), dict(model="mlp", plan="auto", batch=6)],
+        dict(model="gpt", plan="fsdp", batch=4, clip=0.05), dict(model="mlp", plan="auto", batch=6),
+        # each rank builds its model from its own seed: every rank must train rank 0's (DDP's broadcast)
+        dict(model="mlp", plan="dp", batch=6, rank_seeded=True), dict(model="gpt", plan="fsdp", batch=4, rank_seeded=True)],
     4: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
         dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4, clip=0.05)],  # one local shape: see below
 }
@@ -120,6 +123,7 @@ def test_hugging_face_padding_masks_under_dp():
                 torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_model_returning_its_own_loss_with_python_scalars():
     """``return torch.sqrt((y * y).sum() + 1e-3) * 0.1 + 0.5``: the scalars become ``_to_copy(0.1)`` nodes without
@@ -137,6 +141,7 @@ def test_a_model_returning_its_own_loss_with_python_scalars():
                 torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_models_on_different_meshes_interleaved():
     """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""
@@ -194,6 +199,67 @@ def test_training_loop_habits_with_sharded_parameters():
             for n, v in loaded.state_dict().items():
                 torch.testing.assert_close(got["loaded_full"][n], v, atol=0, rtol=0)
             assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_top_level_sequential_under_a_sharded_plan():
+    """nn.Sequential (compiled by Dynamo through another frame than a module's forward) gets the placeholder
+    hooks: SGD steps, a no_grad re-trace, a re-trace at a new batch size, the state_dict warning and
+    load_state_dict of full tensors all work on its sharded parameters, with eager's numbers."""
+    from models import mlp
+
+    results = launch_local(sequential_worker, (STEPS, LR), 2)
+    model = sequential_mlp()
+    _, (x, y), loss_fn = mlp(12, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for _ in range(STEPS):
+        losses = [loss_fn(model(a), b) for a, b in zip(x[:8].chunk(2), y[:8].chunk(2))]
+        (sum(losses) / 2).backward()
+        history.append(([v.item() for v in losses], {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    wide = [loss_fn(model(a), b) for a, b in zip(x.chunk(2), y.chunk(2))]
+    (sum(wide) / 2).backward()
+    loaded = sequential_mlp(seed=5)
+    full_numel = sum(p.numel() for p in model.parameters())
+    for r in range(2):
+        got = results[r]
+        for s, (losses, grads) in enumerate(history):
+            assert got["losses"][s] == pytest.approx(losses[r], abs=TOL), (r, s)
+            for n, g in grads.items():
+                torch.testing.assert_close(got["grads"][s][n], g, atol=TOL, rtol=0, msg=f"rank {r} step {s} {n}")
+        assert got["local_numel"] < full_numel  # sharded
+        with torch.no_grad():
+            torch.testing.assert_close(got["eval"], model(x[:8].chunk(2)[r]), atol=TOL, rtol=0)
+            torch.testing.assert_close(got["after_load"], loaded(x[:8].chunk(2)[r]), atol=TOL, rtol=0)
+        assert got["wide_loss"] == pytest.approx(wide[r].item(), abs=TOL)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got["wide_grads"][n], p.grad, atol=TOL, rtol=0, msg=n)
+            torch.testing.assert_close(got["params"][n], p.detach(), atol=TOL, rtol=0, msg=n)
+        assert got["state_dict_warned"]
+        assert not any("not a module's forward" in line for line in got["log"]), got["log"]
+        assert "AdaptdistError" in got["direct_call"] and "torch.compile'd model" in got["direct_call"], got
+        assert got["graph_breaks"] == [], got["graph_breaks"]  # the hooks run before the compiled frame
+    # rank 0 says what it compiled, once per graph (training, the no_grad eval, the new batch size); rank 1 not
+    compiled = [line for line in results[0]["log"] if "compiled graph" in line]
+    assert len(compiled) == 3, results[0]["log"]
+    assert all("plan 'fsdp" in line and "mesh dp=2" in line and "predicted step" in line and " MiB" in line
+               and "compiled in" in line for line in compiled), compiled
+    assert not any("compiled graph" in line for line in results[1]["log"]), results[1]["log"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_destroy_process_group_stops_the_gloo_threads():
+    """After destroy_process_group() no gloo worker thread is left: nothing the backend (or torch's
+    torch.distributed.nn.functional, imported by the first torch.compile) holds keeps a group alive into
+    interpreter finalization, where such a thread aborted the process ("terminate called without an active
+    exception")."""
+    results = launch_local(teardown_worker, (), 2)
+    for r in range(2):
+        assert not any("gloo" in name for name in results[r]), results[r]
 
 
 @pytest.mark.slow
@@ -367,3 +433,51 @@ def test_adaptdist_launch_runs_the_example_script(tmp_path):
         assert run["local_numel"] < sum(p.numel() for p in full.parameters())  # each rank holds shards
         assert sum(run["losses"][-4:]) / 4 < run["losses"][0] - 0.5  # it learns
     assert main(["launch", str(tmp_path / "missing.py")]) == 2
+
+
+def test_shapes_in_backend_errors_are_one_ranks():
+    """The backend captures every rank's forward at once, with a leading rank dim; the shapes that error
+    messages show (graph_meta.shape_str, used by the passes and the planner) are one rank's."""
+    from adaptdist import graph_meta as gmeta
+    from adaptdist.compiler.dynamo_capture import capture_all_ranks, classify_inputs
+
+    seen = {}
+
+    def capture_only(gm, example_inputs):
+        seen["captured"], _ = capture_all_ranks(gm, classify_inputs(gm, example_inputs), 2)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 2), nn.Tanh())  # 2 outputs = the world size: no confusion either way
+    torch.compile(model, backend=capture_only, dynamic=False)(torch.randn(5, 6))
+    graph = seen["captured"].gm.graph
+    x = next(n for n in graph.find_nodes(op="placeholder") if gmeta.get_role(n) == "batch")
+    assert gmeta.shape_str(x) == "float32[5, 6] per rank"
+    tanh = next(n for n in graph.nodes if n.target == torch.ops.aten.tanh.default)
+    assert gmeta.shape_str(tanh) == "float32[5, 2] per rank"
+    weight = next(n for n in graph.find_nodes(op="placeholder") if gmeta.get_fqn(n) == "0.weight")
+    assert gmeta.shape_str(weight) == "float32[2, 6]"
+    grads = [n for n in graph.output_node().args[0] if isinstance(n, torch.fx.Node) and n.target != torch.ops.aten.tanh.default]
+    assert all("per rank" not in gmeta.shape_str(g) for g in grads if list(gmeta.val(g).shape) in ([2, 6], [2]))
+
+
+def test_rank0_logs_one_line_per_compiled_graph_and_no_traces(caplog, capfd):
+    """What the backend chose is one INFO line per graph (plan, mesh, predicted step and memory, compile time);
+    a successful compile prints nothing else of its internals."""
+    import logging
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with caplog.at_level(logging.INFO, logger="adaptdist"):
+        fn = torch.compile(model, backend="adaptdist", dynamic=False)
+        fn(torch.randn(5, 6)).sum().backward()
+        fn(torch.randn(4, 6)).sum().backward()  # a second graph (another batch size)
+    lines = [r.getMessage() for r in caplog.records if "compiled graph" in r.getMessage()]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "mesh dp=1" in line and "predicted step" in line and " ms" in line and " MiB" in line, line
+        assert "compiled in" in line and "plan '" in line, line
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "While executing" not in err, err

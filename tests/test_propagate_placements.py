@@ -206,6 +206,7 @@ SAMPLE_INDEPENDENT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ops_ddp_trains_lower_under_dp_and_fsdp_and_equal_eager(tmp_path):
     from adaptdist.annotations import ManualPlan

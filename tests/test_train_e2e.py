@@ -230,3 +230,18 @@ def test_example_batch_holding_one_tensor_twice_trains_like_eager(tmp_path, name
     weights = load_file(str(out / "model.safetensors"))
     for f, p in final.items():
         torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)
+
+
+def test_adamw_has_torch_defaults_and_help_says_so(capsys):
+    """``--optimizer adamw`` is torch's AdamW as a user's loop builds it (weight_decay 0.01, not 0)."""
+    import torch
+
+    from adaptdist.runtime.worker import make_optimizer
+
+    p = torch.nn.Parameter(torch.ones(3))
+    ours = make_optimizer("adamw", [p], 1e-3).defaults
+    torchs = torch.optim.AdamW([p], lr=1e-3).defaults
+    assert ours == torchs and ours["weight_decay"] == 0.01
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "weight_decay=0.01" in " ".join(capsys.readouterr().out.split())

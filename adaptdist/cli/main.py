@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lowering(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
-    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="adamw: torch.optim.AdamW with torch's defaults but --lr (weight_decay=0.01); sgd: plain SGD")
     t.add_argument("--max-grad-norm", type=_positive(float), default=None,
                    help="clip gradients to this global 2-norm (over all shards, as torch.nn.utils.clip_grad_norm_)")
     t.add_argument("--seed", type=int, default=0)
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--data", metavar="FILE", help="a text file for the model file's data(..., path=FILE)")
     r.add_argument("--steps", type=_positive(int), default=100, help="training steps")
     r.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
-    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="adamw: torch.optim.AdamW with torch's defaults but --lr (weight_decay=0.01); sgd: plain SGD")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", metavar="DIR", default="runs/artifacts", help="checkpoint and summary directory")
     r.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")

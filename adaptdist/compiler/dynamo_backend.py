@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,9 +208,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         PlanInfeasibleError, UsageError, UnsupportedOpError: from the planner or the lowering, raised
             on every rank.
     """
+    t0 = time.perf_counter()
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
+    if distributed:  # so that destroy_process_group() frees the groups (its docstring says why)
+        compat.release_import_time_default_groups()
     _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error = [], None, [], ""
     control = _control_group() if distributed else None
@@ -245,8 +249,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     # hooks (installed once, whatever this graph's plan: a later graph after a break may shard) and no size
     # guards on the sharded ones
     root = compat.dynamo_root_module()
-    if root is not None:
-        install_hooks(root)
+    if root is not None:  # a torch.nn module (nn.Sequential) is compiled inside a frame that traces its hooks
+        install_hooks(root, compat.dynamo_compiled_wrapper(root) if compat.dynamo_root_is_wrapped() else None)
     if sharded:
         compat.drop_tensor_guards(sharded)
         if root is None and not compat.dynamo_frame_is_resume():
@@ -257,13 +261,41 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         from ..runtime.worker import register_mesh_groups
 
         register_mesh_groups(program, dist.get_backend())
-        groups = {name: compat.resolve_process_group(name) for name in program.group_names.values()}
+        # by torch's group name, not the group object (CompiledStep.process_groups says why)
+        groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:",))
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
+    if rank == 0:
+        _log_compiled(programs, config, world, time.perf_counter() - t0)
     return step
+
+
+def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: int, compile_s: float) -> None:
+    """One INFO line on what was compiled (as ``adaptdist train`` prints it): the plan, its mesh, the cost
+    model's predicted step time and peak memory per rank, and the compile time. A prediction that fails
+    (a cluster file of other ranks, an op without a cost) is named in the line instead."""
+    from ..cluster import Cluster
+    from ..cost_models.estimate import estimate_programs
+
+    program = programs[0]
+    mesh = ",".join(f"{a}={n}" for a, n in program.mesh.items())
+    name = program.plan.name if program.plan is not None else "unnamed"
+    cluster = config.cluster
+    try:
+        if cluster is None:
+            cluster = Cluster.local(world)
+        elif isinstance(cluster, (str, Path)):
+            cluster = Cluster.from_yaml(cluster)
+        est = estimate_programs(programs, cluster, config.optimizer)
+        predicted = (f"predicted step {1e3 * est.step_s:.3g} ms and peak memory "
+                     f"{est.peak_memory_bytes / 2**20:.3g} MiB per rank")
+    except Exception as e:  # the line is informative only: the compile has succeeded
+        predicted = f"no prediction ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    log.info("adaptdist: compiled graph with plan %r on mesh %s (%d ranks): %s; compiled in %.1f s", name, mesh,
+             world, predicted, compile_s)
 
 
 def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, world: int, rank: int,
@@ -288,9 +320,7 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
             text = f"error: {type(e).__name__}: {e}"
     if distributed:
         text = _agree("planning", text, rank, control)[0]
-    plan = Plan.from_json(text, "the automatic plan")
-    log.info("adaptdist: plan %s on mesh %s", plan.name, dict(plan.mesh))
-    return plan
+    return Plan.from_json(text, "the automatic plan")  # rank 0 logs it with the compiled graph
 
 
 def _signature(captured: Any, inputs: list[GraphInput]) -> str:
@@ -353,7 +383,8 @@ def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:
         groups[(off, size)] = (dist.new_group(list(range(off, off + size))) if 1 < size < world else
                                dist.group.WORLD if size == world > 1 else None)
     off, size = slices[rank]
-    return RankIO(off, size, rank - off, groups[(off, size)])
+    group = groups[(off, size)]
+    return RankIO(off, size, rank - off, None if group is None else group.group_name)
 
 
 def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]) -> dict[int, ShardLayout]:

@@ -205,6 +205,43 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
     return _finish(joint, sig, len(outputs), world_size), tangent_outputs
 
 
+def _mark_rank_dims(graph: torch.fx.Graph, world_size: int) -> None:
+    """Mark the nodes whose dim 0 is the rank dim (:data:`adaptdist.graph_meta.RANK_DIM`), so error messages
+    show one rank's shape. A value is *rank-major* when its dim 0 holds the ranks' rows in rank order (size
+    ``world_size * k``): the stacked inputs and tangents, a view of a rank-major value whose dim 0 divides or
+    is divided by the input's, a transpose/permute that keeps dim 0, any other op with a rank-major input of
+    the same dim 0 size; those with dim 0 of size ``world_size`` are marked."""
+    aten = torch.ops.aten
+    views = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+    moves = {aten.t.default, aten.transpose.int, aten.permute.default}
+    major: set[torch.fx.Node] = set()
+
+    def rows(n: Any) -> int | None:
+        v = gmeta.val(n) if isinstance(n, torch.fx.Node) else None
+        return int(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() > 0 else None
+
+    for n in graph.nodes:
+        out = rows(n)
+        if n.op == "placeholder":
+            if gmeta.get_role(n) == "batch":
+                major.add(n)
+        elif n.op == "call_function" and out is not None and out % world_size == 0:
+            ins = [a for a in n.all_input_nodes if a in major]
+            if n.target in moves:
+                dims = list(n.args[1:]) if n.target != aten.permute.default else [n.args[1][0]]
+                keeps = n.target == aten.permute.default and dims == [0] or (
+                    n.target == aten.transpose.int and 0 not in [d % max(1, gmeta.val(n).dim()) for d in dims])
+                ok = bool(ins) and keeps
+            elif n.target in views:
+                ok = any(rows(a) and (rows(a) % out == 0 or out % rows(a) == 0) for a in ins[:1])
+            else:
+                ok = any(rows(a) == out for a in ins)
+            if ok:
+                major.add(n)
+        if n in major and out == world_size:
+            gmeta.mark_rank_dim(n)
+
+
 def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int) -> CapturedGraph:
     graph = gm.graph
     strip = len("state.")
@@ -231,6 +268,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
     gmeta.set_output_roles(out_node, roles)
     ranked = order_placeholders(graph, set(frozen))
     graph.eliminate_dead_code()
+    _mark_rank_dims(graph, world_size)
     graph.lint()
     gm.recompile()
     return CapturedGraph(

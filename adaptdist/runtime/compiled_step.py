@@ -20,6 +20,7 @@ rank's shard lies in the full tensor; :func:`full_state_dict` uses it.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -32,6 +33,8 @@ from .. import _torch_compat as compat
 from ..program import SplitProgram
 from .sharded_params import ShardedStateWarning, accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,13 +79,14 @@ class ShardLayout:
 @dataclass
 class RankIO:
     """How this rank's program reads and writes the stacked ``[W, ...]`` per-rank tensors: it holds rows
-    ``[first_row, first_row + rows)``, which are the user inputs of the ranks of ``group`` (None: just
-    this rank), this rank's own row being ``own_row``."""
+    ``[first_row, first_row + rows)``, which are the user inputs of the ranks of the process group named
+    ``group_name`` (torch's ``ProcessGroup.group_name``; None: just this rank), this rank's own row being
+    ``own_row``. The group is held by name, not by object: see :attr:`CompiledStep.process_groups`."""
 
     first_row: int
     rows: int
     own_row: int
-    group: Any
+    group_name: str | None
 
 
 class CompiledStep:
@@ -121,9 +125,14 @@ class CompiledStep:
         self.grad_inputs = grad_inputs
         self.rank = rank
         self.calls = 0
-        # collective group name -> process group; registered again before each run, because another
-        # compiled graph (after a graph break, another model) may have pointed the same names elsewhere
-        self.process_groups: dict[str, Any] = {}
+        # collective group name -> torch's name of the process group (ProcessGroup.group_name); registered
+        # again before each run, because another compiled graph (after a graph break, another model) may have
+        # pointed the same names elsewhere. Names, not ProcessGroup objects: Dynamo's cache keeps this step
+        # alive until the interpreter exits, and a reference to a gloo group would keep its worker threads
+        # running after the user's destroy_process_group(); a worker thread that releases a finished work's
+        # tensors while the interpreter finalizes needs the GIL, and Python ends such a thread from under
+        # C++ code: "terminate called without an active exception" (SIGABRT) on a random rank at exit.
+        self.process_groups: dict[str, str] = {}
         # called once after this graph's first backward (or at its second call, without one): the end of the
         # first step, when every graph of the step is compiled (the backend reports graph breaks there)
         self.after_first_step: Any = None
@@ -138,6 +147,7 @@ class CompiledStep:
 
     def __call__(self, *args: torch.Tensor):
         if self.calls == 0:
+            self._broadcast_state(args)
             self._shard_parameters(args)
         elif self.calls == 1:
             self.first_step_done()
@@ -152,6 +162,38 @@ class CompiledStep:
         if self.after_first_step is not None:
             callback, self.after_first_step = self.after_first_step, None
             callback()
+
+    def _broadcast_state(self, args: Sequence[torch.Tensor]) -> None:
+        """Give every rank rank 0's parameters and buffers (in place, before any is sharded), as DDP does at
+        construction: ranks that built their models with different initial weights (seeded by rank, or not
+        seeded) would otherwise train different models, or, under a sharded plan, a mix of every rank's
+        shards. A collective over the world (every rank makes this graph's first call: the backend checked
+        they compiled the same graph). Parameters an earlier graph sharded are in sync already and skipped.
+        A rank whose tensors differed says so in one INFO line naming the first of them."""
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        fqns = self.program.input_fqns if self.program is not None else [str(i) for i in self.state_order]
+        todo = [(f, args[i]) for f, i in zip(fqns, self.state_order) if layout_of(args[i]) is None]
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for f, t in todo:
+            by_dtype.setdefault(t.dtype, []).append((f, t))
+        differed: list[str] = []
+        with torch.no_grad():
+            for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+                group = by_dtype[dtype]
+                flat = torch.cat([t.detach().reshape(-1) for _, t in group])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for f, t in group:
+                    part = flat[offset:offset + t.numel()].view(t.shape)
+                    offset += t.numel()
+                    if self.rank != 0 and not torch.equal(part, t):
+                        differed.append(f)
+                        t.detach().copy_(part)
+        if differed:
+            log.info("adaptdist: rank %d's initial %s differed from rank 0's (and %d more tensors); every rank "
+                     "now holds rank 0's parameters and buffers, as under DDP", self.rank, differed[0],
+                     len(differed) - 1)
 
     def _shard_parameters(self, args: Sequence[torch.Tensor]) -> None:
         """Give each sharded parameter this rank's shard as its data (once, in place of the full tensor)."""
@@ -185,15 +227,15 @@ class CompiledStep:
     def gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's per-rank tensor -> the program's rows (its group's tensors stacked on a new dim 0)."""
         t = t.detach().contiguous()
-        if self.io.group is None:
+        if self.io.group_name is None:
             return t.unsqueeze(0)
         parts = [torch.empty_like(t) for _ in range(self.io.rows)]
-        dist.all_gather(parts, t, group=self.io.group)
+        dist.all_gather(parts, t, group=compat.resolve_process_group(self.io.group_name))
         return torch.stack(parts)
 
     def _use_groups(self) -> None:
-        for name, group in self.process_groups.items():
-            compat.register_process_group(name, group)
+        for name, group_name in self.process_groups.items():
+            compat.register_process_group(name, compat.resolve_process_group(group_name))
 
     def own_row(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's row of a program output ``[rows, ...]`` -> ``[...]`` (a view)."""

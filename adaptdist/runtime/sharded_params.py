@@ -18,7 +18,9 @@ Between forward calls (``backward()``, ``opt.step()``, ``state_dict()``) the par
 the original module directly, not through ``torch.compile``, raises: it would compute with placeholders.
 This is what FSDP2 does with DTensor parameters and all_gathers in its hooks; here the placeholder needs no
 communication, because the compiled program does the gathering the plan chose. The forward hook runs also
-when the forward raises. A compiled plain function (not a module) gets no hooks: its parameters are still
+when the forward raises. A torch.nn module itself (``nn.Sequential``, ...) is compiled by Dynamo in a frame
+that traces the module's own hooks, so its swaps are hooks of its ``torch.compile`` wrapper instead (they run
+before that frame), and the module keeps only a pre-hook refusing direct calls. A compiled plain function (not a module) gets no hooks: its parameters are still
 sharded, but a re-trace would see their shards' shapes.
 """
 
@@ -64,17 +66,31 @@ def _sharded(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if layout_of(p) is not None]
 
 
+def _direct_call_error(module: nn.Module, sharded: list[tuple[str, nn.Parameter]]) -> AdaptdistError:
+    name, p = sharded[0]
+    return AdaptdistError(
+        f"{type(module).__name__} was called directly, but adaptdist sharded its parameters ({name} holds "
+        f"this rank's shard {list(p.shape)} of {list(layout_of(p).global_shape)}, and {len(sharded) - 1} more): "
+        "call the torch.compile'd model, or load adaptdist.full_state_dict(compiled) into an uncompiled copy")
+
+
+def _refuse_direct_call(module: nn.Module, args: Any) -> None:
+    """The pre-hook of a module whose placeholder swaps run on its torch.compile wrapper: Dynamo traces it
+    (as nothing: no graph break), and an eager call of the module itself raises."""
+    if torch.compiler.is_compiling() or compat.in_compiled_module_call():
+        return
+    sharded = _sharded(module)
+    if sharded:
+        raise _direct_call_error(module, sharded)
+
+
 @torch.compiler.disable
 def _to_placeholders(module: nn.Module, args: Any) -> None:
     sharded = _sharded(module)
     if not sharded:
         return
     if not compat.in_compiled_module_call():
-        name, p = sharded[0]
-        raise AdaptdistError(
-            f"{type(module).__name__} was called directly, but adaptdist sharded its parameters ({name} holds "
-            f"this rank's shard {list(p.shape)} of {list(layout_of(p).global_shape)}, and {len(sharded) - 1} more): "
-            "call the torch.compile'd model, or load adaptdist.full_state_dict(compiled) into an uncompiled copy")
+        raise _direct_call_error(module, sharded)
     for _, p in sharded:
         layout = layout_of(p)
         if p.data.data_ptr() == layout.shard.data_ptr():
@@ -112,13 +128,22 @@ def _shard_loaded_state(module: nn.Module, state_dict: dict, prefix: str, *args:
             state_dict[key] = layout.local(full, rank)
 
 
-def install_hooks(module: nn.Module) -> None:
+def install_hooks(module: nn.Module, wrapper: nn.Module | None = None) -> None:
     """Register on ``module``, once: the placeholder swaps around its forward (module docstring), the warning
-    on ``state_dict()`` that it holds shards, and the sharding of full tensors given to ``load_state_dict``."""
+    on ``state_dict()`` that it holds shards, and the sharding of full tensors given to ``load_state_dict``.
+
+    With ``wrapper`` (the ``torch.compile`` wrapper of a torch.nn module such as ``nn.Sequential``, whose
+    hooks Dynamo traces inside the compiled frame instead of running them before it) the swaps go on the
+    wrapper, whose hooks run before the frame, and ``module`` gets a pre-hook that refuses direct calls."""
     if getattr(module, HOOKED, False):
         return
-    module.register_forward_pre_hook(_to_placeholders)
-    module.register_forward_hook(_to_shards, always_call=True)
+    if wrapper is None:
+        module.register_forward_pre_hook(_to_placeholders)
+        module.register_forward_hook(_to_shards, always_call=True)
+    else:
+        wrapper.register_forward_pre_hook(_to_placeholders)
+        wrapper.register_forward_hook(_to_shards, always_call=True)
+        module.register_forward_pre_hook(_refuse_direct_call)
     module.register_state_dict_post_hook(_warn_sharded_state)
     module.register_load_state_dict_pre_hook(_shard_loaded_state)
     setattr(module, HOOKED, True)

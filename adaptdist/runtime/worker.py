@@ -90,7 +90,8 @@ def _repeat(batch: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
-    """``torch.optim.SGD`` or ``AdamW`` (no weight decay) over ``params`` at learning rate ``lr``.
+    """``torch.optim.SGD`` or ``AdamW`` over ``params`` at learning rate ``lr``, otherwise with torch's
+    defaults (AdamW: ``weight_decay=0.01``, betas (0.9, 0.999), eps 1e-8), as a user's own loop would build it.
 
     Raises:
         AdaptdistError: an unknown optimizer name.
@@ -98,7 +99,7 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=lr)
     raise AdaptdistError(f"unknown optimizer {name!r}; use sgd or adamw")
 
 
@@ -166,6 +167,10 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     # Independent random streams per rank (dropout masks must not repeat across ranks).
     torch.manual_seed(cfg.seed + rank)
     try:
+        # Every rank's initial state comes from the programs one process wrote (train/compile lower one model
+        # in one process and save each rank's part of its state), so replicated parameters start equal on
+        # every rank and nothing needs broadcasting (the torch.compile backend, where each rank builds its own
+        # model, broadcasts rank 0's: CompiledStep._broadcast_state).
         program = load_program(cfg.program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
         runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
