@@ -277,19 +277,13 @@ def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: 
     """One INFO line on what was compiled (as ``adaptdist train`` prints it): the plan, its mesh, the cost
     model's predicted step time and peak memory per rank, and the compile time. A prediction that fails
     (a cluster file of other ranks, an op without a cost) is named in the line instead."""
-    from ..cluster import Cluster
     from ..cost_models.estimate import estimate_programs
 
     program = programs[0]
     mesh = ",".join(f"{a}={n}" for a, n in program.mesh.items())
     name = program.plan.name if program.plan is not None else "unnamed"
-    cluster = config.cluster
     try:
-        if cluster is None:
-            cluster = Cluster.local(world)
-        elif isinstance(cluster, (str, Path)):
-            cluster = Cluster.from_yaml(cluster)
-        est = estimate_programs(programs, cluster, config.optimizer)
+        est = estimate_programs(programs, _cluster_of(config, world), config.optimizer)
         predicted = (f"predicted step {1e3 * est.step_s:.3g} ms and peak memory "
                      f"{est.peak_memory_bytes / 2**20:.3g} MiB per rank")
     except Exception as e:  # the line is informative only: the compile has succeeded
@@ -349,15 +343,21 @@ def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
                 graph_fingerprint=graph_fingerprint(captured.gm), name=f"{first.name} (parameters already sharded)")
 
 
-def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
+def _cluster_of(config: AdaptdistBackend, world: int) -> Any:
+    """The backend's cluster: ``config.cluster`` (a Cluster, or a file loaded), else this machine's ``world`` ranks."""
     from ..calibrate.local import load_cluster, local_cluster
+
+    if config.cluster is None:
+        return local_cluster(world)
+    if isinstance(config.cluster, (str, Path)):
+        return load_cluster(config.cluster)
+    return config.cluster
+
+
+def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
     from .planner import plan_auto
 
-    cluster = config.cluster
-    if cluster is None:
-        cluster = local_cluster(world)
-    elif isinstance(cluster, (str, Path)):
-        cluster = load_cluster(cluster)
+    cluster = _cluster_of(config, world)
     if cluster.world_size != world:
         raise UsageError(f"the cluster has {cluster.world_size} ranks but this job has {world}; pass a cluster of "
                          f"{world} devices (or none: the local machine)")
