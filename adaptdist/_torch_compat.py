@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import sys
 import traceback
@@ -225,6 +226,42 @@ def functional_all_to_all_op() -> Callable:
 
 def functional_wait_op() -> Callable:
     return torch.ops._c10d_functional.wait_tensor.default
+
+
+_FUNCTIONAL_COLLECTIVES = (
+    ("all_reduce", "all_reduce"), ("all_reduce_coalesced", "all_reduce"),
+    ("all_gather_into_tensor", "all_gather"), ("all_gather_into_tensor_coalesced", "all_gather"),
+    ("reduce_scatter_tensor", "reduce_scatter"), ("reduce_scatter_tensor_coalesced", "reduce_scatter"),
+    ("all_to_all_single", "all_to_all"), ("broadcast", "broadcast"), ("wait_tensor", "wait"),
+)
+"""Functional collective op name (``torch.ops._c10d_functional.<name>``) -> the collective it issues."""
+
+
+@functools.cache
+def _functional_collective_kinds() -> dict[Any, str]:
+    kinds = {}
+    for name, kind in _FUNCTIONAL_COLLECTIVES:
+        packet = getattr(torch.ops._c10d_functional, name, None)
+        if packet is None:  # an op this torch does not have
+            continue
+        for overload in packet.overloads():
+            kinds[getattr(packet, overload)] = kind
+    return kinds
+
+
+def functional_collective_kind(target: Any) -> str | None:
+    """The collective a functional collective op issues (``"all_reduce"``, ``"all_gather"``,
+    ``"reduce_scatter"``, ``"all_to_all"``, ``"broadcast"``), ``"wait"`` for ``wait_tensor``, None for any
+    other target. Matched by op handle (``torch.ops._c10d_functional.*`` overloads), not by name."""
+    try:
+        return _functional_collective_kinds().get(target)
+    except TypeError:  # an unhashable target (a method name string is hashable; a bound method may not be)
+        return None
+
+
+def is_functional_collective(target: Any) -> bool:
+    """True for a functional collective that issues communication (not ``wait_tensor``)."""
+    return functional_collective_kind(target) not in (None, "wait")
 
 
 @contextlib.contextmanager

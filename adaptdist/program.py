@@ -111,7 +111,7 @@ class RankProgram:
         gm = self.graph_module
         out = []
         for n in gm.graph.nodes:
-            if n.op == "call_function" and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target):
+            if n.op == "call_function" and compat.is_functional_collective(n.target):
                 out.append(f"{n.target}({n.args[-1]}, {n.args[0].meta['val'].numel()})")
         return out
 

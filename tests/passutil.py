@@ -13,7 +13,7 @@ from adaptdist.runtime.simulate import simulate_ranks
 def captured_with_ctx(factory_out, world_size, bucket_bytes=25 * 2**20):  # one bucket for the small test models
     model, batch, loss_fn = factory_out
     cg = capture(model, batch, loss_fn)
-    ctx = PassContext(world_size=world_size, batch_size=cg.batch_size, bucket_bytes=bucket_bytes)
+    ctx = PassContext(axis_size=world_size, batch_size=cg.batch_size, bucket_bytes=bucket_bytes)
     return cg, copy_graph_module(cg.gm), ctx
 
 

@@ -44,7 +44,7 @@ def test_one_bucket_holds_every_gradient_with_the_default_size():
     assert len(rss) == others + 1
     (rs,) = [r for r in rss if r not in set(grads)]
     assert _bytes(rs.args[0]) == total  # the padded gradients, concatenated
-    assert rs.meta["val"].numel() * ctx.world_size == rs.args[0].meta["val"].numel()
+    assert rs.meta["val"].numel() * ctx.axis_size == rs.args[0].meta["val"].numel()
     nodes = list(gm.graph.nodes)
     wait = next(iter(rs.users))
     assert gmeta.get_collective(wait) == "wait" and nodes.index(wait) > nodes.index(rs)

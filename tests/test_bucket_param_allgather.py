@@ -60,7 +60,7 @@ def test_one_bucket_per_side_of_the_loss_with_the_default_size():
     assert sizes == [sum(fwd), sum(bwd)]  # each bucket is its gathers' padded shards, flattened
     assert [len(b) for b in _buckets(gm, ctx.group_name)] == [len(fwd), len(bwd)]
     for g in merged:  # every rank brings its whole buffer: world x the local bucket
-        assert g.meta["val"].numel() == ctx.world_size * g.args[0].meta["val"].numel()
+        assert g.meta["val"].numel() == ctx.axis_size * g.args[0].meta["val"].numel()
 
 
 def test_bucket_size_limit_and_program_order_are_kept():

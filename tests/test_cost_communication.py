@@ -120,3 +120,22 @@ def test_link_cost_takes_the_slowest_hop_and_calibrated_fits():
     assert not link_cost(fitted, "all_reduce", (0, 1, 2, 3)).calibrated  # no fit for all_reduce: the link
     assert link_cost(cl, "all_reduce", (2,)).alpha_s == 0.0
     assert math.isclose(cl.link(0, 3).bandwidth_bytes_per_s, 1e9)
+
+
+def test_functional_collectives_are_found_by_op_handle():
+    """Collectives are recognised by their op overload, not by a name prefix: a string or another op that
+    merely prints like one is not a collective."""
+    import torch
+
+    from adaptdist import _torch_compat as compat
+    from adaptdist.cost_models.communication import functional_collective_kind
+
+    ops = torch.ops._c10d_functional
+    assert functional_collective_kind(ops.all_reduce.default) == "all_reduce"
+    assert functional_collective_kind(ops.all_gather_into_tensor.default) == "all_gather"
+    assert functional_collective_kind(ops.reduce_scatter_tensor.default) == "reduce_scatter"
+    assert functional_collective_kind(ops.all_to_all_single.default) == "all_to_all"
+    assert functional_collective_kind(ops.wait_tensor.default) == "wait"
+    assert not compat.is_functional_collective(ops.wait_tensor.default)
+    assert functional_collective_kind("_c10d_functional.all_reduce.default") is None
+    assert functional_collective_kind(torch.ops.aten.add.Tensor) is None

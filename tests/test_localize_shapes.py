@@ -6,10 +6,10 @@ from passutil import simulate
 
 
 def test_torch_chunk_split_with_empty_rank():
-    ctx = PassContext(world_size=3, batch_size=4)
+    ctx = PassContext(axis_size=3, batch_size=4)
     assert ctx.shard_sizes() == [len(c) for c in torch.arange(4).chunk(3)] + [0] * (3 - len(torch.arange(4).chunk(3)))
     assert ctx.shard_sizes() == [2, 2, 0] and ctx.shard_offsets() == [0, 2, 4]
-    assert PassContext(world_size=2, batch_size=5).shard_sizes() == [3, 2]
+    assert PassContext(axis_size=2, batch_size=5).shard_sizes() == [3, 2]
 
 
 def test_each_rank_gets_its_local_shapes():

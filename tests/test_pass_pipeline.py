@@ -52,7 +52,7 @@ def test_dumps_before_and_after_with_op_counts_and_disabled_passes_do_not_run(tm
 def _graph():
     model, batch, loss = mlp(8)
     cg = capture(model, batch, loss)
-    return copy_graph_module(cg.gm), PassContext(world_size=2, batch_size=cg.batch_size)
+    return copy_graph_module(cg.gm), PassContext(axis_size=2, batch_size=cg.batch_size)
 
 
 def test_the_runner_does_the_tail_once_after_a_pass_that_changed_the_graph():

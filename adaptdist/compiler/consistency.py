@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _torch_compat as compat
 from ..errors import CollectiveMismatchError
 from ..placement import Placement, Replicate
 from ..redistribute import FUNCTIONAL_OP, transition_collective
@@ -34,7 +35,7 @@ def collective_calls(program: RankProgram) -> list[CollectiveCall]:
     """The ordered collectives of ``program`` (functional collectives; waits excluded)."""
     calls = []
     for n in program.graph_module.graph.nodes:
-        if n.op != "call_function" or not str(n.target).startswith("_c10d_functional.") or "wait" in str(n.target):
+        if n.op != "call_function" or not compat.is_functional_collective(n.target):
             continue
         x = n.args[0]
         numel = x.meta["val"].numel() if isinstance(x, torch.fx.Node) else sum(a.meta["val"].numel() for a in x)

@@ -85,13 +85,13 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
     node_placements: dict[str, list[Placement]] = {}
     redistributions: dict[str, list[Redistribution]] = {}
     for axis in order:
-        ctx = PassContext(world_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
+        ctx = PassContext(axis_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
                           replicate_fallback=options.replicate_fallback,
                           node_hints=dict((axis_hints or {}).get(axis, {})))
         ctxs[axis] = ctx
-        if ctx.world_size == 1:
+        if ctx.axis_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
             axis_placements[axis] = {}
             continue
@@ -102,7 +102,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         ctxs[axis] = ctx
         if axis == batch_axis and not ctx.shards_batch:
             log.warning("a global batch of %d sample cannot be split over %d ranks: every rank computes the whole "
-                        "step (correct, but no faster than one rank)", captured.batch_size, ctx.world_size)
+                        "step (correct, but no faster than one rank)", captured.batch_size, ctx.axis_size)
         lowered = {}
         try:
             for key, gm in graphs.items():
@@ -122,7 +122,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
                     Redistribution(n.name, src, parse_placement(frm), parse_placement(to), by))
         try:
             graphs = {key + (i,): localize_shapes(gm, ctx, i)[0] for key, gm in lowered.items()
-                      for i in range(ctx.world_size)}
+                      for i in range(ctx.axis_size)}
         except UnsupportedOpError as e:
             e.axis = axis
             raise
@@ -189,9 +189,9 @@ def _local_state(state: dict[str, torch.Tensor], ctxs: list[PassContext], coords
     out = {}
     for f, t in state.items():
         for ctx, i in zip(ctxs, coords):
-            p = ctx.param_placements.get(f) if ctx.world_size > 1 else None
+            p = ctx.param_placements.get(f) if ctx.axis_size > 1 else None
             if isinstance(p, Shard):
-                s, e = chunk_interval(t.shape[p.dim], ctx.world_size, i)
+                s, e = chunk_interval(t.shape[p.dim], ctx.axis_size, i)
                 t = t.narrow(p.dim, s, e - s)
         out[f] = t.clone() if t is not state[f] else t
     return out

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from .. import _torch_compat as compat
 from ..errors import ClusterSpecError, UsageError
 from .hardware import ClusterLike
 from .numbers import ceil_log2, smin
@@ -48,28 +49,10 @@ ALGORITHMS = ("ring", "tree", "auto")
 CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 """Collectives a cluster may hold a calibrated fit for (``adaptdist.cluster.COLLECTIVES``)."""
 
-_FUNCTIONAL_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-}
-
-
 def functional_collective_kind(target: Any) -> str | None:
     """The collective a ``_c10d_functional.*`` op issues (``"all_reduce"``, ``"all_gather"``, ...),
-    ``"wait"`` for ``wait_tensor``, None for anything else."""
-    text = str(target)
-    if not text.startswith("_c10d_functional."):
-        return None
-    name = text.split(".")[1]
-    if name == "wait_tensor":
-        return "wait"
-    return _FUNCTIONAL_KINDS.get(name, name)
+    ``"wait"`` for ``wait_tensor``, None for anything else (by op handle: :mod:`adaptdist._torch_compat`)."""
+    return compat.functional_collective_kind(target)
 
 
 def ring_time_s(collective: str, n_bytes, p, alpha_s, beta_s_per_byte):

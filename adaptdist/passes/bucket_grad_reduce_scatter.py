@@ -87,7 +87,7 @@ def _feeds_output(wait: torch.fx.Node) -> bool:
 
 
 def _merge(graph, bucket, ctx: PassContext, out: torch.fx.Node, order: dict) -> None:
-    w = ctx.world_size
+    w = ctx.axis_size
     last = max((c[0] for c in bucket), key=order.__getitem__)
     mode = getattr(bucket[0][1][-1].meta["val"], "fake_mode", None)
 

@@ -94,15 +94,15 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
     with graph.inserting_before(first_ag):
         flats = [call(aten.reshape.default, (pad, [-1])) for _, pad, _ in bucket]
         cat = call(aten.cat.default, (flats,))
-        ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.world_size, ctx.group_name))
-        ag.meta["val"] = first_ag.meta["val"].new_empty((cat.meta["val"].numel() * ctx.world_size,))
+        ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.axis_size, ctx.group_name))
+        ag.meta["val"] = first_ag.meta["val"].new_empty((cat.meta["val"].numel() * ctx.axis_size,))
         gmeta.set_placements(ag, (Replicate(),))
         gmeta.mark_collective(ag, "all_gather", ctx.group_name)
         wait = graph.call_function(compat.functional_wait_op(), (ag,))
         wait.meta["val"] = ag.meta["val"]
         gmeta.set_placements(wait, (Replicate(),))
         gmeta.mark_collective(wait, "wait", ctx.group_name)
-        rows = call(aten.reshape.default, (wait, [ctx.world_size, -1]))
+        rows = call(aten.reshape.default, (wait, [ctx.axis_size, -1]))
         sizes = [f.meta["val"].numel() for f in flats]
         parts = call(aten.split_with_sizes.default, (rows, sizes, 1))
         gmeta.set_placements(parts, (tuple(Replicate() for _ in bucket),))

@@ -68,7 +68,7 @@ def complete_param_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> dic
     """``ctx.param_placements`` plus the placements inferred for unannotated parameters (see the
     module docstring). ``gm`` is not changed; with one rank nothing is inferred."""
     placements = dict(ctx.param_placements)
-    if ctx.world_size == 1 or not any(isinstance(p, Shard) for p in placements.values()):
+    if ctx.axis_size == 1 or not any(isinstance(p, Shard) for p in placements.values()):
         return {f: p for f, p in placements.items() if not isinstance(p, Replicate)}
     for _ in range(MAX_SWEEPS):
         c = dataclasses.replace(ctx, param_placements=placements)
@@ -78,7 +78,7 @@ def complete_param_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> dic
         for ph in g.graph.find_nodes(op="placeholder"):
             fqn = gmeta.get_fqn(ph)
             if gmeta.get_role(ph) == "param" and fqn not in placements:
-                best = _cheapest_storage(ph, ctx.world_size)
+                best = _cheapest_storage(ph, ctx.axis_size)
                 if isinstance(best, Shard):
                     inferred[fqn] = best
         if not inferred:

@@ -14,7 +14,8 @@ class PassContext:
     """Settings shared by the lowering passes.
 
     Attributes:
-        world_size: number of ranks on the (1-D, data-parallel) mesh axis.
+        axis_size: number of ranks on the mesh axis this lowering takes (``mesh_axis``); the
+            job's world size is the product of every axis's size.
         batch_size: global batch size (dim 0 of every batch input).
         mesh_axis: name of the mesh axis the batch is sharded over.
         bucket_bytes: target size of one gradient all_reduce bucket, bytes (default: LoweringOptions').
@@ -29,7 +30,7 @@ class PassContext:
             follows it where the op's rule agrees (see ``propagate_placements``).
     """
 
-    world_size: int
+    axis_size: int
     batch_size: int
     mesh_axis: str = "dp"
     bucket_bytes: int = LoweringOptions.grad_bucket_bytes
@@ -40,8 +41,8 @@ class PassContext:
     node_hints: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.axis_size < 1:
+            raise ValueError(f"axis_size must be >= 1, got {self.axis_size}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
 
@@ -49,7 +50,7 @@ class PassContext:
     def shards_batch(self) -> bool:
         """False when splitting is pointless (one rank) or impossible (one sample): then every
         rank holds the whole batch and computes the whole step, with no collectives."""
-        return self.shard_batch and self.world_size > 1 and self.batch_size > 1
+        return self.shard_batch and self.axis_size > 1 and self.batch_size > 1
 
     @property
     def group_name(self) -> str:
@@ -58,7 +59,7 @@ class PassContext:
 
     def shard_sizes(self) -> list[int]:
         """Local batch size of each rank, torch.chunk semantics (trailing ranks may get 0)."""
-        b, w = self.batch_size, self.world_size
+        b, w = self.batch_size, self.axis_size
         if not self.shards_batch:
             return [b] * w
         chunk = -(-b // w) if b else 0
@@ -66,6 +67,6 @@ class PassContext:
 
     def shard_offsets(self) -> list[int]:
         if not self.shards_batch:
-            return [0] * self.world_size
+            return [0] * self.axis_size
         sizes = self.shard_sizes()
-        return [sum(sizes[:r]) for r in range(self.world_size)]
+        return [sum(sizes[:r]) for r in range(self.axis_size)]

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 
 def decompose_addmm(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
     """Rewrite every ``addmm``/``baddbmm`` with default alpha/beta when ``ctx`` shards parameters."""
-    if not any(True for _ in ctx.param_placements) or ctx.world_size == 1:
+    if not any(True for _ in ctx.param_placements) or ctx.axis_size == 1:
         return gm, False
     graph = gm.graph
     changed = False

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx
 
+from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import AdaptdistError, InternalError, UsageError
 from ..lowering_options import LoweringOptions
@@ -138,11 +139,11 @@ def check_invariants(gm: torch.fx.GraphModule, before: tuple, changed: bool, nam
         if n.op != "call_function":
             continue
         schema = getattr(n.target, "_schema", None)
-        if schema is not None and schema.is_mutable and not str(n.target).startswith("_c10d_functional."):
+        if schema is not None and schema.is_mutable and compat.functional_collective_kind(n.target) is None:
             fail(f"node {n.name!r} is the in-place op {n.target} (1)")
-        if str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target):
+        if compat.is_functional_collective(n.target):
             users = list(n.users)
-            if users and not all(str(u.target).startswith("_c10d_functional.wait") for u in users):
+            if users and not all(compat.functional_collective_kind(u.target) == "wait" for u in users):
                 fail(f"collective {n.name!r} is used before its wait_tensor (1)")
 
 

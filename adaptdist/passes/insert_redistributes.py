@@ -112,10 +112,10 @@ def all_gather(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassConte
         moved = call(aten.permute.default, (x, perm), Shard(0)) if dim else x
         padded = call(aten.constant_pad_nd.default, (moved, [0, 0] * (nd - 1) + [0, 0], 0.0), Shard(0), "gather_pad")
         gmeta.set_gather_pad(padded, 0, ctx.group_name)
-        gathered = graph.call_function(compat.functional_all_gather_op(), (padded, ctx.world_size, ctx.group_name))
+        gathered = graph.call_function(compat.functional_all_gather_op(), (padded, ctx.axis_size, ctx.group_name))
         gv = padded.meta["val"]
         with mode if mode is not None else torch.no_grad():
-            gathered.meta["val"] = gv.new_empty((gv.shape[0] * ctx.world_size, *gv.shape[1:]))
+            gathered.meta["val"] = gv.new_empty((gv.shape[0] * ctx.axis_size, *gv.shape[1:]))
         gmeta.set_placements(gathered, (Replicate(),))
         gmeta.mark_collective(gathered, "all_gather", ctx.group_name)
         w = graph.call_function(compat.functional_wait_op(), (gathered,))
@@ -149,7 +149,7 @@ def reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, ctx: PassC
     rank r receives block r of the sum and keeps its first ``size_r`` rows.
     """
     val = x.meta["val"]
-    nd, n, w = val.dim(), val.shape[dim], ctx.world_size
+    nd, n, w = val.dim(), val.shape[dim], ctx.axis_size
     block = padded_shard_size(n, w)
     mode = getattr(val, "fake_mode", None)
 
@@ -183,7 +183,7 @@ def all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, ctx: Pas
     ``c_j`` rows of ``j`` (marked like a reduce_scatter's trim, so localization sizes it).
     """
     val = x.meta["val"]
-    nd, w = val.dim(), ctx.world_size
+    nd, w = val.dim(), ctx.axis_size
     n_i, n_j = val.shape[i], val.shape[j]
     m_j = padded_shard_size(n_j, w)
     mode = getattr(val, "fake_mode", None)

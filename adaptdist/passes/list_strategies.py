@@ -90,7 +90,7 @@ def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
             if st.outputs[idx] is not None and s not in out:
                 out.append(s)
         return out
-    torch_side = dtensor_node_strategies(node, ctx.world_size) or []
+    torch_side = dtensor_node_strategies(node, ctx.axis_size) or []
     rule_side = _from_rule(node)
     if node.target == torch.ops.aten.embedding_dense_backward.default and not _arg(node, 4, "scale_grad_by_freq", False):
         # each rank's own rows of a vocabulary-parallel table; valid together with its forward lookup

@@ -168,11 +168,11 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
                 off, size = ctx.shard_offsets()[rank], ctx.shard_sizes()[rank]
                 ivs[node] = (off, off + size)
             else:
-                ivs[node] = chunk_interval(node.meta["val"].shape[p.dim], ctx.world_size, rank)
+                ivs[node] = chunk_interval(node.meta["val"].shape[p.dim], ctx.axis_size, rank)
         elif _in_reduce_scatter(node, ctx.group_name):
             continue  # a padded block, consumed only by the trim below
         elif gmeta.get_scatter_trim(node, ctx.group_name) is not None:
-            ivs[node] = chunk_interval(gmeta.get_scatter_trim(node, ctx.group_name)[1], ctx.world_size, rank)
+            ivs[node] = chunk_interval(gmeta.get_scatter_trim(node, ctx.group_name)[1], ctx.axis_size, rank)
         elif gmeta.get_vocab_bounds(node, ctx.group_name) is not None:
             ivs[node] = ivs[_nodes_by_name(gm)[gmeta.get_vocab_bounds(node, ctx.group_name)[1]]]  # the table's rows
         elif gmeta.get_rank_slice(node, ctx.group_name) is not None:
@@ -256,7 +256,7 @@ def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: in
         for _, a in tensor_args(user):
             if a not in mine and a in ivs and isinstance(placement_of(a), Shard) and shape_at(a) == size:
                 return ivs[a]
-    return chunk_interval(size, ctx.world_size, rank)
+    return chunk_interval(size, ctx.axis_size, rank)
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}

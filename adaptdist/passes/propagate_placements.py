@@ -64,13 +64,13 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             if role == "batch":
                 out = Shard(0) if ctx.shards_batch else Replicate()
             else:
-                out = ctx.param_placements.get(gmeta.get_fqn(node), Replicate()) if ctx.world_size > 1 else Replicate()
+                out = ctx.param_placements.get(gmeta.get_fqn(node), Replicate()) if ctx.axis_size > 1 else Replicate()
         elif node.op == "get_attr":
             out = Replicate()
         elif node.op == "call_function":
             try:
-                res = (_follow_hint(node, ctx.node_hints.get(node.name), seen_as, ctx.world_size)
-                       or apply_rule(node, seen_as, ctx.world_size))
+                res = (_follow_hint(node, ctx.node_hints.get(node.name), seen_as, ctx.axis_size)
+                       or apply_rule(node, seen_as, ctx.axis_size))
             except UnsupportedOpError:
                 if not ctx.replicate_fallback or rule_for(node) is not None:
                     raise

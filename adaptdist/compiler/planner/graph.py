@@ -216,7 +216,7 @@ def build_planning_graph(captured: CapturedGraph, cluster: Any, pins: Mapping[st
 
     ``pins`` maps node names to a text that makes them a class of their own (user pins).
     """
-    gm, _ = decompose_addmm(copy_graph_module(captured.gm), PassContext(world_size=1, batch_size=captured.batch_size))
+    gm, _ = decompose_addmm(copy_graph_module(captured.gm), PassContext(axis_size=1, batch_size=captured.batch_size))
     devices = list({(d.kind, tuple(sorted(d.peak_flops.items())), d.memory_bandwidth_bytes_per_s,
                      op_overhead_s(d)): d for d in (cluster.device(r) for r in range(cluster.world_size))}.values())
     # one device per distinct set of figures: 1024 identical GPUs are costed once, not 1024 times

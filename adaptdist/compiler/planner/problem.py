@@ -207,7 +207,7 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
     Raises:
         UnsupportedOpError: a node has no strategy at all (names op, node and shapes).
     """
-    ctx = PassContext(world_size=n, batch_size=pg.batch_size, mesh_axis="plan", shard_batch=batch_axis,
+    ctx = PassContext(axis_size=n, batch_size=pg.batch_size, mesh_axis="plan", shard_batch=batch_axis,
                       replicate_fallback=replicate_fallback)
     out: dict[str, list[Strategy]] = {}
     for name in pg.order:
