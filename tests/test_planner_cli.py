@@ -41,7 +41,9 @@ def test_plan_auto_prints_the_choice_and_saves_a_plan_the_lowering_follows(model
 
 def test_plan_with_a_fixed_mesh(model_file, capsys):
     assert main(["plan", model_file, "--mesh", "dp=2", "--batch-size", "64"]) == 0
-    assert "automatic plan: mesh dp=2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "automatic plan: mesh dp=2" in out
+    assert "uncalibrated default figures" in " ".join(out.split())  # --nproc/--mesh: no measured figures
 
 
 def test_explain_lists_alternatives_and_the_reason(model_file, capsys):

@@ -88,3 +88,17 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
         ClusterSpecError: as :func:`adaptdist.cluster_file.load_cluster`.
     """
     return cluster_file.load_cluster(path, estimated_cluster)
+
+
+def uncalibrated_note(cluster: Cluster) -> str | None:
+    """What a prediction on ``cluster`` must say when its figures are this module's defaults, not measured
+    (None when the cluster is calibrated): which kind of defaults, and the command that measures them."""
+    if getattr(cluster, "calibrated", False):
+        return None
+    kind = cluster.device(0).kind
+    how = ("chosen to err on the slow side on an otherwise idle machine (1.0-1.5x the measured step of the "
+           "built-in GPT on 2 cores; other jobs on the cores make steps slower still)"
+           if kind == "cpu" else "datasheet peaks, so expect real steps to be slower")
+    return (f"uncalibrated: these are default figures for {kind} ranks, {how}; for measured ones run "
+            f"`adaptdist cluster profile --nproc {cluster.world_size} --out cluster.yaml` on the machine and pass "
+            "--cluster cluster.yaml")

@@ -97,14 +97,11 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
                   f"{slow.communication_s * 1e3:.3f} ms of which {slow.idle_s * 1e3:.3f} ms not hidden), "
                   f"{items / slow.step_s:,.0f} {unit}/s; peak memory {est.peak_memory_bytes / 2**20:.2f} MiB per rank")
     console.print(f"collectives per step on rank 0: {collectives_summary(est.ranks[0])}")
-    if not calibrated:
-        kind = cluster.device(0).kind
-        how = ("chosen to err on the slow side on an otherwise idle machine (1.0-1.5x the measured step of the "
-               "built-in GPT on 2 cores; other jobs on the cores make steps slower still)"
-               if kind == "cpu" else "datasheet peaks, so expect real steps to be slower")
-        console.print(f"[yellow]uncalibrated: these are default figures for {kind} ranks, {how}; "
-                      f"for measured ones run `adaptdist cluster profile --nproc {cluster.world_size} --out "
-                      f"cluster.yaml` on the machine and pass --cluster cluster.yaml[/]")
+    from ..calibrate.local import uncalibrated_note
+
+    note = uncalibrated_note(cluster)
+    if note:
+        console.print(f"[yellow]{note}[/]")
     over = [r for r in est.ranks.values() if r.memory.peak_bytes > r.device_memory_bytes]
     if over:
         console.print(f"[red]ranks {[r.rank for r in over]} need more memory than their device has "

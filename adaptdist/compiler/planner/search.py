@@ -116,6 +116,7 @@ class PlannerResult:
     phases_s: dict[str, float]
     graph: PlanningGraph
     chosen: dict[str, dict[str, Strategy]] = field(default_factory=dict)
+    calibrated: bool = True
 
     @property
     def solve_s(self) -> float:
@@ -381,7 +382,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
     phases["plan"] = time.perf_counter() - t2
     log.info("planner: mesh %s, batch axis %s, predicted %.2f ms per step, %.2f GiB per rank (%d shapes, %.2f s)",
              c.mesh, c.batch_axis, 1e3 * ev.step_s, ev.memory_bytes / 2**30, len(tried), sum(phases.values()))
-    return PlannerResult(plan, c, ev, sols, tried, phases, pg, chosen)
+    return PlannerResult(plan, c, ev, sols, tried, phases, pg, chosen,
+                         calibrated=bool(getattr(cluster, "calibrated", True)))
 
 
 def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:

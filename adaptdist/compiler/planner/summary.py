@@ -40,6 +40,9 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                   f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
                   f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
                   f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    if not result.calibrated:
+        console.print("[yellow](predicted with uncalibrated default figures; `adaptdist cluster profile` measures this "
+                      "machine's)[/]")
     if len(result.tried) > 1:
         t = Table(title="mesh shapes tried (predicted per rank)")
         for col in ("mesh", "batch axis", "step ms", "communication ms", "memory MiB", ""):
