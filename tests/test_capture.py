@@ -122,3 +122,37 @@ def test_loss_of_a_model_that_updates_buffers_is_the_loss():
     prog = compile_model(model, batch, F.cross_entropy, 1, ManualPlan.parse("dp"))[0]
     out = prog(*[prog.state[f] for f in prog.input_fqns], *batch)
     assert abs(float(out[prog.loss_index]) - want) < 1e-6
+
+
+def test_one_tensor_registered_as_two_buffers_lowers_like_eager():
+    """``register_buffer("a", t); register_buffer("b", t)``: named_buffers() drops the second name, the
+    captured graph keeps it as an input; lowering finds it under both names (once a KeyError), and the
+    programs' loss and gradients on 2 simulated ranks equal eager's."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from passutil import simulate
+
+    class TwoNames(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            t = torch.full((4,), 0.5)
+            self.register_buffer("a", t)
+            self.register_buffer("b", t)
+
+        def forward(self, x):
+            return self.fc(x) * self.a + self.b
+
+    torch.manual_seed(0)
+    model = TwoNames()
+    batch = (torch.randn(6, 4), torch.randn(6, 4))
+    progs, outs = simulate(model, batch, F.mse_loss, 2)
+    loss = F.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    for r, prog in progs.items():
+        assert "a" in prog.input_fqns and "b" in prog.input_fqns
+        assert abs(float(outs[r][0]) - loss.item()) < 1e-6
+        grads = {role.removeprefix("grad:"): v for role, v in zip(prog.output_roles, outs[r]) if role.startswith("grad:")}
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0)

@@ -316,8 +316,9 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
         captured = capture(model, batch, loss_fn)
         log.info("captured %s: %d nodes in %.2f s", captured.model_name, len(captured.gm.graph.nodes),
                  time.perf_counter() - t0)
-    named = dict(model.named_parameters())
-    named.update(dict(model.named_buffers()))
+    # every name, tied ones too: a tensor registered twice (two buffers of one tensor) is an input under each name
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
     state = {f: named[f].detach() for f in captured.input_fqns}
     resolved = resolve_plan(plan, captured, world_size, mesh)
     return lower(captured, resolved, options if options is not None else LoweringOptions(), state=state,
