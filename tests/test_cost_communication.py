@@ -5,6 +5,7 @@ import math
 import pytest
 import sympy
 
+from adaptdist._torch_compat import is_functional_collective
 from adaptdist.cost_models.communication import (
     collective_time_s, functional_collective_kind, group_members, link_cost, per_step_fit,
 )
@@ -98,6 +99,9 @@ def test_functional_collective_kinds():
     assert functional_collective_kind(ops.all_to_all_single.default) == "all_to_all"
     assert functional_collective_kind(ops.wait_tensor.default) == "wait"
     assert functional_collective_kind(torch.ops.aten.mm.default) is None
+    # by op handle, not by name: a string that prints like a collective is not one
+    assert functional_collective_kind("_c10d_functional.all_reduce.default") is None
+    assert not is_functional_collective(ops.wait_tensor.default) and is_functional_collective(ops.all_reduce.default)
 
 
 def _two_hosts(fits=None) -> FixedCluster:
@@ -121,21 +125,3 @@ def test_link_cost_takes_the_slowest_hop_and_calibrated_fits():
     assert link_cost(cl, "all_reduce", (2,)).alpha_s == 0.0
     assert math.isclose(cl.link(0, 3).bandwidth_bytes_per_s, 1e9)
 
-
-def test_functional_collectives_are_found_by_op_handle():
-    """Collectives are recognised by their op overload, not by a name prefix: a string or another op that
-    merely prints like one is not a collective."""
-    import torch
-
-    from adaptdist import _torch_compat as compat
-    from adaptdist.cost_models.communication import functional_collective_kind
-
-    ops = torch.ops._c10d_functional
-    assert functional_collective_kind(ops.all_reduce.default) == "all_reduce"
-    assert functional_collective_kind(ops.all_gather_into_tensor.default) == "all_gather"
-    assert functional_collective_kind(ops.reduce_scatter_tensor.default) == "reduce_scatter"
-    assert functional_collective_kind(ops.all_to_all_single.default) == "all_to_all"
-    assert functional_collective_kind(ops.wait_tensor.default) == "wait"
-    assert not compat.is_functional_collective(ops.wait_tensor.default)
-    assert functional_collective_kind("_c10d_functional.all_reduce.default") is None
-    assert functional_collective_kind(torch.ops.aten.add.Tensor) is None
