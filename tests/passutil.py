@@ -188,3 +188,12 @@ def check_mesh_against_eager(model, batch, loss_fn, mesh_text, plan, **kw):
             torch.testing.assert_close(outs[r][p.output_roles.index(f"grad:{f}")], want, atol=1e-5, rtol=1e-5,
                                        msg=f"rank {r} grad {f}")
     return progs
+
+
+def assert_untouched(pass_, gm, ctx):
+    """Run ``pass_`` where it does not apply: it must say so (``changed=False``) and leave the graph's text as it
+    was. Returns the graph."""
+    text = str(gm.graph)
+    gm, changed = pass_(gm, ctx)
+    assert not changed and str(gm.graph) == text, f"{pass_.__name__} changed a graph it does not apply to"
+    return gm

@@ -6,7 +6,7 @@ import dataclasses
 from adaptdist import graph_meta as gmeta
 from adaptdist.passes.bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from models import tiny_gpt
-from passutil import apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
+from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
 
 
 def _before(**ctx_fields):
@@ -75,14 +75,10 @@ def test_small_buckets_follow_backwards_order_and_the_limit():
 
 def test_untouched_with_one_gradient_scatter_or_none():
     _, gm, ctx = _before(bucket_bytes=1)  # every gradient its own bucket: nothing to merge
-    text = str(gm.graph)
-    gm, changed = bucket_grad_reduce_scatter(gm, ctx)
-    assert not changed and str(gm.graph) == text
+    gm = assert_untouched(bucket_grad_reduce_scatter, gm, ctx)
     model, batch, loss_fn = tiny_gpt(4, 8)
     _, gm, ctx = lowered_until((model, batch, loss_fn), 2, stop_before="bucket_grad_reduce_scatter")  # dp
-    text = str(gm.graph)
-    gm, changed = bucket_grad_reduce_scatter(gm, ctx)
-    assert not changed and str(gm.graph) == text
+    gm = assert_untouched(bucket_grad_reduce_scatter, gm, ctx)
 
 
 def test_fsdp_programs_with_bucketed_gradients_equal_eager():

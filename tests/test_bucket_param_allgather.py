@@ -6,7 +6,7 @@ import dataclasses
 from adaptdist import graph_meta as gmeta
 from adaptdist.passes.bucket_param_allgather import bucket_param_allgather
 from models import tiny_gpt
-from passutil import apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
+from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
 
 
 def _before(**ctx_fields):
@@ -82,14 +82,10 @@ def test_bucket_size_limit_and_program_order_are_kept():
 
 def test_untouched_when_no_two_gathers_fit_a_bucket_or_nothing_is_gathered():
     _, gm, ctx = _before(gather_bucket_bytes=1)
-    text = str(gm.graph)
-    gm, changed = bucket_param_allgather(gm, ctx)
-    assert not changed and str(gm.graph) == text
+    gm = assert_untouched(bucket_param_allgather, gm, ctx)
     model, batch, loss_fn = tiny_gpt(4, 8)
     _, gm, ctx = lowered_until((model, batch, loss_fn), 2, stop_before="bucket_param_allgather")  # dp: replicated
-    text = str(gm.graph)
-    gm, changed = bucket_param_allgather(gm, ctx)
-    assert not changed and str(gm.graph) == text
+    gm = assert_untouched(bucket_param_allgather, gm, ctx)
 
 
 def test_fsdp_programs_with_bucketed_gathers_equal_eager():
