@@ -352,3 +352,14 @@ def test_loss_summary_is_right_for_short_runs():
     assert fields["last_mean_steps"] == 5 and "mean of steps 6-10" in text
     assert fields["last_mean_loss"] == pytest.approx(sum(losses[-5:]) / 5)
     assert fields["last_mean_over_initial"] == pytest.approx(fields["last_mean_loss"] / 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_reports_a_rank_killed_by_sigkill(capsys, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(3)\n")
+    rc = main(["launch", "--nproc", "2", str(script)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "rank 0: killed by signal 9 (SIGKILL)" in err and "printed above" not in err, err
