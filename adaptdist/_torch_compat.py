@@ -460,20 +460,28 @@ def graph_breaks_reported(total: int) -> int:
     return _mark("graph_breaks_reported", total)
 
 
-def graph_breaks_noted(total: int) -> int:
-    """How many graph breaks had been seen at an earlier compile; records ``total`` (as above)."""
-    return _mark("graph_breaks_noted", total)
-
-
-def note_graph_break_site(site: str, count: int) -> None:
-    """Record where ``count`` new graph breaks are (beside Dynamo's counters, as above)."""
+def new_graph_break_reasons() -> list[str]:
+    """The graph-break reasons (first lines, as :func:`dynamo_graph_break_reasons`) whose Dynamo count rose since
+    the last call, and record the current counts (beside Dynamo's counters, as above)."""
     from torch._dynamo.utils import counters
 
-    counters["adaptdist_graph_break_sites"][site] += count
+    now = dynamo_graph_break_reasons()
+    seen = counters["adaptdist_graph_break_reasons_noted"]
+    new = [r for r, c in now.items() if c > seen[r]]
+    for r, c in now.items():
+        seen[r] = c
+    return new
 
 
-def graph_break_sites() -> dict[str, int]:
-    """Where the graph breaks noted so far are: site -> count."""
+def note_graph_break(site: str, reason: str) -> None:
+    """Record one graph break: the graph that ends at ``site`` ended there for ``reason`` (as above)."""
+    from torch._dynamo.utils import counters
+
+    counters["adaptdist_graph_break_sites"][(site, reason)] += 1
+
+
+def graph_break_sites() -> dict[tuple[str, str], int]:
+    """The graph breaks noted so far: (site, reason) -> how many graphs ended there so."""
     from torch._dynamo.utils import counters
 
     return dict(counters["adaptdist_graph_break_sites"])

@@ -248,3 +248,118 @@ def test_bad_plan_files(capsys, tmp_path, body, expect):
 def test_tp_degree_must_divide_heads(capsys, tmp_path):
     msg = run_cli(capsys, tmp_path, "--plan", "tp", "--nproc", "4", "--batch-size", "2", "--seq-len", "8")
     assert "number of ranks must divide the number of heads (6 here)" in msg
+
+
+# Non-finite numbers and out-of-range seeds are refused by the parser, naming the flag, on every subcommand
+# that has the flag (before anything is planned, compiled or launched).
+_NUMBER_FLAGS = [
+    (["train"], "--lr", "nan"), (["train"], "--lr", "inf"), (["train"], "--max-grad-norm", "nan"),
+    (["train"], "--max-grad-norm", "inf"), (["train"], "--bucket-mb", "inf"), (["train"], "--timeout-s", "nan"),
+    (["train"], "--timeout-s", "inf"), (["train"], "--seed", str(2**70)), (["train"], "--seed", "-1"),
+    (["run", "DIR"], "--lr", "nan"), (["run", "DIR"], "--lr", "inf"), (["run", "DIR"], "--timeout-s", "inf"),
+    (["run", "DIR"], "--seed", str(2**63)),
+    (["plan"], "--bucket-mb", "nan"), (["estimate"], "--bucket-mb", "inf"), (["estimate"], "--bucket-mb", "nan"),
+    (["compile", "-o", "OUT"], "--bucket-mb", "inf"), (["cluster", "profile"], "--timeout-s", "inf"),
+    (["cluster", "profile"], "--max-message-mib", "nan"),
+]
+
+
+@pytest.mark.parametrize("cmd,flag,value", _NUMBER_FLAGS, ids=[f"{c[0]}{f}={v}" for c, f, v in _NUMBER_FLAGS])
+def test_non_finite_or_out_of_range_numbers_are_refused_by_the_parser(capsys, tmp_path, cmd, flag, value):
+    argv = [str(tmp_path / a) if a in ("DIR", "OUT") else a for a in cmd] + [f"{flag}={value}"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"argument {flag}" in err and value in err and "Traceback" not in err, err
+    assert not (tmp_path / "OUT").exists()
+
+
+@pytest.mark.parametrize("value", ["0", str(2**63 - 1)])
+def test_seed_range_ends_are_accepted(value):
+    from adaptdist.cli.main import build_parser
+
+    assert build_parser().parse_args(["train", "--seed", value]).seed == int(value)
+
+
+def test_finite_positive_numbers_still_parse():
+    from adaptdist.cli.main import build_parser
+
+    a = build_parser().parse_args(["train", "--lr", "1e-3", "--max-grad-norm", "1", "--bucket-mb", "0.5",
+                                   "--timeout-s", "30"])
+    assert (a.lr, a.max_grad_norm, a.bucket_mb, a.timeout_s) == (1e-3, 1.0, 0.5, 30.0)
+
+
+def _unusable_out(tmp_path, kind):
+    if kind == "proc":
+        return "/proc/adaptdist-test-out", "cannot create the output directory"
+    f = tmp_path / "afile"
+    f.write_text("x")
+    return str(f), "exists and is not a directory"
+
+
+@pytest.mark.parametrize("kind", ["proc", "file"])
+def test_run_refuses_an_unusable_out_before_any_work(capsys, tmp_path, kind):
+    out, expect = _unusable_out(tmp_path, kind)
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()  # checked before its manifest is even read
+    rc = main(["run", str(artifacts), "--out", out])
+    err = capsys.readouterr().err
+    assert rc == 2 and "UsageError" in err and expect in err and "--out" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("kind", ["proc", "file"])
+def test_compile_refuses_an_unusable_out_before_any_work(capsys, tmp_path, kind):
+    out, expect = _unusable_out(tmp_path, kind)
+    rc = main(["compile", "-o", out, "--nproc", "2"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "UsageError" in cap.err and expect in cap.err and "-o" in cap.err, cap.err
+    assert "Traceback" not in cap.err and "planner" not in cap.out.lower(), (cap.out, cap.err)
+
+
+@pytest.mark.parametrize("kind", ["proc", "file"])
+def test_train_refuses_an_unusable_out_before_any_work(capsys, tmp_path, kind):
+    out, expect = _unusable_out(tmp_path, kind)
+    rc = main(["train", "--out", out, "--steps", "1", "--sample-bytes", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and expect in err and "Traceback" not in err, err
+
+
+def test_launch_names_the_signal_of_a_killed_rank():
+    from adaptdist.cli.launch import rank_failure_message
+
+    killed = rank_failure_message("script.py", 0, -9)
+    assert "rank 0" in killed and "signal 9 (SIGKILL)" in killed, killed
+    assert "traceback is printed above" not in killed, killed
+    assert "SIGSEGV" in rank_failure_message("script.py", 1, -11)
+    failed = rank_failure_message("script.py", 1, 1)
+    assert "exit code 1" in failed and "traceback is printed above" in failed and "signal" not in failed
+
+
+def test_loss_summary_is_right_for_short_runs():
+    from adaptdist.runtime.worker import loss_summary
+
+    fields, text = loss_summary([2.0, 1.0, 1.5])
+    assert fields["last_mean_steps"] == 2 and fields["last_mean_loss"] == pytest.approx(1.25)
+    assert "mean of steps 2-3" in text and "last 5" not in text and "2.000 -> 1.250" in text, text
+    assert fields["initial_loss"] == 2.0 and fields["final_loss"] == 1.5
+    fields, text = loss_summary([2.0, 1.0])
+    assert "step 2" in text and "mean" not in text and fields["last_mean_loss"] == 1.0, text
+    fields, text = loss_summary([2.0])
+    assert text == "loss 2.000 (1 step)" and fields["last_mean_loss"] is None
+    losses = [float(10 - i) for i in range(10)]
+    fields, text = loss_summary(losses)
+    assert fields["last_mean_steps"] == 5 and "mean of steps 6-10" in text
+    assert fields["last_mean_loss"] == pytest.approx(sum(losses[-5:]) / 5)
+    assert fields["last_mean_over_initial"] == pytest.approx(fields["last_mean_loss"] / 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_reports_a_rank_killed_by_sigkill(capsys, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(3)\n")
+    rc = main(["launch", "--nproc", "2", str(script)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "rank 0: killed by signal 9 (SIGKILL)" in err and "printed above" not in err, err

@@ -7,6 +7,7 @@ PyTorch, and the parameters after the steps equal eager's, all to 1e-5. In-proce
 breaks, fullgraph=True, the entry point.
 """
 
+import re
 import warnings
 
 import pytest
@@ -481,3 +482,19 @@ def test_rank0_logs_one_line_per_compiled_graph_and_no_traces(caplog, capfd):
         assert "compiled in" in line and "plan '" in line, line
     err = capfd.readouterr().err
     assert "Traceback" not in err and "While executing" not in err, err
+
+
+def test_graph_break_summary_counts_agree_with_the_total():
+    """The count of the warning is the sum of the counts it lists (GPT-2 once read '3 graph break(s), ... (x2);
+    ...: reason (x3)'); one entry per site, with its reason."""
+    from adaptdist.compiler.dynamo_backend import graph_break_summary
+
+    breaks = {("after gpt2.py:698", "logging"): 1, ("after loss.py:42", "logging"): 1,
+              ("after a.py:3", "print"): 2, ("after a.py:3", "data-dependent"): 1}
+    total, where = graph_break_summary(breaks)
+    assert total == 5
+    counts = [int(c) for c in re.findall(r"(?:^|; )(\d+) after", where)]
+    assert sum(counts) == total and len(counts) == 3, where
+    assert "2 after" not in where and "3 after a.py:3 (reason: print (x2); data-dependent (x1))" in where, where
+    assert "1 after gpt2.py:698 (reason: logging)" in where, where
+    assert graph_break_summary({}) == (0, "")

@@ -16,6 +16,7 @@ import math
 from typing import Any, Callable
 
 from ..errors import UsageError
+from .common import positive
 
 
 def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="optimizer whose state and step are costed")
-    p.add_argument("--bucket-mb", type=float, default=None,
+    p.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="gradient bucket size, MiB (as for train; default: LoweringOptions', 2)")
     p.add_argument("--replicate-fallback", action="store_true", help="as for train")
     p.add_argument("--algorithm", choices=("ring", "tree", "auto"), default="ring",

@@ -47,6 +47,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
         run(torchrun_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise RuntimeLaunchError(f"{args.script} failed on rank {rank} (exit code {failure.exitcode}); its "
-                                 "traceback is printed above") from None
+        raise RuntimeLaunchError(rank_failure_message(args.script, rank, failure.exitcode)) from None
     return 0
+
+
+def rank_failure_message(script: str, rank: int, exitcode: int) -> str:
+    """What ``adaptdist launch`` says when ``rank`` of ``script`` failed with ``exitcode`` (torch's launcher's:
+    negative when a signal killed the process). A killed rank printed no traceback (one printed above is another
+    rank's, e.g. a peer's "Connection reset"), so only an exception exit points at the traceback."""
+    import signal
+
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        hint = ("; SIGKILL often comes from the out-of-memory killer (see dmesg) or an outside kill"
+                if name == "SIGKILL" else "")
+        return (f"{script} failed on rank {rank}: killed by signal {-exitcode} ({name}), so it printed no traceback "
+                f"(any traceback above is another rank's, failing after it){hint}")
+    return f"{script} failed on rank {rank} (exit code {exitcode}); its traceback is printed above"

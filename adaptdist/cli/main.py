@@ -17,19 +17,7 @@ import time
 from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
-from .common import resolve_plan
-
-
-def _positive(kind):
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-    return conv
+from .common import positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -102,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adamw: torch.optim.AdamW with torch's defaults but --lr (weight_decay=0.01); sgd: plain SGD")
     t.add_argument("--max-grad-norm", type=_positive(float), default=None,
                    help="clip gradients to this global 2-norm (over all shards, as torch.nn.utils.clip_grad_norm_)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**63-1")
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
                    help="torch threads per rank; None: cores // ranks, at least 1")
@@ -151,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="adamw: torch.optim.AdamW with torch's defaults but --lr (weight_decay=0.01); sgd: plain SGD")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**63-1")
     r.add_argument("--out", metavar="DIR", default="runs/artifacts", help="checkpoint and summary directory")
     r.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
     r.add_argument("-v", "--verbose", action="store_true", help="debug logs")
@@ -272,7 +260,7 @@ def cmd_train(args) -> int:
     from ..model_spec import ModelSpec
     from ..program import save_programs
     from ..runtime.launch import launch_local
-    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
+    from ..runtime.worker import DataSpec, TrainConfig, global_batches, loss_summary, run_worker
 
     console = report_console(stderr=True)
     cluster = _cluster(args)
@@ -283,13 +271,7 @@ def cmd_train(args) -> int:
                          "named localhost")
     nproc = cluster.world_size
     spec = ModelSpec.parse(args.model)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {str(out)!r} exists and is not a directory; pass a directory path")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create the output directory --out {str(out)!r}: {e.strerror}") from None
+    out = prepare_out_dir(args.out)
     torch.manual_seed(args.seed)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
     module = spec.module()
@@ -335,19 +317,16 @@ def cmd_train(args) -> int:
     wall = time.perf_counter() - t0
     r0 = results[0]
     losses = r0["losses"]
-    first = losses[0]
-    last = sum(losses[-5:]) / min(5, len(losses))
-    ratio = last / first if first else float("nan")
+    fields, loss_text = loss_summary(losses)
     summary = {
-        "steps": len(losses), "initial_loss": losses[0], "final_loss": losses[-1],
-        "last5_mean_loss": last, "last5_mean_over_initial": ratio,
+        "steps": len(losses), **fields,
         f"{unit}_per_s": r0["items_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
         "ranks": nproc, "threads_per_rank": threads, "plan": plan.name, "losses": losses,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     console.print(
-        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: loss {first:.3f} -> {last:.3f} "
-        f"(x{ratio:.2f}: first step vs mean of the last 5), {r0['items_per_s']:,.0f} {unit}/s; "
+        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: {loss_text}, "
+        f"{r0['items_per_s']:,.0f} {unit}/s; "
         f"checkpoint {out / 'checkpoint'}, weights {out / 'model.safetensors'}"
     )
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
@@ -383,6 +362,7 @@ def cmd_compile(args) -> int:
     console = report_console()
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
+    prepare_out_dir(args.out, "-o")
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
@@ -404,12 +384,13 @@ def cmd_run(args) -> int:
     from ..program import check_artifacts, read_manifest
     from ..runtime.run_artifacts import data_spec
     from ..runtime.launch import launch_local
-    from ..runtime.worker import TrainConfig, run_worker
+    from ..runtime.worker import TrainConfig, loss_summary, run_worker
 
     console = report_console(stderr=True)
     d = Path(args.artifacts)
     if not d.is_dir():
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    out = prepare_out_dir(args.out)
     manifest = read_manifest(d)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])
     manifest = check_artifacts(d, cluster)
@@ -419,8 +400,6 @@ def cmd_run(args) -> int:
                          f"adaptdist.runtime.run_artifacts {d}`; `adaptdist run` starts local ranks only")
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     data = data_spec(manifest, d, args.data, args.seed)
     example = load_file(str(d / "example_batch.safetensors"))
     x0 = example["b0"]
@@ -436,10 +415,12 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     results = launch_local(run_worker, (cfg,), world)
     losses = results[0]["losses"]
-    (out / "summary.json").write_text(json.dumps({"steps": len(losses), "losses": losses,
-                                                  "wall_s": time.perf_counter() - t0}, indent=1))
-    console.print(f"trained {len(losses)} steps in {time.perf_counter() - t0:.0f} s: loss {losses[0]:.3f} -> "
-                  f"{losses[-1]:.3f}; checkpoint {out / 'checkpoint'}")
+    wall = time.perf_counter() - t0
+    fields, loss_text = loss_summary(losses)
+    (out / "summary.json").write_text(json.dumps({"steps": len(losses), **fields, "wall_s": wall, "losses": losses},
+                                                 indent=1))
+    console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoint "
+                  f"{out / 'checkpoint'}")
     return 0
 
 

@@ -429,27 +429,41 @@ def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], in
 
 def _note_graph_breaks(gm: torch.fx.GraphModule) -> None:
     """Record where new graph breaks are: Dynamo records a break before it compiles the graph that ends
-    there, so the breaks new at this compile are after this graph's last line of user code."""
-    total = sum(compat.dynamo_graph_break_reasons().values())
-    new = total - compat.graph_breaks_noted(total)
-    if new <= 0:
+    there, so the breaks new at this compile are after this graph's last line of user code. One break per
+    new reason: Dynamo counts one break several times when it restarts the frame's analysis, so its counts
+    are not the number of breaks (GPT-2's one logging call counted 3 times for 2 graphs)."""
+    reasons = compat.new_graph_break_reasons()
+    if not reasons:
         return
     lines = [m.group(1) + ":" + m.group(2) for n in gm.graph.nodes if n.meta.get("stack_trace")
              for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
-    compat.note_graph_break_site(f"after {lines[-1]}" if lines else "(no source line recorded)", new)
+    for reason in reasons:
+        compat.note_graph_break(f"after {lines[-1]}" if lines else "(no source line recorded)", reason)
+
+
+def graph_break_summary(breaks: dict[tuple[str, str], int]) -> tuple[int, str]:
+    """How many graph breaks there are and where, from ``breaks`` ((site, reason) -> number of graphs that
+    ended at that site for that reason): the total is the sum of the counts listed, one entry per site with
+    its count and its reason(s), e.g. ``(2, "1 after a.py:3 (reason R); 1 after b.py:9 (reason R)")``."""
+    by_site: dict[str, dict[str, int]] = {}
+    for (site, reason), c in breaks.items():
+        at = by_site.setdefault(site, {})
+        at[reason] = at.get(reason, 0) + c
+    parts = []
+    for site, reasons in by_site.items():
+        why = "; ".join(f"{r}{f' (x{c})' if len(reasons) > 1 else ''}" for r, c in reasons.items())
+        parts.append(f"{sum(reasons.values())} {site} (reason: {why})")
+    return sum(breaks.values()), "; ".join(parts)
 
 
 def report_graph_breaks() -> None:
     """One warning for the graph breaks not reported yet: how many, where, and Dynamo's reasons. Called once
     the first step has compiled every graph (the first graph's first backward, or its second call)."""
-    reasons = compat.dynamo_graph_break_reasons()
-    total = sum(reasons.values())
+    total, where = graph_break_summary(compat.graph_break_sites())
     if total <= compat.graph_breaks_reported(total):
         return
-    where = "; ".join(f"{site}{f' (x{c})' if c > 1 else ''}" for site, c in compat.graph_break_sites().items())
-    why = "; ".join(f"{r}{f' (x{c})' if c > 1 else ''}" for r, c in reasons.items())
     warnings.warn(
-        f"adaptdist: {total} graph break(s), {where}: {why}. Each graph between breaks is planned on its own, its "
+        f"adaptdist: {total} graph break(s): {where}. Each graph between breaks is planned on its own, its "
         "inputs and outputs split over the ranks like the batch (communication at every break). Remove the breaks "
         "for one plan of the whole step; torch.compile(..., fullgraph=True) makes a break an error.",
         GraphBreakWarning, stacklevel=2)

@@ -243,6 +243,38 @@ def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) ->
         save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"))
 
 
+
+LOSS_SUMMARY_WINDOW = 5
+"""The closing summary of train and run compares the first loss with the mean of up to this many last steps."""
+
+
+def loss_summary(losses: list[float]) -> tuple[dict[str, Any], str]:
+    """The closing loss summary of ``adaptdist train`` and ``adaptdist run`` (one wording for both): the first
+    step's loss against the mean of the last ``min(LOSS_SUMMARY_WINDOW, steps - 1)`` steps (never the first
+    step itself, so a short run still compares two things; a 1-step run has only its loss).
+
+    Returns:
+        ``(fields, text)``: ``fields`` for summary.json (``initial_loss``, ``final_loss``, ``last_mean_loss``,
+        ``last_mean_steps``, ``last_mean_over_initial``; the last three None for fewer than 2 steps) and the
+        text, e.g. ``loss 2.301 -> 1.207 (mean of steps 96-100; x0.52 of step 1)``.
+    """
+    n = len(losses)
+    if n == 0:
+        return {"initial_loss": None, "final_loss": None, "last_mean_loss": None, "last_mean_steps": 0,
+                "last_mean_over_initial": None}, "no steps"
+    first = losses[0]
+    fields: dict[str, Any] = {"initial_loss": first, "final_loss": losses[-1], "last_mean_loss": None,
+                              "last_mean_steps": 0, "last_mean_over_initial": None}
+    if n == 1:
+        return fields, f"loss {first:.3f} (1 step)"
+    k = min(LOSS_SUMMARY_WINDOW, n - 1)
+    mean = sum(losses[-k:]) / k
+    ratio = mean / first if first else float("nan")
+    fields.update(last_mean_loss=mean, last_mean_steps=k, last_mean_over_initial=ratio)
+    which = f"step {n}" if k == 1 else f"mean of steps {n - k + 1}-{n}"
+    return fields, f"loss {first:.3f} -> {mean:.3f} ({which}; x{ratio:.2f} of step 1)"
+
+
 class _Progress:
     """A rich progress bar on rank 0 (step, loss, tokens/s); plain log lines when not a terminal."""
 
