@@ -249,6 +249,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     # hooks (installed once, whatever this graph's plan: a later graph after a break may shard) and no size
     # guards on the sharded ones
     root = compat.dynamo_root_module()
+    if root is None and not compat.dynamo_frame_is_resume():
+        # the frame is not a module's method, but the torch.compile'd module's call may still be what runs it:
+        # a forward under decorators (Hugging Face's wrapped_func(*args, **kwargs)) is compiled as the
+        # decorator's frame; the module's own hooks run eagerly before it (OptimizedModule calls
+        # module.__call__, whose hook-running code Dynamo skips), so they do the swaps
+        wrapper = compat.dynamo_compiled_wrapper()
+        root = wrapper._orig_mod if wrapper is not None else None
     if root is not None:  # a torch.nn module (nn.Sequential) is compiled inside a frame that traces its hooks
         install_hooks(root, compat.dynamo_compiled_wrapper(root) if compat.dynamo_root_is_wrapped() else None)
     if sharded:
