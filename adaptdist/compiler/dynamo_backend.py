@@ -20,6 +20,7 @@ how many breaks there are, where and why.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import time
@@ -164,6 +165,20 @@ def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
     return compile_graph(gm, example_inputs, AdaptdistBackend())
 
 
+def destroy_process_groups_at_exit() -> None:
+    """At interpreter exit (registered by the first compile in a process with torch.distributed initialized):
+    destroy the process groups if the script left them initialized, so gloo's worker threads stop before
+    Python finalizes. A script that never calls ``dist.destroy_process_group()`` otherwise aborts now and
+    then after finishing: a gloo thread that releases a finished work's tensors needs the GIL during
+    finalization, and Python ends it from under C++ code ("terminate called without an active exception",
+    SIGABRT; plain DDP under torchrun does it too). Destroying gloo groups is local: no rank waits."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # at exit, nothing is left to tell: log it, do not mask the script's status
+            log.debug("adaptdist: destroy_process_group at exit failed: %s", e)
+
+
 # --- control messages between ranks (gloo, CPU tensors) --------------------------------------------
 
 def _control_group() -> Any:
@@ -218,6 +233,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     rank = dist.get_rank() if distributed else 0
     if distributed:  # so that destroy_process_group() frees the groups (its docstring says why)
         compat.release_import_time_default_groups()
+        # once per process: unregister drops an earlier registration of the same function
+        atexit.unregister(destroy_process_groups_at_exit)
+        atexit.register(destroy_process_groups_at_exit)
     _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error, as_is = [], None, [], "", False
     control = _control_group() if distributed else None
