@@ -506,7 +506,8 @@ def drop_tensor_guards(source_names: set[str]) -> int:
 
 def dynamo_root_module() -> Any:
     """The module whose ``forward`` Dynamo is compiling (its ``self``), called from inside a backend; None when
-    the compiled frame is not a module's method."""
+    the compiled frame is not a module's method (e.g. a decorator's ``wrapped(*args, **kwargs)`` around it, as
+    Hugging Face models' forwards are: :func:`dynamo_compiled_wrapper` finds their module)."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     try:
@@ -528,16 +529,17 @@ def dynamo_root_module() -> Any:
     return candidate if isinstance(candidate, torch.nn.Module) else None
 
 
-def dynamo_compiled_wrapper(module: Any) -> Any:
-    """The ``torch.compile`` wrapper (``OptimizedModule``) whose call is compiling ``module``, from inside a
-    backend: found on the Python call stack (its ``__call__`` runs the wrapper's own hooks eagerly, then the
-    compiled frame); None when there is none (a compiled function, or a module's method compiled directly)."""
+def dynamo_compiled_wrapper(module: Any = None) -> Any:
+    """The ``torch.compile`` wrapper (``OptimizedModule``) whose call is compiling ``module`` (any module:
+    the innermost wrapper whose call is in progress), from inside a backend: found on the Python call stack
+    (its ``__call__`` runs the wrapper's own hooks eagerly, then the compiled frame); None when there is
+    none (a compiled function, or a module's method compiled directly)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, OptimizedModule) and candidate._orig_mod is module:
+        if isinstance(candidate, OptimizedModule) and (module is None or candidate._orig_mod is module):
             return candidate
         frame = frame.f_back
     return None

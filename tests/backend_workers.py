@@ -381,3 +381,54 @@ def teardown_worker(timeout_s: float = 120.0) -> list[str]:
     gc.collect()
     tasks = sorted(os.listdir("/proc/self/task"))
     return [open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]
+
+
+def hf_causal_lm(name: str, seed: int = 0) -> torch.nn.Module:
+    """A small Hugging Face causal LM from a config (random weights, no download, no dropout): ``llama``
+    (RMSNorm weights, a forward under decorators: Dynamo's frame is the decorator's) or ``gpt2`` (its loss
+    computed in a second graph after a break)."""
+    import transformers as tr
+
+    torch.manual_seed(seed)
+    if name == "llama":
+        cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    else:
+        cfg = tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+    return tr.AutoModelForCausalLM.from_config(cfg)
+
+
+def hf_retrace_batch() -> torch.Tensor:
+    """The global batch of :func:`hf_retrace_worker`: 8 rows of 6 token ids (labels are the ids)."""
+    return torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(1))
+
+
+def hf_retrace_worker(name: str, plan: str, lr: float, timeout_s: float = 180.0) -> dict:
+    """A Hugging Face causal LM (:func:`hf_causal_lm`) through the backend under ``plan`` on 2 ranks, with
+    labels (the model computes its loss): an SGD step on 4 rows per rank, an evaluation under no_grad (a
+    re-trace), an SGD step on 2 rows per rank (a re-trace at a new shape). Records each loss, the full
+    gradients of both steps and the final full state dict."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        model = hf_causal_lm(name)
+        x = hf_retrace_batch()
+        compiled = torch.compile(model, backend=adaptdist.backend(plan=plan), dynamic=False)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        out: dict = {"loss": [], "grads": []}
+        for rows in (x[4 * rank:4 * rank + 4], x[4 * rank:4 * rank + 2]):
+            loss = compiled(input_ids=rows, labels=rows).loss
+            loss.backward()
+            out["loss"].append(loss.item())
+            out["grads"].append({n: full_grad(p) for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            if "eval" not in out:
+                with torch.no_grad():
+                    out["eval"] = compiled(input_ids=rows, labels=rows).loss.item()
+        out["state"] = adaptdist.full_state_dict(compiled)
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -498,3 +498,39 @@ def test_graph_break_summary_counts_agree_with_the_total():
     assert "2 after" not in where and "3 after a.py:3 (reason: print (x2); data-dependent (x1))" in where, where
     assert "1 after gpt2.py:698 (reason: logging)" in where, where
     assert graph_break_summary({}) == (0, "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,plan", [("llama", "fsdp"), ("gpt2", "dp")])
+def test_hugging_face_models_retrace_for_eval_and_new_shapes(name, plan):
+    """Hugging Face LLaMA under fsdp (its forward is a decorator's frame: the placeholder swaps must still run
+    around it) and GPT-2 under dp (its loss graph after a break has no parameter: under no_grad it runs as it
+    is): an SGD step, an evaluation under no_grad, an SGD step at a new batch size, all equal to eager."""
+    from backend_workers import hf_causal_lm, hf_retrace_batch, hf_retrace_worker
+
+    results = launch_local(hf_retrace_worker, (name, plan, LR), 2)
+    model = hf_causal_lm(name)
+    x = hf_retrace_batch()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want_loss, want_grads, want_eval = [], [], []
+    for k in (4, 2):
+        rows = [x[4 * r:4 * r + k] for r in range(2)]
+        losses = [model(input_ids=t, labels=t).loss for t in rows]
+        (sum(losses) / 2).backward()
+        want_loss.append([v.item() for v in losses])
+        want_grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        if not want_eval:
+            with torch.no_grad():
+                want_eval = [model(input_ids=t, labels=t).loss.item() for t in rows]
+    for r in range(2):
+        got = results[r]
+        for step in range(2):
+            assert got["loss"][step] == pytest.approx(want_loss[step][r], abs=TOL), (r, step)
+            for n, g in want_grads[step].items():
+                torch.testing.assert_close(got["grads"][step][n], g, atol=TOL, rtol=0, msg=f"rank {r} step {step} {n}")
+        assert got["eval"] == pytest.approx(want_eval[r], abs=TOL), r
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got["state"][n], p.detach(), atol=TOL, rtol=0, msg=f"rank {r} {n}")

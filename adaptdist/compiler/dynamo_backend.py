@@ -20,6 +20,7 @@ how many breaks there are, where and why.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import time
@@ -40,7 +41,7 @@ from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
-from .dynamo_capture import GraphInput, capture_all_ranks, classify_inputs
+from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, classify_inputs
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -138,10 +139,11 @@ class AdaptdistBackend:
         """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
         return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend")
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
             step = compile_graph(gm, example_inputs, self)
-        self.compiled.append(step)
+        if isinstance(step, CompiledStep):  # not a graph run as it is (compile_graph)
+            self.compiled.append(step)
         return step
 
 
@@ -161,6 +163,20 @@ def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, me
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
     """``backend="adaptdist"``: the automatic plan on the local cluster of the world size."""
     return compile_graph(gm, example_inputs, AdaptdistBackend())
+
+
+def destroy_process_groups_at_exit() -> None:
+    """At interpreter exit (registered by the first compile in a process with torch.distributed initialized):
+    destroy the process groups if the script left them initialized, so gloo's worker threads stop before
+    Python finalizes. A script that never calls ``dist.destroy_process_group()`` otherwise aborts now and
+    then after finishing: a gloo thread that releases a finished work's tensors needs the GIL during
+    finalization, and Python ends it from under C++ code ("terminate called without an active exception",
+    SIGABRT; plain DDP under torchrun does it too). Destroying gloo groups is local: no rank waits."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # at exit, nothing is left to tell: log it, do not mask the script's status
+            log.debug("adaptdist: destroy_process_group at exit failed: %s", e)
 
 
 # --- control messages between ranks (gloo, CPU tensors) --------------------------------------------
@@ -199,8 +215,11 @@ def _agree(what: str, value_or_error: str, rank: int, group: Any) -> list[str]:
 # --- the compile -----------------------------------------------------------------------------------
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: AdaptdistBackend
-                  ) -> CompiledStep:
+                  ) -> CompiledStep | torch.fx.GraphModule:
     """Compile one Dynamo graph for this rank (module docstring).
+
+    A graph with nothing to split (:func:`_runs_as_is`: no floating-point output or no input that requires
+    grad, and no parameter held as a shard) is returned as it is, run eagerly on this rank's own inputs.
 
     Raises:
         CaptureError: the graph cannot be captured for all ranks (names the construct).
@@ -214,19 +233,27 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     rank = dist.get_rank() if distributed else 0
     if distributed:  # so that destroy_process_group() frees the groups (its docstring says why)
         compat.release_import_time_default_groups()
+        # once per process: unregister drops an earlier registration of the same function
+        atexit.unregister(destroy_process_groups_at_exit)
+        atexit.register(destroy_process_groups_at_exit)
     _note_graph_breaks(gm)
-    inputs, captured, tangent_outputs, error = [], None, [], ""
+    inputs, captured, tangent_outputs, error, as_is = [], None, [], "", False
     control = _control_group() if distributed else None
     try:
         inputs = classify_inputs(gm, example_inputs)
-        with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-            captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
+        as_is = _runs_as_is(gm, inputs)
+        if not as_is:
+            with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
+                captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
         if not distributed:
             raise
         error = f"error: {type(e).__name__}: {e}"
     if distributed:
-        texts = _agree("capturing the compiled graph", error or _signature(captured, inputs), rank, control)
+        # ranks agree also on running a graph as it is: a rank that captured instead would wait in collectives
+        signature = (f"as-is:{_structure(gm)} [{_input_shapes(inputs)}]" if as_is and not error else
+                     error or _signature(captured, inputs))
+        texts = _agree("capturing the compiled graph", signature, rank, control)
         if len(set(texts)) > 1:
             groups: dict[str, list[int]] = {}
             for r, text in enumerate(texts):
@@ -236,6 +263,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                     f"ranks {rs}: graph {text.split(' ')[0][:12]}, inputs {text.partition(' ')[2]}"
                     for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes")
+    if as_is:
+        log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
+        return gm
     plan = _plan(captured, inputs, config, world, rank, control)
     from .lowering import lower, resolve_plan
 
@@ -249,6 +279,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     # hooks (installed once, whatever this graph's plan: a later graph after a break may shard) and no size
     # guards on the sharded ones
     root = compat.dynamo_root_module()
+    if root is None and not compat.dynamo_frame_is_resume():
+        # the frame is not a module's method, but the torch.compile'd module's call may still be what runs it:
+        # a forward under decorators (Hugging Face's wrapped_func(*args, **kwargs)) is compiled as the
+        # decorator's frame; the module's own hooks run eagerly before it (OptimizedModule calls
+        # module.__call__, whose hook-running code Dynamo skips), so they do the swaps
+        wrapper = compat.dynamo_compiled_wrapper()
+        root = wrapper._orig_mod if wrapper is not None else None
     if root is not None:  # a torch.nn module (nn.Sequential) is compiled inside a frame that traces its hooks
         install_hooks(root, compat.dynamo_compiled_wrapper(root) if compat.dynamo_root_is_wrapped() else None)
     if sharded:
@@ -317,11 +354,44 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     return Plan.from_json(text, "the automatic plan")  # rank 0 logs it with the compiled graph
 
 
+def _input_shapes(inputs: list[GraphInput]) -> str:
+    return ", ".join(f"{i.fqn} {str(i.dtype).removeprefix('torch.')}{list(i.global_shape)}"
+                     for i in inputs if i.kind == "input")
+
+
 def _signature(captured: Any, inputs: list[GraphInput]) -> str:
     """What ranks must agree on: the captured graph's fingerprint, then the user inputs' shapes and dtypes."""
-    shapes = ", ".join(f"{i.fqn} {str(i.dtype).removeprefix('torch.')}{list(i.global_shape)}"
-                       for i in inputs if i.kind == "input")
-    return f"{graph_fingerprint(captured.gm)} [{shapes}]"
+    return f"{graph_fingerprint(captured.gm)} [{_input_shapes(inputs)}]"
+
+
+def _structure(gm: torch.fx.GraphModule) -> str:
+    """A short hash of a Dynamo graph's ops and their output shapes (its arguments' text can hold addresses,
+    which differ between ranks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        shape = f"{list(v.shape)}{v.dtype}" if isinstance(v, torch.Tensor) else ""
+        target = getattr(n.target, "__name__", n.target) if n.op == "call_function" else n.target
+        h.update(f"{n.op}|{target if n.op != 'placeholder' else ''}|{shape}\n".encode())
+    return h.hexdigest()[:12]
+
+
+def _runs_as_is(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> bool:
+    """Whether a Dynamo graph has nothing the backend would split, so it runs as it is on each rank.
+
+    That is a graph with no floating-point output or no input that requires grad (the loss graph after a
+    graph break evaluated under ``no_grad()``: integer labels and logits that do not require grad; a graph of
+    integer masks), and no parameter held as a shard (an earlier graph's plan sharded it: the graph would
+    read the placeholder in its place). Under the DDP contract each rank runs the step on its own inputs
+    with replicated parameters, and no gradient of such a graph reaches a parameter, so nothing would cross
+    ranks: running the graph unchanged on this rank's inputs is exactly what DDP computes, and a gradient
+    it passes back to an input reaches the earlier graph through autograd as usual."""
+    if any(i.layout is not None for i in inputs):
+        return False
+    floating = [o for o in _graph_outputs(gm) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    return not floating or not any(i.requires_grad for i in inputs)
 
 
 def _plan_of_sharded(captured: Any, layouts: list[ShardLayout]) -> Plan:
