@@ -55,13 +55,12 @@ def _eager(case: dict, world: int, lr: float = LR):
     return history, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [2, 4])
-def test_backend_sgd_equals_eager(world):
-    results = launch_local(backend_sgd_worker, (CASES[world], STEPS, LR), world)
-    for k, case in enumerate(CASES[world]):
-        history, params = _eager(case, world)
+def _assert_cases_equal_eager(cases: list[dict], results: dict, world: int, lr: float = LR) -> dict:
+    """Each rank's per-step losses and gradients and its final parameters equal single-process eager's (see
+    :func:`_eager`), for every case; returns case index -> eager's final parameters."""
+    finals = {}
+    for k, case in enumerate(cases):
+        history, params = _eager(case, world, lr)
         for r in range(world):
             got = results[r][k]
             for s, (losses, grads) in enumerate(history):
@@ -70,6 +69,20 @@ def test_backend_sgd_equals_eager(world):
                     torch.testing.assert_close(got["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} rank {r} step {s} {n}")
             for n, p in params.items():
                 torch.testing.assert_close(got["params"][n], p, atol=TOL, rtol=0, msg=f"{case} rank {r} {n}")
+        finals[k] = params
+    return finals
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_backend_sgd_equals_eager(world):
+    results = launch_local(backend_sgd_worker, (CASES[world], STEPS, LR), world)
+    finals = _assert_cases_equal_eager(CASES[world], results, world)
+    for k, case in enumerate(CASES[world]):
+        params = finals[k]
+        for r in range(world):
+            got = results[r][k]
             trained, (x, _), _ = FACTORIES[case["model"]](case["batch"])
             trained.load_state_dict(params, strict=False)
             with torch.no_grad():
@@ -94,15 +107,7 @@ def test_hugging_face_gpt2_through_the_backend():
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
     cases = [dict(model="hf_gpt2", plan="dp", batch=4), dict(model="hf_gpt2", plan="auto", batch=4)]
     results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
-    for k, case in enumerate(cases):
-        history, params = _eager(case, 2)
-        for r in range(2):
-            for s, (losses, grads) in enumerate(history):
-                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
-                for n, g in grads.items():
-                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
-            for n, p in params.items():
-                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+    _assert_cases_equal_eager(cases, results, 2)
 
 
 @pytest.mark.slow
@@ -113,15 +118,7 @@ def test_hugging_face_padding_masks_under_dp():
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
     cases = [dict(model="hf_bert", plan="dp", batch=4), dict(model="hf_bert", plan="fsdp", batch=4)]
     results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
-    for k, case in enumerate(cases):
-        history, params = _eager(case, 2)
-        for r in range(2):
-            for s, (losses, grads) in enumerate(history):
-                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
-                for n, g in grads.items():
-                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
-            for n, p in params.items():
-                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+    _assert_cases_equal_eager(cases, results, 2)
 
 
 @pytest.mark.slow
@@ -131,15 +128,7 @@ def test_a_model_returning_its_own_loss_with_python_scalars():
     tensor inputs (once an InternalError in propagate_placements); under auto and dp, 2 ranks equal eager."""
     cases = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="scalar_loss", plan="dp", batch=6)]
     results = launch_local(backend_sgd_worker, (cases, STEPS, 0.05), 2)
-    for k, case in enumerate(cases):
-        history, params = _eager(case, 2, lr=0.05)
-        for r in range(2):
-            for s, (losses, grads) in enumerate(history):
-                assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
-                for n, g in grads.items():
-                    torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0, msg=f"{case} {n}")
-            for n, p in params.items():
-                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0)
+    _assert_cases_equal_eager(cases, results, 2, lr=0.05)
 
 
 @pytest.mark.slow
