@@ -6,29 +6,14 @@ import argparse
 import sys
 
 from ..errors import UsageError
+from .common import positive
 
 QUICK_SIZES_BYTES = (256, 4096, 65536)
 """Message sizes of ``profile --quick`` (a smoke test, not a calibration to plan with)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
+_positive_int = positive(int)
+_positive_float = positive(float)
 
 
 def add_parser(sub) -> None:
