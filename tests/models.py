@@ -77,6 +77,25 @@ def tiny_llama(batch_size: int = 5, seq_len: int = 8, seed: int = 0):
     return model, (x, y), lm_loss
 
 
+class PairwiseDistances(nn.Module):
+    """A linear layer, then the distances between every pair of samples: an op (cdist) with no sharding rule
+    of ours nor DTensor's for a split batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cdist(h, h)
+
+
+def pairwise_distances(batch_size: int = 6, seed: int = 0):
+    """(model, (x [B, 4], target [B, B]), mse loss)."""
+    torch.manual_seed(seed)
+    return PairwiseDistances(), (torch.randn(batch_size, 4), torch.randn(batch_size, batch_size)), F.mse_loss
+
+
 class TwoShards(nn.Module):
     """Two [rows, cols] weights summed: planned one S(1) and one S(0), the sum needs an all_to_all."""
 

@@ -15,21 +15,11 @@ from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import lower, resolve_plan
 from adaptdist.errors import UnsupportedOpError, UsageError
 from adaptdist.lowering_options import LoweringOptions, advice_fitting
-
-
-class PairwiseDistances(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.fc(x)
-        return torch.cdist(h, h)  # distances between samples: no rule of ours nor DTensor's
+from models import pairwise_distances
 
 
 def _pairwise_step():
-    torch.manual_seed(0)
-    return capture(PairwiseDistances(), (torch.randn(6, 4), torch.randn(6, 6)), F.mse_loss)
+    return capture(*pairwise_distances())
 
 
 @pytest.mark.parametrize("front_end", ["cli", "backend"])

@@ -8,6 +8,7 @@ from adaptdist.compiler.capture import capture
 from adaptdist.errors import UnsupportedOpError
 from adaptdist.passes.context import PassContext
 from adaptdist.passes.propagate_placements import placement_of, propagate_placements
+from models import pairwise_distances
 from adaptdist.placement import Partial, Replicate, Shard
 from models import convnet, mlp
 from passutil import captured_with_ctx
@@ -42,16 +43,7 @@ def test_training_batch_norm_is_refused_and_eval_is_fine():
 
 
 def test_unknown_op_on_sharded_input_names_op_node_and_shapes():
-    class Sorts(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            h = self.fc(x)
-            return torch.cdist(h, h)  # distances between samples: no rule of ours nor DTensor's
-
-    cg = capture(Sorts(), (torch.randn(6, 4), torch.randn(6, 6)), F.mse_loss)
+    cg = capture(*pairwise_distances())
     with pytest.raises(UnsupportedOpError) as e:
         propagate_placements(cg.gm, PassContext(2, 6))
     msg = str(e.value)
@@ -63,18 +55,7 @@ def test_replicate_fallback_runs_unknown_ops_whole_and_warns_once(caplog):
 
     from reference import eager_sgd
 
-    class CDist(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            h = self.fc(x)
-            return torch.cdist(h, h)
-
-    torch.manual_seed(0)
-    model = CDist()
-    batch = (torch.randn(6, 4), torch.randn(6, 6))
+    model, batch, _ = pairwise_distances()
     cg = capture(model, batch, F.mse_loss)
     ctx = PassContext(2, 6, replicate_fallback=True)
     with caplog.at_level(logging.WARNING, logger="adaptdist.passes"):
