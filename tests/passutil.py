@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from adaptdist import graph_meta as gmeta
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model, lower
 from adaptdist.lowering_options import LoweringOptions
@@ -197,3 +198,12 @@ def assert_untouched(pass_, gm, ctx):
     gm, changed = pass_(gm, ctx)
     assert not changed and str(gm.graph) == text, f"{pass_.__name__} changed a graph it does not apply to"
     return gm
+
+
+def loss_position(gm):
+    """Index in program order of the node computing the loss (before the all_reduce/wait that replicate it)."""
+    out = gm.graph.output_node()
+    n = out.args[0][gmeta.get_output_roles(out).index("loss")]
+    while gmeta.get_collective(n) in ("wait", "all_reduce"):
+        n = n.args[0]
+    return list(gm.graph.nodes).index(n)

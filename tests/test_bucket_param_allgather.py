@@ -6,7 +6,7 @@ import dataclasses
 from adaptdist import graph_meta as gmeta
 from adaptdist.passes.bucket_param_allgather import bucket_param_allgather
 from models import tiny_gpt
-from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
+from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until, loss_position
 
 
 def _before(**ctx_fields):
@@ -14,13 +14,6 @@ def _before(**ctx_fields):
     return lowered_until((model, batch, loss_fn), 2, fsdp_placements(model), stop_before="bucket_param_allgather",
                          **ctx_fields)
 
-
-def _loss_position(gm):
-    out = gm.graph.output_node()
-    n = out.args[0][gmeta.get_output_roles(out).index("loss")]
-    while gmeta.get_collective(n) in ("wait", "all_reduce"):
-        n = n.args[0]
-    return list(gm.graph.nodes).index(n)
 
 
 def _param_gathers(gm, group):
@@ -42,7 +35,7 @@ def _buckets(gm, group):
 def test_one_bucket_per_side_of_the_loss_with_the_default_size():
     _, gm, ctx = _before()
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    loss_pos = _loss_position(gm)
+    loss_pos = loss_position(gm)
     gathers = _param_gathers(gm, ctx.group_name)
     fwd = [b for g, b in gathers if order[g] <= loss_pos]
     bwd = [b for g, b in gathers if order[g] > loss_pos]
@@ -53,7 +46,7 @@ def test_one_bucket_per_side_of_the_loss_with_the_default_size():
     ags = collective_nodes(gm, "all_gather")
     assert len(ags) == others + 2
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    loss_pos = _loss_position(gm)
+    loss_pos = loss_position(gm)
     merged = [g for g in ags if gmeta.get_gather_pad(g.args[0], ctx.group_name) is None]
     assert [order[g] <= loss_pos for g in merged] == [True, False]  # forward's bucket, then backward's
     sizes = [g.args[0].meta["val"].numel() * g.args[0].meta["val"].element_size() for g in merged]

@@ -4,16 +4,8 @@ right before its first backward use (FSDP's reshard-after-forward)."""
 from adaptdist import graph_meta as gmeta
 from adaptdist.passes.regather_in_backward import regather_in_backward
 from models import tiny_gpt
-from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until
+from passutil import assert_untouched, apply_pass, check_mesh_against_eager, collective_nodes, fsdp_placements, lowered_until, loss_position
 
-
-def _loss_position(gm):
-    """Index of the node computing the loss (before the all_reduce/wait that replicate it)."""
-    out = gm.graph.output_node()
-    n = out.args[0][gmeta.get_output_roles(out).index("loss")]
-    while gmeta.get_collective(n) in ("wait", "all_reduce"):
-        n = n.args[0]
-    return list(gm.graph.nodes).index(n)
 
 
 def _gathered_params(gm, group):
@@ -35,7 +27,7 @@ def test_parameters_used_in_backward_are_gathered_again_after_the_loss():
     model, batch, loss_fn = tiny_gpt(4, 8)
     _, gm, ctx = lowered_until((model, batch, loss_fn), 2, fsdp_placements(model), stop_before="regather_in_backward")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    loss_pos = _loss_position(gm)
+    loss_pos = loss_position(gm)
     fulls = _gathered_params(gm, ctx.group_name)
     both = [f for f in fulls if any(order[u] > loss_pos for u in f.users) and any(order[u] <= loss_pos for u in f.users)]
     assert both  # the linear weights feed forward matmuls and their backward
@@ -44,7 +36,7 @@ def test_parameters_used_in_backward_are_gathered_again_after_the_loss():
     assert changed
     assert len(collective_nodes(gm, "all_gather")) == n_gathers + len(both)  # one more gather per such parameter
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    loss_pos = _loss_position(gm)
+    loss_pos = loss_position(gm)
     for full in both:
         assert all(order[u] <= loss_pos for u in full.users), full  # the forward copy dies in forward
     late_gathers = [g for g in collective_nodes(gm, "all_gather") if order[g] > loss_pos]
