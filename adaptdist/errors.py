@@ -38,6 +38,11 @@ class RuntimeLaunchError(AdaptdistError):
     """Worker processes failed to start or one of them failed."""
 
 
+class CheckpointError(AdaptdistError):
+    """A checkpoint is missing, partial, corrupt (a checksum differs), or was written for another model; the
+    message names the checkpoint directory, the file and what differs."""
+
+
 class CollectiveMismatchError(AdaptdistError):
     """Ranks would issue different collectives (a hang at run time); raised at compile time."""
 
