@@ -361,3 +361,20 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
                 f"{', '.join(f'{h}: {n} x {k}' for h, n, k in hosts)}), this is {cluster!r} (fingerprint {got}); "
                 "compile again for this cluster, or pass the cluster file it was compiled for with --cluster")
     return manifest
+
+
+def check_model_file(manifest: dict, directory: str | Path) -> None:
+    """The model file recorded in an artifact manifest, when it is still there, must be the file compiled (its
+    sha256): its ``data()`` feeds the run, and a changed file means the artifacts may no longer be its model.
+
+    Raises:
+        ProgramLoadError: the file's sha256 differs from the manifest's; names both digests.
+    """
+    want = manifest.get("model_file_sha256")
+    path = Path(manifest.get("model_file") or "")
+    if not want or not path.is_file():
+        return
+    got = _sha256(path)
+    if got != want:
+        raise ProgramLoadError(f"the model file {str(path)!r} changed since {str(directory)!r} was compiled (sha256 "
+                               f"{got[:12]}..., the manifest holds {want[:12]}...); compile again, or restore the file")

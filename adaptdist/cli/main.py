@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -20,12 +18,13 @@ from ..errors import AdaptdistError, UsageError
 from .common import positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, nproc_type=int, nproc_help: str = "") -> None:
     p.add_argument("model", nargs="?", default="builtin:gpt",
                    help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--cluster", metavar="FILE", help="cluster YAML or JSON file (see README: Cluster)")
-    g.add_argument("--nproc", type=int, default=None, help="number of local ranks; 2 when neither --nproc nor --cluster is given")
+    g.add_argument("--nproc", type=nproc_type, default=None,
+                   help="number of local ranks; 2 when neither --nproc nor --cluster is given" + nproc_help)
     p.add_argument("--mesh", metavar="AXIS=N,...", default=None,
                    help="mesh axis sizes for a multi-axis plan, outermost first, e.g. dp=2,tp=2 (their product is "
                         "the number of ranks; sets --nproc when that is not given)")
@@ -52,6 +51,25 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
                    help="skip this lowering pass (repeatable; for debugging a pass; see adaptdist/passes/pipeline.py)")
 
 
+def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
+    """``train``'s checkpoint, restart and timeout flags (issue: fault-tolerant and elastic training)."""
+    from ..runtime.timeouts import Timeouts
+
+    p.add_argument("--checkpoint-every", type=_positive(int), default=100, metavar="N",
+                   help="write a checkpoint every N steps (and at the end, and on SIGTERM/SIGINT)")
+    p.add_argument("--keep", type=_positive(int), default=3, metavar="K", help="keep the newest K checkpoints")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart every rank from the newest good checkpoint up to R times when one dies or stalls "
+                        "(torch's elastic agent)")
+    p.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=_positive(float),
+                   default=Timeouts().collective_s,
+                   help="a collective that waits longer than this fails, naming the rank that did not arrive "
+                        "(the rendezvous and restart timeouts are derived from it: README, Fault tolerance)")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue the run in DIR (its --out) from its newest good checkpoint, with its settings; "
+                        "only --steps, --nproc/--cluster and --out may change (another world size is re-planned)")
+
+
 def lowering_options(args: argparse.Namespace):
     """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
     ``--replicate-fallback``, ``--dump-graphs``).
@@ -74,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     sub = ap.add_subparsers(dest="command")
     t = sub.add_parser("train", help="compile the model and train it on local ranks", formatter_class=fmt)
-    _add_common(t)
+    from .train import nproc_range
+
+    _add_common(t, nproc_range, "; MIN:MAX: an elastic world size, one torchrun agent per rank (started at MAX), "
+                                "re-planned and resharded when ranks leave or join")
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
     t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE",
                    help="auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
@@ -94,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
                    help="torch threads per rank; None: cores // ranks, at least 1")
-    t.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
+    _add_fault_tolerance(t)
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
     t.add_argument("--dump-graphs", metavar="DIR",
                    help="write the graph before and after each lowering pass, with its op-count diff, to DIR")
@@ -141,7 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adamw: torch.optim.AdamW with torch's defaults but --lr (weight_decay=0.01); sgd: plain SGD")
     r.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**63-1")
     r.add_argument("--out", metavar="DIR", default="runs/artifacts", help="checkpoint and summary directory")
-    r.add_argument("--timeout-s", type=_positive(float), default=300.0, help="collective timeout, seconds")
+    from ..runtime.timeouts import Timeouts
+
+    r.add_argument("--checkpoint-every", type=_positive(int), default=100, metavar="N",
+                   help="write a checkpoint every N steps (and at the end, and on SIGTERM/SIGINT)")
+    r.add_argument("--keep", type=_positive(int), default=3, metavar="K", help="keep the newest K checkpoints")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                   help="restart every rank from the newest good checkpoint up to R times when one dies or stalls")
+    r.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=_positive(float),
+                   default=Timeouts().collective_s, help="collective timeout, seconds (README: Fault tolerance)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --out (a run of these artifacts stopped early, "
+                        "or a finished one given a larger --steps)")
     r.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     return ap
 
@@ -247,102 +279,10 @@ def check_batch(batch, example, data) -> None:
 
 
 def cmd_train(args) -> int:
-    """``adaptdist train``: compile the plan, launch the ranks, train, checkpoint, sample.
+    """``adaptdist train``: see :mod:`adaptdist.cli.train`."""
+    from .train import cmd_train as run
 
-    Raises:
-        AdaptdistError: any bad input (model, data, cluster, plan); ``main`` prints it as one paragraph.
-    """
-    import torch
-    from ..console import report_console
-    from safetensors.torch import load_file, save_file
-
-    from ..compiler.lowering import compile_model
-    from ..model_spec import ModelSpec
-    from ..program import save_programs
-    from ..runtime.launch import launch_local
-    from ..runtime.worker import DataSpec, TrainConfig, global_batches, loss_summary, run_worker
-
-    console = report_console(stderr=True)
-    cluster = _cluster(args)
-    if cluster.device_kind != "cpu":
-        raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
-    if len(cluster.hosts) > 1 or cluster.hosts[0].name not in ("localhost", "127.0.0.1", socket.gethostname()):
-        raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
-                         "named localhost")
-    nproc = cluster.world_size
-    spec = ModelSpec.parse(args.model)
-    out = prepare_out_dir(args.out)
-    torch.manual_seed(args.seed)
-    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
-    module = spec.module()
-    has_data = callable(getattr(module, "data", None))
-    if args.data and not has_data:
-        raise UsageError(f"--data was given but {spec.file} defines no data(batch_size, seq_len, path=...) function")
-    data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
-                    path=args.data, seed=args.seed)
-    if not has_data:
-        # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
-        save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},
-                  str(out / "example_batch.safetensors"))
-        data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
-        console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
-    check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
-
-    n_params = sum(p.numel() for p in model.parameters())
-    x0 = example[0]
-    tokens = not x0.is_floating_point() and x0.dim() >= 2
-    unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
-    console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}; "
-                  f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
-    t0 = time.perf_counter()
-    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer, layers=False)
-    programs = compile_model(model, example, loss_fn, nproc, plan, lowering_options(args),
-                             mesh=args.mesh if captured is None else None, captured=captured)
-    from ..runtime.preflight import check_host_memory
-
-    peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
-    save_programs(programs, out / "programs")
-    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
-    console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
-                  f"{time.perf_counter() - t0:.1f} s "
-                  f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
-                  "per rank")
-    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
-                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
-                      backend=cluster.backend, items_per_step=items_per_step, unit=unit,
-                      max_grad_norm=args.max_grad_norm)
-    t0 = time.perf_counter()
-    results = launch_local(run_worker, (cfg,), nproc)
-    wall = time.perf_counter() - t0
-    r0 = results[0]
-    losses = r0["losses"]
-    fields, loss_text = loss_summary(losses)
-    summary = {
-        "steps": len(losses), **fields,
-        f"{unit}_per_s": r0["items_per_s"], "step_time_s": r0["step_time_s"], "wall_s": wall,
-        "ranks": nproc, "threads_per_rank": threads, "plan": plan.name, "losses": losses,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    console.print(
-        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: {loss_text}, "
-        f"{r0['items_per_s']:,.0f} {unit}/s; "
-        f"checkpoint {out / 'checkpoint'}, weights {out / 'model.safetensors'}"
-    )
-    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
-    if bad is not None:
-        console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; "
-                      "training diverged: lower --lr[/]")
-    sample = getattr(module, "sample", None)
-    if args.sample_bytes > 0 and callable(sample):
-        state = load_file(str(out / "model.safetensors"))
-        missing = model.load_state_dict(state, strict=False).missing_keys
-        assert all(k in programs[0].tied for k in missing), missing
-        text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
-        console.rule("sample")
-        print(text)
-        console.rule()
-    return 0
+    return run(args, args._defaults)
 
 
 def cmd_estimate(args) -> int:
@@ -381,10 +321,12 @@ def cmd_run(args) -> int:
     from safetensors.torch import load_file
 
     from ..calibrate.local import load_cluster, local_cluster
-    from ..program import check_artifacts, read_manifest
-    from ..runtime.run_artifacts import data_spec
+    from ..program import check_artifacts, check_model_file, read_manifest
     from ..runtime.launch import launch_local
+    from ..runtime.run_artifacts import data_spec
+    from ..runtime.timeouts import Timeouts
     from ..runtime.worker import TrainConfig, loss_summary, run_worker
+    from .train import _clear_previous_run, _ended_early
 
     console = report_console(stderr=True)
     d = Path(args.artifacts)
@@ -394,12 +336,17 @@ def cmd_run(args) -> int:
     manifest = read_manifest(d)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])
     manifest = check_artifacts(d, cluster)
+    check_model_file(manifest, d)
     if len(cluster.hosts) > 1:
         raise UsageError(f"{cluster!r} has several hosts: on each host run `torchrun --nnodes "
                          f"{len(cluster.hosts)} --nproc-per-node N --rdzv-endpoint HOST:PORT -m "
                          f"adaptdist.runtime.run_artifacts {d}`; `adaptdist run` starts local ranks only")
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far")
+    timeouts = Timeouts.for_collective(args.collective_timeout_s)
+    timeouts.check()
+    if not args.resume:
+        _clear_previous_run(out, console)
     data = data_spec(manifest, d, args.data, args.seed)
     example = load_file(str(d / "example_batch.safetensors"))
     x0 = example["b0"]
@@ -408,19 +355,31 @@ def cmd_run(args) -> int:
     world = manifest["world_size"]
     threads = max(1, (os.cpu_count() or 1) // world)
     cfg = TrainConfig(program_dir=str(d), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
-                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads, timeout_s=args.timeout_s,
-                      backend=cluster.backend, items_per_step=items, unit=unit)
+                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
+                      timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items, unit=unit,
+                      checkpoint_every=args.checkpoint_every, keep=args.keep, model_name=str(manifest.get("model")),
+                      run_meta={"artifacts": str(d)})
     console.print(f"running {d} ({manifest.get('model')}, mesh {manifest['mesh']}) on {cluster!r} for {args.steps} "
                   f"steps; data from {data.module_file + ':data' if data.function else 'the example batch'}")
     t0 = time.perf_counter()
-    results = launch_local(run_worker, (cfg,), world)
-    losses = results[0]["losses"]
+    try:
+        launch_local(run_worker, (cfg,), world, max_restarts=args.max_restarts, timeouts=timeouts)
+    except BaseException as e:
+        code = _ended_early(e, out, console, resume=f"adaptdist run {d} --out {out} --resume")
+        return code
+    result = json.loads((out / "result.json").read_text())
+    losses = result["losses"]
     wall = time.perf_counter() - t0
     fields, loss_text = loss_summary(losses)
-    (out / "summary.json").write_text(json.dumps({"steps": len(losses), **fields, "wall_s": wall, "losses": losses},
-                                                 indent=1))
-    console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoint "
-                  f"{out / 'checkpoint'}")
+    events = result.get("events", [])
+    summary = {"steps": len(losses), **fields, "wall_s": wall, "losses": losses, "complete": True,
+               "restarts": [e for e in events if e["event"] == "restart"],
+               "resumes": [e for e in events if e["event"] == "resume"]}
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+    console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoints "
+                  f"{out / 'checkpoints'}")
     return 0
 
 
@@ -451,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command is None:
         args = ap.parse_args(["train", *(argv or [])])
+    if args.command == "train":  # --resume tells given flags from defaults
+        args._defaults = vars(ap.parse_args(["train"]))
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -81,10 +81,13 @@ class ByteCorpus:
     def __len__(self) -> int:
         return self.data.numel()
 
-    def batches(self, batch_size: int, seq_len: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, batch_size: int, seq_len: int, seed: int = 0, start_step: int = 0
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Endless random windows: ``(tokens, targets)``, each ``int64[batch_size, seq_len]``.
 
-        ``targets`` is ``tokens`` shifted by one byte. The same seed gives the same batches.
+        ``targets`` is ``tokens`` shifted by one byte. The same seed gives the same batches; ``start_step=k``
+        starts at the batch a fresh iterator yields after ``k`` batches (a resumed run's data position), drawing
+        only the window offsets of the batches it skips.
 
         Raises:
             DataError: the corpus is shorter than ``seq_len + 1`` bytes.
@@ -97,6 +100,8 @@ class ByteCorpus:
             )
         g = torch.Generator().manual_seed(seed)
         offsets_t = torch.arange(seq_len + 1)
+        for _ in range(start_step):
+            torch.randint(0, n - seq_len, (batch_size,), generator=g)
         while True:
             starts = torch.randint(0, n - seq_len, (batch_size,), generator=g)
             win = self.data[starts[:, None] + offsets_t].long()

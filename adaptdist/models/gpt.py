@@ -146,8 +146,9 @@ def factory(batch_size: int, seq_len: int, config: GPTConfig | None = None):
     return model, (tokens, targets), lm_loss
 
 
-def data(batch_size: int, seq_len: int, path: str | None = None, seed: int = 0):
-    """Endless global batches ``(tokens, targets)`` of ``int64[batch_size, seq_len]`` from text.
+def data(batch_size: int, seq_len: int, path: str | None = None, seed: int = 0, start_step: int = 0):
+    """Endless global batches ``(tokens, targets)`` of ``int64[batch_size, seq_len]`` from text, from the batch
+    after ``start_step`` batches on (a resumed run's data position).
 
     Raises:
         DataError: the file is missing, empty, not UTF-8 text, or shorter than ``seq_len + 1`` bytes.
@@ -155,7 +156,7 @@ def data(batch_size: int, seq_len: int, path: str | None = None, seed: int = 0):
     from adaptdist.data.text import ByteCorpus
 
     corpus = ByteCorpus.from_path(path) if path else ByteCorpus.embedded()
-    return corpus.batches(batch_size, seq_len, seed=seed)
+    return corpus.batches(batch_size, seq_len, seed=seed, start_step=start_step)
 
 
 def sample(model: GPT, num_bytes: int, seed: int = 0, prompt: str = "def ") -> str:

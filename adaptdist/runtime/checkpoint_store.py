@@ -56,7 +56,8 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def _tmp_dir(root: Path, step: int) -> Path:
+def temporary_dir(root: Path, step: int) -> Path:
+    """The temporary directory the checkpoint of ``step`` is written into before :func:`commit` renames it."""
     return Path(root) / f".step-{step:08d}.tmp"
 
 
@@ -67,7 +68,7 @@ def prepare(root: Path, step: int) -> Path:
     Raises:
         CheckpointError: ``root`` cannot be created or written.
     """
-    tmp = _tmp_dir(root, step)
+    tmp = temporary_dir(root, step)
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
         if tmp.exists():

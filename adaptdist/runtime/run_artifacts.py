@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
     from ..errors import AdaptdistError, RuntimeLaunchError
-    from ..program import check_artifacts
+    from ..program import check_artifacts, check_model_file
     from .worker import TrainConfig, run_worker
 
     try:
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "(or use `adaptdist run DIR` for local ranks)")
         d = Path(args.artifacts)
         manifest = check_artifacts(d, None)
+        check_model_file(manifest, d)
         world = int(os.environ["WORLD_SIZE"])
         if world != manifest["world_size"]:
             raise RuntimeLaunchError(f"{str(d)!r} was compiled for {manifest['world_size']} ranks; torchrun started "
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                           steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
                           threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                           timeout_s=args.timeout_s, backend="nccl" if kinds == {"cuda"} else "gloo",
-                          items_per_step=x0.numel() if tokens else x0.shape[0], unit="tokens" if tokens else "samples")
+                          items_per_step=x0.numel() if tokens else x0.shape[0], unit="tokens" if tokens else "samples",
+                          model_name=str(manifest.get("model")))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         run_worker(cfg)
     except AdaptdistError as e:

@@ -8,8 +8,12 @@ which are set as ``.grad`` before ``optimizer.step()``.
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import signal
+import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -62,10 +66,17 @@ class TrainConfig:
     unit: str = "tokens"
     max_grad_norm: float | None = None
     extra: dict = field(default_factory=dict)
+    checkpoint_every: int | None = None
+    keep: int | None = 3
+    model_name: str = ""
+    run_meta: dict = field(default_factory=dict)
+    program_source: Any = None
+    """``compiler.replan.ProgramSource`` for an elastic job (programs for other world sizes), or None."""
 
 
-def global_batches(spec: DataSpec) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Endless global batches per ``spec`` (the same on every rank)."""
+def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Endless global batches per ``spec`` (the same on every rank); ``start_step`` is passed to a ``data()`` that
+    takes it (see :func:`positioned_batches`)."""
     if spec.function is None:
         from safetensors.torch import load_file
 
@@ -81,6 +92,8 @@ def global_batches(spec: DataSpec) -> Iterator[tuple[torch.Tensor, ...]]:
         raise DataError(f"--data was given but {spec.module_file}:{spec.function} takes no 'path' argument")
     if "seed" in params:
         kwargs["seed"] = spec.seed
+    if start_step is not None:
+        kwargs["start_step"] = start_step
     return iter(fn(spec.batch_size, spec.seq_len, **kwargs))
 
 
@@ -160,68 +173,197 @@ def register_mesh_groups(program: RankProgram, backend: str):
     return mesh
 
 
+def describe_program(program: RankProgram) -> str:
+    """``plan 'dp' on mesh dp=2 (2 ranks)``: one line for restart and re-plan logs."""
+    mesh = ",".join(f"{a}={n}" for a, n in program.mesh.items())
+    name = program.plan.name if program.plan is not None else "?"
+    return f"plan {name!r} on mesh {mesh} ({program.world_size} ranks)"
+
+
+def _broadcast(value: Any, rank: int) -> Any:
+    """Rank 0's ``value`` on every rank (a pickled object over the default group: our own ranks only)."""
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def positioned_batches(spec: DataSpec, start_step: int, note) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Global batches from step ``start_step`` on (0-based: the batch of the step after ``start_step`` steps):
+    the model file's ``data(..., start_step=)`` when it takes that argument, else batches replayed from the
+    start and dropped (``note`` says so once)."""
+    if start_step == 0 or spec.function is None:
+        return global_batches(spec)
+    mod = load_module(spec.module_file, "adaptdist_data_module")
+    if "start_step" in inspect.signature(getattr(mod, spec.function)).parameters:
+        return global_batches(spec, start_step=start_step)
+    it = global_batches(spec)
+    t0 = time.perf_counter()
+    for i in range(start_step):
+        if next(it, None) is None:
+            raise DataError(f"{spec.module_file}:{spec.function} stopped after {i} batches while replaying to step "
+                            f"{start_step}; make data() yield batches endlessly")
+    note(f"{spec.module_file}:{spec.function} takes no start_step=: replayed {start_step} batches to reach step "
+         f"{start_step} ({time.perf_counter() - t0:.1f} s)")
+    return it
+
+
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
-    """Entry point of one rank (called by the elastic agent). Returns metrics on rank 0."""
+    """Entry point of one rank (called by the elastic agent, again after each restart). Returns metrics on rank 0.
+
+    Resumes from the newest good checkpoint under ``OUT/checkpoints`` when there is one (after a restart, or
+    for ``--resume``), resharded into this world size's programs; checkpoints every ``checkpoint_every`` steps,
+    on a stop signal (SIGTERM, SIGINT: every rank stops after the same step, then exits 128 + the signal) and
+    at the end.
+    """
+    from .checkpoint_store import check_same_model, latest_good
+    from .faults import Fault
+    from .heartbeat import Heartbeat, named_timeout
+    from .launch import restart_count
+    from .rank_status import RankStatus, failure_of
+    from .stop import StopRequest
+    from .train_state import check_identical_replicas, load_train_state, state_shapes
+
     torch.set_num_threads(cfg.threads_per_rank)
     rank, world = _init_distributed(cfg)
-    # Independent random streams per rank (dropout masks must not repeat across ranks).
-    torch.manual_seed(cfg.seed + rank)
+    attempt = restart_count()
+    status = RankStatus(cfg.out_dir, rank, attempt)
+    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}" + (f" (restart {attempt})" if attempt else ""),
+          file=sys.stderr, flush=True)
+    fault = Fault.from_env()
+    events = _Events(cfg.out_dir, enabled=rank == 0)
+    step = 0
     try:
-        # Every rank's initial state comes from the programs one process wrote (train/compile lower one model
-        # in one process and save each rank's part of its state), so replicated parameters start equal on
-        # every rank and nothing needs broadcasting (the torch.compile backend, where each rank builds its own
-        # model, broadcasts rank 0's: CompiledStep._broadcast_state).
-        program = load_program(cfg.program_dir, rank, world_size=world)
+        if attempt and rank == 0:
+            events.add("restart", attempt=attempt, cause=failure_of(cfg.out_dir, attempt - 1) or "unknown")
+        program_dir = cfg.program_dir
+        if cfg.program_source is not None:
+            program_dir = cfg.program_source.program_dir(world, rank, lambda p: _broadcast(p, rank), events.note)
+        program = load_program(program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
         runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
-        batches = global_batches(cfg.data)
-        losses, times = [], []
+        losses: list[float] = []
+        info = latest_good(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None
+        found = _broadcast((str(info.path), info.meta) if info else None, rank)
+        start = 0
+        if found is not None:
+            path, meta = found
+            check_same_model(meta, Path(path), cfg.model_name, state_shapes(program))
+            same_world = meta.get("world_size") == world
+            load_train_state(Path(path), program, runner.state, runner.opt, device_mesh, rank, restore_rng=same_world)
+            check_identical_replicas(program, runner.state, runner.opt, device_mesh)
+            start, losses = int(meta["step"]), list(meta.get("losses", []))
+            if not same_world:  # a fresh stream per rank and step: the saver's ranks were others
+                torch.manual_seed((cfg.seed + rank + 1_000_003 * start) % 2**63)
+            events.add("resume", checkpoint=path, step=start, saved_world_size=meta.get("world_size"),
+                       saved_plan=meta.get("plan_line"), plan=describe_program(program), world_size=world)
+        else:
+            torch.manual_seed(cfg.seed + rank)  # independent random streams per rank (dropout masks must differ)
+        if start >= cfg.steps:
+            events.note(f"the checkpoint is at step {start}, --steps is {cfg.steps}: nothing to train")
+        batches = positioned_batches(cfg.data, start, events.note)
+        heartbeat = Heartbeat(rank, world)
+        times: list[float] = []
         peak = None
-        bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit)
-        with bar:
-            for step in range(cfg.steps):
+        bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit, start=start)
+        with bar, StopRequest() as stop:
+            for step in range(start, cfg.steps):
                 batch = next(batches, None)
                 if batch is None:
                     raise DataError(
                         f"{cfg.data.module_file}:{cfg.data.function} stopped after {step} batches but "
                         f"--steps is {cfg.steps}; make data() yield batches endlessly (e.g. loop over epochs)"
                     )
+                heartbeat.beat(step)
+                if fault is not None:
+                    fault.maybe_fire(rank, step + 1, attempt)
                 t0 = time.perf_counter()
-                if cfg.measure_memory_step == step:
-                    with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+                try:
+                    if cfg.measure_memory_step == step:
+                        with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+                            loss = runner.step(batch)
+                        peak = pm.report
+                    else:
                         loss = runner.step(batch)
-                    peak = pm.report
-                else:
-                    loss = runner.step(batch)
+                    signum = stop.agreed(step + 1)
+                except (RuntimeError, dist.DistBackendError) as e:
+                    raise named_timeout(e, heartbeat, step) from e
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 times.append(dt)
-                bar.update(step + 1, loss, cfg.items_per_step / dt)
+                done = step + 1
+                periodic = cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0
+                if cfg.checkpoint and (periodic or signum or done == cfg.steps):
+                    path = _save(cfg, runner, program, device_mesh, rank, world, done, losses)
+                    status.update(step=done)
+                    bar.checkpoint(done, path)
+                bar.update(done, loss, cfg.items_per_step / dt)
+                if signum:
+                    status.update(state="stopped", step=done, error=f"stopped by {signal.Signals(signum).name}")
+                    events.add("stopped", step=done, signal=signal.Signals(signum).name,
+                               checkpoint=str(path) if cfg.checkpoint else None)
+                    raise SystemExit(128 + signum)
         if cfg.checkpoint:
-            _checkpoint(cfg, runner, rank, device_mesh)
+            _write_weights(cfg, runner, rank, device_mesh)
         dist.barrier()
-        warm = times[min(2, len(times) - 1):] or times
-        return {
+        status.update(state="finished", step=cfg.steps)
+        warm = times[min(2, len(times) - 1):] or times or [float("nan")]
+        result = {
             "rank": rank,
             "losses": losses,
+            "start_step": start,
             "step_time_s": statistics.median(warm),
             "items_per_s": cfg.items_per_step / statistics.median(warm),
             "peak_bytes": peak.peak_bytes if peak else None,
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
+            "events": events.read(),
         }
+        if rank == 0:  # the launcher's copy (an elastic job's ranks are not its children)
+            tmp = Path(cfg.out_dir) / "result.json.tmp"
+            tmp.write_text(json.dumps(result))
+            tmp.replace(Path(cfg.out_dir) / "result.json")
+        return result
+    except SystemExit:
+        raise
+    except BaseException as e:
+        status.update(state="failed", step=step, error=f"{type(e).__name__}: {e}"[:2000], error_type=type(e).__name__)
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) -> None:
-    """Write a torch.distributed.checkpoint of model and optimizer state, and (rank 0) model.safetensors.
+def _save(cfg: TrainConfig, runner: StepRunner, program: RankProgram, device_mesh, rank: int, world: int,
+          step: int, losses: list[float]) -> Path:
+    """Write the checkpoint after ``step`` steps (collective): every rank its shards and RNG state into the
+    temporary directory, then rank 0 commits it (:mod:`.checkpoint_store`). Returns the final directory."""
+    from .checkpoint_store import commit, prepare, temporary_dir
+    from .train_state import save_train_state, state_shapes
 
-    Sharded tensors are saved as DTensors with their placement and global shape, so the
-    checkpoint holds every shard once and can be loaded onto another layout. A tensor dim sharded
-    on two mesh axes is described over a mesh in lowering order where that differs from the mesh's
-    (:mod:`.checkpoint`; building that mesh is collective, like the save).
+    root = Path(cfg.out_dir) / "checkpoints"
+    if rank == 0:
+        prepare(root, step)
+    dist.barrier()
+    tmp = temporary_dir(root, step)
+    save_train_state(tmp, program, runner.state, runner.opt, device_mesh, rank)
+    dist.barrier()
+    if rank == 0:
+        meta = {"step": step, "world_size": world, "model": cfg.model_name, "state_shapes": state_shapes(program),
+                "losses": losses, "plan": json.loads(program.plan.to_json()) if program.plan is not None else None,
+                "plan_line": describe_program(program), "data_position": {"step": step}, "seed": cfg.seed,
+                **cfg.run_meta}
+        commit(tmp, meta, keep=cfg.keep)
+    dist.barrier()
+    from .checkpoint_store import step_dir
+
+    return step_dir(root, step)
+
+
+def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) -> None:
+    """(Collective) rank 0 writes ``model.safetensors``, the full weights, under a temporary name, then renames it.
+
+    A tensor dim sharded on two mesh axes is described over a mesh in lowering order where that differs from the
+    mesh's (:mod:`.checkpoint`; building that mesh is collective).
     """
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
     from .checkpoint import as_global, ordered_device_mesh
@@ -233,15 +375,46 @@ def _checkpoint(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) ->
     # rank's state.safetensors, which can differ between ranks when shard sizes differ
     names = list(program.input_fqns) + sorted(set(runner.state) - set(program.input_fqns))
     model = {f: as_global(runner.state[f], f, program, device_mesh, ordered) for f in names}
-    optim = {f: {k: as_global(v, f, program, device_mesh, ordered) if isinstance(v, torch.Tensor) and v.dim() else v
-                 for k, v in st.items()}
-             for f, st in runner.optimizer_state_by_fqn().items()}
-    writer = dcp.FileSystemWriter(str(out / "checkpoint"), overwrite=True)
-    dcp.save({"model": model, "optim": optim}, storage_writer=writer)
     full = {f: (t.full_tensor() if hasattr(t, "full_tensor") else t) for f, t in model.items()}  # collective
     if rank == 0:
-        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "model.safetensors"))
+        tmp = out / "model.safetensors.tmp"
+        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+        tmp.replace(out / "model.safetensors")
 
+
+class _Events:
+    """Rank 0's log of restarts, re-plans and resumes: printed as they happen and appended to
+    ``OUT/events.jsonl`` (the launcher copies them into summary.json)."""
+
+    def __init__(self, out_dir: str, enabled: bool):
+        self.path = Path(out_dir) / "events.jsonl"
+        self.enabled = enabled
+
+    def add(self, kind: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+
+
+        rec = {"event": kind, "time_s": time.time(), **fields}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        text = {"restart": lambda: f"restart {fields.get('attempt')}: {fields.get('cause')}",
+                "resume": lambda: (f"resumed from {fields.get('checkpoint')} (step {fields.get('step')}; saved by "
+                                   f"{fields.get('saved_plan')}); now {fields.get('plan')}"),
+                "stopped": lambda: f"stopped by {fields.get('signal')} after step {fields.get('step')}; checkpoint "
+                                   f"{fields.get('checkpoint')}"}.get(kind, lambda: kind)()
+        print(f"adaptdist: {text}", file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(f"adaptdist: {text}", file=sys.stderr, flush=True)
+
+    def read(self) -> list[dict]:
+
+
+        if not self.enabled or not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
 LOSS_SUMMARY_WINDOW = 5
@@ -276,10 +449,11 @@ def loss_summary(losses: list[float]) -> tuple[dict[str, Any], str]:
 
 
 class _Progress:
-    """A rich progress bar on rank 0 (step, loss, tokens/s); plain log lines when not a terminal."""
+    """A rich progress bar on rank 0 (step, loss, tokens/s); off a terminal, a line ``step N/TOTAL`` at least every
+    10 steps and at every checkpoint."""
 
-    def __init__(self, total: int, enabled: bool, unit: str = "tokens"):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool, unit: str = "tokens", start: int = 0):
+        self.total, self.enabled, self.start = total, enabled, start
         self.unit = "tok" if unit == "tokens" else unit
         self._p = None
         self._last_log = 0.0
@@ -295,7 +469,7 @@ class _Progress:
             self._p = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} " + self.unit + "/s"),
                                TimeRemainingColumn(), console=self.console)
-            self._task = self._p.add_task("train", total=self.total, loss=float("nan"), tps=0.0)
+            self._task = self._p.add_task("train", total=self.total, completed=self.start, loss=float("nan"), tps=0.0)
             self._p.__enter__()
         return self
 
@@ -304,9 +478,14 @@ class _Progress:
             return
         if self._p is not None:
             self._p.update(self._task, completed=step, loss=loss, tps=items_per_s)
-        elif step == 1 or step == self.total or time.monotonic() - self._last_log > 5:
+        elif step == self.start + 1 or step == self.total or step % 10 == 0 or time.monotonic() - self._last_log > 5:
             self._last_log = time.monotonic()
             self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {items_per_s:,.0f} {self.unit}/s")
+
+    def checkpoint(self, step: int, path: Path) -> None:
+        """A checkpoint was written after ``step``: a log line (above the bar on a terminal)."""
+        if self.enabled:
+            self.console.print(f"step {step}/{self.total}: checkpoint {path}")
 
     def __exit__(self, *exc):
         if self._p is not None:

@@ -1,0 +1,343 @@
+"""``adaptdist train``: compile the plan, launch the ranks, train with periodic checkpoints, restart on failure,
+resume a stopped run (``--resume DIR``), follow an elastic world size (``--nproc MIN:MAX``).
+
+A run's directory (``--out``) holds ``run.json`` (the settings it was started with, and its state: running,
+complete, interrupted, failed), ``programs/`` (the rank programs for the launch world size), ``programs_cache/``
+(programs re-planned for other world sizes), ``checkpoints/step-XXXXXXXX/`` (:mod:`adaptdist.runtime.
+checkpoint_store`), ``status/`` (each rank's record of each attempt), ``events.jsonl`` (restarts, re-plans,
+resumes), and at the end ``model.safetensors`` and ``summary.json``. Outputs are written under temporary names
+and renamed; ``run.json`` says ``complete`` only once everything was written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..errors import RuntimeLaunchError, UsageError
+
+RUN_FILE = "run.json"
+RUN_FILE_VERSION = 1
+RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
+            "keep", "max_grad_norm", "bucket_mb", "replicate_fallback")
+"""The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
+change)."""
+MAY_CHANGE = ("steps", "nproc", "cluster", "out")
+OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
+           "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl")
+"""What a run writes into ``--out``; a new run into the same directory removes the previous run's first."""
+
+
+def nproc_range(text: str):
+    """An argparse ``type=`` for ``train --nproc``: ``N`` (an int > 0) or ``MIN:MAX`` (an elastic range, a tuple)."""
+    import argparse
+
+    parts = text.split(":")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (integers), got {text!r}") from None
+    if len(nums) > 2 or any(n < 1 for n in nums) or (len(nums) == 2 and nums[0] > nums[1]):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return nums[0] if len(nums) == 1 else (nums[0], nums[1])
+
+
+def _restored_args(args, defaults: dict) -> None:
+    """``--resume DIR``: take the run's settings from ``DIR/run.json`` into ``args`` (in place).
+
+    Raises:
+        UsageError: DIR holds no run, or a flag other than --steps/--nproc/--cluster/--out was given a value that
+            differs from the run's.
+    """
+    d = Path(args.resume)
+    f = d / RUN_FILE
+    if not f.is_file():
+        raise UsageError(f"--resume {str(d)!r}: no {RUN_FILE} there; pass the --out directory of an adaptdist train run")
+    try:
+        run = json.loads(f.read_text())
+        settings = run["settings"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--resume: {str(f)!r} cannot be read ({type(e).__name__}: {e})") from None
+    for key in RESTORED:
+        given = getattr(args, key, None)
+        if given != defaults.get(key) and given != settings.get(key):
+            raise UsageError(f"--resume continues the run in {str(d)!r} with its own settings: --{key.replace('_', '-')} "
+                             f"was {settings.get(key)!r} there, not {given!r}; only --steps, --nproc/--cluster and "
+                             "--out may change (start a new run with another --out to change it)")
+        setattr(args, key, settings.get(key))
+    if args.steps == defaults.get("steps"):
+        args.steps = settings.get("steps", args.steps)
+    if args.nproc is None and args.cluster is None:
+        args.nproc = settings.get("nproc")
+        args.cluster = settings.get("cluster")
+    if isinstance(args.nproc, list):
+        args.nproc = tuple(args.nproc)
+
+
+def _clear_previous_run(out: Path, console) -> None:
+    """A new run into ``out``: remove what a previous run wrote there (never anything else)."""
+    found = [name for name in OUTPUTS if (out / name).exists()]
+    if not found:
+        return
+    console.print(f"[yellow]{out} holds a previous run ({', '.join(found)}): replacing it (use --resume {out} to "
+                  "continue that run instead)[/]")
+    for name in found:
+        p = out / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _take_checkpoints(src: Path, out: Path, console) -> None:
+    """``--resume SRC --out OUT``: copy SRC's newest good checkpoint into OUT's checkpoints."""
+    from ..runtime.checkpoint_store import latest_good
+
+    info = latest_good(src / "checkpoints", lambda m: console.print(f"[yellow]{m}[/]"))
+    if info is None:
+        return
+    dest = out / "checkpoints" / info.path.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(info.path, dest)
+
+
+def write_run_file(out: Path, settings: dict, state: str) -> None:
+    """``OUT/run.json`` with the run's ``settings`` and ``state`` (running, complete, interrupted, failed)."""
+    tmp = out / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"version": RUN_FILE_VERSION, "state": state, "settings": settings}, indent=1,
+                              default=list))
+    tmp.replace(out / RUN_FILE)
+
+
+def _set_state(out: Path, state: str) -> None:
+    f = out / RUN_FILE
+    if f.is_file():
+        run = json.loads(f.read_text())
+        write_run_file(out, run["settings"], state)
+
+
+def cmd_train(args, defaults: dict) -> int:
+    """``adaptdist train``.
+
+    Raises:
+        AdaptdistError: any bad input (model, data, cluster, plan, resume directory); ``main`` prints it as one
+            paragraph.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ..compiler.lowering import compile_model
+    from ..compiler.replan import ProgramSource
+    from ..console import report_console
+    from ..model_spec import ModelSpec
+    from ..program import save_programs
+    from ..runtime.launch import launch_local
+    from ..runtime.preflight import check_host_memory
+    from ..runtime.timeouts import Timeouts
+    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
+    from .common import prepare_out_dir, resolve_plan
+    from .main import _cluster, check_batch, lowering_options
+
+    console = report_console(stderr=True)
+    resume_src = Path(args.resume) if args.resume else None
+    if resume_src is not None:
+        _restored_args(args, defaults)
+        if args.out == defaults.get("out"):
+            args.out = str(resume_src)
+    elastic = args.nproc if isinstance(args.nproc, tuple) else None
+    if elastic is not None:
+        if args.cluster:
+            raise UsageError("--nproc MIN:MAX starts local ranks; it takes no --cluster")
+        args.nproc = elastic[1]
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    timeouts = Timeouts.for_collective(args.collective_timeout_s)
+    timeouts.check()
+    cluster = _cluster(args)
+    if cluster.device_kind != "cpu":
+        raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
+    if len(cluster.hosts) > 1 or cluster.hosts[0].name not in ("localhost", "127.0.0.1", socket.gethostname()):
+        raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
+                         "named localhost")
+    nproc = cluster.world_size
+    spec = ModelSpec.parse(args.model)
+    out = prepare_out_dir(args.out)
+    resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
+    if not resuming_here:
+        _clear_previous_run(out, console)
+        if resume_src is not None:
+            _take_checkpoints(resume_src, out, console)
+    else:  # outputs of the stopped run that its continuation replaces
+        for name in ("programs", "summary.json", "result.json", "model.safetensors"):
+            p = out / name
+            if p.exists():
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
+    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
+    write_run_file(out, settings, "running")
+
+    torch.manual_seed(args.seed)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    module = spec.module()
+    has_data = callable(getattr(module, "data", None))
+    if args.data and not has_data:
+        raise UsageError(f"--data was given but {spec.file} defines no data(batch_size, seq_len, path=...) function")
+    data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
+                    path=args.data, seed=args.seed)
+    if not has_data:
+        # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
+        save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},
+                  str(out / "example_batch.safetensors"))
+        data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
+        console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
+    check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
+
+    n_params = sum(p.numel() for p in model.parameters())
+    x0 = example[0]
+    tokens = not x0.is_floating_point() and x0.dim() >= 2
+    unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}"
+                  f"{f' (elastic: {elastic[0]} to {elastic[1]} ranks)' if elastic else ''}; "
+                  f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
+    t0 = time.perf_counter()
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer, layers=False)
+    options = lowering_options(args)
+    programs = compile_model(model, example, loss_fn, nproc, plan, options,
+                             mesh=args.mesh if captured is None else None, captured=captured)
+    peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
+    save_programs(programs, out / "programs")
+    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
+                  f"{time.perf_counter() - t0:.1f} s "
+                  f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
+                  "per rank")
+    source = None
+    if elastic:
+        source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                               plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
+                               cache_dir=str(out / "programs_cache"), base_world_size=nproc,
+                               base_program_dir=str(out / "programs"), options=options)
+        source.check_elastic()
+    elif resume_src is not None:
+        source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                               plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
+                               cache_dir=str(out / "programs_cache"), base_world_size=nproc,
+                               base_program_dir=str(out / "programs"), options=options)
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
+                      optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
+                      timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items_per_step,
+                      unit=unit, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
+                      keep=args.keep, model_name=spec.text, program_source=source,
+                      run_meta={"cluster": _cluster_doc(cluster), "config": settings})
+    t0 = time.perf_counter()
+    try:
+        if elastic:
+            result = _launch_elastic(cfg, out, elastic, args.max_restarts, timeouts)
+        else:
+            launch_local(run_worker, (cfg,), nproc, max_restarts=args.max_restarts, timeouts=timeouts)
+            result = json.loads((out / "result.json").read_text())
+    except BaseException as e:
+        return _ended_early(e, out, console)
+    wall = time.perf_counter() - t0
+    from ..runtime.worker import loss_summary
+
+    losses = result["losses"]
+    fields, loss_text = loss_summary(losses)
+    events = result.get("events", [])
+    summary = {
+        "steps": len(losses), **fields,
+        f"{unit}_per_s": result["items_per_s"], "step_time_s": result["step_time_s"], "wall_s": wall,
+        "ranks": nproc, "threads_per_rank": threads, "plan": plan.name, "losses": losses,
+        "restarts": [e for e in events if e["event"] == "restart"],
+        "resumes": [e for e in events if e["event"] == "resume"],
+        "complete": True,
+    }
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+    _set_state(out, "complete")
+    restarts = len(summary["restarts"])
+    console.print(
+        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: {loss_text}, "
+        f"{result['items_per_s']:,.0f} {unit}/s"
+        f"{f'; {restarts} restart(s)' if restarts else ''}; "
+        f"checkpoints {out / 'checkpoints'}, weights {out / 'model.safetensors'}"
+    )
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:
+        console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; "
+                      "training diverged: lower --lr[/]")
+    sample = getattr(module, "sample", None)
+    if args.sample_bytes > 0 and callable(sample):
+        state = load_file(str(out / "model.safetensors"))
+        missing = model.load_state_dict(state, strict=False).missing_keys
+        assert all(k in programs[0].tied for k in missing), missing
+        text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
+        console.rule("sample")
+        print(text)
+        console.rule()
+    return 0
+
+
+def _cluster_doc(cluster) -> dict:
+    from ..cluster_file import cluster_to_dict
+
+    return cluster_to_dict(cluster)
+
+
+def _launch_elastic(cfg, out: Path, elastic: tuple[int, int], max_restarts: int, timeouts) -> dict:
+    """Run ``cfg`` on one elastic agent per rank (``--nproc MIN:MAX``), started at MAX ranks."""
+    from ..runtime.launch import launch_elastic_local
+
+    cfg_file = out / "train_config.pkl"
+    cfg_file.write_bytes(pickle.dumps(cfg))  # our own file, read by our own ranks
+    job = launch_elastic_local("adaptdist.cli.elastic_worker", [str(cfg_file)], elastic[0], elastic[1],
+                               max_restarts=max_restarts, timeouts=timeouts)
+    code = job.wait(None)
+    if code != 0:
+        raise RuntimeLaunchError(f"the elastic job ended with exit code {code}")
+    return json.loads((out / "result.json").read_text())
+
+
+def _ended_early(e: BaseException, out: Path, console, resume: str | None = None) -> int:
+    """A run that did not finish: say what happened, where its newest checkpoint is and the exact command to
+    resume; record the state in run.json. Returns the exit code (130/143 for SIGINT/SIGTERM), or re-raises."""
+    from ..runtime.checkpoint_store import latest_good
+
+    signum = _signal_of(e)
+    info = latest_good(out / "checkpoints")
+    where = f"checkpoint at {info.path}" if info else "no checkpoint yet"
+    resume = resume or f"adaptdist train --resume {out}"
+    if signum is not None:
+        import signal
+
+        _set_state(out, "interrupted")
+        step = info.step if info else 0
+        print(f"adaptdist: interrupted ({signal.Signals(signum).name}) at step {step}, {where}; resume with: "
+              f"{resume}", file=sys.stderr)
+        return 128 + signum
+    _set_state(out, "failed")
+    if isinstance(e, RuntimeLaunchError):
+        raise RuntimeLaunchError(f"{e}; {where}" + (f"; resume with: {resume}" if info else "")) from None
+    raise e
+
+
+def _signal_of(e: BaseException) -> int | None:
+    """The signal number of a launcher interrupt (Ctrl-C, SIGTERM to the launcher), else None."""
+    import signal
+
+    if isinstance(e, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(e, SignalException):
+        return int(e.sigval)
+    code = getattr(e, "interrupt_signal", None)
+    return int(code) if code else None
