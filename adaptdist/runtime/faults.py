@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import UsageError
 
@@ -56,10 +57,16 @@ class Fault:
             raise UsageError(f"{ENV_VAR}={text!r}: expected KIND:RANK:STEP with KIND one of {', '.join(KINDS)}")
         return cls(kind, rank, step)
 
-    def maybe_fire(self, rank: int, step: int, attempt: int) -> None:
-        """Fire when this is the rank and the step of the fault, in the run's first attempt."""
+    def maybe_fire(self, rank: int, step: int, attempt: int, out_dir: str | None = None) -> None:
+        """Fire when this is the rank and the step of the fault, in the run's first attempt; first record it in
+        ``out_dir/fault.json`` (kind, rank, step, time) for the benchmark's fault-to-recovery time."""
         if attempt != 0 or rank != self.rank or step != self.step:
             return
+        if out_dir is not None:
+            import json
+
+            (Path(out_dir) / "fault.json").write_text(json.dumps({"kind": self.kind, "rank": rank, "step": step,
+                                                                  "time_s": time.time()}))
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "term":

@@ -263,6 +263,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         batches = positioned_batches(cfg.data, start, events.note)
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
+        checkpoint_times: list[float] = []
         peak = None
         bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit, start=start)
         with bar, StopRequest() as stop:
@@ -275,7 +276,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     )
                 heartbeat.beat(step)
                 if fault is not None:
-                    fault.maybe_fire(rank, step + 1, attempt)
+                    fault.maybe_fire(rank, step + 1, attempt, cfg.out_dir)
                 t0 = time.perf_counter()
                 try:
                     if cfg.measure_memory_step == step:
@@ -293,10 +294,14 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 done = step + 1
                 periodic = cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0
                 if cfg.checkpoint and (periodic or signum or done == cfg.steps):
+                    t_save = time.perf_counter()
                     path = _save(cfg, runner, program, device_mesh, rank, world, done, losses)
+                    checkpoint_times.append(time.perf_counter() - t_save)
                     status.update(step=done)
                     bar.checkpoint(done, path)
                 bar.update(done, loss, cfg.items_per_step / dt)
+                if done == start + 1 and (start or attempt):
+                    events.add("resumed_step", step=done, quiet=True)
                 if signum:
                     status.update(state="stopped", step=done, error=f"stopped by {signal.Signals(signum).name}")
                     events.add("stopped", step=done, signal=signal.Signals(signum).name,
@@ -313,6 +318,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "start_step": start,
             "step_time_s": statistics.median(warm),
             "items_per_s": cfg.items_per_step / statistics.median(warm),
+            "checkpoint_s": checkpoint_times,
             "peak_bytes": peak.peak_bytes if peak else None,
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
             "events": events.read(),
@@ -403,7 +409,8 @@ class _Events:
                                    f"{fields.get('saved_plan')}); now {fields.get('plan')}"),
                 "stopped": lambda: f"stopped by {fields.get('signal')} after step {fields.get('step')}; checkpoint "
                                    f"{fields.get('checkpoint')}"}.get(kind, lambda: kind)()
-        print(f"adaptdist: {text}", file=sys.stderr, flush=True)
+        if not fields.get("quiet"):
+            print(f"adaptdist: {text}", file=sys.stderr, flush=True)
 
     def note(self, text: str) -> None:
         if self.enabled:

@@ -1,0 +1,148 @@
+"""Faults injected into `adaptdist train` (gloo, 2-3 ranks, small GPT): every one recovers from the newest good
+checkpoint and ends with the parameters of a run that had no fault. The 50-fault sweep is
+benchmarks/bench_faults.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adaptdist.cli import main
+
+pytestmark = pytest.mark.slow  # every test here starts ranks
+
+SMALL = ["--batch-size", "4", "--seq-len", "16", "--threads-per-rank", "1", "--sample-bytes", "0",
+         "--optimizer", "sgd", "--lr", "0.05", "--plan", "dp"]
+STEPS = 8
+
+
+def _train(out: Path, *extra: str, steps: int = STEPS, env: dict | None = None, monkeypatch=None) -> int:
+    if env and monkeypatch is not None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+    try:
+        return main(["train", "--steps", str(steps), "--out", str(out), "--checkpoint-every", "2", *SMALL, *extra])
+    finally:
+        if env and monkeypatch is not None:
+            for k in env:
+                monkeypatch.delenv(k)
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def _assert_equal_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        if atol == 0.0:
+            assert torch.equal(wa[k], wb[k]), k
+        else:
+            torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """A run with no fault: 8 SGD steps on 2 ranks."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    assert main(["train", "--steps", str(STEPS), "--out", str(out), "--checkpoint-every", "2", *SMALL]) == 0
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["kill", "raise"])
+def test_a_dead_rank_restarts_every_rank_from_the_last_checkpoint(reference, tmp_path, monkeypatch, kind):
+    out = tmp_path / "run"
+    rc = _train(out, "--max-restarts", "1", env={"ADAPTDIST_INJECT_FAULT": f"{kind}:1:5"}, monkeypatch=monkeypatch)
+    assert rc == 0
+    _assert_equal_weights(out, reference)  # bitwise: the same plan, the same data, the same optimizer state
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS and len(summary["restarts"]) == 1
+    assert "rank 1" in summary["restarts"][0]["cause"]
+    assert summary["resumes"][0]["step"] == 4  # checkpoints every 2 steps; the fault came before step 5
+    ref = json.loads((reference / "summary.json").read_text())
+    assert summary["losses"] == ref["losses"]  # the loss curve has no jump: it is the fault-free one
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_rank_is_named_and_the_job_recovers(reference, tmp_path, monkeypatch, capfd):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    rc = _train(out, "--max-restarts", "1", "--collective-timeout-s", "5",
+                env={"ADAPTDIST_INJECT_FAULT": "stall:1:3"}, monkeypatch=monkeypatch)
+    assert rc == 0 and time.monotonic() - t0 < 200
+    _assert_equal_weights(out, reference)
+    cause = json.loads((out / "summary.json").read_text())["restarts"][0]["cause"]
+    assert "rank 1" in cause and "did not arrive" in cause, cause
+
+
+@pytest.mark.timeout(240)
+def test_past_its_restarts_a_run_says_how_to_resume_and_resume_finishes_it(reference, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    rc = _train(out, env={"ADAPTDIST_INJECT_FAULT": "raise:0:6"}, monkeypatch=monkeypatch)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "rank 0" in err and f"adaptdist train --resume {out}" in err and "step-00000004" in err
+    assert json.loads((out / "run.json").read_text())["state"] == "failed"
+    assert not (out / "model.safetensors").exists() and not (out / "summary.json").exists()
+    assert main(["train", "--resume", str(out)]) == 0
+    _assert_equal_weights(out, reference)
+    assert json.loads((out / "run.json").read_text())["state"] == "complete"
+
+
+@pytest.mark.timeout(240)
+def test_resume_refuses_a_changed_setting(reference, tmp_path, capsys):
+    assert main(["train", "--resume", str(reference), "--lr", "0.1", "--out", str(tmp_path / "x")]) == 2
+    assert "--lr was 0.05 there, not 0.1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_launcher_checkpoints_then_resume_with_more_steps(reference, tmp_path):
+    """SIGTERM (a preemption notice) to `adaptdist train`: one line, exit 143, a checkpoint; --resume --steps 8
+    then ends equal to the run that never stopped."""
+    out = tmp_path / "run"
+    env = {**os.environ, "ADAPTDIST_INJECT_FAULT": "stall:0:400"}  # never fires (400 > steps): a plain run
+    cmd = [sys.executable, "-m", "adaptdist.cli", "train", "--steps", "400", "--out", str(out), "--checkpoint-every",
+           "1000", *SMALL]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + 150
+    while not (out / "status" / "attempt0" / "rank1.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(4)  # some steps
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-3000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("adaptdist: interrupted (SIGTERM) at step"), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert json.loads((out / "run.json").read_text())["state"] == "interrupted"
+    from adaptdist.runtime.checkpoint_store import latest_good
+
+    stopped_at = latest_good(out / "checkpoints").step
+    assert stopped_at >= 1
+    if stopped_at > STEPS:
+        pytest.skip(f"the run had done {stopped_at} > {STEPS} steps before SIGTERM on this loaded machine")
+    assert main(["train", "--resume", str(out), "--steps", str(STEPS)]) == 0
+    _assert_equal_weights(out, reference)
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_another_world_size_reshards_and_continues(reference, tmp_path):
+    """Stopped at step 4 on 2 ranks, resumed on 3 (re-planned, resharded): the loss curve has no jump and the
+    parameters end equal, to 1e-5, to the 2-rank run's (the sums over the batch differ in order only)."""
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--out", str(out), "--checkpoint-every", "2", *SMALL]) == 0
+    assert main(["train", "--resume", str(out), "--steps", str(STEPS), "--nproc", "3"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    ref = json.loads((reference / "summary.json").read_text())
+    assert summary["resumes"][0]["saved_world_size"] == 2 and summary["resumes"][0]["world_size"] == 3
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+    _assert_equal_weights(out, reference, atol=1e-5)
