@@ -43,7 +43,11 @@ class ProgramSource:
         optimizer: sizes the optimizer state an automatic plan must fit.
         options: the lowering options.
         cache_dir: where programs for other world sizes are kept.
-        base_world_size, base_program_dir: the programs compiled before launch and their world size.
+        base_world_size, base_program_dir: the programs compiled before launch and their world size (0 and ""
+            when nothing was compiled before launch: a job over several hosts learns its size at the rendezvous).
+        ranks_per_host: None: every rank on this host; else the job spans ``world_size // ranks_per_host``
+            hosts of this many ranks each (``--nnodes``), planned as such.
+        compile_wait_s: how long the other ranks of a host wait for its local rank 0 to compile.
     """
 
     model: str
@@ -57,6 +61,19 @@ class ProgramSource:
     base_world_size: int
     base_program_dir: str
     options: LoweringOptions = field(default_factory=LoweringOptions)
+    ranks_per_host: int | None = None
+    compile_wait_s: float = 600.0
+
+    def cluster_for(self, world_size: int):
+        """The cluster a job of ``world_size`` ranks plans for (estimated figures)."""
+        from ..calibrate.local import estimated_cluster, local_cluster
+
+        if self.ranks_per_host is None:
+            return local_cluster(world_size)
+        if world_size % self.ranks_per_host:
+            raise UsageError(f"{world_size} ranks are not whole hosts of {self.ranks_per_host} (--nproc) ranks")
+        return estimated_cluster(tuple((f"host{h}", "cpu", self.ranks_per_host)
+                                       for h in range(world_size // self.ranks_per_host)))
 
     def check_elastic(self) -> None:
         """Refuse settings that cannot follow a changing world size.
@@ -73,24 +90,45 @@ class ProgramSource:
                              "plan of globs")
 
     def program_dir(self, world_size: int, rank: int, publish: Callable[[str | None], str],
-                    message: Callable[[str], None] = log.info) -> str:
+                    message: Callable[[str], None] = log.info, local_rank: int = 0) -> str:
         """The directory of the programs for ``world_size`` ranks. Collective over the job's ranks: rank 0 finds or
         compiles them and ``publish`` (e.g. a broadcast) hands its answer to every rank (rank 0 calls it with the
-        path, the others with None and get the path back).
+        path, the others with None and get the path back). On a host that does not see rank 0's files (another
+        machine), the host's local rank 0 compiles the same programs (planning is deterministic: the same key,
+        the same path) while its other ranks wait for them, at most ``compile_wait_s``.
 
         Raises:
             AdaptdistError: the model cannot be planned or lowered for ``world_size`` ranks (the message says which).
+            RuntimeLaunchError: the programs did not appear within ``compile_wait_s``.
         """
         if world_size == self.base_world_size:
             return self.base_program_dir
         path = self._find_or_compile(world_size, message) if rank == 0 else None
-        return publish(path)
+        path = publish(path)
+        if (Path(path) / "manifest.json").is_file():
+            return path
+        if local_rank == 0:
+            mine = self._find_or_compile(world_size, message)
+            if mine != path:
+                raise UsageError(f"this host planned {mine}, rank 0 planned {path}: the hosts differ in their "
+                                 "adaptdist, torch or model file; install the same everywhere")
+            return path
+        import time
+
+        from ..errors import RuntimeLaunchError
+
+        deadline = time.monotonic() + self.compile_wait_s
+        while not (Path(path) / "manifest.json").is_file():
+            if time.monotonic() > deadline:
+                raise RuntimeLaunchError(f"rank {rank}: the programs {path} did not appear within "
+                                         f"{self.compile_wait_s:.0f} s (compile_wait_s)")
+            time.sleep(0.2)
+        return path
 
     def _find_or_compile(self, world_size: int, message: Callable[[str], None]) -> str:
         import torch
 
         from ..annotations import ManualPlan
-        from ..calibrate.local import local_cluster
         from ..model_spec import ModelSpec
         from ..plan import graph_fingerprint
         from ..program import save_programs
@@ -101,7 +139,7 @@ class ProgramSource:
         torch.manual_seed(self.seed)
         model, example, loss_fn = spec.build(self.batch_size, self.seq_len)
         captured = capture(model, example, loss_fn)
-        cluster = local_cluster(world_size)
+        cluster = self.cluster_for(world_size)
         key = {"graph": graph_fingerprint(captured.gm), "cluster": cluster.topology_fingerprint(),
                "world_size": world_size, "plan": self.plan, "mesh": self.mesh, "optimizer": self.optimizer,
                "batch_size": self.batch_size, "seq_len": self.seq_len,

@@ -237,7 +237,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             events.add("restart", attempt=attempt, cause=failure_of(cfg.out_dir, attempt - 1) or "unknown")
         program_dir = cfg.program_dir
         if cfg.program_source is not None:
-            program_dir = cfg.program_source.program_dir(world, rank, lambda p: _broadcast(p, rank), events.note)
+            program_dir = cfg.program_source.program_dir(world, rank, lambda p: _broadcast(p, rank), events.note,
+                                                         local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         program = load_program(program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
         runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
