@@ -51,6 +51,10 @@ def _plan(name: str, mesh: str | None):
         return ManualPlan.parse("fsdp"), None
     if name == "tp":
         return ManualPlan("tp", ("tp",), None, tuple((g, (p,)) for g, p in TP)), None
+    if name == "nested":  # fc1's rows chunked by tp, then by dp (lowering order, not the mesh's)
+        return ManualPlan("nested", ("dp", "tp"), "dp", (("fc1.weight", ("S(0)", "S(0)")),
+                                                         ("fc1.bias", ("S(0)", "S(0)")),
+                                                         ("fc2.weight", ("S(1)", "S(1)")))), mesh
     assert name == "dp,tp"
     return ManualPlan("dp,tp", ("dp", "tp"), "dp", tuple((g, ("R", p)) for g, p in TP)), mesh
 
@@ -79,7 +83,8 @@ def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("saved")
     cases, out = [], {}
     for plan, mesh, opt, steps in (("fsdp", None, "adamw", 2), ("dp", None, "adamw", 2),
-                                   ("dp,tp", "dp=2,tp=2", "adamw", 2), ("fsdp", None, "sgd", 3)):
+                                   ("dp,tp", "dp=2,tp=2", "adamw", 2), ("nested", "dp=2,tp=2", "adamw", 2),
+                                   ("fsdp", None, "sgd", 3)):
         d, progs = _compile(tmp, 4, plan, mesh)
         root = tmp / f"ckpt-{plan.replace(',', '')}-{opt}"
         cases.append({"program_dir": d, "optimizer": opt, "lr": LR, "batches": _batches(), "steps": steps,
@@ -131,32 +136,45 @@ def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = Tr
 @pytest.mark.slow
 def test_fsdp_on_4_loads_resharded_on_3_exactly(tmp_path, saved):
     """4 -> 3 ranks: fsdp -> fsdp (optimizer already holding state, fc2.bias's included), fsdp -> dp,
-    dp -> fsdp, dp=2,tp=2 -> tp=3."""
+    dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp. Then
+    one replica of fc2.bias off by one ulp under dp: every rank refuses, naming the state and the ranks."""
     specs = [("fsdp", None, ("fsdp", "adamw"), True), ("dp", None, ("fsdp", "adamw"), False),
-             ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False)]
-    _load_and_check(tmp_path, saved, 3, specs)
+             ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False),
+             ("fsdp", None, ("nested", "adamw"), False)]
+    res = _load_and_check(tmp_path, saved, 3, specs, corrupt=(1, 1))
+    for r in res:
+        assert res[r][1]["refused"] is not None, r
+        assert "CheckpointError: replicas are not identical" in res[r][1]["refused"]
+        assert "state 'fc2.bias' differs across mesh axis 'dp': ranks [0, 2] vs [1]" in res[r][1]["refused"]
 
 
 @pytest.mark.slow
 def test_fsdp_on_4_loads_resharded_on_6_and_1_exactly(tmp_path, saved):
     """4 -> 6 ranks (fsdp -> fsdp: fc2.bias [5] now replicated, fc2.weight sharded on dim 1; fsdp ->
-    dp=2,tp=3; dp=2,tp=2 -> fsdp) and 4 -> 1 (fsdp -> dp)."""
+    dp=2,tp=3; dp=2,tp=2 -> fsdp; fsdp -> fc1 sharded on both axes of dp=3,tp=2) and 4 -> 1 (fsdp -> dp)."""
     specs = [("fsdp", None, ("fsdp", "adamw"), False), ("dp,tp", "dp=2,tp=3", ("fsdp", "adamw"), True),
-             ("fsdp", None, ("dp,tp", "adamw"), False)]
+             ("fsdp", None, ("dp,tp", "adamw"), False), ("nested", "dp=3,tp=2", ("fsdp", "adamw"), False)]
     _load_and_check(tmp_path, saved, 6, specs)
     _load_and_check(tmp_path, saved, 1, [("dp", None, ("fsdp", "adamw"), False)])
 
 
-def _load_and_check(tmp_path, saved, world: int, specs: list) -> None:
+def _load_and_check(tmp_path, saved, world: int, specs: list, corrupt: tuple[int, int] | None = None) -> dict:
+    """Load each spec (plan, mesh, source checkpoint key, prefill) on ``world`` ranks and check it exactly;
+    ``corrupt``: (case, rank) whose replica of fc2.bias is perturbed after the check."""
     cases, progs = [], []
     for plan, mesh, src, prefill in specs:
         d, p = _compile(tmp_path, world, plan, mesh)
         progs.append(p)
         cases.append({"program_dir": d, "optimizer": "adamw", "lr": LR, "checkpoint": str(saved[src]["dir"]),
                       "prefill": prefill, "batches": _batches(), "name": "MLP6"})
+    if corrupt is not None:
+        cases[corrupt[0]]["corrupt_rank"] = corrupt[1]
     res = launch_local(_train_state_workers().load_worker, (cases,), world)
     for i, (spec, p) in enumerate(zip(specs, progs)):
         _check_exact(p, res, i, saved[spec[2]])
+        if corrupt is None or corrupt[0] != i:
+            assert all(res[r][i]["refused"] is None for r in res)
+    return res
 
 
 @pytest.mark.slow
@@ -196,6 +214,7 @@ def test_sgd_resumed_on_another_world_size_equals_uninterrupted(tmp_path, saved)
             torch.testing.assert_close(resumed["after"][f], t.detach(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # uses the checkpoints of the 4-rank fixture
 def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
     """A model with 7 hidden units instead of 6: refused before DCP reads anything, naming both models and
     the first state that differs."""
@@ -211,6 +230,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
     assert state_shapes(prog)["fc1.weight"] == [7, 12]
 
 
+@pytest.mark.slow  # uses the checkpoints of the 4-rank fixture
 def test_truncated_shard_file_is_refused_before_dcp_reads_it(tmp_path, saved):
     src = saved[("fsdp", "adamw")]["dir"]
     bad = tmp_path / src.name

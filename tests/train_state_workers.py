@@ -98,9 +98,19 @@ def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
             params = {f: p.clone() for f, p in zip(program.param_fqns, runner.params)}  # what the optimizer holds
             optim = {f: {k: v.clone() for k, v in runner.opt.state[p].items()}
                      for f, p in zip(program.param_fqns, runner.params) if runner.opt.state.get(p)}
+            refused = None
+            if c.get("corrupt_rank") is not None:  # one replica off by one ulp: every rank must refuse
+                if rank == c["corrupt_rank"]:
+                    with torch.no_grad():
+                        t = runner.state["fc2.bias"]
+                        t[0] = torch.nextafter(t[0], t[0] + 1)
+                try:
+                    check_identical_replicas(program, runner.state, runner.opt, mesh)
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    refused = f"{type(e).__name__}: {e}"
             losses = [runner.step(c["batches"][s % len(c["batches"])]) for s in range(c.get("steps", 0))]
             after = {f: runner.state[f].clone() for f in program.param_fqns}
-            out.append({"state": state, "params": params, "optim": optim, "rng": rng, "losses": losses,
+            out.append({"state": state, "params": params, "optim": optim, "rng": rng, "losses": losses, "refused": refused,
                         "after": after})
         return out
     finally:
