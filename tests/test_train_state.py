@@ -79,16 +79,18 @@ def _slice(full: torch.Tensor, ranges: list[list[int]]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Checkpoints after 2 AdamW steps on 4 ranks under fsdp, dp and dp=2,tp=2 (fc2.bias's optimizer state
-    removed: a parameter without gradient), and after 3 SGD steps under fsdp."""
+    removed: a parameter without gradient), and after 3 SGD steps under fsdp; the fsdp AdamW one once more
+    saved asynchronously, with a step taken while it is written."""
     tmp = tmp_path_factory.mktemp("saved")
     cases, out = [], {}
     for plan, mesh, opt, steps in (("fsdp", None, "adamw", 2), ("dp", None, "adamw", 2),
                                    ("dp,tp", "dp=2,tp=2", "adamw", 2), ("nested", "dp=2,tp=2", "adamw", 2),
-                                   ("fsdp", None, "sgd", 3)):
+                                   ("fsdp", None, "sgd", 3), ("fsdp", None, "adamw-async", 2)):
         d, progs = _compile(tmp, 4, plan, mesh)
         root = tmp / f"ckpt-{plan.replace(',', '')}-{opt}"
-        cases.append({"program_dir": d, "optimizer": opt, "lr": LR, "batches": _batches(), "steps": steps,
-                      "drop": ["fc2.bias"] if opt == "adamw" else [], "root": str(root), "name": "MLP6"})
+        cases.append({"program_dir": d, "optimizer": opt.split("-")[0], "lr": LR, "batches": _batches(),
+                      "steps": steps, "drop": ["fc2.bias"] if opt != "sgd" else [], "root": str(root),
+                      "name": "MLP6", "async": opt.endswith("-async")})
         out[(plan, opt)] = root
     assert shard_layout(progs[3])["fc1.bias"]["ranges"] == [[6, 6]]  # the empty shard
     res = launch_local(_train_state_workers().save_worker, (cases,), 4)
@@ -136,11 +138,12 @@ def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = Tr
 @pytest.mark.slow
 def test_fsdp_on_4_loads_resharded_on_3_exactly(tmp_path, saved):
     """4 -> 3 ranks: fsdp -> fsdp (optimizer already holding state, fc2.bias's included), fsdp -> dp,
-    dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp. Then
+    dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp, the async save (what was staged at
+    the call, not the state of the step taken while it was written) -> fsdp. Then
     one replica of fc2.bias off by one ulp under dp: every rank refuses, naming the state and the ranks."""
     specs = [("fsdp", None, ("fsdp", "adamw"), True), ("dp", None, ("fsdp", "adamw"), False),
              ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False),
-             ("fsdp", None, ("nested", "adamw"), False)]
+             ("fsdp", None, ("nested", "adamw"), False), ("fsdp", None, ("fsdp", "adamw-async"), False)]
     res = _load_and_check(tmp_path, saved, 3, specs, corrupt=(1, 1))
     for r in res:
         assert res[r][1]["refused"] is not None, r

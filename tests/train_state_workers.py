@@ -30,7 +30,7 @@ def _full(program, runner, mesh) -> dict[str, torch.Tensor]:
 
 def save_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     """Per case (program_dir, optimizer, lr, batches, steps, drop: params whose optimizer state is removed,
-    root, name): train, check replicas, save a checkpoint of step ``steps`` under ``root`` (prepare, save,
+    root, name, async: save asynchronously and take a step before waiting for it): train, check replicas, save a checkpoint of step ``steps`` under ``root`` (prepare, save,
     barrier, commit) and, on rank 0, the full state as ``root/full.safetensors``. Returns each case's RNG state
     at the save and the seconds it took."""
     import time
@@ -56,11 +56,16 @@ def save_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
             rng = torch.get_rng_state()
             tmp = [checkpoint_store.prepare(c["root"], c["steps"]) if rank == 0 else None]
             dist.broadcast_object_list(tmp, src=0)
+            full = _full(program, runner, mesh)  # the state saved
             t0 = time.perf_counter()
-            save_train_state(tmp[0], program, runner.state, runner.opt, mesh, rank)
+            if c.get("async"):  # the next step changes the state while DCP writes the staged copy
+                fut = save_train_state(tmp[0], program, runner.state, runner.opt, mesh, rank, async_=True)
+                runner.step(c["batches"][0])
+                fut.result(timeout_s=60)
+            else:
+                save_train_state(tmp[0], program, runner.state, runner.opt, mesh, rank)
             dist.barrier()
             save_s = time.perf_counter() - t0
-            full = _full(program, runner, mesh)
             if rank == 0:
                 save_file(full, os.path.join(c["root"], "full.safetensors"))
                 checkpoint_store.commit(tmp[0], {"step": c["steps"], "model": c["name"],
