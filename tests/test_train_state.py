@@ -231,6 +231,13 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, saved):
         load_train_state(saved[("fsdp", "adamw")]["dir"], prog, state, opt, None, 0, restore_rng=False,
                          model="MLP7")
     assert state_shapes(prog)["fc1.weight"] == [7, 12]
+    # without state_shapes in meta.json (and not verified): DCP's own metadata refuses it, naming the state
+    bare = tmp_path / "bare"
+    shutil.copytree(saved[("fsdp", "adamw")]["dir"], bare)
+    (bare / checkpoint_store.META_NAME).write_text('{"step": 2}')
+    with pytest.raises(CheckpointError, match=r"bare'.*state 'fc1\.weight' has global shape \[6, 12\] there, "
+                                              r"\[7, 12\] here"):
+        load_train_state(bare, prog, state, opt, None, 0, restore_rng=False, verify=False)
 
 
 @pytest.mark.slow  # uses the checkpoints of the 4-rank fixture

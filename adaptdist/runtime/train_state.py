@@ -263,7 +263,7 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
     meta = checkpoint_store.verify(directory) if verify else _read_meta(directory)
     ours = state_shapes(program)
     if "state_shapes" in meta:
-        checkpoint_store.check_same_model(meta, directory, model or "of this run", ours)
+        checkpoint_store.check_same_model(meta, directory, model or "this run's", ours)
     dcp_dir = directory / DCP_DIR
     try:
         reader = dcp.FileSystemReader(str(dcp_dir))
@@ -386,7 +386,7 @@ def _replicated_axes(program: RankProgram, fqn: str) -> list[str]:
 def check_identical_replicas(program: RankProgram, state: Mapping[str, torch.Tensor],
                              optimizer: torch.optim.Optimizer | None, device_mesh) -> None:
     """Check that every state and optimizer-state tensor the plan replicates over a mesh axis is bitwise
-    identical on that axis's ranks (e.g. after a resume: do not assume it). Collective: every rank calls it;
+    identical on that axis's ranks (scalar optimizer state, e.g. AdamW's step, on every axis) (e.g. after a resume: do not assume it). Collective: every rank calls it;
     one all_gather_object of a 128-bit sha256 prefix per tensor per axis of size > 1.
 
     Raises:
@@ -400,7 +400,9 @@ def check_identical_replicas(program: RankProgram, state: Mapping[str, torch.Ten
     if optimizer is not None:
         for p, f in _param_names(program, state, optimizer):
             for k, v in sorted((optimizer.state.get(p) or {}).items()):
-                for a in _replicated_axes(program, f):
+                per_element = isinstance(v, torch.Tensor) and v.dim() > 0
+                # a scalar (AdamW's step) is the same on every rank, whether its parameter is sharded or not
+                for a in _replicated_axes(program, f) if per_element else list(digests):
                     digests[a][f"optimizer state {k!r} of {f!r}"] = _digest(v)
     bad = []
     for a, mine in digests.items():
