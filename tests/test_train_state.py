@@ -138,8 +138,8 @@ def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = Tr
 @pytest.mark.slow
 def test_fsdp_on_4_loads_resharded_on_3_exactly(tmp_path, saved):
     """4 -> 3 ranks: fsdp -> fsdp (optimizer already holding state, fc2.bias's included), fsdp -> dp,
-    dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp, the async save (what was staged at
-    the call, not the state of the step taken while it was written) -> fsdp. Then
+    dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp, the
+    async save (what was staged at the call, not the state of the step taken while it was written) -> fsdp. Then
     one replica of fc2.bias off by one ulp under dp: every rank refuses, naming the state and the ranks."""
     specs = [("fsdp", None, ("fsdp", "adamw"), True), ("dp", None, ("fsdp", "adamw"), False),
              ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False),

@@ -30,9 +30,9 @@ def _full(program, runner, mesh) -> dict[str, torch.Tensor]:
 
 def save_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     """Per case (program_dir, optimizer, lr, batches, steps, drop: params whose optimizer state is removed,
-    root, name, async: save asynchronously and take a step before waiting for it): train, check replicas, save a checkpoint of step ``steps`` under ``root`` (prepare, save,
-    barrier, commit) and, on rank 0, the full state as ``root/full.safetensors``. Returns each case's RNG state
-    at the save and the seconds it took."""
+    root, name, async: save asynchronously and take a step before waiting for it): train, check replicas, save a
+    checkpoint of step ``steps`` under ``root`` (prepare, save, barrier, commit) and, on rank 0, the full state
+    as ``root/full.safetensors``. Returns each case's RNG state at the save and the seconds it took."""
     import time
 
     from safetensors.torch import save_file
@@ -115,8 +115,8 @@ def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
                     refused = f"{type(e).__name__}: {e}"
             losses = [runner.step(c["batches"][s % len(c["batches"])]) for s in range(c.get("steps", 0))]
             after = {f: runner.state[f].clone() for f in program.param_fqns}
-            out.append({"state": state, "params": params, "optim": optim, "rng": rng, "losses": losses, "refused": refused,
-                        "after": after})
+            out.append({"state": state, "params": params, "optim": optim, "rng": rng, "losses": losses,
+                        "refused": refused, "after": after})
         return out
     finally:
         dist.destroy_process_group()

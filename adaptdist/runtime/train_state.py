@@ -210,8 +210,6 @@ def _read_meta(directory: Path) -> dict:
 
 def _saved_entries(md) -> dict[str, dict[str, Any]]:
     """{parameter name: {state key: storage metadata}} of the checkpoint's "optim" part."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: F401 - documented below
-
     paths = md.planner_data or {}
     out: dict[str, dict[str, Any]] = {}
     for key, smd in md.state_dict_metadata.items():
@@ -386,8 +384,9 @@ def _replicated_axes(program: RankProgram, fqn: str) -> list[str]:
 def check_identical_replicas(program: RankProgram, state: Mapping[str, torch.Tensor],
                              optimizer: torch.optim.Optimizer | None, device_mesh) -> None:
     """Check that every state and optimizer-state tensor the plan replicates over a mesh axis is bitwise
-    identical on that axis's ranks (scalar optimizer state, e.g. AdamW's step, on every axis) (e.g. after a resume: do not assume it). Collective: every rank calls it;
-    one all_gather_object of a 128-bit sha256 prefix per tensor per axis of size > 1.
+    identical on that axis's ranks, and scalar optimizer state (AdamW's step) on every axis: e.g. after a
+    resume (do not assume it). Collective: every rank calls it; one all_gather_object per mesh axis of size > 1
+    of a 128-bit sha256 prefix per tensor.
 
     Raises:
         CheckpointError (on every rank alike): names the first states that differ and the ranks holding each
