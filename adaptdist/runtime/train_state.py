@@ -15,6 +15,17 @@ uneven and empty torch.chunk shards): :func:`load_train_state` describes this pr
 DTensors (:func:`~adaptdist.runtime.checkpoint.as_global`) and DCP reads the overlapping parts of the saved
 ones into them.
 
+With the store's protocol, on every rank (``runner``: a :class:`~adaptdist.runtime.worker.StepRunner`)::
+
+    tmp = [checkpoint_store.prepare(root, step) if rank == 0 else None]; dist.broadcast_object_list(tmp)
+    save_train_state(tmp[0], program, runner.state, runner.opt, device_mesh, rank)   # or async_=True, then
+    dist.barrier()                                                                  # fut.result() first
+    if rank == 0: checkpoint_store.commit(tmp[0], {"step": step, "state_shapes": state_shapes(program), ...})
+    ...
+    info = checkpoint_store.latest_good(root, log)                                  # on resume
+    load_train_state(info.path, program, runner.state, runner.opt, device_mesh, rank, restore_rng=True)
+    check_identical_replicas(program, runner.state, runner.opt, device_mesh)
+
 Trust: DCP's ``.metadata`` is a pickle, so a checkpoint is code, like an artifact: load only checkpoints you
 trust; :func:`load_train_state` checks the store's manifest of checksums before DCP reads anything.
 """
