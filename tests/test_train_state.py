@@ -108,9 +108,10 @@ def _train_state_workers():
     return train_state_workers
 
 
-def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = True) -> None:
+def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = True,
+                 dropped: str = "fc2.bias") -> None:
     """Every rank's state and optimizer state after case ``i``'s load equal, bitwise, its slice of the
-    saver's full tensors; fc2.bias has no optimizer state; RNG restored from the same rank's file."""
+    saver's full tensors; ``dropped`` has no optimizer state; RNG restored from the same rank's file."""
     full = src["full"]
     for r, prog in progs.items():
         got = res[r][i]
@@ -122,9 +123,9 @@ def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = Tr
                 assert torch.equal(got["params"][f], want), (r, f)  # loaded in place: the optimizer's tensors
         if not with_adam:
             continue
-        assert "fc2.bias" not in got["optim"], r  # no state in the checkpoint: none after loading
+        assert dropped not in got["optim"], r  # no state in the checkpoint: none after loading
         for f in prog.param_fqns:
-            if f == "fc2.bias":
+            if f == dropped:
                 continue
             st = got["optim"][f]
             assert sorted(st) == ["exp_avg", "exp_avg_sq", "step"], (r, f)
@@ -258,3 +259,35 @@ def test_truncated_shard_file_is_refused_before_dcp_reads_it(tmp_path, saved):
     with pytest.raises(CheckpointError, match="truncated"):
         load_train_state(bad, prog, state, opt, None, 0, restore_rng=False)
     assert all(torch.equal(state[f], before[f]) for f in state) and not opt.state
+
+
+@pytest.mark.slow
+def test_gpt_fsdp_on_2_loads_as_tp_on_2_and_dp_on_3(tmp_path):
+    """The tiny GPT (tied embedding and head, attention heads split by tp): 2 AdamW steps under fsdp on 2
+    ranks (pos_emb.weight without optimizer state), loaded under tp on 2 ranks (the optimizer already holding
+    state) and under dp on 3, exactly."""
+    import adaptdist.models.gpt as gpt_module
+    from safetensors.torch import load_file
+
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(batch_size=6)
+    progs = {}
+    for world, plan in ((2, "fsdp"), (2, "tp"), (3, "dp")):
+        m, _, _ = tiny_gpt(batch_size=6)
+        progs[(world, plan)] = compile_model(m, batch, loss_fn, world, ManualPlan.parse(plan, gpt_module))
+        save_programs(progs[(world, plan)], tmp_path / f"gpt-{world}-{plan}")
+    root = tmp_path / "ckpt"
+    dropped = "pos_emb.weight"
+    assert dropped in progs[(2, "fsdp")][0].param_fqns
+    w = _train_state_workers()
+    res = launch_local(w.save_worker, ([{"program_dir": str(tmp_path / "gpt-2-fsdp"), "optimizer": "adamw",
+                                         "lr": LR, "batches": [batch], "steps": 2, "drop": [dropped],
+                                         "root": str(root), "name": "gpt"}],), 2)
+    src = {"dir": checkpoint_store.step_dir(root, 2), "full": load_file(str(root / "full.safetensors")),
+           "rng": {r: res[r][0]["rng"] for r in res}}
+    for world, plan, prefill in ((2, "tp", True), (3, "dp", False)):
+        case = {"program_dir": str(tmp_path / f"gpt-{world}-{plan}"), "optimizer": "adamw", "lr": LR,
+                "checkpoint": str(src["dir"]), "prefill": prefill, "batches": [batch], "name": "gpt"}
+        got = launch_local(w.load_worker, ([case],), world)
+        _check_exact(progs[(world, plan)], got, 0, src, dropped=dropped)
