@@ -250,7 +250,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             path, meta = found
             check_same_model(meta, Path(path), cfg.model_name, state_shapes(program))
             same_world = meta.get("world_size") == world
-            load_train_state(Path(path), program, runner.state, runner.opt, device_mesh, rank, restore_rng=same_world)
+            # rank 0 verified the checksums (latest_good) before any rank reads the directory
+            load_train_state(Path(path), program, runner.state, runner.opt, device_mesh, rank, restore_rng=same_world,
+                             verify=False)
             check_identical_replicas(program, runner.state, runner.opt, device_mesh)
             start, losses = int(meta["step"]), list(meta.get("losses", []))
             if not same_world:  # a fresh stream per rank and step: the saver's ranks were others
