@@ -152,27 +152,96 @@ def _failure_reason(failure: Any) -> str:
     return msg
 
 
-def _child_failure_error(e: Any, max_restarts: int) -> RuntimeLaunchError:
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
+              "Socket Timeout", "Connection refused", "DistNetworkError", "DistStoreError")
+"""Fragments of the errors a worker raises because a PEER failed (it is not the root cause)."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    reason: str
+    time_s: float
+
+    @property
+    def consequence(self) -> bool:
+        return any(frag in self.reason for frag in _PEER_LOSS)
+
+
+def _root_failure(failures: dict[int, Any], reports: dict[int, tuple[str, float]]) -> _Failure:
+    """The failure that most likely caused the others: a worker killed by a signal or failing on its own (not
+    on a lost peer: "Connection closed by peer", a timeout), the earliest first. ``reports`` are the workers'
+    own reports of their exceptions (rank -> (message, time)): torch's agent records only the workers it saw
+    exit before it stopped the rest, and its error-file times have a one-second resolution, so the rank it
+    names first is often a peer's consequence."""
+    found: dict[int, _Failure] = {}
+    for rank, f in failures.items():
+        found[rank] = _Failure(rank, _failure_reason(f), float(f.timestamp))
+    for rank, (message, time_s) in reports.items():
+        killed = rank in found and failures[rank].exitcode is not None and failures[rank].exitcode < 0 \
+            and not failures[rank].error_file_data.get("message")
+        if not killed:  # a report is the exception itself; a kill after it (the abort at exit) says less
+            found[rank] = _Failure(rank, message, time_s)
+    return min(found.values(), key=lambda f: (f.consequence, f.time_s, f.rank))
+
+
+def _read_reports(report_dir: str | None) -> dict[int, tuple[str, float]]:
+    """The failure reports of the last attempt in ``report_dir`` (see :func:`_worker_main`)."""
+    if report_dir is None or not os.path.isdir(report_dir):
+        return {}
+    rows = []
+    for name in os.listdir(report_dir):
+        try:
+            rank_s, attempt_s, _ = name.split(".", 2)
+            with open(os.path.join(report_dir, name)) as f:
+                time_s, message = f.read().split("\n", 1)
+            rows.append((int(attempt_s), int(rank_s), message.strip(), float(time_s)))
+        except (OSError, ValueError):
+            continue
+    if not rows:
+        return {}
+    last = max(r[0] for r in rows)
+    return {rank: (message, time_s) for attempt, rank, message, time_s in rows if attempt == last}
+
+
+def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = None) -> RuntimeLaunchError:
     """A ChildFailedError of torch's agent as our error: RunInterruptedError when every failed worker stopped
-    on the same SIGTERM/SIGINT, else RuntimeLaunchError naming the first failed rank, why and the restarts."""
+    on the same SIGTERM/SIGINT, else RuntimeLaunchError naming the root failure's rank, why and the restarts."""
     failures = e.failures
     signals = {interrupt_signal(f.exitcode) for f in failures.values()}
     if len(signals) == 1 and None not in signals:
         signum = signals.pop()
         return RunInterruptedError(
-            f"ranks {sorted(failures)} stopped on {signal.Signals(signum).name}", signum)
-    rank, failure = e.get_first_failure()
+            f"rank(s) {', '.join(map(str, sorted(failures)))} stopped on {signal.Signals(signum).name}", signum)
+    root = _root_failure(failures, _read_reports(report_dir))
     restarts = f"after {max_restarts} restart(s), all allowed" if max_restarts else "no restarts allowed"
-    return RuntimeLaunchError(f"rank {rank} failed: {_failure_reason(failure)} ({restarts}; "
+    return RuntimeLaunchError(f"rank {root.rank} failed: {root.reason} ({restarts}; "
                               f"--max-restarts raises the limit)")
 
 
-def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float) -> Any:
-    """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults."""
-    from .script_runner import init_defaults
+def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float,
+                 report_dir: str | None = None) -> Any:
+    """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults.
+    An exception is first reported to ``report_dir/RANK.ATTEMPT.txt`` (time, then ``Type: message``), before
+    the process group is destroyed (which its peers notice at once)."""
+    from .script_runner import die_with_parent, init_defaults
+
+    die_with_parent()
+    import torch.distributed as dist
 
     with init_defaults(collective_s=collective_s, store_s=store_s):
-        return fn(*args)
+        try:
+            return fn(*args)
+        except BaseException as e:
+            if report_dir is not None and not isinstance(e, SystemExit):
+                name = os.path.join(report_dir, f"{os.environ.get('RANK', 0)}.{restart_count()}.txt")
+                with contextlib.suppress(OSError), open(name, "w") as f:
+                    f.write(f"{time.time()!r}\n{type(e).__name__}: {e}".strip())
+            # an undestroyed gloo group's threads abort the exit (SIGABRT), hiding why this rank failed
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+            raise
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restarts: int = 0,
@@ -208,7 +277,10 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import tempfile
+
     store = host_loopback_store(0, timeouts.store_s)
+    report_dir = tempfile.mkdtemp(prefix="adaptdist-launch-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -225,10 +297,14 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     )
     try:
         with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
-            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, timeouts.store_s)
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, timeouts.store_s,
+                                                        report_dir)
     except ChildFailedError as e:
-        raise _child_failure_error(e, max_restarts) from None
+        raise _child_failure_error(e, max_restarts, report_dir) from None
     finally:
+        import shutil
+
+        shutil.rmtree(report_dir, ignore_errors=True)
         del store
 
 
@@ -269,12 +345,12 @@ class ElasticLocalJob:
         return len(self.nodes) - 1
 
     def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to agent ``i``'s whole process group (the agent and its worker: a lost machine with
-        SIGKILL, a preemption with SIGTERM). Raises UsageError for an unknown index."""
+        """Send ``sig`` to agent ``i`` and its workers (a lost machine with SIGKILL, a preemption with SIGTERM):
+        to the agent's process group and to each worker's (torch's agent starts every worker in a session of
+        its own). Raises UsageError for an unknown index."""
         if not 0 <= i < len(self.nodes):
             raise UsageError(f"no node {i}: the job has nodes 0..{len(self.nodes) - 1}")
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.nodes[i].pid, sig)
+        _kill_tree(self.nodes[i].pid, sig)
 
     def poll(self) -> list[int | None]:
         """Each agent's exit code (None while it runs)."""
@@ -301,17 +377,16 @@ class ElasticLocalJob:
         """Stop every agent still running: SIGTERM to its process group, SIGKILL after ``grace_s`` seconds;
         then reap them. Idempotent."""
         live = [p for p in self.nodes if p.poll() is None]
+        trees = {p.pid: _descendants(p.pid) for p in self.nodes}
         for p in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
+            _kill_tree(p.pid, signal.SIGTERM, trees[p.pid])
         deadline = time.monotonic() + grace_s
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, deadline - time.monotonic()))
         for p in self.nodes:
-            # the group outlives its leader when a worker is still alive: kill the group in any case
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+            # a group outlives its leader while a member lives: kill the groups in any case
+            _kill_tree(p.pid, signal.SIGKILL, trees[p.pid] | _descendants(p.pid))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(5.0)
 
@@ -320,6 +395,41 @@ class ElasticLocalJob:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The PIDs of ``pid``'s living descendants (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out: set[int] = set()
+    todo = list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        if child not in out:
+            out.add(child)
+            todo.extend(children.get(child, ()))
+    return out
+
+
+def _kill_tree(pid: int, sig: int, descendants: set[int] | None = None) -> None:
+    """``sig`` to ``pid``'s process group and to the group of each of its descendants (read before the
+    signal: a killed agent's workers are orphaned at once)."""
+    descendants = _descendants(pid) if descendants is None else descendants
+    for target in (pid, *sorted(descendants)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(target, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, sig)
 
 
 def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes: int, max_nodes: int, *,

@@ -87,6 +87,25 @@ def init_defaults(collective_s: float, store_s: float | None = None, loopback_st
         c10d.init_process_group = original
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the elastic agent) dies, so a worker never
+    outlives its agent (torch starts each worker in a session of its own, out of reach of a signal to the
+    agent's group). Linux only (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request was made
+        os._exit(128 + int(signal.SIGKILL))
+
+
 def _parser() -> argparse.ArgumentParser:
     from .timeouts import Timeouts
 
@@ -104,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse the runner's arguments and run the script or module as ``__main__``."""
     args = _parser().parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by an agent
+        die_with_parent()
     with init_defaults(args.collective_timeout_s, args.store_timeout_s):
         if args.module:
             sys.argv = [args.target, *args.target_args]
