@@ -82,3 +82,27 @@ def restart_worker(kill_rank: int, mode: str, sockets_file: str | None = None) -
     dist.destroy_process_group()
     return {"restart_count": restart_count(), "world": int(os.environ["WORLD_SIZE"]),
             "master_addr": os.environ["MASTER_ADDR"], "value": t.item()}
+
+
+def stall_worker(stall_rank: int, stall_step: int, stall_s: float, steps: int) -> dict:
+    """A step loop that beats and all_reduces; rank ``stall_rank`` sleeps ``stall_s`` at ``stall_step`` (after
+    its beat, before the collective). Returns each rank's named error (or None) and when it came."""
+    from adaptdist.runtime.heartbeat import Heartbeat, named_timeout
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hb = Heartbeat(rank, world)
+    for step in range(steps):
+        hb.beat(step)
+        if rank == stall_rank and step == stall_step:
+            time.sleep(stall_s)
+        t0 = time.monotonic()
+        try:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+        except Exception as e:
+            err = named_timeout(e, hb, step)
+            return {"error": str(err), "type": type(err).__name__, "after_s": time.monotonic() - t0,
+                    "step": step}
+    dist.destroy_process_group()
+    return {"error": None}
