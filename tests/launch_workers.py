@@ -106,3 +106,30 @@ def stall_worker(stall_rank: int, stall_step: int, stall_s: float, steps: int) -
                     "step": step}
     dist.destroy_process_group()
     return {"error": None}
+
+
+def stop_worker(out_dir: str, steps: int, step_s: float, term_rank: int = -1, term_step: int = -1) -> dict:
+    """A step loop under StopRequest: all_reduce, progress file ``progress-RANK`` (the last step done); rank
+    ``term_rank`` SIGTERMs itself after step ``term_step``. On an agreed stop it writes ``stopped-RANK`` (the
+    step) and exits 128 + signal."""
+    from adaptdist.runtime.stop import StopRequest, stop_exit_code
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with StopRequest() as stop:
+        for step in range(steps):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            time.sleep(step_s)
+            with open(os.path.join(out_dir, f"progress-{rank}"), "w") as f:
+                f.write(str(step))
+            if rank == term_rank and step == term_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            sig = stop.agreed(step)
+            if sig is not None:
+                with open(os.path.join(out_dir, f"stopped-{rank}"), "w") as f:
+                    f.write(f"{step} {sig}")
+                dist.destroy_process_group()
+                raise SystemExit(stop_exit_code(sig))
+    dist.destroy_process_group()
+    return {"finished": True}

@@ -263,9 +263,11 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
         RuntimeLaunchError: a worker failed after the last allowed restart; the message names its rank, why
             (the signal, e.g. SIGKILL with the out-of-memory hint, or the exception's message) and the
             restarts used.
-        torch's ``SignalException``: this process got SIGTERM/SIGINT/SIGHUP/SIGQUIT (the workers were told
-            and stopped); :func:`adaptdist.runtime.stop.interrupted_exit_code` maps it to 143/130.
+        RunInterruptedError: this process got SIGTERM/SIGINT/SIGHUP/SIGQUIT; the agent sent it on to the
+            workers and waited for them (``timeouts.shutdown_grace_s``, then SIGKILL).
+            :func:`adaptdist.runtime.stop.interrupted_exit_code` gives the exit code (143, 130).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -301,6 +303,10 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
                                                         report_dir)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir) from None
+    except SignalException as e:
+        raise RunInterruptedError(
+            f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to the {nproc} workers, given "
+            f"{config.shutdown_timeout} s to stop", int(e.sigval)) from None
     finally:
         import shutil
 
