@@ -219,7 +219,7 @@ def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = Non
                               f"--max-restarts raises the limit)")
 
 
-def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float,
+def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float | None,
                  report_dir: str | None = None) -> Any:
     """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults.
     An exception is first reported to ``report_dir/RANK.ATTEMPT.txt`` (time, then ``Type: message``), before
@@ -299,8 +299,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     )
     try:
         with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
-            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, timeouts.store_s,
-                                                        report_dir)
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir) from None
     except SignalException as e:
@@ -475,7 +474,7 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
         "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval_s),
         "--local-addr", LOOPBACK, "--shutdown-timeout", str(int(max(1, round(timeouts.shutdown_grace_s)))),
         "-m", "adaptdist.runtime.script_runner", "--collective-timeout-s", str(timeouts.collective_s),
-        "--store-timeout-s", str(timeouts.store_s), "-m", entry_module, *entry_args,
+        "-m", entry_module, *entry_args,
     ]
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     for k, v in LOCAL_RUN_ENV.items():

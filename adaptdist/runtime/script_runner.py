@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="run a script on one rank with bounded init_process_group defaults")
     p.add_argument("--collective-timeout-s", "--timeout-s", type=float, default=Timeouts().collective_s,
                    help="timeout of init_process_group calls that set none, seconds")
-    p.add_argument("--store-timeout-s", type=float, default=None, help="timeout of the store, seconds")
+    p.add_argument("--store-timeout-s", type=float, default=None,
+                   help="timeout of the workers' store, seconds (default: the collective timeout, as torch does)")
     p.add_argument("-m", dest="module", action="store_true", help="run a module (python -m) instead of a script")
     p.add_argument("target", help="the script (or, with -m, the module) to run")
     p.add_argument("target_args", nargs=argparse.REMAINDER)

@@ -54,7 +54,9 @@ class Timeouts:
         collective_s: how long one collective (and ``init_process_group``) waits for a peer
             (``--collective-timeout-s``; ``--timeout-s`` is its alias).
         compile_wait_s: how long ranks wait for rank 0 to compile the programs for a new world size.
-        store_s: the timeout of a store operation (``TCPStore`` get/wait, the rendezvous ``read_timeout``).
+        store_s: the timeout of the rendezvous store's operations (the agents' ``read_timeout``) and of a
+            worker's wait for compiled programs. The workers' own store times out with ``collective_s`` (as
+            torch sets it), so a longer wait passes its own: ``store.wait([key], timedelta(seconds=...))``.
         shutdown_grace_s: how long a SIGTERM'd (or SIGINT'd) worker has to write its checkpoint and exit
             before the agent sends SIGKILL (torch's ``shutdown_timeout``).
         keep_alive_interval_s: how often each agent tells the rendezvous it is alive.
