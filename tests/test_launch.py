@@ -170,3 +170,16 @@ def test_elastic_job_leaves_no_process_behind(tmp_path):
     alive = [pid for pid in tree if os.path.exists(f"/proc/{pid}") and
              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert not alive, alive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_elastic_stop_passes_sigterm_and_every_rank_stops_after_the_same_step(tmp_path):
+    with launch_elastic_local("elastic_entry", [str(tmp_path), "10000", "0.05", "stop"], 2, 2, max_restarts=0,
+                              timeouts=ELASTIC_TIMEOUTS, env=ENV, stdout=sys.stderr, stderr=sys.stderr) as job:
+        _wait_for(lambda: len(_attempts(tmp_path)) == 2 and all(r["steps"] >= 3 for r in _attempts(tmp_path)),
+                  60, "2 ranks at step 3", job)
+        codes = job.stop(signal.SIGTERM)
+    assert codes == [143, 143], codes
+    stopped = {r["rank"]: r.get("stopped_at") for r in _attempts(tmp_path)}
+    assert len(stopped) == 2 and None not in stopped.values() and len(set(stopped.values())) == 1, stopped

@@ -332,6 +332,7 @@ class ElasticLocalJob:
     env: dict[str, str]
     store: Any
     endpoint: str
+    timeouts: Timeouts = Timeouts()
     nodes: list[subprocess.Popen] = field(default_factory=list)
     stdout: Any = None
     stderr: Any = None
@@ -378,9 +379,27 @@ class ElasticLocalJob:
         codes = [p.returncode for p in self.nodes]
         return next((c for c in codes if c not in (0, -signal.SIGKILL)), 0)
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Stop every agent still running: SIGTERM to its process group, SIGKILL after ``grace_s`` seconds;
-        then reap them. Idempotent."""
+    def stop(self, sig: int = signal.SIGTERM) -> list[int | None]:
+        """Pass ``sig`` (SIGTERM: a preemption; SIGINT: Ctrl-C, which reaches only this process as the agents
+        run in sessions of their own) to every agent, which passes it to its worker and waits
+        ``timeouts.shutdown_grace_s`` before SIGKILL; then wait for the agents (that long plus 10 s) and
+        :meth:`close`. Returns the agents' exit codes (143/130 for an agent that stopped on the signal)."""
+        live = [p for p in self.nodes if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)  # the agent alone: it forwards the signal and waits for its worker
+        deadline = time.monotonic() + self.timeouts.shutdown_grace_s + 10.0
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        codes = self.poll()
+        self.close()
+        return codes
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop every agent still running: SIGTERM to it and its worker, SIGKILL after ``grace_s`` seconds
+        (default ``timeouts.shutdown_grace_s``); then reap them. Idempotent."""
+        grace_s = self.timeouts.shutdown_grace_s if grace_s is None else grace_s
         live = [p for p in self.nodes if p.poll() is None]
         trees = {p.pid: _descendants(p.pid) for p in self.nodes}
         for p in live:
@@ -445,8 +464,10 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
     ``python -m entry_module entry_args`` (through :mod:`adaptdist.runtime.script_runner`, so
     ``init_process_group`` gets ``timeouts.collective_s`` and a loopback store); returns the running job.
 
-    Each agent is ``python -m torch.distributed.run --nnodes MIN:MAX --nproc-per-node 1 --rdzv-backend c10d
-    --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false,... --max-restarts R ...``; the rendezvous store
+    Each agent is torchrun, ``python -m adaptdist.runtime.torchrun --nnodes MIN:MAX --nproc-per-node 1
+    --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false,... --max-restarts R ...``
+    (torch's ``torch.distributed.run`` with one-line endings and exit codes 143/130 on SIGTERM/SIGINT, see
+    :mod:`adaptdist.runtime.torchrun`), in a session of its own; the rendezvous store
     lives in this process, so killing any agent leaves the others able to re-form: a killed agent is dropped
     after ``timeouts.keep_alive_expiry_s`` and the survivors start again at the smaller world size once the
     rendezvous's last call (``timeouts.rendezvous_last_call_s``) has passed. A failure costs each surviving
@@ -467,7 +488,7 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
     store = host_loopback_store(0, timeouts.store_s)
     endpoint = f"{LOOPBACK}:{store.port}"
     command = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "adaptdist.runtime.torchrun",
         "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"adaptdist-{uuid.uuid4().hex[:8]}",
         "--rdzv-conf", timeouts.rdzv_conf_arg(is_host=False),
@@ -479,7 +500,7 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
     child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
     for k, v in LOCAL_RUN_ENV.items():
         child_env.setdefault(k, v)
-    job = ElasticLocalJob(command=command, env=child_env, store=store, endpoint=endpoint,
+    job = ElasticLocalJob(command=command, env=child_env, store=store, endpoint=endpoint, timeouts=timeouts,
                           stdout=stdout, stderr=stderr)
     try:
         for _ in range(nodes):
