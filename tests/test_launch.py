@@ -156,16 +156,21 @@ def test_elastic_scale_up_with_add_node(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_elastic_job_leaves_no_process_behind(tmp_path):
-    from launch_workers import descendants
+    from launch_workers import descendants, listening_sockets
 
     job = launch_elastic_local("elastic_entry", [str(tmp_path), "1000", "0.1"], 2, 2, max_restarts=0,
                                timeouts=ELASTIC_TIMEOUTS, env=ENV, stdout=sys.stderr, stderr=sys.stderr)
     with job:
         _wait_for(lambda: len(_attempts(tmp_path)) == 2, 45, "2 workers", job)
+        _wait_for(lambda: all(r["steps"] >= 1 for r in _attempts(tmp_path)), 30, "a step", job)
         tree = set(job.pids)
         for pid in job.pids:
             tree |= descendants(pid)
         assert len(tree) >= 4  # 2 agents and their workers
+        rows = listening_sockets(tree | {os.getpid()})
+        assert any(pid == os.getpid() and port == int(job.endpoint.split(":")[1]) for pid, _, port in rows), rows
+        wide = [r for r in rows if r[1] not in ("127.0.0.1", "::1")]
+        assert not wide, f"listening beyond loopback: {wide}"
     time.sleep(0.5)
     alive = [pid for pid in tree if os.path.exists(f"/proc/{pid}") and
              Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]

@@ -87,3 +87,27 @@ def test_launch_max_restarts_restarts_a_failed_rank(capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert sorted(marker.read_text().split()) == ["0", "0", "1", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_stores_listen_on_loopback_only(capsys, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    script = tmp_path / "sockets.py"
+    out = tmp_path / "sockets.txt"
+    script.write_text("import os\nimport torch.distributed as dist\n"
+                      "from launch_workers import descendants, listening_sockets\n"
+                      "dist.init_process_group('gloo')\ndist.barrier()\n"
+                      "if dist.get_rank() == 0:\n"
+                      "    launcher = os.getppid()\n"
+                      f"    open({str(out)!r}, 'w').write(repr(listening_sockets({{launcher}} | descendants(launcher))))\n"
+                      "dist.barrier()\ndist.destroy_process_group()\n")
+    rc = main(["launch", "--nproc", "2", str(script)])
+    assert rc == 0, capsys.readouterr().err
+    rows = eval(out.read_text())
+    assert any(pid == os.getpid() for pid, _, _ in rows), rows  # the rendezvous store, in the launcher
+    assert len(rows) >= 3, rows  # and the workers' store and gloo's sockets
+    assert not [r for r in rows if r[1] not in ("127.0.0.1", "::1")], rows
