@@ -576,3 +576,23 @@ def in_compiled_module_call() -> bool:
     from torch._dynamo.eval_frame import _is_in_optimized_module
 
     return _is_in_optimized_module()
+
+
+def default_group_store() -> Any:
+    """The store of the default process group (``distributed_c10d._get_default_store``): the store of the job's
+    rendezvous, under the default group's key prefix. Raises RuntimeError when no default group exists."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def default_group_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds (its CPU backend's options); None when there
+    is no default group or this torch keeps it elsewhere."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:
+        return None

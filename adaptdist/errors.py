@@ -63,3 +63,19 @@ class InternalError(AdaptdistError):
 class PlanInfeasibleError(AdaptdistError):
     """No plan satisfies the constraints: a device's memory cannot hold the step, or user pins contradict
     each other or an op's strategies. The message names the constraints in words."""
+
+
+class CollectiveTimeoutError(RuntimeLaunchError):
+    """A collective timed out or lost its connection; the message names the rank(s) that did not arrive, their
+    last step and how long ago it was, and the collective timeout."""
+
+
+class RunInterruptedError(RuntimeLaunchError):
+    """The workers stopped on a signal (SIGTERM: a preemption notice; SIGINT: Ctrl-C) after agreeing on a step.
+
+    ``signum`` is the signal's number and ``exit_code`` the code to exit with (128 + signum: 143, 130)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

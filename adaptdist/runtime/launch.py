@@ -1,48 +1,511 @@
-"""Launch N local ranks through torch's elastic agent (what torchrun uses)."""
+"""Launch local ranks through torch's elastic agent (what torchrun uses), with restarts and elasticity.
+
+Two forms:
+
+* :func:`launch_local`: one agent in this process starts ``nproc`` workers running a function; when one
+  dies (a signal, an exception, a nonzero exit) the agent stops the others and restarts them all, up to
+  ``max_restarts`` times.
+* :func:`launch_elastic_local`: ``--nproc MIN:MAX``: one torchrun agent (a subprocess) per rank, all
+  meeting in a c10d rendezvous whose store this process hosts, so any agent may die (a rank leaves) or be
+  added later (a rank joins) and the rest re-form at the new world size, torchrun's semantics.
+
+Every store of a local run listens on 127.0.0.1 only: torch's ``TCPStore`` server binds every interface
+whatever host it is given, so the stores are made here on a socket bound to loopback
+(``TCPStore(master_listen_fd=...)``): the rendezvous store in the launcher (the agents join it with
+``is_host=false``), and the workers' store by worker rank 0 (:mod:`adaptdist.runtime.script_runner`'s
+``init_process_group`` defaults; torch's agent-hosted worker store, which binds every interface, is turned
+off with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Gloo's own sockets are kept on ``lo``
+(``GLOO_SOCKET_IFNAME``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
 
-from ..errors import RuntimeLaunchError
+from ..errors import RunInterruptedError, RuntimeLaunchError, UsageError
+from .timeouts import Timeouts
+
+LOOPBACK = "127.0.0.1"
+
+LOCAL_RUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+"""Environment of a local run (set unless already set): workers' store made by rank 0 (on loopback, see the
+module docstring), gloo on the loopback interface."""
+
+_HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torch's agent installs handlers for these
 
 
-def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, monitor_interval_s: float = 0.1
-                 ) -> dict[int, Any]:
-    """Run ``fn(*args)`` in ``nproc`` local processes; returns {rank: return value}.
+def restart_count() -> int:
+    """Which attempt this worker is: 0 for the first start, n after the agent's n-th restart of it
+    (``TORCHELASTIC_RESTART_COUNT``, which torch's agent sets; 0 outside an agent). Membership changes of an
+    elastic run (a rank joining) restart the workers without counting."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    Rendezvous is standalone on a free localhost port; no restarts. Each process
-    gets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in its environment.
+
+def loopback_listen_socket(port: int = 0) -> socket.socket:
+    """A TCP socket bound to 127.0.0.1:``port`` (0: any free port) and listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(512)
+    return sock
+
+
+def host_loopback_store(port: int = 0, timeout_s: float = 300.0) -> Any:
+    """A ``TCPStore`` server listening on 127.0.0.1:``port`` only (0: a free port; ``store.port`` says which).
 
     Raises:
-        RuntimeLaunchError: a rank failed; the message carries the first failure's error.
+        RuntimeLaunchError: the port is taken.
     """
+    import torch.distributed as dist
+
+    try:
+        sock = loopback_listen_socket(port)
+    except OSError as e:
+        raise RuntimeLaunchError(f"cannot listen on {LOOPBACK}:{port} for the store: {e}") from None
+    # the store takes the descriptor over (it closes it when it is destroyed)
+    return dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str], *, override: bool = False) -> Iterator[None]:
+    """Within: ``os.environ`` holds ``values`` (only those not already set, unless ``override``)."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if override or k not in os.environ:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _kept_signal_handlers() -> Iterator[None]:
+    """Torch's agent installs handlers for SIGTERM/SIGINT/SIGHUP/SIGQUIT in its process and leaves them; put
+    this process's own back afterwards (Ctrl-C raises KeyboardInterrupt again)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(getattr(signal, s)) for s in _HANDLED_SIGNALS if hasattr(signal, s)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(getattr(signal, s), handler)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Why a worker ended, in words: ``killed by signal 9 (SIGKILL)`` with the out-of-memory hint,
+    ``stopped on SIGTERM (exit code 143)``, or ``exit code N``. ``exitcode`` is torch's launcher's: negative
+    when a signal killed the process."""
+    if exitcode is None:
+        return "no exit code"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        hint = ("; SIGKILL often comes from the out-of-memory killer (see dmesg) or an outside kill"
+                if name == "SIGKILL" else "")
+        return f"killed by signal {-exitcode} ({name}){hint}"
+    signum = interrupt_signal(exitcode)
+    if signum is not None:
+        return f"stopped on {signal.Signals(signum).name} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
+def interrupt_signal(exitcode: int | None) -> int | None:
+    """SIGTERM or SIGINT when ``exitcode`` says a worker stopped on it (128 + signal, as a graceful stop exits,
+    or killed by it), else None."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if exitcode in (128 + sig, -sig):
+            return int(sig)
+    return None
+
+
+def _failure_reason(failure: Any) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", str(msg))
+    msg = str(msg).strip()
+    if failure.exitcode is not None and failure.exitcode < 0 or not msg or msg.startswith("To enable traceback"):
+        return describe_exit(failure.exitcode)
+    return msg
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
+              "Socket Timeout", "Connection refused", "DistNetworkError", "DistStoreError")
+"""Fragments of the errors a worker raises because a PEER failed (it is not the root cause)."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    reason: str
+    time_s: float
+
+    @property
+    def consequence(self) -> bool:
+        return any(frag in self.reason for frag in _PEER_LOSS)
+
+
+def _root_failure(failures: dict[int, Any], reports: dict[int, tuple[str, float]]) -> _Failure:
+    """The failure that most likely caused the others: a worker killed by a signal or failing on its own (not
+    on a lost peer: "Connection closed by peer", a timeout), the earliest first. ``reports`` are the workers'
+    own reports of their exceptions (rank -> (message, time)): torch's agent records only the workers it saw
+    exit before it stopped the rest, and its error-file times have a one-second resolution, so the rank it
+    names first is often a peer's consequence."""
+    found: dict[int, _Failure] = {}
+    for rank, f in failures.items():
+        found[rank] = _Failure(rank, _failure_reason(f), float(f.timestamp))
+    for rank, (message, time_s) in reports.items():
+        killed = rank in found and failures[rank].exitcode is not None and failures[rank].exitcode < 0 \
+            and not failures[rank].error_file_data.get("message")
+        if not killed:  # a report is the exception itself; a kill after it (the abort at exit) says less
+            found[rank] = _Failure(rank, message, time_s)
+    return min(found.values(), key=lambda f: (f.consequence, f.time_s, f.rank))
+
+
+def _read_reports(report_dir: str | None) -> dict[int, tuple[str, float]]:
+    """The failure reports of the last attempt in ``report_dir`` (see :func:`_worker_main`)."""
+    if report_dir is None or not os.path.isdir(report_dir):
+        return {}
+    rows = []
+    for name in os.listdir(report_dir):
+        try:
+            rank_s, attempt_s, _ = name.split(".", 2)
+            with open(os.path.join(report_dir, name)) as f:
+                time_s, message = f.read().split("\n", 1)
+            rows.append((int(attempt_s), int(rank_s), message.strip(), float(time_s)))
+        except (OSError, ValueError):
+            continue
+    if not rows:
+        return {}
+    last = max(r[0] for r in rows)
+    return {rank: (message, time_s) for attempt, rank, message, time_s in rows if attempt == last}
+
+
+def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = None) -> RuntimeLaunchError:
+    """A ChildFailedError of torch's agent as our error: RunInterruptedError when every failed worker stopped
+    on the same SIGTERM/SIGINT, else RuntimeLaunchError naming the root failure's rank, why and the restarts."""
+    failures = e.failures
+    signals = {interrupt_signal(f.exitcode) for f in failures.values()}
+    if len(signals) == 1 and None not in signals:
+        signum = signals.pop()
+        return RunInterruptedError(
+            f"rank(s) {', '.join(map(str, sorted(failures)))} stopped on {signal.Signals(signum).name}", signum)
+    root = _root_failure(failures, _read_reports(report_dir))
+    restarts = f"after {max_restarts} restart(s), all allowed" if max_restarts else "no restarts allowed"
+    return RuntimeLaunchError(f"rank {root.rank} failed: {root.reason} ({restarts}; "
+                              f"--max-restarts raises the limit)")
+
+
+def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float | None,
+                 report_dir: str | None = None) -> Any:
+    """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults.
+    An exception is first reported to ``report_dir/RANK.ATTEMPT.txt`` (time, then ``Type: message``), before
+    the process group is destroyed (which its peers notice at once)."""
+    from .script_runner import die_with_parent, init_defaults
+
+    die_with_parent()
+    import torch.distributed as dist
+
+    with init_defaults(collective_s=collective_s, store_s=store_s):
+        try:
+            return fn(*args)
+        except BaseException as e:
+            if report_dir is not None and not isinstance(e, SystemExit):
+                name = os.path.join(report_dir, f"{os.environ.get('RANK', 0)}.{restart_count()}.txt")
+                with contextlib.suppress(OSError), open(name, "w") as f:
+                    f.write(f"{time.time()!r}\n{type(e).__name__}: {e}".strip())
+            # an undestroyed gloo group's threads abort the exit (SIGABRT), hiding why this rank failed
+            if dist.is_initialized():
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
+            raise
+
+
+def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restarts: int = 0,
+                 timeouts: Timeouts = Timeouts(), monitor_interval_s: float = 0.1) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nproc`` local processes under torch's elastic agent; returns {rank: return value
+    of the last attempt}.
+
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` (127.0.0.1)/``MASTER_PORT`` and
+    ``TORCHELASTIC_RESTART_COUNT`` (:func:`restart_count`). ``torch.distributed.init_process_group`` called
+    there without ``timeout=`` gets ``timeouts.collective_s``. When a worker dies (a signal such as SIGKILL,
+    an exception, a nonzero exit) the agent stops the others (SIGTERM, then SIGKILL after 30 s) and starts
+    them all again, at most ``max_restarts`` times; ``fn`` resumes from its own checkpoint. A SIGTERM/SIGINT
+    to this process is passed to the workers, which get ``timeouts.shutdown_grace_s`` seconds to exit before
+    SIGKILL. All stores listen on 127.0.0.1 only.
+
+    Raises:
+        UsageError: ``nproc`` < 1 or ``max_restarts`` < 0.
+        RunInterruptedError: every failed worker stopped on SIGTERM/SIGINT (a graceful stop, exit 143/130).
+        RuntimeLaunchError: a worker failed after the last allowed restart; the message names its rank, why
+            (the signal, e.g. SIGKILL with the out-of-memory hint, or the exception's message) and the
+            restarts used.
+        RunInterruptedError: this process got SIGTERM/SIGINT/SIGHUP/SIGQUIT; the agent sent it on to the
+            workers and waited for them (``timeouts.shutdown_grace_s``, then SIGKILL).
+            :func:`adaptdist.runtime.stop.interrupted_exit_code` gives the exit code (143, 130).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    if nproc < 1:
+        raise UsageError(f"nproc must be at least 1, got {nproc}")
+    if max_restarts < 0:
+        raise UsageError(f"max_restarts must be at least 0, got {max_restarts}")
+    timeouts.check()
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import tempfile
+
+    store = host_loopback_store(0, timeouts.store_s)
+    report_dir = tempfile.mkdtemp(prefix="adaptdist-launch-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"adaptdist-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        rdzv_endpoint=f"{LOOPBACK}:{store.port}",
+        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False},
+        max_restarts=max_restarts,
         monitor_interval=monitor_interval_s,
         start_method="spawn",
+        local_addr=LOOPBACK,
+        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))),
     )
     try:
-        return elastic_launch(config, fn)(*args)
+        with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        msg = failure.message
-        if isinstance(msg, dict):
-            msg = msg.get("message", str(msg))
-        msg = str(msg).strip() or f"exit code {failure.exitcode}"
-        raise RuntimeLaunchError(f"rank {rank} failed: {msg}") from None
+        raise _child_failure_error(e, max_restarts, report_dir) from None
+    except SignalException as e:
+        raise RunInterruptedError(
+            f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to the {nproc} workers, given "
+            f"{config.shutdown_timeout} s to stop", int(e.sigval)) from None
+    finally:
+        import shutil
+
+        shutil.rmtree(report_dir, ignore_errors=True)
+        del store
+
+
+def free_loopback_port() -> int:
+    """A port free on 127.0.0.1 now (not reserved: bind it soon)."""
+    with contextlib.closing(loopback_listen_socket(0)) as sock:
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ElasticLocalJob:
+    """A running ``--nproc MIN:MAX`` job (:func:`launch_elastic_local`): one torchrun agent per rank, each a
+    subprocess in its own process group, meeting at the rendezvous store this process hosts.
+
+    Use as a context manager (or call :meth:`close`): leaving it kills every agent's process group that is
+    still running, so no agent or worker outlives the job.
+    """
+
+    command: list[str]
+    env: dict[str, str]
+    store: Any
+    endpoint: str
+    timeouts: Timeouts = Timeouts()
+    nodes: list[subprocess.Popen] = field(default_factory=list)
+    stdout: Any = None
+    stderr: Any = None
+
+    @property
+    def pids(self) -> list[int]:
+        """The agents' PIDs, in the order they were started (node index)."""
+        return [p.pid for p in self.nodes]
+
+    def add_node(self) -> int:
+        """Start one more agent (scale up: it joins at the next rendezvous round, the running agents restart
+        their workers to take it in); returns its node index."""
+        proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
+                                stdout=self.stdout, stderr=self.stderr)
+        self.nodes.append(proc)
+        return len(self.nodes) - 1
+
+    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to agent ``i`` and its workers (a lost machine with SIGKILL, a preemption with SIGTERM):
+        to the agent's process group and to each worker's (torch's agent starts every worker in a session of
+        its own). Raises UsageError for an unknown index."""
+        if not 0 <= i < len(self.nodes):
+            raise UsageError(f"no node {i}: the job has nodes 0..{len(self.nodes) - 1}")
+        _kill_tree(self.nodes[i].pid, sig)
+
+    def poll(self) -> list[int | None]:
+        """Each agent's exit code (None while it runs)."""
+        return [p.poll() for p in self.nodes]
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait until every agent has exited; returns 0 when all exited 0 or were killed by
+        :meth:`kill_node`, else the first other nonzero exit code.
+
+        Raises:
+            RuntimeLaunchError: agents still run after ``timeout_s`` seconds (they are left running: call
+                :meth:`close`).
+        """
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.nodes):
+            if time.monotonic() > deadline:
+                running = [i for i, p in enumerate(self.nodes) if p.poll() is None]
+                raise RuntimeLaunchError(f"elastic job: agents {running} still running after {timeout_s:g} s")
+            time.sleep(0.1)
+        codes = [p.returncode for p in self.nodes]
+        return next((c for c in codes if c not in (0, -signal.SIGKILL)), 0)
+
+    def stop(self, sig: int = signal.SIGTERM) -> list[int | None]:
+        """Pass ``sig`` (SIGTERM: a preemption; SIGINT: Ctrl-C, which reaches only this process as the agents
+        run in sessions of their own) to every agent, which passes it to its worker and waits
+        ``timeouts.shutdown_grace_s`` before SIGKILL; then wait for the agents (that long plus 10 s) and
+        :meth:`close`. Returns the agents' exit codes (143/130 for an agent that stopped on the signal)."""
+        live = [p for p in self.nodes if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p.pid, sig)  # the agent alone: it forwards the signal and waits for its worker
+        deadline = time.monotonic() + self.timeouts.shutdown_grace_s + 10.0
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        codes = self.poll()
+        self.close()
+        return codes
+
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop every agent still running: SIGTERM to it and its worker, SIGKILL after ``grace_s`` seconds
+        (default ``timeouts.shutdown_grace_s``); then reap them. Idempotent."""
+        grace_s = self.timeouts.shutdown_grace_s if grace_s is None else grace_s
+        live = [p for p in self.nodes if p.poll() is None]
+        trees = {p.pid: _descendants(p.pid) for p in self.nodes}
+        for p in live:
+            _kill_tree(p.pid, signal.SIGTERM, trees[p.pid])
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        for p in self.nodes:
+            # a group outlives its leader while a member lives: kill the groups in any case
+            _kill_tree(p.pid, signal.SIGKILL, trees[p.pid] | _descendants(p.pid))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5.0)
+
+    def __enter__(self) -> "ElasticLocalJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _descendants(pid: int) -> set[int]:
+    """The PIDs of ``pid``'s living descendants (from /proc; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out: set[int] = set()
+    todo = list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        if child not in out:
+            out.add(child)
+            todo.extend(children.get(child, ()))
+    return out
+
+
+def _kill_tree(pid: int, sig: int, descendants: set[int] | None = None) -> None:
+    """``sig`` to ``pid``'s process group and to the group of each of its descendants (read before the
+    signal: a killed agent's workers are orphaned at once)."""
+    descendants = _descendants(pid) if descendants is None else descendants
+    for target in (pid, *sorted(descendants)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(target, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(target, sig)
+
+
+def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes: int, max_nodes: int, *,
+                         max_restarts: int, timeouts: Timeouts = Timeouts(), env: dict[str, str] | None = None,
+                         nodes: int | None = None, monitor_interval_s: float = 0.1,
+                         stdout: Any = None, stderr: Any = None) -> ElasticLocalJob:
+    """Start an elastic local job: ``nodes`` (default ``max_nodes``) torchrun agents, one per rank, running
+    ``python -m entry_module entry_args`` (through :mod:`adaptdist.runtime.script_runner`, so
+    ``init_process_group`` gets ``timeouts.collective_s`` and a loopback store); returns the running job.
+
+    Each agent is torchrun, ``python -m adaptdist.runtime.torchrun --nnodes MIN:MAX --nproc-per-node 1
+    --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf is_host=false,... --max-restarts R ...``
+    (torch's ``torch.distributed.run`` with one-line endings and exit codes 143/130 on SIGTERM/SIGINT, see
+    :mod:`adaptdist.runtime.torchrun`), in a session of its own; the rendezvous store
+    lives in this process, so killing any agent leaves the others able to re-form: a killed agent is dropped
+    after ``timeouts.keep_alive_expiry_s`` and the survivors start again at the smaller world size once the
+    rendezvous's last call (``timeouts.rendezvous_last_call_s``) has passed. A failure costs each surviving
+    agent one of its ``max_restarts``; a node joining costs none. ``env`` adds to this process's environment;
+    ``stdout``/``stderr`` are passed to ``subprocess.Popen`` (None: inherited).
+
+    Raises:
+        UsageError: not ``1 <= min_nodes <= max_nodes``, ``nodes`` outside that range, ``max_restarts`` < 0.
+    """
+    if not 1 <= min_nodes <= max_nodes:
+        raise UsageError(f"--nproc MIN:MAX needs 1 <= MIN <= MAX, got {min_nodes}:{max_nodes}")
+    nodes = max_nodes if nodes is None else nodes
+    if not min_nodes <= nodes <= max_nodes:
+        raise UsageError(f"nodes={nodes} must lie in {min_nodes}..{max_nodes}")
+    if max_restarts < 0:
+        raise UsageError(f"max_restarts must be at least 0, got {max_restarts}")
+    timeouts.check()
+    store = host_loopback_store(0, timeouts.store_s)
+    endpoint = f"{LOOPBACK}:{store.port}"
+    command = [
+        sys.executable, "-m", "adaptdist.runtime.torchrun",
+        "--nnodes", f"{min_nodes}:{max_nodes}", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"adaptdist-{uuid.uuid4().hex[:8]}",
+        "--rdzv-conf", timeouts.rdzv_conf_arg(is_host=False),
+        "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval_s),
+        "--local-addr", LOOPBACK, "--shutdown-timeout", str(int(max(1, round(timeouts.shutdown_grace_s)))),
+        "-m", "adaptdist.runtime.script_runner", "--collective-timeout-s", str(timeouts.collective_s),
+        "-m", entry_module, *entry_args,
+    ]
+    child_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    for k, v in LOCAL_RUN_ENV.items():
+        child_env.setdefault(k, v)
+    job = ElasticLocalJob(command=command, env=child_env, store=store, endpoint=endpoint, timeouts=timeouts,
+                          stdout=stdout, stderr=stderr)
+    try:
+        for _ in range(nodes):
+            job.add_node()
+    except BaseException:
+        job.close()
+        raise
+    return job
