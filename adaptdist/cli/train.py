@@ -309,35 +309,21 @@ def _ended_early(e: BaseException, out: Path, console, resume: str | None = None
     resume; record the state in run.json. Returns the exit code (130/143 for SIGINT/SIGTERM), or re-raises."""
     from ..runtime.checkpoint_store import latest_good
 
-    signum = _signal_of(e)
+    from ..runtime.stop import interrupted_exit_code
+
+    code = interrupted_exit_code(e)
     info = latest_good(out / "checkpoints")
     where = f"checkpoint at {info.path}" if info else "no checkpoint yet"
     resume = resume or f"adaptdist train --resume {out}"
-    if signum is not None:
+    if code is not None:
         import signal
 
         _set_state(out, "interrupted")
         step = info.step if info else 0
-        print(f"adaptdist: interrupted ({signal.Signals(signum).name}) at step {step}, {where}; resume with: "
+        print(f"adaptdist: interrupted ({signal.Signals(code - 128).name}) at step {step}, {where}; resume with: "
               f"{resume}", file=sys.stderr)
-        return 128 + signum
+        return code
     _set_state(out, "failed")
     if isinstance(e, RuntimeLaunchError):
         raise RuntimeLaunchError(f"{e}; {where}" + (f"; resume with: {resume}" if info else "")) from None
     raise e
-
-
-def _signal_of(e: BaseException) -> int | None:
-    """The signal number of a launcher interrupt (Ctrl-C, SIGTERM to the launcher), else None."""
-    import signal
-
-    if isinstance(e, KeyboardInterrupt):
-        return int(signal.SIGINT)
-    try:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(e, SignalException):
-        return int(e.sigval)
-    code = getattr(e, "interrupt_signal", None)
-    return int(code) if code else None

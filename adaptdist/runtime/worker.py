@@ -289,8 +289,11 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     else:
                         loss = runner.step(batch)
                     signum = stop.agreed(step + 1)
-                except (RuntimeError, dist.DistBackendError) as e:
-                    raise named_timeout(e, heartbeat, step) from e
+                except Exception as e:
+                    named = named_timeout(e, heartbeat, step)
+                    if named is e:
+                        raise
+                    raise named from e
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 times.append(dt)
