@@ -103,7 +103,8 @@ def test_launch_stores_listen_on_loopback_only(capsys, tmp_path, monkeypatch):
                       "dist.init_process_group('gloo')\ndist.barrier()\n"
                       "if dist.get_rank() == 0:\n"
                       "    launcher = os.getppid()\n"
-                      f"    open({str(out)!r}, 'w').write(repr(listening_sockets({{launcher}} | descendants(launcher))))\n"
+                      "    rows = listening_sockets({launcher} | descendants(launcher))\n"
+                      f"    open({str(out)!r}, 'w').write(repr(rows))\n"
                       "dist.barrier()\ndist.destroy_process_group()\n")
     rc = main(["launch", "--nproc", "2", str(script)])
     assert rc == 0, capsys.readouterr().err

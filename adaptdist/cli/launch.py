@@ -52,11 +52,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     """
     import signal
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from ..runtime.launch import LOCAL_RUN_ENV, LOOPBACK, _env, _kept_signal_handlers, host_loopback_store
+    from ..runtime.launch import LOOPBACK, host_loopback_store, local_run
     from ..runtime.timeouts import Timeouts
 
     if not Path(args.script).is_file():
@@ -79,7 +79,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         "-m", "adaptdist.runtime.script_runner", "--collective-timeout-s", str(timeouts.collective_s),
         args.script, *args.script_args])
     try:
-        with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
+        with local_run():
             run(torchrun_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()

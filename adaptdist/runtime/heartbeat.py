@@ -8,7 +8,9 @@ failed calls :func:`named_timeout`: it marks itself as waiting at that step, giv
 neither marked nor beat past the step -- stalled or dead -- with their last step and how long ago it was.
 
 Ages are this rank's clock minus the beating rank's (the same clock on one machine; across hosts they hold
-the hosts' clock skew).
+the hosts' clock skew). Under :mod:`adaptdist.runtime.launch` the store is made afresh by worker rank 0 at
+every attempt, so no beat of an earlier attempt remains; under torch's agent-hosted store (plain torchrun)
+keys outlive a restart, so beat once at the start of an attempt before relying on :meth:`Heartbeat.laggards`.
 """
 
 from __future__ import annotations

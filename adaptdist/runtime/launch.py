@@ -31,14 +31,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..errors import RunInterruptedError, RuntimeLaunchError, UsageError
 from .timeouts import Timeouts
 
 LOOPBACK = "127.0.0.1"
 
-LOCAL_RUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}
+LOCAL_RUN_ENV = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"})
 """Environment of a local run (set unless already set): workers' store made by rank 0 (on loopback, see the
 module docstring), gloo on the loopback interface."""
 
@@ -79,7 +80,7 @@ def host_loopback_store(port: int = 0, timeout_s: float = 300.0) -> Any:
 
 
 @contextlib.contextmanager
-def _env(values: dict[str, str], *, override: bool = False) -> Iterator[None]:
+def _env(values: Mapping[str, str], *, override: bool = False) -> Iterator[None]:
     """Within: ``os.environ`` holds ``values`` (only those not already set, unless ``override``)."""
     saved = {k: os.environ.get(k) for k in values}
     for k, v in values.items():
@@ -113,6 +114,15 @@ def _kept_signal_handlers() -> Iterator[None]:
                 signal.signal(getattr(signal, s), handler)
 
 
+@contextlib.contextmanager
+def local_run() -> Iterator[None]:
+    """Within: the environment of a local run (:data:`LOCAL_RUN_ENV`, where not already set) and, on exit, this
+    process's own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers back (torch's agent replaces them and leaves its own).
+    Wrap a call of torch's ``elastic_launch`` / ``torch.distributed.run.run`` in it."""
+    with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
+        yield
+
+
 def describe_exit(exitcode: int | None) -> str:
     """Why a worker ended, in words: ``killed by signal 9 (SIGKILL)`` with the out-of-memory hint,
     ``stopped on SIGTERM (exit code 143)``, or ``exit code N``. ``exitcode`` is torch's launcher's: negative
@@ -142,7 +152,9 @@ def interrupt_signal(exitcode: int | None) -> int | None:
     return None
 
 
-def _failure_reason(failure: Any) -> str:
+def failure_reason(failure: Any) -> str:
+    """Why a worker failed, from torch's ``ProcessFailure``: its exception's ``Type: message`` when it wrote an
+    error file, else :func:`describe_exit` of its exit code."""
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", str(msg))
@@ -176,7 +188,7 @@ def _root_failure(failures: dict[int, Any], reports: dict[int, tuple[str, float]
     names first is often a peer's consequence."""
     found: dict[int, _Failure] = {}
     for rank, f in failures.items():
-        found[rank] = _Failure(rank, _failure_reason(f), float(f.timestamp))
+        found[rank] = _Failure(rank, failure_reason(f), float(f.timestamp))
     for rank, (message, time_s) in reports.items():
         killed = rank in found and failures[rank].exitcode is not None and failures[rank].exitcode < 0 \
             and not failures[rank].error_file_data.get("message")
@@ -267,7 +279,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
             workers and waited for them (``timeouts.shutdown_grace_s``, then SIGKILL).
             :func:`adaptdist.runtime.stop.interrupted_exit_code` gives the exit code (143, 130).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -298,7 +310,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
         shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))),
     )
     try:
-        with _env(LOCAL_RUN_ENV), _kept_signal_handlers():
+        with local_run():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir) from None

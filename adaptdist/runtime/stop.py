@@ -127,7 +127,7 @@ def interrupted_exit_code(exc: BaseException) -> int | None:
     if isinstance(exc, KeyboardInterrupt):
         return stop_exit_code(signal.SIGINT)
     try:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing import SignalException
     except ImportError:  # a torch without the elastic agent
         return None
     if isinstance(exc, SignalException):

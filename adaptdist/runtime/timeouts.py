@@ -11,7 +11,8 @@ timeout (``Timeouts``)       default  must exceed
 ``collective_s``             120 s    the longest legitimate skew between ranks at a collective
                                       (a step plus a checkpoint write, the first step's warm-up)
 ``compile_wait_s``           300 s    rank 0's compile of the programs for a new world size
-``store_s``                  330 s    ``max(collective_s, compile_wait_s)``: store waits serve both
+``store_s``                  330 s    ``max(collective_s, compile_wait_s)``: the agents' store reads and
+                                      the wait for compiled programs go through it
 ``shutdown_grace_s``         30 s     one step plus one checkpoint write (SIGTERM -> SIGKILL)
 ``keep_alive_interval_s``    2 s      --
   x ``keep_alive_attempts``  3        (expiry 6 s: a killed agent is dropped after it; >= 2 beats)

@@ -16,11 +16,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from .launch import _failure_reason
+    from .launch import failure_reason
 
     args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(f"adaptdist: agent {os.getpid()}: rank {rank} failed: {_failure_reason(failure)} "
+        print(f"adaptdist: agent {os.getpid()}: rank {rank} failed: {failure_reason(failure)} "
               f"(after {args.max_restarts} restart(s))", file=sys.stderr)
         return 1
     return 0
