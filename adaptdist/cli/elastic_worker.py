@@ -12,11 +12,18 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from ..errors import AdaptdistError
     from ..runtime.worker import run_worker
 
     argv = sys.argv[1:] if argv is None else argv
     cfg = pickle.loads(Path(argv[0]).read_bytes())
-    run_worker(cfg)
+    try:
+        run_worker(cfg)
+    except AdaptdistError as e:  # recorded in OUT/status; one line here, not a traceback per rank
+        print(f"rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

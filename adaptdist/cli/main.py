@@ -68,6 +68,9 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR (its --out) from its newest good checkpoint, with its settings; "
                         "only --steps, --nproc/--cluster and --out may change (another world size is re-planned)")
+    p.add_argument("--join", metavar="DIR", default=None,
+                   help="add one rank to the elastic job (--nproc MIN:MAX) running in DIR; the job re-plans for "
+                        "the larger world size at the next rendezvous round")
 
 
 def lowering_options(args: argparse.Namespace):

@@ -143,6 +143,8 @@ def cmd_train(args, defaults: dict) -> int:
     from .main import _cluster, check_batch, lowering_options
 
     console = report_console(stderr=True)
+    if args.join:
+        return cmd_join(Path(args.join), console)
     resume_src = Path(args.resume) if args.resume else None
     if resume_src is not None:
         _restored_args(args, defaults)
@@ -228,7 +230,9 @@ def cmd_train(args, defaults: dict) -> int:
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    cfg = TrainConfig(program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
+    from ..runtime.worker import _next_attempt
+
+    cfg = TrainConfig(first_attempt=_next_attempt(str(out)), program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
                       timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items_per_step,
                       unit=unit, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
@@ -252,7 +256,7 @@ def cmd_train(args, defaults: dict) -> int:
     summary = {
         "steps": len(losses), **fields,
         f"{unit}_per_s": result["items_per_s"], "step_time_s": result["step_time_s"], "wall_s": wall,
-        "ranks": nproc, "threads_per_rank": threads, "plan": plan.name, "losses": losses,
+        "ranks": result.get("world_size", nproc), "threads_per_rank": threads, "plan": plan.name, "losses": losses,
         "restarts": [e for e in events if e["event"] == "restart"],
         "resumes": [e for e in events if e["event"] == "resume"],
         "complete": True,
@@ -263,7 +267,7 @@ def cmd_train(args, defaults: dict) -> int:
     _set_state(out, "complete")
     restarts = len(summary["restarts"])
     console.print(
-        f"trained {len(losses)} steps on {nproc} ranks in {wall:.0f} s: {loss_text}, "
+        f"trained {len(losses)} steps on {summary['ranks']} ranks in {wall:.0f} s: {loss_text}, "
         f"{result['items_per_s']:,.0f} {unit}/s"
         f"{f'; {restarts} restart(s)' if restarts else ''}; "
         f"checkpoints {out / 'checkpoints'}, weights {out / 'model.safetensors'}"
@@ -290,18 +294,77 @@ def _cluster_doc(cluster) -> dict:
     return cluster_to_dict(cluster)
 
 
+ELASTIC_FILE = "elastic.json"
+"""Written by the launcher of an elastic job: the agent command, so ``adaptdist train --join OUT`` adds a rank."""
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher of an elastic job."""
+
+
 def _launch_elastic(cfg, out: Path, elastic: tuple[int, int], max_restarts: int, timeouts) -> dict:
-    """Run ``cfg`` on one elastic agent per rank (``--nproc MIN:MAX``), started at MAX ranks."""
+    """Run ``cfg`` on one elastic agent per rank (``--nproc MIN:MAX``), started at MAX ranks; Ctrl-C and SIGTERM
+    are passed on to every agent (each its own session, so only this process got them).
+
+    Raises:
+        RunInterruptedError: stopped by SIGINT/SIGTERM (the ranks wrote a checkpoint).
+        RuntimeLaunchError: the job failed past its restarts; names the rank and why.
+    """
+    import signal
+
+    from ..errors import RunInterruptedError
     from ..runtime.launch import launch_elastic_local
+    from ..runtime.rank_status import last_failure
 
     cfg_file = out / "train_config.pkl"
     cfg_file.write_bytes(pickle.dumps(cfg))  # our own file, read by our own ranks
     job = launch_elastic_local("adaptdist.cli.elastic_worker", [str(cfg_file)], elastic[0], elastic[1],
                                max_restarts=max_restarts, timeouts=timeouts)
-    code = job.wait(None)
-    if code != 0:
-        raise RuntimeLaunchError(f"the elastic job ended with exit code {code}")
-    return json.loads((out / "result.json").read_text())
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        (out / ELASTIC_FILE).write_text(json.dumps({"command": job.command, "launcher_pid": os.getpid(),
+                                                    "min": elastic[0], "max": elastic[1]}))
+        try:
+            code = job.wait(float("inf"))
+        except KeyboardInterrupt:
+            job.stop(signal.SIGINT)
+            raise RunInterruptedError("Ctrl-C: passed on to every rank", int(signal.SIGINT)) from None
+        except _Terminated:
+            job.stop(signal.SIGTERM)
+            raise RunInterruptedError("SIGTERM: passed on to every rank", int(signal.SIGTERM)) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        job.close()
+        (out / ELASTIC_FILE).unlink(missing_ok=True)
+    result = out / "result.json"
+    if code != 0 or not result.is_file():
+        raise RuntimeLaunchError(f"the elastic job ended with exit code {code}: "
+                                 f"{last_failure(out) or 'no rank left a record of why'}")
+    return json.loads(result.read_text())
+
+
+def cmd_join(out: Path, console) -> int:
+    """``adaptdist train --join OUT``: start one more rank (its own torchrun agent) for the elastic job running
+    in OUT; it joins at the next rendezvous round and the job re-plans for the larger world size.
+
+    Raises:
+        UsageError: no elastic job is running in OUT.
+    """
+    import subprocess
+
+    f = out / ELASTIC_FILE
+    if not f.is_file():
+        raise UsageError(f"--join {str(out)!r}: no elastic job runs there (no {ELASTIC_FILE}); start one with "
+                         "adaptdist train --nproc MIN:MAX --out DIR")
+    job = json.loads(f.read_text())
+    console.print(f"joining the elastic job in {out} (launcher pid {job['launcher_pid']}, {job['min']} to "
+                  f"{job['max']} ranks)")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(job["command"], env=env)
 
 
 def _ended_early(e: BaseException, out: Path, console, resume: str | None = None) -> int:

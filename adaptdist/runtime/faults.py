@@ -7,7 +7,9 @@ restart can be checked). Kinds:
 - ``kill``: the rank SIGKILLs itself (as the out-of-memory killer or a lost machine would);
 - ``raise``: the step raises an exception;
 - ``stall``: the rank sleeps for an hour (a hung process: its peers must time out and name it);
-- ``term``: the rank gets SIGTERM (a spot machine's preemption notice).
+- ``term``: the rank gets SIGTERM (a spot machine's preemption notice);
+- ``lose-node``: the rank's agent (its parent) is SIGKILLed, and the rank with it: an elastic job loses a
+  member and re-forms at the smaller size.
 
 Nothing here runs unless the variable is set.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 from ..errors import UsageError
 
 ENV_VAR = "ADAPTDIST_INJECT_FAULT"
-KINDS = ("kill", "raise", "stall", "term")
+KINDS = ("kill", "raise", "stall", "term", "lose-node")
 
 
 class InjectedFault(RuntimeError):
@@ -68,6 +70,9 @@ class Fault:
             (Path(out_dir) / "fault.json").write_text(json.dumps({"kind": self.kind, "rank": rank, "step": step,
                                                                   "time_s": time.time()}))
         if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "lose-node":
+            os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.kind == "term":
             os.kill(os.getpid(), signal.SIGTERM)

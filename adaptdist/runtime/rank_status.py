@@ -4,7 +4,8 @@ Every rank writes ``OUT/status/attempt{A}/rank{R}.json`` when it starts (pid, ho
 when it ends (finished, stopped by a signal, or failed with the error's text). A rank killed without a word
 (SIGKILL, the out-of-memory killer, a lost machine) leaves its record at ``running``: after a restart,
 :func:`failure_of` reads the previous attempt's records and names the cause: a peer's collective timeout naming
-the rank that did not arrive (a stall), else the rank killed without a word, else the first error.
+the rank that did not arrive (a stall; a lost connection is not one), else the rank killed without a word, else
+the first error.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def failure_of(out_dir: str | Path, attempt: int) -> str | None:
             records.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
-    named = sorted((r for r in records if r.get("error_type") == "CollectiveTimeoutError"), key=lambda r: r["time_s"])
-    if named:  # a peer timed out and named the rank that did not arrive (a stall): that is the cause
-        r = named[0]
+    lost = ("Connection closed", "Connection reset", "Broken pipe")
+    stalls = sorted((r for r in records if r.get("error_type") == "CollectiveTimeoutError"
+                     and not any(t in (r.get("error") or "") for t in lost)), key=lambda r: r["time_s"])
+    if stalls:  # a peer waited out the collective timeout and named the rank that did not arrive
+        r = stalls[0]
         return f"rank {r['rank']} timed out: {r['error']}"
     silent = [r for r in records if r.get("state") == "running"]
     if silent:
@@ -61,3 +64,10 @@ def failure_of(out_dir: str | Path, attempt: int) -> str | None:
         r = failed[0]
         return f"rank {r['rank']} (pid {r['pid']} on {r['host']}) {r['state']}: {r['error']}"
     return None
+
+
+def last_failure(out_dir: str | Path) -> str | None:
+    """:func:`failure_of` the newest attempt recorded under ``OUT/status``."""
+    attempts = [int(p.name[len("attempt"):]) for p in (Path(out_dir) / "status").glob("attempt*")
+                if p.name[len("attempt"):].isdigit()]
+    return failure_of(out_dir, max(attempts)) if attempts else None

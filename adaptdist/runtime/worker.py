@@ -72,6 +72,9 @@ class TrainConfig:
     run_meta: dict = field(default_factory=dict)
     program_source: Any = None
     """``compiler.replan.ProgramSource`` for an elastic job (programs for other world sizes), or None."""
+    first_attempt: int = 0
+    """The attempt number of this launch's first attempt (attempts of earlier launches of the run, e.g. before a
+    ``--resume``, keep their records under ``OUT/status``); a later one is a restart."""
 
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -180,6 +183,13 @@ def describe_program(program: RankProgram) -> str:
     return f"plan {name!r} on mesh {mesh} ({program.world_size} ranks)"
 
 
+def _next_attempt(out_dir: str) -> int:
+    """The number of the attempt starting now: one past the newest ``OUT/status/attempt{A}`` (0 for none)."""
+    found = [int(p.name[len("attempt"):]) for p in (Path(out_dir) / "status").glob("attempt*")
+             if p.name[len("attempt"):].isdigit()]
+    return max(found) + 1 if found else 0
+
+
 def _broadcast(value: Any, rank: int) -> Any:
     """Rank 0's ``value`` on every rank (a pickled object over the default group: our own ranks only)."""
     box = [value if rank == 0 else None]
@@ -218,23 +228,26 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     from .checkpoint_store import check_same_model, latest_good
     from .faults import Fault
     from .heartbeat import Heartbeat, named_timeout
-    from .launch import restart_count
     from .rank_status import RankStatus, failure_of
     from .stop import StopRequest
     from .train_state import check_identical_replicas, load_train_state, state_shapes
 
     torch.set_num_threads(cfg.threads_per_rank)
     rank, world = _init_distributed(cfg)
-    attempt = restart_count()
+    # one attempt number for the whole job (an elastic job's agents count their restarts each on its own)
+    attempt = _broadcast(_next_attempt(cfg.out_dir), rank)
     status = RankStatus(cfg.out_dir, rank, attempt)
-    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}" + (f" (restart {attempt})" if attempt else ""),
+    restarted = attempt > cfg.first_attempt
+    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}" + (f" (restart {attempt - cfg.first_attempt})"
+                                                                          if restarted else ""),
           file=sys.stderr, flush=True)
     fault = Fault.from_env()
     events = _Events(cfg.out_dir, enabled=rank == 0)
     step = 0
     try:
-        if attempt and rank == 0:
-            events.add("restart", attempt=attempt, cause=failure_of(cfg.out_dir, attempt - 1) or "unknown")
+        if restarted and rank == 0:
+            events.add("restart", attempt=attempt - cfg.first_attempt, world_size=world,
+                       cause=failure_of(cfg.out_dir, attempt - 1) or "unknown (no rank left a record)")
         program_dir = cfg.program_dir
         if cfg.program_source is not None:
             program_dir = cfg.program_source.program_dir(world, rank, lambda p: _broadcast(p, rank), events.note,
@@ -279,7 +292,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     )
                 heartbeat.beat(step)
                 if fault is not None:
-                    fault.maybe_fire(rank, step + 1, attempt, cfg.out_dir)
+                    fault.maybe_fire(rank, step + 1, attempt - cfg.first_attempt, cfg.out_dir)
                 t0 = time.perf_counter()
                 try:
                     if cfg.measure_memory_step == step:
@@ -306,7 +319,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     status.update(step=done)
                     bar.checkpoint(done, path)
                 bar.update(done, loss, cfg.items_per_step / dt)
-                if done == start + 1 and (start or attempt):
+                if done == start + 1 and (start or restarted):
                     events.add("resumed_step", step=done, quiet=True)
                 if signum:
                     status.update(state="stopped", step=done, error=f"stopped by {signal.Signals(signum).name}")
@@ -320,6 +333,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         warm = times[min(2, len(times) - 1):] or times or [float("nan")]
         result = {
             "rank": rank,
+            "world_size": world,
             "losses": losses,
             "start_step": start,
             "step_time_s": statistics.median(warm),
