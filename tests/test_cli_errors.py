@@ -71,10 +71,14 @@ def test_data_file_not_utf8(capsys, tmp_path):
     assert "DataError" in msg and "latin1.txt" in msg and "UTF-8" in msg
 
 
-@pytest.mark.parametrize("n", ["0", "-1"])
-def test_nproc_not_positive(capsys, tmp_path, n):
-    msg = run_cli(capsys, tmp_path, "--nproc", n)
-    assert "ClusterSpecError" in msg and "--nproc" in msg and f"got {n}" in msg
+@pytest.mark.parametrize("n", ["0", "-1", "3:2", "x"])
+def test_nproc_not_positive(capsys, n):
+    """train --nproc takes N or MIN:MAX (an elastic range): anything else stops at parse time."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--nproc", n])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --nproc" in err and f"got {n!r}" in err
 
 
 def test_seq_len_longer_than_data(capsys, tmp_path):
@@ -255,7 +259,8 @@ def test_tp_degree_must_divide_heads(capsys, tmp_path):
 _NUMBER_FLAGS = [
     (["train"], "--lr", "nan"), (["train"], "--lr", "inf"), (["train"], "--max-grad-norm", "nan"),
     (["train"], "--max-grad-norm", "inf"), (["train"], "--bucket-mb", "inf"), (["train"], "--timeout-s", "nan"),
-    (["train"], "--timeout-s", "inf"), (["train"], "--seed", str(2**70)), (["train"], "--seed", "-1"),
+    (["train"], "--timeout-s", "inf"), (["train"], "--collective-timeout-s", "nan"),
+    (["train"], "--checkpoint-every", "0"), (["train"], "--keep", "-1"), (["train"], "--seed", str(2**70)), (["train"], "--seed", "-1"),
     (["run", "DIR"], "--lr", "nan"), (["run", "DIR"], "--lr", "inf"), (["run", "DIR"], "--timeout-s", "inf"),
     (["run", "DIR"], "--seed", str(2**63)),
     (["plan"], "--bucket-mb", "nan"), (["estimate"], "--bucket-mb", "inf"), (["estimate"], "--bucket-mb", "nan"),
@@ -271,7 +276,8 @@ def test_non_finite_or_out_of_range_numbers_are_refused_by_the_parser(capsys, tm
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2, err
-    assert f"argument {flag}" in err and value in err and "Traceback" not in err, err
+    assert f"argument {flag}" in err or f"/{flag}:" in err, err  # an alias: "argument --collective-timeout-s/--timeout-s"
+    assert value in err and "Traceback" not in err, err
     assert not (tmp_path / "OUT").exists()
 
 
@@ -287,7 +293,7 @@ def test_finite_positive_numbers_still_parse():
 
     a = build_parser().parse_args(["train", "--lr", "1e-3", "--max-grad-norm", "1", "--bucket-mb", "0.5",
                                    "--timeout-s", "30"])
-    assert (a.lr, a.max_grad_norm, a.bucket_mb, a.timeout_s) == (1e-3, 1.0, 0.5, 30.0)
+    assert (a.lr, a.max_grad_norm, a.bucket_mb, a.collective_timeout_s) == (1e-3, 1.0, 0.5, 30.0)  # the alias
 
 
 def _unusable_out(tmp_path, kind):

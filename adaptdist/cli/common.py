@@ -1,6 +1,9 @@
-"""What several commands share: turning ``--plan`` into a plan object."""
+"""What several commands share: turning ``--plan`` into a plan object, ``--nproc``/``--cluster`` into a cluster,
+the lowering flags into LoweringOptions, the check of data batches against the example batch."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str, layers: bool = True):
@@ -79,3 +82,55 @@ def prepare_out_dir(path: str, flag: str = "--out"):
         raise UsageError(f"cannot create the output directory {flag} {str(out)!r}: {e.strerror or e}; pass a "
                          "writable directory path") from None
     return out
+
+
+def lowering_options(args):
+    """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
+    ``--replicate-fallback``, ``--dump-graphs``).
+
+    Raises:
+        UsageError: a bucket size that is not > 0.
+    """
+    from ..lowering_options import LoweringOptions
+
+    return LoweringOptions.from_mb(getattr(args, "bucket_mb", None),
+                                   replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
+                                   dump_dir=getattr(args, "dump_graphs", None),
+                                   debug=bool(getattr(args, "debug_passes", False)),
+                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli")
+
+
+def _cluster(args):
+    from ..calibrate.local import load_cluster, local_cluster
+
+    if args.cluster:
+        return load_cluster(args.cluster)
+    if args.nproc is None and getattr(args, "mesh", None):
+        from ..mesh import Mesh
+
+        return local_cluster(Mesh.parse(args.mesh).world_size)
+    plan_file = Path(getattr(args, "plan", "") or "")
+    if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
+        from ..plan import Plan
+
+        return local_cluster(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
+    return local_cluster(2 if args.nproc is None else args.nproc)
+
+
+def check_batch(batch, example, data) -> None:
+    """The data's batches must look like the factory's example batch (count, shapes, dtypes).
+
+    Raises:
+        DataError: names the element and what differs.
+    """
+    from ..errors import DataError
+
+    src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
+    if not isinstance(batch, (tuple, list)) or len(batch) != len(example):
+        raise DataError(f"{src} yielded {type(batch).__name__} of {len(batch) if hasattr(batch, '__len__') else '?'} "
+                        f"elements; the factory's example batch has {len(example)} tensors")
+    for i, (b, e) in enumerate(zip(batch, example)):
+        if not hasattr(b, "shape") or tuple(b.shape) != tuple(e.shape) or b.dtype != e.dtype:
+            got = f"{b.dtype} {list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
+            raise DataError(f"{src} yielded batch element {i} as {got}, but the example batch has "
+                            f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")

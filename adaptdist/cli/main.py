@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
+from .common import _cluster, lowering_options
 from .common import positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
 
 
@@ -71,22 +72,6 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--join", metavar="DIR", default=None,
                    help="add one rank to the elastic job (--nproc MIN:MAX) running in DIR; the job re-plans for "
                         "the larger world size at the next rendezvous round")
-
-
-def lowering_options(args: argparse.Namespace):
-    """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
-    ``--replicate-fallback``, ``--dump-graphs``).
-
-    Raises:
-        UsageError: a bucket size that is not > 0.
-    """
-    from ..lowering_options import LoweringOptions
-
-    return LoweringOptions.from_mb(getattr(args, "bucket_mb", None),
-                                   replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
-                                   dump_dir=getattr(args, "dump_graphs", None),
-                                   debug=bool(getattr(args, "debug_passes", False)),
-                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,42 +228,6 @@ def cmd_plan(args) -> int:
         Path(args.out).write_text(p0.plan.to_json())
         console.print(f"wrote {args.out}")
     return 0
-
-
-def _cluster(args):
-    from ..calibrate.local import load_cluster, local_cluster
-
-    if args.cluster:
-        return load_cluster(args.cluster)
-    if args.nproc is None and getattr(args, "mesh", None):
-        from ..mesh import Mesh
-
-        return local_cluster(Mesh.parse(args.mesh).world_size)
-    plan_file = Path(getattr(args, "plan", "") or "")
-    if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
-        from ..plan import Plan
-
-        return local_cluster(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
-    return local_cluster(2 if args.nproc is None else args.nproc)
-
-
-def check_batch(batch, example, data) -> None:
-    """The data's batches must look like the factory's example batch (count, shapes, dtypes).
-
-    Raises:
-        DataError: names the element and what differs.
-    """
-    from ..errors import DataError
-
-    src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
-    if not isinstance(batch, (tuple, list)) or len(batch) != len(example):
-        raise DataError(f"{src} yielded {type(batch).__name__} of {len(batch) if hasattr(batch, '__len__') else '?'} "
-                        f"elements; the factory's example batch has {len(example)} tensors")
-    for i, (b, e) in enumerate(zip(batch, example)):
-        if not hasattr(b, "shape") or tuple(b.shape) != tuple(e.shape) or b.dtype != e.dtype:
-            got = f"{b.dtype} {list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
-            raise DataError(f"{src} yielded batch element {i} as {got}, but the example batch has "
-                            f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")
 
 
 def cmd_train(args) -> int:

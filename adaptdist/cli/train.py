@@ -139,8 +139,7 @@ def cmd_train(args, defaults: dict) -> int:
     from ..runtime.preflight import check_host_memory
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
-    from .common import prepare_out_dir, resolve_plan
-    from .main import _cluster, check_batch, lowering_options
+    from .common import _cluster, check_batch, lowering_options, prepare_out_dir, resolve_plan
 
     console = report_console(stderr=True)
     if args.join:

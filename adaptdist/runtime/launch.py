@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..errors import RunInterruptedError, RuntimeLaunchError, UsageError
 from .timeouts import Timeouts
 
-LOOPBACK = "127.0.0.1"
+from .sockets import LOOPBACK, loopback_listen_socket  # noqa: F401  (re-exported: cli.launch imports them here)
 
 LOCAL_RUN_ENV = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"})
 """Environment of a local run (set unless already set): workers' store made by rank 0 (on loopback, see the
@@ -51,15 +50,6 @@ def restart_count() -> int:
     (``TORCHELASTIC_RESTART_COUNT``, which torch's agent sets; 0 outside an agent). Membership changes of an
     elastic run (a rank joining) restart the workers without counting."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def loopback_listen_socket(port: int = 0) -> socket.socket:
-    """A TCP socket bound to 127.0.0.1:``port`` (0: any free port) and listening."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port))
-    sock.listen(512)
-    return sock
 
 
 def host_loopback_store(port: int = 0, timeout_s: float = 300.0) -> Any:

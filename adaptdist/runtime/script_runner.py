@@ -33,7 +33,7 @@ def _env_store(timeout: timedelta) -> tuple[Any, int, int] | None:
     when the environment is not that (the caller's init then goes its own way)."""
     import torch.distributed as dist
 
-    from .launch import LOOPBACK, loopback_listen_socket
+    from .sockets import LOOPBACK, loopback_listen_socket
 
     try:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
