@@ -184,7 +184,7 @@ def _torchrun(out: Path, env_extra: dict, steps: int, every: int) -> subprocess.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
            "--monitor-interval", "0.5", str(REPO / "examples" / "elastic_backend.py"), "--steps", str(steps),
-           "--checkpoint-every", str(every), "--out", str(out), "--plan", "fsdp"]
+           "--checkpoint-every", str(every), "--out", str(out), "--plan", "fsdp", "--seq-len", "32"]
     return subprocess.run(cmd, env=env, cwd=str(out.parent), capture_output=True, text=True, timeout=600)
 
 
