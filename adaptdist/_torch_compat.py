@@ -576,3 +576,13 @@ def in_compiled_module_call() -> bool:
     from torch._dynamo.eval_frame import _is_in_optimized_module
 
     return _is_in_optimized_module()
+
+
+def device_mesh_without_groups(device_type: str, ranks: torch.Tensor, mesh_dim_names: tuple[str, ...]) -> Any:
+    """torch's DeviceMesh over ``ranks`` (global ranks, one tensor dim per mesh dim) that creates no process
+    groups (DeviceMesh's private ``_init_backend=False``; it still knows this rank's coordinates): enough to
+    describe DTensors to torch.distributed.checkpoint, which computes each rank's box from the coordinates
+    and communicates over the default group. A collective on this mesh fails."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _init_backend=False)

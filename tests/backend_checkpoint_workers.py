@@ -31,9 +31,22 @@ class Small(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def make_model(seed: int = 0) -> Small:
+def make_model(seed: int = 0, kind: str = "small") -> nn.Module:
+    """``small`` (:class:`Small`) or ``gpt`` (the built-in GPT, dim 32, 4 heads: tensor-parallel by heads)."""
     torch.manual_seed(seed)
+    if kind == "gpt":
+        from adaptdist.models.gpt import GPT, GPTConfig
+
+        return GPT(GPTConfig(dim=32, num_layers=2, num_heads=4, max_seq_len=8))
     return Small()
+
+
+def backend_for(case: dict):
+    """The adaptdist backend of a case: its plan (tp presets with the GPT's globs) and mesh."""
+    from backend_workers import make_plan
+
+    kind = case.get("model", "small")
+    return adaptdist.backend(plan=make_plan("gpt" if kind == "gpt" else kind, case["plan"]), mesh=case.get("mesh"))
 
 
 def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -44,14 +57,20 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, kind: str = "small", rows: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, 12, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+    if kind == "gpt":
+        return torch.randint(0, 256, (rows, 8), generator=g), torch.randint(0, 256, (rows, 8), generator=g)
+    return torch.randn(rows, 12, generator=g), torch.randint(0, 4, (rows,), generator=g)
 
 
-def train_step(model, opt, step: int, rank: int, world: int) -> float:
-    x, y = batch(step)
-    loss = F.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank])
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), y.flatten())
+
+
+def train_step(model, opt, step: int, rank: int, world: int, kind: str = "small", rows: int = GLOBAL_BATCH) -> float:
+    x, y = batch(step, kind, rows)
+    loss = loss_of(model(x.chunk(world)[rank]), y.chunk(world)[rank])
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -94,16 +113,17 @@ def save_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     try:
         out = []
         for case in cases:
-            model = make_model(0)
+            kind, rows = case.get("model", "small"), case.get("rows", GLOBAL_BATCH)
+            model = make_model(0, kind)
             opt = make_optimizer(model, case["opt"])
-            compiled = torch.compile(model, backend=adaptdist.backend(plan=case["plan"]), fullgraph=True)
+            compiled = torch.compile(model, backend=backend_for(case), fullgraph=True)
             for s in range(case["save_at"]):
-                train_step(compiled, opt, s, rank, world)
+                train_step(compiled, opt, s, rank, world, kind, rows)
             adaptdist.save_checkpoint(case["root"], compiled, opt, step=case["save_at"], extra={"plan": case["plan"]},
                                       keep=2)
             saved = snapshot(compiled, opt)
             for s in range(case["save_at"], case["steps"]):
-                train_step(compiled, opt, s, rank, world)
+                train_step(compiled, opt, s, rank, world, kind, rows)
             out.append({"saved": saved, "final": snapshot(compiled, opt)})
         return out
     finally:
@@ -118,17 +138,18 @@ def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     try:
         out = []
         for case in cases:
-            model = make_model(1)
+            kind, rows = case.get("model", "small"), case.get("rows", GLOBAL_BATCH)
+            model = make_model(1, kind)
             opt = make_optimizer(model, case["opt"])
-            compiled = torch.compile(model, backend=adaptdist.backend(plan=case["plan"]), fullgraph=True)
+            compiled = torch.compile(model, backend=backend_for(case), fullgraph=True)
             if case["order"] == "after":
-                x, y = batch(0)
-                F.cross_entropy(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+                x, y = batch(0, kind, rows)
+                loss_of(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
                 opt.zero_grad(set_to_none=True)
             step, extra = adaptdist.load_checkpoint(case["root"], compiled, opt)
             loaded = snapshot(compiled, opt)
             for s in range(step, case["steps"]):
-                train_step(compiled, opt, s, rank, world)
+                train_step(compiled, opt, s, rank, world, kind, rows)
             out.append({"step": step, "extra": extra, "loaded": loaded, "final": snapshot(compiled, opt)})
         return out
     finally:

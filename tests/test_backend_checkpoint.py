@@ -173,6 +173,28 @@ def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
         assert "CheckpointError" in errors[r] and "'Small'" in errors[r] and "'Sequential'" in errors[r], errors[r]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensor_parallel_checkpoint_loads_on_a_2d_mesh_and_under_the_automatic_plan(tmp_path):
+    """The GPT saved tensor-parallel on 2 ranks (attention and MLP weights sharded by heads / features), loaded
+    on 4 ranks into a dp=2,tp=2 mesh (after the first call: shards of a 2-D layout) and under the automatic
+    plan (before the first call), SGD with momentum: bitwise after the load, equal to the 2-rank run after."""
+    root = str(tmp_path / "gpt_tp")
+    save = dict(root=root, model="gpt", plan="tp", opt="sgd", save_at=2, steps=4, rows=4)
+    saved = launch_local(save_worker, ([save],), 2)[0][0]
+    assert saved["saved"]["layouts"]["blocks.0.attn.q.weight"] == [[[0, 16], [0, 32]], [[16, 32], [0, 32]]]
+    loads = [dict(root=root, model="gpt", plan="dp,tp", mesh="dp=2,tp=2", opt="sgd", order="after", steps=4, rows=4),
+             dict(root=root, model="gpt", plan="auto", opt="sgd", order="before", steps=4, rows=4)]
+    loaded = launch_local(load_worker, (loads,), 4)
+    for k, case in enumerate(loads):
+        for r in range(4):
+            what = f"{case['plan']} rank {r}"
+            _assert_equal_snapshots(loaded[r][k]["loaded"], saved["saved"], what)
+            _assert_close_params(loaded[r][k]["final"], saved["final"], what)
+    layouts = loaded[0][0]["loaded"]["layouts"]  # tp-sharded, replicated over dp: ranks 0 and 2 hold one box
+    assert layouts["blocks.0.attn.q.weight"] == [[[0, 16], [0, 32]], [[16, 32], [0, 32]]] * 2, layouts
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

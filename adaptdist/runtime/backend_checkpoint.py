@@ -36,7 +36,7 @@ first call (its parameters are full then), the optimizer's state is full too; a 
 optimizer keeps, at each ``step()``, only this rank's shard of the state of every parameter the backend has
 since sharded.
 
-Every rank must call both functions (they are collectives: DCP's plans, barriers, DeviceMesh groups), on a
+Every rank must call both functions (they are collectives: DCP's plans and barriers), on a
 file system that all ranks share (one host, or a shared mount). The checkpoint's ``.metadata`` is a pickle:
 load only checkpoints from a source you trust (the checksums catch corruption and mix-ups, not an author).
 """
@@ -137,9 +137,8 @@ def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 class _Meshes:
-    """The DeviceMeshes of the layouts met in one save or load (one per plan), made on first use: making
-    one creates its process groups, a collective every rank performs in the same order (every rank holds
-    the same parameters with the same layouts)."""
+    """The DeviceMeshes of the layouts met in one save or load (one per plan), made on first use. They create
+    no process groups (DCP communicates over the default group): nothing is left behind per checkpoint."""
 
     def __init__(self) -> None:
         self._by_plan: dict[str, tuple[Any, list[str], dict[str, int]]] = {}
@@ -148,8 +147,7 @@ class _Meshes:
         """(DeviceMesh with dims in lowering order, that order, axis -> size) of ``layout``'s plan."""
         key = layout.plan_json
         if key not in self._by_plan:
-            from torch.distributed.device_mesh import DeviceMesh
-
+            from .. import _torch_compat as compat
             from ..mesh import Mesh, lowering_order
             from ..plan import Plan
 
@@ -157,7 +155,7 @@ class _Meshes:
             mesh = Mesh(tuple(plan.mesh.items()))
             order = lowering_order(mesh, plan.batch_axis)
             ranks = torch.arange(mesh.world_size).reshape(mesh.sizes).permute([mesh.names.index(a) for a in order])
-            device_mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(order))
+            device_mesh = compat.device_mesh_without_groups(device_type, ranks, tuple(order))
             self._by_plan[key] = (device_mesh, order, mesh.as_dict())
         return self._by_plan[key]
 
