@@ -9,7 +9,8 @@ newest good one, if any. When a rank dies, torchrun (``--max-restarts``) restart
 goes on from that checkpoint; run the same command again after a crash past its restarts (or with a larger
 ``--steps``) and it continues too. The data position is the step: the global batch of step ``s`` is drawn
 from seed ``(--seed, s)``, and each rank takes its rows of it, so a resumed run sees exactly the batches an
-uninterrupted one would, at any world size (the checkpoint loads under any plan and number of ranks).
+uninterrupted one would, at any world size that divides ``--batch-size`` (the checkpoint loads under any
+plan and number of ranks).
 
 Outputs under ``--out``: ``checkpoints/step-XXXXXXXX``; at the end, on rank 0, ``final.pt`` (the full state
 dict, ``adaptdist.full_state_dict``) and ``summary.json`` (steps, the step this attempt resumed from, its
@@ -74,6 +75,9 @@ def main() -> None:
 
     init_process_group(timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} does not split evenly over {world} ranks: pass a multiple "
+                         f"of {world}")
     out = Path(args.out)
     ckpt = out / "checkpoints"
     torch.manual_seed(args.seed)  # the same initial model on every rank (a resume overwrites it)

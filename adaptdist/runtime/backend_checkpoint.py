@@ -255,7 +255,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         model: the ``torch.compile``'d model (or the module itself, compiled or not).
         optimizer: the optimizer over ``model.parameters()`` (None: the model only).
         step: the number of steps done (an integer >= 0); ``load_checkpoint`` returns it.
-        extra: a JSON-able dict stored in ``meta.json`` (a data position, a scheduler's state_dict, ...).
+        extra: a JSON-able dict stored in ``meta.json`` (a data position, an LR scheduler's state_dict, ...:
+            what the model and optimizer do not hold).
         keep: keep only the newest ``keep`` checkpoints under ``path`` (None: all).
 
     Returns:
@@ -518,5 +519,6 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                  "own", where, rank, meta.get("world_size"))
     _barrier()
     if rank == 0:
-        log.info("adaptdist: resumed from %s (step %d, written by %s ranks)", where, meta["step"], meta.get("world_size"))
+        log.info("adaptdist: resumed from %s (step %d, written by %s ranks)", where, meta["step"],
+                 meta.get("world_size"))
     return int(meta["step"]), dict(meta.get("extra") or {})
