@@ -306,24 +306,24 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             "optimizer": None if optimizer is None else {
                 "type": type(optimizer).__name__, "param_groups": groups, "state": opt_meta, "scalars": opt_scalars}}
 
-    tmp = None
-    failed = None
+    failed: Exception | None = None
     if rank == 0:
         try:
-            tmp = store.prepare(root, step)
+            store.prepare(root, step)
         except CheckpointError as e:
             failed = e
     if _any_rank(failed is not None):
         raise failed or CheckpointError(f"rank 0 could not create the checkpoint of step {step} under {str(root)!r}")
-    tmp = store._tmp_dir(root, step)
+    tmp = store._tmp_dir(root, step)  # what prepare made on rank 0 (the file system is shared)
     try:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda:{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         (tmp / _RNG_DIR).mkdir(exist_ok=True)
         save_file(rng, str(tmp / _RNG_DIR / f"rank{rank:05d}.safetensors"))
-    except OSError as e:
-        failed = CheckpointError(f"rank {rank} could not write its RNG state into {str(tmp)!r}: {e.strerror or e}")
+    except Exception as e:  # on this rank only: every rank must learn of it, or the others would wait in DCP
+        failed = CheckpointError(f"rank {rank} could not write its RNG state into {str(tmp)!r}: "
+                                 f"{getattr(e, 'strerror', None) or e}")
     if _any_rank(failed is not None):
         raise failed or CheckpointError(f"another rank could not write its part of the checkpoint of step {step} "
                                         f"into {str(tmp)!r} (its error names it); nothing was committed")
