@@ -133,7 +133,8 @@ def save_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
 def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     """Per case (root, plan, opt, order, steps): a fresh model of other initial weights and a fresh optimizer;
     with order "after", one compiled forward/backward first (the parameters become shards; no step), with
-    "before" none; load; snapshot ("loaded"); train from the loaded step to ``steps`` ("final")."""
+    "before" none; load; snapshot ("loaded"); train from the loaded step to ``steps`` ("final"); with
+    ``save_to``, save there at ``steps``."""
     rank, world = _init(timeout_s)
     try:
         out = []
@@ -150,6 +151,8 @@ def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
             loaded = snapshot(compiled, opt)
             for s in range(step, case["steps"]):
                 train_step(compiled, opt, s, rank, world, kind, rows)
+            if case.get("save_to"):  # saved again from this world's shards (empty ones included)
+                adaptdist.save_checkpoint(case["save_to"], compiled, opt, step=case["steps"])
             out.append({"step": step, "extra": extra, "loaded": loaded, "final": snapshot(compiled, opt)})
         return out
     finally:

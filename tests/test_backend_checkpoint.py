@@ -139,7 +139,9 @@ def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
         _assert_equal_snapshots(saved[1][k]["saved"], saved[0][k]["saved"], f"save case {k}")
     assert saved[0][0]["saved"]["layouts"]["fc1.weight"] == [[[0, 4], [0, 12]], [[4, 7], [0, 12]]]  # uneven
 
-    loads = [dict(root=roots["adamw_fsdp"], plan="fsdp", opt="adamw", order="after", steps=STEPS, of=0),
+    resaved = str(tmp_path / "resaved_on_3")
+    loads = [dict(root=roots["adamw_fsdp"], plan="fsdp", opt="adamw", order="after", steps=STEPS, of=0,
+                  save_to=resaved),
              dict(root=roots["adamw_fsdp"], plan="fsdp", opt="adamw", order="before", steps=STEPS, of=0),
              dict(root=roots["adamw_fsdp"], plan="dp", opt="adamw", order="after", steps=STEPS, of=0),  # fsdp -> dp
              dict(root=roots["sgd_fsdp"], plan="fsdp", opt="sgd", order="after", steps=STEPS, of=1),
@@ -167,6 +169,11 @@ def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
         for s in range(SAVE_AT, STEPS):
             train_step(model, opt, s, 0, 1)
         _assert_close_params(snapshot(model, opt), saved[0][k]["final"], f"world 1, {saves[k]}")
+
+    model = make_model(3)  # the 3 ranks' checkpoint (saved from shards, one of them empty), in one process
+    opt = make_optimizer(model, "adamw")
+    assert adaptdist.load_checkpoint(resaved, model, opt)[0] == STEPS
+    _assert_equal_snapshots(snapshot(model, opt), loaded[0][0]["final"], "saved on 3 ranks, loaded on 1")
 
     errors = launch_local(other_model_worker, (roots["sgd_fsdp"],), 2)
     for r in range(2):
