@@ -3,7 +3,9 @@
 ``adaptdist.backend(...)`` configures the torch.compile backend (``backend="adaptdist"`` needs no
 import; ``adaptdist.AdaptdistBackend`` is its class, ``adaptdist.ManualPlan`` a manual plan);
 ``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled, and
-``adaptdist.clip_grad_norm_(model, max_norm)`` clips by the norm of its whole (sharded) gradient.
+``adaptdist.clip_grad_norm_(model, max_norm)`` clips by the norm of its whole (sharded) gradient;
+``adaptdist.save_checkpoint(path, model, optimizer, step=...)`` and ``adaptdist.load_checkpoint(path, model,
+optimizer)`` checkpoint and resume it under any plan and world size.
 """
 
 from ._version import __version__
@@ -27,6 +29,10 @@ def __getattr__(name: str):
         from .runtime.sharded_params import clip_grad_norm_
 
         return clip_grad_norm_
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from .runtime import backend_checkpoint
+
+        return getattr(backend_checkpoint, name)
     if name == "full_state_dict":
         from .runtime.compiled_step import full_state_dict
 
@@ -35,4 +41,5 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return ["AdaptdistBackend", "ManualPlan", "__version__", "backend", "clip_grad_norm_", "full_state_dict"]
+    return ["AdaptdistBackend", "ManualPlan", "__version__", "backend", "clip_grad_norm_", "full_state_dict", "load_checkpoint",
+            "save_checkpoint"]

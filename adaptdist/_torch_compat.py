@@ -596,3 +596,13 @@ def default_group_timeout_s() -> float | None:
         return float(backend.options._timeout.total_seconds())
     except Exception:
         return None
+
+
+def device_mesh_without_groups(device_type: str, ranks: torch.Tensor, mesh_dim_names: tuple[str, ...]) -> Any:
+    """torch's DeviceMesh over ``ranks`` (global ranks, one tensor dim per mesh dim) that creates no process
+    groups (DeviceMesh's private ``_init_backend=False``; it still knows this rank's coordinates): enough to
+    describe DTensors to torch.distributed.checkpoint, which computes each rank's box from the coordinates
+    and communicates over the default group. A collective on this mesh fails."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _init_backend=False)
