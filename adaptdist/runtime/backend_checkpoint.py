@@ -314,7 +314,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             failed = e
     if _any_rank(failed is not None):
         raise failed or CheckpointError(f"rank 0 could not create the checkpoint of step {step} under {str(root)!r}")
-    tmp = store._tmp_dir(root, step)  # what prepare made on rank 0 (the file system is shared)
+    tmp = store.temporary_dir(root, step)  # what prepare made on rank 0 (the file system is shared)
     try:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
