@@ -82,11 +82,12 @@ def collective_edge_cases_worker(timeout_s: float = 30.0) -> dict:
 
 
 def checkpoint_worker(program_dir: str, out_dir: str, batch: tuple, timeout_s: float = 60.0) -> dict:
-    """One AdamW step of this rank's program, then its checkpoint (``worker._checkpoint``: DCP of model and
-    optimizer state, model.safetensors on rank 0); returns the shards this rank holds."""
+    """One AdamW step of this rank's program, then its checkpoint as the step loop writes it (``worker._save``:
+    ``out_dir/checkpoints/step-00000001`` with the DCP of model and optimizer state; ``worker._write_weights``:
+    model.safetensors on rank 0); returns the shards this rank holds."""
     from types import SimpleNamespace
 
-    from adaptdist.runtime.worker import _checkpoint
+    from adaptdist.runtime.worker import _save, _write_weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
@@ -96,7 +97,9 @@ def checkpoint_worker(program_dir: str, out_dir: str, batch: tuple, timeout_s: f
         mesh = register_mesh_groups(program, "gloo")
         runner = StepRunner(program, "adamw", 0.1)
         runner.step(batch)
-        _checkpoint(SimpleNamespace(out_dir=out_dir), runner, rank, mesh)
+        cfg = SimpleNamespace(out_dir=out_dir, model_name="test", keep=None, run_meta={}, seed=0)
+        _save(cfg, runner, program, mesh, rank, dist.get_world_size(), 1, [])
+        _write_weights(cfg, runner, rank, mesh)
         optim = runner.optimizer_state_by_fqn()
         return {"state": {f: t.clone() for f, t in runner.state.items()},
                 "exp_avg": {f: optim[f]["exp_avg"].clone() for f in program.param_fqns}}

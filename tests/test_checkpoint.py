@@ -60,7 +60,7 @@ def test_dim_sharded_on_two_axes_checkpoints_at_its_offsets(tmp_path):
     fqns = [f for f, _ in model.named_parameters()]
     model_sd = {f: torch.empty_like(t) for f, t in model.named_parameters()}
     optim_sd = {f: {"exp_avg": torch.empty_like(t)} for f, t in model.named_parameters()}
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "checkpoint"))
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "checkpoints" / "step-00000001" / "dcp"))
     full = load_file(str(tmp_path / "model.safetensors"))
     for f in fqns:
         want = _assemble({r: res[r]["state"][f] for r in res}, layouts, f)

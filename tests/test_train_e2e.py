@@ -14,6 +14,12 @@ SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "
 SMALL = ["--batch-size", "4", "--seq-len", "16", "--threads-per-rank", "1", "--timeout-s", "60"]
 
 
+def _last_dcp(out: Path) -> Path:
+    from adaptdist.runtime.checkpoint_store import latest_good
+
+    return latest_good(out / "checkpoints").path / "dcp"
+
+
 def test_train_builtin_gpt_writes_checkpoint_and_sample(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", "--steps", "8", "--lr", "3e-3", "--out", str(out), "--sample-bytes", "40", *SMALL])
@@ -21,7 +27,8 @@ def test_train_builtin_gpt_writes_checkpoint_and_sample(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["ranks"] == 2
     assert summary["last_mean_loss"] < summary["initial_loss"]
-    assert (out / "checkpoint" / ".metadata").is_file()
+    assert (out / "checkpoints" / "step-00000008" / "dcp" / ".metadata").is_file()
+    assert json.loads((out / "run.json").read_text())["state"] == "complete" and summary["complete"]
     weights = load_file(str(out / "model.safetensors"))
     assert "tok_emb.weight" in weights
     assert (out / "programs" / "manifest.json").is_file()
@@ -122,7 +129,7 @@ def test_sharded_plans_train_and_checkpoint_full_tensors(tmp_path, plan):
     assert losses[plan]["final_loss"] == pytest.approx(losses["dp"]["final_loss"], abs=1e-4)
     full = load_file(str(tmp_path / plan / "model.safetensors"))
     restored = {k: torch.empty_like(v) for k, v in full.items()}
-    dcp.load({"model": restored}, checkpoint_id=str(tmp_path / plan / "checkpoint"))
+    dcp.load({"model": restored}, checkpoint_id=str(tmp_path / plan / "checkpoints" / "step-00000003" / "dcp"))
     for k, v in full.items():
         assert torch.equal(restored[k], v), k
 
@@ -173,7 +180,7 @@ def test_dim_sharded_on_two_axes_trains_and_checkpoints_full_tensors(tmp_path):
     assert losses["nested"]["final_loss"] == pytest.approx(losses["dp"]["final_loss"], abs=1e-5)
     full = load_file(str(tmp_path / "nested" / "model.safetensors"))
     restored = {k: torch.empty_like(v) for k, v in full.items()}
-    dcp.load({"model": restored}, checkpoint_id=str(tmp_path / "nested" / "checkpoint"))
+    dcp.load({"model": restored}, checkpoint_id=str(_last_dcp(tmp_path / "nested")))
     reference = load_file(str(tmp_path / "dp" / "model.safetensors"))
     for k, v in full.items():
         assert torch.equal(restored[k], v), k
