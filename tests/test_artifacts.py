@@ -168,3 +168,32 @@ def test_compile_writes_the_programs_train_runs(tmp_path):
             json.loads((tmp_path / "trained" / "programs" / f"rank{r}" / "program.json").read_text())
     assert compiled.count("all_reduce") > 1  # several gradient buckets: the bucket size is part of what agrees
     assert (tmp_path / "compiled" / "plan.json").read_text() == (tmp_path / "trained" / "programs" / "plan.json").read_text()
+
+
+@pytest.mark.slow
+def test_run_resumes_from_its_checkpoint(artifacts, tmp_path, monkeypatch):
+    """`adaptdist run` killed past its restarts, then `--resume`: it continues from the newest good checkpoint and
+    ends with the losses of a run that never stopped."""
+    ref, out = tmp_path / "ref", tmp_path / "r"
+    args = ["--optimizer", "sgd", "--checkpoint-every", "2"]
+    assert main(["run", str(artifacts), "--steps", "6", *args, "--out", str(ref)]) == 0
+    monkeypatch.setenv("ADAPTDIST_INJECT_FAULT", "raise:1:4")
+    assert main(["run", str(artifacts), "--steps", "6", *args, "--out", str(out)]) == 2
+    monkeypatch.delenv("ADAPTDIST_INJECT_FAULT")
+    assert main(["run", str(artifacts), "--steps", "6", *args, "--out", str(out), "--resume"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumes"][0]["step"] == 2
+    assert summary["losses"] == json.loads((ref / "summary.json").read_text())["losses"]
+
+
+def test_run_notices_a_changed_model_file(artifacts, tmp_path, capsys):
+    """The manifest holds the model file's sha256: an edited file (its data() feeds the run) is refused."""
+    d = _copy(artifacts, tmp_path / "a")
+    manifest = json.loads((d / "manifest.json").read_text())
+    model = tmp_path / "m.py"
+    model.write_text(Path(manifest["model_file"]).read_text() + "\n# edited\n")
+    manifest["model_file"] = str(model)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", str(d), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "changed since" in err and "m.py" in err
