@@ -425,8 +425,9 @@ class _Events:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         text = {"restart": lambda: f"restart {fields.get('attempt')}: {fields.get('cause')}",
-                "resume": lambda: (f"resumed from {fields.get('checkpoint')} (step {fields.get('step')}; saved by "
-                                   f"{fields.get('saved_plan')}); now {fields.get('plan')}"),
+                "resume": lambda: (f"resumed from {fields.get('checkpoint')} (step {fields.get('step')})\n"
+                                   f"adaptdist:   saved by {fields.get('saved_plan')}\n"
+                                   f"adaptdist:   now      {fields.get('plan')}"),
                 "stopped": lambda: f"stopped by {fields.get('signal')} after step {fields.get('step')}; checkpoint "
                                    f"{fields.get('checkpoint')}"}.get(kind, lambda: kind)()
         if not fields.get("quiet"):
