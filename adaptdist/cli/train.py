@@ -221,13 +221,15 @@ def cmd_train(args, defaults: dict) -> int:
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
-                               base_program_dir=str(out / "programs"), options=options)
+                               base_program_dir=str(out / "programs"), options=options,
+                               compile_wait_s=timeouts.compile_wait_s)
         source.check_elastic()
     elif resume_src is not None:
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
-                               base_program_dir=str(out / "programs"), options=options)
+                               base_program_dir=str(out / "programs"), options=options,
+                               compile_wait_s=timeouts.compile_wait_s)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 

@@ -197,6 +197,18 @@ def _broadcast(value: Any, rank: int) -> Any:
     return box[0]
 
 
+def _publish(path: str | None, rank: int, attempt: int, wait_s: float) -> str:
+    """Rank 0's ``path`` on every rank through the job's store, waited for up to ``wait_s`` seconds (a compile may
+    outlast the collective timeout a broadcast would have)."""
+    store = compat.default_group_store()
+    key = f"adaptdist/programs/{attempt}"
+    if rank == 0:
+        store.set(key, path)
+        return path
+    store.wait([key], timedelta(seconds=wait_s))
+    return store.get(key).decode()
+
+
 def positioned_batches(spec: DataSpec, start_step: int, note) -> Iterator[tuple[torch.Tensor, ...]]:
     """Global batches from step ``start_step`` on (0-based: the batch of the step after ``start_step`` steps):
     the model file's ``data(..., start_step=)`` when it takes that argument, else batches replayed from the
@@ -250,7 +262,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                        cause=failure_of(cfg.out_dir, attempt - 1) or "unknown (no rank left a record)")
         program_dir = cfg.program_dir
         if cfg.program_source is not None:
-            program_dir = cfg.program_source.program_dir(world, rank, lambda p: _broadcast(p, rank), events.note,
+            wait_s = getattr(cfg.program_source, "compile_wait_s", cfg.timeout_s)
+            program_dir = cfg.program_source.program_dir(world, rank, lambda p: _publish(p, rank, attempt, wait_s),
+                                                         events.note,
                                                          local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         program = load_program(program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
