@@ -1,0 +1,128 @@
+"""Several hosts on one machine (network namespaces, tests/netns.py): `adaptdist train --nnodes` across them trains
+through the c10d rendezvous, equal to a single-host run; a host cut off or killed mid-run is a fault the others
+survive at the smaller size."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from netns import Hosts, Refused, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.slow  # every test here starts ranks in several namespaces
+
+SMALL = ["--batch-size", "4", "--seq-len", "16", "--plan", "dp", "--optimizer", "sgd", "--lr", "0.05",
+         "--threads-per-rank", "1", "--sample-bytes", "0"]
+PORT = 29500  # the namespaces are fresh: nothing else listens there
+
+
+@pytest.fixture
+def hosts():
+    """Three namespaces 10.213.0.1-3 on one bridge, removed after the test (even when it fails)."""
+    h = Hosts(3)
+    try:
+        h.create()
+    except Refused as e:
+        pytest.skip(f"several hosts are simulated with network namespaces, refused here: {e}")
+    try:
+        yield h
+    finally:
+        h.remove()
+
+
+def _adaptdist(*args: str) -> list[str]:
+    return [sys.executable, "-m", "adaptdist.cli", *args]
+
+
+def _start_hosts(hosts: Hosts, n: int, out: Path, logs: Path, *extra: str) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for i in range(n):
+        log = open(logs / f"host{i}.log", "w")
+        procs.append(hosts.start(i, _adaptdist("train", "--out", str(out), "--rdzv-endpoint",
+                                               f"{hosts.addrs[0]}:{PORT}", "--nproc", "1", *SMALL, *extra),
+                                 stdout=log, stderr=subprocess.STDOUT, env=env))
+    return procs
+
+
+def _logs(logs: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("host*.log")))
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float, logs: Path) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a host did not finish within {timeout_s:g} s\n{_logs(logs)}") from None
+    return codes
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.timeout(170)
+def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
+    steps = "6"
+    ref = tmp_path / "ref"
+    r = subprocess.run(_adaptdist("train", "--nproc", "3", "--steps", steps, "--out", str(ref), *SMALL),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    procs = _start_hosts(hosts, 3, out, logs, "--nnodes", "3", "--steps", steps)
+    assert _wait(procs, 120, logs) == [0, 0, 0], _logs(logs)
+    text = _logs(logs)
+    for i, addr in enumerate(hosts.addrs):
+        assert f"rank {i}: pid" in text
+    want, got = _weights(ref), _weights(out)
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 3 and summary["steps"] == 6 and summary["restarts"] == []
+    assert json.loads((out / "run.json").read_text())["state"] == "complete"
+    # the workers' store and gloo used the namespaces' addresses: the rendezvous records each host's address
+    status = [json.loads(p.read_text()) for p in (out / "status").glob("attempt*/rank*.json")]
+    assert sorted(s["rank"] for s in status) == [0, 1, 2]
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("fault", ["cut_link", "kill_processes"])
+def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tmp_path, fault):
+    out, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    steps = 24
+    procs = _start_hosts(hosts, 3, out, logs, "--nnodes", "2:3", "--max-restarts", "2", "--steps", str(steps),
+                         "--checkpoint-every", "4", "--collective-timeout-s", "15")
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-00000008").is_dir(), 100, "the checkpoint after step 8")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_logs(logs)}") from None
+    t_fault = time.time()
+    if fault == "cut_link":
+        hosts.cut(2)
+    else:
+        assert hosts.kill(2) > 0
+    codes = _wait(procs[:2], 140, logs)
+    assert codes == [0, 0], _logs(logs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 2 and summary["steps"] == steps, _logs(logs)
+    assert len(summary["restarts"]) >= 1 and summary["restarts"][0]["world_size"] == 2
+    resume = summary["resumes"][-1]
+    assert resume["world_size"] == 2 and resume["saved_world_size"] == 3 and resume["step"] >= 8
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    resumed = next(e for e in events if e["event"] == "resumed_step" and e["time_s"] > t_fault)
+    print(f"{fault}: fault to the first resumed step {resumed['time_s'] - t_fault:.1f} s; "
+          f"restart cause: {summary['restarts'][0]['cause']}")
+    assert len(summary["losses"]) == steps
