@@ -173,6 +173,21 @@ class Hosts:
         self.procs.append(p)
         return p
 
+    def listeners(self, i: int) -> set[tuple[str, int]]:
+        """The (address, port) of every listening TCP socket in host ``i``'s namespace (``/proc/net/tcp``, tcp6;
+        an IPv6 address as its hex)."""
+        found = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            p = subprocess.run(self.command(i, ["cat", table]), capture_output=True, text=True, timeout=30)
+            for line in p.stdout.splitlines()[1:]:
+                cols = line.split()
+                if len(cols) < 4 or cols[3] != "0A":  # 0A: LISTEN
+                    continue
+                addr_hex, port_hex = cols[1].split(":")
+                addr = (socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]) if len(addr_hex) == 8 else addr_hex)
+                found.add((addr, int(port_hex, 16)))
+        return found
+
     def cut(self, i: int) -> None:
         """Cut host ``i`` off the network (its link down; its processes live on)."""
         _ip("link", "set", self.links[i], "down")

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).parent))
 from netns import Hosts, Refused, wait_for  # noqa: E402
 
-pytestmark = pytest.mark.slow  # every test here starts ranks in several namespaces
 
 SMALL = ["--batch-size", "4", "--seq-len", "16", "--plan", "dp", "--optimizer", "sgd", "--lr", "0.05",
          "--threads-per-rank", "1", "--sample-bytes", "0"]
@@ -71,6 +70,7 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
     steps = "6"
@@ -81,7 +81,17 @@ def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
     out, logs = tmp_path / "shared", tmp_path / "logs"
     logs.mkdir()
     procs = _start_hosts(hosts, 3, out, logs, "--nnodes", "3", "--steps", steps)
+    # every socket listening in a namespace is bound to its own address (stores, gloo), never a wildcard
+    seen: list[set] = [set() for _ in hosts.names]
+    deadline = time.monotonic() + 120
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        for i in range(3):
+            seen[i] |= hosts.listeners(i)
+        time.sleep(0.3)
     assert _wait(procs, 120, logs) == [0, 0, 0], _logs(logs)
+    for i, addr in enumerate(hosts.addrs):
+        assert seen[i] and {a for a, _ in seen[i]} == {addr}, (i, seen[i])
+    assert (hosts.addrs[0], PORT) in seen[0]  # the rendezvous store, on the endpoint's host
     text = _logs(logs)
     for i, addr in enumerate(hosts.addrs):
         assert f"rank {i}: pid" in text
@@ -97,6 +107,7 @@ def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
     assert sorted(s["rank"] for s in status) == [0, 1, 2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 @pytest.mark.parametrize("fault", ["cut_link", "kill_processes"])
 def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tmp_path, fault):
@@ -126,3 +137,77 @@ def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tm
     print(f"{fault}: fault to the first resumed step {resumed['time_s'] - t_fault:.1f} s; "
           f"restart cause: {summary['restarts'][0]['cause']}")
     assert len(summary["losses"]) == steps
+
+
+# --- no ranks started: the flags, the endpoint, the shared --out rule ---
+
+def _job(endpoint="10.0.0.1:29500", job=None):
+    return {"endpoint": endpoint, "nnodes": [2, 3], "nproc_per_host": 1, "job": job or f"adaptdist-{endpoint}"}
+
+
+def test_the_first_host_claims_a_fresh_out_and_the_others_join_it(tmp_path):
+    from adaptdist.cli.train_hosts import claim_out_dir
+
+    settings = {"model": "builtin:gpt", "steps": 6}
+    first = claim_out_dir(tmp_path, settings, _job(), resume=False)
+    assert first["state"] == "running" and first["first_attempt"] == 0
+    second = claim_out_dir(tmp_path, settings, _job(), resume=False)
+    assert second == json.loads((tmp_path / "run.json").read_text())
+
+
+@pytest.mark.parametrize("change", ["settings", "job", "complete", "stray"])
+def test_a_multi_host_run_never_clears_out_and_refuses_another_run(tmp_path, change):
+    from adaptdist.cli.train_hosts import claim_out_dir
+    from adaptdist.errors import UsageError
+
+    settings = {"model": "builtin:gpt", "steps": 6}
+    if change == "stray":
+        (tmp_path / "model.safetensors").write_bytes(b"old")
+    else:
+        claim_out_dir(tmp_path, settings, _job(), resume=False)
+    if change == "complete":
+        run = json.loads((tmp_path / "run.json").read_text())
+        (tmp_path / "run.json").write_text(json.dumps({**run, "state": "complete"}))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UsageError, match="never clears --out"):
+        claim_out_dir(tmp_path, {**settings, "steps": 7} if change == "settings" else settings,
+                      _job(job="other") if change == "job" else _job(), resume=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_resume_takes_over_a_complete_run(tmp_path):
+    from adaptdist.cli.train_hosts import claim_out_dir
+
+    claim_out_dir(tmp_path, {"steps": 6}, _job(), resume=False)
+    run = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps({**run, "state": "complete"}))
+    (tmp_path / "status" / "attempt0").mkdir(parents=True)
+    got = claim_out_dir(tmp_path, {"steps": 9}, _job(), resume=True)
+    assert got["state"] == "running" and got["first_attempt"] == 1 and got["settings"]["steps"] == 9
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--nnodes", "2"], "needs --rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"], "expected HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500", "--nproc", "1:2"], "ranks per host"),
+    (["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500", "--mesh", "dp=2"], "--mesh"),
+])
+def test_bad_multi_host_flags_are_one_line_errors(tmp_path, capsys, argv, match):
+    from adaptdist.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "o"), *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_the_endpoint_and_the_local_address_are_checked():
+    from adaptdist.errors import UsageError
+    from adaptdist.runtime.launch import interface_of, launch_hosts, route_address, split_endpoint
+
+    assert split_endpoint("10.0.0.1:29500") == ("10.0.0.1", 29500)
+    assert split_endpoint("[::1]:29500") == ("::1", 29500)
+    assert interface_of("127.0.0.1") == "lo"
+    assert route_address("127.0.0.1", 29500) == "127.0.0.1"
+    with pytest.raises(UsageError, match="no interface of this host"):
+        interface_of("192.0.2.77")  # TEST-NET-1: no host has it
+    with pytest.raises(UsageError, match="not a wildcard"):
+        launch_hosts(print, (), 1, 2, 2, "0.0.0.0:29500")

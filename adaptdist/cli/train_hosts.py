@@ -113,9 +113,11 @@ def claim_out_dir(out: Path, settings: dict, job: dict, resume: bool) -> dict:
         raise UsageError(f"--out {out}: {f} cannot be read; pass a fresh --out")
     same_job = run.get(HOSTS_KEY, {}).get("job") == job["job"]
     same = run.get("settings") == json.loads(json.dumps(settings, default=list))
-    if resume:
-        if run.get("state") != "running":
-            run = {**run, "state": "running", "first_attempt": _next_attempt(str(out)), HOSTS_KEY: job}
+    if resume:  # the first host to arrive marks it running (a later one finds it so and joins)
+        if run.get("state") != "running" or not same or not same_job:
+            first = run.get("first_attempt", 0) if run.get("state") == "running" else _next_attempt(str(out))
+            run = {**run, "state": "running", "settings": json.loads(json.dumps(settings, default=list)),
+                   "first_attempt": first, HOSTS_KEY: job}
             tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(run, indent=1, default=list))
             tmp.replace(f)
