@@ -139,6 +139,34 @@ def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tm
     assert len(summary["losses"]) == steps
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_a_host_that_joins_later_is_taken_in_at_the_larger_size(hosts, tmp_path):
+    out, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    steps = 160  # with a larger batch: long enough for a third host to start while the first two train
+    extra = ("--nnodes", "2:3", "--max-restarts", "1", "--steps", str(steps), "--checkpoint-every", "10",
+             "--batch-size", "12", "--seq-len", "64")
+    procs = _start_hosts(hosts, 2, out, logs, *extra)
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step-00000010").is_dir(), 100, "the checkpoint after step 10")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_logs(logs)}") from None
+    t_join = time.time()
+    log = open(logs / "host2.log", "w")
+    procs.append(hosts.start(2, _adaptdist("train", "--out", str(out), "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}",
+                                           "--nproc", "1", *SMALL, *extra),
+                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+    assert _wait(procs, 140, logs) == [0, 0, 0], _logs(logs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 3 and len(summary["losses"]) == steps, _logs(logs)
+    resume = summary["resumes"][-1]
+    assert resume["world_size"] == 3 and resume["saved_world_size"] == 2 and resume["step"] >= 10
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    resumed = next(e for e in events if e["event"] == "resumed_step" and e["time_s"] > t_join)
+    print(f"join: host started to the first step at 3 ranks {resumed['time_s'] - t_join:.1f} s")
+
+
 # --- no ranks started: the flags, the endpoint, the shared --out rule ---
 
 def _job(endpoint="10.0.0.1:29500", job=None):

@@ -671,7 +671,7 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc_per_node < 1:
@@ -735,8 +735,12 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
         raise RunInterruptedError(
             f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to this host's {nproc_per_node} "
             f"workers, given {config.shutdown_timeout} s to stop", int(e.sigval)) from None
+    except RendezvousClosedError:
+        raise RuntimeLaunchError(f"{where}: the job's rendezvous is closed (the job finished or gave up before this "
+                                 "host joined); start a new job, or pass another --rdzv-id") from None
     except (RendezvousError, DistError) as e:
-        raise RuntimeLaunchError(f"{where} lost the job: {type(e).__name__}: {str(e).splitlines()[0][:500]}; "
+        first = (str(e).strip().splitlines() or [""])[0][:500]
+        raise RuntimeLaunchError(f"{where} lost the job: {type(e).__name__}{f': {first}' if first else ''}; "
                                  "check that the endpoint's host runs adaptdist train and is reachable") from None
     finally:
         import shutil
