@@ -167,6 +167,31 @@ def test_a_host_that_joins_later_is_taken_in_at_the_larger_size(hosts, tmp_path)
     print(f"join: host started to the first step at 3 ranks {resumed['time_s'] - t_join:.1f} s")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+def test_resume_continues_a_finished_multi_host_run_on_fewer_hosts(hosts, tmp_path):
+    out, logs = tmp_path / "shared", tmp_path / "logs"
+    logs.mkdir()
+    assert _wait(_start_hosts(hosts, 3, out, logs, "--nnodes", "3", "--steps", "4"), 120, logs) == [0, 0, 0]
+    # the same --out again without --resume is another run: refused, nothing removed
+    again = subprocess.run(hosts.command(0, _adaptdist("train", "--out", str(out), "--rdzv-endpoint",
+                                                       f"{hosts.addrs[0]}:{PORT}", "--nnodes", "3", *SMALL,
+                                                       "--steps", "4")),
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "never clears --out" in again.stderr
+    for i in range(2):
+        (logs / f"host{i}.log").rename(logs / f"first{i}.log")
+    procs = [hosts.start(i, _adaptdist("train", "--resume", str(out), "--steps", "7", "--rdzv-endpoint",
+                                       f"{hosts.addrs[0]}:{PORT}", "--nnodes", "2"),
+                         stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT) for i in range(2)]
+    assert _wait(procs, 120, logs) == [0, 0], _logs(logs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 2 and len(summary["losses"]) == 7
+    resume = summary["resumes"][-1]
+    assert resume["step"] == 4 and resume["saved_world_size"] == 3 and resume["world_size"] == 2
+    assert json.loads((out / "run.json").read_text())["state"] == "complete"
+
+
 # --- no ranks started: the flags, the endpoint, the shared --out rule ---
 
 def _job(endpoint="10.0.0.1:29500", job=None):
