@@ -689,6 +689,9 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
         host_ip = socket.gethostbyname(host)
     except OSError as e:
         raise UsageError(f"--rdzv-endpoint {endpoint}: {host!r} does not resolve ({e})") from None
+    if host_ip.startswith("127.") and host != "localhost" and not host.startswith("127."):
+        raise UsageError(f"--rdzv-endpoint {endpoint}: {host!r} resolves to {host_ip} (loopback) on this host, so the "
+                         "store would be out of the other hosts' reach; give the endpoint host's IP address")
     local_addr = local_addr or route_address(host_ip, port)
     try:
         socket.inet_aton(local_addr)
