@@ -91,8 +91,6 @@ def host_store(addr: str, port: int = 0, timeout_s: float = 300.0) -> Any:
     Raises:
         RuntimeLaunchError: the port is taken, or ``addr`` is no address of this host.
     """
-    import torch.distributed as dist
-
     try:
         sock = listen_socket(addr, port)
     except OSError as e:
