@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads-per-rank", type=_positive(int), default=None,
                    help="torch threads per rank; None: cores // ranks, at least 1")
     _add_fault_tolerance(t)
+    from .train_hosts import add_host_arguments
+
+    add_host_arguments(t)
     t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
     t.add_argument("--dump-graphs", metavar="DIR",
                    help="write the graph before and after each lowering pass, with its op-count diff, to DIR")

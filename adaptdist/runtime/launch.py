@@ -21,9 +21,11 @@ off with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Gloo's own sockets are kept 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..errors import RunInterruptedError, RuntimeLaunchError, UsageError
 from .timeouts import Timeouts
 
-from .sockets import LOOPBACK, loopback_listen_socket  # noqa: F401  (re-exported: cli.launch imports them here)
+from .sockets import BIND_ADDR_ENV, LOOPBACK, listen_socket, loopback_listen_socket  # noqa: F401  (re-exported)
 
 LOCAL_RUN_ENV = MappingProxyType({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"})
 """Environment of a local run (set unless already set): workers' store made by rank 0 (on loopback, see the
@@ -58,14 +60,29 @@ def host_loopback_store(port: int = 0, timeout_s: float = 300.0) -> Any:
     Raises:
         RuntimeLaunchError: the port is taken.
     """
+    return host_store(LOOPBACK, port, timeout_s)
+
+
+def host_store(addr: str, port: int = 0, timeout_s: float = 300.0) -> Any:
+    """A ``TCPStore`` server listening on ``addr``:``port`` only (torch's own binds every interface).
+
+    Raises:
+        RuntimeLaunchError: the port is taken, or ``addr`` is no address of this host.
+    """
+    try:
+        sock = listen_socket(addr, port)
+    except OSError as e:
+        raise RuntimeLaunchError(f"cannot listen on {addr}:{port} for the store: {e}") from None
+    return _store_on(sock, timeout_s)
+
+
+def _store_on(sock: socket.socket, timeout_s: float) -> Any:
+    """A ``TCPStore`` server on the listening ``sock`` (the store takes the descriptor over and closes it when
+    it is destroyed)."""
     import torch.distributed as dist
 
-    try:
-        sock = loopback_listen_socket(port)
-    except OSError as e:
-        raise RuntimeLaunchError(f"cannot listen on {LOOPBACK}:{port} for the store: {e}") from None
-    # the store takes the descriptor over (it closes it when it is destroyed)
-    return dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+    addr, port = sock.getsockname()[:2]
+    return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
@@ -511,3 +528,204 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
         job.close()
         raise
     return job
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port).
+
+    Raises:
+        UsageError: no port, or a port outside 1..65535.
+    """
+    host, sep, port_s = endpoint.rpartition(":")
+    try:
+        port = int(port_s)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 < port < 65536:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400 (the address of "
+                         "the host that holds the rendezvous store, and a free port there)")
+    return host.strip("[]"), port
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (the source address the kernel picks for it; no packet is
+    sent).
+
+    Raises:
+        UsageError: ``host`` does not resolve or no route leads to it.
+    """
+    try:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
+            s.connect((socket.gethostbyname(host), port))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise UsageError(f"--rdzv-endpoint {host}:{port}: no route from this host ({e}); check the address, or "
+                         "pass --local-addr with this host's address on the network the hosts share") from None
+
+
+def interface_addresses() -> dict[str, str]:
+    """{IPv4 address: interface name} of this host's (this network namespace's) interfaces that are up, from
+    ``SIOCGIFADDR`` (an interface's primary address; Linux)."""
+    import fcntl
+    import struct
+
+    found: dict[str, str] = {}
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue
+            found.setdefault(addr, name)
+    return found
+
+
+def interface_of(addr: str) -> str:
+    """The name of this host's interface that has IPv4 address ``addr`` (``lo`` for loopback addresses).
+
+    Raises:
+        UsageError: no interface of this host has ``addr``.
+    """
+    if addr.startswith("127."):
+        return "lo"
+    found = interface_addresses()
+    if addr not in found:
+        have = ", ".join(f"{a} ({n})" for a, n in sorted(found.items())) or "none"
+        raise UsageError(f"--local-addr {addr}: no interface of this host has that address (it has: {have}); pass "
+                         "one of them, or set GLOO_SOCKET_IFNAME to the interface the hosts share")
+    return found[addr]
+
+
+def is_local_address(addr: str) -> bool:
+    """Whether ``addr`` (an IPv4 address) belongs to this host (this network namespace)."""
+    return addr.startswith("127.") or addr in interface_addresses()
+
+
+def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_nodes: int, max_nodes: int,
+                 endpoint: str, *, max_restarts: int = 0, timeouts: Timeouts = Timeouts(),
+                 local_addr: str | None = None, run_id: str | None = None,
+                 monitor_interval_s: float = 0.1) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nproc_per_node`` processes on this host as one node of a job over several hosts
+    (torchrun's ``--nnodes MIN:MAX --nproc-per-node P --rdzv-backend c10d --rdzv-endpoint HOST:PORT``); call
+    it on every host with the same arguments. Returns {global rank: return value of the last attempt} for
+    this host's ranks.
+
+    The rendezvous store lives at ``endpoint``: the call on the host that has the endpoint's address hosts it,
+    on a socket bound to that address only; the others connect to it (and wait for it, up to
+    ``timeouts.store_s``). The store is unauthenticated: anyone who reaches HOST:PORT can join or disturb the
+    job. The workers' own store is made by worker rank 0 bound to its host's address
+    (:data:`BIND_ADDR_ENV`; torch's agent-hosted one, bound to every interface, is turned off). Gloo uses the
+    interface that holds ``local_addr`` (``GLOO_SOCKET_IFNAME``, unless already set).
+
+    Membership follows torch's c10d rendezvous: the job starts once ``min_nodes`` hosts joined (waiting
+    ``timeouts.rendezvous_last_call_s`` for more, up to ``max_nodes``); a host that dies or is cut off is
+    dropped after ``timeouts.keep_alive_expiry_s`` and, when its peers' collectives fail (at once for a
+    closed connection, after ``timeouts.collective_s`` for a silent link), the rest restart at the smaller
+    world size, each spending one of its ``max_restarts``; a host that joins later makes the others restart
+    at the next round without spending one. ``fn`` resumes from its own checkpoint.
+
+    Args:
+        endpoint: ``HOST:PORT`` of the rendezvous store (never a wildcard address).
+        local_addr: this host's address on the network the hosts share (MASTER_ADDR when it holds rank 0,
+            gloo's interface); default: the source address of the route to the endpoint's host.
+        run_id: the job's id, the same on every host (default: derived from ``endpoint``).
+
+    Raises:
+        UsageError: bad ``endpoint`` / ``local_addr`` / counts.
+        RunInterruptedError: this host's workers stopped on SIGTERM/SIGINT, or this process got one.
+        RuntimeLaunchError: a worker failed after the last allowed restart (its rank and why), or this host
+            lost the rendezvous (the endpoint unreachable, the rendezvous closed or timed out).
+    """
+    import tempfile
+
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc_per_node < 1:
+        raise UsageError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+    if not 1 <= min_nodes <= max_nodes:
+        raise UsageError(f"--nnodes MIN:MAX needs 1 <= MIN <= MAX, got {min_nodes}:{max_nodes}")
+    if max_restarts < 0:
+        raise UsageError(f"max_restarts must be at least 0, got {max_restarts}")
+    timeouts.check()
+    host, port = split_endpoint(endpoint)
+    if host in ("0.0.0.0", "::", "*"):
+        raise UsageError(f"--rdzv-endpoint {endpoint}: give the address of the host that holds the rendezvous "
+                         "store, not a wildcard (the other hosts connect to it)")
+    try:
+        host_ip = socket.gethostbyname(host)
+    except OSError as e:
+        raise UsageError(f"--rdzv-endpoint {endpoint}: {host!r} does not resolve ({e})") from None
+    if host_ip.startswith("127.") and host != "localhost" and not host.startswith("127."):
+        raise UsageError(f"--rdzv-endpoint {endpoint}: {host!r} resolves to {host_ip} (loopback) on this host, so the "
+                         "store would be out of the other hosts' reach; give the endpoint host's IP address")
+    local_addr = local_addr or route_address(host_ip, port)
+    try:
+        socket.inet_aton(local_addr)
+    except OSError:
+        raise UsageError(f"--local-addr {local_addr!r}: expected an IPv4 address of this host") from None
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", BIND_ADDR_ENV: local_addr}
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = interface_of(local_addr)
+    elif not is_local_address(local_addr):
+        raise UsageError(f"--local-addr {local_addr}: no interface of this host has that address")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = None
+    if is_local_address(host_ip):
+        try:
+            store = _store_on(listen_socket(host_ip, port), timeouts.store_s)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise RuntimeLaunchError(f"cannot listen on {host_ip}:{port} for the rendezvous store: {e}") from None
+            # taken: another launcher on this machine (several hosts on one machine) hosts it; join as a client
+    report_dir = tempfile.mkdtemp(prefix="adaptdist-launch-")
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id or f"adaptdist-{host_ip}-{port}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{host_ip}:{port}",
+        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False},
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval_s,
+        start_method="spawn",
+        local_addr=local_addr,
+        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))),
+    )
+    where = f"this host ({local_addr}, {'holds' if store is not None else 'joined'} the rendezvous at {endpoint})"
+    try:
+        with _env(env, override=True), _kept_signal_handlers():
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
+    except ChildFailedError as e:
+        raise _child_failure_error(e, max_restarts, report_dir) from None
+    except SignalException as e:
+        raise RunInterruptedError(
+            f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to this host's {nproc_per_node} "
+            f"workers, given {config.shutdown_timeout} s to stop", int(e.sigval)) from None
+    except RendezvousClosedError:
+        raise RuntimeLaunchError(f"{where}: the job's rendezvous is closed (the job finished or gave up before this "
+                                 "host joined); start a new job, or pass another --rdzv-id") from None
+    except (RendezvousError, DistError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:500]
+        raise RuntimeLaunchError(f"{where} lost the job: {type(e).__name__}{f': {first}' if first else ''}; "
+                                 "check that the endpoint's host runs adaptdist train and is reachable") from None
+    finally:
+        import shutil
+
+        shutil.rmtree(report_dir, ignore_errors=True)
+        if store is not None:
+            _linger(store, timeouts)
+
+
+def _linger(store: Any, timeouts: Timeouts) -> None:
+    """Keep the rendezvous store up a moment after this host's agent ended, so the other hosts' agents can
+    finish their own shutdown through it (they left the exit barrier with this one)."""
+    time.sleep(min(5.0, timeouts.keep_alive_expiry_s))
+    del store

@@ -10,7 +10,8 @@ first on ``sys.path``) with :func:`init_defaults` in force:
   (torch's default is 30 minutes: a dead peer would hang the others that long);
 * called for ``env://`` rendezvous (no ``store=``, no other ``init_method``) with ``MASTER_ADDR`` on loopback,
   rank 0 makes the store on a socket bound to 127.0.0.1 (torch's own would listen on every interface) and
-  the others connect to it.
+  the others connect to it; in a multi-host job (``MASTER_ADDR`` is the address ``launch_hosts`` put in
+  ``ADAPTDIST_BIND_ADDR``) rank 0 binds that address alone.
 """
 
 from __future__ import annotations
@@ -33,21 +34,25 @@ def _env_store(timeout: timedelta) -> tuple[Any, int, int] | None:
     when the environment is not that (the caller's init then goes its own way)."""
     import torch.distributed as dist
 
-    from .sockets import LOOPBACK, loopback_listen_socket
+    from .sockets import BIND_ADDR_ENV, LOOPBACK, listen_socket
 
     try:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError):
         return None
-    if addr not in _LOOPBACK_HOSTS or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None  # another host's store, or the agent hosts it: torch's own way
-    if rank == 0:
-        sock = loopback_listen_socket(port)
-        store = dist.TCPStore(LOOPBACK, port, world_size=world, is_master=True, timeout=timeout,
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None  # the agent hosts it: torch's own way
+    if addr in _LOOPBACK_HOSTS:
+        addr = LOOPBACK
+    elif BIND_ADDR_ENV not in os.environ or (rank == 0 and addr != os.environ[BIND_ADDR_ENV]):
+        return None  # not a job of launch_hosts, or not an address we were told is ours: torch's own way
+    if rank == 0:  # a multi-host job's rank 0 binds its host's address (launch_hosts sets BIND_ADDR_ENV)
+        sock = listen_socket(addr, port)
+        store = dist.TCPStore(addr, port, world_size=world, is_master=True, timeout=timeout,
                               wait_for_workers=False, master_listen_fd=sock.detach())
     else:
-        store = dist.TCPStore(LOOPBACK, port, world_size=world, is_master=False, timeout=timeout)
+        store = dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
     return store, rank, world
 
 
