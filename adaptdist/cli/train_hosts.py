@@ -145,7 +145,7 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
     from ..runtime.stop import interrupted_exit_code
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import DataSpec, TrainConfig, run_worker
-    from .main import lowering_options
+    from .common import lowering_options
     from .train import _restored_args
 
     if not args.rdzv_endpoint:
