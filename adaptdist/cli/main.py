@@ -234,7 +234,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """``adaptdist train``: see :mod:`adaptdist.cli.train`."""
+    """``adaptdist train``: see :mod:`adaptdist.cli.train` (one host) and :mod:`adaptdist.cli.train_hosts`
+    (``--nnodes``: several hosts)."""
+    if getattr(args, "nnodes", None) is not None and not args.join:
+        from ..console import report_console
+        from .train_hosts import cmd_train_hosts
+
+        return cmd_train_hosts(args, args._defaults, report_console(stderr=True))
     from .train import cmd_train as run
 
     return run(args, args._defaults)

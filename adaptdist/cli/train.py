@@ -144,10 +144,6 @@ def cmd_train(args, defaults: dict) -> int:
     console = report_console(stderr=True)
     if args.join:
         return cmd_join(Path(args.join), console)
-    if getattr(args, "nnodes", None) is not None:  # several hosts: adaptdist/cli/train_hosts.py
-        from .train_hosts import cmd_train_hosts
-
-        return cmd_train_hosts(args, defaults, console)
     resume_src = Path(args.resume) if args.resume else None
     if resume_src is not None:
         _restored_args(args, defaults)
