@@ -59,6 +59,9 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=_positive(int), default=100, metavar="N",
                    help="write a checkpoint every N steps (and at the end, and on SIGTERM/SIGINT)")
     p.add_argument("--keep", type=_positive(int), default=3, metavar="K", help="keep the newest K checkpoints")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write periodic checkpoints with DCP's asynchronous save (in a thread while training goes on; "
+                        "helps where cores are spare or storage is slow: benchmarks/bench_checkpoint.py)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="R",
                    help="restart every rank from the newest good checkpoint up to R times when one dies or stalls "
                         "(torch's elastic agent)")

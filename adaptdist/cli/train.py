@@ -26,7 +26,7 @@ from ..errors import RuntimeLaunchError, UsageError
 RUN_FILE = "run.json"
 RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
-            "keep", "max_grad_norm", "bucket_mb", "replicate_fallback")
+            "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -238,6 +238,7 @@ def cmd_train(args, defaults: dict) -> int:
                       timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items_per_step,
                       unit=unit, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
                       keep=args.keep, model_name=spec.text, program_source=source,
+                      async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
                       run_meta={"cluster": _cluster_doc(cluster), "config": settings})
     t0 = time.perf_counter()
     try:

@@ -72,6 +72,9 @@ class TrainConfig:
     run_meta: dict = field(default_factory=dict)
     program_source: Any = None
     """``compiler.replan.ProgramSource`` for an elastic job (programs for other world sizes), or None."""
+    async_checkpoint: bool = False
+    """Write checkpoints with DCP's asynchronous save (staged to CPU, written in a thread while training goes on;
+    the directory is committed once every rank's write finished, at the next checkpoint or the end)."""
     first_attempt: int = 0
     """The attempt number of this launch's first attempt (attempts of earlier launches of the run, e.g. before a
     ``--resume``, keep their records under ``OUT/status``); a later one is a restart."""
@@ -294,6 +297,12 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
         checkpoint_times: list[float] = []
+        pending = None  # an asynchronous checkpoint not committed yet
+        async_group = None
+        if cfg.async_checkpoint and cfg.checkpoint:
+            from .train_state import checkpoint_process_group
+
+            async_group = checkpoint_process_group()
         peak = None
         bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit, start=start)
         with bar, StopRequest() as stop:
@@ -328,7 +337,14 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 periodic = cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0
                 if cfg.checkpoint and (periodic or signum or done == cfg.steps):
                     t_save = time.perf_counter()
-                    path = _save(cfg, runner, program, device_mesh, rank, world, done, losses)
+                    if pending is not None:  # the previous asynchronous checkpoint: commit it first
+                        pending.commit()
+                    asynchronous = cfg.async_checkpoint and not signum and done != cfg.steps
+                    pending = _save(cfg, runner, program, device_mesh, rank, world, done, losses,
+                                    async_group=async_group if asynchronous else None)
+                    path = pending.path
+                    if not asynchronous:
+                        pending = None
                     checkpoint_times.append(time.perf_counter() - t_save)
                     status.update(step=done)
                     bar.checkpoint(done, path)
@@ -372,11 +388,35 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+class _Written:
+    """A checkpoint written into its temporary directory; :meth:`commit` (collective) finishes it: every rank waits
+    for its own asynchronous write, a barrier, then rank 0 commits (:mod:`.checkpoint_store`)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, root: Path, step: int, meta: dict | None, future=None):
+        from .checkpoint_store import step_dir
+
+        self.cfg, self.rank, self.root, self.step, self.meta, self.future = cfg, rank, root, step, meta, future
+        self.path = step_dir(root, step)
+
+    def commit(self) -> Path:
+        from .checkpoint_store import commit, temporary_dir
+
+        if self.future is not None:
+            self.future.result()
+        dist.barrier()
+        if self.rank == 0:
+            commit(temporary_dir(self.root, self.step), self.meta, keep=self.cfg.keep)
+        dist.barrier()
+        return self.path
+
+
 def _save(cfg: TrainConfig, runner: StepRunner, program: RankProgram, device_mesh, rank: int, world: int,
-          step: int, losses: list[float]) -> Path:
+          step: int, losses: list[float], async_group=None) -> "_Written":
     """Write the checkpoint after ``step`` steps (collective): every rank its shards and RNG state into the
-    temporary directory, then rank 0 commits it (:mod:`.checkpoint_store`). Returns the final directory."""
-    from .checkpoint_store import commit, prepare, temporary_dir
+    temporary directory, then rank 0 commits it (:mod:`.checkpoint_store`). With ``async_group`` (a process group
+    of :func:`~.train_state.checkpoint_process_group`) the write goes on in a thread and the caller commits the
+    returned handle later; else it is committed before this returns."""
+    from .checkpoint_store import prepare, temporary_dir
     from .train_state import save_train_state, state_shapes
 
     root = Path(cfg.out_dir) / "checkpoints"
@@ -384,18 +424,18 @@ def _save(cfg: TrainConfig, runner: StepRunner, program: RankProgram, device_mes
         prepare(root, step)
     dist.barrier()
     tmp = temporary_dir(root, step)
-    save_train_state(tmp, program, runner.state, runner.opt, device_mesh, rank)
-    dist.barrier()
+    meta = None
     if rank == 0:
         meta = {"step": step, "world_size": world, "model": cfg.model_name, "state_shapes": state_shapes(program),
-                "losses": losses, "plan": json.loads(program.plan.to_json()) if program.plan is not None else None,
+                "losses": list(losses), "plan": json.loads(program.plan.to_json()) if program.plan is not None else None,
                 "plan_line": describe_program(program), "data_position": {"step": step}, "seed": cfg.seed,
                 **cfg.run_meta}
-        commit(tmp, meta, keep=cfg.keep)
-    dist.barrier()
-    from .checkpoint_store import step_dir
-
-    return step_dir(root, step)
+    future = save_train_state(tmp, program, runner.state, runner.opt, device_mesh, rank,
+                              async_=async_group is not None, process_group=async_group)
+    written = _Written(cfg, rank, root, step, meta, future)
+    if future is None:
+        written.commit()
+    return written
 
 
 def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh) -> None:
