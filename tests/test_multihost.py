@@ -109,7 +109,7 @@ def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("fault", ["cut_link", "kill_processes"])
+@pytest.mark.parametrize("fault", [pytest.param("cut_link", marks=pytest.mark.bench), "kill_processes"])
 def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tmp_path, fault):
     out, logs = tmp_path / "shared", tmp_path / "logs"
     logs.mkdir()
@@ -140,6 +140,7 @@ def test_a_lost_host_is_a_fault_the_others_survive_at_the_smaller_size(hosts, tm
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # 80-90 s: outside CI (-m bench); CI keeps the 3-host run and a lost host
 @pytest.mark.timeout(170)
 def test_a_host_that_joins_later_is_taken_in_at_the_larger_size(hosts, tmp_path):
     out, logs = tmp_path / "shared", tmp_path / "logs"
@@ -168,6 +169,7 @@ def test_a_host_that_joins_later_is_taken_in_at_the_larger_size(hosts, tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # outside CI (-m bench), as above
 @pytest.mark.timeout(170)
 def test_resume_continues_a_finished_multi_host_run_on_fewer_hosts(hosts, tmp_path):
     out, logs = tmp_path / "shared", tmp_path / "logs"
