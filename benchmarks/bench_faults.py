@@ -34,11 +34,16 @@ Faults (``ADAPTDIST_INJECT_FAULT=KIND:RANK:STEP``, :mod:`adaptdist.runtime.fault
 Per row: recovered (exit 0, run complete; for the two refusals: refused with the expected message), steps
 redone (steps done before the fault minus the step of the checkpoint resumed from), seconds from the fault
 (fault.json's time, the SIGTERM, the first join, or the start of the resume command) to the first step done
-after the resume (the ``resumed_step`` event), split into fault -> restart event (detection, stopping the
-others, spawn, import, rendezvous, init_process_group), restart -> resume event (programs: loaded or re-planned;
+after the resume (the ``resumed_step`` event), split into fault -> the first rank's record that it failed or
+stopped (``OUT/status``: detection; none for a rank killed without a word), fault -> restart event (detection,
+stopping the others, spawn, import, rendezvous, init_process_group; for a resume or a join: the resume event),
+restart -> resume event (programs: loaded or re-planned;
 checkpoint verify + load) and resume -> first resumed step (the first step), data lost (steps missing or
 repeated in summary.json's losses, or a wrong final step count), and the final ``model.safetensors`` against the
 fault-free reference of the same step count: bitwise for the same world size, to 1e-5 across world sizes.
+
+First (``--no-anatomy`` skips it) a 2-rank restart is timed phase by phase (:func:`anatomy`): spawn, imports,
+init_process_group, loading the programs, the mesh, verifying and loading the checkpoint, the first steps.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class Row:
     recovered: bool = False
     steps_redone: int | None = None
     fault_to_resumed_s: float | None = None
+    detected_s: float | None = None
     to_restart_s: float | None = None
     restart_to_resume_s: float | None = None
     resume_to_step_s: float | None = None
@@ -216,6 +222,16 @@ def timing(row: Row, out: Path, fault_time: float | None) -> None:
     elif restart:  # no checkpoint yet: the restart began at step 0
         row.extra["resumed_from_step"] = 0
         row.extra["resume_world_size"] = restart.get("world_size")
+    ended = []  # the ranks' own records of how the attempt hit by the fault ended (failed / stopped)
+    for f in (out / "status").glob("attempt*/rank*.json"):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if r.get("state") in ("failed", "stopped") and r["time_s"] >= fault_time - 0.01:
+            ended.append(r["time_s"])
+    if ended and start and min(ended) <= start["time_s"]:
+        row.detected_s = min(ended) - fault_time
     row.extra["events"] = [{k: v for k, v in e.items() if k in ("event", "step", "world_size", "cause", "attempt",
                                                                  "time_s")} for e in ev]
 
@@ -469,7 +485,7 @@ class Bench:
 
     def truncated(self, which: str) -> Row:
         ref = self.ref(2, STEPS)
-        out = self.dir(f"truncated-{which}")
+        out = self.dir("truncated-" + which.replace(" ", "-"))
         first = run(_cmd(out, 6, "2"), out.parent / f"{out.name}.first.log", self.bound_s)
         newest = out / "checkpoints" / "step-00000006"
         files = sorted((q for q in newest.rglob("*") if q.is_file() and q.name not in ("manifest.json",)),
@@ -541,7 +557,9 @@ class Bench:
             key["cluster"] = "another-cluster:" + str(key["cluster"])[::-1]
             kf.write_text(json.dumps(key, sort_keys=True))
         (out / "fault.json").unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "adaptdist.cli", "train", "--resume", str(out), "--steps", str(STEPS)]
+        # --resume restores neither --max-restarts nor --collective-timeout-s: give them again
+        cmd = [sys.executable, "-m", "adaptdist.cli", "train", "--resume", str(out), "--steps", str(STEPS),
+               "--max-restarts", "2"]
         row.command = _env_cmd(env, first_cmd) + (" ; edit the key" if tamper else "") + " ; " + _env_cmd(env, cmd)
         p = run(cmd, out.parent / f"{out.name}.log", self.bound_s, env)
         fault = _fault_file(out)
@@ -709,7 +727,7 @@ def table(rows: list[Row], title: str):
 
     t = Table(title=title)
     for c in ("#", "fault", "detail", "ranks", "injected", "recovered", "redone", "fault->resumed step (s)",
-              "to restart / to resume / 1st step (s)", "data lost", "params = ref", "max |diff|", "wall (s)", "note"):
+              "failure recorded / restart event / +resume / +1st step (s)", "data lost", "params = ref", "max |diff|", "wall (s)", "note"):
         t.add_column(c, overflow="fold")
 
     def s(v):
@@ -718,7 +736,7 @@ def table(rows: list[Row], title: str):
     for i, r in enumerate(rows, 1):
         t.add_row(str(i), r.fault, r.detail, r.world, "yes" if r.injected else "NO",
                   "yes" if r.recovered else "NO", "-" if r.steps_redone is None else str(r.steps_redone),
-                  s(r.fault_to_resumed_s), f"{s(r.to_restart_s)} / {s(r.restart_to_resume_s)} / {s(r.resume_to_step_s)}",
+                  s(r.fault_to_resumed_s), f"{s(r.detected_s)} / {s(r.to_restart_s)} / +{s(r.restart_to_resume_s)} / +{s(r.resume_to_step_s)}",
                   "-" if r.data_lost is None else str(r.data_lost),
                   "-" if r.params_equal is None else ("yes" if r.params_equal else "NO"),
                   "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", f"{r.wall_s:.0f}", r.note[:160])
@@ -735,13 +753,14 @@ def totals(rows: list[Row]) -> dict:
     by: dict[str, dict] = {}
     for r in rows:
         d = by.setdefault(r.fault, {"n": 0, "injected": 0, "recovered": 0, "lost": 0, "params_equal": 0,
-                                    "t": [], "restart": [], "resume": [], "step": [], "t_2ranks": []})
+                                    "t": [], "detected": [], "restart": [], "resume": [], "step": [], "t_2ranks": []})
         d["n"] += 1
         d["injected"] += r.injected
         d["recovered"] += r.recovered
         d["lost"] += r.data_lost or 0
         d["params_equal"] += bool(r.params_equal) or (r.params_equal is None and r.recovered)
         d["t"].append(r.fault_to_resumed_s)
+        d["detected"].append(r.detected_s)
         d["restart"].append(r.to_restart_s)
         d["resume"].append(r.restart_to_resume_s)
         d["step"].append(r.resume_to_step_s)
@@ -751,6 +770,7 @@ def totals(rows: list[Row]) -> dict:
     for k, d in by.items():
         out[k] = {**{x: d[x] for x in ("n", "injected", "recovered", "lost", "params_equal")},
                   "fault_to_resumed_s": med(d["t"]), "fault_to_resumed_s_2ranks": med(d["t_2ranks"]),
+                  "detected_s": med(d["detected"]),
                   "to_restart_s": med(d["restart"]), "restart_to_resume_s": med(d["resume"]),
                   "resume_to_step_s": med(d["step"])}
     out["all"] = {"n": len(rows), "injected": sum(r.injected for r in rows),
@@ -816,7 +836,7 @@ def main(argv=None) -> int:
 
     t = Table(title="totals")
     for c in ("fault", "n", "injected", "recovered", "data lost", "params = ref", "fault->resumed step s: median "
-              "(min-max)", "on 2 ranks", "to restart", "restart->resume", "1st step"):
+              "(min-max)", "on 2 ranks", "failure recorded", "restart event", "restart->resume", "1st step"):
         t.add_column(c)
 
     def m(v):
@@ -826,7 +846,7 @@ def main(argv=None) -> int:
         if k == "all":
             continue
         t.add_row(k, str(v["n"]), str(v["injected"]), str(v["recovered"]), str(v["lost"]), str(v["params_equal"]),
-                  m(v["fault_to_resumed_s"]), m(v["fault_to_resumed_s_2ranks"]), m(v["to_restart_s"]),
+                  m(v["fault_to_resumed_s"]), m(v["fault_to_resumed_s_2ranks"]), m(v["detected_s"]), m(v["to_restart_s"]),
                   m(v["restart_to_resume_s"]), m(v["resume_to_step_s"]))
     a = tot["all"]
     t.add_row("all", str(a["n"]), str(a["injected"]), str(a["recovered"]), str(a["lost"]), str(a["params_equal"]))
