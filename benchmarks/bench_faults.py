@@ -739,7 +739,7 @@ def table(rows: list[Row], title: str):
                   s(r.fault_to_resumed_s), f"{s(r.detected_s)} / {s(r.to_restart_s)} / +{s(r.restart_to_resume_s)} / +{s(r.resume_to_step_s)}",
                   "-" if r.data_lost is None else str(r.data_lost),
                   "-" if r.params_equal is None else ("yes" if r.params_equal else "NO"),
-                  "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", f"{r.wall_s:.0f}", r.note[:160])
+                  "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.1e}", f"{r.wall_s:.0f}", r.note[:100])
     return t
 
 
@@ -802,12 +802,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-anatomy", dest="anatomy", action="store_false",
                     help="skip the phase-by-phase timing of a 2-rank restart")
     ap.add_argument("--bound-s", type=float, default=300.0, help="wall-clock bound of each run (default 300)")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                    help="run nothing: print the tables of the rows in DIR/bench_faults.json of each DIR (parts of "
+                         "one run, e.g. two --only halves run side by side) and write them together into --out")
     args = ap.parse_args(argv)
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_faults_"))
     root.mkdir(parents=True, exist_ok=True)
     from rich.console import Console
 
     console = Console(width=250)
+    if args.merge:
+        return merge([Path(d) for d in args.merge], root, console)
     todo = plan_rows(args.seeds, args.quick, random.Random(args.seed))
     if args.only:
         keep = set(args.only.split(","))
@@ -830,8 +835,74 @@ def main(argv=None) -> int:
             bench.add(Row(method, " ".join(map(str, a)), "?", note=f"benchmark error: {type(e).__name__}: {e}"))
         _write(root, bench, args, t_start, load0, loads)
     load1 = os.getloadavg()
-    console.print(table(bench.rows, f"bench_faults: {len(bench.rows)} faults"))
-    tot = totals(bench.rows)
+    a = print_tables(console, bench.rows, bench.anatomy)
+    print(f"load average {load0[0]:.2f} -> {load1[0]:.2f} (1-min; median during the runs "
+          f"{sorted(loads)[len(loads) // 2]:.2f}); {time.time() - t_start:.0f} s in all; rows: "
+          f"{root / 'bench_faults.json'}", flush=True)
+    _write(root, bench, args, t_start, load0, loads)
+    return 0 if a["recovered"] == a["n"] and a["lost"] == 0 else 1
+
+
+def merge(dirs: list[Path], root: Path, console) -> int:
+    """``--merge``: the rows of several parts of one run, as one table and one JSON file."""
+    rows, anatomy_s, parts = [], {}, []
+    for d in dirs:
+        doc = json.loads((d / "bench_faults.json").read_text())
+        rows += [Row(**r) for r in doc["rows"]]
+        anatomy_s = anatomy_s or doc.get("anatomy_s") or {}
+        parts.append({k: doc.get(k) for k in ("started", "args", "cores", "load_start", "loads")})
+    a = print_tables(console, rows, anatomy_s)
+    doc = {"parts": parts, "rows": [asdict(r) for r in rows], "totals": totals(rows), "anatomy_s": anatomy_s}
+    (root / "bench_faults.json").write_text(json.dumps(doc, indent=1, default=str))
+    (root / "bench_faults.md").write_text(markdown(rows, anatomy_s))
+    loads = sorted(x for p in parts for x in (p["loads"] or []))
+    if loads:
+        print(f"load average during the runs (1-min, at each fault): median {loads[len(loads) // 2]:.2f}, "
+              f"{loads[0]:.2f}-{loads[-1]:.2f}; rows: {root / 'bench_faults.json'}")
+    return 0 if a["recovered"] == a["n"] and a["lost"] == 0 else 1
+
+
+def markdown(rows: list[Row], anatomy_s: dict) -> str:
+    """The rows, the totals and the restart anatomy as Markdown tables (for benchmarks/RESULTS.md)."""
+    def s(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    yn = {True: "yes", False: "**NO**", None: "-"}
+    out = ["| # | fault | detail | ranks | injected | recovered | redone | fault->resumed step (s) | failure recorded / "
+           "restart event / +resume / +1st step (s) | data lost | params = ref | max abs diff | note |",
+           "|---:|---|---|---|---|---|---:|---:|---|---:|---|---:|---|"]
+    for i, r in enumerate(rows, 1):
+        note = r.note.replace("|", "/")
+        out.append(f"| {i} | {r.fault} | {r.detail} | {r.world} | {yn[r.injected]} | {yn[r.recovered]} | "
+                   f"{'-' if r.steps_redone is None else r.steps_redone} | {s(r.fault_to_resumed_s)} | "
+                   f"{s(r.detected_s)} / {s(r.to_restart_s)} / +{s(r.restart_to_resume_s)} / +{s(r.resume_to_step_s)} | "
+                   f"{'-' if r.data_lost is None else r.data_lost} | {yn[r.params_equal]} | "
+                   f"{'-' if r.max_abs_diff is None else f'{r.max_abs_diff:.1e}'} | {note[:140]} |")
+    tot = totals(rows)
+
+    def m(v):
+        return "-" if v is None else f"{v[0]:.1f} ({v[1]:.1f}-{v[2]:.1f})"
+
+    out += ["", "| fault | n | injected | recovered | data lost | params = ref | fault->resumed step (s): median (min-max) "
+            "| on 2 ranks | failure recorded | restart event | restart->resume | 1st step |",
+            "|---|---:|---:|---:|---:|---:|---|---|---|---|---|---|"]
+    for k, v in tot.items():
+        if k != "all":
+            out.append(f"| {k} | {v['n']} | {v['injected']} | {v['recovered']} | {v['lost']} | {v['params_equal']} | "
+                       f"{m(v['fault_to_resumed_s'])} | {m(v['fault_to_resumed_s_2ranks'])} | {m(v['detected_s'])} | "
+                       f"{m(v['to_restart_s'])} | {m(v['restart_to_resume_s'])} | {m(v['resume_to_step_s'])} |")
+    a = tot["all"]
+    out.append(f"| **all** | {a['n']} | {a['injected']} | {a['recovered']} | {a['lost']} | {a['params_equal']} | | | | | | |")
+    if anatomy_s:
+        out += ["", "| a 2-rank restart, phase by phase (median of 3, slowest rank) | s |", "|---|---:|"]
+        out += [f"| {k} | {v:.2f} |" for k, v in anatomy_s.items()]
+    return "\n".join(out) + "\n"
+
+
+def print_tables(console, rows: list[Row], anatomy_s: dict) -> dict:
+    """Print the rows, the totals and the restart anatomy; returns the totals of all rows."""
+    console.print(table(rows, f"bench_faults: {len(rows)} faults"))
+    tot = totals(rows)
     from rich.table import Table
 
     t = Table(title="totals")
@@ -851,13 +922,9 @@ def main(argv=None) -> int:
     a = tot["all"]
     t.add_row("all", str(a["n"]), str(a["injected"]), str(a["recovered"]), str(a["lost"]), str(a["params_equal"]))
     console.print(t)
-    if bench.anatomy:
-        console.print(_anatomy_table(bench.anatomy))
-    print(f"load average {load0[0]:.2f} -> {load1[0]:.2f} (1-min; median during the runs "
-          f"{sorted(loads)[len(loads) // 2]:.2f}); {time.time() - t_start:.0f} s in all; rows: "
-          f"{root / 'bench_faults.json'}", flush=True)
-    _write(root, bench, args, t_start, load0, loads)
-    return 0 if a["recovered"] == a["n"] and a["lost"] == 0 else 1
+    if anatomy_s:
+        console.print(_anatomy_table(anatomy_s))
+    return a
 
 
 def _write(root: Path, bench: Bench, args, t_start: float, load0, loads) -> None:
@@ -868,6 +935,7 @@ def _write(root: Path, bench: Bench, args, t_start: float, load0, loads) -> None
     tmp = root / "bench_faults.json.tmp"
     tmp.write_text(json.dumps(doc, indent=1, default=str))
     tmp.replace(root / "bench_faults.json")
+    (root / "bench_faults.md").write_text(markdown(bench.rows, bench.anatomy))
 
 
 if __name__ == "__main__":
