@@ -4,7 +4,11 @@ the parameters of a fault-free run (issue 13, point 6).
 A script, never collected by pytest (``testpaths = ["tests"]`` and no ``test_`` prefix; ``__test__ = False``
 for good measure): it starts a few hundred processes and takes 20-40 minutes on 2 loaded cores.
 
-    .venv/bin/python benchmarks/bench_faults.py [--quick] [--seeds N] [--out DIR] [--only KIND,...]
+    .venv/bin/python benchmarks/bench_faults.py [--quick] [--seeds N] [--out DIR] [--only METHOD,...]
+    .venv/bin/python benchmarks/bench_faults.py --merge DIR1 DIR2 --out DIR   # parts of one run, one table
+
+Writes DIR/bench_faults.json (every row, with its command and events) and DIR/bench_faults.md (the tables), and
+exits 1 unless every fault recovered with no step lost.
 
 Setup: built-in GPT, ``--batch-size 4 --seq-len 16 --plan dp --optimizer sgd --lr 0.05 --threads-per-rank 1
 --sample-bytes 0 --checkpoint-every 2``, 2-4 ranks on gloo, 12 steps (200 for the faults that need the run to be
