@@ -365,7 +365,11 @@ def cmd_join(out: Path, console) -> int:
     job = json.loads(f.read_text())
     console.print(f"joining the elastic job in {out} (launcher pid {job['launcher_pid']}, {job['min']} to "
                   f"{job['max']} ranks)")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    from ..runtime.launch import LOCAL_RUN_ENV
+
+    # the job's agents run with LOCAL_RUN_ENV (workers' store made by rank 0 on loopback): without it this
+    # agent's worker would look for torch's agent store and never meet the others in init_process_group
+    env = {**LOCAL_RUN_ENV, **os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(job["command"], env=env)
 
 
