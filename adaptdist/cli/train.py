@@ -26,7 +26,8 @@ from ..errors import RuntimeLaunchError, UsageError
 RUN_FILE = "run.json"
 RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
-            "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint")
+            "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
+            "collective_timeout_s")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -67,11 +68,12 @@ def _restored_args(args, defaults: dict) -> None:
         raise UsageError(f"--resume: {str(f)!r} cannot be read ({type(e).__name__}: {e})") from None
     for key in RESTORED:
         given = getattr(args, key, None)
-        if given != defaults.get(key) and given != settings.get(key):
+        recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
+        if given != defaults.get(key) and given != recorded:
             raise UsageError(f"--resume continues the run in {str(d)!r} with its own settings: --{key.replace('_', '-')} "
-                             f"was {settings.get(key)!r} there, not {given!r}; only --steps, --nproc/--cluster and "
+                             f"was {recorded!r} there, not {given!r}; only --steps, --nproc/--cluster and "
                              "--out may change (start a new run with another --out to change it)")
-        setattr(args, key, settings.get(key))
+        setattr(args, key, recorded)
     if args.steps == defaults.get("steps"):
         args.steps = settings.get("steps", args.steps)
     if args.nproc is None and args.cluster is None:
@@ -210,6 +212,7 @@ def cmd_train(args, defaults: dict) -> int:
     programs = compile_model(model, example, loss_fn, nproc, plan, options,
                              mesh=args.mesh if captured is None else None, captured=captured)
     peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
+    _check_checkpoint_fits(out, spec.text, programs[0], console)
     save_programs(programs, out / "programs")
     mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
     console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
@@ -288,6 +291,21 @@ def cmd_train(args, defaults: dict) -> int:
         print(text)
         console.rule()
     return 0
+
+
+def _check_checkpoint_fits(out: Path, model: str, program, console) -> None:
+    """Before launching: the checkpoint a resumed run will load must be of this model (else the ranks would each
+    refuse it, and restarting could not help).
+
+    Raises:
+        CheckpointError: names both models and the first state that differs.
+    """
+    from ..runtime.checkpoint_store import check_same_model, latest_good
+    from ..runtime.train_state import state_shapes
+
+    info = latest_good(out / "checkpoints", lambda m: console.print(f"[yellow]{m}[/]"))
+    if info is not None:
+        check_same_model(info.meta, info.path, model, state_shapes(program))
 
 
 def _cluster_doc(cluster) -> dict:

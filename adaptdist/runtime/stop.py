@@ -27,6 +27,7 @@ Who sends what (torch 2.13's elastic agent, ``torch.distributed.launcher.api`` /
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -59,16 +60,27 @@ class StopRequest:
             1-element all_reduce (about 0.1-0.3 ms on 2 gloo ranks on one machine, next to steps of
             milliseconds or more), so 1 is the default; every rank must use the same value.
         group: the process group to agree in (default the default group).
+        stuck_after_s: a signal that arrives when the current step began longer ago than this (the collective
+            timeout: the peers have failed already) ends the process at once with 128 + signal (None: never).
     """
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, every: int = 1, group: Any = None):
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, every: int = 1, group: Any = None,
+                 stuck_after_s: float | None = None):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.signals = tuple(signals)
         self.every = every
         self.group = group
+        self.stuck_after_s = stuck_after_s
         self._signum: int | None = None
         self._saved: dict[int, Any] = {}
+        self._step_started: float | None = None
+
+    def step_started(self) -> None:
+        """The step loop entered a step (for ``stuck_after_s``)."""
+        import time
+
+        self._step_started = time.monotonic()
 
     @property
     def requested(self) -> int | None:
@@ -81,6 +93,14 @@ class StopRequest:
             self._signum = int(signum)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        import time
+
+        # stuck in one step for longer than a collective may wait: the peers have given up on this rank, so no
+        # step boundary will come where the ranks could agree and checkpoint; exit now rather than wait for the
+        # agent's SIGKILL (torch's restart waits a fixed 30 s for it)
+        if (self.stuck_after_s is not None and self._step_started is not None
+                and time.monotonic() - self._step_started > self.stuck_after_s):
+            os._exit(stop_exit_code(signum))
         self.request(signum)
 
     def __enter__(self) -> "StopRequest":

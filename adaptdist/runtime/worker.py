@@ -305,7 +305,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             async_group = checkpoint_process_group()
         peak = None
         bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit, start=start)
-        with bar, StopRequest() as stop:
+        with bar, StopRequest(stuck_after_s=cfg.timeout_s) as stop:
             for step in range(start, cfg.steps):
                 batch = next(batches, None)
                 if batch is None:
@@ -313,7 +313,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                         f"{cfg.data.module_file}:{cfg.data.function} stopped after {step} batches but "
                         f"--steps is {cfg.steps}; make data() yield batches endlessly (e.g. loop over epochs)"
                     )
-                heartbeat.beat(step)
+                heartbeat.beat(step + 1)  # 1-based, as the progress lines count
+                stop.step_started()
                 if fault is not None:
                     fault.maybe_fire(rank, step + 1, attempt - cfg.first_attempt, cfg.out_dir)
                 t0 = time.perf_counter()
@@ -326,7 +327,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                         loss = runner.step(batch)
                     signum = stop.agreed(step + 1)
                 except Exception as e:
-                    named = named_timeout(e, heartbeat, step)
+                    named = named_timeout(e, heartbeat, step + 1)
                     if named is e:
                         raise
                     raise named from e
