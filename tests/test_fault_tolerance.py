@@ -179,3 +179,20 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(reference, tmp_pa
     _assert_equal_weights(out, reference)
     resumed = json.loads((out / "summary.json").read_text())["resumes"][0]["step"]
     assert resumed in (4, 6)  # step 6's was in flight or committed when the rank died; never a partial one
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_another_model_is_refused_before_launch(reference, tmp_path, capsys):
+    """A LLaMA run whose checkpoints were replaced by the GPT's: --resume stops before launching any rank, with
+    one error naming both models (restarting could not help)."""
+    import shutil
+
+    out = tmp_path / "llama"
+    assert main(["train", "builtin:llama", "--steps", "2", "--out", str(out), "--checkpoint-every", "2", *SMALL]) == 0
+    shutil.rmtree(out / "checkpoints")
+    shutil.copytree(reference / "checkpoints", out / "checkpoints")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "CheckpointError" in err and "'builtin:gpt', not 'builtin:llama'" in err, err[-2000:]
+    assert "rank 0: pid" not in err  # nothing was launched
