@@ -180,7 +180,8 @@ def test_run_resumes_from_its_checkpoint(artifacts, tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTDIST_INJECT_FAULT", "raise:1:4")
     assert main(["run", str(artifacts), "--steps", "6", *args, "--out", str(out)]) == 2
     monkeypatch.delenv("ADAPTDIST_INJECT_FAULT")
-    assert main(["run", str(artifacts), "--steps", "6", *args, "--out", str(out), "--resume"]) == 0
+    assert main(["run", str(artifacts), "--out", str(out), "--resume", "--lr", "0.5"]) == 2  # not the run's
+    assert main(["run", str(artifacts), "--out", str(out), "--resume"]) == 0  # its steps, optimizer, interval
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumes"][0]["step"] == 2
     assert summary["losses"] == json.loads((ref / "summary.json").read_text())["losses"]

@@ -196,3 +196,35 @@ def test_a_checkpoint_of_another_model_is_refused_before_launch(reference, tmp_p
     err = capsys.readouterr().err
     assert "CheckpointError" in err and "'builtin:gpt', not 'builtin:llama'" in err, err[-2000:]
     assert "rank 0: pid" not in err  # nothing was launched
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_no_usable_checkpoint_stops_and_changes_nothing(reference, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    for d in (out / "checkpoints").iterdir():
+        f = d / "dcp" / "__0_0.distcp"
+        b = bytearray(f.read_bytes())
+        b[100] ^= 1
+        f.write_bytes(bytes(b))
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert main(["train", "--resume", str(out), "--steps", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "none of its 3 checkpoints is usable" in err and "nothing was changed" in err, err[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert (out / "model.safetensors").is_file() and json.loads((out / "run.json").read_text())["state"] == "complete"
+    assert main(["train", "--resume", str(reference), "--steps", str(STEPS)]) == 2  # at step 8 already
+    assert "is at step 8 already" in capsys.readouterr().err
+
+
+def test_a_running_runs_directory_is_locked(tmp_path):
+    from adaptdist.cli.train import lock_out_dir
+    from adaptdist.errors import UsageError
+
+    held = lock_out_dir(tmp_path)
+    with pytest.raises(UsageError, match=rf"in use by another adaptdist run \(pid {os.getpid()}\)"):
+        lock_out_dir(tmp_path)
+    held.close()
+    lock_out_dir(tmp_path).close()  # free again once the holder is gone

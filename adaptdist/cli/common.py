@@ -49,6 +49,19 @@ def positive(kind):
     return conv
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse ``type=`` for an integer >= 0 (``--max-restarts``)."""
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def seed(text: str) -> int:
     """An argparse ``type=`` for ``--seed``: an integer in 0..:data:`MAX_SEED`."""
     import argparse

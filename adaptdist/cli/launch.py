@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeLaunchError, UsageError
+from .common import nonnegative_int
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    default=Timeouts().collective_s,
                    help="timeout of the script's init_process_group (and so of its collectives) when it sets "
                         "none, seconds")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=nonnegative_int, default=0,
                    help="restart every rank this many times at most when one fails (torchrun's --max-restarts)")
     p.add_argument("script", help="the Python script to run on every rank")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")

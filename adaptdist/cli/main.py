@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
 from .common import _cluster, lowering_options
-from .common import positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
+from .common import nonnegative_int, positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
 
 
 def _add_common(p: argparse.ArgumentParser, nproc_type=int, nproc_help: str = "") -> None:
@@ -62,7 +62,7 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-checkpoint", action="store_true",
                    help="write periodic checkpoints with DCP's asynchronous save (in a thread while training goes on; "
                         "helps where cores are spare or storage is slow: benchmarks/bench_checkpoint.py)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    p.add_argument("--max-restarts", type=nonnegative_int, default=0, metavar="R",
                    help="restart every rank from the newest good checkpoint up to R times when one dies or stalls "
                         "(torch's elastic agent)")
     p.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=_positive(float),
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-every", type=_positive(int), default=100, metavar="N",
                    help="write a checkpoint every N steps (and at the end, and on SIGTERM/SIGINT)")
     r.add_argument("--keep", type=_positive(int), default=3, metavar="K", help="keep the newest K checkpoints")
-    r.add_argument("--max-restarts", type=int, default=0, metavar="R",
+    r.add_argument("--max-restarts", type=nonnegative_int, default=0, metavar="R",
                    help="restart every rank from the newest good checkpoint up to R times when one dies or stalls")
     r.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=_positive(float),
                    default=Timeouts().collective_s, help="collective timeout, seconds (README: Fault tolerance)")
@@ -290,7 +290,11 @@ def cmd_run(args) -> int:
     from ..runtime.run_artifacts import data_spec
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import TrainConfig, loss_summary, run_worker
-    from .train import _clear_previous_run, _ended_early
+    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, _set_state, check_resumable,
+                        lock_out_dir, write_run_file)
+
+    RUN_RESTORED = ("lr", "optimizer", "seed", "data", "checkpoint_every", "keep", "max_restarts",
+                    "collective_timeout_s")
 
     console = report_console(stderr=True)
     d = Path(args.artifacts)
@@ -307,10 +311,17 @@ def cmd_run(args) -> int:
                          f"adaptdist.runtime.run_artifacts {d}`; `adaptdist run` starts local ranks only")
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far")
+    if args.resume:
+        _restored_args(args, args._defaults, RUN_RESTORED, str(out), "adaptdist run")
+        if Path(json.loads((out / RUN_FILE).read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():
+            raise UsageError(f"--resume: the run in {str(out)!r} trained other artifacts than {str(d)!r}")
+        check_resumable(out, args.steps, console)
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
+    lock = lock_out_dir(out)  # held until this process ends
     if not args.resume:
         _clear_previous_run(out, console)
+    write_run_file(out, {**{k: getattr(args, k) for k in (*RUN_RESTORED, "steps")}, "artifacts": str(d)}, "running")
     data = data_spec(manifest, d, args.data, args.seed)
     example = load_file(str(d / "example_batch.safetensors"))
     x0 = example["b0"]
@@ -342,6 +353,8 @@ def cmd_run(args) -> int:
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(out / "summary.json")
+    _set_state(out, "complete")
+    lock.close()
     console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoints "
                   f"{out / 'checkpoints'}")
     return 0
@@ -374,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command is None:
         args = ap.parse_args(["train", *(argv or [])])
-    if args.command == "train":  # --resume tells given flags from defaults
-        args._defaults = vars(ap.parse_args(["train"]))
+    if args.command in ("train", "run"):  # --resume tells given flags from defaults
+        args._defaults = vars(ap.parse_args(["train"] if args.command == "train" else ["run", "DIR"]))
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

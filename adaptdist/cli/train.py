@@ -50,37 +50,88 @@ def nproc_range(text: str):
     return nums[0] if len(nums) == 1 else (nums[0], nums[1])
 
 
-def _restored_args(args, defaults: dict) -> None:
+def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, directory: str | None = None,
+                   command: str = "adaptdist train") -> None:
     """``--resume DIR``: take the run's settings from ``DIR/run.json`` into ``args`` (in place).
 
     Raises:
         UsageError: DIR holds no run, or a flag other than --steps/--nproc/--cluster/--out was given a value that
             differs from the run's.
     """
-    d = Path(args.resume)
+    d = Path(directory if directory is not None else args.resume)
     f = d / RUN_FILE
     if not f.is_file():
-        raise UsageError(f"--resume {str(d)!r}: no {RUN_FILE} there; pass the --out directory of an adaptdist train run")
+        raise UsageError(f"--resume {str(d)!r}: no {RUN_FILE} there; pass the --out directory of a {command} run")
     try:
         run = json.loads(f.read_text())
         settings = run["settings"]
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--resume: {str(f)!r} cannot be read ({type(e).__name__}: {e})") from None
-    for key in RESTORED:
+    for key in keys:
         given = getattr(args, key, None)
         recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
         if given != defaults.get(key) and given != recorded:
             raise UsageError(f"--resume continues the run in {str(d)!r} with its own settings: --{key.replace('_', '-')} "
-                             f"was {recorded!r} there, not {given!r}; only --steps, --nproc/--cluster and "
-                             "--out may change (start a new run with another --out to change it)")
+                             f"was {recorded!r} there, not {given!r}; only --steps, --nproc/--cluster, --out and "
+                             "--threads-per-rank may change (start a new run with another --out to change it)")
         setattr(args, key, recorded)
     if args.steps == defaults.get("steps"):
         args.steps = settings.get("steps", args.steps)
-    if args.nproc is None and args.cluster is None:
+    if hasattr(args, "nproc") and args.nproc is None and args.cluster is None:
         args.nproc = settings.get("nproc")
         args.cluster = settings.get("cluster")
-    if isinstance(args.nproc, list):
+    if isinstance(getattr(args, "nproc", None), list):
         args.nproc = tuple(args.nproc)
+
+
+def check_resumable(src: Path, steps: int, console):
+    """Before anything is changed: the run in ``src`` has a usable checkpoint short of ``steps`` (or none at all,
+    which the log says). Returns the newest good checkpoint or None.
+
+    Raises:
+        CheckpointError: checkpoints exist but none is usable (each one's reason is printed first).
+        UsageError: the newest good checkpoint is at ``steps`` or beyond: nothing to train.
+    """
+    from ..errors import CheckpointError
+    from ..runtime.checkpoint_store import latest_good, list_checkpoints
+
+    root = src / "checkpoints"
+    found = list_checkpoints(root)
+    info = latest_good(root, lambda m: console.print(f"[yellow]{m}[/]"))
+    if found and info is None:
+        raise CheckpointError(f"--resume {str(src)!r}: none of its {len(found)} checkpoints is usable (see above); "
+                              "nothing was changed. Restore a good checkpoint from a copy, or start a new run")
+    if info is None:
+        console.print(f"[yellow]{src} holds no checkpoint: the run starts again from step 0[/]")
+    elif info.step >= steps:
+        raise UsageError(f"--resume: the run in {str(src)!r} is at step {info.step} already (its newest good "
+                         f"checkpoint); pass --steps greater than {info.step} to train on")
+    return info
+
+
+def lock_out_dir(out: Path):
+    """Hold ``OUT/.lock`` (an exclusive flock, released when the process ends) so that a second run cannot write
+    into a directory a running one uses. Returns the open lock file (keep it referenced).
+
+    Raises:
+        UsageError: another process holds the lock; names its pid.
+    """
+    import fcntl
+
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise UsageError(f"{str(out)!r} is in use by another adaptdist run (pid {holder}); wait for it, stop it, or "
+                         "pass another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _clear_previous_run(out: Path, console) -> None:
@@ -129,19 +180,10 @@ def cmd_train(args, defaults: dict) -> int:
         AdaptdistError: any bad input (model, data, cluster, plan, resume directory); ``main`` prints it as one
             paragraph.
     """
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from ..compiler.lowering import compile_model
-    from ..compiler.replan import ProgramSource
     from ..console import report_console
     from ..model_spec import ModelSpec
-    from ..program import save_programs
-    from ..runtime.launch import launch_local
-    from ..runtime.preflight import check_host_memory
     from ..runtime.timeouts import Timeouts
-    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
-    from .common import _cluster, check_batch, lowering_options, prepare_out_dir, resolve_plan
+    from .common import _cluster, prepare_out_dir
 
     console = report_console(stderr=True)
     if args.join:
@@ -169,19 +211,40 @@ def cmd_train(args, defaults: dict) -> int:
     nproc = cluster.world_size
     spec = ModelSpec.parse(args.model)
     out = prepare_out_dir(args.out)
+    lock = lock_out_dir(out)  # held until this process ends
+    if resume_src is not None:
+        check_resumable(resume_src, args.steps, console)
     resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
     if not resuming_here:
         _clear_previous_run(out, console)
         if resume_src is not None:
             _take_checkpoints(resume_src, out, console)
-    else:  # outputs of the stopped run that its continuation replaces
-        for name in ("programs", "summary.json", "result.json", "model.safetensors"):
-            p = out / name
-            if p.exists():
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    # resuming in place: the stopped run's programs, weights and summary stay until their successors replace them
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
     settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
     write_run_file(out, settings, "running")
+    try:
+        return _train(args, spec, out, cluster, nproc, elastic, resume_src, settings, timeouts, console)
+    except BaseException:
+        if json.loads((out / RUN_FILE).read_text()).get("state") == "running":
+            _set_state(out, "failed")
+        raise
+    finally:
+        lock.close()
+
+
+def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, settings: dict, timeouts, console) -> int:
+    """The body of :func:`cmd_train` once the run directory is set up."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ..compiler.lowering import compile_model
+    from ..compiler.replan import ProgramSource
+    from ..program import save_programs
+    from ..runtime.launch import launch_local
+    from ..runtime.preflight import check_host_memory
+    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
+    from .common import check_batch, lowering_options, resolve_plan
 
     torch.manual_seed(args.seed)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)

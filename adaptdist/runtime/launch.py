@@ -252,14 +252,23 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
         try:
             return fn(*args)
         except BaseException as e:
-            if report_dir is not None and not isinstance(e, SystemExit):
+            code = e.code if isinstance(e, SystemExit) else None
+            if report_dir is not None and (not isinstance(e, SystemExit) or (isinstance(code, int) and code)):
+                # an exit with a code is a failure of its own too (torch's agent may record only the peer that
+                # lost its connection to it)
+                text = f"exit code {code}" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
                 name = os.path.join(report_dir, f"{os.environ.get('RANK', 0)}.{restart_count()}.txt")
                 with contextlib.suppress(OSError), open(name, "w") as f:
-                    f.write(f"{time.time()!r}\n{type(e).__name__}: {e}".strip())
+                    f.write(f"{time.time()!r}\n{text}".strip())
             # an undestroyed gloo group's threads abort the exit (SIGABRT), hiding why this rank failed
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group()
+            from ..errors import AdaptdistError
+
+            if isinstance(e, AdaptdistError):  # a user-facing error: one line (reported above), not a traceback
+                print(f"rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
             raise
 
 

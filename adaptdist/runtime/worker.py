@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_compat as compat
-from ..errors import AdaptdistError, DataError
+from ..errors import AdaptdistError, CheckpointError, DataError
 from ..model_spec import load_module
 from ..program import RankProgram, load_program
 from .grad_clip import clip_grad_norm_
@@ -186,6 +186,17 @@ def describe_program(program: RankProgram) -> str:
     return f"plan {name!r} on mesh {mesh} ({program.world_size} ranks)"
 
 
+def _newest_checkpoint(root: Path, note) -> tuple[str, dict] | str | None:
+    """(path, meta) of the newest good checkpoint under ``root``, None when there is none, ``"unusable"`` when
+    there are some but none passes its checks (each one named through ``note``)."""
+    from .checkpoint_store import latest_good, list_checkpoints
+
+    info = latest_good(root, note)
+    if info is not None:
+        return str(info.path), info.meta
+    return "unusable" if list_checkpoints(root) else None
+
+
 def _next_attempt(out_dir: str) -> int:
     """The number of the attempt starting now: one past the newest ``OUT/status/attempt{A}`` (0 for none)."""
     found = [int(p.name[len("attempt"):]) for p in (Path(out_dir) / "status").glob("attempt*")
@@ -240,7 +251,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     on a stop signal (SIGTERM, SIGINT: every rank stops after the same step, then exits 128 + the signal) and
     at the end.
     """
-    from .checkpoint_store import check_same_model, latest_good
+    from .checkpoint_store import check_same_model
     from .faults import Fault
     from .heartbeat import Heartbeat, named_timeout
     from .rank_status import RankStatus, failure_of
@@ -273,8 +284,11 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         device_mesh = register_mesh_groups(program, cfg.backend)
         runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
         losses: list[float] = []
-        info = latest_good(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None
-        found = _broadcast((str(info.path), info.meta) if info else None, rank)
+        found = _broadcast(_newest_checkpoint(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None,
+                           rank)
+        if found == "unusable":
+            raise CheckpointError(f"none of the checkpoints in {Path(cfg.out_dir) / 'checkpoints'} is usable (see the "
+                                  "lines above): stopping rather than training again from step 0")
         start = 0
         if found is not None:
             path, meta = found
