@@ -58,7 +58,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["kill", "raise"])
+@pytest.mark.parametrize("kind", ["kill", pytest.param("raise", marks=pytest.mark.bench)])  # raise: also below
 def test_a_dead_rank_restarts_every_rank_from_the_last_checkpoint(reference, tmp_path, monkeypatch, kind):
     out = tmp_path / "run"
     rc = _train(out, "--max-restarts", "1", env={"ADAPTDIST_INJECT_FAULT": f"{kind}:1:5"}, monkeypatch=monkeypatch)
@@ -181,6 +181,7 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(reference, tmp_pa
     assert resumed in (4, 6)  # step 6's was in flight or committed when the rank died; never a partial one
 
 
+@pytest.mark.bench  # outside CI (-m bench): a LLaMA run of its own; the refusal itself: test_checkpoint_store.py
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_another_model_is_refused_before_launch(reference, tmp_path, capsys):
     """A LLaMA run whose checkpoints were replaced by the GPT's: --resume stops before launching any rank, with

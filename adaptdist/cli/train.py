@@ -197,6 +197,10 @@ def cmd_train(args, defaults: dict) -> int:
     if elastic is not None:
         if args.cluster:
             raise UsageError("--nproc MIN:MAX starts local ranks; it takes no --cluster")
+        if args.max_restarts == 0:
+            console.print("[yellow]--nproc MIN:MAX with --max-restarts 0: a rank lost ends the job, and even a rank "
+                          "joining may (torch's agents stop their workers to take it in, and a worker that sees its "
+                          "peer go first fails); pass --max-restarts 1 or more[/]")
         args.nproc = elastic[1]
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
