@@ -289,9 +289,9 @@ def cmd_run(args) -> int:
     from ..runtime.launch import launch_local
     from ..runtime.run_artifacts import data_spec
     from ..runtime.timeouts import Timeouts
-    from ..runtime.worker import TrainConfig, loss_summary, run_worker
-    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, _set_state, check_resumable,
-                        lock_out_dir, write_run_file)
+    from ..runtime.worker import TrainConfig, run_worker
+    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_resumable, lock_out_dir,
+                        write_run_file, write_summary)
 
     RUN_RESTORED = ("lr", "optimizer", "seed", "data", "checkpoint_every", "keep", "max_restarts",
                     "collective_timeout_s")
@@ -343,17 +343,9 @@ def cmd_run(args) -> int:
         code = _ended_early(e, out, console, resume=f"adaptdist run {d} --out {out} --resume")
         return code
     result = json.loads((out / "result.json").read_text())
-    losses = result["losses"]
     wall = time.perf_counter() - t0
-    fields, loss_text = loss_summary(losses)
-    events = result.get("events", [])
-    summary = {"steps": len(losses), **fields, "wall_s": wall, "losses": losses, "complete": True,
-               "restarts": [e for e in events if e["event"] == "restart"],
-               "resumes": [e for e in events if e["event"] == "resume"]}
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "summary.json")
-    _set_state(out, "complete")
+    summary, loss_text = write_summary(out, result, wall)
+    losses = summary["losses"]
     lock.close()
     console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoints "
                   f"{out / 'checkpoints'}")

@@ -160,17 +160,39 @@ def _take_checkpoints(src: Path, out: Path, console) -> None:
 
 def write_run_file(out: Path, settings: dict, state: str) -> None:
     """``OUT/run.json`` with the run's ``settings`` and ``state`` (running, complete, interrupted, failed)."""
-    tmp = out / (RUN_FILE + ".tmp")
+    tmp = out / f"{RUN_FILE}.{os.getpid()}.tmp"  # several hosts' launchers may write it
     tmp.write_text(json.dumps({"version": RUN_FILE_VERSION, "state": state, "settings": settings}, indent=1,
                               default=list))
     tmp.replace(out / RUN_FILE)
 
 
+def write_summary(out: Path, result: dict, wall_s: float, **fields) -> tuple[dict, str]:
+    """``OUT/summary.json`` of a finished run from rank 0's ``result`` (losses, events; see ``run_worker``) and
+    ``fields`` (throughput, ranks, plan, ...), written under a temporary name and renamed; then ``run.json``'s
+    state ``complete``. Returns the summary and the loss text of :func:`~adaptdist.runtime.worker.loss_summary`."""
+    from ..runtime.worker import loss_summary
+
+    losses = result["losses"]
+    loss_fields, loss_text = loss_summary(losses)
+    events = result.get("events", [])
+    summary = {"steps": len(losses), **loss_fields, "wall_s": wall_s, **fields, "losses": losses,
+               "restarts": [e for e in events if e["event"] == "restart"],
+               "resumes": [e for e in events if e["event"] == "resume"], "complete": True}
+    tmp = out / f"summary.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+    _set_state(out, "complete")
+    return summary, loss_text
+
+
 def _set_state(out: Path, state: str) -> None:
+    """Set ``run.json``'s state, keeping the rest of the file (a multi-host run's job section too)."""
     f = out / RUN_FILE
     if f.is_file():
         run = json.loads(f.read_text())
-        write_run_file(out, run["settings"], state)
+        tmp = out / f"{RUN_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({**run, "state": state}, indent=1, default=list))
+        tmp.replace(f)
 
 
 def cmd_train(args, defaults: dict) -> int:
@@ -320,23 +342,10 @@ def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, sett
     except BaseException as e:
         return _ended_early(e, out, console)
     wall = time.perf_counter() - t0
-    from ..runtime.worker import loss_summary
-
-    losses = result["losses"]
-    fields, loss_text = loss_summary(losses)
-    events = result.get("events", [])
-    summary = {
-        "steps": len(losses), **fields,
-        f"{unit}_per_s": result["items_per_s"], "step_time_s": result["step_time_s"], "wall_s": wall,
-        "ranks": result.get("world_size", nproc), "threads_per_rank": threads, "plan": plan.name, "losses": losses,
-        "restarts": [e for e in events if e["event"] == "restart"],
-        "resumes": [e for e in events if e["event"] == "resume"],
-        "complete": True,
-    }
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "summary.json")
-    _set_state(out, "complete")
+    summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
+                                       step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
+                                       threads_per_rank=threads, plan=plan.name)
+    losses = summary["losses"]
     restarts = len(summary["restarts"])
     console.print(
         f"trained {len(losses)} steps on {summary['ranks']} ranks in {wall:.0f} s: {loss_text}, "

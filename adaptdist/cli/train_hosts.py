@@ -240,25 +240,9 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
 
 
 def write_summary(out: Path, result: dict, wall_s: float, threads: int, plan: str, unit: str) -> None:
-    """``OUT/summary.json`` of a finished multi-host run (rank 0's ``result``), then ``run.json`` complete."""
-    from ..runtime.worker import loss_summary
-    from .train import RUN_FILE
+    """``OUT/summary.json`` of a finished multi-host run (rank 0's ``result``), then ``run.json`` complete
+    (:func:`adaptdist.cli.train.write_summary`)."""
+    from .train import write_summary as write
 
-    losses = result["losses"]
-    fields, _ = loss_summary(losses)
-    events = result.get("events", [])
-    summary = {
-        "steps": len(losses), **fields,
-        f"{unit}_per_s": result["items_per_s"], "step_time_s": result["step_time_s"], "wall_s": wall_s,
-        "ranks": result["world_size"], "threads_per_rank": threads, "plan": plan, "losses": losses,
-        "restarts": [e for e in events if e["event"] == "restart"],
-        "resumes": [e for e in events if e["event"] == "resume"],
-        "complete": True,
-    }
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(out / "summary.json")
-    run = json.loads((out / RUN_FILE).read_text())
-    tmp = out / f"{RUN_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({**run, "state": "complete"}, indent=1))
-    tmp.replace(out / RUN_FILE)
+    write(out, result, wall_s, **{f"{unit}_per_s": result["items_per_s"]}, step_time_s=result["step_time_s"],
+          ranks=result["world_size"], threads_per_rank=threads, plan=plan)

@@ -272,6 +272,19 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
             raise
 
 
+def _launch_config(min_nodes: int, max_nodes: int, nproc_per_node: int, run_id: str, endpoint: str,
+                   local_addr: str, max_restarts: int, timeouts: Timeouts, monitor_interval_s: float) -> Any:
+    """torch's LaunchConfig of our launches: c10d rendezvous at ``endpoint`` whose store we host ourselves
+    (``is_host: False``), spawned workers, ``timeouts``' rendezvous settings and shutdown grace."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
+                        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+                        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False}, max_restarts=max_restarts,
+                        monitor_interval=monitor_interval_s, start_method="spawn", local_addr=local_addr,
+                        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))))
+
+
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restarts: int = 0,
                  timeouts: Timeouts = Timeouts(), monitor_interval_s: float = 0.1) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` local processes under torch's elastic agent; returns {rank: return value
@@ -297,7 +310,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     """
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if nproc < 1:
         raise UsageError(f"nproc must be at least 1, got {nproc}")
@@ -311,20 +324,8 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
 
     store = host_loopback_store(0, timeouts.store_s)
     report_dir = tempfile.mkdtemp(prefix="adaptdist-launch-")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"adaptdist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{LOOPBACK}:{store.port}",
-        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False},
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval_s,
-        start_method="spawn",
-        local_addr=LOOPBACK,
-        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))),
-    )
+    config = _launch_config(1, 1, nproc, f"adaptdist-{uuid.uuid4().hex[:8]}", f"{LOOPBACK}:{store.port}", LOOPBACK,
+                            max_restarts, timeouts, monitor_interval_s)
     try:
         with local_run():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
@@ -652,7 +653,7 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     if nproc_per_node < 1:
         raise UsageError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
@@ -694,20 +695,8 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
                 raise RuntimeLaunchError(f"cannot listen on {host_ip}:{port} for the rendezvous store: {e}") from None
             # taken: another launcher on this machine (several hosts on one machine) hosts it; join as a client
     report_dir = tempfile.mkdtemp(prefix="adaptdist-launch-")
-    config = LaunchConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        nproc_per_node=nproc_per_node,
-        run_id=run_id or f"adaptdist-{host_ip}-{port}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{host_ip}:{port}",
-        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False},
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval_s,
-        start_method="spawn",
-        local_addr=local_addr,
-        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))),
-    )
+    config = _launch_config(min_nodes, max_nodes, nproc_per_node, run_id or f"adaptdist-{host_ip}-{port}",
+                            f"{host_ip}:{port}", local_addr, max_restarts, timeouts, monitor_interval_s)
     where = f"this host ({local_addr}, {'holds' if store is not None else 'joined'} the rendezvous at {endpoint})"
     try:
         with _env(env, override=True), _kept_signal_handlers():
