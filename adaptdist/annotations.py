@@ -164,15 +164,19 @@ class ManualPlan:
 
     @staticmethod
     def parse(text: str, model_module=None):
-        """``dp``, ``fsdp``, ``tp`` or ``dp,tp`` (``tp`` uses the model file's ``TP_PLAN`` globs), a YAML
-        file, or a saved ``plan.json`` (returned as a :class:`~adaptdist.plan.Plan`).
+        """``dp``, ``fsdp``, ``tp`` or ``dp,tp`` (``tp`` uses the model file's ``TP_PLAN`` globs), ``ep``
+        (expert parallelism: a one-axis mesh ``ep`` splitting the batch, the model file's ``EP_PLAN`` globs
+        sharding the stacked experts' weights on their expert dim), a YAML file, or a saved ``plan.json``
+        (returned as a :class:`~adaptdist.plan.Plan`).
 
         Raises:
-            UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp``, or a bad file
+            UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp`` (``EP_PLAN`` for ``ep``), or a bad file
                 (names the field).
         """
         presets = {"dp": ("dp",), "fsdp": ("fsdp",), "tp": ("tp",), "dp,tp": ("dp", "tp")}
         key = text.replace(" ", "")
+        if key == "ep":  # expert parallelism (issue 14, moe): the batch split on ep, EP_PLAN's experts on it
+            return ManualPlan("ep", ("ep",), "ep", tuple((g, (p,)) for g, p in _ep_plan(model_module).items()))
         if key in presets:
             parts = presets[key]
             axes = tuple("dp" if p == "fsdp" else p for p in parts)
@@ -249,6 +253,18 @@ def _tp_plan(model_module) -> dict:
         raise UsageError(f"the model file's TP_PLAN is a {type(tp).__name__}; it must be a dict "
                          "{glob: placement}, e.g. {'fc1.weight': 'S(0)', 'fc2.weight': 'S(1)'}")
     return tp
+
+
+def _ep_plan(model_module) -> dict:
+    ep = getattr(model_module, "EP_PLAN", None)
+    if ep is None:
+        raise UsageError("--plan ep shards the experts named by the model file's EP_PLAN = {glob: 'S(dim)'} (the "
+                         "expert dim of stacked [E, ...] expert weights, e.g. {'moe.w_in': 'S(0)'}); this model file "
+                         "defines none: add one, or pass --plan FILE.yaml with a mesh axis ep")
+    if not isinstance(ep, dict):
+        raise UsageError(f"the model file's EP_PLAN is a {type(ep).__name__}; it must be a dict {{glob: placement}}, "
+                         "e.g. {'moe.w_in': 'S(0)', 'moe.w_out': 'S(0)'}")
+    return ep
 
 
 def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:

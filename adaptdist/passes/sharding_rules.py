@@ -874,6 +874,69 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(p)
 
 
+# ---------------------------------------------------------------- mixture of experts (issue 14, part 3: moe)
+# index_add / scatter_add combines and the routers' topk. Each keeps a shard of a dim the op does not index
+# (a batch split of tokens, the expert dim of an expert-parallel weight), and each is linear in its
+# ``self`` and ``source`` together, so Partial sums stay Partial where ``self`` is zeros.
+
+_ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+
+
+def _is_zeros(n: Any) -> bool:
+    """``n`` is a tensor of zeros made in the graph (``torch.zeros``, ``new_zeros``, ``zeros_like``,
+    ``full(..., 0)``): adding it once per rank adds nothing, so it may join a Partial sum."""
+    if not isinstance(n, torch.fx.Node) or n.op != "call_function":
+        return False
+    if n.target in _ZEROS:
+        return True
+    if n.target in (aten.full.default, aten.new_full.default, aten.full_like.default, aten.fill.Scalar):
+        return n.args[-1] == 0 if n.target != aten.full.default else n.args[1] == 0
+    return False
+
+
+def index_add(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """index_add(self, dim, index, source, alpha=1): ``self`` with ``source[i]`` added at ``index[i]`` of ``dim``.
+
+    ``self``/``source`` ``[.., N_dim, ..]`` / ``[.., len(index), ..]``, ``index`` int64 ``[len(index)]``, kept
+    whole. A shard of another dim (tokens of a batch split, experts of an expert-parallel weight) carries
+    through, the other operand sliced to match; Partial ``self`` and ``source`` (or zeros and a Partial
+    ``source``) give a Partial sum; a shard of ``dim`` itself is gathered first (the indices are global).
+    """
+    self_, dim, index, src = node.args[:4]
+    nd = max(len(shape(self_)), 1)
+    dim = dim % nd
+    ps, pq, pi = pl(self_), pl(src), pl(index)
+    needs: dict[ArgPath, Placement] = {} if isinstance(pi, Replicate) else {(2,): R}
+    shards = {p.dim for p in (ps, pq) if isinstance(p, Shard)}
+    if shards:
+        d = shards.pop()
+        if shards or d == dim:
+            return gather_all(node, pl, "it adds along the sharded dim (or its inputs shard different dims)")
+        for path, p in (((0,), ps), ((3,), pq)):
+            if not isinstance(p, Shard):
+                needs[path] = Shard(d)
+        return RuleResult(Shard(d), needs)
+    partial_s, partial_q = isinstance(ps, Partial), isinstance(pq, Partial)
+    if partial_q and (partial_s or _is_zeros(self_)):
+        return RuleResult(P, needs)
+    if partial_s:  # a replicated source would be added once per rank: reduce self first
+        return RuleResult(R, {**needs, (0,): R})
+    if partial_q:  # self is not zeros: it must not join the sum once per rank
+        return RuleResult(R, {**needs, (3,): R})
+    return RuleResult(R, needs)
+
+
+def scatter_add(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """scatter_add(self, dim, index, src): as :func:`gather_scatter` (a shard of another dim carries through),
+    and linear like :func:`index_add`: a Partial ``src`` into Partial or zero ``self`` (index replicated)
+    stays Partial."""
+    self_, _, index, src = node.args[:4]
+    ps, pi, pq = pl(self_), pl(index), pl(src)
+    if isinstance(pq, Partial) and (isinstance(ps, Partial) or _is_zeros(self_)) and isinstance(pi, Replicate):
+        return RuleResult(P)
+    return gather_scatter(node, pl)
+
+
 # ---------------------------------------------------------------- collectives of other mesh axes
 
 
@@ -946,7 +1009,6 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.gather.default: gather_scatter,
     aten.scatter.src: gather_scatter,
     aten.scatter.value: gather_scatter,
-    aten.scatter_add.default: gather_scatter,
     aten.new_zeros.default: new_factory,
     aten.new_ones.default: new_factory,
     aten.new_empty.default: new_factory,
@@ -996,6 +1058,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
     aten.constant_pad_nd.default: constant_pad,
     aten.copy.default: pointwise,  # copy(self, src): src broadcast to self, e.g. x[..., 1:] = y
+    # mixture of experts (issue 14, part 3: moe)
+    aten.index_add.default: index_add,
+    aten.scatter_add.default: scatter_add,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
