@@ -201,15 +201,14 @@ def _check_loss(loss: Any, name: str) -> None:
         )
 
 
-def _data_dependent_message(e: BaseException, name: str) -> str:
+def data_dependent_message(name: str, where: str) -> str:
     """What to say about an op whose output shape depends on the data (``nonzero``, ``torch.where(mask)``,
-    ``masked_select``, ``unique``; Mixtral-style per-expert token selection)."""
-    return (f"{name} has an op whose output shape depends on the data at {_user_frame(e)} ({e}): adaptdist "
-            "plans and lowers static shapes only, so it cannot compile data-dependent token counts (e.g. an MoE "
-            "that picks each expert's tokens with torch.where / nonzero). Write it with static shapes: dense "
-            "dispatch (every expert on every token, weighted by the router's zero-masked weights, see "
-            "adaptdist/models/moe.py), or a fixed capacity per expert; under torch.compile such an op is a "
-            "graph break and runs eagerly on each rank's rows")
+    ``masked_select``, ``unique``; Mixtral-style per-expert token selection) in model ``name`` at ``where``."""
+    return (f"{name} has an op whose output shape depends on the data {where}: adaptdist plans and lowers "
+            "static shapes only, so it cannot compile data-dependent token counts (e.g. an MoE that picks each "
+            "expert's tokens with torch.where / nonzero, then index_add_). Write it with static shapes: dense "
+            "dispatch (every expert on every token, weighted by the router's zero-masked weights; see "
+            "adaptdist/models/moe.py), or a fixed capacity per expert")
 
 
 def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> None:
@@ -218,7 +217,7 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
         (loss,) = step(*fake_batch)
     except Exception as e:  # the user's code failed: report where
         if type(e).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException"):
-            raise CaptureError(_data_dependent_message(e, name)) from e
+            raise CaptureError(data_dependent_message(name, f"at {_user_frame(e)} ({e})")) from e
         raise CaptureError(
             f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
             f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."

@@ -509,6 +509,15 @@ def _note_graph_breaks(gm: torch.fx.GraphModule) -> None:
              for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
     for reason in reasons:
         compat.note_graph_break(f"after {lines[-1]}" if lines else "(no source line recorded)", reason)
+    # the graph after a break on nonzero/torch.where(mask) gets data-dependent shapes, which fail later less
+    # clearly (a symbolic size, or ranks with different graphs): refuse here, on every rank (issue 14, moe)
+    dynamic = [r for r in reasons if r.startswith("Dynamic shape operator")]
+    if dynamic:
+        from ..errors import CaptureError
+        from .capture import data_dependent_message
+
+        raise CaptureError(data_dependent_message(
+            "the compiled model", f"(a graph break: {dynamic[0]}, after {lines[-1] if lines else 'an unknown line'})"))
 
 
 def graph_break_summary(breaks: dict[tuple[str, str], int]) -> tuple[int, str]:

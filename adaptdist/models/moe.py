@@ -145,10 +145,16 @@ class MoEModel(nn.Module):
 
 def factory(batch_size: int = 4, seq_len: int = 6, d: int = 16, hidden: int = 32, n_experts: int = 4, k: int = 2,
             seed: int = 0, **form):
-    """``(model, (x, y), mse_loss)``; ``form``: ``experts``, ``dispatch``, ``combine`` (see the module)."""
+    """``(model, (x, y), mse_loss)``; ``form``: ``experts`` (default ``"stacked"``, which ``--plan ep`` shards),
+    ``dispatch`` (``"dense"``), ``combine`` (``"scatter_add"``); see the module."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = MoEModel(d, hidden, n_experts, k, **form)
+    model = MoEModel(d, hidden, n_experts, k, **{"experts": "stacked", **form})
     x = torch.randn(batch_size, seq_len, d, generator=g)
     y = torch.randn(batch_size, seq_len, d, generator=g)
     return model, (x, y), F.mse_loss
+
+
+def list_factory(batch_size: int = 4, seq_len: int = 6, **kw):
+    """:func:`factory` with the experts as an ``nn.ModuleList`` of MLPs, combined by ``index_add``."""
+    return factory(batch_size, seq_len, **{"experts": "list", "combine": "index_add", **kw})
