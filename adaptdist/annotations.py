@@ -192,7 +192,7 @@ class ManualPlan:
                              "write a plan file (see `adaptdist train --help`)")
         p = Path(text)
         if not p.is_file():
-            raise UsageError(f"--plan {text!r} is neither auto, dp, fsdp, tp, dp,tp nor an existing plan file")
+            raise UsageError(f"--plan {text!r} is neither auto, dp, fsdp, tp, dp,tp, ep nor an existing plan file")
         if p.suffix == ".json":
             from .plan import Plan
 

@@ -188,8 +188,8 @@ def test_backend_on_two_gloo_ranks_equals_eager():
     from adaptdist.runtime.launch import launch_local
     from moe_workers import moe_backend_worker
 
-    cases = [dict(form=FORMS["stacked-scatter_add"], plan=p, batch=4) for p in ("dp", "fsdp", "auto", "ep")]
-    cases.append(dict(form=FORMS["list-index_add"], plan="fsdp", batch=4))
+    cases = [dict(form=FORMS["stacked-scatter_add"], plan=p, batch=4) for p in ("fsdp", "ep")]
+    cases.append(dict(form=FORMS["list-index_add"], plan="auto", batch=4))
     results = launch_local(moe_backend_worker, (cases, STEPS, LR), 2)
     for k, case in enumerate(cases):
         model, (x, y), loss_fn = moe.factory(case["batch"], **case["form"])
@@ -229,7 +229,74 @@ def test_adaptdist_train_ep_equals_eager(tmp_path):
     model, batch, loss_fn = moe.factory(4, 6)
     history, _ = eager_sgd(model, [batch], loss_fn, LR, STEPS)
     assert summary["initial_loss"] == pytest.approx(history[0][0], abs=TOL)
-    history4, _ = eager_sgd(model, [batch], loss_fn, LR, STEPS + 1)
-    assert summary["final_loss"] in (pytest.approx(history[-1][0], abs=TOL), pytest.approx(history4[-1][0], abs=TOL))
+    assert summary["final_loss"] == pytest.approx(history[-1][0], abs=TOL)  # the loss of the last step
     code = (out / "programs" / "rank0" / "program.py").read_text()
     assert "mesh ep=2" in code and "all_to_all" in code and "all_gather" not in code
+
+
+def _index_add_node(self_target=None):
+    """index_add(self [4, 6], 0, index [3], source [3, 6]); ``self`` made by ``self_target`` (zeros) or a placeholder."""
+    import torch.fx
+
+    g = torch.fx.Graph()
+    if self_target is None:
+        s = g.placeholder("s")
+    else:
+        s = g.call_function(self_target, ([4, 6],))
+    s.meta["val"] = torch.empty(4, 6)
+    i, src = g.placeholder("i"), g.placeholder("src")
+    i.meta["val"], src.meta["val"] = torch.zeros(3, dtype=torch.long), torch.empty(3, 6)
+    n = g.call_function(torch.ops.aten.index_add.default, (s, 0, i, src))
+    n.meta["val"] = torch.empty(4, 6)
+    return n, s, i, src
+
+
+def test_index_add_rule_keeps_other_dims_sharded_and_sums_partials():
+    from adaptdist.passes.sharding_rules import apply_rule
+    from adaptdist.placement import Partial, Replicate
+
+    R, P = Replicate(), Partial()
+
+    def run(n, placements):
+        pl = dict(zip([a for a in (n.args[0], n.args[2], n.args[3])], placements))
+        return apply_rule(n, lambda a: pl.get(a, R))
+
+    n, s, i, src = _index_add_node()
+    res = run(n, [Shard(1), R, R])  # a shard of the other dim carries; the source is sliced to match
+    assert res.out == Shard(1) and res.needs == {(3,): Shard(1)}
+    res = run(n, [Shard(0), R, Shard(0)])  # along the indexed (sharded) dim: gather first
+    assert res.out == R and set(res.needs) == {(0,), (3,)}
+    assert run(n, [P, R, P]).out == P
+    res = run(n, [R, R, P])  # a replicated self must not be added once per rank
+    assert res.out == R and res.needs == {(3,): R}
+    n, s, i, src = _index_add_node(torch.ops.aten.zeros.default)
+    assert run(n, [R, R, P]).out == P  # into zeros: the Partial sum stays a Partial sum
+
+
+class _IndexAlongBatch(torch.nn.Module):
+    """index_add along the batch dim (a fixed permutation of the rows): its rows mix across ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.zeros_like(h).index_add(0, torch.arange(h.shape[0] - 1, -1, -1), h)
+
+
+def test_index_add_along_the_batch_gathers_and_equals_eager():
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 6, generator=g), torch.randn(6, 6, generator=g)
+    progs = run_sgd(_IndexAlongBatch(), (x, y), torch.nn.functional.mse_loss, ManualPlan.parse("dp"), 2)
+    assert any(k == "all_gather_into_tensor" for k, _ in _collectives(progs[0]))
+
+
+def test_ep_preset_on_module_list_experts_names_the_glob():
+    """``--plan ep`` on ModuleList experts: EP_PLAN's stacked-weight globs match nothing, and the error says so."""
+    from adaptdist.compiler.lowering import resolve_plan
+
+    model, batch, loss_fn = moe.list_factory(4)
+    with pytest.raises(UsageError, match=r"'moe.w_in' matches no parameter"):
+        resolve_plan(ManualPlan.parse("ep", moe), capture(model, batch, loss_fn), 2)

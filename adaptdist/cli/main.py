@@ -88,12 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(t, nproc_range, "; MIN:MAX: an elastic world size, one torchrun agent per rank (started at MAX), "
                                 "re-planned and resharded when ranks leave or join")
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
-    t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE",
+    t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|ep|FILE",
                    help="auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
                         "model; --mesh fixes the mesh); "
                         "dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); dp,tp: both on "
-                        "a 2-D mesh (--mesh dp=2,tp=2); FILE: a plan YAML of parameter globs per mesh axis, or a "
+                        "a 2-D mesh (--mesh dp=2,tp=2); ep: expert parallelism, the batch split and the model "
+                        "file's EP_PLAN globs (stacked [E, ...] expert weights sharded on the expert dim; tokens "
+                        "move by all_to_all); FILE: a plan YAML of parameter globs per mesh axis, or a "
                         "saved plan.json (checked against the model's graph)")
     _add_lowering(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
