@@ -300,3 +300,22 @@ def test_ep_preset_on_module_list_experts_names_the_glob():
     model, batch, loss_fn = moe.list_factory(4)
     with pytest.raises(UsageError, match=r"'moe.w_in' matches no parameter"):
         resolve_plan(ManualPlan.parse("ep", moe), capture(model, batch, loss_fn), 2)
+
+
+def test_scatter_add_rule_sums_partials_into_zeros():
+    import torch.fx
+
+    from adaptdist.passes.sharding_rules import apply_rule
+    from adaptdist.placement import Partial, Replicate
+
+    R, P = Replicate(), Partial()
+    g = torch.fx.Graph()
+    z = g.call_function(torch.ops.aten.zeros.default, ([4, 3],))
+    i, src = g.placeholder("i"), g.placeholder("src")
+    z.meta["val"], i.meta["val"], src.meta["val"] = torch.empty(4, 3), torch.zeros(4, 2, dtype=torch.long), torch.empty(4, 2)
+    n = g.call_function(torch.ops.aten.scatter_add.default, (z, 1, i, src))
+    n.meta["val"] = torch.empty(4, 3)
+    pl = {z: R, i: R, src: P}
+    assert apply_rule(n, lambda a: pl[a]).out == P
+    pl = {z: Shard(0), i: Shard(0), src: Shard(0)}  # tokens split, experts (dim 1) whole
+    assert apply_rule(n, lambda a: pl[a]).out == Shard(0)
