@@ -11,7 +11,7 @@ timeouts.
 
 from __future__ import annotations
 
-import dataclasses
+import re
 import warnings
 
 import pytest
@@ -190,7 +190,10 @@ def test_backend_on_two_gloo_ranks_equals_eager():
 
     cases = [dict(form=FORMS["stacked-scatter_add"], plan="ep", batch=4),
              dict(form=FORMS["list-index_add"], plan="auto", batch=4)]
-    results = launch_local(moe_backend_worker, (cases, STEPS, LR), 2)
+    where = dict(form=dict(experts="list", dispatch="where"), plan="dp", batch=4)  # refused, with the advice
+    results = launch_local(moe_backend_worker, (cases + [where], STEPS, LR), 2)
+    for r in range(2):
+        assert re.search(r"(?s)depends on the data.*dense dispatch", results[r][-1].get("error", "")), results[r][-1]
     for k, case in enumerate(cases):
         model, (x, y), loss_fn = moe.factory(case["batch"], **case["form"])
         opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.fx
 
 from .. import _torch_compat as compat
-from ..errors import AdaptdistError, PlanMismatchError, UsageError
+from ..errors import AdaptdistError, CaptureError, PlanMismatchError, UsageError
 from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh
 from ..placement import parse_placement
@@ -246,9 +246,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
                 captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
+        hint = _data_dependent_hint()
         if not distributed:
+            if hint:
+                raise CaptureError(f"{e}{hint}") from e
             raise
-        error = f"error: {type(e).__name__}: {e}"
+        error = f"error: {type(e).__name__}: {e}{hint}"
     if distributed:
         # ranks agree also on running a graph as it is: a rank that captured instead would wait in collectives
         signature = (f"as-is:{_structure(gm)} [{_input_shapes(inputs)}]" if as_is and not error else
@@ -262,7 +265,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 "the ranks compiled different graphs (" + "; ".join(
                     f"ranks {rs}: graph {text.split(' ')[0][:12]}, inputs {text.partition(' ')[2]}"
                     for text, rs in groups.items())
-                + "); every rank must run the same model on inputs of the same shapes and dtypes")
+                + "); every rank must run the same model on inputs of the same shapes and dtypes"
+                + _data_dependent_hint())
     if as_is:
         log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
         return gm
@@ -509,15 +513,18 @@ def _note_graph_breaks(gm: torch.fx.GraphModule) -> None:
              for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
     for reason in reasons:
         compat.note_graph_break(f"after {lines[-1]}" if lines else "(no source line recorded)", reason)
-    # the graph after a break on nonzero/torch.where(mask) gets data-dependent shapes, which fail later less
-    # clearly (a symbolic size, or ranks with different graphs): refuse here, on every rank (issue 14, moe)
-    dynamic = [r for r in reasons if r.startswith("Dynamic shape operator")]
-    if dynamic:
-        from ..errors import CaptureError
-        from .capture import data_dependent_message
 
-        raise CaptureError(data_dependent_message(
-            "the compiled model", f"(a graph break: {dynamic[0]}, after {lines[-1] if lines else 'an unknown line'})"))
+
+def _data_dependent_hint() -> str:
+    """After a graph break on a dynamic-shape op (``nonzero``, ``torch.where(mask)``), the next graphs get
+    data-dependent shapes, which fail less clearly (a symbolic size, ranks with different graphs): the advice
+    to append to such a failure, or "" when no such break was seen (issue 14, moe)."""
+    sites = [site for site, reason in compat.graph_break_sites() if reason.startswith("Dynamic shape operator")]
+    if not sites:
+        return ""
+    from .capture import data_dependent_message
+
+    return ". " + data_dependent_message("The compiled model", f"(a graph break on a dynamic-shape operator, {sites[0]})")
 
 
 def graph_break_summary(breaks: dict[tuple[str, str], int]) -> tuple[int, str]:
