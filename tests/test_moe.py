@@ -22,7 +22,6 @@ from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.mesh import lowering_order
 from adaptdist.errors import CaptureError, UsageError
-from adaptdist.mesh import Mesh
 from adaptdist.models import moe
 from adaptdist.placement import Shard
 from adaptdist.runtime.simulate import simulate_ranks
@@ -89,15 +88,16 @@ def test_forms_under_dp_and_fsdp_equal_eager_without_gathering_the_batch(form, p
         assert all(len(s) == 1 for k, s in calls if k == "all_gather_into_tensor"), calls
 
 
-def test_expert_parallel_preset_moves_tokens_by_all_to_all_and_keeps_experts_sharded():
-    """``--plan ep``: each rank holds E/2 experts; the expert gradients are computed where the experts live
-    from every rank's tokens (never all-reduced, so not scaled by the ep degree)."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_preset_moves_tokens_by_all_to_all_and_keeps_experts_sharded(world):
+    """``--plan ep``: each rank holds E/world experts; the expert gradients are computed where the experts
+    live from every rank's tokens (never all-reduced, so not scaled by the ep degree)."""
     model, batch, loss_fn = moe.factory(4, **FORMS["stacked-scatter_add"])
     plan = ManualPlan.parse("ep", moe)
     assert plan.mesh_axes == ("ep",) and plan.batch_axis == "ep"
-    progs = run_sgd(model, batch, loss_fn, plan, 2)
+    progs = run_sgd(model, batch, loss_fn, plan, world)
     p = progs[0]
-    assert p.state_placements["moe.w_in"] == ["S(0)"] and tuple(p.state["moe.w_in"].shape) == (2, 16, 32)
+    assert p.state_placements["moe.w_in"] == ["S(0)"] and tuple(p.state["moe.w_in"].shape) == (4 // world, 16, 32)
     calls = _collectives(p)
     kinds = [k for k, _ in calls]
     assert "all_to_all_single" in kinds and "all_gather_into_tensor" not in kinds, calls
