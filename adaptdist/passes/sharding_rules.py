@@ -875,9 +875,10 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 # ---------------------------------------------------------------- mixture of experts (issue 14, part 3: moe)
-# index_add / scatter_add combines and the routers' topk. Each keeps a shard of a dim the op does not index
-# (a batch split of tokens, the expert dim of an expert-parallel weight), and each is linear in its
-# ``self`` and ``source`` together, so Partial sums stay Partial where ``self`` is zeros.
+# index_add / scatter_add combines. Each keeps a shard of a dim the op does not index (a batch split of
+# tokens, the expert dim of an expert-parallel weight), and each is linear in its ``self`` and ``source``
+# together, so Partial sums stay Partial where ``self`` is zeros. The routers' topk (over the experts, the
+# last dim) keeps a batch shard through DTensor's strategies (dtensor_choice).
 
 _ZEROS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
 
