@@ -75,8 +75,8 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("plan", ["dp", "fsdp"])
-@pytest.mark.parametrize("form", ["list-scatter_add", "list-index_add", "stacked-scatter_add"])  # stacked-index_add: ep
+@pytest.mark.parametrize("form,plan", [("list-scatter_add", "dp"), ("list-index_add", "dp"), ("list-index_add", "fsdp"),
+                                       ("stacked-scatter_add", "dp"), ("stacked-scatter_add", "fsdp")])  # stacked-index_add: ep
 def test_forms_under_dp_and_fsdp_equal_eager_without_gathering_the_batch(form, plan):
     model, batch, loss_fn = moe.factory(4, **FORMS[form])
     progs = run_sgd(model, batch, loss_fn, ManualPlan.parse(plan), 2)
