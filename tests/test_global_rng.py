@@ -137,3 +137,93 @@ def test_global_program_draws_whole_mask_and_slices_it(reference):
 def test_unknown_rng_mode_is_a_usage_error():
     with pytest.raises(UsageError, match="rng must be one of"):
         LoweringOptions(rng="shared")
+
+
+# --- real gloo processes ---------------------------------------------------------------------------------------
+
+def _eager_drop_mlp(model, batches, lr):
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    torch.manual_seed(SEED)
+    masks = []
+    for x, y in batches:
+        out, h = model(x)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+        masks.append(h.detach() != 0)
+    return masks, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_backend_global_rng_on_gloo_equals_eager():
+    """2 gloo ranks through torch.compile(backend=adaptdist.backend(rng='global')): each rank's dropout masks
+    are its rows of single-process eager's masks on the whole batch, bit for bit; parameters after 3 SGD steps
+    equal eager's to 1e-6; every rank's generator ends where eager's does. Then ranks seeded differently are
+    refused."""
+    from adaptdist.runtime.launch import launch_local
+    from rng_workers import backend_rng_worker, drop_mlp_and_batches
+
+    world, rows = 2, 3
+    results = launch_local(backend_rng_worker, (rows, STEPS, LR, SEED), world)
+    model, batches = drop_mlp_and_batches(rows * world, STEPS)
+    masks, params = _eager_drop_mlp(model, batches, LR)
+    end_state = torch.get_rng_state()
+    for s in range(STEPS):
+        got = torch.cat([results[r]["masks"][s] for r in range(world)])
+        assert torch.equal(got, masks[s]), f"step {s}: {int((got != masks[s]).sum())} mask elements differ"
+    for r in range(world):
+        for f, p in params.items():
+            torch.testing.assert_close(results[r]["params"][f], p, atol=1e-6, rtol=1e-6, msg=f"rank {r} {f}")
+        assert torch.equal(results[r]["rng"], end_state), r
+        # ranks seeded differently: refused on every rank, naming them
+        assert "needs the same random generator state on every rank" in results[r]["unseeded"], results[r]["unseeded"]
+        assert "ranks [1] differ from rank 0" in results[r]["unseeded"]
+
+
+
+TRAIN_MODEL = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class M(nn.Module):
+    def __init__(self):
+        super().__init__(); self.a = nn.Linear(6, 24); self.drop = nn.Dropout(0.4); self.b = nn.Linear(24, 3)
+    def forward(self, x):
+        h = self.drop(torch.sigmoid(self.a(x)) + 0.1)
+        return self.b(h + 0.05 * torch.randn_like(h))
+def factory(batch_size, seq_len):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return M(), (torch.randn(batch_size, 6, generator=g), torch.randn(batch_size, 3, generator=g)), F.mse_loss
+'''
+
+
+@pytest.mark.slow
+def test_train_rng_global_on_3_gloo_ranks_equals_eager(tmp_path):
+    """``adaptdist train --rng global`` on 3 gloo ranks, 7 rows (3 + 3 + 1): parameters after 3 SGD steps equal
+    single-process eager's (seeded with --seed) to 1e-6."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+
+    (tmp_path / "dropmodel.py").write_text(TRAIN_MODEL)
+    out = tmp_path / "run"
+    rc = main(["train", f"{tmp_path / 'dropmodel.py'}:factory", "--nproc", "3", "--batch-size", "7", "--seq-len", "1",
+               "--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED), "--rng", "global",
+               "--plan", "dp", "--out", str(out), "--threads-per-rank", "1", "--sample-bytes", "0",
+               "--collective-timeout-s", "60"])
+    assert rc == 0
+    spec = importlib.util.spec_from_file_location("dropmodel", tmp_path / "dropmodel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, (x, y), loss_fn = mod.factory(7, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.manual_seed(SEED)
+    for _ in range(STEPS):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = load_file(str(out / "model.safetensors"))
+    for f, p in model.named_parameters():
+        torch.testing.assert_close(trained[f], p.detach(), atol=1e-6, rtol=1e-6, msg=f)
