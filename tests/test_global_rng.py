@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from adaptdist.annotations import ManualPlan
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import lower, resolve_plan
-from adaptdist.errors import UsageError
+from adaptdist.errors import UnsupportedOpError, UsageError
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.runtime.simulate import simulate_ranks
 
@@ -132,6 +132,61 @@ def test_global_program_draws_whole_mask_and_slices_it(reference):
         draws = [n for n in nodes if n.target in (aten.bernoulli.p, aten.randn_like.default, aten.rand.default)]
         assert [tuple(n.meta["val"].shape) for n in draws] == [(7, 24)] * 3, r  # the whole batch, on every rank
         assert not any(n.target is aten.native_dropout.default for n in nodes)
+
+
+def test_global_masks_under_tensor_parallel_on_a_2x2_mesh(reference):
+    """dp=2 x tp=2 (4 simulated ranks): the dropout input is sharded on its hidden dim by the column-parallel
+    first layer and on its rows by the batch (7 rows: 4 + 3); each rank's mask is its block of eager's, and the
+    loss equals eager's."""
+    import types
+
+    from adaptdist.mesh import Mesh
+    from adaptdist.placement import chunk_interval
+
+    model, batches, (eager_masks, _) = reference
+    x, y = batches[0]
+    tp = types.SimpleNamespace(TP_PLAN={"a.weight": "S(0)", "a.bias": "S(0)", "b.weight": "S(1)"})
+    cg = capture(model, (x, y), F.mse_loss)
+    plan = resolve_plan(ManualPlan.parse("dp,tp", tp), cg, 4, "dp=2,tp=2")
+    named = dict(model.named_parameters())
+    progs = lower(cg, plan, LoweringOptions(rng="global"), state={f: named[f].detach().clone() for f in cg.input_fqns})
+    for p in progs.values():
+        _expose_masks(p.module)
+    mesh = Mesh.parse("dp=2,tp=2")
+    torch.manual_seed(SEED)
+    states = [torch.get_rng_state() for _ in range(4)]
+    ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch((x, y))) for p in progs.values()]
+    outs = simulate_ranks([p.module for p in progs.values()], ins, mesh, rng_states=states)
+    eager_model = copy.deepcopy(model)
+    torch.manual_seed(SEED)
+    loss = F.mse_loss(eager_model(x), y)
+    n_out = len(progs[0].output_roles)
+    for r in range(4):
+        at = dict(zip(mesh.names, mesh.coords(r)))
+        (r0, r1), (c0, c1) = chunk_interval(7, 2, at["dp"]), chunk_interval(24, 2, at["tp"])
+        assert torch.equal(outs[r][n_out], eager_masks[0][r0:r1, c0:c1]), r
+        assert float(outs[r][0]) == pytest.approx(loss.item(), abs=1e-6)
+
+
+class ProbDraw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x):
+        p = torch.sigmoid(self.a(x))
+        return p * torch.bernoulli(p.detach())
+
+
+def test_random_op_of_sharded_probabilities_is_refused_under_global():
+    torch.manual_seed(0)
+    model, x, y = ProbDraw(), torch.randn(7, 6), torch.randn(7, 3)
+    cg = capture(model, (x, y), F.mse_loss)
+    plan = resolve_plan(ManualPlan.parse("dp"), cg, 2)
+    lower(cg, plan, LoweringOptions())  # per-rank: each rank draws its rows
+    with pytest.raises(UnsupportedOpError, match=r"aten.bernoulli.default.*rng='global' draws each random tensor "
+                                                 r"whole.*rng='per-rank'"):
+        lower(cg, plan, LoweringOptions(rng="global"))
 
 
 def test_unknown_rng_mode_is_a_usage_error():
