@@ -80,7 +80,8 @@ def _simulate_sgd(model, batches, world: int, rng: str):
     cg = capture(model, (x0, y0), F.mse_loss)
     plan = resolve_plan(ManualPlan.parse("dp"), cg, world)
     named = dict(model.named_parameters())
-    progs = lower(cg, plan, LoweringOptions(rng=rng), state={f: named[f].detach().clone() for f in cg.input_fqns})
+    progs = lower(cg, plan, LoweringOptions(rng=rng, debug=True),  # debug: the pass invariants checked after each pass
+                  state={f: named[f].detach().clone() for f in cg.input_fqns})
     for p in progs.values():
         _expose_masks(p.module)
     params = {f: named[f].detach().clone() for f in cg.param_fqns}

@@ -177,26 +177,26 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
                 "whole on every rank, which this op cannot do from its shard. Use rng='per-rank' (--rng per-rank, "
                 "adaptdist.backend(rng='per-rank')), or draw with torch.rand_like and compare instead")
         if node.target in DROPOUT:
-            _rewrite_dropout(graph, node, x, d, ctx)
-        else:
-            with graph.inserting_before(node):
-                whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
-                full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
-            gmeta.mark_global_rng(full)
-            local = _keep_rows(graph, full, d, x, ctx)
-            node.replace_all_uses_with(local)
-            graph.erase_node(node)
+            changed |= _rewrite_dropout(graph, node, x, d, ctx)
+            continue
+        with graph.inserting_before(node):
+            whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
+            full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
+        gmeta.mark_global_rng(full)
+        local = _keep_rows(graph, full, d, x, ctx)
+        node.replace_all_uses_with(local)
+        graph.erase_node(node)
         changed = True
     return gm, changed
 
 
-def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> None:
+def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> bool:
     """``native_dropout(x, p, train)`` (sharded like ``x`` on ``d``) -> whole mask, this rank's rows, ``x * mask
-    * scale``. A ``train=False`` dropout draws nothing and stays."""
+    * scale``; returns whether it rewrote. A ``train=False`` dropout draws nothing and stays."""
     p = float(node.args[1])
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
     if train is False:
-        return
+        return False
     p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     sp = Shard(d)
@@ -217,3 +217,4 @@ def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Nod
         user.replace_all_uses_with(out if user.args[1] == 0 else mask)
         graph.erase_node(user)
     graph.erase_node(node)
+    return True
