@@ -39,7 +39,8 @@ class NoisyMLP(nn.Module):
 
     def forward(self, x):
         h = self.drop(torch.sigmoid(self.a(x)) + 0.1)
-        h = h + 0.05 * torch.randn_like(h) + 0.05 * torch.rand(x.shape[0], h.shape[1])
+        # randn_like of a value nothing else reads: it is gone once the whole tensor is drawn instead
+        h = h + 0.05 * torch.randn_like(h * 2) + 0.05 * torch.rand(x.shape[0], h.shape[1])
         return self.b(h)
 
 

@@ -142,6 +142,25 @@ def _keep_rows(graph: torch.fx.Graph, full: torch.fx.Node, dim: int, align: torc
     return s
 
 
+def _align_target(x: torch.fx.Node, node: torch.fx.Node, d: int) -> torch.fx.Node:
+    """The node whose rows on ``d`` the shard of random op ``node`` (of input ``x``) must be: ``x``, or, when ``x``
+    is used only to give ``node`` its shape (``empty_like`` before the ``bernoulli`` of dropout under vmap) and so
+    disappears once the whole tensor is drawn instead, the nearest ancestor of the same rows that stays."""
+    chain = {node}
+    cur = x
+    while cur.op == "call_function" and all(u in chain for u in cur.users):
+        size = cur.meta["val"].shape[d]
+        nxt = next((a for a in cur.all_input_nodes
+                    if isinstance(gmeta.get_placements(a) and placement_of(a), Shard) and placement_of(a).dim == d
+                    and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() > d
+                    and a.meta["val"].shape[d] == size), None)
+        if nxt is None:
+            break
+        chain.add(cur)
+        cur = nxt
+    return cur
+
+
 def _sharded_dim(p) -> int | None:
     ps = p if isinstance(p, tuple) else (p,)
     dims = {q.dim for q in ps if isinstance(q, Shard)}
@@ -183,7 +202,7 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
             whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
             full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
         gmeta.mark_global_rng(full)
-        local = _keep_rows(graph, full, d, x, ctx)
+        local = _keep_rows(graph, full, d, _align_target(x, node, d), ctx)
         node.replace_all_uses_with(local)
         graph.erase_node(node)
         changed = True
