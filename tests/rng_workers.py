@@ -69,3 +69,43 @@ def backend_rng_worker(rows_per_rank: int, steps: int, lr: float, seed: int, tim
         return result
     finally:
         dist.destroy_process_group()
+
+
+def hf_gpt2_dropout(seed: int = 0):
+    """A Hugging Face GPT-2 from a small config, in training mode with dropout 0.1 everywhere."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, resid_pdrop=0.1,
+                                      embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)).train()
+
+
+def hf_gpt2_loss(model, x, y):
+    return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+
+
+def hf_gpt2_rng_worker(x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, seed: int, plan: str,
+                       timeout_s: float = 180.0) -> dict:
+    """HF GPT-2 with dropout through adaptdist.backend(plan=plan, rng="global"), every rank seeded ``seed``: each
+    step's loss and the final parameters."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        model = hf_gpt2_dropout()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan=plan, rng="global"), fullgraph=True)
+        torch.manual_seed(seed)
+        losses = []
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        for _ in range(steps):
+            loss = hf_gpt2_loss(compiled, xs, ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        return {"losses": losses, "params": adaptdist.full_state_dict(compiled)}
+    finally:
+        dist.destroy_process_group()

@@ -284,3 +284,31 @@ def test_train_rng_global_on_3_gloo_ranks_equals_eager(tmp_path):
     trained = load_file(str(out / "model.safetensors"))
     for f, p in model.named_parameters():
         torch.testing.assert_close(trained[f], p.detach(), atol=1e-6, rtol=1e-6, msg=f)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_hf_gpt2_with_dropout_through_the_backend_equals_eager(plan):
+    """HF GPT-2 in training mode (dropout 0.1 on embeddings, attention probabilities, attention and MLP outputs)
+    on 2 gloo ranks with rng='global': losses and parameters after 3 SGD steps equal single-process eager's on
+    the whole batch. Outside CI (-m bench): ~1 min each."""
+    from adaptdist.runtime.launch import launch_local
+    from rng_workers import hf_gpt2_dropout, hf_gpt2_loss, hf_gpt2_rng_worker
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 97, (4, 8), generator=g), torch.randint(0, 97, (4, 8), generator=g)
+    results = launch_local(hf_gpt2_rng_worker, (x, y, STEPS, LR, SEED, plan), 2)
+    model = hf_gpt2_dropout()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.manual_seed(SEED)
+    losses = []
+    for _ in range(STEPS):
+        loss = hf_gpt2_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for r in range(2):
+        assert results[r]["losses"] == pytest.approx(losses, abs=1e-5), r
+        for f, p in model.state_dict().items():
+            torch.testing.assert_close(results[r]["params"][f], p, atol=1e-5, rtol=1e-5, msg=f"rank {r} {f}")
