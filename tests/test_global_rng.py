@@ -312,3 +312,17 @@ def test_hf_gpt2_with_dropout_through_the_backend_equals_eager(plan):
         assert results[r]["losses"] == pytest.approx(losses, abs=1e-5), r
         for f, p in model.state_dict().items():
             torch.testing.assert_close(results[r]["params"][f], p, atol=1e-5, rtol=1e-5, msg=f"rank {r} {f}")
+
+
+def test_compile_records_rng_for_adaptdist_run(tmp_path):
+    """``adaptdist compile --rng global`` records it in the manifest; ``adaptdist run`` seeds every rank alike then
+    (runtime.run_artifacts / cli.main read it into TrainConfig.rng)."""
+    import json
+
+    from adaptdist.cli import main
+
+    (tmp_path / "m.py").write_text(TRAIN_MODEL)
+    out = tmp_path / "art"
+    assert main(["compile", f"{tmp_path / 'm.py'}:factory", "--nproc", "2", "--batch-size", "4", "--seq-len", "1",
+                 "--plan", "dp", "--rng", "global", "-o", str(out)]) == 0
+    assert json.loads((out / "manifest.json").read_text())["rng"] == "global"
