@@ -20,7 +20,7 @@ How (one mesh axis at a time, like every pass):
   the mask drawn so (``bernoulli.p(1 - p)``, what eager's CPU dropout draws), times the input, times
   ``1 / (1 - p)``.
 
-Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds rows 6..7)::
+Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds row 6)::
 
     native_dropout = aten.native_dropout(x, 0.1, True)         # (f32[7, 16], b8[7, 16]) S(0)
     # becomes
@@ -151,9 +151,8 @@ def _align_target(x: torch.fx.Node, node: torch.fx.Node, d: int) -> torch.fx.Nod
     while cur.op == "call_function" and all(u in chain for u in cur.users):
         size = cur.meta["val"].shape[d]
         nxt = next((a for a in cur.all_input_nodes
-                    if isinstance(gmeta.get_placements(a) and placement_of(a), Shard) and placement_of(a).dim == d
-                    and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() > d
-                    and a.meta["val"].shape[d] == size), None)
+                    if gmeta.get_placements(a) is not None and placement_of(a) == Shard(d)
+                    and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape[d] == size), None)
         if nxt is None:
             break
         chain.add(cur)
