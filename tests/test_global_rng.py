@@ -326,3 +326,36 @@ def test_compile_records_rng_for_adaptdist_run(tmp_path):
     assert main(["compile", f"{tmp_path / 'm.py'}:factory", "--nproc", "2", "--batch-size", "4", "--seq-len", "1",
                  "--plan", "dp", "--rng", "global", "-o", str(out)]) == 0
     assert json.loads((out / "manifest.json").read_text())["rng"] == "global"
+
+
+@pytest.mark.bench
+def test_train_rng_global_resumed_on_another_world_size_equals_eager(tmp_path):
+    """``--rng global``: 2 steps on 2 ranks, then ``--resume --nproc 3`` to 4 steps: the RNG continues from rank 0's
+    saved state (the same on every rank), so the parameters equal 4 uninterrupted single-process eager steps.
+    Outside CI (-m bench): ~1.5 min."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+
+    (tmp_path / "dropmodel.py").write_text(TRAIN_MODEL)
+    out = tmp_path / "run"
+    common = ["--threads-per-rank", "1", "--collective-timeout-s", "60"]
+    assert main(["train", f"{tmp_path / 'dropmodel.py'}:factory", "--nproc", "2", "--batch-size", "7", "--seq-len",
+                 "1", "--steps", "2", "--checkpoint-every", "2", "--optimizer", "sgd", "--lr", str(LR), "--seed",
+                 str(SEED), "--rng", "global", "--plan", "dp", "--out", str(out), "--sample-bytes", "0", *common]) == 0
+    assert main(["train", "--resume", str(out), "--nproc", "3", "--steps", "4", *common]) == 0
+    spec = importlib.util.spec_from_file_location("dropmodel", tmp_path / "dropmodel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, (x, y), loss_fn = mod.factory(7, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.manual_seed(SEED)
+    for _ in range(4):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    trained = load_file(str(out / "model.safetensors"))
+    for f, p in model.named_parameters():
+        torch.testing.assert_close(trained[f], p.detach(), atol=1e-6, rtol=1e-6, msg=f)

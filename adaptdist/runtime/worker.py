@@ -251,6 +251,16 @@ def _rng_rank(cfg: TrainConfig, rank: int) -> int:
     return 0 if cfg.rng == "global" else rank
 
 
+def _restore_rank0_rng(directory: Path) -> bool:
+    """Set this process's RNG to the state rank 0 saved in checkpoint ``directory``; False if it saved none."""
+    from .train_state import RNG_DIR, _restore_rng
+
+    if not (directory / RNG_DIR / "rank0.safetensors").is_file():
+        return False
+    _restore_rng(directory, 0)
+    return True
+
+
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Entry point of one rank (called by the elastic agent, again after each restart). Returns metrics on rank 0.
 
@@ -307,7 +317,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                              verify=False)
             check_identical_replicas(program, runner.state, runner.opt, device_mesh)
             start, losses = int(meta["step"]), list(meta.get("losses", []))
-            if not same_world:  # a fresh stream per rank and step: the saver's ranks were others
+            # rng="global": one stream, the same on every rank whatever the world size: the saver's rank 0's state;
+            # otherwise a fresh stream per rank and step (the saver's ranks were others)
+            if not same_world and not (cfg.rng == "global" and _restore_rank0_rng(Path(path))):
                 torch.manual_seed((cfg.seed + _rng_rank(cfg, rank) + 1_000_003 * start) % 2**63)
             events.add("resume", checkpoint=path, step=start, saved_world_size=meta.get("world_size"),
                        saved_plan=meta.get("plan_line"), plan=describe_program(program), world_size=world)
