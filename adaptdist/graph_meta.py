@@ -71,6 +71,8 @@ VOCAB_BOUNDS = "adaptdist.vocab_bounds"
 RESHARDED = "adaptdist.resharded"
 FALLBACKS = "adaptdist.fallbacks"
 PER_RANK_ROLES = ("out:", "grad_in:")
+RANK_SLICE_ALIGN = "adaptdist.rank_slice_align"  # global RNG (passes/global_rng.py): the node a rank slice aligns with
+GLOBAL_RNG = "adaptdist.global_rng"  # a random op that draws what one process draws (LoweringOptions.rng="global")
 RANK_DIM = "adaptdist.rank_dim"
 
 Layout = tuple[Placement, ...]
@@ -172,6 +174,24 @@ def set_rank_slice(node: torch.fx.Node, dim: int, group: str) -> None:
 
 def get_rank_slice(node: torch.fx.Node, group: str | None = None) -> int | None:
     return _scoped(node, RANK_SLICE, group)
+
+
+def set_rank_slice_align(node: torch.fx.Node, other: torch.fx.Node) -> None:
+    """Make the rank slice ``node`` take the interval of ``other`` (sharded the same way), whatever consumes it."""
+    node.meta[RANK_SLICE_ALIGN] = other.name
+
+
+def get_rank_slice_align(node: torch.fx.Node, group: str | None = None) -> str | None:
+    return _scoped(node, RANK_SLICE_ALIGN, group)
+
+
+def mark_global_rng(node: torch.fx.Node) -> None:
+    """Mark a random op that must draw the whole (replicated) tensor on every rank (passes/global_rng.py)."""
+    node.meta[GLOBAL_RNG] = True
+
+
+def is_global_rng(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get(GLOBAL_RNG))
 
 
 def module_of(node: torch.fx.Node) -> str:

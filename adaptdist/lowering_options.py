@@ -20,6 +20,11 @@ FRONT_ENDS = ("cli", "backend")
 """Where a lowering is asked for: the ``adaptdist`` command or ``adaptdist.backend(...)``; error advice
 names that entry point's flags or arguments."""
 
+RNG_MODES = ("per-rank", "global")
+"""How random ops (dropout, ``rand_like`` ...) draw on a split batch: ``per-rank`` (DDP's: each rank draws its own
+shard from its own generator) or ``global`` (every rank draws what one process draws on the whole batch and keeps
+its shard: results independent of the world size; see ``passes/global_rng.py``)."""
+
 
 @dataclass(frozen=True)
 class LoweringOptions:
@@ -35,9 +40,11 @@ class LoweringOptions:
         debug: run the graph invariant checks of ``passes/README.md`` after every pass.
         disabled_passes: names of passes to skip (see ``lowering.PASSES``); for debugging a pass.
         front_end: ``"cli"`` or ``"backend"``: which entry point's flags error messages advise.
+        rng: ``"per-rank"`` or ``"global"`` (:data:`RNG_MODES`; ``--rng``, ``backend(rng=...)``).
 
     Raises:
-        UsageError: a bucket size below 1 byte, an unknown front end, or disabled_passes not a tuple of names.
+        UsageError: a bucket size below 1 byte, an unknown front end, an unknown rng mode, or disabled_passes not
+            a tuple of names.
     """
 
     grad_bucket_bytes: int = 2 * MIB
@@ -47,6 +54,7 @@ class LoweringOptions:
     debug: bool = False
     disabled_passes: tuple[str, ...] = ()
     front_end: str = "cli"
+    rng: str = "per-rank"
 
     def __post_init__(self) -> None:
         for name in ("grad_bucket_bytes", "gather_bucket_bytes"):
@@ -63,6 +71,9 @@ class LoweringOptions:
             raise UsageError(f"LoweringOptions.disabled_passes must be a tuple of pass names, got {self.disabled_passes!r}")
         if self.front_end not in FRONT_ENDS:
             raise UsageError(f"LoweringOptions.front_end must be one of {FRONT_ENDS}, got {self.front_end!r}")
+        if self.rng not in RNG_MODES:
+            raise UsageError(f"LoweringOptions.rng must be one of {RNG_MODES} (--rng, adaptdist.backend(rng=...)), "
+                             f"got {self.rng!r}")
 
     @staticmethod
     def from_mb(bucket_mb: float | None = None, **kw) -> "LoweringOptions":

@@ -46,6 +46,10 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
         p.add_argument("--replicate-fallback", action="store_true",
                        help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
                             "lists them) instead of stopping with UnsupportedOpError; --plan auto plans them so too")
+    p.add_argument("--rng", choices=("per-rank", "global"), default="per-rank",
+                   help="random ops (dropout, rand_like, ...): per-rank draws each rank's own numbers from a seed of "
+                        "its own (DDP's); global draws what one process draws on the whole batch (the same numbers on "
+                        "any number of ranks; each rank draws the whole tensor: world size times the random numbers)")
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
     p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
@@ -335,7 +339,7 @@ def cmd_run(args) -> int:
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
                       timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items, unit=unit,
                       checkpoint_every=args.checkpoint_every, keep=args.keep, model_name=str(manifest.get("model")),
-                      run_meta={"artifacts": str(d)})
+                      run_meta={"artifacts": str(d)}, rng=manifest.get("rng", "per-rank"))
     console.print(f"running {d} ({manifest.get('model')}, mesh {manifest['mesh']}) on {cluster!r} for {args.steps} "
                   f"steps; data from {data.module_file + ':data' if data.function else 'the example batch'}")
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ and renamed; ``run.json`` says ``complete`` only once everything was written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,6 +31,7 @@ RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan",
             "collective_timeout_s")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
+RESTORED += ("rng",)  # issue 14: random numbers independent of the world size (--rng)
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
            "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl")
@@ -332,6 +334,7 @@ def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, sett
                       keep=args.keep, model_name=spec.text, program_source=source,
                       async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
                       run_meta={"cluster": _cluster_doc(cluster), "config": settings})
+    cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
     t0 = time.perf_counter()
     try:
         if elastic:

@@ -204,6 +204,9 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
                       items_per_step=items_per_step, unit=unit, max_grad_norm=args.max_grad_norm,
                       checkpoint_every=args.checkpoint_every, keep=args.keep, model_name=spec.text,
                       program_source=source, run_meta={"hosts": job, "config": settings})
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, rng=source.options.rng)  # --rng global: every rank seeds alike (worker.py)
     console.print(f"model {spec.text}; this host: {nproc} rank(s), joining {nnodes[0]}"
                   f"{f' to {nnodes[1]}' if nnodes[1] != nnodes[0] else ''} host(s) at {job['endpoint']} "
                   f"(job {job['job']}); --out {out} (shared by every host)")

@@ -145,6 +145,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         "batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer,
         "num_batch_inputs": len(example),
     }
+    extra["rng"] = options.rng  # how the runner seeds its ranks (LoweringOptions.rng)
     d = save_programs(programs, out, extra=extra, extra_files=extra_files)
     manifest = json.loads((d / "manifest.json").read_text())
     hosts = [cluster.device(r).host for r in range(cluster.world_size)]

@@ -69,6 +69,10 @@ class AdaptdistBackend:
             as ``adaptdist train``).
         replicate_fallback: ops with no sharding rule gather their inputs and run whole on every rank
             (planned so by ``auto`` too) instead of raising UnsupportedOpError.
+        rng: ``"per-rank"`` (DDP's: each rank draws the random numbers of its own inputs from its own generator)
+            or ``"global"`` (dropout and other random ops draw what one process draws on all ranks' inputs
+            together, whatever the number of ranks; every rank must seed alike, ``torch.manual_seed(s)``, which
+            the compile checks; see ``adaptdist/passes/global_rng.py``).
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -79,6 +83,7 @@ class AdaptdistBackend:
     optimizer: str = "adamw"
     bucket_mb: float | None = None
     replicate_fallback: bool = False
+    rng: str = "per-rank"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,10 +139,15 @@ class AdaptdistBackend:
                              "for the default")
         if not isinstance(self.replicate_fallback, bool):
             raise UsageError(f"adaptdist.backend(replicate_fallback={self.replicate_fallback!r}) takes True or False")
+        from ..lowering_options import RNG_MODES
+
+        if self.rng not in RNG_MODES:
+            raise UsageError(f"adaptdist.backend(rng={self.rng!r}) takes one of {', '.join(map(repr, RNG_MODES))}")
 
     def lowering_options(self) -> LoweringOptions:
         """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
-        return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend")
+        return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend",
+                                       rng=self.rng)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
@@ -148,16 +158,17 @@ class AdaptdistBackend:
 
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
-            optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False
-            ) -> AdaptdistBackend:
+            optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False,
+            rng: str = "per-rank") -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
         UsageError: a bad argument, named with what it takes (a missing cluster file, an unknown plan
-            preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0).
+            preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0, an rng mode
+            not ``"per-rank"`` or ``"global"``).
     """
     return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer,
-                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback)
+                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback, rng=rng)
 
 
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
@@ -270,6 +281,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     if as_is:
         log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
         return gm
+    if distributed and config.rng == "global":
+        _check_same_rng_state(rank, control)
     plan = _plan(captured, inputs, config, world, rank, control)
     from .lowering import lower, resolve_plan
 
@@ -356,6 +369,23 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     if distributed:
         text = _agree("planning", text, rank, control)[0]
     return Plan.from_json(text, "the automatic plan")  # rank 0 logs it with the compiled graph
+
+
+def _check_same_rng_state(rank: int, control: Any) -> None:
+    """Under ``rng="global"``: every rank's CPU generator state must be the same (a collective).
+
+    Raises:
+        UsageError: on every rank, naming the ranks whose state differs from rank 0's.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+    texts = _agree("checking the random generator state", digest, rank, control)
+    differ = [r for r, t in enumerate(texts) if t != texts[0]]
+    if differ:
+        raise UsageError(f"adaptdist.backend(rng='global') needs the same random generator state on every rank, and "
+                         f"ranks {differ} differ from rank 0: call torch.manual_seed(s) with the same s on every rank "
+                         "before the first step (not seed + rank), or use rng='per-rank'")
 
 
 def _input_shapes(inputs: list[GraphInput]) -> str:

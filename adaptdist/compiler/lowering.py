@@ -22,6 +22,7 @@ import torch.nn as nn
 from .. import graph_meta as gmeta
 from ..passes.complete_placements import complete_param_placements
 from ..passes.context import PassContext
+from ..passes.global_rng import mark_random_ops
 from ..passes.infra import check_disabled, copy_graph_module, run_pipeline
 from ..passes.localize_shapes import localize_shapes
 from ..passes.pipeline import PASSES
@@ -81,6 +82,8 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
     order = lowering_order(mesh, batch_axis)
     axis_placements = {a: dict(pl) for a, pl in axis_placements.items()}  # completion adds to these
     graphs: dict[tuple[int, ...], torch.fx.GraphModule] = {(): copy_graph_module(captured.gm)}
+    if options.rng == "global":  # random ops draw what one process draws (passes/global_rng.py)
+        mark_random_ops(graphs[()])
     ctxs: dict[str, PassContext] = {}
     node_placements: dict[str, list[Placement]] = {}
     redistributions: dict[str, list[Redistribution]] = {}
@@ -89,7 +92,8 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
                           bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
                           replicate_fallback=options.replicate_fallback,
-                          node_hints=dict((axis_hints or {}).get(axis, {})))
+                          node_hints=dict((axis_hints or {}).get(axis, {})),
+                          rng=options.rng)
         ctxs[axis] = ctx
         if ctx.axis_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}

@@ -28,6 +28,7 @@ class PassContext:
             absent ones are replicated.
         node_hints: node name -> the strategy the planner chose for it on this axis; propagation
             follows it where the op's rule agrees (see ``propagate_placements``).
+        rng: ``"per-rank"`` or ``"global"`` (``LoweringOptions.rng``; the ``global_rng`` pass).
     """
 
     axis_size: int
@@ -39,6 +40,7 @@ class PassContext:
     replicate_fallback: bool = False
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
     node_hints: Mapping[str, Any] = field(default_factory=dict)
+    rng: str = "per-rank"
 
     def __post_init__(self) -> None:
         if self.axis_size < 1:

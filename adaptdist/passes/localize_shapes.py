@@ -250,6 +250,11 @@ def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: in
     """A rank slice takes the interval of the sharded operand its consumer combines it with."""
     dim = gmeta.get_rank_slice(node, ctx.group_name)
     size = node.args[0].meta["val"].shape[dim]
+    align = gmeta.get_rank_slice_align(node, ctx.group_name)
+    if align is not None:  # a global draw of a random op keeps the rows of the op's input (passes/global_rng.py)
+        other = _nodes_by_name(node.graph.owning_module).get(align)
+        if other is not None and other in ivs:
+            return ivs[other]
     # look through the contiguous copy redistribution puts after a slice of a non-leading dim
     mine = {node} | {u for u in node.users if u.target is aten.clone.default}
     for user in [c for m in mine for c in m.users]:

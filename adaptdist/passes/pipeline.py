@@ -9,6 +9,7 @@ from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from .bucket_param_allgather import bucket_param_allgather
 from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
+from .global_rng import global_rng
 from .globalize_reductions import globalize_reductions
 from .infra import Pass
 from .insert_redistributes import insert_redistributes
@@ -24,6 +25,7 @@ PASSES: tuple[Pass, ...] = (
     combine_partial_sums,
     globalize_reductions,
     propagate_placements,
+    global_rng,
     insert_redistributes,
     vocab_parallel_embedding,
     vocab_parallel_loss,

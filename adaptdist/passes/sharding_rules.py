@@ -192,7 +192,9 @@ def random_like(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     the group drew the whole tensor, each would draw different numbers for what the graph calls one
     replicated value; split, each element is drawn once, and a consumer needing it whole gathers it."""
     p = pl(node.args[0])
-    if isinstance(p, Shard) or not shape(node.args[0]):
+    if isinstance(p, Shard) or not shape(node.args[0]) or gmeta.is_global_rng(node):
+        # rng="global" (passes/global_rng.py): every rank draws the whole tensor from the same generator state,
+        # so a replicated (or Partial: only its shape is read) input gives a replicated output
         return RuleResult(p if isinstance(p, Shard) else R)
     d = _split_dim(node)
     return RuleResult(Shard(d), {(0,): Shard(d)} if isinstance(p, Replicate) else {(0,): R})
@@ -204,7 +206,7 @@ def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     p = pl(node.args[0])
     if isinstance(p, Shard):
         return RuleResult((p, p))
-    if isinstance(p, Partial) or not shape(node.args[0]):
+    if isinstance(p, Partial) or not shape(node.args[0]) or gmeta.is_global_rng(node):  # global: see random_like
         return RuleResult((R, R), {(0,): R}) if isinstance(p, Partial) else RuleResult((R, R))
     d = _split_dim(node)
     return RuleResult((Shard(d), Shard(d)), {(0,): Shard(d)})

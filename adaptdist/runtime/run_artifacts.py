@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                           threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                           timeout_s=args.timeout_s, backend="nccl" if kinds == {"cuda"} else "gloo",
                           items_per_step=x0.numel() if tokens else x0.shape[0], unit="tokens" if tokens else "samples",
-                          model_name=str(manifest.get("model")))
+                          model_name=str(manifest.get("model")), rng=manifest.get("rng", "per-rank"))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         run_worker(cfg)
     except AdaptdistError as e:

@@ -8,7 +8,8 @@ carried out exactly as the real one computes it: ``all_reduce`` sums, ``all_gath
 concatenates on dim 0 (equal shapes required, as the real collective requires),
 ``reduce_scatter`` gives member i block i of the sum; ``wait_tensor`` is the identity.
 Members that reach different collectives on one group, or ranks that wait on each
-other in a cycle, raise instead of hanging, naming the ranks and nodes.
+other in a cycle, raise instead of hanging, naming the ranks and nodes. With ``rng_states``
+each rank draws its random numbers from its own CPU generator state, as a real process does.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from ..mesh import Mesh
 
 
 def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequence[Sequence[Any]],
-                   mesh: Mesh | None = None) -> list[Any]:
+                   mesh: Mesh | None = None, rng_states: list[torch.Tensor] | None = None) -> list[Any]:
     """Run ``graph_modules[r](*inputs[r])`` for all ranks; returns each rank's outputs.
 
     ``mesh`` maps a collective's group name ``"adaptdist:<axis>"`` to the ranks of that axis's
-    group; without it every collective spans all ranks (a 1-D mesh).
+    group; without it every collective spans all ranks (a 1-D mesh). ``rng_states`` (one
+    ``torch.get_rng_state()`` per rank, None: all ranks share the process's generator) is each rank's CPU
+    generator state: rank r's random ops draw from it, and it is updated in place (the list's tensors
+    replaced) to the state rank r ends with; the process's own generator is left as it was.
 
     Raises:
         SimulationError: members of a group reach different collectives, or no rank can
@@ -54,7 +58,21 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
     results: list[Any] = [None] * n
     done = [False] * n
 
+    states = list(rng_states) if rng_states is not None else None
+    if states is not None and len(states) != n:
+        raise SimulationError(f"{len(states)} RNG states were given for {n} ranks")
+    own_state = torch.get_rng_state() if states is not None else None
+
     def run_until_collective(r: int) -> None:
+        if states is None:
+            return _run_until_collective(r)
+        torch.set_rng_state(states[r])
+        try:
+            _run_until_collective(r)
+        finally:
+            states[r] = torch.get_rng_state()
+
+    def _run_until_collective(r: int) -> None:
         env = envs[r]
         while not done[r]:
             node = nodes[r][pcs[r]]
@@ -105,6 +123,9 @@ def simulate_ranks(graph_modules: Sequence[torch.fx.GraphModule], inputs: Sequen
             stuck = ", ".join(f"rank {r} at {nodes[r][pcs[r]].name} ({nodes[r][pcs[r]].args[-1]})"
                               for r in range(n) if not done[r])
             raise SimulationError(f"no rank can proceed (a real run would hang): {stuck}")
+    if states is not None:
+        torch.set_rng_state(own_state)
+        rng_states[:] = states
     return results
 
 

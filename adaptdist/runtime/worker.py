@@ -78,6 +78,9 @@ class TrainConfig:
     first_attempt: int = 0
     """The attempt number of this launch's first attempt (attempts of earlier launches of the run, e.g. before a
     ``--resume``, keep their records under ``OUT/status``); a later one is a restart."""
+    rng: str = "per-rank"
+    """``"global"``: every rank seeds torch with ``seed`` alike (programs lowered with ``LoweringOptions.rng =
+    "global"``, see ``passes/global_rng.py``); ``"per-rank"``: rank r seeds ``seed + r``."""
 
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -243,6 +246,21 @@ def positioned_batches(spec: DataSpec, start_step: int, note) -> Iterator[tuple[
     return it
 
 
+def _rng_rank(cfg: TrainConfig, rank: int) -> int:
+    """What rank ``rank`` adds to the seed: itself (per-rank streams), or 0 under ``rng="global"`` (one stream)."""
+    return 0 if cfg.rng == "global" else rank
+
+
+def _restore_rank0_rng(directory: Path) -> bool:
+    """Set this process's RNG to the state rank 0 saved in checkpoint ``directory``; False if it saved none."""
+    from .train_state import RNG_DIR, _restore_rng
+
+    if not (directory / RNG_DIR / "rank0.safetensors").is_file():
+        return False
+    _restore_rng(directory, 0)
+    return True
+
+
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     """Entry point of one rank (called by the elastic agent, again after each restart). Returns metrics on rank 0.
 
@@ -299,12 +317,16 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                              verify=False)
             check_identical_replicas(program, runner.state, runner.opt, device_mesh)
             start, losses = int(meta["step"]), list(meta.get("losses", []))
-            if not same_world:  # a fresh stream per rank and step: the saver's ranks were others
-                torch.manual_seed((cfg.seed + rank + 1_000_003 * start) % 2**63)
+            # rng="global": one stream, the same on every rank whatever the world size: the saver's rank 0's state;
+            # otherwise a fresh stream per rank and step (the saver's ranks were others)
+            if not same_world and not (cfg.rng == "global" and _restore_rank0_rng(Path(path))):
+                torch.manual_seed((cfg.seed + _rng_rank(cfg, rank) + 1_000_003 * start) % 2**63)
             events.add("resume", checkpoint=path, step=start, saved_world_size=meta.get("world_size"),
                        saved_plan=meta.get("plan_line"), plan=describe_program(program), world_size=world)
         else:
-            torch.manual_seed(cfg.seed + rank)  # independent random streams per rank (dropout masks must differ)
+            # per-rank: independent random streams per rank (dropout masks must differ); global: one stream, the same
+            # on every rank (each draws whole tensors and keeps its shard, as one process draws them)
+            torch.manual_seed(cfg.seed + _rng_rank(cfg, rank))
         if start >= cfg.steps:
             events.note(f"the checkpoint is at step {start}, --steps is {cfg.steps}: nothing to train")
         batches = positioned_batches(cfg.data, start, events.note)
