@@ -110,7 +110,8 @@ def lowering_options(args):
                                    replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
                                    dump_dir=getattr(args, "dump_graphs", None),
                                    debug=bool(getattr(args, "debug_passes", False)),
-                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli")
+                                   disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli",
+                                   batch_norm=getattr(args, "batch_norm", None) or "local")
 
 
 def _cluster(args):

@@ -46,6 +46,10 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
         p.add_argument("--replicate-fallback", action="store_true",
                        help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
                             "lists them) instead of stopping with UnsupportedOpError; --plan auto plans them so too")
+    p.add_argument("--batch-norm", choices=("local", "sync"), default="local",
+                   help="training-mode BatchNorm over the split batch: 'local' (DDP's semantics: each rank's statistics "
+                        "from its own rows, rank 0's running buffers kept) or 'sync' (SyncBatchNorm's: statistics over "
+                        "the global batch, one all_reduce per BatchNorm in forward and in backward); default local")
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
     p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],

@@ -69,6 +69,8 @@ class AdaptdistBackend:
             as ``adaptdist train``).
         replicate_fallback: ops with no sharding rule gather their inputs and run whole on every rank
             (planned so by ``auto`` too) instead of raising UnsupportedOpError.
+        batch_norm: training-mode BatchNorm: ``"local"`` (DDP's statistics per rank) or ``"sync"``
+            (SyncBatchNorm's, over the global batch); see :class:`~adaptdist.lowering_options.LoweringOptions`.
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -79,6 +81,7 @@ class AdaptdistBackend:
     optimizer: str = "adamw"
     bucket_mb: float | None = None
     replicate_fallback: bool = False
+    batch_norm: str = "local"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,10 +137,16 @@ class AdaptdistBackend:
                              "for the default")
         if not isinstance(self.replicate_fallback, bool):
             raise UsageError(f"adaptdist.backend(replicate_fallback={self.replicate_fallback!r}) takes True or False")
+        from ..lowering_options import BATCH_NORM_MODES
+
+        if self.batch_norm not in BATCH_NORM_MODES:
+            raise UsageError(f"adaptdist.backend(batch_norm={self.batch_norm!r}) takes 'local' (each rank's statistics, "
+                             "as DDP) or 'sync' (over the global batch, as SyncBatchNorm)")
 
     def lowering_options(self) -> LoweringOptions:
         """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
-        return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend")
+        return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend",
+                                       batch_norm=self.batch_norm)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
@@ -148,16 +157,17 @@ class AdaptdistBackend:
 
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
-            optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False
-            ) -> AdaptdistBackend:
+            optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False,
+            batch_norm: str = "local") -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
         UsageError: a bad argument, named with what it takes (a missing cluster file, an unknown plan
-            preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0).
+            preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0, a batch_norm
+            other than 'local' / 'sync').
     """
     return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer,
-                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback)
+                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback, batch_norm=batch_norm)
 
 
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:

@@ -88,7 +88,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         ctx = PassContext(axis_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
-                          replicate_fallback=options.replicate_fallback,
+                          replicate_fallback=options.replicate_fallback, batch_norm=options.batch_norm,
                           node_hints=dict((axis_hints or {}).get(axis, {})))
         ctxs[axis] = ctx
         if ctx.axis_size == 1:

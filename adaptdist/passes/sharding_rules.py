@@ -799,10 +799,16 @@ class _Attention:
         return RuleResult((Shard(d),) * self.num_outputs, needs)
 
 
-def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
-    """Training-mode BatchNorm over a sharded batch raises (per-rank statistics would be wrong);
-    replicated inputs and eval-mode backward are fine. The backward of BatchNorm without running
-    statistics is left to DTensor's strategies (None), like its forward."""
+def batch_norm_training(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """BatchNorm with batch statistics (training mode) and its backward, DDP's semantics ("local", the
+    ``--batch-norm`` default): over a batch split on dim 0 each rank normalizes its rows with their own
+    statistics; the saved mean/invstd and updated running statistics are per-rank values, labelled
+    replicated (only the backward and the running-stats pass ``batch_norm.keep_rank0_running_stats``
+    read them); the backward gives the input's gradient on the shard and the weight's and bias's as
+    partial sums. ``--batch-norm sync`` rewrites these nodes into sums before propagation
+    (``batch_norm.sync_batch_norm``), so this rule never sees them then. Replicated inputs and
+    eval-mode backward are per-sample; a split of another dim is gathered. The backward of BatchNorm
+    without running statistics is left to DTensor's strategies (None), like its forward."""
     if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
         # eval-mode BatchNorm: running statistics, nothing depends on other samples
         return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
@@ -811,17 +817,20 @@ def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | Non
         # which has no rule of ours): DTensor's strategies, channels sharded or all replicated, keep the
         # statistics over the whole batch
         return None
-    x = node.args[0]
-    if isinstance(pl(x), Replicate):
-        n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
-        return RuleResult((R,) * n_out if n_out > 1 else R)
-    where = gmeta.module_of(node)
-    raise UnsupportedOpError(
-        f"BatchNorm in training mode at node {node.name!r}{' in ' + where if where else ''} (input "
-        f"{gmeta.shape_str(x)}) would compute its statistics per rank over a shard of the batch, which "
-        "differs from the single-process model. adaptdist refuses rather than train a different model: "
-        "replace BatchNorm with GroupNorm or LayerNorm, put the model in eval mode, or train on one rank."
-    )
+    backward = node.target == aten.native_batch_norm_backward.default
+    batch_args = (0, 1) if backward else (0,)
+    pls = [pl(node.args[i]) for i in batch_args]
+    n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
+    if not any(isinstance(p, Shard) for p in pls):
+        needs = {path: R for path, a in tensor_args(node) if isinstance(pl(a), Partial)}
+        return RuleResult((R,) * n_out if n_out > 1 else R, needs)
+    if any(isinstance(p, Shard) and p.dim != 0 for p in pls):
+        return gather_all(node, pl, "BatchNorm's statistics are per channel over the batch: only the batch "
+                                    "dim (0) may be split")
+    if backward:
+        return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
+    needs = {path: R for path, a in tensor_args(node) if path[0] != 0 and not isinstance(pl(a), Replicate)}
+    return RuleResult((Shard(0),) + (R,) * (n_out - 1), needs)
 
 
 def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
@@ -981,10 +990,10 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten._native_batch_norm_legit_no_training.default: _BatchMajor((0,), 3),
     aten.native_group_norm.default: _BatchMajor((0,), 3),
     aten.native_group_norm_backward.default: _BatchMajor((0, 1, 2, 3), 3, partial_outputs=(1, 2)),
-    aten._native_batch_norm_legit_functional.default: batch_norm_refused,
-    aten._native_batch_norm_legit.default: batch_norm_refused,
-    aten.native_batch_norm.default: batch_norm_refused,
-    aten.native_batch_norm_backward.default: batch_norm_refused,
+    aten._native_batch_norm_legit_functional.default: batch_norm_training,
+    aten._native_batch_norm_legit.default: batch_norm_training,
+    aten.native_batch_norm.default: batch_norm_training,
+    aten.native_batch_norm_backward.default: batch_norm_training,
     aten.mse_loss.default: loss_with_reduction(2, backward=False),
     aten.mse_loss_backward.default: loss_with_reduction(3, backward=True),
     aten.smooth_l1_loss.default: loss_with_reduction(2, backward=False),
