@@ -41,7 +41,7 @@ from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
-from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, classify_inputs
+from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -251,6 +251,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     control = _control_group() if distributed else None
     try:
         inputs = classify_inputs(gm, example_inputs)
+        check_batch_norm(gm, config.batch_norm)
         as_is = _runs_as_is(gm, inputs)
         if not as_is:
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part

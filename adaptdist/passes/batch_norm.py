@@ -146,9 +146,9 @@ def _decompose_backward(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
 
 def sync_batch_norm(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
     """Under ``ctx.batch_norm == "sync"``, rewrite training-mode BatchNorm and its backward into per-channel
-    sums (module docstring); returns ``(gm, changed)``. Leaves the graph alone in ``"local"`` mode, on one
-    rank, or without training-mode BatchNorm."""
-    if ctx.batch_norm != "sync" or ctx.axis_size < 2:
+    sums (module docstring) on the mesh axis that splits the batch; returns ``(gm, changed)``. Leaves the graph
+    alone in ``"local"`` mode, on other axes (the batch is whole there), or without training-mode BatchNorm."""
+    if ctx.batch_norm != "sync" or not ctx.shards_batch:
         return gm, False
     graph = gm.graph
     changed = False

@@ -822,7 +822,8 @@ def batch_norm_training(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | No
     pls = [pl(node.args[i]) for i in batch_args]
     n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
     if not any(isinstance(p, Shard) for p in pls):
-        needs = {path: R for path, a in tensor_args(node) if isinstance(pl(a), Partial)}
+        # the whole batch on every rank: weights or statistics split by channel are gathered too
+        needs = {path: R for path, a in tensor_args(node) if not isinstance(pl(a), Replicate)}
         return RuleResult((R,) * n_out if n_out > 1 else R, needs)
     if any(isinstance(p, Shard) and p.dim != 0 for p in pls):
         return gather_all(node, pl, "BatchNorm's statistics are per channel over the batch: only the batch "
