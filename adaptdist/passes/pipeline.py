@@ -10,6 +10,7 @@ from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from .bucket_param_allgather import bucket_param_allgather
 from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
+from .embedding_bag import decompose_embedding_bag
 from .globalize_reductions import globalize_reductions
 from .infra import Pass
 from .insert_redistributes import insert_redistributes
@@ -22,6 +23,7 @@ from .vocab_parallel_loss import vocab_parallel_loss
 PASSES: tuple[Pass, ...] = (
     decompose_addmm,
     sync_batch_norm,
+    decompose_embedding_bag,
     propagate_placements,
     combine_partial_sums,
     globalize_reductions,

@@ -884,6 +884,41 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(p)
 
 
+# ---------------------------------------------------------------- EmbeddingBag (issue 14, point 4)
+
+
+def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """_embedding_bag(weight [V, D], indices [T], offsets [B], ...) -> (out [B, D], offset2bag, bag_size,
+    max_indices) and its backward. Bags of one length (a 2-D input: offsets ``arange(0, T, L)``, sum/mean)
+    keep the batch split: the lowering rewrites them into ``embedding`` and a sum over the bag
+    (``passes/embedding_bag.py``), so this rule is what the planner sees of them; every other form (offsets
+    of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
+    from .embedding_bag import _rewritable, bag_length
+
+    backward = node.target != aten._embedding_bag.default
+    if not backward:
+        ok = _rewritable(node) is not None
+        idx = node.args[1]
+    else:
+        idx = node.args[1]
+        offsets = node.args[2] if node.target == aten._embedding_bag_backward.default else None
+        ok = offsets is not None and bag_length(idx, offsets) is not None
+    p = pl(idx)
+    if not ok or not isinstance(p, Shard):
+        if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
+            v = gmeta.val(node)
+            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+        return gather_all(node, pl, "an EmbeddingBag whose bags are not all of one length (or in max mode, or "
+                                    "with padding_idx) reads the whole batch's offsets")
+    needs = {path: R for path, a in tensor_args(node) if a is not idx and isinstance(pl(a), Shard)
+             and not (backward and path == (0,))}
+    if backward:
+        if pl(node.args[0]) != Shard(0):
+            needs[(0,)] = Shard(0)
+        return RuleResult(P, needs)
+    return RuleResult((Shard(0),) * len(gmeta.val(node)), needs)
+
+
 # ---------------------------------------------------------------- collectives of other mesh axes
 
 
@@ -1006,6 +1041,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
     aten.constant_pad_nd.default: constant_pad,
     aten.copy.default: pointwise,  # copy(self, src): src broadcast to self, e.g. x[..., 1:] = y
+    # EmbeddingBag (issue 14, point 4)
+    aten._embedding_bag.default: embedding_bag,
+    aten._embedding_bag_backward.default: embedding_bag,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
