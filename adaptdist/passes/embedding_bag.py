@@ -59,7 +59,7 @@ def bag_length(indices: Any, offsets: Any) -> int | None:
 def _rewritable(fwd: torch.fx.Node) -> int | None:
     """``L`` if the forward ``_embedding_bag`` node has the form the module docstring rewrites."""
     w, idx, off = fwd.args[:3]
-    mode = _arg(fwd, 4, "mode", _MEAN)
+    mode = _arg(fwd, 4, "mode", _SUM)
     if (mode not in (_SUM, _MEAN) or _arg(fwd, 7, "include_last_offset", False)
             or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
         return None
@@ -90,7 +90,7 @@ def decompose_embedding_bag(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple
             if psw is not None:
                 emb = op(aten.mul.Tensor, emb, op(aten.view.default, psw, [t // L, L, 1]))
             out = op(aten.sum.dim_IntList, emb, [1])
-            if _arg(node, 4, "mode", _MEAN) == _MEAN:
+            if _arg(node, 4, "mode", _SUM) == _MEAN:
                 out = op(aten.div.Tensor, out, float(L))
             for u in list(node.users):
                 assert u.target is operator.getitem, f"{node.name} is used whole by {u.name}"

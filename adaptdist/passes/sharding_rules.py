@@ -893,6 +893,8 @@ def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     keep the batch split: the lowering rewrites them into ``embedding`` and a sum over the bag
     (``passes/embedding_bag.py``), so this rule is what the planner sees of them; every other form (offsets
     of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
+    import operator
+
     from .embedding_bag import _rewritable, bag_length
 
     backward = node.target != aten._embedding_bag.default
@@ -901,8 +903,11 @@ def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         idx = node.args[1]
     else:
         idx = node.args[1]
-        offsets = node.args[2] if node.target == aten._embedding_bag_backward.default else None
-        ok = offsets is not None and bag_length(idx, offsets) is not None
+        o2b = node.args[3]  # offset2bag: an output of the forward bag
+        fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
+        ok = (node.target == aten._embedding_bag_backward.default and isinstance(fwd, torch.fx.Node)
+              and fwd.target == aten._embedding_bag.default and _rewritable(fwd) is not None
+              and bag_length(idx, node.args[2]) is not None)
     p = pl(idx)
     if not ok or not isinstance(p, Shard):
         if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
