@@ -22,48 +22,18 @@ expanded over the bag (divided by ``L`` for mean, times the weights); the weight
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 import torch.fx
 
-from .context import PassContext
 from .batch_norm import _Builder
+from .context import PassContext
+from .sharding_rules import embedding_bag_length as bag_length
+from .sharding_rules import _arg
+from .sharding_rules import embedding_bag_rewritable as _rewritable
 
 aten = torch.ops.aten
 _SUM, _MEAN = 0, 1
-_ARANGE = (aten.arange.start_step, aten.arange.default, aten.arange.start)
-
-
-def _arg(node: torch.fx.Node, i: int, name: str, default: Any) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def bag_length(indices: Any, offsets: Any) -> int | None:
-    """``L`` when ``offsets`` is ``arange(0, len(indices), L)`` (bags of ``L`` indices each), else None."""
-    if not (isinstance(offsets, torch.fx.Node) and offsets.op == "call_function" and offsets.target in _ARANGE):
-        return None
-    a = list(offsets.args)
-    if offsets.target == aten.arange.default:
-        start, end, step = 0, a[0], 1
-    elif offsets.target == aten.arange.start:
-        start, end, step = a[0], a[1], 1
-    else:
-        start, end, step = a[0], a[1], a[2] if len(a) > 2 else offsets.kwargs.get("step", 1)
-    t = tuple(indices.meta["val"].shape) if isinstance(indices, torch.fx.Node) else ()
-    if start != 0 or len(t) != 1 or not isinstance(step, int) or step < 1 or end != t[0] or t[0] % step:
-        return None
-    return step
-
-
-def _rewritable(fwd: torch.fx.Node) -> int | None:
-    """``L`` if the forward ``_embedding_bag`` node has the form the module docstring rewrites."""
-    w, idx, off = fwd.args[:3]
-    mode = _arg(fwd, 4, "mode", _SUM)
-    if (mode not in (_SUM, _MEAN) or _arg(fwd, 7, "include_last_offset", False)
-            or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
-        return None
-    return bag_length(idx, off)
 
 
 def decompose_embedding_bag(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:

@@ -887,6 +887,38 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 # ---------------------------------------------------------------- EmbeddingBag (issue 14, point 4)
 
 
+_BAG_SUM, _BAG_MEAN = 0, 1
+_ARANGE = (aten.arange.start_step, aten.arange.default, aten.arange.start)
+
+
+def embedding_bag_length(indices: Any, offsets: Any) -> int | None:
+    """``L`` when ``offsets`` is ``arange(0, len(indices), L)`` (bags of ``L`` indices each), else None."""
+    if not (isinstance(offsets, torch.fx.Node) and offsets.op == "call_function" and offsets.target in _ARANGE):
+        return None
+    a = list(offsets.args)
+    if offsets.target == aten.arange.default:
+        start, end, step = 0, a[0], 1
+    elif offsets.target == aten.arange.start:
+        start, end, step = a[0], a[1], 1
+    else:
+        start, end, step = a[0], a[1], a[2] if len(a) > 2 else offsets.kwargs.get("step", 1)
+    t = tuple(indices.meta["val"].shape) if isinstance(indices, torch.fx.Node) else ()
+    if start != 0 or len(t) != 1 or not isinstance(step, int) or step < 1 or end != t[0] or t[0] % step:
+        return None
+    return step
+
+
+def embedding_bag_rewritable(fwd: torch.fx.Node) -> int | None:
+    """``L`` if the forward ``_embedding_bag`` node is over bags of ``L`` indices (a 2-D input), in sum or mean mode,
+    without padding_idx, include_last_offset or scale_grad_by_freq: the form ``passes/embedding_bag.py`` rewrites."""
+    w, idx, off = fwd.args[:3]
+    mode = _arg(fwd, 4, "mode", _BAG_SUM)
+    if (mode not in (_BAG_SUM, _BAG_MEAN) or _arg(fwd, 7, "include_last_offset", False)
+            or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
+        return None
+    return embedding_bag_length(idx, off)
+
+
 def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """_embedding_bag(weight [V, D], indices [T], offsets [B], ...) -> (out [B, D], offset2bag, bag_size,
     max_indices) and its backward. Bags of one length (a 2-D input: offsets ``arange(0, T, L)``, sum/mean)
@@ -895,19 +927,17 @@ def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
     import operator
 
-    from .embedding_bag import _rewritable, bag_length
-
     backward = node.target != aten._embedding_bag.default
     if not backward:
-        ok = _rewritable(node) is not None
+        ok = embedding_bag_rewritable(node) is not None
         idx = node.args[1]
     else:
         idx = node.args[1]
         o2b = node.args[3]  # offset2bag: an output of the forward bag
         fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
         ok = (node.target == aten._embedding_bag_backward.default and isinstance(fwd, torch.fx.Node)
-              and fwd.target == aten._embedding_bag.default and _rewritable(fwd) is not None
-              and bag_length(idx, node.args[2]) is not None)
+              and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
+              and embedding_bag_length(idx, node.args[2]) is not None)
     p = pl(idx)
     if not ok or not isinstance(p, Shard):
         if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
