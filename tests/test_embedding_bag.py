@@ -114,3 +114,41 @@ def test_replicate_fallback_and_max_mode_work(plan):
         model, batch, loss_fn = bag_model(6, mode)
         _, hist, params = _lowered_sgd(model, batch, loss_fn, plan, replicate_fallback=fallback)
         _assert_equal_eager(model, batch, loss_fn, hist, params)
+
+
+BACKEND_CASES = [dict(model="bag_mean", plan="dp"), dict(model="bag_sum", plan="fsdp"),
+                 dict(model="convnet_nostats", plan="dp"), dict(model="convnet", plan="dp")]
+
+
+@pytest.mark.timeout(300)
+def test_embedding_bag_and_batch_norm_through_the_backend_on_gloo():
+    """Real gloo ranks through torch.compile(backend=adaptdist.backend(...)): each rank's loss on its rows and the
+    gradients of the ranks' mean loss equal eager's (DDP's semantics: BatchNorm without running statistics takes
+    each rank's own statistics); BatchNorm with running statistics is refused on every rank, naming what to use."""
+    from adaptdist.runtime.launch import launch_local
+    from bn_workers import backend_cases_worker, factory
+
+    world, steps, lr = 2, 2, 0.5
+    results = launch_local(backend_cases_worker, (BACKEND_CASES, steps, lr), world)
+    for k, case in enumerate(BACKEND_CASES):
+        if case["model"] == "convnet":
+            for r in range(world):
+                assert "running statistics" in results[r][k]["error"] and "adaptdist train" in results[r][k]["error"]
+            continue
+        model, batch, loss_fn = factory(case["model"])
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for s in range(steps):
+            rows = list(zip(*(t.chunk(world) for t in batch)))
+            losses = [loss_fn(model(x), y) for x, y in rows]
+            (sum(losses) / world).backward()
+            for r in range(world):
+                got = results[r][k]
+                assert "error" not in got, got
+                assert abs(got["losses"][s] - losses[r].item()) < 1e-5, (case, r, s)
+                for n, p in model.named_parameters():
+                    torch.testing.assert_close(got["grads"][s][n], p.grad, atol=1e-5, rtol=0, msg=f"{case} {r} {s} {n}")
+            opt.step()
+            opt.zero_grad()
+        for r in range(world):
+            for n, p in model.named_parameters():
+                torch.testing.assert_close(results[r][k]["params"][n], p.detach(), atol=1e-5, rtol=0)

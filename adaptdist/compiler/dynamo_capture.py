@@ -130,12 +130,12 @@ def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
             raise CaptureError(
                 f"BatchNorm in training mode with running statistics{at}: the adaptdist backend keeps buffers "
                 "unchanged, so its running_mean/running_var would not be updated. Train it with adaptdist train "
-                "(--batch-norm local for DDP's per-rank statistics, sync for SyncBatchNorm's), or use "
+                "(--batch-norm=local for DDP's per-rank statistics, --batch-norm=sync for SyncBatchNorm's), or use "
                 "BatchNorm(track_running_stats=False) (per-rank statistics, as DDP), or model.eval()")
         if mode == "sync":
             raise CaptureError(
                 f"adaptdist.backend(batch_norm='sync'): BatchNorm in training mode{at} is computed per rank under the "
-                "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm "
+                "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm="
                 "sync, or batch_norm='local' (DDP's per-rank statistics)")
 
 
