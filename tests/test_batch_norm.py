@@ -86,12 +86,12 @@ def _eager_local(model, batch, loss_fn, world: int = WORLD):
     return hist, dict(model.named_parameters()), dict(model.named_buffers())
 
 
-def _eager_global(model, batch, loss_fn):
+def _eager_global(model, batch, loss_fn, steps: int = STEPS, lr: float = LR):
     """One process on the whole batch: plain BatchNorm over the global batch."""
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     hist = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         opt.zero_grad()
         loss = loss_fn(model(*batch[:-1]), batch[-1])
         loss.backward()
@@ -184,3 +184,49 @@ def test_backend_refuses_running_statistics_and_sync_clearly():
     check_batch_norm(got["gm"], "local")  # per-rank statistics, as DDP
     with pytest.raises(CaptureError, match="batch_norm='sync'"):
         check_batch_norm(got["gm"], "sync")
+
+
+BN_MODEL = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1); self.norm = nn.BatchNorm2d(4); self.head = nn.Linear(4, 3)
+    def forward(self, x):
+        return self.head(F.max_pool2d(F.relu(self.norm(self.conv(x))), 2).mean(dim=(2, 3)))
+def factory(batch_size, seq_len):
+    torch.manual_seed(0)
+    model = ConvNet()
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch_size, 3, 8, 8, generator=g), torch.randint(0, 3, (batch_size,), generator=g)), F.cross_entropy
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_cli_sync_under_auto_equals_eager_on_gloo(tmp_path):
+    """``adaptdist train --plan auto --batch-norm sync`` on 2 gloo ranks (auto used to crash in localization): the
+    trained parameters and running buffers equal single-process eager SGD on the repeated example batch."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+
+    (tmp_path / "bnmodel.py").write_text(BN_MODEL)
+    out = tmp_path / "run"
+    steps, lr = 3, 0.1
+    rc = main(["train", f"{tmp_path / 'bnmodel.py'}:factory", "--nproc", "2", "--plan", "auto", "--batch-norm", "sync",
+               "--batch-size", "4", "--seq-len", "1", "--steps", str(steps), "--optimizer", "sgd", "--lr", str(lr),
+               "--out", str(out), "--threads-per-rank", "1", "--sample-bytes", "0"])
+    assert rc == 0
+    spec = importlib.util.spec_from_file_location("bnmodel", tmp_path / "bnmodel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, batch, loss_fn = mod.factory(4, 1)
+    _, params, buffers = _eager_global(model, batch, loss_fn, steps, lr)
+    got = load_file(str(out / "model.safetensors"))
+    for name, want in {**params, **buffers}.items():
+        if name in got:
+            torch.testing.assert_close(got[name], want.detach(), atol=2e-5, rtol=0, msg=name)
+    assert "norm.running_mean" in got and "norm.weight" in got

@@ -120,6 +120,7 @@ BACKEND_CASES = [dict(model="bag_mean", plan="dp"), dict(model="bag_sum", plan="
                  dict(model="convnet_nostats", plan="dp"), dict(model="convnet", plan="dp")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_embedding_bag_and_batch_norm_through_the_backend_on_gloo():
     """Real gloo ranks through torch.compile(backend=adaptdist.backend(...)): each rank's loss on its rows and the
