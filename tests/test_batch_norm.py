@@ -128,6 +128,19 @@ def test_sync_equals_batch_norm_on_the_global_batch(plan, batch_size):
     _assert_equal(_lowered_sgd(model, batch, loss_fn, plan, "sync"), _eager_global(model, batch, loss_fn))
 
 
+def test_batch_norm_1d_and_local_on_three_ranks():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
+    _assert_equal(_lowered_sgd(model, batch, F.cross_entropy, "dp", "sync"), _eager_global(model, batch, F.cross_entropy))
+    conv, cbatch, loss_fn = convnet(6, batch_norm=True)
+    _assert_equal(_lowered_sgd(conv, cbatch, loss_fn, "dp", "local", world=3), _eager_local(conv, cbatch, loss_fn, world=3))
+
+
 def test_sync_on_three_ranks_and_the_automatic_plan():
     model, batch, loss_fn = convnet(6, batch_norm=True)
     want = _eager_global(model, batch, loss_fn)

@@ -68,8 +68,8 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
     (passes, localization, checks) and ``codegen`` (each rank's code and state).
 
     Raises:
-        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode
-            BatchNorm over a split batch).
+        UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding
+            rule over a split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
     """
     t_start = time.perf_counter()
@@ -254,7 +254,7 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
     receives the seconds spent in ``lowering`` and ``codegen``.
 
     Raises:
-        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode BatchNorm over a
+        UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding rule over a
             split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
         UsageError: ``plan`` is not a Plan, or ``options.disabled_passes`` names no pass of the pipeline.
