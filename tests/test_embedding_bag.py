@@ -116,6 +116,36 @@ def test_replicate_fallback_and_max_mode_work(plan):
         _assert_equal_eager(model, batch, loss_fn, hist, params)
 
 
+
+class DLRM(nn.Module):
+    """A DLRM-style recommender: dense features and two EmbeddingBags, concatenated, an MLP on top, a logit."""
+
+    def __init__(self, mode: str = "sum", padding_idx=None):
+        super().__init__()
+        self.dense = nn.Linear(5, 8)
+        self.a = nn.EmbeddingBag(40, 8, mode=mode, padding_idx=padding_idx)
+        self.b = nn.EmbeddingBag(30, 8, mode=mode)
+        self.top = nn.Sequential(nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, d, ia, ib):
+        return self.top(torch.cat([self.dense(d), self.a(ia), self.b(ib)], 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("mode,padding_idx,plan,fallback", [("sum", None, "dp", True), ("sum", None, "fsdp", True),
+                                                            ("max", None, "fsdp", False), ("sum", 0, "dp", False)])
+def test_recommender_with_bce_logits_and_replicate_fallback(mode, padding_idx, plan, fallback):
+    """The issue's recommender with --replicate-fallback ended in an InternalError (dp) or a raw IndexError (fsdp):
+    binary_cross_entropy_with_logits captured without its optional weight arguments."""
+    torch.manual_seed(0)
+    model = DLRM(mode, padding_idx)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(6, 5, generator=g), torch.randint(0, 40, (6, 3), generator=g),
+             torch.randint(0, 30, (6, 2), generator=g), torch.rand(6, generator=g))
+    loss_fn = F.binary_cross_entropy_with_logits
+    _, hist, params = _lowered_sgd(model, batch, loss_fn, plan, replicate_fallback=fallback)
+    _assert_equal_eager(model, batch, loss_fn, hist, params)
+
+
 BACKEND_CASES = [dict(model="bag_sum", plan="fsdp"),
                  dict(model="convnet_nostats", plan="dp"), dict(model="convnet", plan="dp")]
 

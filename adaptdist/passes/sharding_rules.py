@@ -839,7 +839,7 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
 
     def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         reduction = _arg(node, reduction_pos, "reduction", 1)
-        acts = [i for i in range(reduction_pos) if isinstance(node.args[i], torch.fx.Node)]
+        acts = [i for i in range(min(reduction_pos, len(node.args))) if isinstance(node.args[i], torch.fx.Node)]
         grad_pos = 0 if backward else None
         act_pls = {i: pl(node.args[i]) for i in acts if i != grad_pos}
         shards = {p.dim for p in act_pls.values() if isinstance(p, Shard)}
