@@ -603,6 +603,76 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return gather_all(node, pl, "gradient and indices are laid out differently")
 
 
+# EmbeddingBag (issue 14, point 4)
+
+
+_BAG_SUM, _BAG_MEAN = 0, 1
+_ARANGE = (aten.arange.start_step, aten.arange.default, aten.arange.start)
+
+
+def embedding_bag_length(indices: Any, offsets: Any) -> int | None:
+    """``L`` when ``offsets`` is ``arange(0, len(indices), L)`` (bags of ``L`` indices each), else None."""
+    if not (isinstance(offsets, torch.fx.Node) and offsets.op == "call_function" and offsets.target in _ARANGE):
+        return None
+    a = list(offsets.args)
+    if offsets.target == aten.arange.default:
+        start, end, step = 0, a[0], 1
+    elif offsets.target == aten.arange.start:
+        start, end, step = a[0], a[1], 1
+    else:
+        start, end, step = a[0], a[1], a[2] if len(a) > 2 else offsets.kwargs.get("step", 1)
+    t = tuple(indices.meta["val"].shape) if isinstance(indices, torch.fx.Node) else ()
+    if start != 0 or len(t) != 1 or not isinstance(step, int) or step < 1 or end != t[0] or t[0] % step:
+        return None
+    return step
+
+
+def embedding_bag_rewritable(fwd: torch.fx.Node) -> int | None:
+    """``L`` if the forward ``_embedding_bag`` node is over bags of ``L`` indices (a 2-D input), in sum or mean mode,
+    without padding_idx, include_last_offset or scale_grad_by_freq: the form ``passes/embedding_bag.py`` rewrites."""
+    w, idx, off = fwd.args[:3]
+    mode = _arg(fwd, 4, "mode", _BAG_SUM)
+    if (mode not in (_BAG_SUM, _BAG_MEAN) or _arg(fwd, 7, "include_last_offset", False)
+            or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
+        return None
+    return embedding_bag_length(idx, off)
+
+
+def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """_embedding_bag(weight [V, D], indices [T], offsets [B], ...) -> (out [B, D], offset2bag, bag_size,
+    max_indices) and its backward. Bags of one length (a 2-D input: offsets ``arange(0, T, L)``, sum/mean)
+    keep the batch split: the lowering rewrites them into ``embedding`` and a sum over the bag
+    (``passes/embedding_bag.py``), so this rule is what the planner sees of them; every other form (offsets
+    of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
+    import operator
+
+    backward = node.target != aten._embedding_bag.default
+    if not backward:
+        ok = embedding_bag_rewritable(node) is not None
+        idx = node.args[1]
+    else:
+        idx = node.args[1]
+        o2b = node.args[3]  # offset2bag: an output of the forward bag
+        fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
+        ok = (node.target == aten._embedding_bag_backward.default and isinstance(fwd, torch.fx.Node)
+              and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
+              and embedding_bag_length(idx, node.args[2]) is not None)
+    p = pl(idx)
+    if not ok or not isinstance(p, Shard):
+        if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
+            v = gmeta.val(node)
+            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+        return gather_all(node, pl, "an EmbeddingBag whose bags are not all of one length (or in max mode, or "
+                                    "with padding_idx) reads the whole batch's offsets")
+    needs = {path: R for path, a in tensor_args(node) if a is not idx and isinstance(pl(a), Shard)
+             and not (backward and path == (0,))}
+    if backward:
+        if pl(node.args[0]) != Shard(0):
+            needs[(0,)] = Shard(0)
+        return RuleResult(P, needs)
+    return RuleResult((Shard(0),) * len(gmeta.val(node)), needs)
+
+
 def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """native_layer_norm(x, normalized_shape, w, b, eps) -> (out, mean, rstd): any dim outside the
     normalized ones may be sharded; weight and bias are replicated."""
@@ -884,76 +954,6 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(p)
 
 
-# ---------------------------------------------------------------- EmbeddingBag (issue 14, point 4)
-
-
-_BAG_SUM, _BAG_MEAN = 0, 1
-_ARANGE = (aten.arange.start_step, aten.arange.default, aten.arange.start)
-
-
-def embedding_bag_length(indices: Any, offsets: Any) -> int | None:
-    """``L`` when ``offsets`` is ``arange(0, len(indices), L)`` (bags of ``L`` indices each), else None."""
-    if not (isinstance(offsets, torch.fx.Node) and offsets.op == "call_function" and offsets.target in _ARANGE):
-        return None
-    a = list(offsets.args)
-    if offsets.target == aten.arange.default:
-        start, end, step = 0, a[0], 1
-    elif offsets.target == aten.arange.start:
-        start, end, step = a[0], a[1], 1
-    else:
-        start, end, step = a[0], a[1], a[2] if len(a) > 2 else offsets.kwargs.get("step", 1)
-    t = tuple(indices.meta["val"].shape) if isinstance(indices, torch.fx.Node) else ()
-    if start != 0 or len(t) != 1 or not isinstance(step, int) or step < 1 or end != t[0] or t[0] % step:
-        return None
-    return step
-
-
-def embedding_bag_rewritable(fwd: torch.fx.Node) -> int | None:
-    """``L`` if the forward ``_embedding_bag`` node is over bags of ``L`` indices (a 2-D input), in sum or mean mode,
-    without padding_idx, include_last_offset or scale_grad_by_freq: the form ``passes/embedding_bag.py`` rewrites."""
-    w, idx, off = fwd.args[:3]
-    mode = _arg(fwd, 4, "mode", _BAG_SUM)
-    if (mode not in (_BAG_SUM, _BAG_MEAN) or _arg(fwd, 7, "include_last_offset", False)
-            or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
-        return None
-    return embedding_bag_length(idx, off)
-
-
-def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """_embedding_bag(weight [V, D], indices [T], offsets [B], ...) -> (out [B, D], offset2bag, bag_size,
-    max_indices) and its backward. Bags of one length (a 2-D input: offsets ``arange(0, T, L)``, sum/mean)
-    keep the batch split: the lowering rewrites them into ``embedding`` and a sum over the bag
-    (``passes/embedding_bag.py``), so this rule is what the planner sees of them; every other form (offsets
-    of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
-    import operator
-
-    backward = node.target != aten._embedding_bag.default
-    if not backward:
-        ok = embedding_bag_rewritable(node) is not None
-        idx = node.args[1]
-    else:
-        idx = node.args[1]
-        o2b = node.args[3]  # offset2bag: an output of the forward bag
-        fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
-        ok = (node.target == aten._embedding_bag_backward.default and isinstance(fwd, torch.fx.Node)
-              and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
-              and embedding_bag_length(idx, node.args[2]) is not None)
-    p = pl(idx)
-    if not ok or not isinstance(p, Shard):
-        if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
-            v = gmeta.val(node)
-            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
-        return gather_all(node, pl, "an EmbeddingBag whose bags are not all of one length (or in max mode, or "
-                                    "with padding_idx) reads the whole batch's offsets")
-    needs = {path: R for path, a in tensor_args(node) if a is not idx and isinstance(pl(a), Shard)
-             and not (backward and path == (0,))}
-    if backward:
-        if pl(node.args[0]) != Shard(0):
-            needs[(0,)] = Shard(0)
-        return RuleResult(P, needs)
-    return RuleResult((Shard(0),) * len(gmeta.val(node)), needs)
-
-
 # ---------------------------------------------------------------- collectives of other mesh axes
 
 
@@ -1012,6 +1012,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.baddbmm.default: addmm,
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_backward,
+    # EmbeddingBag (issue 14, point 4)
+    aten._embedding_bag.default: embedding_bag,
+    aten._embedding_bag_backward.default: embedding_bag,
     aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten._softmax.default: softmax,
@@ -1076,9 +1079,6 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
     aten.constant_pad_nd.default: constant_pad,
     aten.copy.default: pointwise,  # copy(self, src): src broadcast to self, e.g. x[..., 1:] = y
-    # EmbeddingBag (issue 14, point 4)
-    aten._embedding_bag.default: embedding_bag,
-    aten._embedding_bag_backward.default: embedding_bag,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
