@@ -40,6 +40,9 @@ Keys:
     ``adaptdist.rank_dim``: on nodes of a graph the torch.compile backend captured for all ranks
         at once, True where dim 0 of the value is the internal rank dim (error messages show the
         shape without it: one rank's shape).
+    ``adaptdist.rank0_flag``: on a ``mul(x, 1.0)`` of the "local" BatchNorm's running statistics, the
+        factor is 1 on coordinate 0 of the mesh axis and 0 elsewhere (localization fills it in), so the
+        all_reduce after it gives every rank rank 0's value.
     ``adaptdist.output_roles``: on the output node, per output ``"buffer:<fqn>"``,
         ``"loss"`` or ``"grad:<fqn>"``; graphs of the torch.compile backend add per-rank outputs
         (:data:`PER_RANK_ROLES`): ``"out:<k>"`` (forward output k) and ``"grad_in:<k>"`` (gradient of
@@ -74,6 +77,7 @@ PER_RANK_ROLES = ("out:", "grad_in:")
 RANK_SLICE_ALIGN = "adaptdist.rank_slice_align"  # global RNG (passes/global_rng.py): the node a rank slice aligns with
 GLOBAL_RNG = "adaptdist.global_rng"  # a random op that draws what one process draws (LoweringOptions.rng="global")
 RANK_DIM = "adaptdist.rank_dim"
+RANK0_FLAG = "adaptdist.rank0_flag"
 
 Layout = tuple[Placement, ...]
 
@@ -286,3 +290,12 @@ def set_fallbacks(output_node: torch.fx.Node, names: list[str]) -> None:
 
 def get_fallbacks(output_node: torch.fx.Node) -> list[str] | None:
     return output_node.meta.get(FALLBACKS)
+
+
+def set_rank0_flag(node: torch.fx.Node, group: str) -> None:
+    node.meta[RANK0_FLAG] = True
+    node.meta[GROUP] = group
+
+
+def get_rank0_flag(node: torch.fx.Node, group: str | None = None) -> bool:
+    return bool(_scoped(node, RANK0_FLAG, group))

@@ -20,6 +20,9 @@ FRONT_ENDS = ("cli", "backend")
 """Where a lowering is asked for: the ``adaptdist`` command or ``adaptdist.backend(...)``; error advice
 names that entry point's flags or arguments."""
 
+BATCH_NORM_MODES = ("local", "sync")
+"""``LoweringOptions.batch_norm``: how training-mode BatchNorm computes its statistics over a split batch."""
+
 RNG_MODES = ("per-rank", "global")
 """How random ops (dropout, ``rand_like`` ...) draw on a split batch: ``per-rank`` (DDP's: each rank draws its own
 shard from its own generator) or ``global`` (every rank draws what one process draws on the whole batch and keeps
@@ -41,10 +44,14 @@ class LoweringOptions:
         disabled_passes: names of passes to skip (see ``lowering.PASSES``); for debugging a pass.
         front_end: ``"cli"`` or ``"backend"``: which entry point's flags error messages advise.
         rng: ``"per-rank"`` or ``"global"`` (:data:`RNG_MODES`; ``--rng``, ``backend(rng=...)``).
+        batch_norm: training-mode BatchNorm over a split batch (``--batch-norm``, ``backend(batch_norm=...)``):
+            ``"local"`` (DDP's semantics: each rank's statistics from its own rows; the running buffers of rank
+            0 kept, as DDP broadcasts rank 0's) or ``"sync"`` (SyncBatchNorm's: statistics over the global
+            batch, by all_reduce of per-channel sums and sums of squared deviations, and likewise in backward).
 
     Raises:
-        UsageError: a bucket size below 1 byte, an unknown front end, an unknown rng mode, or disabled_passes not
-            a tuple of names.
+        UsageError: a bucket size below 1 byte, an unknown front end, rng mode or batch_norm mode, or
+            disabled_passes not a tuple of names.
     """
 
     grad_bucket_bytes: int = 2 * MIB
@@ -55,6 +62,7 @@ class LoweringOptions:
     disabled_passes: tuple[str, ...] = ()
     front_end: str = "cli"
     rng: str = "per-rank"
+    batch_norm: str = "local"
 
     def __post_init__(self) -> None:
         for name in ("grad_bucket_bytes", "gather_bucket_bytes"):
@@ -74,6 +82,10 @@ class LoweringOptions:
         if self.rng not in RNG_MODES:
             raise UsageError(f"LoweringOptions.rng must be one of {RNG_MODES} (--rng, adaptdist.backend(rng=...)), "
                              f"got {self.rng!r}")
+        if self.batch_norm not in BATCH_NORM_MODES:
+            raise UsageError(f"LoweringOptions.batch_norm must be one of {BATCH_NORM_MODES} ('local': each rank's "
+                             f"statistics, as DDP; 'sync': over the global batch, as SyncBatchNorm), got "
+                             f"{self.batch_norm!r}")
 
     @staticmethod
     def from_mb(bucket_mb: float | None = None, **kw) -> "LoweringOptions":
@@ -98,6 +110,7 @@ class LoweringOptions:
 _BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"; without --nproc and --cluster a saved plan brings its mesh"), ""),
     (re.compile(r"(?:pass )?--replicate-fallback"), "pass adaptdist.backend(..., replicate_fallback=True)"),
+    (re.compile(r"--batch-norm (\w+)"), r"adaptdist.backend(batch_norm='\1')"),
     (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
     (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
     (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),

@@ -32,7 +32,7 @@ def test_readme_pass_table_is_the_pipeline():
 def test_unknown_disabled_pass_lists_the_passes():
     model, batch, loss = mlp(8)
     with pytest.raises(UsageError, match="'no_such_pass', not a pass of the pipeline; the passes are decompose_addmm, "
-                                         "propagate_placements, combine_partial_sums"):
+                                         "sync_batch_norm, decompose_embedding_bag, propagate_placements"):
         compile_model(model, batch, loss, 2, None, LoweringOptions(disabled_passes=("no_such_pass",)))
 
 

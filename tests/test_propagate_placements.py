@@ -32,11 +32,13 @@ def test_batch_sharded_params_replicated_weight_grads_partial():
     assert propagate_placements(gm, ctx)[1] is False
 
 
-def test_training_batch_norm_is_refused_and_eval_is_fine():
+def test_training_batch_norm_keeps_the_batch_split_and_eval_is_fine():
+    # DDP's per-rank statistics by default (tests/test_batch_norm.py checks the numbers, and --batch-norm sync)
     model, batch, loss_fn = convnet(4, batch_norm=True)
     cg = capture(model, batch, loss_fn)
-    with pytest.raises(UnsupportedOpError, match="BatchNorm"):
-        propagate_placements(cg.gm, PassContext(2, 4))
+    propagate_placements(cg.gm, PassContext(2, 4))
+    bn = next(n for n in cg.gm.graph.nodes if n.target == torch.ops.aten._native_batch_norm_legit_functional.default)
+    assert placement_of(bn)[0] == Shard(0)
     model.eval()
     cg = capture(model, batch, loss_fn)
     propagate_placements(cg.gm, PassContext(2, 4))

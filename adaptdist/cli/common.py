@@ -111,7 +111,8 @@ def lowering_options(args):
                                    dump_dir=getattr(args, "dump_graphs", None),
                                    debug=bool(getattr(args, "debug_passes", False)),
                                    disabled_passes=tuple(getattr(args, "disable_pass", None) or ()), front_end="cli",
-                                   rng=getattr(args, "rng", None) or "per-rank")
+                                   rng=getattr(args, "rng", None) or "per-rank",
+                                   batch_norm=getattr(args, "batch_norm", None) or "local")
 
 
 def _cluster(args):

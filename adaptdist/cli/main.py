@@ -50,6 +50,10 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
                    help="random ops (dropout, rand_like, ...): per-rank draws each rank's own numbers from a seed of "
                         "its own (DDP's); global draws what one process draws on the whole batch (the same numbers on "
                         "any number of ranks; each rank draws the whole tensor: world size times the random numbers)")
+    p.add_argument("--batch-norm", choices=("local", "sync"), default="local",
+                   help="training-mode BatchNorm over the split batch: 'local' (DDP's semantics: each rank's statistics "
+                        "from its own rows, rank 0's running buffers kept) or 'sync' (SyncBatchNorm's: statistics over "
+                        "the global batch, one all_reduce per BatchNorm in forward and in backward); default local")
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
     p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],

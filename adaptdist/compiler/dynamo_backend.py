@@ -41,7 +41,7 @@ from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
-from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, classify_inputs
+from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class AdaptdistBackend:
             or ``"global"`` (dropout and other random ops draw what one process draws on all ranks' inputs
             together, whatever the number of ranks; every rank must seed alike, ``torch.manual_seed(s)``, which
             the compile checks; see ``adaptdist/passes/global_rng.py``).
+        batch_norm: training-mode BatchNorm: ``"local"`` (DDP's statistics per rank) or ``"sync"``
+            (SyncBatchNorm's, over the global batch); see :class:`~adaptdist.lowering_options.LoweringOptions`.
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -84,6 +86,7 @@ class AdaptdistBackend:
     bucket_mb: float | None = None
     replicate_fallback: bool = False
     rng: str = "per-rank"
+    batch_norm: str = "local"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,15 +142,18 @@ class AdaptdistBackend:
                              "for the default")
         if not isinstance(self.replicate_fallback, bool):
             raise UsageError(f"adaptdist.backend(replicate_fallback={self.replicate_fallback!r}) takes True or False")
-        from ..lowering_options import RNG_MODES
+        from ..lowering_options import BATCH_NORM_MODES, RNG_MODES
 
         if self.rng not in RNG_MODES:
             raise UsageError(f"adaptdist.backend(rng={self.rng!r}) takes one of {', '.join(map(repr, RNG_MODES))}")
+        if self.batch_norm not in BATCH_NORM_MODES:
+            raise UsageError(f"adaptdist.backend(batch_norm={self.batch_norm!r}) takes 'local' (each rank's statistics, "
+                             "as DDP) or 'sync' (over the global batch, as SyncBatchNorm)")
 
     def lowering_options(self) -> LoweringOptions:
         """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
         return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend",
-                                       rng=self.rng)
+                                       rng=self.rng, batch_norm=self.batch_norm)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
@@ -159,16 +165,17 @@ class AdaptdistBackend:
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
             optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False,
-            rng: str = "per-rank") -> AdaptdistBackend:
+            rng: str = "per-rank", batch_norm: str = "local") -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
         UsageError: a bad argument, named with what it takes (a missing cluster file, an unknown plan
             preset, a malformed mesh or constraints, an unknown optimizer, a bucket size not > 0, an rng mode
-            not ``"per-rank"`` or ``"global"``).
+            not ``"per-rank"`` or ``"global"``, a batch_norm other than 'local' / 'sync').
     """
     return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer,
-                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback, rng=rng)
+                            bucket_mb=bucket_mb, replicate_fallback=replicate_fallback, rng=rng,
+                            batch_norm=batch_norm)
 
 
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
@@ -252,6 +259,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     control = _control_group() if distributed else None
     try:
         inputs = classify_inputs(gm, example_inputs)
+        check_batch_norm(gm, config.batch_norm)
         as_is = _runs_as_is(gm, inputs)
         if not as_is:
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part

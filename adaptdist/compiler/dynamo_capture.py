@@ -98,6 +98,47 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
     return out
 
 
+def _batch_norm_calls(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, bool]]:
+    """The training-mode ``F.batch_norm`` calls of a Dynamo graph, each with whether it has running statistics."""
+    import torch.nn.functional as F
+
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not F.batch_norm:
+            continue
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training")
+        args = dict(zip(names, n.args))
+        args.update({k: v for k, v in n.kwargs.items() if k in names})
+        if args.get("training", False):
+            found.append((n, args.get("running_mean") is not None))
+    return found
+
+
+def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
+    """Refuse what the backend cannot train as asked: training-mode BatchNorm that updates running statistics
+    (vmap over the ranks would drop the updates; the backend keeps buffers unchanged), and ``batch_norm="sync"``
+    (each rank's forward runs under vmap, which keeps statistics per rank). BatchNorm without running statistics
+    trains with DDP's per-rank statistics (``"local"``).
+
+    Raises:
+        CaptureError: names the BatchNorm's source line and what to use instead.
+    """
+    for n, running in _batch_norm_calls(gm):
+        where = (n.meta.get("stack_trace") or "").strip().splitlines()
+        at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
+        if running:
+            raise CaptureError(
+                f"BatchNorm in training mode with running statistics{at}: the adaptdist backend keeps buffers "
+                "unchanged, so its running_mean/running_var would not be updated. Train it with adaptdist train "
+                "(--batch-norm=local for DDP's per-rank statistics, --batch-norm=sync for SyncBatchNorm's), or use "
+                "BatchNorm(track_running_stats=False) (per-rank statistics, as DDP), or model.eval()")
+        if mode == "sync":
+            raise CaptureError(
+                f"adaptdist.backend(batch_norm='sync'): BatchNorm in training mode{at} is computed per rank under the "
+                "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm="
+                "sync, or batch_norm='local' (DDP's per-rank statistics)")
+
+
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     """Example values of the Dynamo graph's outputs (fake tensors)."""
     outs = gm.graph.output_node().args[0]

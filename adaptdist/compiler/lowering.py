@@ -69,8 +69,8 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
     (passes, localization, checks) and ``codegen`` (each rank's code and state).
 
     Raises:
-        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode
-            BatchNorm over a split batch).
+        UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding
+            rule over a split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
     """
     t_start = time.perf_counter()
@@ -91,7 +91,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         ctx = PassContext(axis_size=mesh.size(axis), batch_size=captured.batch_size, mesh_axis=axis,
                           bucket_bytes=options.grad_bucket_bytes, gather_bucket_bytes=options.gather_bucket_bytes,
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
-                          replicate_fallback=options.replicate_fallback,
+                          replicate_fallback=options.replicate_fallback, batch_norm=options.batch_norm,
                           node_hints=dict((axis_hints or {}).get(axis, {})),
                           rng=options.rng)
         ctxs[axis] = ctx
@@ -258,7 +258,7 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
     receives the seconds spent in ``lowering`` and ``codegen``.
 
     Raises:
-        UnsupportedOpError: an op cannot run with these placements (e.g. training-mode BatchNorm over a
+        UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding rule over a
             split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
         UsageError: ``plan`` is not a Plan, or ``options.disabled_passes`` names no pass of the pipeline.

@@ -26,6 +26,8 @@ class PassContext:
             every rank (with one warning listing them) instead of raising UnsupportedOpError.
         param_placements: placement of each parameter/buffer (by fqn) on the axis;
             absent ones are replicated.
+        batch_norm: training-mode BatchNorm over a split batch, ``"local"`` or ``"sync"``
+            (:attr:`~adaptdist.lowering_options.LoweringOptions.batch_norm`).
         node_hints: node name -> the strategy the planner chose for it on this axis; propagation
             follows it where the op's rule agrees (see ``propagate_placements``).
         rng: ``"per-rank"`` or ``"global"`` (``LoweringOptions.rng``; the ``global_rng`` pass).
@@ -41,6 +43,7 @@ class PassContext:
     param_placements: Mapping[str, Placement] = field(default_factory=dict)
     node_hints: Mapping[str, Any] = field(default_factory=dict)
     rng: str = "per-rank"
+    batch_norm: str = LoweringOptions.batch_norm
 
     def __post_init__(self) -> None:
         if self.axis_size < 1:

@@ -70,12 +70,21 @@ def _from_rule(node: torch.fx.Node) -> list[Strategy]:
     return found
 
 
+def _updated(buffer: torch.fx.Node) -> bool:
+    """Whether the graph returns a new value of this buffer placeholder (an output role ``buffer:<fqn>``)."""
+    out = buffer.graph.output_node()
+    return f"buffer:{gmeta.get_fqn(buffer)}" in (gmeta.get_output_roles(out) or [])
+
+
 def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
     """The candidate strategies of one node along the mesh axis of ``ctx`` (see the module docstring)."""
     if node.op == "placeholder":
         val = node.meta["val"]
         if gmeta.get_role(node) == "batch":
             return [Strategy((), (R,), "adaptdist"), Strategy((), (Shard(0),), "adaptdist")]
+        if gmeta.get_role(node) == "buffer" and _updated(node):
+            # a buffer the step updates (BatchNorm's running statistics) is returned whole: kept whole
+            return [Strategy((), (R,), "adaptdist")]
         return [Strategy((), (R,), "adaptdist")] + [Strategy((), (Shard(d),), "adaptdist") for d in range(val.dim())]
     if node.op == "get_attr":
         return [Strategy((), (R,), "adaptdist")]

@@ -120,6 +120,10 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
                 node.args = (node.args[0], node.args[1], e - s, local_pad, *node.args[4:])
             changed = True
             continue
+        if gmeta.get_rank0_flag(node, ctx.group_name):  # "local" BatchNorm: rank 0's running statistics
+            node.args = (node.args[0], 1.0 if rank == 0 else 0.0)
+            changed = True
+            continue
         trim = gmeta.get_scatter_trim(node, ctx.group_name)
         if trim is not None:
             s, e = intervals[node]

@@ -4,11 +4,13 @@ axis (``passes/README.md`` describes each pass; ``tests/test_pass_pipeline.py`` 
 
 from __future__ import annotations
 
+from .batch_norm import keep_rank0_running_stats, sync_batch_norm
 from .bucket_grad_allreduce import bucket_grad_allreduce
 from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
 from .bucket_param_allgather import bucket_param_allgather
 from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
+from .embedding_bag import decompose_embedding_bag
 from .global_rng import global_rng
 from .globalize_reductions import globalize_reductions
 from .infra import Pass
@@ -21,12 +23,15 @@ from .vocab_parallel_loss import vocab_parallel_loss
 
 PASSES: tuple[Pass, ...] = (
     decompose_addmm,
+    sync_batch_norm,
+    decompose_embedding_bag,
     propagate_placements,
     combine_partial_sums,
     globalize_reductions,
     propagate_placements,
     global_rng,
     insert_redistributes,
+    keep_rank0_running_stats,
     vocab_parallel_embedding,
     vocab_parallel_loss,
     regather_in_backward,

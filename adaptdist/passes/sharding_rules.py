@@ -605,6 +605,76 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return gather_all(node, pl, "gradient and indices are laid out differently")
 
 
+# EmbeddingBag (issue 14, point 4)
+
+
+_BAG_SUM, _BAG_MEAN = 0, 1
+_ARANGE = (aten.arange.start_step, aten.arange.default, aten.arange.start)
+
+
+def embedding_bag_length(indices: Any, offsets: Any) -> int | None:
+    """``L`` when ``offsets`` is ``arange(0, len(indices), L)`` (bags of ``L`` indices each), else None."""
+    if not (isinstance(offsets, torch.fx.Node) and offsets.op == "call_function" and offsets.target in _ARANGE):
+        return None
+    a = list(offsets.args)
+    if offsets.target == aten.arange.default:
+        start, end, step = 0, a[0], 1
+    elif offsets.target == aten.arange.start:
+        start, end, step = a[0], a[1], 1
+    else:
+        start, end, step = a[0], a[1], a[2] if len(a) > 2 else offsets.kwargs.get("step", 1)
+    t = tuple(indices.meta["val"].shape) if isinstance(indices, torch.fx.Node) else ()
+    if start != 0 or len(t) != 1 or not isinstance(step, int) or step < 1 or end != t[0] or t[0] % step:
+        return None
+    return step
+
+
+def embedding_bag_rewritable(fwd: torch.fx.Node) -> int | None:
+    """``L`` if the forward ``_embedding_bag`` node is over bags of ``L`` indices (a 2-D input), in sum or mean mode,
+    without padding_idx, include_last_offset or scale_grad_by_freq: the form ``passes/embedding_bag.py`` rewrites."""
+    w, idx, off = fwd.args[:3]
+    mode = _arg(fwd, 4, "mode", _BAG_SUM)
+    if (mode not in (_BAG_SUM, _BAG_MEAN) or _arg(fwd, 7, "include_last_offset", False)
+            or _arg(fwd, 8, "padding_idx", -1) not in (-1, None) or _arg(fwd, 3, "scale_grad_by_freq", False)):
+        return None
+    return embedding_bag_length(idx, off)
+
+
+def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """_embedding_bag(weight [V, D], indices [T], offsets [B], ...) -> (out [B, D], offset2bag, bag_size,
+    max_indices) and its backward. Bags of one length (a 2-D input: offsets ``arange(0, T, L)``, sum/mean)
+    keep the batch split: the lowering rewrites them into ``embedding`` and a sum over the bag
+    (``passes/embedding_bag.py``), so this rule is what the planner sees of them; every other form (offsets
+    of the user's, ``max``, ``padding_idx``) gathers its inputs and runs whole on every rank."""
+    import operator
+
+    backward = node.target != aten._embedding_bag.default
+    if not backward:
+        ok = embedding_bag_rewritable(node) is not None
+        idx = node.args[1]
+    else:
+        idx = node.args[1]
+        o2b = node.args[3]  # offset2bag: an output of the forward bag
+        fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
+        ok = (node.target == aten._embedding_bag_backward.default and isinstance(fwd, torch.fx.Node)
+              and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
+              and embedding_bag_length(idx, node.args[2]) is not None)
+    p = pl(idx)
+    if not ok or not isinstance(p, Shard):
+        if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
+            v = gmeta.val(node)
+            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+        return gather_all(node, pl, "an EmbeddingBag whose bags are not all of one length (or in max mode, or "
+                                    "with padding_idx) reads the whole batch's offsets")
+    needs = {path: R for path, a in tensor_args(node) if a is not idx and isinstance(pl(a), Shard)
+             and not (backward and path == (0,))}
+    if backward:
+        if pl(node.args[0]) != Shard(0):
+            needs[(0,)] = Shard(0)
+        return RuleResult(P, needs)
+    return RuleResult((Shard(0),) * len(gmeta.val(node)), needs)
+
+
 def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """native_layer_norm(x, normalized_shape, w, b, eps) -> (out, mean, rstd): any dim outside the
     normalized ones may be sharded; weight and bias are replicated."""
@@ -801,10 +871,16 @@ class _Attention:
         return RuleResult((Shard(d),) * self.num_outputs, needs)
 
 
-def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
-    """Training-mode BatchNorm over a sharded batch raises (per-rank statistics would be wrong);
-    replicated inputs and eval-mode backward are fine. The backward of BatchNorm without running
-    statistics is left to DTensor's strategies (None), like its forward."""
+def batch_norm_training(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """BatchNorm with batch statistics (training mode) and its backward, DDP's semantics ("local", the
+    ``--batch-norm`` default): over a batch split on dim 0 each rank normalizes its rows with their own
+    statistics; the saved mean/invstd and updated running statistics are per-rank values, labelled
+    replicated (only the backward and the running-stats pass ``batch_norm.keep_rank0_running_stats``
+    read them); the backward gives the input's gradient on the shard and the weight's and bias's as
+    partial sums. ``--batch-norm sync`` rewrites these nodes into sums before propagation
+    (``batch_norm.sync_batch_norm``), so this rule never sees them then. Replicated inputs and
+    eval-mode backward are per-sample; a split of another dim is gathered. The backward of BatchNorm
+    without running statistics is left to DTensor's strategies (None), like its forward."""
     if node.target == aten.native_batch_norm_backward.default and node.args[7] is False:
         # eval-mode BatchNorm: running statistics, nothing depends on other samples
         return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
@@ -813,17 +889,21 @@ def batch_norm_refused(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | Non
         # which has no rule of ours): DTensor's strategies, channels sharded or all replicated, keep the
         # statistics over the whole batch
         return None
-    x = node.args[0]
-    if isinstance(pl(x), Replicate):
-        n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
-        return RuleResult((R,) * n_out if n_out > 1 else R)
-    where = gmeta.module_of(node)
-    raise UnsupportedOpError(
-        f"BatchNorm in training mode at node {node.name!r}{' in ' + where if where else ''} (input "
-        f"{gmeta.shape_str(x)}) would compute its statistics per rank over a shard of the batch, which "
-        "differs from the single-process model. adaptdist refuses rather than train a different model: "
-        "replace BatchNorm with GroupNorm or LayerNorm, put the model in eval mode, or train on one rank."
-    )
+    backward = node.target == aten.native_batch_norm_backward.default
+    batch_args = (0, 1) if backward else (0,)
+    pls = [pl(node.args[i]) for i in batch_args]
+    n_out = len(gmeta.val(node)) if isinstance(gmeta.val(node), (tuple, list)) else 1
+    if not any(isinstance(p, Shard) for p in pls):
+        # the whole batch on every rank: weights or statistics split by channel are gathered too
+        needs = {path: R for path, a in tensor_args(node) if not isinstance(pl(a), Replicate)}
+        return RuleResult((R,) * n_out if n_out > 1 else R, needs)
+    if any(isinstance(p, Shard) and p.dim != 0 for p in pls):
+        return gather_all(node, pl, "BatchNorm's statistics are per channel over the batch: only the batch "
+                                    "dim (0) may be split")
+    if backward:
+        return _BatchMajor((0, 1), 3, partial_outputs=(1, 2))(node, pl)
+    needs = {path: R for path, a in tensor_args(node) if path[0] != 0 and not isinstance(pl(a), Replicate)}
+    return RuleResult((Shard(0),) + (R,) * (n_out - 1), needs)
 
 
 def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
@@ -831,7 +911,7 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
 
     def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         reduction = _arg(node, reduction_pos, "reduction", 1)
-        acts = [i for i in range(reduction_pos) if isinstance(node.args[i], torch.fx.Node)]
+        acts = [i for i in range(min(reduction_pos, len(node.args))) if isinstance(node.args[i], torch.fx.Node)]
         grad_pos = 0 if backward else None
         act_pls = {i: pl(node.args[i]) for i in acts if i != grad_pos}
         shards = {p.dim for p in act_pls.values() if isinstance(p, Shard)}
@@ -998,6 +1078,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.baddbmm.default: addmm,
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_backward,
+    # EmbeddingBag (issue 14, point 4)
+    aten._embedding_bag.default: embedding_bag,
+    aten._embedding_bag_backward.default: embedding_bag,
     aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten._softmax.default: softmax,
@@ -1046,10 +1129,10 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten._native_batch_norm_legit_no_training.default: _BatchMajor((0,), 3),
     aten.native_group_norm.default: _BatchMajor((0,), 3),
     aten.native_group_norm_backward.default: _BatchMajor((0, 1, 2, 3), 3, partial_outputs=(1, 2)),
-    aten._native_batch_norm_legit_functional.default: batch_norm_refused,
-    aten._native_batch_norm_legit.default: batch_norm_refused,
-    aten.native_batch_norm.default: batch_norm_refused,
-    aten.native_batch_norm_backward.default: batch_norm_refused,
+    aten._native_batch_norm_legit_functional.default: batch_norm_training,
+    aten._native_batch_norm_legit.default: batch_norm_training,
+    aten.native_batch_norm.default: batch_norm_training,
+    aten.native_batch_norm_backward.default: batch_norm_training,
     aten.mse_loss.default: loss_with_reduction(2, backward=False),
     aten.mse_loss_backward.default: loss_with_reduction(3, backward=True),
     aten.smooth_l1_loss.default: loss_with_reduction(2, backward=False),
