@@ -130,3 +130,15 @@ class _Recompute(torch.autograd.Function):
         got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
         return (None, None, None, None,
                 *[next(got) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args + state])
+
+
+def apply_training_features(model: nn.Module, loss_fn: Callable, precision: str = "fp32",
+                            activation_checkpointing: bool = False) -> tuple[nn.Module, Callable]:
+    """``--precision`` and ``--activation-checkpointing`` applied to a freshly built model (in place) and its loss.
+
+    Raises:
+        UsageError: see :func:`with_precision` and :func:`with_activation_checkpointing`.
+    """
+    if activation_checkpointing:
+        with_activation_checkpointing(model)
+    return with_precision(model, loss_fn, precision)
