@@ -2,8 +2,8 @@
 
 - ``adaptdist train --activation-checkpointing`` (:func:`adaptdist.compiler.training_features.with_activation_checkpointing`
   on the built-in GPT's and LLaMA's blocks): the captured joint graph holds the recomputation; its programs
-  (all ranks simulated in one process, dp on 2 ranks) give the loss, gradients and SGD-updated
-  parameters of eager PyTorch without checkpointing, to 1e-5; the planner's peak-memory estimate drops, and it
+  (all ranks simulated in one process; GPT under dp, LLaMA under fsdp, 2 ranks) give the loss, gradients and
+  SGD-updated parameters of eager PyTorch without checkpointing, to 1e-5; the planner's peak-memory estimate drops, and it
   stays within 10% of the peak measured running the program (:mod:`adaptdist.runtime.memory`).
 - A user's own ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` through the torch.compile backend
   (Dynamo's ``tag_activation_checkpoint``): equal to eager under the same settings, to 1e-5, on 1 and 2 ranks.
@@ -40,7 +40,7 @@ def _run_programs(programs, data):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("make,plan", [(_gpt, "dp"), (tiny_llama, "dp")])
+@pytest.mark.parametrize("make,plan", [(_gpt, "dp"), (tiny_llama, "fsdp")])
 def test_checkpointed_programs_equal_eager(make, plan):
     from adaptdist.annotations import ManualPlan
     from passutil import global_shard
@@ -122,7 +122,7 @@ def test_user_checkpoint_through_the_backend_one_rank():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_user_checkpoint_through_the_backend_two_ranks():
-    """2 gloo ranks, GPT with checkpointed blocks under fsdp, and under bf16 autocast with dp."""
+    """2 gloo ranks, GPT with checkpointed blocks under fsdp."""
     cases = [dict(model="gpt", batch=4, checkpoint=True, plan="fsdp")]
     results = launch_local(compiled_worker, (cases, 3, LR), 2)
     history, final, _ = eager_steps(dict(cases[0], checkpoint=False), 2, 3, LR)
