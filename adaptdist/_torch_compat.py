@@ -445,6 +445,42 @@ def sdpa_math_only():
     return sdpa_kernel([SDPBackend.MATH])
 
 
+def autocast_states() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions in effect: ``(device type, dtype)`` for each device type whose autocast is enabled
+    (``torch.is_autocast_enabled(device)``), in torch's order of supported devices; ``()`` when none is."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(d))
+
+
+def is_autocast_node(node: torch.fx.Node) -> bool:
+    """Whether a Dynamo graph node enters or leaves an autocast region written inside the compiled code
+    (Dynamo records ``with torch.autocast(...)`` as ``torch.amp.autocast_mode._enter_autocast`` /
+    ``_exit_autocast`` calls)."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name in ("_enter_autocast", "_exit_autocast")
+
+
+@contextlib.contextmanager
+def autocast_disabled():
+    """Within: autocast off on every device type (as aot_autograd's ``disable_autocast``), so that a graph
+    whose casts are explicit ATen ops is run or traced as it is, not cast again."""
+    with contextlib.ExitStack() as stack:
+        for d in torch._C._autocast_supported_devices():
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.amp.autocast(d, enabled=False))
+        yield
+
+
+def retrace_aten(fn: Callable, args: list) -> torch.fx.GraphModule:
+    """Trace ``fn(*args)`` (tensors of an active FakeTensorMode) into an ATen GraphModule under the autocast
+    state in effect, so every cast autocast makes is an explicit ``_to_copy`` node (source:
+    ``torch.fx.experimental.proxy_tensor.make_fx``, which aot_autograd traces with too). Placeholders keep
+    ``fn``'s argument order; outputs its structure; ``node.meta["val"]`` holds fake values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="real", _allow_non_fake_inputs=True)(*args)
+
+
 def _mark(key: str, total: int) -> int:
     from torch._dynamo.utils import counters
 
