@@ -126,6 +126,18 @@ def _compile_stage(e: BaseException) -> str:
 
 # --- the backend front end, in each rank ----------------------------------------------------------------
 
+RNG_SEED = 1234  # models that draw random numbers: the seed of step s is RNG_SEED + s
+
+
+def global_rng_supported() -> bool:
+    """Whether ``adaptdist.backend`` takes ``rng="global"`` (random numbers independent of the world size):
+    then a model with dropout is compared with eager's draws for the whole batch."""
+    import inspect
+
+    import adaptdist
+
+    return "rng" in inspect.signature(adaptdist.backend).parameters
+
 def _full_grad(p) -> Any:
     if p.grad is None:
         return None
@@ -159,7 +171,8 @@ def backend_case(name: str, plan: str, steps: int, lr: float, rank: int, world: 
         try:
             model, batch, loss_fn = zm.build(ROWS_PER_RANK * world)
             plan_arg = ManualPlan.parse("tp", SimpleNamespace(TP_PLAN=zm.tp_plan)) if plan == "tp" else plan
-            be = adaptdist.backend(plan=plan_arg, optimizer="sgd")
+            global_rng = zm.random and global_rng_supported()
+            be = adaptdist.backend(plan=plan_arg, optimizer="sgd", **({"rng": "global"} if global_rng else {}))
 
             def timed(gm, example_inputs):
                 t0 = time.perf_counter()
@@ -175,7 +188,9 @@ def backend_case(name: str, plan: str, steps: int, lr: float, rank: int, world: 
             compiled = torch.compile(model, backend=timed)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             rows = [t.chunk(world)[rank] for t in batch]
-            for _ in range(steps):
+            for step in range(steps):
+                if global_rng:  # every rank draws what one process draws for the whole batch from this seed
+                    torch.manual_seed(RNG_SEED + step)
                 loss = loss_fn(compiled(*rows[:-1]), rows[-1])
                 loss.backward()
                 rec["losses"].append(loss.item())
@@ -233,12 +248,17 @@ def eager_backend_reference(name: str, steps: int, lr: float, world: int) -> dic
 
     from ..models.zoo import get
 
-    model, batch, loss_fn = get(name).build(ROWS_PER_RANK * world)
+    zm = get(name)
+    model, batch, loss_fn = zm.build(ROWS_PER_RANK * world)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads = [], []
-    for _ in range(steps):
+    for step in range(steps):
         chunks = list(zip(*(t.chunk(world) for t in batch)))
-        per_rank = [loss_fn(model(*c[:-1]), c[-1]) for c in chunks]
+        if zm.random and global_rng_supported():  # the whole batch's draws (rng="global"), each rank's rows
+            torch.manual_seed(RNG_SEED + step)
+            per_rank = [loss_fn(o, c[-1]) for o, c in zip(model(*batch[:-1]).chunk(world), chunks)]
+        else:
+            per_rank = [loss_fn(model(*c[:-1]), c[-1]) for c in chunks]
         (sum(per_rank) / world).backward()
         losses.append([v.item() for v in per_rank])
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
