@@ -588,8 +588,11 @@ def cmd_zoo(args) -> int:
     err_console.print(f"adaptdist zoo: {len(models)} models, plans {','.join(plans)}, front ends "
                       f"{','.join(front_ends)}: {total} combinations on {args.ranks} ranks, {args.steps} SGD steps")
     t0 = time.perf_counter()
+    partial: list[dict] = []
 
     def progress(k: int, n: int, rec: dict) -> None:
+        partial.append(rec)  # results.json so far: a sweep stopped early keeps what it measured
+        (out / "results.json").write_text(json.dumps({"complete": False, "records": partial}, indent=1, default=str))
         oc = rec["outcome"]
         detail = f": {rec.get('stage')}: {rec['error']}" if oc in ("error", "timeout", "differs") else ""
         err_console.print(f"[{k}/{n}] {rec['model']} {rec['plan']} {rec['front_end']}: {oc}{detail} "
@@ -597,7 +600,7 @@ def cmd_zoo(args) -> int:
 
     records = sweep(models, plans, front_ends, args.ranks, args.steps, args.lr, out, args.timeout_s, progress)
     n, counted, outcomes = counts(records)
-    doc = {"ranks": args.ranks, "steps": args.steps, "lr": args.lr, "wall_s": time.perf_counter() - t0,
+    doc = {"complete": True, "ranks": args.ranks, "steps": args.steps, "lr": args.lr, "wall_s": time.perf_counter() - t0,
            "equal": n, "combinations": counted, "outcomes": dict(outcomes), "records": records}
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     write_png(records, out / "zoo.png")
