@@ -117,3 +117,24 @@ def test_full_zoo_sweep(tmp_path, capsys):
     assert not [r for r in doc["records"] if r["outcome"] == "differs"]
     assert all(r["error"] for r in doc["records"] if r["outcome"] == "error")
     print(capsys.readouterr().out.splitlines()[-1])
+
+
+def test_table_and_grid_of_every_outcome(tmp_path):
+    from adaptdist.console import report_console
+
+    records = [dict(model="mlp", plan=p, front_end=f, outcome=o, stage=s, error=e, captured=s != "capture",
+                    planned=s not in ("capture", "plan"), ran=s is None, equal=o == "equal", strategy="dp on dp=2",
+                    compile_s=0.5)
+               for (p, f, o, s, e) in [("dp", "backend", "equal", None, None),
+                                       ("fsdp", "backend", "error", "plan", "UnsupportedOpError: x"),
+                                       ("dp", "train", "differs", None, "differs from eager"),
+                                       ("fsdp", "train", "rng", None, "differs by design (rng)"),
+                                       ("auto", "train", "skipped", None, "transformers is not installed")]]
+    zoo_cli.write_png(records, tmp_path / "zoo.png")
+    assert (tmp_path / "zoo.png").stat().st_size > 1000
+    console = report_console()
+    with console.capture() as cap:
+        zoo_cli.print_table(records, console)
+    text = cap.get()
+    assert "plan: UnsupportedOpError: x" in text and "differs" in text
+    assert zoo_cli.counts(records)[:2] == (1, 4)
