@@ -337,6 +337,9 @@ def compare_backend(results: dict[int, dict], ref: dict, tol: float, random: boo
             d_grad, missing = max(d_grad, d), missing + bad
     d_param, bad = _max_diff(r0["params"], ref["params"])
     judge(rec, {"loss": d_loss, "grad": d_grad, "param": d_param}, tol, random, sorted(set(missing + bad)))
+    if not rec["equal"] and not rec["graphs"]:
+        rec["error"] += ("; Dynamo never called the adaptdist backend (0 graphs compiled): the forward ran eagerly "
+                         "on each rank, its gradients never synchronised")
     return rec
 
 
