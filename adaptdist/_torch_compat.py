@@ -642,3 +642,11 @@ def device_mesh_without_groups(device_type: str, ranks: torch.Tensor, mesh_dim_n
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _init_backend=False)
+
+
+def dynamo_reset() -> None:
+    """Forget every graph Dynamo compiled in this process (``torch._dynamo.reset()``): the next
+    ``torch.compile`` call traces afresh, with no automatic dynamic shapes learnt from earlier models."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest good checkpoint in --out (a run of these artifacts stopped early, "
                         "or a finished one given a larger --steps)")
     r.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    from .zoo import add_zoo_parser
+
+    add_zoo_parser(sub)
     return ap
 
 
@@ -386,6 +389,13 @@ def cmd_explain(args) -> int:
     return run(args, _cluster(args))
 
 
+def cmd_zoo(args) -> int:
+    """``adaptdist zoo``: see :mod:`adaptdist.cli.zoo`."""
+    from .zoo import cmd_zoo as run
+
+    return run(args)
+
+
 def cmd_cluster(args) -> int:
     """``adaptdist cluster detect|profile``: see :mod:`adaptdist.cli.cluster`."""
     from .cluster import cmd_cluster as run
@@ -412,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
-                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch}
+                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch,
+                    "zoo": cmd_zoo}
         return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
