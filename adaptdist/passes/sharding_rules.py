@@ -874,6 +874,19 @@ def constant_pad(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(p)
 
 
+# ---------------------------------------------------------------- issue 14, part "capture" (point 8: HF T5)
+
+
+def fill_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``fill(self, value)`` with a 0-d tensor ``value`` (HF T5's ``shifted[..., 0] = decoder_start_token_id``):
+    ``self``'s layout, every element ``value``; a Partial ``value`` is summed first (Partial self -> R).
+
+    Before/after, batch split on 2 ranks: ``fill(select: int64[4] S(0), c: int64[] R) -> int64[4] S(0)``
+    (each rank fills its 2 rows)."""
+    p, v = pl(node.args[0]), pl(node.args[1])
+    return RuleResult(p if isinstance(p, Shard) else R, {} if isinstance(v, Replicate) else {(1,): R})
+
+
 # ---------------------------------------------------------------- collectives of other mesh axes
 
 
@@ -996,6 +1009,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.binary_cross_entropy_with_logits.default: loss_with_reduction(4, backward=False),
     aten.constant_pad_nd.default: constant_pad,
     aten.copy.default: pointwise,  # copy(self, src): src broadcast to self, e.g. x[..., 1:] = y
+    # issue 14, part "capture" (point 8: HF T5)
+    aten.fill.Tensor: fill_tensor,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,
