@@ -270,6 +270,16 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
     try:
         (loss,) = step(*fake_batch)
     except Exception as e:  # the user's code failed: report where
+        if _is_data_dependent(e):
+            raise CaptureError(
+                f"cannot capture {name}: a tensor's values decide Python control flow or a shape at "
+                f"{_user_frame(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
+                "(`if t.sum() > 0`, `t.item()`) or a data-dependent shape (`x[mask]`, `nonzero`). adaptdist train "
+                "captures one graph for every step, which would bake in what this example batch does, so it "
+                "refuses. Compute both sides and select with torch.where(cond, a, b) (or multiply by a mask), "
+                "decide from something fixed (a Python flag, a parameter's shape), or train with "
+                "torch.compile(model, backend='adaptdist'), where a branch on data is a graph break."
+            ) from e
         raise CaptureError(
             f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
             f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
@@ -289,6 +299,19 @@ def _params_without_gradient(step: nn.Module, fake_batch: tuple) -> list[str]:
         return []
     unused = {id(p) for p, g in zip(params, grads) if g is None}
     return [n[len("model."):] for n, p in named.items() if id(p) in unused]
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it came from) is the fake-tensor run refusing a value that depends on a
+    tensor's data (``bool(t)``, ``t.item()``, ``t.tolist()``, a data-dependent output shape)."""
+    seen = 0
+    while e is not None and seen < 8:
+        text = f"{type(e).__name__}: {e}"
+        if any(w in text for w in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                                   "_local_scalar_dense", "DynamicOutputShapeException", "data-dependent")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> CaptureError:
