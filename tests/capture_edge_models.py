@@ -145,6 +145,9 @@ def backend_edge_worker(cases: list[dict], steps: int, lr: float, timeout_s: flo
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
         out = []
         for case in cases:
+            if case["model"] == "divergent_branch":
+                out.append(_divergent_branch(rank, adaptdist))
+                continue
             model, batch, loss_fn = FACTORIES[case["model"]](case["batch"])
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
             be = adaptdist.backend(plan=case["plan"])
@@ -165,6 +168,21 @@ def backend_edge_worker(cases: list[dict], steps: int, lr: float, timeout_s: flo
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _divergent_branch(rank: int, adaptdist) -> dict:
+    """DataBranch under dp, rank 0's rows taking the tanh side and rank 1's the relu side: the error text."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DataBranch()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(7)) * (10.0 if rank == 0 else -10.0)
+    with torch.no_grad():
+        side = bool(model.a(x).sum() > 0)
+    try:
+        torch.compile(model, backend=adaptdist.backend(plan="dp"))(x).pow(2).mean().backward()
+        return {"side": side, "error": None}
+    except Exception as e:  # Dynamo wraps the backend's error
+        return {"side": side, "error": f"{type(e).__name__}: {e}"}
 
 
 def _full_grad(p: torch.Tensor):

@@ -4,7 +4,8 @@ torch.compile backend, each against single-process eager PyTorch (loss, gradient
 - a Python branch on a parameter's shape is specialised, and right for both shapes (also when fsdp shards
   the parameter: the branch sees the global shape);
 - a branch on data is a graph break with a warning under the backend (inputs that take the other branch get
-  the other branch's numbers), and a clear error under train's capture (the line, and what to try);
+  the other branch's numbers; ranks whose rows take different sides are refused on every rank, saying why),
+  and a clear error under train's capture (the line, and what to try);
 - a frozen block (``requires_grad=False``) trains as in eager: unchanged, no gradient output or reduction;
 - one parameter under several names (one module under two names, one weight assigned to two modules, HF
   T5's shared embedding) is one input with one sharding decision and one reduced gradient.
@@ -210,9 +211,15 @@ ALL_CASES = [dict(model=m, plan=p, batch=6) for m in ("linear_twice", "shared_we
 
 
 def _backend_cases_equal_eager(cases: list[dict], world: int = 2) -> None:
+    """Each case on ``world`` gloo ranks through the backend equals eager (see the module docstring); then ranks
+    whose data take different sides of a branch on data are refused on every rank, saying why and what to do."""
     from adaptdist.runtime.launch import launch_local
 
-    results = launch_local(backend_edge_worker, (cases, STEPS, LR), world)
+    results = launch_local(backend_edge_worker, (cases + [dict(model="divergent_branch")], STEPS, LR), world)
+    assert [results[r][-1]["side"] for r in range(world)] == [True, False]  # the ranks' rows disagree
+    for r in range(world):
+        err = results[r][-1]["error"]
+        assert err and "different graphs" in err and "graph break" in err and "torch.where" in err, err
     for k, case in enumerate(cases):
         model, (x, y), loss_fn = FACTORIES[case["model"]](case["batch"])
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
