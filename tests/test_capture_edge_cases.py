@@ -302,3 +302,24 @@ def test_hf_t5_with_labels_other_plans_simulated(plan):
 
     model, batch, loss_fn = factory(4, 6)
     train_simulated(model, batch, loss_fn, 2, _plan(plan, "t5", (model, batch, loss_fn), 2), steps=2, lr=0.1)
+
+
+def test_filling_a_slice_of_the_batch_lowers_like_eager():
+    """``shifted[:, 0] = start`` (HF T5's shift of the labels right) is ``aten.fill.Tensor`` on a slice of the
+    split batch (once: no sharding rule); each rank fills its rows. 2 simulated ranks, 3 SGD steps, dp."""
+    class Shifted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 4)
+
+        def forward(self, ids):
+            shifted = ids.new_zeros(ids.shape)
+            shifted[:, 1:] = ids[:, :-1].clone()
+            shifted[:, 0] = 3
+            return self.emb(shifted)
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (6, 5), generator=torch.Generator().manual_seed(1))
+    model, batch, loss_fn = Shifted(), (ids, torch.randn(6, 5, 4)), F.mse_loss
+    assert "aten.fill.Tensor" in {str(n.target) for n in capture(model, batch, loss_fn).gm.graph.nodes}
+    train_simulated(model, batch, loss_fn, 2, ManualPlan.parse("dp"))
