@@ -323,3 +323,38 @@ def test_filling_a_slice_of_the_batch_lowers_like_eager():
     model, batch, loss_fn = Shifted(), (ids, torch.randn(6, 5, 4)), F.mse_loss
     assert "aten.fill.Tensor" in {str(n.target) for n in capture(model, batch, loss_fn).gm.graph.nodes}
     train_simulated(model, batch, loss_fn, 2, ManualPlan.parse("dp"))
+
+
+def test_a_batch_norm_under_two_names_updates_its_statistics_once():
+    """``self.bn2 = self.bn`` (training mode): one input per buffer slot (once: aot refused "duplicated inputs
+    that are mutated"), the aliases in ``tied``; the captured step's loss, gradients and updated running
+    statistics equal eager's."""
+    import copy
+
+    class TwoNames(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.bn = torch.nn.BatchNorm1d(4)
+            self.bn2 = self.bn
+
+        def forward(self, x):
+            return self.bn2(self.fc(x))
+
+    torch.manual_seed(0)
+    model, batch = TwoNames(), (torch.randn(6, 4), torch.randn(6, 4))
+    cg = capture(model, batch, F.mse_loss)
+    assert cg.mutated_buffer_fqns == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert cg.tied["bn2.running_mean"] == "bn.running_mean" and cg.tied["bn2.weight"] == "bn.weight"
+    assert not {f for f in cg.input_fqns if f.startswith("bn2.")}
+    named = dict(model.named_parameters())
+    named.update(dict(model.named_buffers()))
+    outs = cg.gm(*[named[f] for f in cg.input_fqns], *batch)
+    ref = copy.deepcopy(model)
+    loss = F.mse_loss(ref(batch[0]), batch[1])
+    loss.backward()
+    assert outs[cg.loss_output_index].item() == pytest.approx(loss.item(), abs=1e-6)
+    for i, f in enumerate(cg.mutated_buffer_fqns):
+        torch.testing.assert_close(outs[i], dict(ref.named_buffers())[f], atol=1e-6, rtol=0, msg=f)
+    for f, i in cg.grad_output_index.items():
+        torch.testing.assert_close(outs[i], dict(ref.named_parameters())[f].grad, atol=1e-6, rtol=1e-5, msg=f)

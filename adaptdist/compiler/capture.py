@@ -94,22 +94,21 @@ class _EachParameterOnce(nn.Module):
     two names (``self.b = self.a``) has one slot, which aot's swaps overwrite and then restore in swap
     order, leaving a traced tensor in the model ("Attempting to use FunctionalTensor on its own"). Here
     the exporter sees each parameter once; the forward puts it in under all its names (restored in
-    reverse order), so the gradients of its uses sum in autograd, as in eager. Buffers keep one input per
-    name (a tensor registered as two buffers is an input under each).
+    reverse order), so the gradients of its uses sum in autograd, as in eager. A buffer is one input per
+    slot: a module under two names has one (BatchNorm's running statistics, updated once: two inputs of one
+    mutated tensor are refused by aot), a tensor registered as two buffers has two.
     """
 
     def __init__(self, step: nn.Module):
         super().__init__()
         object.__setattr__(self, "step", step)  # not a submodule: the exporter sees only what is registered here
-        self.names: dict[str, str] = {}  # every name in step -> the name it is registered under here
-        first: dict[int, str] = {}
+        self.names = state_aliases(step)  # every name in step -> the name it is registered under here
         for n, p in step.named_parameters(remove_duplicate=False):
-            self.names[n] = first.setdefault(id(p), n)
             if self.names[n] == n:
                 _register(self, n, p, param=True)
         for n, b in step.named_buffers(remove_duplicate=False):
-            self.names[n] = n
-            _register(self, n, b, param=False)
+            if self.names[n] == n:
+                _register(self, n, b, param=False)
 
     def forward(self, *batch):
         mine = dict(self.named_parameters(remove_duplicate=False))
@@ -132,16 +131,24 @@ def _register(root: nn.Module, fqn: str, value: torch.Tensor, param: bool) -> No
         mod.register_buffer(leaf, value)
 
 
-def tied_names(module: nn.Module, strip: int = 0) -> dict[str, str]:
-    """{name: first name} for every parameter name of ``module`` but the first of its tensor (a parameter
-    shared by two modules, or a module under two names), the first ``strip`` characters of each dropped."""
-    first: dict[int, str] = {}
-    tied = {}
+def state_aliases(module: nn.Module) -> dict[str, str]:
+    """Every parameter and buffer name of ``module`` -> the name it is captured under: a parameter's first
+    name (one tensor under several: shared by two modules, or a module under two names), a buffer's first
+    name for its slot (its module and attribute: a module under two names)."""
+    names: dict[str, str] = {}
+    first: dict[Any, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
-        keep = first.setdefault(id(p), n)
-        if keep != n:
-            tied[n[strip:]] = keep[strip:]
-    return tied
+        names[n] = first.setdefault(id(p), n)
+    for n, b in module.named_buffers(remove_duplicate=False):
+        prefix, _, leaf = n.rpartition(".")
+        names[n] = first.setdefault((id(module.get_submodule(prefix)), leaf), n)
+    return names
+
+
+def tied_names(module: nn.Module, strip: int = 0) -> dict[str, str]:
+    """{name: captured name} for every name of ``module``'s state that is not captured under its own (see
+    :func:`state_aliases`), the first ``strip`` characters of each dropped."""
+    return {n[strip:]: k[strip:] for n, k in state_aliases(module).items() if n != k}
 
 
 def _user_frame(exc: BaseException) -> str:
