@@ -325,10 +325,13 @@ def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> 
     msg = str(e).split("\n")[0]
     hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
     if "did not receive a gradient" in str(e):
-        shown = ", ".join(no_grad[:8]) + (f" and {len(no_grad) - 8} more" if len(no_grad or []) > 8 else "")
+        no_grad = no_grad or []
+        shown = ", ".join(no_grad[:8]) + (f" and {len(no_grad) - 8} more" if len(no_grad) > 8 else "")
         return CaptureError(
-            f"cannot capture {name}: {len(no_grad)} trainable parameter(s) receive no gradient from the loss"
-            + (f" ({shown})" if no_grad else "") + ": the loss does not depend on them. Set requires_grad=False "
+            f"cannot capture {name}: "
+            + (f"{len(no_grad)} trainable parameter(s) receive no gradient from the loss ({shown})" if no_grad else
+               "a trainable parameter receives no gradient from the loss")
+            + ": the loss does not depend on them. Set requires_grad=False "
             "on them (they are then kept as they are, as eager's optimizer skips a parameter whose .grad is "
             "None), or remove them from the model.")
     return CaptureError(
