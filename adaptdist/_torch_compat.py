@@ -145,11 +145,17 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
-    """Context manager: temporarily swap the module's parameters/buffers by name."""
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], tie_weights: bool = True):
+    """Context manager: temporarily swap the module's parameters/buffers by name (with ``tie_weights``, a
+    tensor given under one of its names replaces it under all of them).
+
+    The originals come back in the reverse order of the swaps (``stack_weights``): a module registered
+    under two names (``self.b = self.a``) has one slot under both, and restoring in swap order would put
+    back the first swap's tensor (a fake or traced one) instead of the original.
+    """
     from torch.nn.utils.stateless import _reparametrize_module
 
-    return _reparametrize_module(module, tensors, tie_weights=True)
+    return _reparametrize_module(module, tensors, tie_weights=tie_weights, stack_weights=True)
 
 
 def fx_code_globals() -> dict[str, Any]:
@@ -431,7 +437,11 @@ def dynamo_graph_break_reasons() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     out: dict[str, int] = {}
-    for reason, count in counters["graph_break"].items():
+    # A branch on a tensor's data (``if t.sum() > 0``) breaks the graph through Dynamo's jump handler, which
+    # leaves its reason under "unimplemented" (symbolic_convert.generic_jump: compiled, never moved to
+    # "graph_break" as the other breaks are); under fullgraph=True it is an error instead.
+    jumps = {r: c for r, c in counters["unimplemented"].items() if str(r).startswith("Data-dependent branching")}
+    for reason, count in [*counters["graph_break"].items(), *jumps.items()]:
         key = str(reason).strip().split("\n")[0]
         out[key] = out.get(key, 0) + count
     return out
