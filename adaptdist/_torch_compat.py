@@ -683,3 +683,10 @@ def new_skipped_frames() -> list[str]:
     for r, c in counters["unimplemented"].items():
         seen[r] = c
     return new
+
+
+def compile_session():
+    """A context in which ``torch.compiler.is_compiling()`` is True, as Dynamo holds it while it compiles: library
+    code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask
+    after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one."""
+    return torch.compiler._compile_session_context()

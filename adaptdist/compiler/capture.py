@@ -230,7 +230,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
     fake_batch = tuple(_to_fake(mode, t) for t in batch)
 
     with _gc_paused():
-        with mode, compat.reparametrize(step, state):
+        with mode, compat.reparametrize(step, state), compat.compile_session():  # library code traces its graph-safe path
             # Export first; only when that fails, run the step eagerly (on the same fake tensors)
             # to tell a model or loss at fault from a construct the exporter cannot follow. A
             # model or loss that fails the eager run fails the export too, so the messages are

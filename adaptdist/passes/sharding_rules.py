@@ -865,8 +865,20 @@ class _Attention:
         if not dims:
             return RuleResult((R,) * self.num_outputs, {p: R for p, a in acts if isinstance(pl(a), Partial)})
         d = dims[0]
-        if d not in (0, 1) or node.kwargs.get("attn_mask") is not None:
-            return gather_all(node, pl, "attention can be split by batch or heads only, without a mask")
+        mask = node.kwargs.get("attn_mask")
+        if d not in (0, 1):
+            if isinstance(mask, torch.fx.Node):  # gather_all reaches positional arguments only
+                raise unsupported(node, pl, "attention with a mask is split by batch or heads only")
+            return gather_all(node, pl, "attention can be split by batch or heads only")
+        if isinstance(mask, torch.fx.Node):
+            # the mask [B|1, H|1, T, S] (a keyword argument, which no redistribution reaches) must already
+            # match the split: sharded alike, or of size 1 on that dim (broadcast) and replicated
+            mshape, mp = shape(mask), pl(mask)
+            fits = (mp == Shard(d) and len(mshape) == 4) or (
+                isinstance(mp, Replicate) and (len(mshape) < 4 - d or mshape[d - 4] == 1))
+            if not fits:
+                raise unsupported(node, pl, f"its attention mask {list(mshape)} ({mp!r}) does not follow the "
+                                  f"split of dim {d}")
         needs = {p: Shard(d) for p, a in acts if pl(a) != Shard(d)}
         return RuleResult((Shard(d),) * self.num_outputs, needs)
 
