@@ -9,7 +9,6 @@ import torch
 pytest.importorskip("transformers", reason="Hugging Face models need transformers (the test extras)")
 
 from adaptdist.annotations import ManualPlan  # noqa: E402
-from adaptdist.compiler.capture import capture  # noqa: E402
 from adaptdist.models import zoo  # noqa: E402
 from test_capture_edge_cases import train_simulated  # noqa: E402
 
