@@ -37,7 +37,7 @@ from typing import Any
 
 from ..errors import AdaptdistError, UsageError
 
-PLANS = ("auto", "dp", "fsdp", "tp")
+PLANS = ("auto", "dp", "fsdp", "tp", "ep")
 FRONT_ENDS = ("backend", "train")
 OUTCOMES = ("equal", "rng", "differs", "error", "timeout", "skipped")
 COLOURS = {"equal": "#4caf50", "rng": "#9e9ecf", "differs": "#d32f2f", "error": "#ffb300", "timeout": "#8d6e63",
@@ -52,7 +52,7 @@ def add_zoo_parser(sub) -> None:
     z = sub.add_parser("zoo", help="train every zoo model under every plan and compare with eager PyTorch",
                        description=__doc__.split("\n\n")[0])
     z.add_argument("--models", default=None, metavar="NAME,...", help="zoo models (default: all; see --list)")
-    z.add_argument("--plans", default=",".join(PLANS), metavar="auto,dp,fsdp,tp",
+    z.add_argument("--plans", default=",".join(PLANS), metavar="auto,dp,fsdp,tp,ep",
                    help="plans to sweep (tp only for models with a TP_PLAN)")
     z.add_argument("--front-ends", default=",".join(FRONT_ENDS), metavar="backend,train",
                    help="backend: torch.compile(backend=adaptdist.backend(...)); train: adaptdist train")
@@ -82,10 +82,12 @@ def parse_names(text: str | None, allowed: tuple[str, ...] | list[str], what: st
 
 
 def combinations(models: list[str], plans: list[str], front_ends: list[str]) -> list[tuple[str, str, str]]:
-    """The (model, plan, front end) combinations swept: ``tp`` only for models with a TP_PLAN."""
+    """The (model, plan, front end) combinations swept: ``tp`` only for models with a TP_PLAN, ``ep`` only for
+    models with an EP_PLAN."""
     from ..models.zoo import get
 
-    return [(m, p, f) for m in models for p in plans for f in front_ends if p != "tp" or get(m).tp_plan]
+    return [(m, p, f) for m in models for p in plans for f in front_ends
+            if (p != "tp" or get(m).tp_plan) and (p != "ep" or get(m).ep_plan)]
 
 
 # --- errors ----------------------------------------------------------------------------------------------
@@ -170,9 +172,11 @@ def backend_case(name: str, plan: str, steps: int, lr: float, rank: int, world: 
         warnings.simplefilter("always")
         try:
             model, batch, loss_fn = zm.build(ROWS_PER_RANK * world)
-            plan_arg = ManualPlan.parse("tp", SimpleNamespace(TP_PLAN=zm.tp_plan)) if plan == "tp" else plan
+            plan_arg = (ManualPlan.parse(plan, SimpleNamespace(TP_PLAN=zm.tp_plan, EP_PLAN=zm.ep_plan))
+                        if plan in ("tp", "ep") else plan)
             global_rng = zm.random and global_rng_supported()
-            be = adaptdist.backend(plan=plan_arg, optimizer="sgd", **({"rng": "global"} if global_rng else {}))
+            be = adaptdist.backend(plan=plan_arg, optimizer="sgd", **zm.options,
+                                   **({"rng": "global"} if global_rng else {}))
 
             def timed(gm, example_inputs):
                 t0 = time.perf_counter()
@@ -254,8 +258,10 @@ def eager_backend_reference(name: str, steps: int, lr: float, world: int) -> dic
     losses, grads = [], []
     for step in range(steps):
         chunks = list(zip(*(t.chunk(world) for t in batch)))
-        if zm.random and global_rng_supported():  # the whole batch's draws (rng="global"), each rank's rows
-            torch.manual_seed(RNG_SEED + step)
+        if zm.whole_batch and (not zm.random or global_rng_supported()):
+            # synchronized BatchNorm, or the whole batch's draws (rng="global"): each rank's rows of the output
+            if zm.random:
+                torch.manual_seed(RNG_SEED + step)
             per_rank = [loss_fn(o, c[-1]) for o, c in zip(model(*batch[:-1]).chunk(world), chunks)]
         else:
             per_rank = [loss_fn(model(*c[:-1]), c[-1]) for c in chunks]
@@ -349,6 +355,7 @@ MODEL_FILE = '''"""Zoo model {name!r} for `adaptdist train` (written by `adaptdi
 from adaptdist.models.zoo import factory_of, get
 
 TP_PLAN = get({name!r}).tp_plan or {{}}
+EP_PLAN = get({name!r}).ep_plan or {{}}
 factory = factory_of({name!r})
 '''
 
@@ -387,13 +394,15 @@ COMPILED_LINE = re.compile(r"compiled plan '([^']*)' \(mesh ([^)]*)\) for \d+ ra
 
 def train_case(name: str, plan: str, steps: int, lr: float, world: int, out: Path, timeout_s: float) -> dict:
     """``adaptdist train`` of zoo model ``name`` under ``plan`` (a subprocess; its run in ``OUT/train/...``)."""
-    from ..models.zoo import SEQ_LEN
+    from ..models.zoo import SEQ_LEN, get
 
     run_dir = out / "train" / re.sub(r"\W", "_", name) / plan
     cmd = [sys.executable, "-m", "adaptdist.cli", "train", f"{_model_file(out, name)}:factory", "--nproc", str(world),
            "--batch-size", str(ROWS_PER_RANK * world), "--seq-len", str(SEQ_LEN), "--steps", str(steps),
            "--optimizer", "sgd", "--lr", repr(lr), "--plan", plan, "--out", str(run_dir), "--threads-per-rank", "1",
            "--sample-bytes", "0", "--timeout-s", "120"]
+    for key, value in get(name).options.items():  # backend keywords as train's flags (batch_norm -> --batch-norm)
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
     t0 = time.perf_counter()
     rc, _, err = _run_bounded(cmd, timeout_s, dict(os.environ))
     rec: dict[str, Any] = {"stage": None, "error": None, "compile_s": None, "graphs": 1, "graph_breaks": 0,

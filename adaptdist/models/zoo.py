@@ -42,6 +42,10 @@ class ZooModel:
         random: the model draws random numbers in training (dropout): a mismatch with eager is
             "differs by design (rng)", not a failure.
         tolerance: absolute tolerance of loss, gradients and parameters against eager.
+        ep_plan: ``EP_PLAN`` globs (the stacked experts' ``{param glob: "S(0)"}``) for ``--plans ep``; None: no
+            expert parallelism swept.
+        options: lowering options the model is swept with, as ``adaptdist.backend`` keywords
+            (``{"batch_norm": "sync"}``; ``adaptdist train`` gets the matching flags).
     """
 
     name: str
@@ -53,6 +57,15 @@ class ZooModel:
     random: bool = False
     tolerance: float = 1e-5
     tags: tuple[str, ...] = field(default=())
+    ep_plan: dict | None = None
+    options: dict = field(default_factory=dict)
+
+    @property
+    def whole_batch(self) -> bool:
+        """Whether eager's reference runs the forward on the whole batch (each rank's loss on its rows of the
+        output), not each rank's rows alone: synchronized BatchNorm statistics, or random numbers drawn as one
+        process draws them (``rng="global"``)."""
+        return self.options.get("batch_norm") == "sync" or self.random
 
 
 # --- our models ---------------------------------------------------------------------------------------
@@ -176,6 +189,16 @@ def build_moe(batch_size: int, stacked: bool = False):
     torch.manual_seed(0)
     model = StackedMoE() if stacked else TopKMoE()
     return model, _rows(batch_size, 3, 6, 8), F.cross_entropy
+
+
+def build_moe_dense(batch_size: int, experts: str):
+    """adaptdist/models/moe.py's layer (static shapes: dense dispatch with the router's zero-masked weights),
+    experts an ``nn.ModuleList`` combined by ``index_add`` or stacked weights combined by ``scatter_add``."""
+    from . import moe
+
+    if experts == "list":
+        return moe.list_factory(batch_size, 6)
+    return moe.factory(batch_size, 6)
 
 
 class DLRM(nn.Module):
@@ -342,9 +365,17 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
              tp_plan={"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"}),
     ZooModel("mlp-dropout", lambda b: build_mlp(b, dropout=0.5), 4, "the MLP with dropout 0.5 (training mode)",
              tp_plan={"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"}, random=True),
-    ZooModel("cnn", build_cnn, 4, "conv + BatchNorm2d (training mode) + max-pool + linear"),
-    ZooModel("moe", build_moe, 4, "top-2 of 4 experts (nn.ModuleList), index_add combine"),
-    ZooModel("moe-stacked", lambda b: build_moe(b, stacked=True), 4, "top-2 of 4 experts, stacked [E, D, H] weights"),
+    ZooModel("cnn", build_cnn, 4, "conv + BatchNorm2d (training mode, synchronized statistics) + max-pool + linear",
+             options={"batch_norm": "sync"}),
+    ZooModel("moe", lambda b: build_moe_dense(b, "list"), 4,
+             "top-2 of 4 experts (nn.ModuleList), dense dispatch, index_add combine"),
+    ZooModel("moe-stacked", lambda b: build_moe_dense(b, "stacked"), 4,
+             "top-2 of 4 experts, stacked [E, D, H] weights, scatter_add combine; ep shards the experts",
+             ep_plan={"moe.w_in": "S(0)", "moe.w_out": "S(0)"}),
+    ZooModel("moe-gather", lambda b: build_moe(b, stacked=True), 4,
+             "top-2 of 4 experts, stacked weights gathered per token (w1[chosen])"),
+    ZooModel("moe-where", build_moe, 4, "Mixtral-style: torch.where per expert in a loop, index_add "
+             "(data-dependent token counts: refused, naming the construct)"),
     ZooModel("dlrm", build_dlrm, 4, "DLRM-style: 3 EmbeddingBag tables, bottom/top MLP, dot interaction"),
     ZooModel("hf-gpt2", _causal_lm("GPT2Config", n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
                                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), 4,
