@@ -55,7 +55,8 @@ def backend_cases_worker(cases: list[dict], steps: int, lr: float, timeout_s: fl
             except Exception as e:  # the backend's errors arrive wrapped by Dynamo (BackendCompilerFailed)
                 out.append({"error": f"{type(e).__name__}: {e}"})
                 continue
-            out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled)})
+            out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
+                        "buffers": {n: b.clone() for n, b in model.named_buffers()}})  # as the user sees them
         return out
     finally:
         dist.destroy_process_group()

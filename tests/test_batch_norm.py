@@ -243,3 +243,40 @@ def test_train_cli_sync_under_auto_equals_eager_on_gloo(tmp_path):
         if name in got:
             torch.testing.assert_close(got[name], want.detach(), atol=2e-5, rtol=0, msg=name)
     assert "norm.running_mean" in got and "norm.weight" in got
+
+
+BACKEND_BN_CASES = [dict(model="convnet", plan="dp", batch_norm="local"),
+                    dict(model="convnet", plan="fsdp", batch_norm="local"),
+                    dict(model="convnet", plan="dp", batch_norm="sync")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_backend_batch_norm_local_and_sync_equal_eager_on_gloo():
+    """``torch.compile(model, backend=adaptdist.backend(batch_norm=...))`` on 2 gloo ranks, each rank its rows, 3
+    SGD steps: ``local`` equals DDP (each rank's statistics, the mean of the rank losses, every rank's running
+    buffers rank 0's), ``sync`` equals plain BatchNorm on the global batch; losses, gradients, parameters and the
+    module's running_mean / running_var / num_batches_tracked as each rank's user sees them."""
+    from adaptdist.runtime.launch import launch_local
+    from bn_workers import backend_cases_worker, factory
+
+    results = launch_local(backend_cases_worker, (BACKEND_BN_CASES, STEPS, LR), WORLD)
+    for k, case in enumerate(BACKEND_BN_CASES):
+        model, batch, loss_fn = factory(case["model"])
+        want_hist, want_params, want_buffers = (_eager_local(model, batch, loss_fn) if case["batch_norm"] == "local"
+                                                else _eager_global(model, batch, loss_fn))
+        for r in range(WORLD):
+            got = results[r][k]
+            assert "error" not in got, (case, got.get("error"))
+            for s, (want_loss, want_grads) in enumerate(want_hist):
+                # each rank's loss is its rows' mean: their mean is DDP's loss, and (equal shards) the global one
+                mean_loss = sum(results[q][k]["losses"][s] for q in range(WORLD)) / WORLD
+                assert abs(mean_loss - want_loss) < 2e-5, (case, s, mean_loss, want_loss)
+                for n, g in want_grads.items():
+                    torch.testing.assert_close(got["grads"][s][n], g, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+            for n, p in want_params.items():
+                torch.testing.assert_close(got["params"][n], p.detach(), atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+            assert set(got["buffers"]) == set(want_buffers) == {"norm.running_mean", "norm.running_var",
+                                                                "norm.num_batches_tracked"}
+            for n, b in want_buffers.items():
+                torch.testing.assert_close(got["buffers"][n], b, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")

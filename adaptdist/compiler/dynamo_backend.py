@@ -325,7 +325,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         register_mesh_groups(program, dist.get_backend())
         # by torch's group name, not the group object (CompiledStep.process_groups says why)
         groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
-    split = split_forward_backward(program.graph_module, ("out:",))
+    split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end

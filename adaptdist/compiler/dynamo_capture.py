@@ -126,17 +126,31 @@ def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
     for n, running in _batch_norm_calls(gm):
         where = (n.meta.get("stack_trace") or "").strip().splitlines()
         at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
-        if running:
-            raise CaptureError(
-                f"BatchNorm in training mode with running statistics{at}: the adaptdist backend keeps buffers "
-                "unchanged, so its running_mean/running_var would not be updated. Train it with adaptdist train "
-                "(--batch-norm=local for DDP's per-rank statistics, --batch-norm=sync for SyncBatchNorm's), or use "
-                "BatchNorm(track_running_stats=False) (per-rank statistics, as DDP), or model.eval()")
         if mode == "sync":
             raise CaptureError(
                 f"adaptdist.backend(batch_norm='sync'): BatchNorm in training mode{at} is computed per rank under the "
                 "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm="
                 "sync, or batch_norm='local' (DDP's per-rank statistics)")
+
+
+def running_stat_buffers(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[str]:
+    """Fqns of the buffers that training-mode ``F.batch_norm`` calls of the Dynamo graph update from the batch
+    (``running_mean``, ``running_var``), in placeholder order: each rank updates its own copy from its rows."""
+    index = {ph: k for k, ph in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    used = set()
+    for n, running in _batch_norm_calls(gm):
+        if not running:
+            continue
+        names = ("input", "running_mean", "running_var")
+        args = dict(zip(names, n.args))
+        args.update({k: v for k, v in n.kwargs.items() if k in names})
+        for key in ("running_mean", "running_var"):
+            a = args.get(key)
+            if not isinstance(a, torch.fx.Node) or a not in index or inputs[index[a]].kind != "buffer":
+                raise CaptureError(f"BatchNorm in training mode ({n.name}): its {key} is not a buffer of the module; "
+                                   "the adaptdist backend updates running statistics held as module buffers")
+            used.add(index[a])
+    return [inputs[k].fqn for k in sorted(used)]
 
 
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -168,29 +182,36 @@ class _AllRanksStep(nn.Module):
     forward at once (vmap over dim 0), outputs detached (returned for the forward program)."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list[GraphInput], tangent_outputs: list[int],
-                 world_size: int):
+                 world_size: int, per_rank_buffers: Sequence[str] = ()):
         super().__init__()
         object.__setattr__(self, "gm", gm)  # not a submodule: its state is the holder's
         self.state = _Holder()
         self.inputs = inputs
         self.tangent_outputs = tangent_outputs
         self.world_size = world_size
+        self.per_rank_buffers = list(per_rank_buffers)
 
     def forward(self, *batch: torch.Tensor):
         n_user = sum(1 for i in self.inputs if i.kind == "input")
         user, tangents = batch[:n_user], batch[n_user:]
         state = dict(self.state.named_parameters())
         state.update(dict(self.state.named_buffers()))
+        # buffers the forward updates from its rows (BatchNorm's running statistics): one copy per rank, which
+        # the rank's forward updates in place under vmap; the step returns rank 0's (DDP broadcasts rank 0's)
+        rows = [state[f].unsqueeze(0).expand(self.world_size, *state[f].shape).clone() for f in self.per_rank_buffers]
+        own = {f: k for k, f in enumerate(self.per_rank_buffers)}
 
         def one_rank(*xs):
+            xs, bufs = xs[:n_user], xs[n_user:]
             it = iter(xs)
-            args = [next(it) if i.kind == "input" else state[i.fqn] for i in self.inputs]
+            args = [bufs[own[i.fqn]] if i.fqn in own else next(it) if i.kind == "input" else state[i.fqn]
+                    for i in self.inputs]
             res = self.gm(*args)
             return tuple(res) if isinstance(res, (tuple, list)) else (res,)
 
-        outs = torch.vmap(one_rank, randomness="different")(*user)
+        outs = torch.vmap(one_rank, randomness="different")(*user, *rows)
         loss = sum((outs[k] * t).sum() for k, t in zip(self.tangent_outputs, tangents))
-        return (loss, *(o.detach() for o in outs))
+        return (loss, *(o.detach() for o in outs), *(r[0] for r in rows))
 
 
 def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int
@@ -219,7 +240,8 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         raise CaptureError("no floating-point output or no parameter that requires grad in the compiled graph: "
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "
                            "without torch.compile, or with another backend")
-    step = _AllRanksStep(gm, inputs, tangent_outputs, world_size)
+    per_rank = running_stat_buffers(gm, inputs)
+    step = _AllRanksStep(gm, inputs, tangent_outputs, world_size, per_rank)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
         for i in inputs:
@@ -243,7 +265,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
-    return _finish(joint, sig, len(outputs), world_size), tangent_outputs
+    return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
 
 
 def _mark_rank_dims(graph: torch.fx.Graph, world_size: int) -> None:
@@ -283,12 +305,10 @@ def _mark_rank_dims(graph: torch.fx.Graph, world_size: int) -> None:
             gmeta.mark_rank_dim(n)
 
 
-def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int) -> CapturedGraph:
+def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int,
+            per_rank_buffers: Sequence[str] = ()) -> CapturedGraph:
     graph = gm.graph
     strip = len("state.")
-    if sig.buffers_to_mutate:
-        raise CaptureError(f"the compiled graph updates buffers in place ({sorted(sig.buffers_to_mutate.values())}); "
-                           "the adaptdist backend keeps buffers unchanged: use adaptdist train for such models")
     user_ph = list(sig.user_inputs)
     set_input_roles(graph, sig, strip)
     out_node = graph.output_node()
@@ -302,9 +322,17 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
     params = [gmeta.get_fqn(p) for p in graph.find_nodes(op="placeholder") if gmeta.get_role(p) == "param"]
     trainable = [f for f in params if f in grad_of]
     frozen = [f for f in params if f not in grad_of]
+    # updated buffers: those updated in place the same on every rank (num_batches_tracked += 1), then rank 0's
+    # new value of those each rank updates from its rows (the step's last outputs)
+    mutated = {b[strip:]: by_name[o] for o, b in sig.buffers_to_mutate.items()}
+    overlap = set(mutated) & set(per_rank_buffers)
+    assert not overlap, f"buffers both per rank and mutated in place: {sorted(overlap)}"
+    first = 1 + n_outputs
+    mutated.update({f: by_name[n] for f, n in zip(per_rank_buffers, sig.user_outputs[first:first + len(per_rank_buffers)])})
     new_outs = [loss] + [grad_of[f] for f in trainable] + forward_outs + [grad_in[k] for k in sorted(grad_in)]
+    new_outs += list(mutated.values())
     roles = (["loss"] + [f"grad:{f}" for f in trainable] + [f"out:{k}" for k in range(len(forward_outs))]
-             + [f"grad_in:{k}" for k in sorted(grad_in)])
+             + [f"grad_in:{k}" for k in sorted(grad_in)] + [f"buffer:{f}" for f in mutated])
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(out_node, roles)
     ranked = order_placeholders(graph, set(frozen))
@@ -315,7 +343,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
     return CapturedGraph(
         gm=gm, param_fqns=trainable, frozen_param_fqns=frozen,
         buffer_fqns=[gmeta.get_fqn(p) for p in ranked if gmeta.get_role(p) == "buffer"],
-        num_batch_inputs=len(user_ph), mutated_buffer_fqns=[], loss_output_index=0,
+        num_batch_inputs=len(user_ph), mutated_buffer_fqns=list(mutated), loss_output_index=0,
         grad_output_index={f: 1 + i for i, f in enumerate(trainable)}, batch_size=world_size,
         model_name="compiled graph",
     )

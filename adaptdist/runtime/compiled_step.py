@@ -250,8 +250,20 @@ class CompiledStep:
         program_inputs = state + rows  # then the tangents, which the forward never reads
         res = sp.forward(*[program_inputs[i] for i in sp.forward_inputs])
         n_out = len(sp.forward_roles)
-        outs = {int(r.split(":")[1]): v for r, v in zip(sp.forward_roles, res[:n_out])}
+        outs = {int(r.split(":")[1]): v for r, v in zip(sp.forward_roles, res[:n_out]) if r.startswith("out:")}
+        self.write_buffers(args, {r[len("buffer:"):]: v for r, v in zip(sp.forward_roles, res[:n_out])
+                                  if r.startswith("buffer:")})
         return [self.own_row(outs[k]).clone() for k in sorted(outs)], list(res[n_out:]), program_inputs
+
+    def write_buffers(self, args: Sequence[torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        """Copy the forward's new buffer values (``buffer:<fqn>`` outputs, whole: BatchNorm's running statistics,
+        rank 0's under DDP's semantics) into the user's buffers, in place, as the eager forward updates them."""
+        if not new:
+            return
+        index = dict(zip(self.program.input_fqns, self.state_order))
+        with torch.no_grad():
+            for fqn, value in new.items():
+                args[index[fqn]].copy_(value)
 
     def run_backward(self, program_inputs: list[torch.Tensor], saved: list[torch.Tensor],
                      grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> tuple[list, list]:
