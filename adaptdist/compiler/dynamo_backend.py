@@ -263,7 +263,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         as_is = _runs_as_is(gm, inputs)
         if not as_is:
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-                captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
+                captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm)
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
         hint = _data_dependent_hint()
         if not distributed:

@@ -26,6 +26,7 @@ Graph contract (adds two output roles to :mod:`adaptdist.compiler.capture`'s):
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -115,10 +116,10 @@ def _batch_norm_calls(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, boo
 
 
 def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
-    """Refuse what the backend cannot train as asked: training-mode BatchNorm that updates running statistics
-    (vmap over the ranks would drop the updates; the backend keeps buffers unchanged), and ``batch_norm="sync"``
-    (each rank's forward runs under vmap, which keeps statistics per rank). BatchNorm without running statistics
-    trains with DDP's per-rank statistics (``"local"``).
+    """Refuse training-mode BatchNorm the backend cannot train as asked: one whose momentum is not a Python
+    number (``momentum=None``, the cumulative average, reads ``num_batches_tracked`` in the forward). Under
+    ``"local"`` each rank's statistics come from its rows (DDP's), under ``"sync"`` from every rank's
+    (:func:`global_batch_norm`); the running statistics end as rank 0's on every rank (:func:`capture_all_ranks`).
 
     Raises:
         CaptureError: names the BatchNorm's source line and what to use instead.
@@ -126,11 +127,15 @@ def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
     for n, running in _batch_norm_calls(gm):
         where = (n.meta.get("stack_trace") or "").strip().splitlines()
         at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
-        if mode == "sync":
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        args = dict(zip(names, n.args))
+        args.update({k: v for k, v in n.kwargs.items() if k in names})
+        momentum = args.get("momentum", 0.1)
+        if running and not isinstance(momentum, (int, float)):
             raise CaptureError(
-                f"adaptdist.backend(batch_norm='sync'): BatchNorm in training mode{at} is computed per rank under the "
-                "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm="
-                "sync, or batch_norm='local' (DDP's per-rank statistics)")
+                f"adaptdist.backend(batch_norm={mode!r}): BatchNorm in training mode{at} has momentum "
+                f"{momentum!r}, not a number (momentum=None, the cumulative average, is not supported under the "
+                "backend): give BatchNorm a momentum (0.1 is the default), or train it with adaptdist train")
 
 
 def running_stat_buffers(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[str]:
@@ -151,6 +156,52 @@ def running_stat_buffers(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> 
                                    "the adaptdist backend updates running statistics held as module buffers")
             used.add(index[a])
     return [inputs[k].fqn for k in sorted(used)]
+
+
+def global_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None,
+                      running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
+                      eps: float = 1e-5) -> torch.Tensor:
+    """``F.batch_norm`` for one rank's rows ``input [N, C, *S]`` under the vmap over ranks, with SyncBatchNorm's
+    statistics: the mean and (biased) variance per channel over every rank's rows (the ``[W, N, C, *S]`` tensor
+    under vmap), as plain sums the planner turns into all_reduces of ``[C]``. The running statistics (each rank's
+    copy) are all updated with those global statistics (unbiased variance, ``n / (n - 1)``). Outside vmap, or not
+    in training mode, it is ``F.batch_norm``."""
+    import torch.nn.functional as F
+
+    rows, level = compat.vmap_unwrap(input)
+    if not training or level is None:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    dims = [0, 1] + list(range(3, rows.dim()))
+    view = [1, 1, rows.shape[2]] + [1] * (rows.dim() - 3)
+    n = rows.numel() // max(1, rows.shape[2])
+    mean = rows.sum(dims) / n
+    centered = rows - mean.view(view)
+    var = (centered * centered).sum(dims) / n
+    out = centered * torch.rsqrt(var + eps).view(view)
+    if weight is not None:
+        out = out * weight.view(view)
+    if bias is not None:
+        out = out + bias.view(view)
+    with torch.no_grad():
+        for buf, stat in ((running_mean, mean), (running_var, var * (n / max(1, n - 1)))):
+            if buf is not None:
+                new = buf * (1.0 - momentum) + compat.vmap_wrap(stat.expand(rows.shape[0], -1), level) * momentum
+                buf.copy_(new)
+    return compat.vmap_wrap(out, level)
+
+
+def _with_global_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose training-mode ``F.batch_norm`` calls are :func:`global_batch_norm` (``sync``)."""
+    calls = _batch_norm_calls(gm)
+    if not calls:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    by_name = {n.name: n for n in graph.nodes}
+    for n, _ in calls:
+        by_name[n.name].target = global_batch_norm
+    out = torch.fx.GraphModule(gm, graph)
+    return out
 
 
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -214,14 +265,16 @@ class _AllRanksStep(nn.Module):
         return (loss, *(o.detach() for o in outs), *(r[0] for r in rows))
 
 
-def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int
-                      ) -> tuple[CapturedGraph, list[int]]:
+def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int,
+                      batch_norm: str = "local") -> tuple[CapturedGraph, list[int]]:
     """The joint graph of all ``world_size`` ranks' forward and backward (module docstring).
 
     Args:
         gm: Dynamo's graph of one rank's forward (its placeholders described by ``inputs``).
         inputs: from :func:`classify_inputs`.
         world_size: ``W``, the size of the stacked rank dim.
+        batch_norm: training-mode BatchNorm's statistics: ``"local"`` (each rank's rows, as DDP) or ``"sync"``
+            (every rank's rows, :func:`global_batch_norm`); the running statistics end as rank 0's.
 
     Returns:
         A CapturedGraph whose batch inputs are the stacked user inputs then the stacked tangents, with
@@ -241,7 +294,8 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "
                            "without torch.compile, or with another backend")
     per_rank = running_stat_buffers(gm, inputs)
-    step = _AllRanksStep(gm, inputs, tangent_outputs, world_size, per_rank)
+    step = _AllRanksStep(_with_global_batch_norm(gm) if batch_norm == "sync" else gm, inputs, tangent_outputs,
+                         world_size, per_rank)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
         for i in inputs:
