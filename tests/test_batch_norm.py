@@ -178,25 +178,28 @@ def test_cli_flag_reaches_the_lowering_options():
     assert lowering_options(build_parser().parse_args(["train"])).batch_norm == "local"
 
 
-def test_backend_refuses_running_statistics_and_sync_clearly():
-    from adaptdist.compiler.dynamo_capture import check_batch_norm
+def test_backend_captures_running_statistics_as_buffer_outputs():
+    """The backend's all-ranks capture returns rank 0's new running statistics and num_batches_tracked as
+    ``buffer:`` outputs (the runtime writes them into the module's buffers); ``sync`` sums every rank's rows."""
+    from adaptdist import graph_meta as gmeta
+    from adaptdist.compiler.dynamo_capture import capture_all_ranks, check_batch_norm, classify_inputs
 
     got = {}
 
-    def grab(gm, example_inputs):
-        got["gm"] = gm
+    def grab(gm, example_inputs):  # the sources Dynamo records are read while it compiles
+        got["gm"], got["inputs"] = gm, classify_inputs(gm, example_inputs)
         return gm
 
     model, batch, _ = convnet(4, batch_norm=True)
-    torch.compile(model, backend=grab, dynamic=False)(batch[0])
-    with pytest.raises(CaptureError, match="running statistics.*adaptdist train"):
-        check_batch_norm(got["gm"], "local")
-    model.norm = torch.nn.BatchNorm2d(4, track_running_stats=False)
-    torch._dynamo.reset()
-    torch.compile(model, backend=grab, dynamic=False)(batch[0])
-    check_batch_norm(got["gm"], "local")  # per-rank statistics, as DDP
-    with pytest.raises(CaptureError, match="batch_norm='sync'"):
-        check_batch_norm(got["gm"], "sync")
+    torch.compile(model, backend=grab, dynamic=False)(batch[0][:2])
+    inputs = got["inputs"]
+    buffers = ["buffer:norm.num_batches_tracked", "buffer:norm.running_mean", "buffer:norm.running_var"]
+    for mode in ("local", "sync"):
+        check_batch_norm(got["gm"], mode)
+        cg, _ = capture_all_ranks(got["gm"], inputs, WORLD, mode)
+        roles = gmeta.get_output_roles(cg.gm.graph.output_node())
+        assert sorted(r for r in roles if r.startswith("buffer:")) == buffers
+        assert ("batch_norm" in cg.gm.code) == (mode == "local")  # sync: sums, not a per-rank batch_norm kernel
 
 
 BN_MODEL = '''
@@ -247,7 +250,8 @@ def test_train_cli_sync_under_auto_equals_eager_on_gloo(tmp_path):
 
 BACKEND_BN_CASES = [dict(model="convnet", plan="dp", batch_norm="local"),
                     dict(model="convnet", plan="fsdp", batch_norm="local"),
-                    dict(model="convnet", plan="dp", batch_norm="sync")]
+                    dict(model="convnet", plan="dp", batch_norm="sync"),
+                    dict(model="convnet", plan="fsdp", batch_norm="sync")]
 
 
 @pytest.mark.slow
@@ -280,3 +284,7 @@ def test_backend_batch_norm_local_and_sync_equal_eager_on_gloo():
                                                                 "norm.num_batches_tracked"}
             for n, b in want_buffers.items():
                 torch.testing.assert_close(got["buffers"][n], b, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+    # the two semantics differ (per-rank vs global statistics), in the gradients and the running statistics
+    local, sync = results[0][0], results[0][2]
+    assert (local["grads"][0]["conv.weight"] - sync["grads"][0]["conv.weight"]).abs().max() > 1e-4
+    assert (local["buffers"]["norm.running_var"] - sync["buffers"]["norm.running_var"]).abs().max() > 1e-4
