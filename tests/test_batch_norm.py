@@ -11,7 +11,7 @@ import torch
 from adaptdist.annotations import ManualPlan
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
-from adaptdist.errors import CaptureError, UsageError
+from adaptdist.errors import UsageError
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.runtime.simulate import simulate_ranks
 from models import convnet
