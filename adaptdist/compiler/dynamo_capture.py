@@ -312,9 +312,9 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         except Exception as e:
             msg = str(e).split("\n")[0]
             low = msg.lower()
-            hint = ("A buffer updated in the forward (BatchNorm's running statistics in training mode) cannot be "
-                    "updated per rank: use model.eval() for BatchNorm, BatchNorm(track_running_stats=False), "
-                    "GroupNorm/LayerNorm, or adaptdist train."
+            hint = ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running "
+                    "statistics, which the backend updates) cannot be updated per rank: update it outside the "
+                    "compiled code, or use adaptdist train."
                     if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var")) else
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
