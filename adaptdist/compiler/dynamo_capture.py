@@ -5,7 +5,9 @@ its own inputs. The global computation is every rank's forward at once, which ``
 a new leading *rank* dim expresses exactly: constants Dynamo baked into the graph for this rank's
 shapes (view sizes, the batch size) stay per-rank constants, and whatever the model reduces over
 its inputs (a mean loss, BatchNorm statistics) stays per rank, as under DDP. Every user input and
-every output gets that leading dim of size ``W``; row ``r`` is rank ``r``'s.
+every output gets that leading dim of size ``W``; row ``r`` is rank ``r``'s. Buffers a training-mode
+BatchNorm updates get one copy per rank under the vmap, and the step returns rank 0's (DDP's buffer
+broadcast); ``batch_norm="sync"`` computes the statistics over every rank's rows (:func:`global_batch_norm`).
 
 Attention is captured in its math form (matmul, softmax): torch's fused CPU attention kernel has no
 vmap rule, and vmap would run it once per rank (``select`` of each rank's row: a gather under any
@@ -21,7 +23,8 @@ Machine Learning: a Survey", 2018, section 3.2). The runtime divides the paramet
 Graph contract (adds two output roles to :mod:`adaptdist.compiler.capture`'s):
     placeholders = [params..., buffers..., stacked user inputs..., stacked tangents...]
     outputs      = (loss, grads of params..., ``out:k`` stacked forward outputs...,
-                    ``grad_in:k`` gradients of the stacked user inputs that require grad...)
+                    ``grad_in:k`` gradients of the stacked user inputs that require grad...,
+                    ``buffer:<fqn>`` new values of the buffers the forward updates, whole...)
 """
 
 from __future__ import annotations

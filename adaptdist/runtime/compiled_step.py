@@ -9,7 +9,8 @@ rank's parameters, buffers and its own user inputs), it
    the full shapes; :func:`~adaptdist._torch_compat.drop_tensor_guards`);
 2. gathers the user inputs of the ranks whose rows this rank's program reads (the ranks of its
    model-parallel group: tensor parallelism needs their batches on every rank of the group);
-3. runs the forward program and returns this rank's own rows of the outputs;
+3. runs the forward program, writes the buffers it updates (BatchNorm's running statistics) into the
+   user's buffers, and returns this rank's own rows of the outputs;
 4. at ``backward()``, gathers the outputs' gradients the same way, runs the backward program, and
    returns the parameters' gradients (this rank's shard, divided by the world size: DDP averages over
    ranks) and the user inputs' gradients (this rank's own rows).
