@@ -199,7 +199,15 @@ def test_backend_captures_running_statistics_as_buffer_outputs():
         cg, _ = capture_all_ranks(got["gm"], inputs, WORLD, mode)
         roles = gmeta.get_output_roles(cg.gm.graph.output_node())
         assert sorted(r for r in roles if r.startswith("buffer:")) == buffers
-        assert ("batch_norm" in cg.gm.code) == (mode == "local")  # sync: sums, not a per-rank batch_norm kernel
+        assert "batch_norm" not in cg.gm.code  # plain sums over the rows of each rank (local) or of all (sync)
+        from adaptdist.compiler.lowering import lower, resolve_plan
+
+        progs = lower(cg, resolve_plan(ManualPlan.parse("dp"), cg, WORLD, None), LoweringOptions(batch_norm=mode))
+        sizes = [int(c.rsplit(", ", 1)[1][:-1]) for c in progs[0].collectives()]
+        assert max(sizes) < 512, progs[0].collectives()  # no activation (2x4x8x8 per rank) is gathered or reduced
+        # sync: mean and variance all-reduced per channel in forward, their gradients in backward; local: only rank
+        # 0's running mean and variance are gathered ([1, 4] from each rank)
+        assert sizes.count(4) == (4 if mode == "sync" else 2), progs[0].collectives()
 
 
 BN_MODEL = '''

@@ -161,50 +161,104 @@ def running_stat_buffers(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> 
     return [inputs[k].fqn for k in sorted(used)]
 
 
+class _RowStats(torch.autograd.Function):
+    """``(mean, biased var)`` of ``rows`` over ``dims`` (``n`` elements each), with the backward written as sums
+    broadcast against ``rows`` (``grad_rows = (g_mean + 2 (rows - mean) g_var) / n``), so that a statistic's
+    gradient summed over the ranks (a partial sum) is all-reduced at its size ``[C]``; autograd's own backward
+    would expand it to the rows' shape first, and the planner would reduce that whole tensor."""
+
+    @staticmethod
+    def forward(rows: torch.Tensor, dims: list[int], view: list[int], n: int):
+        mean = rows.sum(dims) / n
+        centered = rows - mean.view(view)
+        return mean, (centered * centered).sum(dims) / n
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        rows, _, ctx.view, ctx.n = inputs
+        ctx.save_for_backward(rows, output[0])
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, rows: torch.Tensor, dims: list[int], view: list[int], n: int):
+        # called on the rows of every rank, which vmap does not batch (in_dims[0] is None)
+        assert in_dims[0] is None, in_dims
+        return _RowStats.apply(rows, dims, view, n), (None, None)
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: torch.Tensor | None, g_var: torch.Tensor | None):
+        rows, mean = ctx.saved_tensors
+        view, n = ctx.view, ctx.n
+        grad = None
+        if g_var is not None:
+            grad = (2.0 / n) * (rows - mean.view(view)) * g_var.view(view)
+        if g_mean is not None:
+            grad = g_mean.view(view) / n if grad is None else grad + g_mean.view(view) / n
+        grad = torch.zeros_like(rows) if grad is None else grad.expand_as(rows)
+        return grad, None, None, None
+
+
+def _batch_norm_rows(input: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
+                     eps: float, over_ranks: bool) -> torch.Tensor:
+    """Training-mode ``F.batch_norm`` of one rank's rows ``input [N, C, *S]`` under the vmap over ranks, written
+    on every rank's rows at once (``[W, N, C, *S]``) as plain sums: per rank (``over_ranks=False``, DDP's) or
+    over every rank's rows (SyncBatchNorm's), which the planner turns into all_reduces of ``[C]``. Each rank's
+    copy of the running statistics is updated with its statistics (the variance unbiased, ``n / (n - 1)``).
+    torch.vmap's own rule for BatchNorm would fold the ranks into the channels, which the planner can only
+    gather. Outside vmap, or not in training mode, it is ``F.batch_norm``."""
+    import torch.nn.functional as F
+
+    rows, level = compat.vmap_unwrap(input)
+    if not training or level is None or rows.dim() < 3:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    world, channels = rows.shape[0], rows.shape[2]
+    dims = ([0, 1] if over_ranks else [1]) + list(range(3, rows.dim()))
+    n = rows.numel() // max(1, channels) // (1 if over_ranks else world)
+    view = [1 if over_ranks else world, 1, channels] + [1] * (rows.dim() - 3)
+    mean, var = _RowStats.apply(rows, dims, view, n)  # [C] (over_ranks) or [W, C]; var biased
+    centered = rows - mean.view(view)
+    out = centered * torch.rsqrt(var + eps).view(view)
+    affine = [1, 1, channels] + [1] * (rows.dim() - 3)
+    if weight is not None:
+        out = out * weight.view(affine)
+    if bias is not None:
+        out = out + bias.view(affine)
+    with torch.no_grad():
+        for buf, stat in ((running_mean, mean), (running_var, var * (n / max(1, n - 1)))):
+            if buf is not None:
+                stat = stat.expand(world, channels) if over_ranks else stat
+                buf.copy_(buf * (1.0 - momentum) + compat.vmap_wrap(stat, level) * momentum)
+    return compat.vmap_wrap(out, level)
+
+
+def local_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None,
+                     running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
+                     eps: float = 1e-5) -> torch.Tensor:
+    """``F.batch_norm`` under the vmap over ranks with each rank's statistics (DDP's; :func:`_batch_norm_rows`)."""
+    return _batch_norm_rows(input, running_mean, running_var, weight, bias, training, momentum, eps, False)
+
+
 def global_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None,
                       running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
                       eps: float = 1e-5) -> torch.Tensor:
-    """``F.batch_norm`` for one rank's rows ``input [N, C, *S]`` under the vmap over ranks, with SyncBatchNorm's
-    statistics: the mean and (biased) variance per channel over every rank's rows (the ``[W, N, C, *S]`` tensor
-    under vmap), as plain sums the planner turns into all_reduces of ``[C]``. The running statistics (each rank's
-    copy) are all updated with those global statistics (unbiased variance, ``n / (n - 1)``). Outside vmap, or not
-    in training mode, it is ``F.batch_norm``."""
-    import torch.nn.functional as F
-
-    rows, level = compat.vmap_unwrap(input)
-    if not training or level is None:
-        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    dims = [0, 1] + list(range(3, rows.dim()))
-    view = [1, 1, rows.shape[2]] + [1] * (rows.dim() - 3)
-    n = rows.numel() // max(1, rows.shape[2])
-    mean = rows.sum(dims) / n
-    centered = rows - mean.view(view)
-    var = (centered * centered).sum(dims) / n
-    out = centered * torch.rsqrt(var + eps).view(view)
-    if weight is not None:
-        out = out * weight.view(view)
-    if bias is not None:
-        out = out + bias.view(view)
-    with torch.no_grad():
-        for buf, stat in ((running_mean, mean), (running_var, var * (n / max(1, n - 1)))):
-            if buf is not None:
-                new = buf * (1.0 - momentum) + compat.vmap_wrap(stat.expand(rows.shape[0], -1), level) * momentum
-                buf.copy_(new)
-    return compat.vmap_wrap(out, level)
+    """``F.batch_norm`` under the vmap over ranks with the statistics of every rank's rows (SyncBatchNorm's;
+    :func:`_batch_norm_rows`)."""
+    return _batch_norm_rows(input, running_mean, running_var, weight, bias, training, momentum, eps, True)
 
 
-def _with_global_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose training-mode ``F.batch_norm`` calls are :func:`global_batch_norm` (``sync``)."""
+def _with_batch_norm_rows(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose training-mode ``F.batch_norm`` calls are :func:`local_batch_norm` or
+    :func:`global_batch_norm` (``mode`` ``"sync"``); ``gm`` itself when it has none."""
     calls = _batch_norm_calls(gm)
     if not calls:
         return gm
     graph = copy.deepcopy(gm.graph)
     by_name = {n.name: n for n in graph.nodes}
     for n, _ in calls:
-        by_name[n.name].target = global_batch_norm
-    out = torch.fx.GraphModule(gm, graph)
-    return out
+        by_name[n.name].target = global_batch_norm if mode == "sync" else local_batch_norm
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -297,8 +351,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "
                            "without torch.compile, or with another backend")
     per_rank = running_stat_buffers(gm, inputs)
-    step = _AllRanksStep(_with_global_batch_norm(gm) if batch_norm == "sync" else gm, inputs, tangent_outputs,
-                         world_size, per_rank)
+    step = _AllRanksStep(_with_batch_norm_rows(gm, batch_norm), inputs, tangent_outputs, world_size, per_rank)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
         for i in inputs:
