@@ -145,11 +145,17 @@ def is_fake(t: Any) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
-    """Context manager: temporarily swap the module's parameters/buffers by name."""
+def reparametrize(module: torch.nn.Module, tensors: dict[str, torch.Tensor], tie_weights: bool = True):
+    """Context manager: temporarily swap the module's parameters/buffers by name (with ``tie_weights``, a
+    tensor given under one of its names replaces it under all of them).
+
+    The originals come back in the reverse order of the swaps (``stack_weights``): a module registered
+    under two names (``self.b = self.a``) has one slot under both, and restoring in swap order would put
+    back the first swap's tensor (a fake or traced one) instead of the original.
+    """
     from torch.nn.utils.stateless import _reparametrize_module
 
-    return _reparametrize_module(module, tensors, tie_weights=True)
+    return _reparametrize_module(module, tensors, tie_weights=tie_weights, stack_weights=True)
 
 
 def fx_code_globals() -> dict[str, Any]:
@@ -431,7 +437,11 @@ def dynamo_graph_break_reasons() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     out: dict[str, int] = {}
-    for reason, count in counters["graph_break"].items():
+    # A branch on a tensor's data (``if t.sum() > 0``) breaks the graph through Dynamo's jump handler, which
+    # leaves its reason under "unimplemented" (symbolic_convert.generic_jump: compiled, never moved to
+    # "graph_break" as the other breaks are); under fullgraph=True it is an error instead.
+    jumps = {r: c for r, c in counters["unimplemented"].items() if str(r).startswith("Data-dependent branching")}
+    for reason, count in [*counters["graph_break"].items(), *jumps.items()]:
         key = str(reason).strip().split("\n")[0]
         out[key] = out.get(key, 0) + count
     return out
@@ -445,6 +455,40 @@ def sdpa_math_only():
     return sdpa_kernel([SDPBackend.MATH])
 
 
+def autocast_states() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast regions in effect: ``(device type, dtype)`` for each device type whose autocast is enabled
+    (``torch.is_autocast_enabled(device)``), in torch's order of supported devices; ``()`` when none is."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(d))
+
+
+def is_autocast_node(node: torch.fx.Node) -> bool:
+    """Whether a Dynamo graph node enters or leaves an autocast region written inside the compiled code
+    (Dynamo records ``with torch.autocast(...)`` as ``torch.amp.autocast_mode._enter_autocast`` /
+    ``_exit_autocast`` calls)."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name in ("_enter_autocast", "_exit_autocast")
+
+
+@contextlib.contextmanager
+def autocast_disabled():
+    """Within: autocast off on every device type (as aot_autograd's ``disable_autocast``), so that a graph
+    whose casts are explicit ATen ops is run or traced as it is, not cast again."""
+    with contextlib.ExitStack() as stack:
+        for d in torch._C._autocast_supported_devices():
+            if torch.is_autocast_enabled(d):
+                stack.enter_context(torch.amp.autocast(d, enabled=False))
+        yield
+
+
+def retrace_aten(fn: Callable, args: list) -> torch.fx.GraphModule:
+    """Trace ``fn(*args)`` (tensors of an active FakeTensorMode) into an ATen GraphModule under the autocast
+    state in effect, so every cast autocast makes is an explicit ``_to_copy`` node (source:
+    ``torch.fx.experimental.proxy_tensor.make_fx``, which aot_autograd traces with too). Placeholders keep
+    ``fn``'s argument order; outputs its structure; ``node.meta["val"]`` holds fake values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="real", _allow_non_fake_inputs=True)(*args)
 def vmap_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """Inside ``torch.vmap``: ``(physical, level)``, the tensor of every vmapped example of ``t`` at once, its
     vmapped dim moved to 0, and vmap's level (for :func:`vmap_wrap`); ``(t, None)`` for a tensor vmap does not
@@ -627,3 +671,11 @@ def device_mesh_without_groups(device_type: str, ranks: torch.Tensor, mesh_dim_n
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _init_backend=False)
+
+
+def dynamo_reset() -> None:
+    """Forget every graph Dynamo compiled in this process (``torch._dynamo.reset()``): the next
+    ``torch.compile`` call traces afresh, with no automatic dynamic shapes learnt from earlier models."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -85,6 +85,18 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
                         "the larger world size at the next rendezvous round")
 
 
+def _add_training_features(p: argparse.ArgumentParser) -> None:
+    """``--precision`` and ``--activation-checkpointing`` (:mod:`adaptdist.compiler.training_features`)."""
+    from ..compiler.training_features import PRECISIONS
+
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: forward and loss under torch.autocast('cpu', torch.bfloat16) (mixed precision: "
+                        "parameters, gradients and optimizer state stay float32)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block (the model's nn.ModuleList children, e.g. the built-in GPT's blocks) in "
+                        "the backward instead of keeping its activations; the memory estimate counts it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``adaptdist`` argument parser: subcommands ``train`` and ``plan`` with one shared grammar."""
     ap = argparse.ArgumentParser(prog="adaptdist", description="Automatic distributed training for PyTorch.")
@@ -106,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "move by all_to_all); FILE: a plan YAML of parameter globs per mesh axis, or a "
                         "saved plan.json (checked against the model's graph)")
     _add_lowering(t)
+    _add_training_features(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -132,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|FILE", help="as for train")
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state the automatic plan must fit")
+    _add_training_features(p)
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
     _add_lowering(p)
     from .cluster import add_parser as add_cluster_parser
@@ -179,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest good checkpoint in --out (a run of these artifacts stopped early, "
                         "or a finished one given a larger --steps)")
     r.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    from .zoo import add_zoo_parser
+
+    add_zoo_parser(sub)
     return ap
 
 
@@ -201,6 +218,9 @@ def cmd_plan(args) -> int:
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    from ..compiler.training_features import apply_training_features
+
+    model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
     plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console,
                                   args.optimizer.replace("-", "_"))
     if captured is not None and cluster.world_size > MAX_LOWERED_RANKS:
@@ -369,6 +389,13 @@ def cmd_explain(args) -> int:
     return run(args, _cluster(args))
 
 
+def cmd_zoo(args) -> int:
+    """``adaptdist zoo``: see :mod:`adaptdist.cli.zoo`."""
+    from .zoo import cmd_zoo as run
+
+    return run(args)
+
+
 def cmd_cluster(args) -> int:
     """``adaptdist cluster detect|profile``: see :mod:`adaptdist.cli.cluster`."""
     from .cluster import cmd_cluster as run
@@ -395,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
-                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch}
+                    "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch,
+                    "zoo": cmd_zoo}
         return commands[args.command](args)
     except AdaptdistError as e:
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)

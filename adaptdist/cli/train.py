@@ -28,10 +28,9 @@ RUN_FILE = "run.json"
 RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
-            "collective_timeout_s", "batch_norm")
+            "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
-RESTORED += ("rng",)  # issue 14: random numbers independent of the world size (--rng)
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
            "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl")
@@ -276,6 +275,11 @@ def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, sett
 
     torch.manual_seed(args.seed)
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    from ..compiler.training_features import apply_training_features
+
+    features = dict(precision=getattr(args, "precision", "fp32"),
+                    activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
+    model, loss_fn = apply_training_features(model, loss_fn, **features)
     module = spec.module()
     has_data = callable(getattr(module, "data", None))
     if args.data and not has_data:
@@ -316,14 +320,14 @@ def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, sett
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s)
+                               compile_wait_s=timeouts.compile_wait_s, **features)
         source.check_elastic()
     elif resume_src is not None:
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s)
+                               compile_wait_s=timeouts.compile_wait_s, **features)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 

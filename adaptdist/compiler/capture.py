@@ -13,8 +13,9 @@ batch tensor has the batch on dim 0.
 Graph contract (what every pass may rely on):
     placeholders = [params..., buffers..., batch...] (roles in node.meta)
     outputs      = (mutated buffers..., loss, grads of params...)
-Tied parameters (the same tensor under two names) appear once; their
-gradient contributions are summed in the graph.
+Tied parameters (the same tensor under two names, or one module under two
+names) appear once, under their first name (``CapturedGraph.tied`` maps the
+others to it); autograd sums their uses' gradient contributions, as in eager.
 """
 
 from __future__ import annotations
@@ -80,6 +81,74 @@ class _TrainStep(nn.Module):
 
     def forward(self, *batch):
         return (self.loss_fn(self.model(*batch[:-1]), batch[-1]),)
+
+
+class _EachParameterOnce(nn.Module):
+    """The step with each parameter registered once, under its first name: what the exporter traces.
+
+    ``aot_export_module`` makes a graph input of every *name* of a parameter
+    (``named_parameters(remove_duplicate=False)``) and swaps each name in for the trace. A parameter under
+    several names then becomes several inputs, and (1) a name the forward never reads (HF T5's
+    ``shared.weight``: its encoder and decoder read it as ``embed_tokens.weight``) receives no gradient,
+    which aot refuses ("Found a parameter that did not receive a gradient"); (2) a module registered under
+    two names (``self.b = self.a``) has one slot, which aot's swaps overwrite and then restore in swap
+    order, leaving a traced tensor in the model ("Attempting to use FunctionalTensor on its own"). Here
+    the exporter sees each parameter once; the forward puts it in under all its names (restored in
+    reverse order), so the gradients of its uses sum in autograd, as in eager. A buffer is one input per
+    slot: a module under two names has one (BatchNorm's running statistics, updated once: two inputs of one
+    mutated tensor are refused by aot), a tensor registered as two buffers has two.
+    """
+
+    def __init__(self, step: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "step", step)  # not a submodule: the exporter sees only what is registered here
+        self.names = state_aliases(step)  # every name in step -> the name it is registered under here
+        for n, p in step.named_parameters(remove_duplicate=False):
+            if self.names[n] == n:
+                _register(self, n, p, param=True)
+        for n, b in step.named_buffers(remove_duplicate=False):
+            if self.names[n] == n:
+                _register(self, n, b, param=False)
+
+    def forward(self, *batch):
+        mine = dict(self.named_parameters(remove_duplicate=False))
+        mine.update(self.named_buffers(remove_duplicate=False))
+        with compat.reparametrize(self.step, {n: mine[k] for n, k in self.names.items()}, tie_weights=False):
+            return self.step(*batch)
+
+
+def _register(root: nn.Module, fqn: str, value: torch.Tensor, param: bool) -> None:
+    """Register ``value`` as ``root``'s parameter (or buffer) ``fqn``, creating empty modules on the path."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if part not in mod._modules:
+            mod.add_module(part, nn.Module())
+        mod = mod._modules[part]
+    if param:
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def state_aliases(module: nn.Module) -> dict[str, str]:
+    """Every parameter and buffer name of ``module`` -> the name it is captured under: a parameter's first
+    name (one tensor under several: shared by two modules, or a module under two names), a buffer's first
+    name for its slot (its module and attribute: a module under two names)."""
+    names: dict[str, str] = {}
+    first: dict[Any, str] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names[n] = first.setdefault(id(p), n)
+    for n, b in module.named_buffers(remove_duplicate=False):
+        prefix, _, leaf = n.rpartition(".")
+        names[n] = first.setdefault((id(module.get_submodule(prefix)), leaf), n)
+    return names
+
+
+def tied_names(module: nn.Module, strip: int = 0) -> dict[str, str]:
+    """{name: captured name} for every name of ``module``'s state that is not captured under its own (see
+    :func:`state_aliases`), the first ``strip`` characters of each dropped."""
+    return {n[strip:]: k[strip:] for n, k in state_aliases(module).items() if n != k}
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -168,13 +237,15 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
             # those of checking first, without a third forward pass when all is well (the loss
             # of a successful export is checked on its graph, in _finish).
             try:
-                gm, sig = compat.aot_export_joint(step, fake_batch, loss_index=0)
+                gm, sig = compat.aot_export_joint(_EachParameterOnce(step), fake_batch, loss_index=0)
                 failure = None
             except Exception as e:
                 failure = e
             if failure is not None:
                 _check_step(step, fake_batch, batch, name)
-                raise _export_error(failure, name) from failure
+                no_grad = (_params_without_gradient(step, fake_batch)
+                           if "did not receive a gradient" in str(failure) else [])
+                raise _export_error(failure, name, no_grad) from failure
         return _finish(gm, sig, step, batch, name)
 
 
@@ -216,8 +287,18 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
     try:
         (loss,) = step(*fake_batch)
     except Exception as e:  # the user's code failed: report where
-        if type(e).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException"):
-            raise CaptureError(data_dependent_message(name, f"at {_user_frame(e)} ({e})")) from e
+        if _is_data_dependent(e):
+            if "DynamicOutputShapeException" in f"{type(e).__name__} {e}":  # nonzero, torch.where(mask), x[mask]
+                raise CaptureError(data_dependent_message(name, f"at {_user_frame(e)} ({e})")) from e
+            raise CaptureError(
+                f"cannot capture {name}: a tensor's values decide Python control flow or a shape at "
+                f"{_user_frame(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
+                "(`if t.sum() > 0`, `t.item()`) or a data-dependent shape (`x[mask]`, `nonzero`). adaptdist train "
+                "captures one graph for every step, which would bake in what this example batch does, so it "
+                "refuses. Compute both sides and select with torch.where(cond, a, b) (or multiply by a mask), "
+                "decide from something fixed (a Python flag, a parameter's shape), or train with "
+                "torch.compile(model, backend='adaptdist'), where a branch on data is a graph break."
+            ) from e
         raise CaptureError(
             f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
             f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
@@ -225,12 +306,46 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
     _check_loss(loss, name)
 
 
-def _export_error(e: Exception, name: str) -> CaptureError:
+def _params_without_gradient(step: nn.Module, fake_batch: tuple) -> list[str]:
+    """The trainable parameters (each under its first name, ``model.`` dropped) whose gradient from the
+    step's loss is None: eager's ``.grad`` stays None for them."""
+    named = dict(step.named_parameters())
+    params = [p for p in named.values() if p.requires_grad]
+    try:
+        (loss,) = step(*fake_batch)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    except Exception:  # the export's error is the one to report
+        return []
+    unused = {id(p) for p, g in zip(params, grads) if g is None}
+    return [n[len("model."):] for n, p in named.items() if id(p) in unused]
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it came from) is the fake-tensor run refusing a value that depends on a
+    tensor's data (``bool(t)``, ``t.item()``, ``t.tolist()``, a data-dependent output shape)."""
+    seen = 0
+    while e is not None and seen < 8:
+        text = f"{type(e).__name__}: {e}"
+        if any(w in text for w in ("DataDependentOutputException", "GuardOnDataDependentSymNode",
+                                   "_local_scalar_dense", "DynamicOutputShapeException", "data-dependent")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> CaptureError:
     msg = str(e).split("\n")[0]
     hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
     if "did not receive a gradient" in str(e):
-        hint = ("A trainable parameter is unused by the loss: set requires_grad=False on it, "
-                "or remove it from the model.")
+        no_grad = no_grad or []
+        shown = ", ".join(no_grad[:8]) + (f" and {len(no_grad) - 8} more" if len(no_grad) > 8 else "")
+        return CaptureError(
+            f"cannot capture {name}: "
+            + (f"{len(no_grad)} trainable parameter(s) receive no gradient from the loss ({shown})" if no_grad else
+               "a trainable parameter receives no gradient from the loss")
+            + ": the loss does not depend on them. Set requires_grad=False "
+            "on them (they are then kept as they are, as eager's optimizer skips a parameter whose .grad is "
+            "None), or remove them from the model.")
     return CaptureError(
         f"cannot capture {name} as one joint forward+backward graph; failed at {_user_frame(e)}: "
         f"{type(e).__name__}: {msg}. {hint}"
@@ -260,32 +375,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     if isinstance(loss_node.meta.get("val"), torch.Tensor):
         _check_loss(loss_node.meta["val"], name)
 
-    # Tied parameters: aot lists each name; keep the first, sum gradients into it.
-    real_params = dict(step.named_parameters(remove_duplicate=False))
-    by_id: dict[int, str] = {}
-    tied: dict[str, str] = {}
-    for ph in placeholders:
-        if gmeta.get_role(ph) != "param":
-            continue
-        fqn = gmeta.get_fqn(ph)
-        key = id(real_params["model." + fqn])
-        if key in by_id:
-            tied[fqn] = by_id[key]
-        else:
-            by_id[key] = fqn
-    param_ph = {gmeta.get_fqn(p): p for p in placeholders if gmeta.get_role(p) == "param"}
-    for dup, keep in tied.items():
-        dup_ph, keep_ph = param_ph[dup], param_ph[keep]
-        dup_ph.replace_all_uses_with(keep_ph)
-        graph.erase_node(dup_ph)
-        if dup in grad_of and keep in grad_of:
-            with graph.inserting_before(out_node):
-                s = graph.call_function(torch.ops.aten.add.Tensor, (grad_of[keep], grad_of[dup]))
-            s.meta["val"] = grad_of[keep].meta["val"]
-            grad_of[keep] = s
-        elif dup in grad_of:
-            grad_of[keep] = grad_of[dup]
-        grad_of.pop(dup, None)
+    # Tied parameters are one input already, under the first name (_EachParameterOnce).
+    tied = tied_names(step, strip)
+    assert not set(tied) & {gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param"}, tied
 
     placeholders = list(graph.find_nodes(op="placeholder"))
     trainable = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) in grad_of]

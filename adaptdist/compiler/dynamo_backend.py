@@ -285,7 +285,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                     f"ranks {rs}: graph {text.split(' ')[0][:12]}, inputs {text.partition(' ')[2]}"
                     for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes"
-                + _data_dependent_hint())
+                + (_data_dependent_hint() or _divergent_branch_hint()))
     if as_is:
         log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
         return gm
@@ -563,6 +563,15 @@ def _data_dependent_hint() -> str:
     from .capture import data_dependent_message
 
     return ". " + data_dependent_message("The compiled model", f"(a graph break on a dynamic-shape operator, {sites[0]})")
+def _divergent_branch_hint() -> str:
+    """For a mismatch after graph breaks: ranks whose data take different sides of a Python branch compile
+    different graphs (the backend runs one graph on every rank), with what to do."""
+    total, where = graph_break_summary(compat.graph_break_sites())
+    if not total:
+        return ""
+    return (f". This process has {total} graph break(s) ({where}): after a branch on data (`if t.sum() > 0`), "
+            "ranks whose rows take different sides compile different graphs. Compute both sides and select with "
+            "torch.where(cond, a, b), or make the decision the same on every rank (e.g. from an all_reduce'd value)")
 
 
 def graph_break_summary(breaks: dict[tuple[str, str], int]) -> tuple[int, str]:

@@ -265,7 +265,7 @@ def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     """Example values of the Dynamo graph's outputs (fake tensors)."""
     outs = gm.graph.output_node().args[0]
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    return [o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o for o in outs]
+    return [o.meta.get("example_value", o.meta.get("val")) if isinstance(o, torch.fx.Node) else o for o in outs]
 
 
 class _Holder(nn.Module):
@@ -342,6 +342,9 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         CaptureError: the graph cannot be run for all ranks at once (an op without a vmap rule, a buffer
             updated in place, a data-dependent shape), naming the construct and what to try.
     """
+    casts = compat.autocast_states()
+    if casts or any(compat.is_autocast_node(n) for n in gm.graph.nodes):
+        gm = _with_explicit_casts(gm, inputs)
     outputs = _graph_outputs(gm)
     # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
     # forward part is then all that runs, and it is the same as in training.
@@ -362,7 +365,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         batch = [torch.empty((world_size, *i.global_shape), dtype=i.dtype).requires_grad_(i.requires_grad)
                  for i in inputs if i.kind == "input"]
         batch += [torch.empty((world_size, *outputs[k].shape), dtype=outputs[k].dtype) for k in tangent_outputs]
-    with _gc_paused(), mode, compat.sdpa_math_only():
+    with _gc_paused(), mode, compat.sdpa_math_only(), compat.autocast_disabled():
         try:
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
@@ -376,6 +379,31 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
     return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
+
+
+def _with_explicit_casts(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> torch.fx.GraphModule:
+    """One rank's Dynamo graph traced into ATen ops under the autocast state in effect (an enclosing
+    ``torch.autocast`` and any region inside the compiled code): every cast autocast makes becomes an explicit
+    ``_to_copy`` node, and the autocast regions inside the graph are gone.
+
+    Why: the all-ranks capture runs the graph under ``torch.vmap``, whose batching rules sit above autocast in
+    torch's dispatcher and decompose ops before autocast sees them (``linear`` -> ``mm`` + bias ``add``: the
+    ``mm`` is cast to bf16 and the ``add`` promotes it back to float32, so the output was float32 and the
+    numbers differed from eager under autocast). Traced one rank at a time, outside vmap, autocast sees each
+    op as eager's dispatcher does; the traced graph is then vmapped, and the joint graph exported, with
+    autocast off (:func:`~adaptdist._torch_compat.autocast_disabled`), so its backward is traced without
+    autocast, as eager's ``loss.backward()`` outside the ``autocast`` block runs it. Dynamo guards on the
+    autocast state, so a call with autocast off (or another dtype) compiles its own graph."""
+    mode = compat.fake_tensor_mode(allow_constants=True)
+    with mode:
+        args = [torch.empty(i.global_shape, dtype=i.dtype).requires_grad_(i.requires_grad) for i in inputs]
+    with _gc_paused(), mode, compat.sdpa_math_only():
+        try:
+            return compat.retrace_aten(gm, args)
+        except Exception as e:
+            raise CaptureError(f"cannot trace the compiled graph under autocast {compat.autocast_states()}: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Check that the "
+                               "model runs eagerly under the same torch.autocast") from e
 
 
 def _mark_rank_dims(graph: torch.fx.Graph, world_size: int) -> None:

@@ -48,6 +48,8 @@ class ProgramSource:
         ranks_per_host: None: every rank on this host; else the job spans ``world_size // ranks_per_host``
             hosts of this many ranks each (``--nnodes``), planned as such.
         compile_wait_s: how long the other ranks of a host wait for its local rank 0 to compile.
+        precision, activation_checkpointing: ``--precision`` and ``--activation-checkpointing``
+            (:func:`~adaptdist.compiler.training_features.apply_training_features`).
     """
 
     model: str
@@ -63,6 +65,8 @@ class ProgramSource:
     options: LoweringOptions = field(default_factory=LoweringOptions)
     ranks_per_host: int | None = None
     compile_wait_s: float = 600.0
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
 
     def cluster_for(self, world_size: int):
         """The cluster a job of ``world_size`` ranks plans for (estimated figures)."""
@@ -138,6 +142,9 @@ class ProgramSource:
         spec = ModelSpec.parse(self.model)
         torch.manual_seed(self.seed)
         model, example, loss_fn = spec.build(self.batch_size, self.seq_len)
+        from .training_features import apply_training_features
+
+        model, loss_fn = apply_training_features(model, loss_fn, self.precision, self.activation_checkpointing)
         captured = capture(model, example, loss_fn)
         cluster = self.cluster_for(world_size)
         key = {"graph": graph_fingerprint(captured.gm), "cluster": cluster.topology_fingerprint(),

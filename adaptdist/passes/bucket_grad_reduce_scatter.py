@@ -79,11 +79,22 @@ def bucket_grad_reduce_scatter(gm: torch.fx.GraphModule, ctx: PassContext) -> tu
 
 def _feeds_output(wait: torch.fx.Node) -> bool:
     """Whether the reduce_scatter waited on by ``wait`` is a gradient's: its trim (and the permute and clone
-    back, for a dim other than 0) leads, one user each, to the graph's output."""
+    back, for a dim other than 0) leads, one user each, to the graph's output. Only such moves count: a
+    backward P->S redistribution whose one consumer computes a gradient (HF T5 under fsdp: ``slice(wait)`` ->
+    ``mul`` -> ``sum`` -> a norm weight's gradient) is not a gradient's, and stays where its consumer is."""
     n = wait
-    while len(n.users) == 1 and n.op != "output":
+    while len(n.users) == 1:
         n = next(iter(n.users))
-    return n.op == "output"
+        if n.op == "output":
+            return True
+        if n.op != "call_function" or n.target not in _MOVES:
+            return False
+    return False
+
+
+# what may lie between a gradient's reduce_scatter and the output: its trim, permute back, copies and views
+_MOVES = {aten.slice.Tensor, aten.permute.default, aten.clone.default, aten._to_copy.default,
+          aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _merge(graph, bucket, ctx: PassContext, out: torch.fx.Node, order: dict) -> None:

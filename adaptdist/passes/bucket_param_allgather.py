@@ -82,15 +82,19 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
 
     # The pads (and the permutes feeding them) of later parameters depend only on
     # placeholders: move them up to the bucket's position.
+    # A layout op two chains share (a parameter's transpose, read by a recomputed forward and by the backward)
+    # moves once: moved again, it would land after the ops of the first chain that read it.
     order = {n: i for i, n in enumerate(graph.nodes)}
+    moved: set[torch.fx.Node] = set()
     for _, pad, _ in bucket[1:]:
         chain, n = [], pad
         while n.op == "call_function":  # pad <- layout ops <- the parameter placeholder
             chain.append(n)
             n = n.args[0]
         for n in reversed(chain):
-            if order[n] > order[first_ag]:
+            if order[n] > order[first_ag] and n not in moved:
                 first_ag.prepend(n)
+                moved.add(n)
     with graph.inserting_before(first_ag):
         flats = [call(aten.reshape.default, (pad, [-1])) for _, pad, _ in bucket]
         cat = call(aten.cat.default, (flats,))

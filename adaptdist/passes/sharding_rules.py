@@ -1018,6 +1018,17 @@ def scatter_add(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if isinstance(pq, Partial) and (isinstance(ps, Partial) or _is_zeros(self_)) and isinstance(pi, Replicate):
         return RuleResult(P)
     return gather_scatter(node, pl)
+# ---------------------------------------------------------------- issue 14, part "capture" (point 8: HF T5)
+
+
+def fill_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``fill(self, value)`` with a 0-d tensor ``value`` (HF T5's ``shifted[..., 0] = decoder_start_token_id``):
+    ``self``'s layout, every element ``value``; a Partial ``value`` is summed first (Partial self -> R).
+
+    Before/after, batch split on 2 ranks: ``fill(select: int64[4] S(0), c: int64[] R) -> int64[4] S(0)``
+    (each rank fills its 2 rows)."""
+    p, v = pl(node.args[0]), pl(node.args[1])
+    return RuleResult(p if isinstance(p, Shard) else R, {} if isinstance(v, Replicate) else {(1,): R})
 
 
 # ---------------------------------------------------------------- collectives of other mesh axes
@@ -1147,6 +1158,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     # mixture of experts (issue 14, part 3: moe)
     aten.index_add.default: index_add,
     aten.scatter_add.default: scatter_add,
+    # issue 14, part "capture" (point 8: HF T5)
+    aten.fill.Tensor: fill_tensor,
     compat.functional_all_reduce_op(): other_axis_collective,
     compat.functional_all_gather_op(): other_axis_collective,
     compat.functional_reduce_scatter_op(): other_axis_collective,

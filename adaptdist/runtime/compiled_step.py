@@ -291,7 +291,9 @@ class _StepFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: CompiledStep, differentiable: list[int], keep: bool, *args: torch.Tensor):
-        outs, saved, program_inputs = step.run_forward(args)
+        # the program's casts are explicit ops (traced under the caller's autocast): run it as it is, not cast again
+        with compat.autocast_disabled():
+            outs, saved, program_inputs = step.run_forward(args)
         ctx.step = step
         ctx.differentiable = differentiable
         ctx.num_args = len(args)
@@ -308,7 +310,8 @@ class _StepFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         step: CompiledStep = ctx.step
         like = [torch.zeros(s, dtype=d) for s, d in ctx.output_shapes]
-        param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
+        with compat.autocast_disabled():
+            param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None
         step.first_step_done()
         out: list[torch.Tensor | None] = [None] * ctx.num_args
