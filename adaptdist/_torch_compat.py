@@ -489,6 +489,8 @@ def retrace_aten(fn: Callable, args: list) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn, tracing_mode="real", _allow_non_fake_inputs=True)(*args)
+
+
 def vmap_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """Inside ``torch.vmap``: ``(physical, level)``, the tensor of every vmapped example of ``t`` at once, its
     vmapped dim moved to 0, and vmap's level (for :func:`vmap_wrap`); ``(t, None)`` for a tensor vmap does not

@@ -11,7 +11,7 @@ import torch
 from adaptdist.annotations import ManualPlan
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
-from adaptdist.errors import UsageError
+from adaptdist.errors import CaptureError, UsageError
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.runtime.simulate import simulate_ranks
 from models import convnet
@@ -208,6 +208,8 @@ def test_backend_captures_running_statistics_as_buffer_outputs():
         # sync: mean and variance all-reduced per channel in forward, their gradients in backward; local: only rank
         # 0's running mean and variance are gathered ([1, 4] from each rank)
         assert sizes.count(4) == (4 if mode == "sync" else 2), progs[0].collectives()
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(CaptureError, match="BatchNorm.*autocast"):
+        capture_all_ranks(got["gm"], inputs, WORLD, "local")  # refused, not traced per rank
 
 
 BN_MODEL = '''

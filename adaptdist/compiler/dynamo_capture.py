@@ -343,7 +343,14 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             updated in place, a data-dependent shape), naming the construct and what to try.
     """
     casts = compat.autocast_states()
+    per_rank = running_stat_buffers(gm, inputs)
     if casts or any(compat.is_autocast_node(n) for n in gm.graph.nodes):
+        # traced into ATen first, BatchNorm would be vmap's (per rank, updating buffers vmap cannot batch)
+        calls = [n for n, running in _batch_norm_calls(gm) if running or batch_norm == "sync"]
+        if calls:
+            raise CaptureError(f"BatchNorm in training mode ({calls[0].name}) with running statistics or "
+                               f"batch_norm='sync' under torch.autocast is not supported by the adaptdist backend "
+                               "yet: run BatchNorm outside the autocast region, or train with adaptdist train")
         gm = _with_explicit_casts(gm, inputs)
     outputs = _graph_outputs(gm)
     # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
@@ -353,7 +360,6 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         raise CaptureError("no floating-point output or no parameter that requires grad in the compiled graph: "
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "
                            "without torch.compile, or with another backend")
-    per_rank = running_stat_buffers(gm, inputs)
     step = _AllRanksStep(_with_batch_norm_rows(gm, batch_norm), inputs, tangent_outputs, world_size, per_rank)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
