@@ -681,3 +681,26 @@ def dynamo_reset() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def on_dynamo_frame_compiled(callback) -> None:
+    """Run ``callback(args)`` at the end of every Dynamo frame compile in this process, successful or not
+    (``torch._dynamo.callback_handler``); registering the same function twice registers it once."""
+    import torch._dynamo
+
+    handler = torch._dynamo.callback_handler
+    if callback not in handler.end_callbacks:
+        handler.register_end_callback(callback)
+
+
+def new_skipped_frames() -> list[str]:
+    """Dynamo's reasons for frames it skipped (ran eagerly, uncompiled: a graph break inside a for/while loop
+    cannot be resumed) since the last call; each reason's text names the frame ("frame skipped: forward
+    (file.py line N)") and the graph break that caused it."""
+    from torch._dynamo.utils import counters
+
+    seen = counters["adaptdist_skipped_frames_noted"]
+    new = [str(r) for r, c in counters["unimplemented"].items() if "frame skipped" in str(r) and c > seen[r]]
+    for r, c in counters["unimplemented"].items():
+        seen[r] = c
+    return new

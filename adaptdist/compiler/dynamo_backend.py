@@ -95,6 +95,7 @@ class AdaptdistBackend:
         Raises:
             UsageError: names the argument, what it got and what it takes.
         """
+        compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
         from .planner import Constraints
@@ -181,6 +182,45 @@ def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, me
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
     """``backend="adaptdist"``: the automatic plan on the local cluster of the world size."""
     return compile_graph(gm, example_inputs, AdaptdistBackend())
+
+
+def __getattr__(name: str) -> Any:
+    """``named_backend``, the ``torch_dynamo_backends`` entry point (pyproject.toml): :func:`adaptdist_backend`,
+    with :func:`refuse_skipped_frames` installed as torch resolves ``backend="adaptdist"`` (at ``torch.compile``),
+    before Dynamo compiles, or skips, the model's first frame."""
+    if name == "named_backend":
+        compat.on_dynamo_frame_compiled(refuse_skipped_frames)
+        return adaptdist_backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def refuse_skipped_frames(_args: Any = None) -> None:
+    """Dynamo callback, at the end of every frame compile: in a job of several ranks, a frame Dynamo skipped
+    (a graph break inside a for/while loop, which it cannot resume) runs eagerly on every rank, never reaching
+    this backend, so the gradients of the parameters it uses would never be reduced across ranks: every
+    rank's model would drift apart silently. Stop instead, on every rank alike (each skips the same frame).
+    With one rank, eager is the single-process step: nothing to refuse.
+
+    Raises:
+        CaptureError: names the skipped frame (file, line), the graph break and what to try.
+    """
+    skipped = compat.new_skipped_frames()
+    if not skipped or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    text = skipped[0]
+    frame = re.search(r"frame skipped: ([^\n]*)", text)
+    cause = text.strip().split("\n")[0]
+    if "Dynamic shape operator" in text:
+        from .capture import data_dependent_message
+
+        advice = data_dependent_message("The model", f"(Dynamo: {cause})")
+    else:
+        advice = (f"Dynamo's reason: {cause}. Remove that graph break from the loop (see TORCH_LOGS=graph_breaks), "
+                  "or train with adaptdist train, which captures one graph or says what stops it")
+    raise CaptureError(
+        f"torch.compile skipped {frame.group(1) if frame else 'a frame'} and runs it eagerly, uncompiled: a graph "
+        f"break inside a for/while loop. On {dist.get_world_size()} ranks the gradients of the parameters it uses "
+        f"would never be reduced across ranks (each rank would train its own model), so adaptdist stops. {advice}")
 
 
 def destroy_process_groups_at_exit() -> None:
