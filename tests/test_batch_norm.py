@@ -261,7 +261,8 @@ def test_train_cli_sync_under_auto_equals_eager_on_gloo(tmp_path):
 BACKEND_BN_CASES = [dict(model="convnet", plan="dp", batch_norm="local"),
                     dict(model="convnet", plan="fsdp", batch_norm="local"),
                     dict(model="convnet", plan="dp", batch_norm="sync"),
-                    dict(model="convnet", plan="fsdp", batch_norm="sync")]
+                    dict(model="convnet", plan="fsdp", batch_norm="sync"),
+                    dict(model="mlp_bn1d", plan="dp", batch_norm="sync")]  # BatchNorm1d over [N, C]
 
 
 @pytest.mark.slow
@@ -290,8 +291,9 @@ def test_backend_batch_norm_local_and_sync_equal_eager_on_gloo():
                     torch.testing.assert_close(got["grads"][s][n], g, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
             for n, p in want_params.items():
                 torch.testing.assert_close(got["params"][n], p.detach(), atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
-            assert set(got["buffers"]) == set(want_buffers) == {"norm.running_mean", "norm.running_var",
-                                                                "norm.num_batches_tracked"}
+            prefix = "norm." if case["model"] == "convnet" else "1."
+            assert set(got["buffers"]) == set(want_buffers) == {prefix + b for b in (
+                "running_mean", "running_var", "num_batches_tracked")}
             for n, b in want_buffers.items():
                 torch.testing.assert_close(got["buffers"][n], b, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
     # the two semantics differ (per-rank vs global statistics), in the gradients and the running statistics
