@@ -491,6 +491,27 @@ def retrace_aten(fn: Callable, args: list) -> torch.fx.GraphModule:
     return make_fx(fn, tracing_mode="real", _allow_non_fake_inputs=True)(*args)
 
 
+def vmap_unwrap(t: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """Inside ``torch.vmap``: ``(physical, level)``, the tensor of every vmapped example of ``t`` at once, its
+    vmapped dim moved to 0, and vmap's level (for :func:`vmap_wrap`); ``(t, None)`` for a tensor vmap does not
+    batch. Ops on ``physical`` see every example (a sum over dim 0 mixes them) and are differentiable as usual.
+    Source: ``torch._C._functorch._unwrap_batched`` (what ``torch._functorch.vmap`` uses)."""
+    import torch._C._functorch as functorch
+
+    level = functorch.maybe_get_level(t)
+    if level is None or level < 0 or not functorch.is_batchedtensor(t):
+        return t, None
+    physical, bdim = functorch._unwrap_batched(t, level)
+    return physical.movedim(bdim, 0), level
+
+
+def vmap_wrap(physical: torch.Tensor, level: int) -> torch.Tensor:
+    """The inverse of :func:`vmap_unwrap`: ``physical``'s dim 0 as the vmapped dim at ``level``."""
+    import torch._C._functorch as functorch
+
+    return functorch._add_batch_dim(physical, 0, level)
+
+
 def _mark(key: str, total: int) -> int:
     from torch._dynamo.utils import counters
 

@@ -17,10 +17,17 @@ from backend_workers import full_grad
 
 def factory(name: str):
     """(model, (inputs..., target), loss_fn) by name: ``convnet_nostats`` (BatchNorm without running statistics),
-    ``convnet`` (with them), ``bag_mean`` / ``bag_sum`` (an EmbeddingBag over a 2-D input)."""
+    ``convnet`` (with them), ``mlp_bn1d`` (BatchNorm1d with them), ``bag_mean`` / ``bag_sum`` (an EmbeddingBag over a 2-D input)."""
     from models import convnet
     from test_embedding_bag import bag_model
 
+    if name == "mlp_bn1d":  # BatchNorm1d over [N, C] rows, with running statistics
+        import torch.nn.functional as F
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+        g = torch.Generator().manual_seed(1)
+        return model, (torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)), F.cross_entropy
     if name.startswith("convnet"):
         model, batch, loss_fn = convnet(4, batch_norm=True)
         if name == "convnet_nostats":
@@ -55,7 +62,8 @@ def backend_cases_worker(cases: list[dict], steps: int, lr: float, timeout_s: fl
             except Exception as e:  # the backend's errors arrive wrapped by Dynamo (BackendCompilerFailed)
                 out.append({"error": f"{type(e).__name__}: {e}"})
                 continue
-            out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled)})
+            out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
+                        "buffers": {n: b.clone() for n, b in model.named_buffers()}})  # as the user sees them
         return out
     finally:
         dist.destroy_process_group()

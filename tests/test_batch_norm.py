@@ -178,25 +178,38 @@ def test_cli_flag_reaches_the_lowering_options():
     assert lowering_options(build_parser().parse_args(["train"])).batch_norm == "local"
 
 
-def test_backend_refuses_running_statistics_and_sync_clearly():
-    from adaptdist.compiler.dynamo_capture import check_batch_norm
+def test_backend_captures_running_statistics_as_buffer_outputs():
+    """The backend's all-ranks capture returns rank 0's new running statistics and num_batches_tracked as
+    ``buffer:`` outputs (the runtime writes them into the module's buffers); ``sync`` sums every rank's rows."""
+    from adaptdist import graph_meta as gmeta
+    from adaptdist.compiler.dynamo_capture import capture_all_ranks, check_batch_norm, classify_inputs
 
     got = {}
 
-    def grab(gm, example_inputs):
-        got["gm"] = gm
+    def grab(gm, example_inputs):  # the sources Dynamo records are read while it compiles
+        got["gm"], got["inputs"] = gm, classify_inputs(gm, example_inputs)
         return gm
 
     model, batch, _ = convnet(4, batch_norm=True)
-    torch.compile(model, backend=grab, dynamic=False)(batch[0])
-    with pytest.raises(CaptureError, match="running statistics.*adaptdist train"):
-        check_batch_norm(got["gm"], "local")
-    model.norm = torch.nn.BatchNorm2d(4, track_running_stats=False)
-    torch._dynamo.reset()
-    torch.compile(model, backend=grab, dynamic=False)(batch[0])
-    check_batch_norm(got["gm"], "local")  # per-rank statistics, as DDP
-    with pytest.raises(CaptureError, match="batch_norm='sync'"):
-        check_batch_norm(got["gm"], "sync")
+    torch.compile(model, backend=grab, dynamic=False)(batch[0][:2])
+    inputs = got["inputs"]
+    buffers = ["buffer:norm.num_batches_tracked", "buffer:norm.running_mean", "buffer:norm.running_var"]
+    for mode in ("local", "sync"):
+        check_batch_norm(got["gm"], mode)
+        cg, _ = capture_all_ranks(got["gm"], inputs, WORLD, mode)
+        roles = gmeta.get_output_roles(cg.gm.graph.output_node())
+        assert sorted(r for r in roles if r.startswith("buffer:")) == buffers
+        assert "batch_norm" not in cg.gm.code  # plain sums over the rows of each rank (local) or of all (sync)
+        from adaptdist.compiler.lowering import lower, resolve_plan
+
+        progs = lower(cg, resolve_plan(ManualPlan.parse("dp"), cg, WORLD, None), LoweringOptions(batch_norm=mode))
+        sizes = [int(c.rsplit(", ", 1)[1][:-1]) for c in progs[0].collectives()]
+        assert max(sizes) < 512, progs[0].collectives()  # no activation (2x4x8x8 per rank) is gathered or reduced
+        # sync: mean and variance all-reduced per channel in forward, their gradients in backward; local: only rank
+        # 0's running mean and variance are gathered ([1, 4] from each rank)
+        assert sizes.count(4) == (4 if mode == "sync" else 2), progs[0].collectives()
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(CaptureError, match="BatchNorm.*autocast"):
+        capture_all_ranks(got["gm"], inputs, WORLD, "local")  # refused, not traced per rank
 
 
 BN_MODEL = '''
@@ -243,3 +256,47 @@ def test_train_cli_sync_under_auto_equals_eager_on_gloo(tmp_path):
         if name in got:
             torch.testing.assert_close(got[name], want.detach(), atol=2e-5, rtol=0, msg=name)
     assert "norm.running_mean" in got and "norm.weight" in got
+
+
+BACKEND_BN_CASES = [dict(model="convnet", plan="dp", batch_norm="local"),
+                    dict(model="convnet", plan="fsdp", batch_norm="local"),
+                    dict(model="convnet", plan="dp", batch_norm="sync"),
+                    dict(model="convnet", plan="fsdp", batch_norm="sync"),
+                    dict(model="mlp_bn1d", plan="dp", batch_norm="sync")]  # BatchNorm1d over [N, C]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_backend_batch_norm_local_and_sync_equal_eager_on_gloo():
+    """``torch.compile(model, backend=adaptdist.backend(batch_norm=...))`` on 2 gloo ranks, each rank its rows, 3
+    SGD steps: ``local`` equals DDP (each rank's statistics, the mean of the rank losses, every rank's running
+    buffers rank 0's), ``sync`` equals plain BatchNorm on the global batch; losses, gradients, parameters and the
+    module's running_mean / running_var / num_batches_tracked as each rank's user sees them."""
+    from adaptdist.runtime.launch import launch_local
+    from bn_workers import backend_cases_worker, factory
+
+    results = launch_local(backend_cases_worker, (BACKEND_BN_CASES, STEPS, LR), WORLD)
+    for k, case in enumerate(BACKEND_BN_CASES):
+        model, batch, loss_fn = factory(case["model"])
+        want_hist, want_params, want_buffers = (_eager_local(model, batch, loss_fn) if case["batch_norm"] == "local"
+                                                else _eager_global(model, batch, loss_fn))
+        for r in range(WORLD):
+            got = results[r][k]
+            assert "error" not in got, (case, got.get("error"))
+            for s, (want_loss, want_grads) in enumerate(want_hist):
+                # each rank's loss is its rows' mean: their mean is DDP's loss, and (equal shards) the global one
+                mean_loss = sum(results[q][k]["losses"][s] for q in range(WORLD)) / WORLD
+                assert abs(mean_loss - want_loss) < 2e-5, (case, s, mean_loss, want_loss)
+                for n, g in want_grads.items():
+                    torch.testing.assert_close(got["grads"][s][n], g, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+            for n, p in want_params.items():
+                torch.testing.assert_close(got["params"][n], p.detach(), atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+            prefix = "norm." if case["model"] == "convnet" else "1."
+            assert set(got["buffers"]) == set(want_buffers) == {prefix + b for b in (
+                "running_mean", "running_var", "num_batches_tracked")}
+            for n, b in want_buffers.items():
+                torch.testing.assert_close(got["buffers"][n], b, atol=2e-5, rtol=0, msg=f"{case} rank {r} {n}")
+    # the two semantics differ (per-rank vs global statistics), in the gradients and the running statistics
+    local, sync = results[0][0], results[0][2]
+    assert (local["grads"][0]["conv.weight"] - sync["grads"][0]["conv.weight"]).abs().max() > 1e-4
+    assert (local["buffers"]["norm.running_var"] - sync["buffers"]["norm.running_var"]).abs().max() > 1e-4

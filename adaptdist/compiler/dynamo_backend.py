@@ -303,7 +303,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         as_is = _runs_as_is(gm, inputs)
         if not as_is:
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-                captured, tangent_outputs = capture_all_ranks(gm, inputs, world)
+                captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm)
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
         hint = _data_dependent_hint()
         if not distributed:
@@ -365,7 +365,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         register_mesh_groups(program, dist.get_backend())
         # by torch's group name, not the group object (CompiledStep.process_groups says why)
         groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
-    split = split_forward_backward(program.graph_module, ("out:",))
+    split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end

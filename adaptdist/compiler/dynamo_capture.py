@@ -5,7 +5,9 @@ its own inputs. The global computation is every rank's forward at once, which ``
 a new leading *rank* dim expresses exactly: constants Dynamo baked into the graph for this rank's
 shapes (view sizes, the batch size) stay per-rank constants, and whatever the model reduces over
 its inputs (a mean loss, BatchNorm statistics) stays per rank, as under DDP. Every user input and
-every output gets that leading dim of size ``W``; row ``r`` is rank ``r``'s.
+every output gets that leading dim of size ``W``; row ``r`` is rank ``r``'s. Buffers a training-mode
+BatchNorm updates get one copy per rank under the vmap, and the step returns rank 0's (DDP's buffer
+broadcast); ``batch_norm="sync"`` computes the statistics over every rank's rows (:func:`global_batch_norm`).
 
 Attention is captured in its math form (matmul, softmax): torch's fused CPU attention kernel has no
 vmap rule, and vmap would run it once per rank (``select`` of each rank's row: a gather under any
@@ -21,11 +23,13 @@ Machine Learning: a Survey", 2018, section 3.2). The runtime divides the paramet
 Graph contract (adds two output roles to :mod:`adaptdist.compiler.capture`'s):
     placeholders = [params..., buffers..., stacked user inputs..., stacked tangents...]
     outputs      = (loss, grads of params..., ``out:k`` stacked forward outputs...,
-                    ``grad_in:k`` gradients of the stacked user inputs that require grad...)
+                    ``grad_in:k`` gradients of the stacked user inputs that require grad...,
+                    ``buffer:<fqn>`` new values of the buffers the forward updates, whole...)
 """
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -115,10 +119,10 @@ def _batch_norm_calls(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, boo
 
 
 def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
-    """Refuse what the backend cannot train as asked: training-mode BatchNorm that updates running statistics
-    (vmap over the ranks would drop the updates; the backend keeps buffers unchanged), and ``batch_norm="sync"``
-    (each rank's forward runs under vmap, which keeps statistics per rank). BatchNorm without running statistics
-    trains with DDP's per-rank statistics (``"local"``).
+    """Refuse training-mode BatchNorm the backend cannot train as asked: one whose momentum is not a Python
+    number (``momentum=None``, the cumulative average, reads ``num_batches_tracked`` in the forward). Under
+    ``"local"`` each rank's statistics come from its rows (DDP's), under ``"sync"`` from every rank's
+    (:func:`global_batch_norm`); the running statistics end as rank 0's on every rank (:func:`capture_all_ranks`).
 
     Raises:
         CaptureError: names the BatchNorm's source line and what to use instead.
@@ -126,17 +130,135 @@ def check_batch_norm(gm: torch.fx.GraphModule, mode: str) -> None:
     for n, running in _batch_norm_calls(gm):
         where = (n.meta.get("stack_trace") or "").strip().splitlines()
         at = f" ({where[-2].strip()})" if len(where) >= 2 else ""
-        if running:
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        args = dict(zip(names, n.args))
+        args.update({k: v for k, v in n.kwargs.items() if k in names})
+        momentum = args.get("momentum", 0.1)
+        if running and not isinstance(momentum, (int, float)):
             raise CaptureError(
-                f"BatchNorm in training mode with running statistics{at}: the adaptdist backend keeps buffers "
-                "unchanged, so its running_mean/running_var would not be updated. Train it with adaptdist train "
-                "(--batch-norm=local for DDP's per-rank statistics, --batch-norm=sync for SyncBatchNorm's), or use "
-                "BatchNorm(track_running_stats=False) (per-rank statistics, as DDP), or model.eval()")
-        if mode == "sync":
-            raise CaptureError(
-                f"adaptdist.backend(batch_norm='sync'): BatchNorm in training mode{at} is computed per rank under the "
-                "backend (each rank's forward is vmapped); synchronized statistics need adaptdist train --batch-norm="
-                "sync, or batch_norm='local' (DDP's per-rank statistics)")
+                f"adaptdist.backend(batch_norm={mode!r}): BatchNorm in training mode{at} has momentum "
+                f"{momentum!r}, not a number (momentum=None, the cumulative average, is not supported under the "
+                "backend): give BatchNorm a momentum (0.1 is the default), or train it with adaptdist train")
+
+
+def running_stat_buffers(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> list[str]:
+    """Fqns of the buffers that training-mode ``F.batch_norm`` calls of the Dynamo graph update from the batch
+    (``running_mean``, ``running_var``), in placeholder order: each rank updates its own copy from its rows."""
+    index = {ph: k for k, ph in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    used = set()
+    for n, running in _batch_norm_calls(gm):
+        if not running:
+            continue
+        names = ("input", "running_mean", "running_var")
+        args = dict(zip(names, n.args))
+        args.update({k: v for k, v in n.kwargs.items() if k in names})
+        for key in ("running_mean", "running_var"):
+            a = args.get(key)
+            if not isinstance(a, torch.fx.Node) or a not in index or inputs[index[a]].kind != "buffer":
+                raise CaptureError(f"BatchNorm in training mode ({n.name}): its {key} is not a buffer of the module; "
+                                   "the adaptdist backend updates running statistics held as module buffers")
+            used.add(index[a])
+    return [inputs[k].fqn for k in sorted(used)]
+
+
+class _RowStats(torch.autograd.Function):
+    """``(mean, biased var)`` of ``rows`` over ``dims`` (``n`` elements each), with the backward written as sums
+    broadcast against ``rows`` (``grad_rows = (g_mean + 2 (rows - mean) g_var) / n``), so that a statistic's
+    gradient summed over the ranks (a partial sum) is all-reduced at its size ``[C]``; autograd's own backward
+    would expand it to the rows' shape first, and the planner would reduce that whole tensor."""
+
+    @staticmethod
+    def forward(rows: torch.Tensor, dims: list[int], view: list[int], n: int):
+        mean = rows.sum(dims) / n
+        centered = rows - mean.view(view)
+        return mean, (centered * centered).sum(dims) / n
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        rows, _, ctx.view, ctx.n = inputs
+        ctx.save_for_backward(rows, output[0])
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, rows: torch.Tensor, dims: list[int], view: list[int], n: int):
+        # called on the rows of every rank, which vmap does not batch (in_dims[0] is None)
+        assert in_dims[0] is None, in_dims
+        return _RowStats.apply(rows, dims, view, n), (None, None)
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: torch.Tensor | None, g_var: torch.Tensor | None):
+        rows, mean = ctx.saved_tensors
+        view, n = ctx.view, ctx.n
+        grad = None
+        if g_var is not None:
+            grad = (2.0 / n) * (rows - mean.view(view)) * g_var.view(view)
+        if g_mean is not None:
+            grad = g_mean.view(view) / n if grad is None else grad + g_mean.view(view) / n
+        grad = torch.zeros_like(rows) if grad is None else grad.expand_as(rows)
+        return grad, None, None, None
+
+
+def _batch_norm_rows(input: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None, training: bool, momentum: float,
+                     eps: float, over_ranks: bool) -> torch.Tensor:
+    """Training-mode ``F.batch_norm`` of one rank's rows ``input [N, C, *S]`` under the vmap over ranks, written
+    on every rank's rows at once (``[W, N, C, *S]``) as plain sums: per rank (``over_ranks=False``, DDP's) or
+    over every rank's rows (SyncBatchNorm's), which the planner turns into all_reduces of ``[C]``. Each rank's
+    copy of the running statistics is updated with its statistics (the variance unbiased, ``n / (n - 1)``).
+    torch.vmap's own rule for BatchNorm would fold the ranks into the channels, which the planner can only
+    gather. Outside vmap, or not in training mode, it is ``F.batch_norm``."""
+    import torch.nn.functional as F
+
+    rows, level = compat.vmap_unwrap(input)
+    if not training or level is None or rows.dim() < 3:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    world, channels = rows.shape[0], rows.shape[2]
+    dims = ([0, 1] if over_ranks else [1]) + list(range(3, rows.dim()))
+    n = rows.numel() // max(1, channels) // (1 if over_ranks else world)
+    view = [1 if over_ranks else world, 1, channels] + [1] * (rows.dim() - 3)
+    mean, var = _RowStats.apply(rows, dims, view, n)  # [C] (over_ranks) or [W, C]; var biased
+    centered = rows - mean.view(view)
+    out = centered * torch.rsqrt(var + eps).view(view)
+    affine = [1, 1, channels] + [1] * (rows.dim() - 3)
+    if weight is not None:
+        out = out * weight.view(affine)
+    if bias is not None:
+        out = out + bias.view(affine)
+    with torch.no_grad():
+        for buf, stat in ((running_mean, mean), (running_var, var * (n / max(1, n - 1)))):
+            if buf is not None:
+                stat = stat.expand(world, channels) if over_ranks else stat
+                buf.copy_(buf * (1.0 - momentum) + compat.vmap_wrap(stat, level) * momentum)
+    return compat.vmap_wrap(out, level)
+
+
+def local_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None,
+                     running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
+                     eps: float = 1e-5) -> torch.Tensor:
+    """``F.batch_norm`` under the vmap over ranks with each rank's statistics (DDP's; :func:`_batch_norm_rows`)."""
+    return _batch_norm_rows(input, running_mean, running_var, weight, bias, training, momentum, eps, False)
+
+
+def global_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None = None,
+                      running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, training: bool = False, momentum: float = 0.1,
+                      eps: float = 1e-5) -> torch.Tensor:
+    """``F.batch_norm`` under the vmap over ranks with the statistics of every rank's rows (SyncBatchNorm's;
+    :func:`_batch_norm_rows`)."""
+    return _batch_norm_rows(input, running_mean, running_var, weight, bias, training, momentum, eps, True)
+
+
+def _with_batch_norm_rows(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose training-mode ``F.batch_norm`` calls are :func:`local_batch_norm` or
+    :func:`global_batch_norm` (``mode`` ``"sync"``); ``gm`` itself when it has none."""
+    calls = _batch_norm_calls(gm)
+    if not calls:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    by_name = {n.name: n for n in graph.nodes}
+    for n, _ in calls:
+        by_name[n.name].target = global_batch_norm if mode == "sync" else local_batch_norm
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -168,39 +290,48 @@ class _AllRanksStep(nn.Module):
     forward at once (vmap over dim 0), outputs detached (returned for the forward program)."""
 
     def __init__(self, gm: torch.fx.GraphModule, inputs: list[GraphInput], tangent_outputs: list[int],
-                 world_size: int):
+                 world_size: int, per_rank_buffers: Sequence[str] = ()):
         super().__init__()
         object.__setattr__(self, "gm", gm)  # not a submodule: its state is the holder's
         self.state = _Holder()
         self.inputs = inputs
         self.tangent_outputs = tangent_outputs
         self.world_size = world_size
+        self.per_rank_buffers = list(per_rank_buffers)
 
     def forward(self, *batch: torch.Tensor):
         n_user = sum(1 for i in self.inputs if i.kind == "input")
         user, tangents = batch[:n_user], batch[n_user:]
         state = dict(self.state.named_parameters())
         state.update(dict(self.state.named_buffers()))
+        # buffers the forward updates from its rows (BatchNorm's running statistics): one copy per rank, which
+        # the rank's forward updates in place under vmap; the step returns rank 0's (DDP broadcasts rank 0's)
+        rows = [state[f].unsqueeze(0).expand(self.world_size, *state[f].shape).clone() for f in self.per_rank_buffers]
+        own = {f: k for k, f in enumerate(self.per_rank_buffers)}
 
         def one_rank(*xs):
+            xs, bufs = xs[:n_user], xs[n_user:]
             it = iter(xs)
-            args = [next(it) if i.kind == "input" else state[i.fqn] for i in self.inputs]
+            args = [bufs[own[i.fqn]] if i.fqn in own else next(it) if i.kind == "input" else state[i.fqn]
+                    for i in self.inputs]
             res = self.gm(*args)
             return tuple(res) if isinstance(res, (tuple, list)) else (res,)
 
-        outs = torch.vmap(one_rank, randomness="different")(*user)
+        outs = torch.vmap(one_rank, randomness="different")(*user, *rows)
         loss = sum((outs[k] * t).sum() for k, t in zip(self.tangent_outputs, tangents))
-        return (loss, *(o.detach() for o in outs))
+        return (loss, *(o.detach() for o in outs), *(r[0] for r in rows))
 
 
-def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int
-                      ) -> tuple[CapturedGraph, list[int]]:
+def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int,
+                      batch_norm: str = "local") -> tuple[CapturedGraph, list[int]]:
     """The joint graph of all ``world_size`` ranks' forward and backward (module docstring).
 
     Args:
         gm: Dynamo's graph of one rank's forward (its placeholders described by ``inputs``).
         inputs: from :func:`classify_inputs`.
         world_size: ``W``, the size of the stacked rank dim.
+        batch_norm: training-mode BatchNorm's statistics: ``"local"`` (each rank's rows, as DDP) or ``"sync"``
+            (every rank's rows, :func:`global_batch_norm`); the running statistics end as rank 0's.
 
     Returns:
         A CapturedGraph whose batch inputs are the stacked user inputs then the stacked tangents, with
@@ -212,7 +343,14 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             updated in place, a data-dependent shape), naming the construct and what to try.
     """
     casts = compat.autocast_states()
+    per_rank = running_stat_buffers(gm, inputs)
     if casts or any(compat.is_autocast_node(n) for n in gm.graph.nodes):
+        # traced into ATen first, BatchNorm would be vmap's (per rank, updating buffers vmap cannot batch)
+        calls = [n for n, running in _batch_norm_calls(gm) if running or batch_norm == "sync"]
+        if calls:
+            raise CaptureError(f"BatchNorm in training mode ({calls[0].name}) with running statistics or "
+                               f"batch_norm='sync' under torch.autocast is not supported by the adaptdist backend "
+                               "yet: run BatchNorm outside the autocast region, or train with adaptdist train")
         gm = _with_explicit_casts(gm, inputs)
     outputs = _graph_outputs(gm)
     # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
@@ -222,7 +360,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         raise CaptureError("no floating-point output or no parameter that requires grad in the compiled graph: "
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "
                            "without torch.compile, or with another backend")
-    step = _AllRanksStep(gm, inputs, tangent_outputs, world_size)
+    step = _AllRanksStep(_with_batch_norm_rows(gm, batch_norm), inputs, tangent_outputs, world_size, per_rank)
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
         for i in inputs:
@@ -239,14 +377,14 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         except Exception as e:
             msg = str(e).split("\n")[0]
             low = msg.lower()
-            hint = ("A buffer updated in the forward (BatchNorm's running statistics in training mode) cannot be "
-                    "updated per rank: use model.eval() for BatchNorm, BatchNorm(track_running_stats=False), "
-                    "GroupNorm/LayerNorm, or adaptdist train."
+            hint = ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running "
+                    "statistics, which the backend updates) cannot be updated per rank: update it outside the "
+                    "compiled code, or use adaptdist train."
                     if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var")) else
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
-    return _finish(joint, sig, len(outputs), world_size), tangent_outputs
+    return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
 
 
 def _with_explicit_casts(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> torch.fx.GraphModule:
@@ -311,12 +449,10 @@ def _mark_rank_dims(graph: torch.fx.Graph, world_size: int) -> None:
             gmeta.mark_rank_dim(n)
 
 
-def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int) -> CapturedGraph:
+def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int,
+            per_rank_buffers: Sequence[str] = ()) -> CapturedGraph:
     graph = gm.graph
     strip = len("state.")
-    if sig.buffers_to_mutate:
-        raise CaptureError(f"the compiled graph updates buffers in place ({sorted(sig.buffers_to_mutate.values())}); "
-                           "the adaptdist backend keeps buffers unchanged: use adaptdist train for such models")
     user_ph = list(sig.user_inputs)
     set_input_roles(graph, sig, strip)
     out_node = graph.output_node()
@@ -330,9 +466,17 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
     params = [gmeta.get_fqn(p) for p in graph.find_nodes(op="placeholder") if gmeta.get_role(p) == "param"]
     trainable = [f for f in params if f in grad_of]
     frozen = [f for f in params if f not in grad_of]
+    # updated buffers: those updated in place the same on every rank (num_batches_tracked += 1), then rank 0's
+    # new value of those each rank updates from its rows (the step's last outputs)
+    mutated = {b[strip:]: by_name[o] for o, b in sig.buffers_to_mutate.items()}
+    overlap = set(mutated) & set(per_rank_buffers)
+    assert not overlap, f"buffers both per rank and mutated in place: {sorted(overlap)}"
+    first = 1 + n_outputs
+    mutated.update({f: by_name[n] for f, n in zip(per_rank_buffers, sig.user_outputs[first:first + len(per_rank_buffers)])})
     new_outs = [loss] + [grad_of[f] for f in trainable] + forward_outs + [grad_in[k] for k in sorted(grad_in)]
+    new_outs += list(mutated.values())
     roles = (["loss"] + [f"grad:{f}" for f in trainable] + [f"out:{k}" for k in range(len(forward_outs))]
-             + [f"grad_in:{k}" for k in sorted(grad_in)])
+             + [f"grad_in:{k}" for k in sorted(grad_in)] + [f"buffer:{f}" for f in mutated])
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(out_node, roles)
     ranked = order_placeholders(graph, set(frozen))
@@ -343,7 +487,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int)
     return CapturedGraph(
         gm=gm, param_fqns=trainable, frozen_param_fqns=frozen,
         buffer_fqns=[gmeta.get_fqn(p) for p in ranked if gmeta.get_role(p) == "buffer"],
-        num_batch_inputs=len(user_ph), mutated_buffer_fqns=[], loss_output_index=0,
+        num_batch_inputs=len(user_ph), mutated_buffer_fqns=list(mutated), loss_output_index=0,
         grad_output_index={f: 1 + i for i, f in enumerate(trainable)}, batch_size=world_size,
         model_name="compiled graph",
     )

@@ -9,7 +9,8 @@ rank's parameters, buffers and its own user inputs), it
    the full shapes; :func:`~adaptdist._torch_compat.drop_tensor_guards`);
 2. gathers the user inputs of the ranks whose rows this rank's program reads (the ranks of its
    model-parallel group: tensor parallelism needs their batches on every rank of the group);
-3. runs the forward program and returns this rank's own rows of the outputs;
+3. runs the forward program, writes the buffers it updates (BatchNorm's running statistics) into the
+   user's buffers, and returns this rank's own rows of the outputs;
 4. at ``backward()``, gathers the outputs' gradients the same way, runs the backward program, and
    returns the parameters' gradients (this rank's shard, divided by the world size: DDP averages over
    ranks) and the user inputs' gradients (this rank's own rows).
@@ -250,8 +251,20 @@ class CompiledStep:
         program_inputs = state + rows  # then the tangents, which the forward never reads
         res = sp.forward(*[program_inputs[i] for i in sp.forward_inputs])
         n_out = len(sp.forward_roles)
-        outs = {int(r.split(":")[1]): v for r, v in zip(sp.forward_roles, res[:n_out])}
+        outs = {int(r.split(":")[1]): v for r, v in zip(sp.forward_roles, res[:n_out]) if r.startswith("out:")}
+        self.write_buffers(args, {r[len("buffer:"):]: v for r, v in zip(sp.forward_roles, res[:n_out])
+                                  if r.startswith("buffer:")})
         return [self.own_row(outs[k]).clone() for k in sorted(outs)], list(res[n_out:]), program_inputs
+
+    def write_buffers(self, args: Sequence[torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+        """Copy the forward's new buffer values (``buffer:<fqn>`` outputs, whole: BatchNorm's running statistics,
+        rank 0's under DDP's semantics) into the user's buffers, in place, as the eager forward updates them."""
+        if not new:
+            return
+        index = dict(zip(self.program.input_fqns, self.state_order))
+        with torch.no_grad():
+            for fqn, value in new.items():
+                args[index[fqn]].copy_(value)
 
     def run_backward(self, program_inputs: list[torch.Tensor], saved: list[torch.Tensor],
                      grads: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]) -> tuple[list, list]:
