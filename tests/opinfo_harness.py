@@ -68,9 +68,10 @@ def _leaves(sample: Any) -> tuple[list[Any], Any]:
 
 
 def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12) -> Any | None:
-    """The first of the op's first ``tries`` float32 CPU samples whose input is a tensor (or a list of them)
-    of at least 2 dims (else 1) with dim 0 of size >= 3 and whose tensors hold at most ``max_numel`` elements
-    each; None if none is."""
+    """One of the op's first ``tries`` float32 CPU samples whose input is a tensor (or a list of them) with
+    dim 0 of size >= 3 and whose tensors hold at most ``max_numel`` elements each: the first whose input has
+    at least 2 dims and whose other tensors with that dim 0 have as many dims, else the first of 2 dims,
+    else the first; None if none is."""
     if torch.float32 not in op.supported_dtypes("cpu"):
         return None
     fallback = None
@@ -84,12 +85,19 @@ def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12) -> Any | None:
                 continue
             leaves, _ = _leaves(s)
             if all(t.numel() <= max_numel for t in leaves if isinstance(t, torch.Tensor)):
-                if first.dim() >= 2:
-                    return s  # a batch dim beside the others: preferred
-                fallback = fallback or s
+                # preferred: a batch dim beside the others, and no batch-sized tensor of another rank (a
+                # (5,) broadcast against a (5, 1) would be split on the dim it broadcasts along)
+                aligned = all(t.dim() == first.dim() for t in leaves
+                              if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == first.shape[0])
+                score = (first.dim() >= 2) + (first.dim() >= 2 and aligned)
+                if score == 2:
+                    return s
+                if fallback is None or score > fallback[0]:
+                    fallback = (score, s)
     except Exception:
-        return fallback
-    return fallback
+        pass
+    return fallback[1] if fallback else None
+
 
 
 class _Holder(nn.Module):
@@ -161,7 +169,8 @@ def build_case(op: Any, sample: Any, setting: str, seed: int = 0) -> Case | Outc
     real = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves]
     fn = _call(op)
 
-    def run(ls):
+    def run(ls):  # on copies: an in-place op (cauchy_, ...) must not change the sample
+        ls = [t.clone() if isinstance(t, torch.Tensor) else t for t in ls]
         return fn(*compat.tree_unflatten(ls, spec))
 
     try:
@@ -249,18 +258,26 @@ def independent_samples(op: Any, sample: Any, chunks: int = 2) -> bool:
     leaves, spec = _leaves(sample)
     first = sample.input[0] if isinstance(sample.input, (list, tuple)) else sample.input
     bsz = first.shape[0]
+    from adaptdist.placement import chunk_interval
+
     fn = _call(op)
+    pieces = []
+    for c in range(chunks):
+        s, e = chunk_interval(bsz, chunks, c)
+        pieces.append([t.detach()[s:e] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == bsz
+                       else t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])
     try:
+        # on fake tensors first: a CPU kernel given a chunk of a per-channel tensor (BatchNorm's running
+        # statistics) may not check its shapes and write past the end; the meta kernels check them
+        mode = compat.fake_tensor_mode()
+        with torch.no_grad(), mode:
+            for ls in pieces:
+                fn(*compat.tree_unflatten([mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in ls],
+                                          spec))
         with torch.no_grad():
             whole = compat.tree_leaves(fn(*compat.tree_unflatten(
                 [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec)))
-            parts = []
-            for c in range(chunks):
-                from adaptdist.placement import chunk_interval
-                s, e = chunk_interval(bsz, chunks, c)
-                ls = [t.detach()[s:e] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == bsz
-                      else t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-                parts.append(compat.tree_leaves(fn(*compat.tree_unflatten(ls, spec))))
+            parts = [compat.tree_leaves(fn(*compat.tree_unflatten(ls, spec))) for ls in pieces]
     except Exception:
         return False
     for i, w in enumerate(whole):
@@ -489,9 +506,14 @@ def dtensor_outcome(op: Any, sample: Any = None) -> Outcome:
     leaves, spec = _leaves(sample)
     first = sample.input[0] if isinstance(sample.input, (list, tuple)) else sample.input
     bsz = first.shape[0]
+    if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in leaves):
+        return Outcome("xfail", "sparse tensors")
     mesh = dtensor_world.mesh
-    dl = [distribute_tensor(t.detach(), mesh, [Shard(0) if t.dim() > 0 and t.shape[0] == bsz else Replicate()])
-          if isinstance(t, torch.Tensor) else t for t in leaves]
+    try:
+        dl = [distribute_tensor(t.detach(), mesh, [Shard(0) if t.dim() > 0 and t.shape[0] == bsz else Replicate()])
+              if isinstance(t, torch.Tensor) else t for t in leaves]
+    except Exception as e:
+        return Outcome("xfail", f"cannot distribute the sample: {type(e).__name__}")
     try:
         with CommDebugMode() as comm:
             out = _call(op)(*compat.tree_unflatten(dl, spec))

@@ -1004,6 +1004,149 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 }
 
 
+# ---------------------------------------------------------------- op coverage (issue 14, part 1: "opinfo")
+# Rules for ops of torch's OpInfo database that had none of ours nor DTensor's (tests/test_opinfo_sweep.py,
+# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals.
+
+
+class _AsOp:
+    """``node`` seen as a call of ``target`` (the view a ``*_copy`` op copies), for a rule reading
+    ``node.target``."""
+
+    def __init__(self, node: torch.fx.Node, target: Any):
+        self._node, self.target = node, target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
+
+
+def as_op(target: Any, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """The rule of ``target`` applied to an op that computes the same values (``view_copy`` -> ``view``)."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        return rule(_AsOp(node, target), pl)  # type: ignore[arg-type]
+
+    apply.__doc__ = f"As {target}: {rule.__doc__}"
+    return apply
+
+
+def contraction(spec: str, bias: bool = False) -> Callable[[torch.fx.Node, PlacementOf], RuleResult]:
+    """A rule for a product written as an einsum ``spec`` over its tensor arguments in order (``"ij,j->i"``
+    for ``mv``), after a ``bias`` argument shaped (broadcast) like the output when ``bias`` (``addmv``,
+    ``addr``, ``addbmm``). A label sharded on one operand is sharded on all of them (a replicated operand is
+    sliced to match): a label of the output gives that output dim's shard, a contracted one a Partial sum
+    (no bias then: it would be added once per rank, so the inputs are gathered). One Partial operand times
+    replicated ones (no bias) stays Partial. Anything else gathers."""
+    ins_spec, out_spec = spec.split("->")
+    labels = ins_spec.split(",")
+
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        args = tensor_args(node)
+        b_arg, ops = (args[0], args[1:]) if bias else (None, args)
+        if len(ops) != len(labels) or any(len(shape(a)) != len(lab) for (_, a), lab in zip(ops, labels)):
+            return gather_all(node, pl, f"arguments do not match {spec}")
+        pls = [pl(a) for _, a in ops]
+        pb = pl(b_arg[1]) if b_arg else R
+        partial = [i for i, p in enumerate(pls) if isinstance(p, Partial)]
+        if partial:
+            if (len(partial) == 1 and all(isinstance(p, Replicate) for i, p in enumerate(pls) if i != partial[0])
+                    and not bias):
+                return RuleResult(P)
+            return gather_all(node, pl, "Partial operands")
+        sharded = {lab[p.dim] for (_, a), lab, p in zip(ops, labels, pls) if isinstance(p, Shard)}
+        if isinstance(pb, Shard):
+            k = pb.dim + len(out_spec) - len(shape(b_arg[1]))
+            if shape(b_arg[1])[pb.dim] != 1 and 0 <= k:
+                sharded.add(out_spec[k])
+        if len(sharded) != 1:
+            if not sharded and not isinstance(pb, Partial):
+                return RuleResult(R)
+            return gather_all(node, pl, "operands sharded on different labels")
+        label = sharded.pop()
+        needs: dict[ArgPath, Placement] = {}
+        for (path, a), lab, p in zip(ops, labels, pls):
+            want = Shard(lab.index(label)) if label in lab else R
+            if p != want:
+                needs[path] = want
+        if label not in out_spec:
+            if bias:
+                return gather_all(node, pl, "a contracted dim is sharded and a bias is added")
+            return RuleResult(P, needs)
+        od = out_spec.index(label)
+        if b_arg:
+            bshape = shape(b_arg[1])
+            bd = od - (len(out_spec) - len(bshape))
+            want = Shard(bd) if bd >= 0 and bshape[bd] != 1 else R
+            if pb != want:
+                needs[b_arg[0]] = want
+        return RuleResult(Shard(od), needs)
+
+    rule.__doc__ = f"{spec}{' plus a bias' if bias else ''}: see contraction()."
+    return rule
+
+
+def diagonal(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """diagonal(x, offset, dim1, dim2): a shard on another dim moves with it (the diagonal becomes the last dim)."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    d1, d2 = _arg(node, 2, "dim1", 0) % nd, _arg(node, 3, "dim2", 1) % nd
+    if p.dim in (d1, d2):
+        return gather_all(node, pl, "the diagonal is taken over the sharded dim")
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    return RuleResult(Shard(rest.index(p.dim)))
+
+
+def diagonal_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """diagonal_backward(grad, input_sizes, offset, dim1, dim2): zeros of ``input_sizes`` with ``grad`` on the
+    diagonal; a shard of grad's other dims carries over (its diagonal dim, the last, gathers)."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p if isinstance(p, Partial) else R)
+    nd = len(node.args[1])
+    d1, d2 = node.args[3] % nd, node.args[4] % nd
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    if p.dim >= len(rest):
+        return gather_all(node, pl, "the diagonal dim is sharded")
+    return RuleResult(Shard(rest[p.dim]))
+
+
+_OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
+    # views, as copies
+    aten.alias_copy.default: identity,
+    aten.detach_copy.default: identity,
+    aten.view_copy.default: as_op(aten.view.default, view),
+    aten.expand_copy.default: as_op(aten.expand.default, expand),
+    aten.permute_copy.default: as_op(aten.permute.default, transpose),
+    aten.transpose_copy.int: as_op(aten.transpose.int, transpose),
+    aten.t_copy.default: as_op(aten.t.default, transpose),
+    aten.unsqueeze_copy.default: as_op(aten.unsqueeze.default, unsqueeze),
+    aten.squeeze_copy.dim: as_op(aten.squeeze.dim, squeeze),
+    aten.squeeze_copy.dims: as_op(aten.squeeze.dims, squeeze),
+    aten.squeeze_copy.default: as_op(aten.squeeze.default, squeeze),
+    aten.select_copy.int: as_op(aten.select.int, select_like),
+    aten.slice_copy.Tensor: as_op(aten.slice.Tensor, select_like),
+    aten.narrow_copy.default: as_op(aten.narrow.default, select_like),
+    aten.split_copy.Tensor: as_op(aten.split.Tensor, split),
+    aten.split_with_sizes_copy.default: as_op(aten.split_with_sizes.default, split),
+    aten.unbind_copy.int: as_op(aten.unbind.int, split),
+    aten.unsafe_split.Tensor: as_op(aten.split.Tensor, split),
+    aten.unsafe_split_with_sizes.default: as_op(aten.split_with_sizes.default, split),
+    aten.diagonal.default: diagonal,
+    aten.diagonal_copy.default: diagonal,
+    aten.diagonal_backward.default: diagonal_backward,
+    # products
+    aten.mv.default: contraction("ij,j->i"),
+    aten.addmv.default: contraction("ij,j->i", bias=True),
+    aten.dot.default: contraction("i,i->"),
+    aten.vdot.default: contraction("i,i->"),
+    aten.outer.default: contraction("i,j->ij"),
+    aten.addr.default: contraction("i,j->ij", bias=True),
+    aten.addbmm.default: contraction("bij,bjk->ik", bias=True),
+}
+RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
+
+
 # ---------------------------------------------------------------- DTensor's strategies, after ours
 
 
