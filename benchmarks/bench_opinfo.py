@@ -44,7 +44,10 @@ def sweep(keys: list[str], world_sizes: tuple[int, ...], settings: tuple[str, ..
                 rec["has_backward"] = bool(op.supports_autograd)
                 rec["independent"] = bool(sample is not None and h.independent_samples(op, sample))
                 if dtensor:
-                    rec["dtensor"] = h.dtensor_outcome(op, sample).as_dict()
+                    try:
+                        rec["dtensor"] = h.dtensor_outcome(op, sample).as_dict()
+                    except Exception as e:  # DTensor itself crashed on the sample
+                        rec["dtensor"] = h.Outcome("refused", f"{type(e).__name__}: {e}"[:200]).as_dict()
             rec["seconds"] = round(time.perf_counter() - t0, 3)
             out[k] = rec
             if progress:

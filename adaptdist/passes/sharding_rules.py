@@ -1006,7 +1006,8 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 
 # ---------------------------------------------------------------- op coverage (issue 14, part 1: "opinfo")
 # Rules for ops of torch's OpInfo database that had none of ours nor DTensor's (tests/test_opinfo_sweep.py,
-# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals.
+# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (Not
+# ``view_copy``/``expand_copy``: their size argument is global and localize_shapes rewrites only the views'.)
 
 
 class _AsOp:
@@ -1115,8 +1116,6 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     # views, as copies
     aten.alias_copy.default: identity,
     aten.detach_copy.default: identity,
-    aten.view_copy.default: as_op(aten.view.default, view),
-    aten.expand_copy.default: as_op(aten.expand.default, expand),
     aten.permute_copy.default: as_op(aten.permute.default, transpose),
     aten.transpose_copy.int: as_op(aten.transpose.int, transpose),
     aten.t_copy.default: as_op(aten.t.default, transpose),
