@@ -829,10 +829,11 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
 
     def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         reduction = _arg(node, reduction_pos, "reduction", 1)
-        acts = [i for i in range(reduction_pos) if isinstance(node.args[i], torch.fx.Node)]
+        acts = [i for i in range(min(reduction_pos, len(node.args))) if isinstance(node.args[i], torch.fx.Node)]
         grad_pos = 0 if backward else None
         act_pls = {i: pl(node.args[i]) for i in acts if i != grad_pos}
-        shards = {p.dim for p in act_pls.values() if isinstance(p, Shard)}
+        out_nd = max((len(shape(node.args[i])) for i in act_pls), default=0)
+        shards = {p.dim + out_nd - len(shape(node.args[i])) for i, p in act_pls.items() if isinstance(p, Shard)}
         needs: dict[ArgPath, Placement] = {}
         if not shards:
             for i in acts:
@@ -843,9 +844,12 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
             return gather_all(node, pl, "inputs are sharded on different dims")
         d = shards.pop()
         for i, p in act_pls.items():
-            if not isinstance(p, Shard) and shape(node.args[i]) and len(shape(node.args[i])) > d and shape(node.args[i])[d] != 1:
-                needs[(i,)] = Shard(d)
-            elif isinstance(p, Partial):
+            ad = d - (out_nd - len(shape(node.args[i])))  # broadcasting aligns the trailing dims (a weight)
+            if isinstance(p, Shard) and p.dim == ad:
+                continue
+            if ad >= 0 and shape(node.args[i])[ad] != 1:
+                needs[(i,)] = Shard(ad)
+            elif not isinstance(p, Replicate):
                 needs[(i,)] = R
         if backward:
             g = pl(node.args[0])
@@ -1112,7 +1116,55 @@ def diagonal_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(Shard(rest[p.dim]))
 
 
+def pointwise_multi(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """An elementwise op with several outputs of its input's shape (``log_sigmoid_forward``'s output and
+    buffer): every output laid out as :func:`pointwise` lays out one."""
+    v = gmeta.val(node)
+    if not all(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(v[0].shape) for o in v):
+        return gather_all(node, pl, "its outputs differ in shape")
+    out_nd = v[0].dim()
+    pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
+    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
+    if not sharded:
+        if any(not isinstance(p, Replicate) for _, _, p in pls):
+            return gather_all(node, pl, "a Partial input of a nonlinear op")
+        return RuleResult(tuple(R for _ in v))
+    d = max(sharded)[1]
+    needs: dict[ArgPath, Placement] = {}
+    for path, a, p in pls:
+        ad = d - (out_nd - len(shape(a)))
+        if isinstance(p, Shard) and p.dim == ad:
+            continue
+        if ad >= 0 and shape(a)[ad] != 1:
+            needs[path] = Shard(ad)
+        elif not isinstance(p, Replicate):
+            needs[path] = R
+    return RuleResult(tuple(Shard(d) for _ in v), needs)
+
+
+# elementwise ops (broadcasting) that torch does not tag ``pointwise``: activations and their backward
+_ELEMENTWISE = (
+    "elu", "elu_backward", "hardsigmoid", "hardsigmoid_backward", "hardswish", "hardswish_backward",
+    "hardtanh", "hardtanh_backward", "leaky_relu", "leaky_relu_backward", "log_sigmoid_backward",
+    "softplus", "softplus_backward", "hardshrink", "hardshrink_backward", "softshrink", "softshrink_backward",
+    "threshold", "threshold_backward", "gelu", "gelu_backward", "silu", "silu_backward", "mish",
+    "mish_backward", "sigmoid_backward", "tanh_backward", "logit_backward", "relu", "celu", "selu",
+)
+
+
+def _elementwise_rules() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
+    out = {}
+    for name in _ELEMENTWISE:
+        packet = getattr(aten, name, None)
+        overload = getattr(packet, "default", None) if packet is not None else None
+        if overload is not None:
+            out[overload] = pointwise
+    return out
+
+
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
+    **_elementwise_rules(),
+    aten.log_sigmoid_forward.default: pointwise_multi,
     # views, as copies
     aten.alias_copy.default: identity,
     aten.detach_copy.default: identity,
@@ -1222,6 +1274,8 @@ def dtensor_choice(node: torch.fx.Node, pl: PlacementOf, mesh_size: int) -> Rule
     for k, s in enumerate(strategies):
         if any(too_small(p, v) for p, v in zip(s.outputs, outs_val)):
             continue
+        if isinstance(val, (tuple, list)) and len(s.outputs) != len(outs_val):
+            continue  # a strategy stating fewer outputs than the op has (linalg_qr's)
         needs: dict[ArgPath, Placement] = {}
         cost = 0.0
         for (path, a), want in zip(args, s.inputs):
