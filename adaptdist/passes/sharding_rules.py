@@ -1149,6 +1149,7 @@ _ELEMENTWISE = (
     "softplus", "softplus_backward", "hardshrink", "hardshrink_backward", "softshrink", "softshrink_backward",
     "threshold", "threshold_backward", "gelu", "gelu_backward", "silu", "silu_backward", "mish",
     "mish_backward", "sigmoid_backward", "tanh_backward", "logit_backward", "relu", "celu", "selu",
+    "floor_divide",
 )
 
 
@@ -1162,8 +1163,49 @@ def _elementwise_rules() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], Rul
     return out
 
 
+def pair_of(target: Any, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """Two outputs laid out as ``rule`` lays out ``target``'s one (``var_mean`` as ``var``, ``aminmax`` as
+    ``amax``); a Partial result (a reduction over the sharded dim) gathers instead: the second output
+    need not be linear."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        res = rule(_AsOp(node, target), pl)  # type: ignore[arg-type]
+        out = res.out
+        if isinstance(out, tuple) or isinstance(out, Partial):
+            return gather_all(node, pl, "it reduces over the sharded dim")
+        return RuleResult((out, out), res.needs)
+
+    apply.__doc__ = f"Two outputs as {target}'s one."
+    return apply
+
+
+def _pools() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
+    """Pooling and padding ops of 3-D/N-D inputs, their backward too: independent along dim 0 (the batch, or
+    the channels of an unbatched input), as the 2-D ones in the table."""
+    table = {
+        "adaptive_max_pool2d": _BatchMajor((0,), 2), "adaptive_max_pool2d_backward": _BatchMajor((0, 1, 2)),
+        "adaptive_max_pool3d": _BatchMajor((0,), 2), "adaptive_max_pool3d_backward": _BatchMajor((0, 1, 2)),
+        "_adaptive_avg_pool3d": _BatchMajor((0,)), "_adaptive_avg_pool3d_backward": _BatchMajor((0, 1)),
+        "avg_pool3d": _BatchMajor((0,)), "avg_pool3d_backward": _BatchMajor((0, 1)),
+        "max_pool3d_with_indices": _BatchMajor((0,), 2), "max_pool3d_with_indices_backward": _BatchMajor((0, 1, 7)),
+    }
+    for kind in ("reflection", "replication"):
+        for nd in (1, 2, 3):
+            table[f"{kind}_pad{nd}d"] = _BatchMajor((0,))
+            table[f"{kind}_pad{nd}d_backward"] = _BatchMajor((0, 1))
+    out = {}
+    for name, rule in table.items():
+        overload = getattr(getattr(aten, name, None), "default", None)
+        if overload is not None:
+            out[overload] = rule
+    return out
+
+
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     **_elementwise_rules(),
+    **_pools(),
+    aten.var_mean.correction: pair_of(aten.var.correction, reduction),
+    aten.std_mean.correction: pair_of(aten.var.correction, reduction),
+    aten.aminmax.default: pair_of(aten.amax.default, reduction),
     aten.log_sigmoid_forward.default: pointwise_multi,
     # views, as copies
     aten.alias_copy.default: identity,
@@ -1311,7 +1353,7 @@ def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], Rule
         return rule
     tags = getattr(node.target, "tags", ())
     if torch.Tag.pointwise in tags:
-        return pointwise
+        return pointwise_multi if isinstance(gmeta.val(node), (tuple, list)) else pointwise  # frexp: 2 outputs
     return None
 
 
