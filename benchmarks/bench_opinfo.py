@@ -103,6 +103,24 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def expected_failures(results: dict) -> dict:
+    """op -> setting -> {category, reason} for every setting whose worst outcome is gathers/refused/xfail."""
+    out: dict = {}
+    for k, r in sorted(results.items()):
+        for s in h.SETTINGS:
+            if s not in r:
+                continue
+            cat = worst(r, s)
+            if cat in ("supported", "bug"):
+                continue
+            reason = next(o["reason"] for o in r[s].values() if o["category"] == cat)
+            if cat == "gathers":
+                reason = ("mixes samples on this sample (the op on chunks of the batch differs): " if not r["independent"]
+                          else "keeps samples apart, but a rank gathers the batch (no rule keeps the shard): ") + reason
+            out.setdefault(k, {})[s] = {"category": cat, "reason": reason}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="", help="comma-separated OpInfo keys (name or name.variant); default all")
@@ -114,6 +132,8 @@ def main() -> int:
     ap.add_argument("--json", default="", help="write the per-op results here")
     ap.add_argument("--merge", nargs="*", default=None, help="only join these JSONs (pieces) and report")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--write-expected", default="", help="write the expected-failures list (op -> setting -> "
+                    "category and reason) of these results here (tests/opinfo_expected_failures.json)")
     args = ap.parse_args()
     # FakeTensorMode logs every meta kernel that rejects a shape (the sweep's independence check provokes them)
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -124,6 +144,9 @@ def main() -> int:
         print(report(results))
         if args.json:
             Path(args.json).write_text(json.dumps({"ops": results}, indent=1, sort_keys=True))
+        if args.write_expected:
+            Path(args.write_expected).write_text(json.dumps(expected_failures(results), indent=1, sort_keys=True)
+                                                 + "\n")
         return 0
     keys = list(h.ops_by_key())
     if args.ops:
