@@ -27,6 +27,7 @@ Each run ends in one category:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import traceback
 from typing import Any, Callable
@@ -67,14 +68,18 @@ def _leaves(sample: Any) -> tuple[list[Any], Any]:
     return compat.tree_flatten((sample.input, tuple(sample.args), dict(sample.kwargs)))
 
 
-def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12) -> Any | None:
+def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12, independent_first: bool = True) -> Any | None:
     """One of the op's first ``tries`` float32 CPU samples whose input is a tensor (or a list of them) with
-    dim 0 of size >= 3 and whose tensors hold at most ``max_numel`` elements each: the first whose input has
-    at least 2 dims and whose other tensors with that dim 0 have as many dims, else the first of 2 dims,
-    else the first; None if none is."""
+    dim 0 of size >= 3 and whose tensors hold at most ``max_numel`` elements each; None if none is.
+
+    Preferred, in order: a sample on which the op keeps samples independent (:func:`independent_samples`:
+    dim 0 is a batch there, as under DDP; with ``independent_first``), whose input has at least 2 dims and
+    whose other tensors with that dim 0 have as many dims (a ``(5,)`` broadcast against a ``(5, 1)`` would
+    be split on the dim it broadcasts along), none of them empty; then such a sample on which the op mixes samples; then one of
+    2 dims; then the first."""
     if torch.float32 not in op.supported_dtypes("cpu"):
         return None
-    fallback = None
+    ranked = []
     try:
         samples = op.sample_inputs("cpu", torch.float32, requires_grad=bool(op.supports_autograd))
         for i, s in enumerate(samples):
@@ -85,19 +90,20 @@ def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12) -> Any | None:
                 continue
             leaves, _ = _leaves(s)
             if all(t.numel() <= max_numel for t in leaves if isinstance(t, torch.Tensor)):
-                # preferred: a batch dim beside the others, and no batch-sized tensor of another rank (a
-                # (5,) broadcast against a (5, 1) would be split on the dim it broadcasts along)
                 aligned = all(t.dim() == first.dim() for t in leaves
                               if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == first.shape[0])
-                score = (first.dim() >= 2) + (first.dim() >= 2 and aligned)
-                if score == 2:
-                    return s
-                if fallback is None or score > fallback[0]:
-                    fallback = (score, s)
+                aligned = aligned and all(t.numel() > 0 for t in leaves if isinstance(t, torch.Tensor))
+                ranked.append(((first.dim() >= 2) + (first.dim() >= 2 and aligned), i, s))
     except Exception:
         pass
-    return fallback[1] if fallback else None
-
+    if not ranked:
+        return None
+    ranked.sort(key=lambda r: (-r[0], r[1]))
+    if independent_first:
+        for score, _, s in ranked[:6]:
+            if score == 2 and independent_samples(op, s):
+                return s
+    return ranked[0][2]
 
 
 class _Holder(nn.Module):
@@ -268,6 +274,9 @@ def independent_samples(op: Any, sample: Any, chunks: int = 2) -> bool:
         s, e = chunk_interval(bsz, chunks, c)
         pieces.append([t.detach()[s:e] if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == bsz
                        else t.detach() if isinstance(t, torch.Tensor) else t for t in leaves])
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # it logs every meta kernel that rejects a chunk's shapes
     try:
         # on fake tensors first: a CPU kernel given a chunk of a per-channel tensor (BatchNorm's running
         # statistics) may not check its shapes and write past the end; the meta kernels check them
@@ -282,6 +291,8 @@ def independent_samples(op: Any, sample: Any, chunks: int = 2) -> bool:
             parts = [compat.tree_leaves(fn(*compat.tree_unflatten(ls, spec))) for ls in pieces]
     except Exception:
         return False
+    finally:
+        fake_log.setLevel(level)
     for i, w in enumerate(whole):
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
             continue
