@@ -322,7 +322,7 @@ def slice_select_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def _is_full_slice(node: torch.fx.Node) -> bool:
-    size = shape(node.args[0])[node.args[1] % len(shape(node.args[0]))]
+    size = shape(node.args[0])[_arg(node, 1, "dim", 0) % len(shape(node.args[0]))]
     start = _arg(node, 2, "start", 0) or 0
     end = _arg(node, 3, "end", None)
     step = _arg(node, 4, "step", 1)
@@ -1116,6 +1116,26 @@ def diagonal_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(Shard(rest[p.dim]))
 
 
+def keeps_other_dims(dims_of: Callable[[torch.fx.Node], list[int]]) -> Callable:
+    """A rule for an op that mixes values only along the input dims ``dims_of(node)`` names (``tril`` along
+    the last two, ``glu`` along ``dim``, ``rot90`` along ``dims``) and keeps the shape elsewhere: a shard on
+    another dim stays; on one of those dims, gather. Its backward forms (grad first, same shape) too."""
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
+        nd = len(shape(node.args[0]))
+        shards = {p.dim for _, _, p in pls if isinstance(p, Shard)}
+        if not shards:
+            if any(isinstance(p, Partial) for _, _, p in pls):
+                return gather_all(node, pl, "a Partial input")
+            return RuleResult(R)
+        d = shards.pop()
+        if shards or d in [x % nd for x in dims_of(node)] or any(len(shape(a)) != nd for _, a, _ in pls):
+            return gather_all(node, pl, "it mixes values along the sharded dim")
+        return RuleResult(Shard(d), {path: Shard(d) for path, _, p in pls if p != Shard(d)})
+
+    return rule
+
+
 def pointwise_multi(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """An elementwise op with several outputs of its input's shape (``log_sigmoid_forward``'s output and
     buffer): every output laid out as :func:`pointwise` lays out one."""
@@ -1203,6 +1223,14 @@ def _pools() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     **_elementwise_rules(),
     **_pools(),
+    aten.rsub.Tensor: pointwise,
+    aten.rsub.Scalar: pointwise,
+    aten.zero.default: like_factory,
+    aten.tril.default: keeps_other_dims(lambda n: [-1, -2]),
+    aten.triu.default: keeps_other_dims(lambda n: [-1, -2]),
+    aten.glu.default: keeps_other_dims(lambda n: [_arg(n, 1, "dim", -1)]),
+    aten.glu_backward.default: keeps_other_dims(lambda n: [_arg(n, 2, "dim", -1)]),
+    aten.rot90.default: keeps_other_dims(lambda n: list(_arg(n, 2, "dims", [0, 1]))),
     aten.var_mean.correction: pair_of(aten.var.correction, reduction),
     aten.std_mean.correction: pair_of(aten.var.correction, reduction),
     aten.aminmax.default: pair_of(aten.amax.default, reduction),
