@@ -76,7 +76,7 @@ def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12, independent_fir
     dim 0 is a batch there, as under DDP; with ``independent_first``), whose input has at least 2 dims and
     whose other tensors with that dim 0 have as many dims (a ``(5,)`` broadcast against a ``(5, 1)`` would
     be split on the dim it broadcasts along), none of them empty; then such a sample on which the op mixes samples; then one of
-    2 dims; then the first."""
+    2 dims; then the first. Where no sample has dim 0 >= 3, :func:`_tiled_sample`."""
     if torch.float32 not in op.supported_dtypes("cpu"):
         return None
     ranked = []
@@ -97,13 +97,44 @@ def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12, independent_fir
     except Exception:
         pass
     if not ranked:
-        return None
+        return _tiled_sample(op, max_numel, tries)
     ranked.sort(key=lambda r: (-r[0], r[1]))
     if independent_first:
         for score, _, s in ranked[:6]:
             if score == 2 and independent_samples(op, s):
                 return s
     return ranked[0][2]
+
+
+def _tiled_sample(op: Any, max_numel: int, tries: int) -> Any | None:
+    """Where every sample's dim 0 is 1 or 2 (``layer_norm``'s, ``cross_entropy``'s): the first such sample
+    (of at least 2 dims first) that still runs eagerly with its tensors of that dim 0 repeated along dim 0
+    to 4 rows (a batch of copies of the sample's rows, so that 3 ranks each get some)."""
+    found = []
+    try:
+        for i, s in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=bool(op.supports_autograd))):
+            if i >= tries:
+                break
+            first = s.input[0] if isinstance(s.input, (list, tuple)) and s.input else s.input
+            if isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] in (1, 2):
+                found.append((first.dim() < 2, i, first.shape[0], s))
+    except Exception:
+        return None
+    for _, _, n, s in sorted(found, key=lambda f: f[:2]):
+        leaves, spec = _leaves(s)
+        tiled = [t.detach().repeat_interleave(4 // n, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0
+                 and t.shape[0] == n else t for t in leaves]
+        if any(isinstance(t, torch.Tensor) and t.numel() > max_numel for t in tiled):
+            continue
+        try:
+            inp, args, kwargs = compat.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
+                                                       for t in tiled], spec)
+            op.op(inp, *args, **kwargs)
+        except Exception:
+            continue
+        inp, args, kwargs = compat.tree_unflatten(tiled, spec)
+        return type(s)(inp, args=args, kwargs=kwargs)
+    return None
 
 
 class _Holder(nn.Module):
