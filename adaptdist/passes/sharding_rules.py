@@ -1220,7 +1220,77 @@ def _pools() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
     return out
 
 
+def batched_only(ndim: int, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """``rule`` where the first argument has ``ndim`` dims (a batch on dim 0); an unbatched input (dim 0 is
+    channels, which ``pixel_shuffle`` mixes) gathers."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        if len(shape(node.args[0])) != ndim:
+            return gather_all(node, pl, f"the input is not batched ({ndim} dims)")
+        return rule(node, pl)
+
+    apply.__doc__ = f"{rule.__doc__} (inputs of {ndim} dims only)"
+    return apply
+
+
+def _index_layout(node: torch.fx.Node, pl: PlacementOf) -> tuple[int, list[int]] | None:
+    """For ``index(x, indices)`` & co: the dim ``x`` is sharded on if it comes before every indexed dim (its
+    position in the output is then the same), and the positions of the index tensors; None otherwise."""
+    p = pl(node.args[0])
+    indices = node.args[1]
+    pos = [i for i, t in enumerate(indices) if t is not None]
+    if not isinstance(p, Shard) or not pos or p.dim >= min(pos):
+        return None
+    return p.dim, pos
+
+
+def index_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """index/_unsafe_index(x, [None, ..., idx, ...]): a shard of ``x`` on a dim before every indexed one stays
+    (``interpolate``'s gathers of rows by position); index tensors replicated. Other forms: None (DTensor's
+    strategies)."""
+    lay = _index_layout(node, pl)
+    if lay is None:
+        if isinstance(pl(node.args[0]), Shard):
+            return gather_all(node, pl, "the sharded dim is indexed (or after an indexed one)")
+        return None  # other forms (a replicated table indexed by sharded positions): DTensor's strategies
+    d, pos = lay
+    needs = {(1, j): R for j in pos if not isinstance(pl(node.args[1][j]), Replicate)}
+    return RuleResult(Shard(d), needs)
+
+
+def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """index_put/_unsafe_index_put(x, [None, ..., idx, ...], values, accumulate): with ``x`` and ``values``
+    sharded on the same dim before every indexed one (``interpolate``'s backward), each rank puts its rows;
+    index tensors replicated. Other forms: None (DTensor's strategies)."""
+    x, values = node.args[0], node.args[2]
+    px, pv = pl(x), pl(values)
+    pos = [i for i, t in enumerate(node.args[1]) if t is not None]
+    shard = px if isinstance(px, Shard) else pv if isinstance(pv, Shard) else None
+    idx_nd = max((len(shape(node.args[1][j])) for j in pos), default=0)
+    ok = (shard is not None and pos and shard.dim < min(pos)
+          and len(shape(values)) == len(shape(x)) - len(pos) + idx_nd
+          and all(isinstance(p, (Shard, Replicate)) for p in (px, pv)))
+    if not ok:
+        if isinstance(px, Shard):
+            return gather_all(node, pl, "the sharded dim is indexed (or after an indexed one)")
+        return None  # other forms: DTensor's strategies
+    d = shard.dim
+    needs: dict[ArgPath, Placement] = {}
+    for path, p in (((0,), px), ((2,), pv)):
+        if p != Shard(d):
+            needs[path] = Shard(d)
+    needs.update({(1, j): R for j in pos if not isinstance(pl(node.args[1][j]), Replicate)})
+    return RuleResult(Shard(d), needs)
+
+
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
+    aten.index.Tensor: index_tensor,
+    aten._unsafe_index.Tensor: index_tensor,
+    aten.index_put.default: index_put_tensor,
+    aten._unsafe_index_put.default: index_put_tensor,
+    aten.pixel_shuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.pixel_unshuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.channel_shuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.native_channel_shuffle.default: batched_only(4, _BatchMajor((0,))),
     **_elementwise_rules(),
     **_pools(),
     aten.rsub.Tensor: pointwise,
