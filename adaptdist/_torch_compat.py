@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 # torch's pytree helpers are private (torch.utils._pytree); everything else reaches them through here
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: F401 -- re-exported
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 -- re-exported
 
 
 def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
@@ -711,3 +711,22 @@ def compile_session():
     code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask
     after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one."""
     return torch.compiler._compile_session_context()
+def opinfo_db() -> list:
+    """torch's OpInfo database (``torch.testing._internal.common_methods_invocations.op_db``), the ops DTensor's
+    own op tests sweep: each entry's ``name``, ``variant_test_name``, ``op`` (the callable),
+    ``supported_dtypes(device)``, ``supports_autograd`` and ``sample_inputs(device, dtype, requires_grad=...)``.
+    Needs the ``expecttest`` package (the ``test`` extras)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return list(op_db)
+
+
+def fake_process_group(rank: int, world_size: int) -> None:
+    """Initialize the default process group on torch's fake backend
+    (``torch.testing._internal.distributed.fake_pg``): collectives return at once without moving data, so
+    one process can run DTensor code as rank ``rank`` of ``world_size`` (shapes and placements, not values).
+    Destroy it with ``torch.distributed.destroy_process_group()``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -324,7 +324,7 @@ def slice_select_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def _is_full_slice(node: torch.fx.Node) -> bool:
-    size = shape(node.args[0])[node.args[1] % len(shape(node.args[0]))]
+    size = shape(node.args[0])[_arg(node, 1, "dim", 0) % len(shape(node.args[0]))]
     start = _arg(node, 2, "start", 0) or 0
     end = _arg(node, 3, "end", None)
     step = _arg(node, 4, "step", 1)
@@ -926,7 +926,8 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
         acts = [i for i in range(min(reduction_pos, len(node.args))) if isinstance(node.args[i], torch.fx.Node)]
         grad_pos = 0 if backward else None
         act_pls = {i: pl(node.args[i]) for i in acts if i != grad_pos}
-        shards = {p.dim for p in act_pls.values() if isinstance(p, Shard)}
+        out_nd = max((len(shape(node.args[i])) for i in act_pls), default=0)
+        shards = {p.dim + out_nd - len(shape(node.args[i])) for i, p in act_pls.items() if isinstance(p, Shard)}
         needs: dict[ArgPath, Placement] = {}
         if not shards:
             for i in acts:
@@ -937,9 +938,12 @@ def loss_with_reduction(reduction_pos: int, backward: bool) -> Callable:
             return gather_all(node, pl, "inputs are sharded on different dims")
         d = shards.pop()
         for i, p in act_pls.items():
-            if not isinstance(p, Shard) and shape(node.args[i]) and len(shape(node.args[i])) > d and shape(node.args[i])[d] != 1:
-                needs[(i,)] = Shard(d)
-            elif isinstance(p, Partial):
+            ad = d - (out_nd - len(shape(node.args[i])))  # broadcasting aligns the trailing dims (a weight)
+            if isinstance(p, Shard) and p.dim == ad:
+                continue
+            if ad >= 0 and shape(node.args[i])[ad] != 1:
+                needs[(i,)] = Shard(ad)
+            elif not isinstance(p, Replicate):
                 needs[(i,)] = R
         if backward:
             g = pl(node.args[0])
@@ -1180,6 +1184,336 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 }
 
 
+# ---------------------------------------------------------------- op coverage (issue 14, part 1: "opinfo")
+# Rules for ops of torch's OpInfo database that had none of ours nor DTensor's (tests/test_opinfo_sweep.py,
+# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (Not
+# ``view_copy``/``expand_copy``: their size argument is global and localize_shapes rewrites only the views'.)
+
+
+class _AsOp:
+    """``node`` seen as a call of ``target`` (the view a ``*_copy`` op copies), for a rule reading
+    ``node.target``."""
+
+    def __init__(self, node: torch.fx.Node, target: Any):
+        self._node, self.target = node, target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._node, name)
+
+
+def as_op(target: Any, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """The rule of ``target`` applied to an op that computes the same values (``view_copy`` -> ``view``)."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        return rule(_AsOp(node, target), pl)  # type: ignore[arg-type]
+
+    apply.__doc__ = f"As {target}: {rule.__doc__}"
+    return apply
+
+
+def contraction(spec: str, bias: bool = False) -> Callable[[torch.fx.Node, PlacementOf], RuleResult]:
+    """A rule for a product written as an einsum ``spec`` over its tensor arguments in order (``"ij,j->i"``
+    for ``mv``), after a ``bias`` argument shaped (broadcast) like the output when ``bias`` (``addmv``,
+    ``addr``, ``addbmm``). A label sharded on one operand is sharded on all of them (a replicated operand is
+    sliced to match): a label of the output gives that output dim's shard, a contracted one a Partial sum
+    (no bias then: it would be added once per rank, so the inputs are gathered). One Partial operand times
+    replicated ones (no bias) stays Partial. Anything else gathers."""
+    ins_spec, out_spec = spec.split("->")
+    labels = ins_spec.split(",")
+
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        args = tensor_args(node)
+        b_arg, ops = (args[0], args[1:]) if bias else (None, args)
+        if len(ops) != len(labels) or any(len(shape(a)) != len(lab) for (_, a), lab in zip(ops, labels)):
+            return gather_all(node, pl, f"arguments do not match {spec}")
+        pls = [pl(a) for _, a in ops]
+        pb = pl(b_arg[1]) if b_arg else R
+        partial = [i for i, p in enumerate(pls) if isinstance(p, Partial)]
+        if partial:
+            if (len(partial) == 1 and all(isinstance(p, Replicate) for i, p in enumerate(pls) if i != partial[0])
+                    and not bias):
+                return RuleResult(P)
+            return gather_all(node, pl, "Partial operands")
+        sharded = {lab[p.dim] for (_, a), lab, p in zip(ops, labels, pls) if isinstance(p, Shard)}
+        if isinstance(pb, Shard):
+            k = pb.dim + len(out_spec) - len(shape(b_arg[1]))
+            if shape(b_arg[1])[pb.dim] != 1 and 0 <= k:
+                sharded.add(out_spec[k])
+        if len(sharded) != 1:
+            if not sharded and not isinstance(pb, Partial):
+                return RuleResult(R)
+            return gather_all(node, pl, "operands sharded on different labels")
+        label = sharded.pop()
+        needs: dict[ArgPath, Placement] = {}
+        for (path, a), lab, p in zip(ops, labels, pls):
+            want = Shard(lab.index(label)) if label in lab else R
+            if p != want:
+                needs[path] = want
+        if label not in out_spec:
+            if bias:
+                return gather_all(node, pl, "a contracted dim is sharded and a bias is added")
+            return RuleResult(P, needs)
+        od = out_spec.index(label)
+        if b_arg:
+            bshape = shape(b_arg[1])
+            bd = od - (len(out_spec) - len(bshape))
+            want = Shard(bd) if bd >= 0 and bshape[bd] != 1 else R
+            if pb != want:
+                needs[b_arg[0]] = want
+        return RuleResult(Shard(od), needs)
+
+    rule.__doc__ = f"{spec}{' plus a bias' if bias else ''}: see contraction()."
+    return rule
+
+
+def diagonal(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """diagonal(x, offset, dim1, dim2): a shard on another dim moves with it (the diagonal becomes the last dim)."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    d1, d2 = _arg(node, 2, "dim1", 0) % nd, _arg(node, 3, "dim2", 1) % nd
+    if p.dim in (d1, d2):
+        return gather_all(node, pl, "the diagonal is taken over the sharded dim")
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    return RuleResult(Shard(rest.index(p.dim)))
+
+
+def diagonal_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """diagonal_backward(grad, input_sizes, offset, dim1, dim2): zeros of ``input_sizes`` with ``grad`` on the
+    diagonal; a shard of grad's other dims carries over (its diagonal dim, the last, gathers)."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p if isinstance(p, Partial) else R)
+    nd = len(node.args[1])
+    d1, d2 = node.args[3] % nd, node.args[4] % nd
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    if p.dim >= len(rest):
+        return gather_all(node, pl, "the diagonal dim is sharded")
+    return RuleResult(Shard(rest[p.dim]))
+
+
+def keeps_other_dims(dims_of: Callable[[torch.fx.Node], list[int]]) -> Callable:
+    """A rule for an op that mixes values only along the input dims ``dims_of(node)`` names (``tril`` along
+    the last two, ``glu`` along ``dim``, ``rot90`` along ``dims``) and keeps the shape elsewhere: a shard on
+    another dim stays; on one of those dims, gather. Its backward forms (grad first, same shape) too."""
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
+        nd = len(shape(node.args[0]))
+        shards = {p.dim for _, _, p in pls if isinstance(p, Shard)}
+        if not shards:
+            if any(isinstance(p, Partial) for _, _, p in pls):
+                return gather_all(node, pl, "a Partial input")
+            return RuleResult(R)
+        d = shards.pop()
+        if shards or d in [x % nd for x in dims_of(node)] or any(len(shape(a)) != nd for _, a, _ in pls):
+            return gather_all(node, pl, "it mixes values along the sharded dim")
+        return RuleResult(Shard(d), {path: Shard(d) for path, _, p in pls if p != Shard(d)})
+
+    return rule
+
+
+def pointwise_multi(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """An elementwise op with several outputs of its input's shape (``log_sigmoid_forward``'s output and
+    buffer): every output laid out as :func:`pointwise` lays out one."""
+    v = gmeta.val(node)
+    if not all(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(v[0].shape) for o in v):
+        return gather_all(node, pl, "its outputs differ in shape")
+    out_nd = v[0].dim()
+    pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
+    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
+    if not sharded:
+        if any(not isinstance(p, Replicate) for _, _, p in pls):
+            return gather_all(node, pl, "a Partial input of a nonlinear op")
+        return RuleResult(tuple(R for _ in v))
+    d = max(sharded)[1]
+    needs: dict[ArgPath, Placement] = {}
+    for path, a, p in pls:
+        ad = d - (out_nd - len(shape(a)))
+        if isinstance(p, Shard) and p.dim == ad:
+            continue
+        if ad >= 0 and shape(a)[ad] != 1:
+            needs[path] = Shard(ad)
+        elif not isinstance(p, Replicate):
+            needs[path] = R
+    return RuleResult(tuple(Shard(d) for _ in v), needs)
+
+
+# elementwise ops (broadcasting) that torch does not tag ``pointwise``: activations and their backward
+_ELEMENTWISE = (
+    "elu", "elu_backward", "hardsigmoid", "hardsigmoid_backward", "hardswish", "hardswish_backward",
+    "hardtanh", "hardtanh_backward", "leaky_relu", "leaky_relu_backward", "log_sigmoid_backward",
+    "softplus", "softplus_backward", "hardshrink", "hardshrink_backward", "softshrink", "softshrink_backward",
+    "threshold", "threshold_backward", "gelu", "gelu_backward", "silu", "silu_backward", "mish",
+    "mish_backward", "sigmoid_backward", "tanh_backward", "logit_backward", "relu", "celu", "selu",
+    "floor_divide",
+)
+
+
+def _elementwise_rules() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
+    out = {}
+    for name in _ELEMENTWISE:
+        packet = getattr(aten, name, None)
+        overload = getattr(packet, "default", None) if packet is not None else None
+        if overload is not None:
+            out[overload] = pointwise
+    return out
+
+
+def pair_of(target: Any, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """Two outputs laid out as ``rule`` lays out ``target``'s one (``var_mean`` as ``var``, ``aminmax`` as
+    ``amax``); a Partial result (a reduction over the sharded dim) gathers instead: the second output
+    need not be linear."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        res = rule(_AsOp(node, target), pl)  # type: ignore[arg-type]
+        out = res.out
+        if isinstance(out, tuple) or isinstance(out, Partial):
+            return gather_all(node, pl, "it reduces over the sharded dim")
+        return RuleResult((out, out), res.needs)
+
+    apply.__doc__ = f"Two outputs as {target}'s one."
+    return apply
+
+
+def _pools() -> dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]]:
+    """Pooling and padding ops of 3-D/N-D inputs, their backward too: independent along dim 0 (the batch, or
+    the channels of an unbatched input), as the 2-D ones in the table."""
+    table = {
+        "adaptive_max_pool2d": _BatchMajor((0,), 2), "adaptive_max_pool2d_backward": _BatchMajor((0, 1, 2)),
+        "adaptive_max_pool3d": _BatchMajor((0,), 2), "adaptive_max_pool3d_backward": _BatchMajor((0, 1, 2)),
+        "_adaptive_avg_pool3d": _BatchMajor((0,)), "_adaptive_avg_pool3d_backward": _BatchMajor((0, 1)),
+        "avg_pool3d": _BatchMajor((0,)), "avg_pool3d_backward": _BatchMajor((0, 1)),
+        "max_pool3d_with_indices": _BatchMajor((0,), 2), "max_pool3d_with_indices_backward": _BatchMajor((0, 1, 7)),
+    }
+    for kind in ("reflection", "replication"):
+        for nd in (1, 2, 3):
+            table[f"{kind}_pad{nd}d"] = _BatchMajor((0,))
+            table[f"{kind}_pad{nd}d_backward"] = _BatchMajor((0, 1))
+    out = {}
+    for name, rule in table.items():
+        overload = getattr(getattr(aten, name, None), "default", None)
+        if overload is not None:
+            out[overload] = rule
+    return out
+
+
+def batched_only(ndim: int, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
+    """``rule`` where the first argument has ``ndim`` dims (a batch on dim 0); an unbatched input (dim 0 is
+    channels, which ``pixel_shuffle`` mixes) gathers."""
+    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+        if len(shape(node.args[0])) != ndim:
+            return gather_all(node, pl, f"the input is not batched ({ndim} dims)")
+        return rule(node, pl)
+
+    apply.__doc__ = f"{rule.__doc__} (inputs of {ndim} dims only)"
+    return apply
+
+
+def _index_layout(node: torch.fx.Node, pl: PlacementOf) -> tuple[int, list[int]] | None:
+    """For ``index(x, indices)`` & co: the dim ``x`` is sharded on if it comes before every indexed dim (its
+    position in the output is then the same), and the positions of the index tensors; None otherwise."""
+    p = pl(node.args[0])
+    indices = node.args[1]
+    pos = [i for i, t in enumerate(indices) if t is not None]
+    if not isinstance(p, Shard) or not pos or p.dim >= min(pos):
+        return None
+    return p.dim, pos
+
+
+def index_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """index/_unsafe_index(x, [None, ..., idx, ...]): a shard of ``x`` on a dim before every indexed one stays
+    (``interpolate``'s gathers of rows by position); index tensors replicated. Other forms: None (DTensor's
+    strategies)."""
+    lay = _index_layout(node, pl)
+    if lay is None:
+        if isinstance(pl(node.args[0]), Shard):
+            return gather_all(node, pl, "the sharded dim is indexed (or after an indexed one)")
+        return None  # other forms (a replicated table indexed by sharded positions): DTensor's strategies
+    d, pos = lay
+    needs = {(1, j): R for j in pos if not isinstance(pl(node.args[1][j]), Replicate)}
+    return RuleResult(Shard(d), needs)
+
+
+def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """index_put/_unsafe_index_put(x, [None, ..., idx, ...], values, accumulate): with ``x`` and ``values``
+    sharded on the same dim before every indexed one (``interpolate``'s backward), each rank puts its rows;
+    index tensors replicated. Other forms: None (DTensor's strategies)."""
+    x, values = node.args[0], node.args[2]
+    px, pv = pl(x), pl(values)
+    pos = [i for i, t in enumerate(node.args[1]) if t is not None]
+    shard = px if isinstance(px, Shard) else pv if isinstance(pv, Shard) else None
+    idx_nd = max((len(shape(node.args[1][j])) for j in pos), default=0)
+    ok = (shard is not None and pos and shard.dim < min(pos)
+          and len(shape(values)) == len(shape(x)) - len(pos) + idx_nd
+          and all(isinstance(p, (Shard, Replicate)) for p in (px, pv)))
+    if not ok:
+        if isinstance(px, Shard):
+            return gather_all(node, pl, "the sharded dim is indexed (or after an indexed one)")
+        return None  # other forms: DTensor's strategies
+    d = shard.dim
+    needs: dict[ArgPath, Placement] = {}
+    for path, p in (((0,), px), ((2,), pv)):
+        if p != Shard(d):
+            needs[path] = Shard(d)
+    needs.update({(1, j): R for j in pos if not isinstance(pl(node.args[1][j]), Replicate)})
+    return RuleResult(Shard(d), needs)
+
+
+_OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
+    aten.index.Tensor: index_tensor,
+    aten._unsafe_index.Tensor: index_tensor,
+    aten.index_put.default: index_put_tensor,
+    aten._unsafe_index_put.default: index_put_tensor,
+    aten.pixel_shuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.pixel_unshuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.channel_shuffle.default: batched_only(4, _BatchMajor((0,))),
+    aten.native_channel_shuffle.default: batched_only(4, _BatchMajor((0,))),
+    **_elementwise_rules(),
+    **_pools(),
+    aten.rsub.Tensor: pointwise,
+    aten.rsub.Scalar: pointwise,
+    aten.zero.default: like_factory,
+    aten.tril.default: keeps_other_dims(lambda n: [-1, -2]),
+    aten.triu.default: keeps_other_dims(lambda n: [-1, -2]),
+    aten.glu.default: keeps_other_dims(lambda n: [_arg(n, 1, "dim", -1)]),
+    aten.glu_backward.default: keeps_other_dims(lambda n: [_arg(n, 2, "dim", -1)]),
+    aten.rot90.default: keeps_other_dims(lambda n: list(_arg(n, 2, "dims", [0, 1]))),
+    aten.var_mean.correction: pair_of(aten.var.correction, reduction),
+    aten.std_mean.correction: pair_of(aten.var.correction, reduction),
+    aten.aminmax.default: pair_of(aten.amax.default, reduction),
+    aten.log_sigmoid_forward.default: pointwise_multi,
+    # views, as copies
+    aten.alias_copy.default: identity,
+    aten.detach_copy.default: identity,
+    aten.permute_copy.default: as_op(aten.permute.default, transpose),
+    aten.transpose_copy.int: as_op(aten.transpose.int, transpose),
+    aten.t_copy.default: as_op(aten.t.default, transpose),
+    aten.unsqueeze_copy.default: as_op(aten.unsqueeze.default, unsqueeze),
+    aten.squeeze_copy.dim: as_op(aten.squeeze.dim, squeeze),
+    aten.squeeze_copy.dims: as_op(aten.squeeze.dims, squeeze),
+    aten.squeeze_copy.default: as_op(aten.squeeze.default, squeeze),
+    aten.select_copy.int: as_op(aten.select.int, select_like),
+    aten.slice_copy.Tensor: as_op(aten.slice.Tensor, select_like),
+    aten.narrow_copy.default: as_op(aten.narrow.default, select_like),
+    aten.split_copy.Tensor: as_op(aten.split.Tensor, split),
+    aten.split_with_sizes_copy.default: as_op(aten.split_with_sizes.default, split),
+    aten.unbind_copy.int: as_op(aten.unbind.int, split),
+    aten.unsafe_split.Tensor: as_op(aten.split.Tensor, split),
+    aten.unsafe_split_with_sizes.default: as_op(aten.split_with_sizes.default, split),
+    aten.diagonal.default: diagonal,
+    aten.diagonal_copy.default: diagonal,
+    aten.diagonal_backward.default: diagonal_backward,
+    # products
+    aten.mv.default: contraction("ij,j->i"),
+    aten.addmv.default: contraction("ij,j->i", bias=True),
+    aten.dot.default: contraction("i,i->"),
+    aten.vdot.default: contraction("i,i->"),
+    aten.outer.default: contraction("i,j->ij"),
+    aten.addr.default: contraction("i,j->ij", bias=True),
+    aten.addbmm.default: contraction("bij,bjk->ik", bias=True),
+}
+RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
+
+
 # ---------------------------------------------------------------- DTensor's strategies, after ours
 
 
@@ -1256,6 +1590,8 @@ def dtensor_choice(node: torch.fx.Node, pl: PlacementOf, mesh_size: int) -> Rule
     for k, s in enumerate(strategies):
         if any(too_small(p, v) for p, v in zip(s.outputs, outs_val)):
             continue
+        if isinstance(val, (tuple, list)) and len(s.outputs) != len(outs_val):
+            continue  # a strategy stating fewer outputs than the op has (linalg_qr's)
         needs: dict[ArgPath, Placement] = {}
         cost = 0.0
         for (path, a), want in zip(args, s.inputs):
@@ -1291,7 +1627,7 @@ def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], Rule
         return rule
     tags = getattr(node.target, "tags", ())
     if torch.Tag.pointwise in tags:
-        return pointwise
+        return pointwise_multi if isinstance(gmeta.val(node), (tuple, list)) else pointwise  # frexp: 2 outputs
     return None
 
 
