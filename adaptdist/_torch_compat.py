@@ -711,6 +711,8 @@ def compile_session():
     code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask
     after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one."""
     return torch.compiler._compile_session_context()
+
+
 def opinfo_db() -> list:
     """torch's OpInfo database (``torch.testing._internal.common_methods_invocations.op_db``), the ops DTensor's
     own op tests sweep: each entry's ``name``, ``variant_test_name``, ``op`` (the callable),
