@@ -104,10 +104,14 @@ def test_ops_without_our_rule_take_the_dtensor_strategy_that_moves_least():
 @pytest.mark.parametrize("target, args", [(aten.native_dropout.default, (..., 0.5, True)),
                                           (aten.bernoulli.p, (..., 0.5)), (aten.rand_like.default, (...,))])
 def test_random_ops_never_draw_a_replicated_value_on_every_rank(target, args):
-    """Each rank drawing the whole replicated tensor would draw different numbers for one value: split."""
+    """Each rank drawing the whole replicated tensor would draw different numbers for one value: split, on dim 0
+    (the batch's, or the backend's rank dim) where it has rows, else on the largest dim."""
     n, _ = node(target, *args, val_shape=[4, 16], arg_shapes=[[4, 16]])
     res = run(n, [R])
     out = res.out[0] if isinstance(res.out, tuple) else res.out
-    assert out == Shard(1) and list(res.needs.values()) == [Shard(1)]
+    assert out == Shard(0) and list(res.needs.values()) == [Shard(0)]
+    one, _ = node(target, *args, val_shape=[1, 16], arg_shapes=[[1, 16]])
+    res = run(one, [R])
+    assert (res.out[0] if isinstance(res.out, tuple) else res.out) == Shard(1) and list(res.needs.values()) == [Shard(1)]
     res = run(n, [Shard(0)])
     assert (res.out[0] if isinstance(res.out, tuple) else res.out) == Shard(0) and not res.needs
