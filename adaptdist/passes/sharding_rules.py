@@ -1510,6 +1510,9 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.outer.default: contraction("i,j->ij"),
     aten.addr.default: contraction("i,j->ij", bias=True),
     aten.addbmm.default: contraction("bij,bjk->ik", bias=True),
+    # (opinfo2) ``new_empty_strided``'s size and strides are global and localize_shapes leaves them so: the
+    # empty tensor is replicated (a consumer sharded slices it), never laid out like its input
+    aten.new_empty_strided.default: new_factory,
 }
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
