@@ -1458,6 +1458,80 @@ def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
     return RuleResult(Shard(d), needs)
 
 
+def batched_core(*cores: int) -> Callable[[torch.fx.Node, PlacementOf], RuleResult | None]:
+    """(opinfo2) A rule for an op on a batch of matrices (``linalg.*``, ``cholesky``, ``_cdist_forward`` on
+    ``[*, n, n]``): argument ``i`` (positional) has ``cores[i]`` trailing core dims (2 for a matrix, 1 for a
+    vector of pivots or ``tau``; arguments past ``cores`` 2), the dims before them are batch dims that every
+    tensor argument and every output shares, and the op computes each batch entry from that entry alone. A
+    shard on a batch dim ``d`` then stays on ``d`` in every output (an empty output, such as ``_linalg_svd``'s
+    U without ``compute_uv``, is replicated); every other tensor argument is sharded on ``d`` too, or
+    replicated where it broadcasts (size 1) or is 0-dim. Other forms (a shard on a core dim, batch dims that
+    differ in number, a Partial input): None (DTensor's strategies, else refused)."""
+    def core_of(path: ArgPath) -> int:
+        return cores[path[0]] if path[0] < len(cores) else 2
+
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+        args = [(path, a, pl(a)) for path, a in tensor_args(node)]
+        if any(isinstance(p, Partial) for _, _, p in args):
+            return None
+        shards = {p.dim for _, _, p in args if isinstance(p, Shard)}
+        if not shards:
+            v = gmeta.val(node)
+            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+        if len(shards) != 1:
+            return None
+        d = shards.pop()
+        batched = [(path, a, p) for path, a, p in args if len(shape(a)) > 0]
+        nbs = {len(shape(a)) - core_of(path) for path, a, _ in batched}
+        if len(nbs) != 1 or d >= nbs.pop():
+            return None
+        size = next(shape(a)[d] for _, a, p in args if isinstance(p, Shard))
+        needs: dict[ArgPath, Placement] = {}
+        for path, a, p in args:
+            if not shape(a) or shape(a)[d] == 1:
+                want: Placement = R
+            elif shape(a)[d] == size:
+                want = Shard(d)
+            else:
+                return None
+            if p != want:
+                needs[path] = want
+        v = gmeta.val(node)
+        outs = []
+        for o in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(o, torch.Tensor) and o.dim() > d and o.shape[d] == size:
+                outs.append(Shard(d))
+            elif not isinstance(o, torch.Tensor) or o.numel() == 0:
+                outs.append(R)
+            else:
+                return None
+        return RuleResult(tuple(outs) if isinstance(v, (tuple, list)) else outs[0], needs)
+
+    rule.__doc__ = f"A batch of matrices (core dims per argument {cores}): see batched_core()."
+    return rule
+
+
+# (opinfo2) ops on a batch of matrices: aten op name -> core dims per positional argument (batched_core)
+_BATCHED_CORE = {
+    "cholesky": (2,), "cholesky_inverse": (2,), "linalg_cholesky_ex": (2,), "_linalg_svd": (2,),
+    "_linalg_eigh": (2,), "linalg_inv_ex": (2,), "linalg_ldl_factor_ex": (2,), "linalg_qr": (2,),
+    "linalg_lu_factor_ex": (2,), "linalg_lu": (2,), "geqrf": (2,), "_linalg_slogdet": (2,), "_linalg_det": (2,),
+    "linalg_matrix_exp": (2,), "lu_unpack": (2, 1), "linalg_householder_product": (2, 1),
+    "linalg_solve_triangular": (2, 2), "triangular_solve": (2, 2), "cholesky_solve": (2, 2),
+    "linalg_lu_solve": (2, 1, 2), "linalg_ldl_solve": (2, 1, 2), "ormqr": (2, 1, 2),
+    "_cdist_forward": (2, 2), "_cdist_backward": (2, 2, 2, 0, 2), "linalg_pinv": (2, 0, 0),
+}
+
+
+def _batched_core_rules() -> dict[Any, Callable]:
+    out = {}
+    for name, cores in _BATCHED_CORE.items():
+        packet = getattr(aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            out[getattr(packet, overload)] = batched_core(*cores)
+    return out
+
+
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.index.Tensor: index_tensor,
     aten._unsafe_index.Tensor: index_tensor,
@@ -1513,6 +1587,7 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     # (opinfo2) ``new_empty_strided``'s size and strides are global and localize_shapes leaves them so: the
     # empty tensor is replicated (a consumer sharded slices it), never laid out like its input
     aten.new_empty_strided.default: new_factory,
+    **_batched_core_rules(),
 }
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
