@@ -1474,24 +1474,27 @@ def batched_core(*cores: int) -> Callable[[torch.fx.Node, PlacementOf], RuleResu
         args = [(path, a, pl(a)) for path, a in tensor_args(node)]
         if any(isinstance(p, Partial) for _, _, p in args):
             return None
-        shards = {p.dim for _, _, p in args if isinstance(p, Shard)}
+        nbs = {path: len(shape(a)) - core_of(path) for path, a, _ in args if shape(a)}
+        if not nbs or min(nbs.values()) < 0:
+            return None
+        nb = max(nbs.values())  # batch dims broadcast right-aligned: arg ``path``'s dim k is batch dim k + lead
+        shards = {p.dim + nb - nbs[path] for path, _, p in args if isinstance(p, Shard) and path in nbs}
         if not shards:
+            if any(isinstance(p, Shard) for _, _, p in args):
+                return None
             v = gmeta.val(node)
             return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
-        if len(shards) != 1:
-            return None
         d = shards.pop()
-        batched = [(path, a, p) for path, a, p in args if len(shape(a)) > 0]
-        nbs = {len(shape(a)) - core_of(path) for path, a, _ in batched}
-        if len(nbs) != 1 or d >= nbs.pop():
+        if shards or any(isinstance(p, Shard) and p.dim >= nbs[path] for path, _, p in args):
             return None
-        size = next(shape(a)[d] for _, a, p in args if isinstance(p, Shard))
+        size = next(shape(a)[p.dim] for _, a, p in args if isinstance(p, Shard))
         needs: dict[ArgPath, Placement] = {}
         for path, a, p in args:
-            if not shape(a) or shape(a)[d] == 1:
+            ad = d - (nb - nbs.get(path, 0))
+            if path not in nbs or ad < 0 or shape(a)[ad] == 1:
                 want: Placement = R
-            elif shape(a)[d] == size:
-                want = Shard(d)
+            elif shape(a)[ad] == size:
+                want = Shard(ad)
             else:
                 return None
             if p != want:
