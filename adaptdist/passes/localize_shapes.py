@@ -50,6 +50,9 @@ _SHAPE_ARG = {
     aten.full.default: 0,
     aten.slice_backward.default: 1,
     aten.select_backward.default: 1,
+    aten.expand_copy.default: 1,  # (opinfo2)
+    aten.unfold_backward.default: 1,  # (opinfo2)
+    aten.masked_scatter_backward.default: 2,  # (opinfo2)
 }
 
 # Ops taking the batch size as an int argument: op -> arg position.

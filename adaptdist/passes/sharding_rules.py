@@ -318,7 +318,8 @@ def slice_select_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         d = p.dim + (1 if dim <= p.dim else 0)
     else:
         d = p.dim
-        if dim == d:
+        if dim == d and not (node.args[3] in (0, None) and node.args[4] >= node.args[1][dim]
+                             and _arg(node, 5, "step", 1) == 1):  # (opinfo2) a full slice: identity
             return gather_all(node, pl, "the slice is along the sharded dim")
     return RuleResult(Shard(d))
 
@@ -1514,6 +1515,111 @@ def batched_core(*cores: int) -> Callable[[torch.fx.Node, PlacementOf], RuleResu
     return rule
 
 
+def unfold(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) unfold(x, dim, size, step) and unfold_copy: windows along ``dim`` (its size becomes the
+    window count, a trailing dim of ``size`` is added); a shard on another dim stays. Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    if nd and p.dim == node.args[1] % nd:
+        return gather_all(node, pl, "it unfolds the sharded dim")
+    return RuleResult(p)
+
+
+def unfold_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) unfold_backward(grad, input_sizes, dim, size, step): a shard of grad on a dim of the input
+    other than ``dim`` carries over (``input_sizes`` is localized). Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(node.args[1])
+    if p.dim >= nd or (nd and p.dim == node.args[2] % nd):
+        return gather_all(node, pl, "the unfolded dim (or the window dim) is sharded")
+    return RuleResult(p)
+
+
+def diag_embed(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) diag_embed(x, offset, dim1, dim2): x's last dim becomes a diagonal on output dims
+    ``dim1``/``dim2``, its other dims fill the rest in order; a shard on one of those moves with it. Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    out_nd = nd + 1
+    d1, d2 = _arg(node, 2, "dim1", -2) % out_nd, _arg(node, 3, "dim2", -1) % out_nd
+    if p.dim == nd - 1:
+        return gather_all(node, pl, "the diagonal's dim is sharded")
+    rest = [k for k in range(out_nd) if k not in (d1, d2)]
+    return RuleResult(Shard(rest[p.dim]))
+
+
+def masked_scatter_scalar(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) masked_scatter(x, mask, source) with a 0-dim mask and ``source`` shaped as ``x``: the output
+    is ``source`` (mask true) or ``x``, elementwise, so laid out as :func:`pointwise` over x and source (the
+    mask replicated). Other forms (source elements taken in order across rows): None."""
+    x, mask, src = node.args[0], node.args[1], node.args[2]
+    if shape(mask) != () or shape(src) != shape(x) or not isinstance(pl(mask), Replicate):
+        return None
+    return pointwise(node, pl)
+
+
+def masked_scatter_backward_scalar(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) masked_scatter_backward(grad, mask, sizes) with a 0-dim mask and ``sizes`` grad's shape: grad
+    (mask true) or zeros, laid out like grad (``sizes`` is localized). Other forms: None."""
+    grad, mask = node.args[0], node.args[1]
+    if shape(mask) != () or tuple(node.args[2]) != shape(grad) or not isinstance(pl(mask), Replicate):
+        return None
+    p = pl(grad)
+    return RuleResult(p if not isinstance(p, Partial) else P)
+
+
+def resize_as_same(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) resize_as(x, template) where template has x's shape: x itself; the template (whose local
+    shape gives the result's) laid out as x. Other forms: None."""
+    x, t = node.args[0], node.args[1]
+    if shape(x) != shape(t):
+        return None
+    p = pl(x)
+    if isinstance(p, Partial):
+        return None
+    return RuleResult(p, {(1,): p} if pl(t) != p else {})
+
+
+def trilinear(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim) (``bilinear``): each
+    input unsqueezed at its ``expand`` dims, multiplied, summed over ``sumdim``. A dim sharded on every input
+    that has it (not unsqueezed there) is sharded in the output (Partial if summed); the inputs unsqueezed
+    there stay replicated. Anything else gathers."""
+    ins = [node.args[k] for k in range(3)]
+    expands = [sorted(node.args[3 + k]) for k in range(3)]
+    sumdim = list(node.args[6])
+    total = len(shape(ins[0])) + len(expands[0])
+
+    def real_dims(k: int) -> list[int]:  # expanded position of each of input k's own dims
+        return [e for e in range(total) if e not in expands[k]]
+
+    pls = [pl(a) for a in ins]
+    if any(isinstance(p, Partial) for p in pls):
+        return gather_all(node, pl, "a Partial input")
+    sharded = {real_dims(k)[p.dim] for k, p in enumerate(pls) if isinstance(p, Shard)}
+    if not sharded:
+        return RuleResult(R)
+    if len(sharded) != 1:
+        return gather_all(node, pl, "inputs sharded on different dims")
+    e = sharded.pop()
+    needs: dict[ArgPath, Placement] = {}
+    for k, a in enumerate(ins):
+        want = Shard(real_dims(k).index(e)) if e in real_dims(k) else R
+        if want != R and shape(a)[want.dim] == 1:
+            return gather_all(node, pl, "a sharded dim broadcasts")
+        if pls[k] != want:
+            needs[(k,)] = want
+    if e in sumdim:
+        return RuleResult(P, needs)
+    return RuleResult(Shard(e - sum(1 for d in sumdim if d < e)), needs)
+
+
 # (opinfo2) ops on a batch of matrices: aten op name -> core dims per positional argument (batched_core)
 _BATCHED_CORE = {
     "cholesky": (2,), "cholesky_inverse": (2,), "linalg_cholesky_ex": (2,), "_linalg_svd": (2,),
@@ -1591,6 +1697,17 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     # empty tensor is replicated (a consumer sharded slices it), never laid out like its input
     aten.new_empty_strided.default: new_factory,
     **_batched_core_rules(),
+    aten.unfold.default: unfold,
+    aten.unfold_copy.default: unfold,
+    aten.unfold_backward.default: unfold_backward,
+    aten.diag_embed.default: diag_embed,
+    aten.expand_copy.default: as_op(aten.expand.default, expand),
+    aten._prelu_kernel.default: pointwise,
+    aten._prelu_kernel_backward.default: pointwise_multi,
+    aten.masked_scatter.default: masked_scatter_scalar,
+    aten.masked_scatter_backward.default: masked_scatter_backward_scalar,
+    aten.resize_as.default: resize_as_same,
+    aten._trilinear.default: trilinear,
 }
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
