@@ -149,6 +149,9 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
         if size[p.dim] != -1:
             s, e = intervals[node]
             size[p.dim] = e - s
+            gv = node.meta.get("val")  # (opinfo2) global: a -1 elsewhere is ambiguous on a rank holding no rows
+            if e == s and isinstance(gv, torch.Tensor) and gv.dim() == len(size):
+                size = [int(gv.shape[k]) if v == -1 and k != p.dim else v for k, v in enumerate(size)]
             node.args = node.args[:pos] + (size,) + node.args[pos + 1:]
             changed = True
     local.recompile()

@@ -1620,6 +1620,47 @@ def trilinear(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     return RuleResult(Shard(e - sum(1 for d in sumdim if d < e)), needs)
 
 
+class _WithArgs(_AsOp):
+    """``node`` seen as a call of ``target`` with positional ``args``."""
+
+    def __init__(self, node: torch.fx.Node, target: Any, args: tuple):
+        super().__init__(node, target)
+        self.args = args
+
+
+def norm_dim(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) norm.ScalarOpt_dim(x, p, dim, keepdim): a (non-sum) reduction over ``dim``, as ``amax``."""
+    args = (node.args[0], _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False))
+    return reduction(_WithArgs(node, aten.amax.default, args), pl)  # type: ignore[arg-type]
+
+
+def renorm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) renorm(x, p, dim, maxnorm): each slice along ``dim`` rescaled by its own norm: a shard on
+    ``dim`` stays, on another dim gathers."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(R) if isinstance(p, Replicate) else gather_all(node, pl, "a Partial input")
+    if p.dim != node.args[2] % len(shape(node.args[0])):
+        return gather_all(node, pl, "each slice's norm spans the sharded dim")
+    return RuleResult(p)
+
+
+def chunk_cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) _chunk_cat(tensors, dim, num_chunks): the dims before ``dim`` are kept (each tensor's chunks
+    are concatenated behind them), so a shard there, on every tensor, stays. Otherwise gather."""
+    tensors = node.args[0]
+    nd = len(shape(tensors[0]))
+    dim = node.args[1] % nd if nd else 0
+    pls = [pl(t) for t in tensors]
+    if all(isinstance(p, Replicate) for p in pls):
+        return RuleResult(R)
+    shards = {p.dim for p in pls if isinstance(p, Shard)}
+    if len(shards) != 1 or any(isinstance(p, Partial) for p in pls) or shards.copy().pop() >= dim:
+        return gather_all(node, pl, "a shard on the chunked dims")
+    d = shards.pop()
+    return RuleResult(Shard(d), {(0, j): Shard(d) for j, p in enumerate(pls) if p != Shard(d)})
+
+
 # (opinfo2) ops on a batch of matrices: aten op name -> core dims per positional argument (batched_core)
 _BATCHED_CORE = {
     "cholesky": (2,), "cholesky_inverse": (2,), "linalg_cholesky_ex": (2,), "_linalg_svd": (2,),
@@ -1708,6 +1749,9 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.masked_scatter_backward.default: masked_scatter_backward_scalar,
     aten.resize_as.default: resize_as_same,
     aten._trilinear.default: trilinear,
+    aten.norm.ScalarOpt_dim: norm_dim,
+    aten.renorm.default: renorm,
+    aten._chunk_cat.default: chunk_cat,
 }
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
