@@ -474,14 +474,42 @@ def check_programs(progs: dict, case: Case, world_size: int) -> str:
 
 
 def _collectives(progs: dict) -> tuple[str, ...]:
+    """The collective kinds the programs issue; an all_gather that feeds nothing but the gradients of
+    replicated tangents (``grad:t<k>``, the op's own output gathered because this harness made the tangent
+    of an output whose dim 0 is not the batch a replicated parameter; a model consumes that output as it
+    lies) is ``all_gather(tangent grad)``, which does not count as gathering the batch."""
     kinds = set()
     for p in progs.values():
-        for n in p.graph_module.graph.nodes:
+        graph = p.graph_module.graph
+        out = graph.output_node()
+        roles = list(p.output_roles)
+        tangent_only = {a for a, r in zip(out.args[0], roles) if isinstance(r, str) and r.startswith("grad:t")}
+        other = {a for a, r in zip(out.args[0], roles) if not (isinstance(r, str) and r.startswith("grad:t"))}
+        for n in graph.nodes:
             if n.op == "call_function":
                 k = compat.functional_collective_kind(n.target)
                 if k not in (None, "wait"):
+                    if k == "all_gather" and _feeds_only(n, tangent_only, other, out):
+                        k = "all_gather(tangent grad)"
                     kinds.add(k)
     return tuple(sorted(kinds))
+
+
+def _feeds_only(node: Any, tangent_only: set, other: set, out: Any) -> bool:
+    """Whether every path from ``node`` to the graph's output ends at an output in ``tangent_only``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u is out:
+                if n in other or n not in tangent_only:
+                    return False
+            else:
+                todo.append(u)
+    return True
 
 
 def run_op(op: Any, world_sizes: tuple[int, ...] = (2, 3), settings: tuple[str, ...] = SETTINGS,
