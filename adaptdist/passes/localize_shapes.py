@@ -51,6 +51,7 @@ _SHAPE_ARG = {
     aten.slice_backward.default: 1,
     aten.select_backward.default: 1,
     aten.expand_copy.default: 1,  # (opinfo2)
+    aten.view_copy.default: 1,  # (opinfo2)
     aten.unfold_backward.default: 1,  # (opinfo2)
     aten.masked_scatter_backward.default: 2,  # (opinfo2)
 }
@@ -274,7 +275,7 @@ def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: in
     return chunk_interval(size, ctx.axis_size, rank)
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default}
 
 
 class _FakeProp(torch.fx.Interpreter):

@@ -1187,8 +1187,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 
 # ---------------------------------------------------------------- op coverage (issue 14, part 1: "opinfo")
 # Rules for ops of torch's OpInfo database that had none of ours nor DTensor's (tests/test_opinfo_sweep.py,
-# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (Not
-# ``view_copy``/``expand_copy``: their size argument is global and localize_shapes rewrites only the views'.)
+# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (``view_copy``/
+# ``expand_copy`` too: localize_shapes rewrites their global size argument as the views'.) Rules marked
+# (opinfo2): batches of matrices (linalg), unfold, diag_embed, prelu, bilinear, and others the sweep found.
 
 
 class _AsOp:
@@ -1743,6 +1744,7 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.unfold_backward.default: unfold_backward,
     aten.diag_embed.default: diag_embed,
     aten.expand_copy.default: as_op(aten.expand.default, expand),
+    aten.view_copy.default: as_op(aten.view.default, view),
     aten._prelu_kernel.default: pointwise,
     aten._prelu_kernel_backward.default: pointwise_multi,
     aten.masked_scatter.default: masked_scatter_scalar,
