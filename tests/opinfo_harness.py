@@ -100,23 +100,31 @@ def pick_sample(op: Any, max_numel: int = 2048, tries: int = 12, independent_fir
         return _tiled_sample(op, max_numel, tries)
     ranked.sort(key=lambda r: (-r[0], r[1]))
     if independent_first:
-        for score, _, s in ranked[:6]:
+        for score, _, s in ranked:
             if score == 2 and independent_samples(op, s):
                 return s
+        tiled = _tiled_sample(op, max_numel, tries, min_dim=3, independent=True)
+        if tiled is not None:  # a batch of matrices ([2, 5, 5] -> [4, 5, 5]) where dim 0 of the others is a row
+            return tiled
     return ranked[0][2]
 
 
-def _tiled_sample(op: Any, max_numel: int, tries: int) -> Any | None:
+def _tiled_sample(op: Any, max_numel: int, tries: int, min_dim: int = 1, independent: bool = False) -> Any | None:
     """Where every sample's dim 0 is 1 or 2 (``layer_norm``'s, ``cross_entropy``'s): the first such sample
     (of at least 2 dims first) that still runs eagerly with its tensors of that dim 0 repeated along dim 0
-    to 4 rows (a batch of copies of the sample's rows, so that 3 ranks each get some)."""
+    to 4 rows (a batch of copies of the sample's rows, so that 3 ranks each get some). Only samples whose
+    first input has at least ``min_dim`` dims and no empty tensor (``linalg.*``'s batches of 2 matrices,
+    where the samples of dim 0 >= 3 are single matrices), and with ``independent`` only one on which the op
+    keeps samples independent (:func:`independent_samples`)."""
     found = []
     try:
         for i, s in enumerate(op.sample_inputs("cpu", torch.float32, requires_grad=bool(op.supports_autograd))):
             if i >= tries:
                 break
             first = s.input[0] if isinstance(s.input, (list, tuple)) and s.input else s.input
-            if isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] in (1, 2):
+            if isinstance(first, torch.Tensor) and first.dim() >= min_dim and first.shape[0] in (1, 2):
+                if min_dim > 1 and any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in _leaves(s)[0]):
+                    continue
                 found.append((first.dim() < 2, i, first.shape[0], s))
     except Exception:
         return None
@@ -133,7 +141,10 @@ def _tiled_sample(op: Any, max_numel: int, tries: int) -> Any | None:
         except Exception:
             continue
         inp, args, kwargs = compat.tree_unflatten(tiled, spec)
-        return type(s)(inp, args=args, kwargs=kwargs)
+        out = type(s)(inp, args=args, kwargs=kwargs)
+        if independent and not independent_samples(op, out):
+            continue
+        return out
     return None
 
 
@@ -463,14 +474,42 @@ def check_programs(progs: dict, case: Case, world_size: int) -> str:
 
 
 def _collectives(progs: dict) -> tuple[str, ...]:
+    """The collective kinds the programs issue; an all_gather that feeds nothing but the gradients of
+    replicated tangents (``grad:t<k>``, the op's own output gathered because this harness made the tangent
+    of an output whose dim 0 is not the batch a replicated parameter; a model consumes that output as it
+    lies) is ``all_gather(tangent grad)``, which does not count as gathering the batch."""
     kinds = set()
     for p in progs.values():
-        for n in p.graph_module.graph.nodes:
+        graph = p.graph_module.graph
+        out = graph.output_node()
+        roles = list(p.output_roles)
+        tangent_only = {a for a, r in zip(out.args[0], roles) if isinstance(r, str) and r.startswith("grad:t")}
+        other = {a for a, r in zip(out.args[0], roles) if not (isinstance(r, str) and r.startswith("grad:t"))}
+        for n in graph.nodes:
             if n.op == "call_function":
                 k = compat.functional_collective_kind(n.target)
                 if k not in (None, "wait"):
+                    if k == "all_gather" and _feeds_only(n, tangent_only, other, out):
+                        k = "all_gather(tangent grad)"
                     kinds.add(k)
     return tuple(sorted(kinds))
+
+
+def _feeds_only(node: Any, tangent_only: set, other: set, out: Any) -> bool:
+    """Whether every path from ``node`` to the graph's output ends at an output in ``tangent_only``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u is out:
+                if n in other or n not in tangent_only:
+                    return False
+            else:
+                todo.append(u)
+    return True
 
 
 def run_op(op: Any, world_sizes: tuple[int, ...] = (2, 3), settings: tuple[str, ...] = SETTINGS,

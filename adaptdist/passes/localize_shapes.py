@@ -50,6 +50,10 @@ _SHAPE_ARG = {
     aten.full.default: 0,
     aten.slice_backward.default: 1,
     aten.select_backward.default: 1,
+    aten.expand_copy.default: 1,  # (opinfo2)
+    aten.view_copy.default: 1,  # (opinfo2)
+    aten.unfold_backward.default: 1,  # (opinfo2)
+    aten.masked_scatter_backward.default: 2,  # (opinfo2)
 }
 
 # Ops taking the batch size as an int argument: op -> arg position.
@@ -146,6 +150,9 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
         if size[p.dim] != -1:
             s, e = intervals[node]
             size[p.dim] = e - s
+            gv = node.meta.get("val")  # (opinfo2) global: a -1 elsewhere is ambiguous on a rank holding no rows
+            if e == s and isinstance(gv, torch.Tensor) and gv.dim() == len(size):
+                size = [int(gv.shape[k]) if v == -1 and k != p.dim else v for k, v in enumerate(size)]
             node.args = node.args[:pos] + (size,) + node.args[pos + 1:]
             changed = True
     local.recompile()
@@ -268,7 +275,7 @@ def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: in
     return chunk_interval(size, ctx.axis_size, rank)
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default}
 
 
 class _FakeProp(torch.fx.Interpreter):

@@ -71,8 +71,8 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             try:
                 res = (_follow_hint(node, ctx.node_hints.get(node.name), seen_as, ctx.axis_size)
                        or apply_rule(node, seen_as, ctx.axis_size))
-            except UnsupportedOpError:
-                if not ctx.replicate_fallback or rule_for(node) is not None:
+            except UnsupportedOpError as e:
+                if not ctx.replicate_fallback or (rule_for(node) is not None and not getattr(e, "no_strategy", False)):
                     raise
                 res = gather_all(node, seen_as, "no sharding rule (replicate fallback)")
                 fallbacks.append(f"{node.name} ({node.target})")

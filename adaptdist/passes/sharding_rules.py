@@ -323,7 +323,8 @@ def slice_select_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         d = p.dim + (1 if dim <= p.dim else 0)
     else:
         d = p.dim
-        if dim == d:
+        if dim == d and not (node.args[3] in (0, None) and node.args[4] >= node.args[1][dim]
+                             and _arg(node, 5, "step", 1) == 1):  # (opinfo2) a full slice: identity
             return gather_all(node, pl, "the slice is along the sharded dim")
     return RuleResult(Shard(d))
 
@@ -1191,8 +1192,9 @@ RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 
 # ---------------------------------------------------------------- op coverage (issue 14, part 1: "opinfo")
 # Rules for ops of torch's OpInfo database that had none of ours nor DTensor's (tests/test_opinfo_sweep.py,
-# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (Not
-# ``view_copy``/``expand_copy``: their size argument is global and localize_shapes rewrites only the views'.)
+# benchmarks/bench_opinfo.py): the ``*_copy`` forms of views, matrix-vector products, diagonals. (``view_copy``/
+# ``expand_copy`` too: localize_shapes rewrites their global size argument as the views'.) Rules marked
+# (opinfo2): batches of matrices (linalg), unfold, diag_embed, prelu, bilinear, and others the sweep found.
 
 
 class _AsOp:
@@ -1463,6 +1465,229 @@ def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
     return RuleResult(Shard(d), needs)
 
 
+def batched_core(*cores: int) -> Callable[[torch.fx.Node, PlacementOf], RuleResult | None]:
+    """(opinfo2) A rule for an op on a batch of matrices (``linalg.*``, ``cholesky``, ``_cdist_forward`` on
+    ``[*, n, n]``): argument ``i`` (positional) has ``cores[i]`` trailing core dims (2 for a matrix, 1 for a
+    vector of pivots or ``tau``; arguments past ``cores`` 2), the dims before them are batch dims that every
+    tensor argument and every output shares, and the op computes each batch entry from that entry alone. A
+    shard on a batch dim ``d`` then stays on ``d`` in every output (an empty output, such as ``_linalg_svd``'s
+    U without ``compute_uv``, is replicated); every other tensor argument is sharded on ``d`` too, or
+    replicated where it broadcasts (size 1) or is 0-dim. Other forms (a shard on a core dim, batch dims that
+    differ in number, a Partial input): None (DTensor's strategies, else refused)."""
+    def core_of(path: ArgPath) -> int:
+        return cores[path[0]] if path[0] < len(cores) else 2
+
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+        args = [(path, a, pl(a)) for path, a in tensor_args(node)]
+        if any(isinstance(p, Partial) for _, _, p in args):
+            return None
+        nbs = {path: len(shape(a)) - core_of(path) for path, a, _ in args if shape(a)}
+        if not nbs or min(nbs.values()) < 0:
+            return None
+        nb = max(nbs.values())  # batch dims broadcast right-aligned: arg ``path``'s dim k is batch dim k + lead
+        shards = {p.dim + nb - nbs[path] for path, _, p in args if isinstance(p, Shard) and path in nbs}
+        if not shards:
+            if any(isinstance(p, Shard) for _, _, p in args):
+                return None
+            v = gmeta.val(node)
+            return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+        d = shards.pop()
+        if shards or any(isinstance(p, Shard) and p.dim >= nbs[path] for path, _, p in args):
+            return None
+        size = next(shape(a)[p.dim] for _, a, p in args if isinstance(p, Shard))
+        needs: dict[ArgPath, Placement] = {}
+        for path, a, p in args:
+            ad = d - (nb - nbs.get(path, 0))
+            if path not in nbs or ad < 0 or shape(a)[ad] == 1:
+                want: Placement = R
+            elif shape(a)[ad] == size:
+                want = Shard(ad)
+            else:
+                return None
+            if p != want:
+                needs[path] = want
+        v = gmeta.val(node)
+        outs = []
+        for o in (v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(o, torch.Tensor) and o.dim() > d and o.shape[d] == size:
+                outs.append(Shard(d))
+            elif not isinstance(o, torch.Tensor) or o.numel() == 0:
+                outs.append(R)
+            else:
+                return None
+        return RuleResult(tuple(outs) if isinstance(v, (tuple, list)) else outs[0], needs)
+
+    rule.__doc__ = f"A batch of matrices (core dims per argument {cores}): see batched_core()."
+    return rule
+
+
+def unfold(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) unfold(x, dim, size, step) and unfold_copy: windows along ``dim`` (its size becomes the
+    window count, a trailing dim of ``size`` is added); a shard on another dim stays. Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    if nd and p.dim == node.args[1] % nd:
+        return gather_all(node, pl, "it unfolds the sharded dim")
+    return RuleResult(p)
+
+
+def unfold_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) unfold_backward(grad, input_sizes, dim, size, step): a shard of grad on a dim of the input
+    other than ``dim`` carries over (``input_sizes`` is localized). Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(node.args[1])
+    if p.dim >= nd or (nd and p.dim == node.args[2] % nd):
+        return gather_all(node, pl, "the unfolded dim (or the window dim) is sharded")
+    return RuleResult(p)
+
+
+def diag_embed(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) diag_embed(x, offset, dim1, dim2): x's last dim becomes a diagonal on output dims
+    ``dim1``/``dim2``, its other dims fill the rest in order; a shard on one of those moves with it. Linear."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(p)
+    nd = len(shape(node.args[0]))
+    out_nd = nd + 1
+    d1, d2 = _arg(node, 2, "dim1", -2) % out_nd, _arg(node, 3, "dim2", -1) % out_nd
+    if p.dim == nd - 1:
+        return gather_all(node, pl, "the diagonal's dim is sharded")
+    rest = [k for k in range(out_nd) if k not in (d1, d2)]
+    return RuleResult(Shard(rest[p.dim]))
+
+
+def masked_scatter_scalar(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) masked_scatter(x, mask, source) with a 0-dim mask and ``source`` shaped as ``x``: the output
+    is ``source`` (mask true) or ``x``, elementwise, so laid out as :func:`pointwise` over x and source (the
+    mask replicated). Other forms (source elements taken in order across rows): None."""
+    x, mask, src = node.args[0], node.args[1], node.args[2]
+    if shape(mask) != () or shape(src) != shape(x) or not isinstance(pl(mask), Replicate):
+        return None
+    return pointwise(node, pl)
+
+
+def masked_scatter_backward_scalar(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) masked_scatter_backward(grad, mask, sizes) with a 0-dim mask and ``sizes`` grad's shape: grad
+    (mask true) or zeros, laid out like grad (``sizes`` is localized). Other forms: None."""
+    grad, mask = node.args[0], node.args[1]
+    if shape(mask) != () or tuple(node.args[2]) != shape(grad) or not isinstance(pl(mask), Replicate):
+        return None
+    p = pl(grad)
+    return RuleResult(p if not isinstance(p, Partial) else P)
+
+
+def resize_as_same(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo2) resize_as(x, template) where template has x's shape: x itself; the template (whose local
+    shape gives the result's) laid out as x. Other forms: None."""
+    x, t = node.args[0], node.args[1]
+    if shape(x) != shape(t):
+        return None
+    p = pl(x)
+    if isinstance(p, Partial):
+        return None
+    return RuleResult(p, {(1,): p} if pl(t) != p else {})
+
+
+def trilinear(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim) (``bilinear``): each
+    input unsqueezed at its ``expand`` dims, multiplied, summed over ``sumdim``. A dim sharded on every input
+    that has it (not unsqueezed there) is sharded in the output (Partial if summed); the inputs unsqueezed
+    there stay replicated. Anything else gathers."""
+    ins = [node.args[k] for k in range(3)]
+    expands = [sorted(node.args[3 + k]) for k in range(3)]
+    sumdim = list(node.args[6])
+    total = len(shape(ins[0])) + len(expands[0])
+
+    def real_dims(k: int) -> list[int]:  # expanded position of each of input k's own dims
+        return [e for e in range(total) if e not in expands[k]]
+
+    pls = [pl(a) for a in ins]
+    if any(isinstance(p, Partial) for p in pls):
+        return gather_all(node, pl, "a Partial input")
+    sharded = {real_dims(k)[p.dim] for k, p in enumerate(pls) if isinstance(p, Shard)}
+    if not sharded:
+        return RuleResult(R)
+    if len(sharded) != 1:
+        return gather_all(node, pl, "inputs sharded on different dims")
+    e = sharded.pop()
+    needs: dict[ArgPath, Placement] = {}
+    for k, a in enumerate(ins):
+        want = Shard(real_dims(k).index(e)) if e in real_dims(k) else R
+        if want != R and shape(a)[want.dim] == 1:
+            return gather_all(node, pl, "a sharded dim broadcasts")
+        if pls[k] != want:
+            needs[(k,)] = want
+    if e in sumdim:
+        return RuleResult(P, needs)
+    return RuleResult(Shard(e - sum(1 for d in sumdim if d < e)), needs)
+
+
+class _WithArgs(_AsOp):
+    """``node`` seen as a call of ``target`` with positional ``args``."""
+
+    def __init__(self, node: torch.fx.Node, target: Any, args: tuple):
+        super().__init__(node, target)
+        self.args = args
+
+
+def norm_dim(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) norm.ScalarOpt_dim(x, p, dim, keepdim): a (non-sum) reduction over ``dim``, as ``amax``."""
+    args = (node.args[0], _arg(node, 2, "dim", None), _arg(node, 3, "keepdim", False))
+    return reduction(_WithArgs(node, aten.amax.default, args), pl)  # type: ignore[arg-type]
+
+
+def renorm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) renorm(x, p, dim, maxnorm): each slice along ``dim`` rescaled by its own norm: a shard on
+    ``dim`` stays, on another dim gathers."""
+    p = pl(node.args[0])
+    if not isinstance(p, Shard):
+        return RuleResult(R) if isinstance(p, Replicate) else gather_all(node, pl, "a Partial input")
+    if p.dim != node.args[2] % len(shape(node.args[0])):
+        return gather_all(node, pl, "each slice's norm spans the sharded dim")
+    return RuleResult(p)
+
+
+def chunk_cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo2) _chunk_cat(tensors, dim, num_chunks): the dims before ``dim`` are kept (each tensor's chunks
+    are concatenated behind them), so a shard there, on every tensor, stays. Otherwise gather."""
+    tensors = node.args[0]
+    nd = len(shape(tensors[0]))
+    dim = node.args[1] % nd if nd else 0
+    pls = [pl(t) for t in tensors]
+    if all(isinstance(p, Replicate) for p in pls):
+        return RuleResult(R)
+    shards = {p.dim for p in pls if isinstance(p, Shard)}
+    if len(shards) != 1 or any(isinstance(p, Partial) for p in pls) or shards.copy().pop() >= dim:
+        return gather_all(node, pl, "a shard on the chunked dims")
+    d = shards.pop()
+    return RuleResult(Shard(d), {(0, j): Shard(d) for j, p in enumerate(pls) if p != Shard(d)})
+
+
+# (opinfo2) ops on a batch of matrices: aten op name -> core dims per positional argument (batched_core)
+_BATCHED_CORE = {
+    "cholesky": (2,), "cholesky_inverse": (2,), "linalg_cholesky_ex": (2,), "_linalg_svd": (2,),
+    "_linalg_eigh": (2,), "linalg_inv_ex": (2,), "linalg_ldl_factor_ex": (2,), "linalg_qr": (2,),
+    "linalg_lu_factor_ex": (2,), "linalg_lu": (2,), "geqrf": (2,), "_linalg_slogdet": (2,), "_linalg_det": (2,),
+    "linalg_matrix_exp": (2,), "lu_unpack": (2, 1), "linalg_householder_product": (2, 1),
+    "linalg_solve_triangular": (2, 2), "triangular_solve": (2, 2), "cholesky_solve": (2, 2),
+    "linalg_lu_solve": (2, 1, 2), "linalg_ldl_solve": (2, 1, 2), "ormqr": (2, 1, 2),
+    "_cdist_forward": (2, 2), "_cdist_backward": (2, 2, 2, 0, 2), "linalg_pinv": (2, 0, 0),
+}
+
+
+def _batched_core_rules() -> dict[Any, Callable]:
+    out = {}
+    for name, cores in _BATCHED_CORE.items():
+        packet = getattr(aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            out[getattr(packet, overload)] = batched_core(*cores)
+    return out
+
+
 _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.index.Tensor: index_tensor,
     aten._unsafe_index.Tensor: index_tensor,
@@ -1515,6 +1740,25 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
     aten.outer.default: contraction("i,j->ij"),
     aten.addr.default: contraction("i,j->ij", bias=True),
     aten.addbmm.default: contraction("bij,bjk->ik", bias=True),
+    # (opinfo2) ``new_empty_strided``'s size and strides are global and localize_shapes leaves them so: the
+    # empty tensor is replicated (a consumer sharded slices it), never laid out like its input
+    aten.new_empty_strided.default: new_factory,
+    **_batched_core_rules(),
+    aten.unfold.default: unfold,
+    aten.unfold_copy.default: unfold,
+    aten.unfold_backward.default: unfold_backward,
+    aten.diag_embed.default: diag_embed,
+    aten.expand_copy.default: as_op(aten.expand.default, expand),
+    aten.view_copy.default: as_op(aten.view.default, view),
+    aten._prelu_kernel.default: pointwise,
+    aten._prelu_kernel_backward.default: pointwise_multi,
+    aten.masked_scatter.default: masked_scatter_scalar,
+    aten.masked_scatter_backward.default: masked_scatter_backward_scalar,
+    aten.resize_as.default: resize_as_same,
+    aten._trilinear.default: trilinear,
+    aten.norm.ScalarOpt_dim: norm_dim,
+    aten.renorm.default: renorm,
+    aten._chunk_cat.default: chunk_cat,
 }
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
@@ -1665,4 +1909,6 @@ def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> Rule
     res = dtensor_choice(node, pl, mesh_size)
     if res is not None:
         return res
-    raise unsupported(node, pl, "no sharding rule is registered for this op, and DTensor has no strategy for it")
+    err = unsupported(node, pl, "no sharding rule is registered for this op, and DTensor has no strategy for it")
+    err.no_strategy = True  # (opinfo2) a rule of ours that leaves this form to DTensor: the replicate fallback may run it
+    raise err
