@@ -25,3 +25,32 @@ def skipped_frame_worker(by_name: bool, timeout_s: float = 60.0) -> str:
         return ""
     finally:
         dist.destroy_process_group()
+
+
+class CumulativeBatchNorm(torch.nn.Module):
+    """A conv net whose BatchNorm keeps a cumulative average (``momentum=None``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4, momentum=None)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def bn_cumulative_worker(batch_norm: str, timeout_s: float = 60.0) -> str:
+    """One step of :class:`CumulativeBatchNorm` through the backend; returns the error text ("" if it trained)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        torch.manual_seed(0)
+        compiled = torch.compile(CumulativeBatchNorm(), backend=adaptdist.backend(plan="dp", batch_norm=batch_norm))
+        try:
+            compiled(torch.randn(2, 2, 5, 5)).sum().backward()
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            return f"{type(e).__name__}: {e}"
+        return ""
+    finally:
+        dist.destroy_process_group()

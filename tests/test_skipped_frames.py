@@ -10,7 +10,7 @@ import torch
 import adaptdist
 from adaptdist.models.zoo import TopKMoE
 from adaptdist.runtime.launch import launch_local
-from skipped_frame_workers import skipped_frame_worker
+from skipped_frame_workers import bn_cumulative_worker, skipped_frame_worker
 
 
 @pytest.mark.timeout(300)
@@ -29,3 +29,15 @@ def test_one_rank_trains_a_skipped_frame_eagerly():
     want = model(x).sum()
     got = torch.compile(model, backend=adaptdist.backend(plan="dp"))(x).sum()
     assert got.item() == pytest.approx(want.item(), abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch_norm", ["local", "sync"])
+def test_batch_norm_broken_by_a_graph_break_is_refused_not_run_eagerly(batch_norm):
+    """BatchNorm(momentum=None) breaks the graph at its call, so Dynamo runs the whole BatchNorm eagerly on each
+    rank (its weight's and bias's gradients never reduced): every rank stops at the next graph, naming the eager
+    parameters and the fix."""
+    errors = launch_local(bn_cumulative_worker, (batch_norm,), 2)
+    for r in range(2):
+        assert re.search(r"(?s)CaptureError: input 0 of a compiled graph .*ran eagerly.* 2 parameter\(s\) \(\[4\], \[4\]\).*"
+                         r"skipped_frame_workers.py:\d+.*numeric momentum", errors[r]), (r, errors[r])

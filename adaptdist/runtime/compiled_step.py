@@ -148,6 +148,8 @@ class CompiledStep:
 
     def __call__(self, *args: torch.Tensor):
         if self.calls == 0:
+            if self.world_size > 1 and torch.is_grad_enabled():
+                _refuse_eager_parameters(args)
             self._broadcast_state(args)
             self._shard_parameters(args)
         elif self.calls == 1:
@@ -284,6 +286,43 @@ class CompiledStep:
         param_grads = [by_role[r] / self.world_size for r in sp.backward_roles if r.startswith("grad:")]
         input_grads = [self.own_row(by_role[f"grad_in:{k}"]) for k in range(len(self.grad_inputs))]
         return param_grads, input_grads
+
+
+def _refuse_eager_parameters(args: Sequence[Any], limit: int = 100_000) -> None:
+    """Refuse inputs of this graph computed by eager code that used parameters: code between graphs that
+    Dynamo ran eagerly (a graph break at a call into torch's own modules runs the whole call eagerly, e.g.
+    BatchNorm with ``momentum=None``) never reaches the backend, so on several ranks those parameters'
+    gradients would never be reduced. Walks each non-leaf input's autograd graph back to the compiled graphs
+    before it (``_StepFunctionBackward``), at most ``limit`` nodes.
+
+    Raises:
+        CaptureError: names the input, the parameters' shapes, the graph breaks seen and what to try.
+    """
+    from ..errors import CaptureError
+
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or a.grad_fn is None:
+            continue
+        todo, seen, found = [a.grad_fn], set(), []
+        while todo and len(seen) < limit:
+            fn = todo.pop()
+            if fn is None or fn in seen or type(fn).__name__ == "_StepFunctionBackward":
+                continue
+            seen.add(fn)
+            leaf = getattr(fn, "variable", None)  # AccumulateGrad: a leaf that receives a gradient
+            if isinstance(leaf, nn.Parameter):
+                found.append(leaf)
+            todo.extend(f for f, _ in fn.next_functions)
+        if found:
+            breaks = "; ".join(f"{site} ({reason.splitlines()[0]})" for site, reason in compat.graph_break_sites())
+            shapes = ", ".join(str(list(p.shape)) for p in found[:4])
+            raise CaptureError(
+                f"input {i} of a compiled graph ({list(a.shape)}) was computed by code that ran eagerly, outside "
+                f"every adaptdist graph, using {len(found)} parameter(s) ({shapes}): their gradients would never be "
+                "reduced across ranks. Graph breaks so far: " + (breaks or "none recorded") + ". A break at a call "
+                "into a torch module runs the whole module eagerly (BatchNorm with momentum=None reads "
+                "float(num_batches_tracked)): give it a numeric momentum, or remove the break "
+                "(TORCH_LOGS=graph_breaks shows it)")
 
 
 class _StepFunction(torch.autograd.Function):
