@@ -13,7 +13,7 @@ from adaptdist.models import zoo  # noqa: E402
 from test_capture_edge_cases import train_simulated  # noqa: E402
 
 
-@pytest.mark.parametrize("name,plan", [("hf-llama", "dp"), ("hf-bert", "fsdp")])
+@pytest.mark.parametrize("name,plan", [("hf-llama", "dp"), ("hf-bert", "dp"), ("hf-bert", "fsdp")])
 def test_hugging_face_masks_capture_and_keep_the_batch_split(name, plan):
     model, batch, loss_fn = zoo.get(name).build(4)
     progs = train_simulated(model, batch, loss_fn, 2, ManualPlan.parse(plan), steps=2, lr=0.1)

@@ -387,18 +387,25 @@ def insert_redistributes(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         if not needs:
             continue
         args = [list(a) if isinstance(a, (list, tuple)) else a for a in node.args]
-        for path, layout in sorted(needs.items()):
-            src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
+        kwargs = dict(node.kwargs)
+        for path, layout in sorted(needs.items(), key=lambda kv: str(kv[0])):
+            if isinstance(path[0], str):  # a keyword argument (attention's attn_mask)
+                src = kwargs[path[0]]
+            else:
+                src = args[path[0]] if len(path) == 1 else args[path[0]][path[1]]
             if placement_of(src) != layout[0]:
                 gmeta.add_resharded(node, src.name, repr(placement_of(src)), repr(layout[0]), ctx.group_name,
                                     via(placement_of(src), layout[0], node, src, ctx.group_name))
             new = _convert(graph, src, layout[0], ctx, node, cache)
-            if len(path) == 1:
+            if isinstance(path[0], str):
+                kwargs[path[0]] = new
+            elif len(path) == 1:
                 args[path[0]] = new
             else:
                 args[path[0]][path[1]] = new
         node.args = tuple(tuple(a) if isinstance(a, list) and isinstance(node.args[i], tuple) else a
                           for i, a in enumerate(args))
+        node.kwargs = kwargs
         gmeta.set_redistribute(node, {})
         changed = True
     return gm, changed

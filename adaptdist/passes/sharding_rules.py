@@ -42,7 +42,7 @@ aten = torch.ops.aten
 R = Replicate()
 P = Partial("sum")
 
-ArgPath = tuple[int, ...]  # (i,) = args[i]; (i, j) = args[i][j]
+ArgPath = tuple  # (i,) = args[i]; (i, j) = args[i][j]; ("name",) = kwargs["name"] (in needs only)
 
 
 @dataclass
@@ -876,16 +876,17 @@ class _Attention:
             if isinstance(mask, torch.fx.Node):  # gather_all reaches positional arguments only
                 raise unsupported(node, pl, "attention with a mask is split by batch or heads only")
             return gather_all(node, pl, "attention can be split by batch or heads only")
+        needs = {p: Shard(d) for p, a in acts if pl(a) != Shard(d)}
         if isinstance(mask, torch.fx.Node):
-            # the mask [B|1, H|1, T, S] (a keyword argument, which no redistribution reaches) must already
-            # match the split: sharded alike, or of size 1 on that dim (broadcast) and replicated
+            # the mask [B|1, H|1, T, S] follows the split: sharded alike, or of size 1 on that dim (it broadcasts)
+            # and replicated, or replicated whole and sliced here (no communication)
             mshape, mp = shape(mask), pl(mask)
-            fits = (mp == Shard(d) and len(mshape) == 4) or (
-                isinstance(mp, Replicate) and (len(mshape) < 4 - d or mshape[d - 4] == 1))
-            if not fits:
+            broadcast = len(mshape) < 4 - d or mshape[d - 4] == 1
+            if isinstance(mp, Replicate) and not broadcast and len(mshape) == 4:
+                needs[("attn_mask",)] = Shard(d)
+            elif not ((mp == Shard(d) and len(mshape) == 4) or (isinstance(mp, Replicate) and broadcast)):
                 raise unsupported(node, pl, f"its attention mask {list(mshape)} ({mp!r}) does not follow the "
                                   f"split of dim {d}")
-        needs = {p: Shard(d) for p, a in acts if pl(a) != Shard(d)}
         return RuleResult((Shard(d),) * self.num_outputs, needs)
 
 
