@@ -128,3 +128,17 @@ def test_the_commands_set_the_pipeline_options():
     assert lowering_options(args) == LoweringOptions(grad_bucket_bytes=2**19, debug=True,
                                                      disabled_passes=("relax_views",), replicate_fallback=True)
     assert lowering_options(build_parser().parse_args(["plan"])) == LoweringOptions()  # one default everywhere
+
+
+def test_debug_invariants_accept_the_exporters_assert_nodes():
+    """``_assert_tensor_metadata`` (which the exporter leaves in graphs that cast: HF BERT's mask) returns nothing:
+    the invariant checks of --debug-passes must not call its missing meta['val'] a broken pass."""
+    import torch.fx
+
+    from adaptdist.passes.infra import _returns_nothing
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    check = g.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
+    y = g.call_function(torch.ops.aten.neg.default, (x,))
+    assert _returns_nothing(check) and not _returns_nothing(y)
