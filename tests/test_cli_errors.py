@@ -369,3 +369,25 @@ def test_launch_reports_a_rank_killed_by_sigkill(capsys, tmp_path):
     rc = main(["launch", "--nproc", "2", str(script)])
     err = capsys.readouterr().err
     assert rc == 2 and "rank 0: killed by signal 9 (SIGKILL)" in err and "printed above" not in err, err
+
+
+def test_a_bad_factory_leaves_the_previous_run_in_out(capsys, tmp_path):
+    """Nothing is lost: the factory is checked before a new run clears what the last one wrote into --out."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"steps": 3}')
+    (out / "model.safetensors").write_bytes(b"weights of the previous run")
+    f = _model_file(tmp_path, """
+        import torch
+        def factory(batch_size, seq_len):
+            return torch.nn.Linear(2, 2)
+    """)
+    msg = run_cli(capsys, tmp_path, f"{f}:factory")
+    assert "must return (model" in msg
+    assert (out / "summary.json").read_text() == '{"steps": 3}'
+    assert (out / "model.safetensors").read_bytes() == b"weights of the previous run"
+
+
+def test_bf16_with_synchronized_batch_norm_is_refused_before_anything_runs(capsys, tmp_path):
+    msg = run_cli(capsys, tmp_path, "builtin:gpt", "--precision", "bf16", "--batch-norm", "sync")
+    assert "--precision bf16 with --batch-norm sync is not supported yet" in msg

@@ -236,12 +236,19 @@ def cmd_train(args, defaults: dict) -> int:
         raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
                          "named localhost")
     nproc = cluster.world_size
+    if getattr(args, "precision", "fp32") == "bf16" and getattr(args, "batch_norm", "local") == "sync":
+        raise UsageError("--precision bf16 with --batch-norm sync is not supported yet (the synchronized statistics "
+                         "are computed in float32 beside bf16 activations): use --batch-norm local, or fp32")
     spec = ModelSpec.parse(args.model)
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
     if resume_src is not None:
         check_resumable(resume_src, args.steps, console)
     resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
+    import torch
+
+    torch.manual_seed(args.seed)
+    built = spec.build(args.batch_size, args.seq_len)  # a bad factory fails before the previous run is touched
     if not resuming_here:
         _clear_previous_run(out, console)
         if resume_src is not None:
@@ -251,7 +258,7 @@ def cmd_train(args, defaults: dict) -> int:
     settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
     write_run_file(out, settings, "running")
     try:
-        return _train(args, spec, out, cluster, nproc, elastic, resume_src, settings, timeouts, console)
+        return _train(args, spec, built, out, cluster, nproc, elastic, resume_src, settings, timeouts, console)
     except BaseException:
         if json.loads((out / RUN_FILE).read_text()).get("state") == "running":
             _set_state(out, "failed")
@@ -260,8 +267,10 @@ def cmd_train(args, defaults: dict) -> int:
         lock.close()
 
 
-def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, settings: dict, timeouts, console) -> int:
-    """The body of :func:`cmd_train` once the run directory is set up."""
+def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, resume_src, settings: dict, timeouts,
+           console) -> int:
+    """The body of :func:`cmd_train` once the run directory is set up; ``built`` is the factory's
+    ``(model, example_batch, loss_fn)``, made with ``--seed``."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -273,8 +282,7 @@ def _train(args, spec, out: Path, cluster, nproc: int, elastic, resume_src, sett
     from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
     from .common import check_batch, lowering_options, resolve_plan
 
-    torch.manual_seed(args.seed)
-    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    model, example, loss_fn = built
     from ..compiler.training_features import apply_training_features
 
     features = dict(precision=getattr(args, "precision", "fp32"),
