@@ -237,8 +237,8 @@ def cmd_train(args, defaults: dict) -> int:
                          "named localhost")
     nproc = cluster.world_size
     if getattr(args, "precision", "fp32") == "bf16" and getattr(args, "batch_norm", "local") == "sync":
-        raise UsageError("--precision bf16 with --batch-norm sync is not supported yet (the synchronized statistics "
-                         "are computed in float32 beside bf16 activations): use --batch-norm local, or fp32")
+        raise UsageError("--precision bf16 with --batch-norm sync is not supported yet (the synchronized BatchNorm "
+                         "rewrite does not follow autocast's casts): use --batch-norm local, or --precision fp32")
     spec = ModelSpec.parse(args.model)
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
