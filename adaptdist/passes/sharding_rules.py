@@ -868,10 +868,13 @@ class _Attention:
     def __call__(self, node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         acts = [((i,), node.args[i]) for i in range(self.num_acts) if isinstance(node.args[i], torch.fx.Node)]
         dims = [pl(a).dim for _, a in acts if isinstance(pl(a), Shard)]
-        if not dims:
-            return RuleResult((R,) * self.num_outputs, {p: R for p, a in acts if isinstance(pl(a), Partial)})
-        d = dims[0]
         mask = node.kwargs.get("attn_mask")
+        if not dims:
+            needs = {p: R for p, a in acts if isinstance(pl(a), Partial)}
+            if isinstance(mask, torch.fx.Node) and not isinstance(pl(mask), Replicate):
+                needs[("attn_mask",)] = R  # whole activations need the whole mask
+            return RuleResult((R,) * self.num_outputs, needs)
+        d = dims[0]
         if d not in (0, 1):
             if isinstance(mask, torch.fx.Node):  # gather_all reaches positional arguments only
                 raise unsupported(node, pl, "attention with a mask is split by batch or heads only")
