@@ -693,6 +693,20 @@ def on_dynamo_frame_compiled(callback) -> None:
         handler.register_end_callback(callback)
 
 
+def raise_at_frame_compile_end(error: BaseException) -> None:
+    """Raise ``error`` from an end callback of :func:`on_dynamo_frame_compiled`, leaving Dynamo able to compile
+    (and ``torch._dynamo.reset()``) afterwards: its handler counts pending compiles and decrements the count only
+    after the end callbacks return (``callback.py``, ``install_callbacks``), so a raising callback would leave it
+    one too high: no later callback would run and ``reset()`` would fail. Takes that count back first."""
+    import torch._dynamo
+
+    handler = torch._dynamo.callback_handler
+    name = "_CompilationCallbackHandler__pending_callbacks_counter"
+    if getattr(handler, name, 0) > 0:
+        setattr(handler, name, getattr(handler, name) - 1)
+    raise error
+
+
 def new_skipped_frames() -> list[str]:
     """Dynamo's reasons for frames it skipped (ran eagerly, uncompiled: a graph break inside a for/while loop
     cannot be resumed) since the last call; each reason's text names the frame ("frame skipped: forward

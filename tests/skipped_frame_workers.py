@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import adaptdist
@@ -20,9 +21,14 @@ def skipped_frame_worker(by_name: bool, timeout_s: float = 60.0) -> str:
         compiled = torch.compile(model, backend="adaptdist" if by_name else adaptdist.backend(plan="dp"))
         try:
             compiled(torch.randn(2, 3, 8)).sum().backward()
+            error = ""
         except Exception as e:  # noqa: BLE001 - the test reads the message
-            return f"{type(e).__name__}: {e}"
-        return ""
+            error = f"{type(e).__name__}: {e}"
+        # Dynamo still works after the refusal: reset, then another model compiles and trains
+        torch._dynamo.reset()
+        other = torch.compile(torch.nn.Linear(8, 2), backend=adaptdist.backend(plan="dp"))
+        other(torch.randn(2, 8)).sum().backward()
+        return error
     finally:
         dist.destroy_process_group()
 

@@ -217,10 +217,10 @@ def refuse_skipped_frames(_args: Any = None) -> None:
     else:
         advice = (f"Dynamo's reason: {cause}. Remove that graph break from the loop (see TORCH_LOGS=graph_breaks), "
                   "or train with adaptdist train, which captures one graph or says what stops it")
-    raise CaptureError(
+    compat.raise_at_frame_compile_end(CaptureError(
         f"torch.compile skipped {frame.group(1) if frame else 'a frame'} and runs it eagerly, uncompiled: a graph "
         f"break inside a for/while loop. On {dist.get_world_size()} ranks the gradients of the parameters it uses "
-        f"would never be reduced across ranks (each rank would train its own model), so adaptdist stops. {advice}")
+        f"would never be reduced across ranks (each rank would train its own model), so adaptdist stops. {advice}"))
 
 
 def destroy_process_groups_at_exit() -> None:
