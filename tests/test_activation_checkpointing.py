@@ -12,7 +12,6 @@
 import pytest
 import torch
 
-from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.compiler.training_features import checkpointed_blocks, with_activation_checkpointing
 from adaptdist.cost_models.estimate import estimate_programs

@@ -9,7 +9,6 @@ ranks). Real gloo runs of the backend and of ``adaptdist train`` are in the slow
 from __future__ import annotations
 
 import copy
-import operator
 
 import pytest
 import torch
