@@ -358,3 +358,11 @@ def test_a_batch_norm_under_two_names_updates_its_statistics_once():
         torch.testing.assert_close(outs[i], dict(ref.named_buffers())[f], atol=1e-6, rtol=0, msg=f)
     for f, i in cg.grad_output_index.items():
         torch.testing.assert_close(outs[i], dict(ref.named_parameters())[f].grad, atol=1e-6, rtol=1e-5, msg=f)
+
+
+def test_cumulative_batch_norm_is_named_as_the_data_dependent_read():
+    """BatchNorm(momentum=None) reads float(num_batches_tracked) inside torch's module: the refusal says so and
+    what to change, rather than only pointing at the user's line."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6, momentum=None), torch.nn.Linear(6, 2))
+    with pytest.raises(CaptureError, match=r"inside torch's BatchNorm: momentum=None .* numeric momentum"):
+        capture(model, (torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)

@@ -161,6 +161,15 @@ def _user_frame(exc: BaseException) -> str:
     return "(no user frame)"
 
 
+def _torch_module_hint(exc: BaseException) -> str:
+    """Where the data-dependent read is inside torch's own modules, which one and why: "" otherwise."""
+    files = [fr.filename.replace("\\", "/") for fr in traceback.extract_tb(exc.__traceback__)]
+    if any(f.endswith("torch/nn/modules/batchnorm.py") for f in files):
+        return (", inside torch's BatchNorm: momentum=None (the cumulative average) reads float(num_batches_tracked); "
+                "give the BatchNorm a numeric momentum")
+    return ""
+
+
 def _check_batch(batch: Any) -> tuple[torch.Tensor, ...]:
     if isinstance(batch, torch.Tensor):
         raise CaptureError(
@@ -292,7 +301,7 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
                 raise CaptureError(data_dependent_message(name, f"at {_user_frame(e)} ({e})")) from e
             raise CaptureError(
                 f"cannot capture {name}: a tensor's values decide Python control flow or a shape at "
-                f"{_user_frame(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
+                f"{_user_frame(e)}{_torch_module_hint(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
                 "(`if t.sum() > 0`, `t.item()`) or a data-dependent shape (`x[mask]`, `nonzero`). adaptdist train "
                 "captures one graph for every step, which would bake in what this example batch does, so it "
                 "refuses. Compute both sides and select with torch.where(cond, a, b) (or multiply by a mask), "
