@@ -60,3 +60,32 @@ def bn_cumulative_worker(batch_norm: str, timeout_s: float = 60.0) -> str:
         return ""
     finally:
         dist.destroy_process_group()
+
+
+class BatchEMA(torch.nn.Module):
+    """A linear layer keeping a running average of its input rows in a buffer, updated in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.avg.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.fc(x)
+
+
+def batch_ema_worker(timeout_s: float = 60.0) -> str:
+    """One step of :class:`BatchEMA` through the backend; returns the error text ("" if it trained)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        compiled = torch.compile(BatchEMA(), backend=adaptdist.backend(plan="dp"))
+        try:
+            compiled(torch.randn(2, 8)).sum().backward()
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            return f"{type(e).__name__}: {e}"
+        return ""
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ import torch
 import adaptdist
 from adaptdist.models.zoo import TopKMoE
 from adaptdist.runtime.launch import launch_local
-from skipped_frame_workers import bn_cumulative_worker, skipped_frame_worker
+from skipped_frame_workers import batch_ema_worker, bn_cumulative_worker, skipped_frame_worker
 
 
 @pytest.mark.timeout(300)
@@ -41,3 +41,12 @@ def test_batch_norm_broken_by_a_graph_break_is_refused_not_run_eagerly(batch_nor
     for r in range(2):
         assert re.search(r"(?s)CaptureError: input 0 of a compiled graph .*ran eagerly.* 2 parameter\(s\) \(\[4\], \[4\]\).*"
                          r"skipped_frame_workers.py:\d+.*numeric momentum", errors[r]), (r, errors[r])
+
+
+@pytest.mark.timeout(300)
+def test_a_buffer_updated_from_the_rows_is_refused_saying_so():
+    """A running average of the batch kept in a buffer cannot be updated per rank under the all-ranks capture:
+    the refusal says that, and what to do, instead of only vmap's broadcast error."""
+    errors = launch_local(batch_ema_worker, (), 2)
+    for r in range(2):
+        assert re.search(r"A buffer updated in the forward from each rank's rows .*adaptdist train", errors[r]), (r, errors[r])

@@ -380,7 +380,8 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             hint = ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running "
                     "statistics, which the backend updates) cannot be updated per rank: update it outside the "
                     "compiled code, or use adaptdist train."
-                    if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var")) else
+                    if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var",
+                                              "doesn't match the broadcast shape")) else
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
