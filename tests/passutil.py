@@ -207,3 +207,55 @@ def loss_position(gm):
     while gmeta.get_collective(n) in ("wait", "all_reduce"):
         n = n.args[0]
     return list(gm.graph.nodes).index(n)
+
+
+def simulated_sgd(model, batch, loss_fn, world: int, plan: str, lr: float, steps: int, **options):
+    """``steps`` SGD steps (``lr``) of ``adaptdist train``'s programs for ``plan`` (``"auto"``: the planner on
+    the local cluster of ``world`` ranks; else a preset) with ``LoweringOptions(**options)``, every rank run in
+    this process, each updating its shards with its gradient outputs and taking its ``buffer:`` outputs.
+
+    Returns ``(progs, history, params, buffers)``: per step ``(loss, {fqn: full gradient})`` (every rank must
+    hold the same loss), the full parameters after the steps, and ``{fqn: [each rank's buffer]}``."""
+    import copy
+
+    import torch
+
+    from adaptdist.annotations import ManualPlan
+
+    model = copy.deepcopy(model)
+    cg = capture(model, batch, loss_fn)
+    if plan == "auto":
+        from adaptdist.calibrate.local import local_cluster
+        from adaptdist.compiler.planner import plan_auto
+
+        resolved = plan_auto(cg, local_cluster(world), replicate_fallback=options.get("replicate_fallback", False)).plan
+    else:
+        resolved = ManualPlan.parse(plan)
+    progs = compile_model(model, batch, loss_fn, world, resolved, LoweringOptions(**options), captured=cg)
+
+    def full(fqn, per_rank):
+        pl = progs[0].state_placements.get(fqn)
+        if not pl or pl[0] == "R":
+            return per_rank[0]
+        return torch.cat([per_rank[r] for r in sorted(per_rank)], int(pl[0][2:-1]))
+
+    state = {r: dict(p.state) for r, p in progs.items()}
+    history = []
+    for _ in range(steps):
+        ins = [[state[r][f] for f in p.input_fqns] + list(p.local_batch(batch)) for r, p in progs.items()]
+        outs = simulate_ranks([p.module for p in progs.values()], ins)
+        roles = progs[0].output_roles
+        grads: dict[str, dict[int, torch.Tensor]] = {}
+        for r in progs:
+            for role, v in zip(roles, outs[r]):
+                if role.startswith("buffer:"):
+                    state[r][role[7:]] = v
+                elif role.startswith("grad:"):
+                    grads.setdefault(role[5:], {})[r] = v
+                    state[r][role[5:]] = state[r][role[5:]] - lr * v
+        losses = {float(outs[r][roles.index("loss")]) for r in progs}
+        assert len(losses) == 1, losses  # every rank holds the loss
+        history.append((losses.pop(), {f: full(f, g) for f, g in grads.items()}))
+    params = {f: full(f, {r: state[r][f] for r in progs}) for f in progs[0].param_fqns}
+    buffers = {f: [state[r][f] for r in progs] for f in progs[0].input_fqns if f not in progs[0].param_fqns}
+    return progs, history, params, buffers

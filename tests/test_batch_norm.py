@@ -9,58 +9,19 @@ import pytest
 import torch
 
 from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import CaptureError, UsageError
 from adaptdist.lowering_options import LoweringOptions
-from adaptdist.runtime.simulate import simulate_ranks
 from models import convnet
+from passutil import simulated_sgd
 
 LR, STEPS, WORLD = 0.1, 3, 2
 
 
 def _lowered_sgd(model, batch, loss_fn, plan: str, mode: str, world: int = WORLD):
     """SGD steps through the simulated rank programs; per step (loss, {fqn: full grad}), final params, buffers."""
-    model = copy.deepcopy(model)
-    cg = capture(model, batch, loss_fn)
-    if plan == "auto":
-        from adaptdist.calibrate.local import local_cluster
-        from adaptdist.compiler.planner import plan_auto
-
-        resolved = plan_auto(cg, local_cluster(world)).plan
-    else:
-        resolved = ManualPlan.parse(plan)
-    progs = compile_model(model, batch, loss_fn, world, resolved, LoweringOptions(batch_norm=mode), captured=cg)
-    state = {r: dict(p.state) for r, p in progs.items()}
-    hist = []
-    for _ in range(STEPS):
-        ins = [[state[r][f] for f in p.input_fqns] + list(p.local_batch(batch)) for r, p in progs.items()]
-        outs = simulate_ranks([p.module for p in progs.values()], ins)
-        roles = progs[0].output_roles
-        step_grads = {}
-        for r, p in progs.items():
-            for role, v in zip(roles, outs[r]):
-                if role.startswith("buffer:"):
-                    state[r][role[7:]] = v
-                elif role.startswith("grad:"):
-                    f = role[5:]
-                    step_grads.setdefault(f, {})[r] = v
-                    state[r][f] = state[r][f] - LR * v
-        losses = {float(outs[r][roles.index("loss")]) for r in progs}
-        assert len(losses) == 1, losses  # every rank holds the loss
-        full = {f: _full(progs, f, per_rank) for f, per_rank in step_grads.items()}
-        hist.append((losses.pop(), full))
-    params = {f: _full(progs, f, {r: state[r][f] for r in progs}) for f in step_grads}
-    buffers = {f: [state[r][f] for r in progs] for f in progs[0].input_fqns if "running" in f}
-    return hist, params, buffers
-
-
-def _full(progs, fqn, per_rank):
-    pl = progs[0].state_placements.get(fqn)
-    if not pl or pl[0] == "R":
-        return per_rank[0]
-    dim = int(pl[0][2:-1])
-    return torch.cat([per_rank[r] for r in sorted(per_rank)], dim)
+    _, hist, params, buffers = simulated_sgd(model, batch, loss_fn, world, plan, LR, STEPS, batch_norm=mode)
+    return hist, params, {f: b for f, b in buffers.items() if "running" in f}
 
 
 def _eager_local(model, batch, loss_fn, world: int = WORLD):

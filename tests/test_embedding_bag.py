@@ -3,18 +3,13 @@ equal eager (loss, gradients, parameters after SGD steps); other forms gather th
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.capture import capture
-from adaptdist.compiler.lowering import compile_model
-from adaptdist.lowering_options import LoweringOptions
-from adaptdist.runtime.simulate import simulate_ranks
+from passutil import simulated_sgd
 from reference import eager_sgd
 
 LR, STEPS = 0.5, 2
@@ -44,38 +39,8 @@ def bag_model(batch_size: int = 6, mode: str = "mean", weighted: bool = False, g
 
 
 def _lowered_sgd(model, batch, loss_fn, plan: str, world: int = 2, **opts):
-    model = copy.deepcopy(model)
-    cg = capture(model, batch, loss_fn)
-    if plan == "auto":
-        from adaptdist.calibrate.local import local_cluster
-        from adaptdist.compiler.planner import plan_auto
-
-        resolved = plan_auto(cg, local_cluster(world), replicate_fallback=opts.get("replicate_fallback", False)).plan
-    else:
-        resolved = ManualPlan.parse(plan)
-    progs = compile_model(model, batch, loss_fn, world, resolved, LoweringOptions(**opts), captured=cg)
-    state = {r: dict(p.state) for r, p in progs.items()}
-    hist = []
-    for _ in range(STEPS):
-        ins = [[state[r][f] for f in p.input_fqns] + list(p.local_batch(batch)) for r, p in progs.items()]
-        outs = simulate_ranks([p.module for p in progs.values()], ins)
-        roles = progs[0].output_roles
-        grads = {}
-        for r, p in progs.items():
-            for role, v in zip(roles, outs[r]):
-                if role.startswith("grad:"):
-                    f = role[5:]
-                    grads.setdefault(f, {})[r] = v
-                    state[r][f] = state[r][f] - LR * v
-        hist.append((float(outs[0][roles.index("loss")]), {f: _full(progs, f, g) for f, g in grads.items()}))
-    return progs, hist, {f: _full(progs, f, {r: state[r][f] for r in progs}) for f in progs[0].param_fqns}
-
-
-def _full(progs, fqn, per_rank):
-    pl = progs[0].state_placements.get(fqn)
-    if not pl or pl[0] == "R":
-        return per_rank[0]
-    return torch.cat([per_rank[r] for r in sorted(per_rank)], int(pl[0][2:-1]))
+    progs, hist, params, _ = simulated_sgd(model, batch, loss_fn, world, plan, LR, STEPS, **opts)
+    return progs, hist, params
 
 
 def _assert_equal_eager(model, batch, loss_fn, hist, params, atol=1e-5):

@@ -140,25 +140,34 @@ def _keep_first_partial(node: torch.fx.Node, pls: list[tuple[ArgPath, torch.fx.N
     return {path: R for path, _, p in pls[1:] if isinstance(p, Partial)}
 
 
+def _broadcast_shard(pls: list[tuple[ArgPath, torch.fx.Node, Placement]], out_nd: int
+                     ) -> tuple[int, dict[ArgPath, Placement]] | None:
+    """For broadcasting elementwise inputs (right-aligned to ``out_nd`` output dims): the output dim to shard and
+    what each input needs for it, or None when no input is sharded. Inputs sharded on different output dims keep
+    the largest input's shard (the activation) and regather the others (e.g. a FSDP-sharded bias) to match; an
+    input of size 1 on that dim broadcasts, replicated."""
+    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
+    if not sharded:
+        return None
+    d = max(sharded)[1]
+    needs: dict[ArgPath, Placement] = {}
+    for path, a, p in pls:
+        ad = d - (out_nd - len(shape(a)))
+        if isinstance(p, Shard) and p.dim == ad:
+            continue
+        if ad >= 0 and shape(a)[ad] != 1:
+            needs[path] = Shard(ad)
+        elif not isinstance(p, Replicate):
+            needs[path] = R
+    return d, needs
+
+
 def pointwise(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """Broadcasting elementwise ops: all sharded inputs must shard the same output dim."""
-    out_nd = len(shape(node))
     pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
-    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
-    needs: dict[ArgPath, Placement] = {}
-    if sharded:
-        # Inputs sharded on different output dims: keep the largest input's shard (the
-        # activation), regather the others (e.g. a FSDP-sharded bias) to match it.
-        d = max(sharded)[1]
-        for path, a, p in pls:
-            ad = d - (out_nd - len(shape(a)))
-            if isinstance(p, Shard) and p.dim == ad:
-                continue
-            if ad >= 0 and shape(a)[ad] != 1:
-                needs[path] = Shard(ad)
-            elif not isinstance(p, Replicate):
-                needs[path] = R
-        return RuleResult(Shard(d), needs)
+    split = _broadcast_shard(pls, len(shape(node)))
+    if split is not None:
+        return RuleResult(Shard(split[0]), split[1])
     if any(isinstance(p, Partial) for _, _, p in pls):
         if _partial_is_linear(node, pls):
             return RuleResult(P)
@@ -1329,24 +1338,13 @@ def pointwise_multi(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     v = gmeta.val(node)
     if not all(isinstance(o, torch.Tensor) and tuple(o.shape) == tuple(v[0].shape) for o in v):
         return gather_all(node, pl, "its outputs differ in shape")
-    out_nd = v[0].dim()
     pls = [(path, a, pl(a)) for path, a in tensor_args(node)]
-    sharded = [(math.prod(shape(a)), p.dim + out_nd - len(shape(a))) for _, a, p in pls if isinstance(p, Shard)]
-    if not sharded:
+    split = _broadcast_shard(pls, v[0].dim())
+    if split is None:
         if any(not isinstance(p, Replicate) for _, _, p in pls):
             return gather_all(node, pl, "a Partial input of a nonlinear op")
         return RuleResult(tuple(R for _ in v))
-    d = max(sharded)[1]
-    needs: dict[ArgPath, Placement] = {}
-    for path, a, p in pls:
-        ad = d - (out_nd - len(shape(a)))
-        if isinstance(p, Shard) and p.dim == ad:
-            continue
-        if ad >= 0 and shape(a)[ad] != 1:
-            needs[path] = Shard(ad)
-        elif not isinstance(p, Replicate):
-            needs[path] = R
-    return RuleResult(tuple(Shard(d) for _ in v), needs)
+    return RuleResult(tuple(Shard(split[0]) for _ in v), split[1])
 
 
 # elementwise ops (broadcasting) that torch does not tag ``pointwise``: activations and their backward
