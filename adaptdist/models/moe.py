@@ -55,6 +55,8 @@ class TopKRouter(nn.Module):
 
 
 class ExpertMLP(nn.Module):
+    """One expert of the ModuleList form: ``x [N, d] -> out(gelu(fc(x))) [N, d]``, hidden width ``hidden``."""
+
     def __init__(self, d: int, hidden: int):
         super().__init__()
         self.fc = nn.Linear(d, hidden)

@@ -81,6 +81,7 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build_gpt(batch_size: int):
+    """Our GPT (2 layers, width 32): token ids ``[B, 8]`` -> next-token loss; ``(model, (ids, targets), lm_loss)``."""
     from .gpt import GPT, GPTConfig, lm_loss
 
     torch.manual_seed(0)
@@ -89,6 +90,7 @@ def build_gpt(batch_size: int):
 
 
 def build_llama(batch_size: int):
+    """Our LLaMA-style model (2 layers, width 32, 2 KV heads): ids ``[B, 8]``; ``(model, (ids, targets), lm_loss)``."""
     from .gpt import lm_loss
     from .llama import Llama, LlamaConfig
 
@@ -116,6 +118,7 @@ def _rows(batch_size: int, classes: int, *shape: int) -> tuple[torch.Tensor, tor
 
 
 def build_mlp(batch_size: int, dropout: float = 0.0):
+    """:class:`MLP` (``dropout`` after the hidden layer): ``x [B, 12]`` -> 5 classes, cross entropy."""
     torch.manual_seed(0)
     return MLP(dropout), _rows(batch_size, 5, 12), F.cross_entropy
 
@@ -135,6 +138,7 @@ class ConvNet(nn.Module):
 
 
 def build_cnn(batch_size: int):
+    """:class:`ConvNet`: images ``[B, 3, 8, 8]`` -> 3 classes, cross entropy."""
     torch.manual_seed(0)
     return ConvNet(), _rows(batch_size, 3, 3, 8, 8), F.cross_entropy
 
@@ -186,6 +190,7 @@ class StackedMoE(nn.Module):
 
 
 def build_moe(batch_size: int, stacked: bool = False):
+    """:class:`StackedMoE` (``stacked``) or :class:`TopKMoE`: ``x [B, 6, 8]`` -> 3 classes, cross entropy."""
     torch.manual_seed(0)
     model = StackedMoE() if stacked else TopKMoE()
     return model, _rows(batch_size, 3, 6, 8), F.cross_entropy
@@ -222,6 +227,8 @@ class DLRM(nn.Module):
 
 
 def build_dlrm(batch_size: int):
+    """:class:`DLRM`: dense ``[B, 4]``, sparse ids ``int64[B, 3 tables, 2 per bag]`` (ids < 20) -> click logit,
+    binary cross entropy with logits against ``clicks [B]``."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch_size, 4, generator=g)
@@ -319,6 +326,8 @@ class T5WithLabels(nn.Module):
 
 
 def build_hf_t5(batch_size: int):
+    """:class:`T5WithLabels`: ids and labels ``int64[B, 8]`` (vocab 32); the model returns its own loss, so the
+    batch's last tensor is a dummy target ``[B]`` for :func:`_returned_loss`."""
     torch.manual_seed(0)
     model = T5WithLabels()
     ids, labels = _tokens(batch_size, 32)
@@ -346,6 +355,7 @@ class HFViT(nn.Module):
 
 
 def build_hf_vit(batch_size: int):
+    """:class:`HFViT`: images ``[B, 3, 8, 8]`` -> 3 classes, cross entropy."""
     torch.manual_seed(0)
     return HFViT(), _rows(batch_size, 3, 3, 8, 8), F.cross_entropy
 
