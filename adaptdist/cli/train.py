@@ -33,7 +33,8 @@ RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan",
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
-           "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl")
+           "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl",
+           "trace", "trace.json", "timeline.png", "timeline.html")
 """What a run writes into ``--out``; a new run into the same directory removes the previous run's first."""
 
 
@@ -347,6 +348,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                       async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
                       run_meta={"cluster": _cluster_doc(cluster), "config": settings})
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
+    cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
     t0 = time.perf_counter()
     try:
         if elastic:
@@ -360,6 +362,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name)
+    if cfg.trace:
+        _write_trace(out, programs, cluster, args.optimizer, plan.name, console)
     losses = summary["losses"]
     restarts = len(summary["restarts"])
     console.print(
@@ -382,6 +386,31 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         print(text)
         console.rule()
     return 0
+
+
+def _write_trace(out: Path, programs: dict, cluster, optimizer: str, plan_name: str, console) -> None:
+    """``--trace``: the ranks' spans (``OUT/trace/``) as ``trace.json``, ``timeline.png`` and ``timeline.html``,
+    beside the cost model's predicted step (:func:`~adaptdist.runtime.trace_view.predicted_spmd_spans`); the
+    measured idle fraction per rank goes into ``summary.json`` (``idle_fraction``)."""
+    from ..cost_models.estimate import estimate_programs
+    from ..runtime.trace_view import predicted_spmd_spans, write_trace_outputs
+
+    est = estimate_programs(programs, cluster, optimizer)
+    predicted = predicted_spmd_spans({r: (x.compute_s, x.idle_s, x.optimizer_s) for r, x in est.ranks.items()})
+    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    notes = [f"plan {plan_name!r} on mesh {mesh}. Measured: each step's forward (F) up to the last node the loss "
+             "needs, backward (B) after it, each collective from its issue to the end of its wait, the optimizer. "
+             "Predicted (cost model): forward+backward, the communication it does not hide, the optimizer, "
+             f"{1e3 * max(x.step_s for x in est.ranks.values()):.3f} ms per step."]
+    res = write_trace_outputs(out / "trace", out, predicted, title=f"adaptdist train --trace: plan {plan_name}",
+                              notes=notes)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["idle_fraction"] = {str(r): f for r, f in res["idle_fraction"].items()}
+    tmp = out / f"summary.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(out / "summary.json")
+    console.print(f"trace: {', '.join(res['files'])} (idle fraction "
+                  + ", ".join(f"rank {r} {f:.2f}" for r, f in res["idle_fraction"].items()) + ")")
 
 
 def _check_checkpoint_fits(out: Path, model: str, program, console) -> None:
