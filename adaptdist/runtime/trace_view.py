@@ -60,26 +60,36 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
         raise AdaptdistError(f"no predicted time for action {a[1]}{a[2]} of stage {a[0]}; give times_s a value "
                              f"for {a!r} or {a[:2]!r}")
 
-    owner = {}
-    for r, acts in actions.items():
-        for a in acts:
-            owner[(a[0], a[1], a[2])] = r
-    stages = {a[0] for acts in actions.values() for a in acts}
-    last_stage = max(stages) if stages else 0
-    done: dict[Action, float] = {}
+    holders: dict[int, list[int]] = {}  # stage -> the ranks running it (several: data-parallel replicas)
+    for r in sorted(actions):
+        for a in actions[r]:
+            if r not in holders.setdefault(a[0], []):
+                holders[a[0]].append(r)
+    last_stage = max(holders) if holders else 0
+    done: dict[tuple[Action, int], float] = {}
     free = {r: 0.0 for r in actions}
     pos = {r: 0 for r in actions}
     spans: list[Span] = []
 
-    def deps(a: Action) -> list[Action]:
+    def deps(a: Action, r: int) -> list[tuple[Action, int]]:
+        """(action, rank) pairs ``a`` on rank ``r`` waits for: the same replica's neighbour stage."""
         s, k, m = a
         if k == "F":
-            return [(s - 1, "F", m)] if s > 0 else []
-        if k == "B":
-            return [(s, "F", m)] + ([(s + 1, "B", m)] if s < last_stage else [])
-        if k == "W":
-            return [(s, "B", m)]
-        raise AdaptdistError(f"action kind {k!r} of stage {s} is not F, B or W")
+            need = [(s - 1, "F", m)] if s > 0 else []
+        elif k == "B":
+            need = [(s, "F", m)] + ([(s + 1, "B", m)] if s < last_stage else [])
+        elif k == "W":
+            need = [(s, "B", m)]
+        else:
+            raise AdaptdistError(f"action kind {k!r} of stage {s} is not F, B or W")
+        out = []
+        for d in need:
+            if d[0] not in holders:
+                raise AdaptdistError(f"rank {r}'s action {k}{m} of stage {s} needs {d[1]}{d[2]} of stage {d[0]}, "
+                                     "which no rank's action list holds")
+            i = holders[s].index(r)
+            out.append((d, r if d[0] == s else holders[d[0]][i % len(holders[d[0]])]))
+        return out
 
     total = sum(len(v) for v in actions.values())
     while len(done) < total:
@@ -87,24 +97,20 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
         for r in sorted(actions):
             while pos[r] < len(actions[r]):
                 a = tuple(actions[r][pos[r]])
-                need = deps(a)
-                for d in need:
-                    if d not in owner:
-                        raise AdaptdistError(f"rank {r}'s action {a[1]}{a[2]} of stage {a[0]} needs {d[1]}{d[2]} of "
-                                             f"stage {d[0]}, which no rank's action list holds")
+                need = deps(a, r)
                 if not all(d in done for d in need):
                     break
                 ready = 0.0
-                for d in need:
-                    t = done[d]
-                    if owner[d] != r:
-                        spans.append(Span(owner[d], "send", t, t + p2p_s, "comm", 0, d[0], d[2], {"to": r}))
+                for d, owner in need:
+                    t = done[(d, owner)]
+                    if owner != r and p2p_s > 0:
+                        spans.append(Span(owner, "send", t, t + p2p_s, "comm", 0, d[0], d[2], {"to": r}))
                         t += p2p_s
                     ready = max(ready, t)
                 start = max(free[r], ready)
                 end = start + dur(a)
                 spans.append(Span(r, a[1], start, end, "compute", 0, a[0], a[2]))
-                done[a] = end
+                done[(a, r)] = end
                 free[r] = end
                 pos[r] += 1
                 progressed = True
@@ -188,10 +194,11 @@ def _draw(ax: Any, spans: Sequence[Span], steps: Sequence[Span], title: str) -> 
 
 
 def timeline_figure(measured: Trace, predicted: Sequence[Span] = (), title: str = "",
-                    steps: Sequence[int] | None = None) -> Any:
+                    steps: Sequence[int] | None = None, label: str = "measured") -> Any:
     """A matplotlib figure: one row per rank (compute lane as a bar, communication as a thin bar above it,
     idle light grey, microbatch numbers in the bars), measured on the left and, when ``predicted`` is given,
-    the prediction on the right on the same kind of axes; ``steps`` (default :func:`shown_steps`) are shown."""
+    the prediction on the right on the same kind of axes; ``steps`` (default :func:`shown_steps`) are shown;
+    ``label`` names the left panel (``"predicted"`` when ``measured`` is itself a prediction)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,9 +211,9 @@ def timeline_figure(measured: Trace, predicted: Sequence[Span] = (), title: str 
     cols = 2 if predicted else 1
     fig, axes = plt.subplots(1, cols, figsize=(6.5 * cols, 1.2 + 0.55 * n), squeeze=False)
     fracs = win.idle_fractions()
-    label = ", ".join(f"rank {r} {100 * f:.0f}%" for r, f in fracs.items())
-    _draw(axes[0][0], win.spans, win.steps, f"measured, step{'s' if len(steps) > 1 else ''} "
-                                            f"{', '.join(str(s + 1) for s in steps)} (idle: {label})")
+    idle_text = ", ".join(f"rank {r} {100 * f:.0f}%" for r, f in fracs.items())
+    _draw(axes[0][0], win.spans, win.steps, f"{label}, step{'s' if len(steps) > 1 else ''} "
+                                            f"{', '.join(str(s + 1) for s in steps)} (idle: {idle_text})")
     kinds = {s.kind for s in win.spans}
     if predicted:
         psteps = predicted_steps(predicted)
