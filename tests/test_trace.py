@@ -13,7 +13,7 @@ import torch.distributed as dist
 from adaptdist.errors import AdaptdistError
 from adaptdist.runtime.trace import (COMPUTE_KINDS, Span, TraceRecorder, chrome_trace, idle_fraction,
                                      instrument_collectives, merge_traces)
-from adaptdist.runtime.trace_view import (predicted_pipeline_spans, predicted_spmd_spans, timeline_html,
+from adaptdist.runtime.trace_view import (predicted_pipeline_spans, predicted_spmd_spans,
                                           write_trace_outputs)
 
 
