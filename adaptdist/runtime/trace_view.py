@@ -159,8 +159,10 @@ def _rows(spans: Sequence[Span], steps: Sequence[Span]) -> tuple[list[int], list
     return ranks, idle, t0, max(t1, t0 + 1e-9)
 
 
-def _draw(ax: Any, spans: Sequence[Span], steps: Sequence[Span], title: str) -> None:
+def _draw(ax: Any, spans: Sequence[Span], steps: Sequence[Span], title: str, span_s: float | None = None) -> None:
     ranks, idle, t0, t1 = _rows(spans, steps)
+    if span_s is not None:
+        t1 = t0 + span_s
     ms = 1e3
     height = 0.55
     for i, r in enumerate(ranks):
@@ -212,7 +214,12 @@ def timeline_figure(measured: Trace, predicted: Sequence[Span] = (), title: str 
     fig, axes = plt.subplots(1, cols, figsize=(6.5 * cols, 1.2 + 0.55 * n), squeeze=False)
     fracs = win.idle_fractions()
     idle_text = ", ".join(f"rank {r} {100 * f:.0f}%" for r, f in fracs.items())
-    _draw(axes[0][0], win.spans, win.steps, f"{label}, step{'s' if len(steps) > 1 else ''} "
+    _, _, m0, m1 = _rows(win.spans, win.steps)
+    span_s = m1 - m0
+    if predicted:
+        _, _, p0, p1 = _rows(predicted, predicted_steps(predicted))
+        span_s = max(span_s, p1 - p0)  # one time scale for both panels
+    _draw(axes[0][0], win.spans, win.steps, span_s=span_s, title=f"{label}, step{'s' if len(steps) > 1 else ''} "
                                             f"{', '.join(str(s + 1) for s in steps)} (idle: {idle_text})")
     kinds = {s.kind for s in win.spans}
     if predicted:
@@ -222,7 +229,7 @@ def timeline_figure(measured: Trace, predicted: Sequence[Span] = (), title: str 
                                                                                                    1e-12)
               for r in sorted({s.rank for s in predicted})}
         _draw(axes[0][1], predicted, psteps, "predicted (idle: " + ", ".join(f"rank {r} {100 * f:.0f}%"
-                                                                             for r, f in pf.items()) + ")")
+                                                                             for r, f in pf.items()) + ")", span_s)
         kinds |= {s.kind for s in predicted}
     kinds.add("idle")
     handles = [Patch(color=COLOURS[k], label=LEGEND[k]) for k in LEGEND if k in kinds or (k == "idle")]
@@ -244,11 +251,14 @@ def timeline_png(path: str | os.PathLike, measured: Trace, predicted: Sequence[S
     plt.close(fig)
 
 
-def _svg_rows(spans: Sequence[Span], steps: Sequence[Span], width: int = 640) -> str:
-    """A hand-written SVG of one timeline (one row per rank), each bar with a ``<title>`` tooltip."""
+def _svg_rows(spans: Sequence[Span], steps: Sequence[Span], width: int = 640, span_s: float | None = None) -> str:
+    """A hand-written SVG of one timeline (one row per rank), each bar with a ``<title>`` tooltip; ``span_s``
+    seconds across (default: the timeline's own length)."""
     ranks, idle, t0, t1 = _rows(spans, steps)
-    row, left, top = 34, 62, 8
-    scale = (width - left - 10) / (t1 - t0)
+    if span_s is not None:
+        t1 = t0 + span_s
+    row, left, top, right = 34, 62, 8, 34
+    scale = (width - left - right) / (t1 - t0)
     h = top + row * len(ranks) + 28
     e = html.escape
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{h}' font-family='sans-serif' "
@@ -287,10 +297,10 @@ def _svg_rows(spans: Sequence[Span], steps: Sequence[Span], width: int = 640) ->
     y = top + row * len(ranks) + 14
     span_ms = 1e3 * (t1 - t0)
     for k in range(6):
-        x = left + (width - left - 10) * k / 5
+        x = left + (width - left - right) * k / 5
         out.append(f"<line x1='{x:.1f}' y1='{y - 10}' x2='{x:.1f}' y2='{y - 6}' stroke='#555'/>"
                    f"<text x='{x:.1f}' y='{y + 4}' text-anchor='middle'>{span_ms * k / 5:.1f}</text>")
-    out.append(f"<text x='{width - 10}' y='{y + 16}' text-anchor='end'>ms</text></svg>")
+    out.append(f"<text x='4' y='{y + 4}'>ms</text></svg>")
     return "".join(out)
 
 
@@ -302,8 +312,14 @@ def timeline_html(measured: Trace, predicted: Sequence[Span] = (), title: str = 
     steps = list(steps) if steps is not None else shown_steps(measured)
     win = measured.window(steps)
     e = html.escape
+    present = {s.kind for s in win.spans} | {s.kind for s in predicted} | {"idle"}
     legend = "".join(f"<span class='key'><span style='background:{COLOURS[k]}'></span>{e(v)}</span>"
-                     for k, v in LEGEND.items())
+                     for k, v in LEGEND.items() if k in present)
+    _, _, m0, m1 = _rows(win.spans, win.steps)
+    span_s = m1 - m0
+    if predicted:
+        _, _, p0, p1 = _rows(predicted, predicted_steps(predicted))
+        span_s = max(span_s, p1 - p0)  # one time scale for both
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>"
              "body{font-family:sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:right}"
@@ -312,14 +328,16 @@ def timeline_html(measured: Trace, predicted: Sequence[Span] = (), title: str = 
              "</style></head><body>", f"<h1>{e(title)}</h1>"]
     parts += [f"<p>{e(n)}</p>" for n in notes]
     parts.append(f"<p>{legend}</p><div class='pair'><div><h3>measured, step{'s' if len(steps) > 1 else ''} "
-                 f"{', '.join(str(s + 1) for s in steps)}</h3>{_svg_rows(win.spans, win.steps)}</div>")
+                 f"{', '.join(str(s + 1) for s in steps)}</h3>{_svg_rows(win.spans, win.steps, span_s=span_s)}</div>")
     if predicted:
-        parts.append(f"<div><h3>predicted</h3>{_svg_rows(predicted, predicted_steps(predicted))}</div>")
+        parts.append(f"<div><h3>predicted</h3>{_svg_rows(predicted, predicted_steps(predicted), span_s=span_s)}</div>")
     parts.append("</div><p>Thin bars above a row: communication (a collective from its issue to the end of its "
                  "wait; sends and receives). Light grey: idle or waiting. Hover a bar for its times.</p>")
     kinds = [k for k in (*COMPUTE_KINDS, "send", "recv", "collective")
              if any(s.kind == k for s in measured.spans)]
-    parts.append("<h2>Per rank, every recorded step</h2><table><tr><th>rank</th><th>steps</th><th>median step ms</th>"
+    parts.append("<h2>Per rank, every recorded step</h2><p>Milliseconds summed over the steps (a collective's "
+                 "from its issue to the end of its wait, so it overlaps compute).</p><table><tr><th>rank</th>"
+                 "<th>steps</th><th>median step ms</th>"
                  + "".join(f"<th>{e(k)} ms</th>" for k in kinds) + "<th>idle ms</th><th>idle fraction</th></tr>")
     for r in measured.ranks:
         st = sorted(s.duration_s for s in measured.steps if s.rank == r)
