@@ -395,13 +395,18 @@ def _write_trace(out: Path, programs: dict, cluster, optimizer: str, plan_name: 
     from ..cost_models.estimate import estimate_programs
     from ..runtime.trace_view import predicted_spmd_spans, write_trace_outputs
 
-    est = estimate_programs(programs, cluster, optimizer)
-    predicted = predicted_spmd_spans({r: (x.compute_s, x.idle_s, x.optimizer_s) for r, x in est.ranks.items()})
-    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    try:
+        est = estimate_programs(programs, cluster, optimizer)
+    except Exception as e:  # noqa: BLE001 - e.g. programs the SPMD cost model does not read; the trace stands alone
+        est = None
+        console.print(f"[yellow]--trace: no predicted timeline ({type(e).__name__}: {e})[/]")
+    predicted = [] if est is None else predicted_spmd_spans({r: (x.compute_s, x.idle_s, x.optimizer_s)
+                                                             for r, x in est.ranks.items()})
+    mesh = ",".join(f"{a}={n}" for a, n in getattr(programs[0], "mesh", {}).items())
     notes = [f"plan {plan_name!r} on mesh {mesh}. Measured: each step's forward (F) up to the last node the loss "
-             "needs, backward (B) after it, each collective from its issue to the end of its wait, the optimizer. "
-             "Predicted (cost model): forward+backward, the communication it does not hide, the optimizer, "
-             f"{1e3 * max(x.step_s for x in est.ranks.values()):.3f} ms per step."]
+             "needs, backward (B) after it, each collective from its issue to the end of its wait, the optimizer."
+             + ("" if est is None else " Predicted (cost model): forward+backward, the communication it does not "
+                f"hide, the optimizer, {1e3 * max(x.step_s for x in est.ranks.values()):.3f} ms per step.")]
     res = write_trace_outputs(out / "trace", out, predicted, title=f"adaptdist train --trace: plan {plan_name}",
                               notes=notes)
     summary = json.loads((out / "summary.json").read_text())

@@ -131,11 +131,10 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
 class StepRunner:
     """Holds one rank's state and optimizer and runs training steps of its program."""
 
-    def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None,
-                 trace: TraceRecorder | None = None):
+    def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None):
         self.program = program
-        self.trace = trace if trace is not None else TraceRecorder(program.rank, enabled=False)
-        self._run = _traced_program(program, self.trace) if self.trace.enabled else program
+        self.trace = TraceRecorder(program.rank, enabled=False)
+        self._run = program
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         self.state = {k: v.clone() for k, v in program.state.items()}
@@ -168,6 +167,11 @@ class StepRunner:
         """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
         sd = self.opt.state_dict()
         return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+    def use_trace(self, trace: TraceRecorder) -> None:
+        """Record each step's forward, backward, collectives and optimizer into ``trace`` (when enabled)."""
+        self.trace = trace
+        self._run = _traced_program(self.program, trace) if trace.enabled else self.program
 
 
 def _traced_program(program: RankProgram, trace: TraceRecorder):
@@ -331,9 +335,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                                                          local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         program = load_program(program_dir, rank, world_size=world)
         device_mesh = register_mesh_groups(program, cfg.backend)
-        trace = TraceRecorder(rank, enabled=cfg.trace)
-        trace.align_clocks()  # (collective when tracing) every rank's time origin right after one barrier
-        runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm, trace=trace)
+        runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
         losses: list[float] = []
         found = _broadcast(_newest_checkpoint(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None,
                            rank)
@@ -363,6 +365,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         if start >= cfg.steps:
             events.note(f"the checkpoint is at step {start}, --steps is {cfg.steps}: nothing to train")
         batches = positioned_batches(cfg.data, start, events.note)
+        trace = TraceRecorder(rank, enabled=cfg.trace)
+        if cfg.trace:
+            if hasattr(runner, "use_trace"):  # use_trace(TraceRecorder): StepRunner's below, a pipeline runner's own
+                runner.use_trace(trace)
+            else:
+                events.note(f"--trace: {type(runner).__name__} records no spans inside a step (no use_trace)")
+            trace.align_clocks()  # (collective) every rank's time origin right after one barrier
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
         checkpoint_times: list[float] = []
