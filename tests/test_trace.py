@@ -223,3 +223,17 @@ def test_train_trace_writes_the_pictures(tmp_path):
         assert {(r, "F"), (r, "B"), (r, "collective"), (r, "optimizer"), (r, "step")} <= cats
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["idle_fraction"]) == {"0", "1"} and all(0 <= f < 1 for f in summary["idle_fraction"].values())
+
+
+def test_predicted_timeline_takes_split_backwards_and_action_objects():
+    from types import SimpleNamespace as A
+
+    # zero-bubble style on 2 ranks, 1 microbatch: I and W apart; send/recv actions are left out
+    acts = {0: [A(stage=0, kind="F", microbatch=0), A(stage=0, kind="SEND_F", microbatch=0),
+                A(stage=0, kind="I", microbatch=0), A(stage=0, kind="W", microbatch=0)],
+            1: [(1, "F", 0), (1, "I", 0), (1, "W", 0)]}
+    spans = predicted_pipeline_spans(acts, {(0, "F"): 1, (1, "F"): 1, (0, "I"): 1, (1, "I"): 1, (0, "W"): 2,
+                                            (1, "W"): 2})
+    got = {(s.rank, s.label()): (s.start_s, s.end_s) for s in spans}
+    assert got == {(0, "F0"): (0, 1), (1, "F0"): (1, 2), (1, "I0"): (2, 3), (1, "W0"): (3, 5),
+                   (0, "I0"): (3, 4), (0, "W0"): (4, 6)}

@@ -308,7 +308,7 @@ def pipeline_section(view: PipelineView | None) -> str:
         from ..runtime.trace import Trace
         from ..runtime.trace_view import predicted_pipeline_spans, predicted_steps, timeline_figure
 
-        names = {"F": "forward", "B": "backward", "W": "weight"}
+        names = {"F": "forward", "B": "backward", "I": "backward_input", "W": "weight"}
         times = {(s.stage, k): float(s.predicted_s.get(names[k], 0.0)) for s in view.stages for k in names}
         spans = predicted_pipeline_spans(view.actions, times)
         trace = Trace(tuple(spans), tuple(predicted_steps(spans)), tuple(sorted(view.actions)), "predicted")

@@ -3,8 +3,8 @@
 A :class:`TraceRecorder` belongs to one rank's step runner (no module-level state). It records *spans*
 (:class:`Span`: kind, start and end in seconds, lane, step, stage, microbatch) on two lanes per rank:
 
-- ``compute``: ``F`` (forward), ``B`` (backward; the input-gradient part when split), ``W`` (weight-gradient
-  part), ``FB`` (forward and backward in one span, when they cannot be told apart), ``optimizer``, and
+- ``compute``: ``F`` (forward), ``B`` (backward, whole), ``I`` and ``W`` (its input- and weight-gradient parts, when
+  split: zero bubble), ``FB`` (forward and backward in one span, when they cannot be told apart), ``optimizer``, and
   ``wait`` (the compute stream blocked on a collective, nested inside the span that waited);
 - ``comm``: ``send``, ``recv``, ``collective`` (from its issue to the end of its last wait).
 
@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from .. import _torch_compat as compat
 from ..errors import AdaptdistError
 
-COMPUTE_KINDS = ("F", "B", "W", "FB", "optimizer")
+COMPUTE_KINDS = ("F", "B", "I", "W", "FB", "optimizer")
 """Kinds of spans on the compute lane that keep the rank busy (``wait`` inside them does not)."""
 COMM_KINDS = ("send", "recv", "collective")
 KINDS = COMPUTE_KINDS + ("wait", "idle", "step") + COMM_KINDS

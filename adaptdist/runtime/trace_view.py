@@ -20,23 +20,34 @@ from typing import Any, Callable, Mapping, Sequence
 from ..errors import AdaptdistError
 from .trace import COMPUTE_KINDS, Span, Trace, chrome_trace, idle_spans
 
-COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#b07aa1", "FB": "#76b7b2", "optimizer": "#9c755f",
+COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "I": "#e8a33d", "W": "#b07aa1", "FB": "#76b7b2", "optimizer": "#9c755f",
            "wait": "#d9d9d9", "idle": "#eeeeee", "send": "#e15759", "recv": "#59a14f", "collective": "#edc948"}
-LEGEND = {"F": "forward", "B": "backward (input grad if W split)", "W": "weight grad", "FB": "forward+backward",
+LEGEND = {"F": "forward", "B": "backward", "I": "backward: input grad", "W": "backward: weight grad", "FB": "forward+backward",
           "optimizer": "optimizer", "idle": "idle / waiting", "send": "send", "recv": "recv",
           "collective": "collective"}
 
 Action = tuple[int, str, int]
-"""``(stage, kind, microbatch)``: one action of a pipeline schedule on one rank; kind ``F``, ``B`` or ``W``."""
+"""``(stage, kind, microbatch)``: one action of a pipeline schedule on one rank; kind ``F``, ``B`` (the whole
+backward), ``I`` / ``W`` (its input- and weight-gradient parts); an object with ``stage``, ``kind`` and
+``microbatch`` attributes (``adaptdist.pipeline_schedules.Action``) is taken too, and its send/receive actions
+(any other kind) are left out (``p2p_s`` stands for them)."""
+
+
+def _action(a: Any) -> Action:
+    if hasattr(a, "stage"):
+        return (int(a.stage), str(a.kind), int(a.microbatch))
+    s, k, m = a
+    return (int(s), str(k), int(m))
 
 
 def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
                              times_s: Mapping[tuple, float] | Callable[[int, str, int], float],
                              p2p_s: float = 0.0) -> list[Span]:
     """Run a pipeline schedule on the predicted times: each rank does its actions in order, each as soon as
-    its rank is free and its inputs are there: ``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` after ``F(s, m)``
-    and ``B(s+1, m)``, ``W(s, m)`` after ``B(s, m)``; a dependency on another rank adds ``p2p_s`` seconds (the
-    send), shown as a ``send`` span on the sender's comm lane.
+    its rank is free and its inputs are there: ``F(s, m)`` after ``F(s-1, m)``, ``B(s, m)`` (or ``I(s, m)``)
+    after ``F(s, m)`` and the backward (``B`` or ``I``) of ``(s+1, m)``, ``W(s, m)`` after ``I(s, m)`` (or
+    ``B``); a dependency on another rank adds ``p2p_s`` seconds (the send), shown as a ``send`` span on the
+    sender's comm lane.
 
     Args:
         actions: rank -> its actions ``(stage, kind, microbatch)`` in execution order.
@@ -60,11 +71,16 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
         raise AdaptdistError(f"no predicted time for action {a[1]}{a[2]} of stage {a[0]}; give times_s a value "
                              f"for {a!r} or {a[:2]!r}")
 
+    actions = {r: [_action(a) for a in acts] for r, acts in actions.items()}
+    actions = {r: [a for a in acts if a[1] in ("F", "B", "I", "W")] for r, acts in actions.items()}
     holders: dict[int, list[int]] = {}  # stage -> the ranks running it (several: data-parallel replicas)
+    split = set()  # (stage, microbatch) whose backward is split into I and W
     for r in sorted(actions):
         for a in actions[r]:
             if r not in holders.setdefault(a[0], []):
                 holders[a[0]].append(r)
+            if a[1] == "I":
+                split.add((a[0], a[2]))
     last_stage = max(holders) if holders else 0
     done: dict[tuple[Action, int], float] = {}
     free = {r: 0.0 for r in actions}
@@ -74,14 +90,17 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
     def deps(a: Action, r: int) -> list[tuple[Action, int]]:
         """(action, rank) pairs ``a`` on rank ``r`` waits for: the same replica's neighbour stage."""
         s, k, m = a
+        def bw(st: int) -> Action:
+            return (st, "I" if (st, m) in split else "B", m)
+
         if k == "F":
             need = [(s - 1, "F", m)] if s > 0 else []
-        elif k == "B":
-            need = [(s, "F", m)] + ([(s + 1, "B", m)] if s < last_stage else [])
+        elif k in ("B", "I"):
+            need = [(s, "F", m)] + ([bw(s + 1)] if s < last_stage else [])
         elif k == "W":
-            need = [(s, "B", m)]
+            need = [bw(s)]
         else:
-            raise AdaptdistError(f"action kind {k!r} of stage {s} is not F, B or W")
+            raise AdaptdistError(f"action kind {k!r} of stage {s} is not F, B, I or W")
         out = []
         for d in need:
             if d[0] not in holders:
