@@ -62,6 +62,8 @@ class TrainConfig:
     backend: str = "gloo"
     progress: bool = True
     checkpoint: bool = True
+    trace: bool = False
+    """Record every rank's spans (:mod:`.trace`) into ``OUT/trace/rank{r}.json``."""
     measure_memory_step: int | None = None
     items_per_step: int = 1
     unit: str = "tokens"
@@ -82,8 +84,6 @@ class TrainConfig:
     rng: str = "per-rank"
     """``"global"``: every rank seeds torch with ``seed`` alike (programs lowered with ``LoweringOptions.rng =
     "global"``, see ``passes/global_rng.py``); ``"per-rank"``: rank r seeds ``seed + r``."""
-    trace: bool = False
-    """Record every rank's spans (:mod:`.trace`) into ``OUT/trace/rank{r}.json``."""
 
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
