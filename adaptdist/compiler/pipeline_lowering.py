@@ -390,8 +390,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
         res = waits[0] if len(waits) == 1 and len(n.users) == 1 else n
         x = n.args[0]
         users = list(res.users)
-        to_outputs = bool(users) and all(u is out_node for u in users)
-        if kind == "all_reduce" and to_outputs and out_users.get(res, "").startswith(("grad:", "loss")):
+        if kind == "all_reduce" and str(n.args[1]) == "sum" and _only_to_outputs(res, out_node, out_users):
             res.replace_all_uses_with(x)  # the runtime adds the microbatches' terms
             graph.erase_node(res)
             if res is not n:
@@ -418,6 +417,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             continue
         raise PipelineError(f"the step's {kind} at node {n.name!r} over the batch (of {x.name!r}) cannot be split "
                             "into pipeline microbatches; use a plan without pp")
+    prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None  # before the count is dead
     graph.eliminate_dead_code()
     gm.recompile()
     outs = list(out_node.args[0])
@@ -622,7 +622,6 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             grad_out_specs=_specs(gout_s), recv_from=None, send_to=None, num_saved=len(saved_s),
             num_saved_w=len(saved_w),
             layers=tuple(layer for layer, t in stage_of_layer.items() if t == s)))
-    prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None
     return _Built(stages, prologue, holders, list(captured.param_fqns), state_names_all, dict(vprog.state),
                   dict(vprog.state_placements), dict(vprog.global_shapes))
 
@@ -640,6 +639,29 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
         else:
             env[n] = new.node_copy(n, env.__getitem__)
     return new
+
+
+_SHAPE_ONLY = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default)
+
+
+def _only_to_outputs(res: torch.fx.Node, out_node: torch.fx.Node, out_users: dict) -> bool:
+    """Whether ``res`` (a sum over microbatches) only reaches the loss / gradient outputs, through sums over
+    other groups (linear: they commute with the runtime's sum) or ops that read only its shape."""
+    if not res.users:
+        return False
+    for u in res.users:
+        if u is out_node:
+            if not out_users.get(res, "").startswith(("grad:", "loss")):
+                return False
+        elif u.op == "call_function" and u.target in _SHAPE_ONLY:
+            continue
+        elif _is(u, "all_reduce") and str(u.args[1]) == "sum":
+            waits = list(u.users)
+            if not (len(waits) == 1 and _is(waits[0], "wait") and _only_to_outputs(waits[0], out_node, out_users)):
+                return False
+        else:
+            return False
+    return True
 
 
 def _batch_only(x: torch.fx.Node):
