@@ -142,6 +142,25 @@ def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per
                             f"microbatches, got {microbatches}; use --microbatches {groups * max(1, -(-microbatches // groups))}")
 
 
+def check_microbatches(batch_rows: int, replicas: int, microbatches: int) -> int:
+    """Rows per microbatch when ``batch_rows`` split over ``replicas`` data-parallel replicas of ``microbatches``
+    equal microbatches each.
+
+    Raises:
+        PipelineError: fewer rows than microbatches, or rows that do not split evenly (names the numbers).
+    """
+    B, dp, M = batch_rows, replicas, microbatches
+    if dp * M > B:
+        raise PipelineError(f"{M} microbatches x {dp} data-parallel replica(s) = {dp * M} microbatches of at least one "
+                            f"row, but the batch has {B} rows; use at most {max(B // dp, 1)} microbatches")
+    if B % (dp * M):
+        raise PipelineError(f"the batch of {B} rows does not split into {dp} replica(s) x {M} microbatches of equal "
+                            f"size ({B} is not a multiple of {dp * M}); choose --microbatches dividing {B // dp}"
+                            if B % dp == 0 else
+                            f"the batch of {B} rows does not split evenly over {dp} data-parallel replicas")
+    return B // (dp * M)
+
+
 def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_size: int, mesh: str | None,
                           pipeline: PipelineOptions) -> Plan:
     """The pipeline :class:`~adaptdist.plan.Plan` for ``--plan pp`` (``plan`` None) or a manual intra-stage
@@ -193,6 +212,7 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
             raise PipelineError(f"plan {plan.name!r} inside the pipeline needs its axes in --mesh, e.g. "
                                 f"--mesh {PIPELINE_AXIS}={groups},{plan.mesh_axes[0]}=2")
         sub, pls, batch_axis, name = {}, {}, None, PIPELINE_AXIS
+    check_microbatches(captured.batch_size, sub.get(batch_axis, 1) if batch_axis else 1, microbatches)
     spec = PipelineSpec(tuple(StageSpec(layers, dict(sub)) for layers in stage_layers), microbatches,
                         pipeline.schedule, v)
     return Plan(mesh={PIPELINE_AXIS: groups, **sub}, batch_axis=batch_axis, param_placements=pls,
@@ -244,16 +264,7 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     check_schedule(spec.schedule, S, M, spec.stages_per_rank)
     batch_axis = plan.batch_axis
     dp = intra[batch_axis] if batch_axis is not None else 1
-    B = captured.batch_size
-    if dp * M > B:
-        raise PipelineError(f"{M} microbatches x {dp} data-parallel replica(s) = {dp * M} microbatches of at least one "
-                            f"row, but the batch has {B} rows; use at most {B // dp} microbatches")
-    if B % (dp * M):
-        raise PipelineError(f"the batch of {B} rows does not split into {dp} replica(s) x {M} microbatches of equal "
-                            f"size ({B} is not a multiple of {dp * M}); choose --microbatches dividing {B // dp}"
-                            if B % dp == 0 else
-                            f"the batch of {B} rows does not split evenly over {dp} data-parallel replicas")
-    rows = B // (dp * M)
+    rows = check_microbatches(captured.batch_size, dp, M)
 
     # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering
     model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
@@ -483,13 +494,25 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
     # one gradient crosses the cut, not each of its views; a parameter's gradient where the parameter is
     grad_of = {v: r.removeprefix("grad:") for v, r in zip(outs, roles) if r.startswith("grad:")}
     cut_adds: set = set()
+    leaf_of: dict = {}  # a tied parameter's gradient term -> the parameter
     for v, f in grad_of.items():
         if f in tied and S > 1:
-            cut_adds |= _add_tree(v, st)[1]
+            leaves, adds = _add_tree(v, st)
+            cut_adds |= adds
+            leaf_of.update({leaf: f for leaf in leaves})
+    fw_readers: dict[str, set[int]] = {}  # tied parameter -> stages whose forward reads it
+    for n in body:
+        if n in fw and n in st:
+            for v in _free_inputs(n, st):
+                if v.op == "placeholder" and gmeta.get_fqn(v) in tied:
+                    fw_readers.setdefault(gmeta.get_fqn(v), set()).add(st[n])
     for n in reversed(deferred):
         cands = [st[u] for u in n.users if u in st and u not in cut_adds]
         if n in grad_of and ph_bound.get(grad_of[n]) is not None:
             cands.append(ph_bound[grad_of[n]])
+        if n in leaf_of:  # computed where the stage holding the parameter below it is
+            cands += [max(h for h in fw_readers.get(leaf_of[n], {0}) if h <= st[n])] \
+                if any(h <= st[n] for h in fw_readers.get(leaf_of[n], {0})) else []
         if cands:
             st[n] = min(st[n], max(cands))
     for n in cut_adds:  # the runtime adds the stages' contributions
@@ -754,6 +777,23 @@ def _add_tree(g: torch.fx.Node, st: dict) -> tuple[list, set]:
         if {st.get(x) for x in a} != {st.get(x) for x in b} or len({st.get(x) for x in a + b}) > 1:
             return a + b, ia | ib | {g}
     return [g], set()
+
+
+def _free_inputs(n: torch.fx.Node, staged: dict) -> set:
+    """The placeholders and staged nodes ``n`` reads, through free (not ``staged``) nodes."""
+    out: set = set()
+    seen: set = set()
+    stack = list(n.all_input_nodes)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.op == "placeholder" or v in staged:
+            out.add(v)
+        elif v.op == "call_function":
+            stack.extend(v.all_input_nodes)
+    return out
 
 
 def _ancestors_within(roots: list, allowed: set, staged: dict) -> set:
