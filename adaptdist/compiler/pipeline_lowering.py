@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.fx
@@ -47,7 +47,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import InternalError, PipelineError, UsageError
 from ..lowering_options import LoweringOptions
-from ..mesh import Mesh, lowering_order
+from ..mesh import Mesh
 from ..placement import Replicate
 from ..plan import PIPELINE_AXIS, SCHEDULES, PipelineSpec, Plan, StageSpec, graph_fingerprint
 from ..stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
@@ -162,18 +162,18 @@ def check_microbatches(batch_rows: int, replicas: int, microbatches: int) -> int
 
 
 def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_size: int, mesh: str | None,
-                          pipeline: PipelineOptions) -> Plan:
+                          pipeline: PipelineOptions, *, resolve_plan: Callable) -> Plan:
     """The pipeline :class:`~adaptdist.plan.Plan` for ``--plan pp`` (``plan`` None) or a manual intra-stage
     plan (``plan``: its mesh axes are the stage sub-mesh, e.g. ``dp`` or ``tp``) with ``--mesh pp=2,dp=2``
     (``mesh`` None: one pipeline of ``pipeline.stages or world_size`` stage groups). Layers are split evenly
-    (:func:`split_layers`).
+    (:func:`split_layers`). ``resolve_plan`` is :func:`adaptdist.compiler.lowering.resolve_plan` (which calls
+    this: the door is there).
 
     Raises:
         PipelineError: more stages than layers, a mesh whose ``pp`` size differs from ``pipeline.stages``, a
             schedule that cannot use the microbatch count.
         UsageError: a mesh that does not match ``world_size``.
     """
-    from .lowering import resolve_plan
     from ..annotations import ManualPlan
 
     v = pipeline.stages_per_rank
@@ -222,8 +222,11 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
 # ------------------------------------------------------------------------------------------------------ lowering
 
 def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions,
-                   state: dict[str, torch.Tensor] | None = None) -> dict[int, PipelineRankProgram]:
+                   state: dict[str, torch.Tensor] | None = None, *, lower_mesh: Callable
+                   ) -> dict[int, PipelineRankProgram]:
     """Lower a captured step under a pipeline ``plan`` (the module docstring); returns every rank's program.
+    ``lower_mesh`` is :func:`adaptdist.compiler.lowering._lower_mesh` (:func:`~adaptdist.compiler.lowering.lower`
+    calls this: the door is there).
 
     Raises:
         PipelineError: more stages than layers, stage layer ranges that do not cover the model's layers in
@@ -232,8 +235,6 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             microbatches of activations (names the node), a model that updates buffers.
         UnsupportedOpError: an op cannot run with the intra-stage placements (as :func:`lower`).
     """
-    from .lowering import _lower_mesh
-
     spec = plan.pipeline
     assert spec is not None
     S, G, M = spec.num_stages, spec.num_groups, spec.microbatches
@@ -275,7 +276,7 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                                    for f, pls in plan.param_placements.items()},
                  graph_fingerprint=plan.graph_fingerprint, name=plan.name)
     vopts = dataclasses.replace(options, grad_bucket_bytes=1, gather_bucket_bytes=1)
-    vprogs = _lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
+    vprogs = lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
     vm = Mesh(tuple(vmesh.items()))
 
     # rank layout: group g's ranks; local index j <-> intra coordinates
@@ -400,7 +401,6 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
         waits = [u for u in n.users if _is(u, "wait")]
         res = waits[0] if len(waits) == 1 and len(n.users) == 1 else n
         x = n.args[0]
-        users = list(res.users)
         if kind == "all_reduce" and str(n.args[1]) == "sum" and _only_to_outputs(res, out_node, out_users):
             res.replace_all_uses_with(x)  # the runtime adds the microbatches' terms
             graph.erase_node(res)
