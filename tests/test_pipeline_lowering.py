@@ -115,6 +115,11 @@ def test_pipeline_equals_eager(model, stages, microbatches, mesh):
     for p in progs.values():  # one activation and one gradient cross each cut of these models
         for st in p.stages:
             assert len(st.send_specs) == (0 if st.is_last else 1) and len(st.grad_in_specs) == len(st.send_specs)
+            # the weight gradients are in backward_weight (zero-bubble's W), not in backward_input
+            mms = [n for n in st.backward_weight.graph.nodes if n.target is torch.ops.aten.mm.default]
+            assert len(mms) >= 1
+            if st.is_first:  # nothing to send back: backward_input only hands its inputs on
+                assert not [n for n in st.backward_input.graph.nodes if n.op == "call_function"]
 
 
 def test_loss_is_the_global_sum_over_the_global_valid_token_count():
@@ -179,6 +184,14 @@ def test_stage_ranges_and_sub_meshes_are_checked_by_lower():
                  mesh={"pp": 2, "dp": 2})
     with pytest.raises(PipelineError, match=r"stage 1 runs on sub-mesh \{'tp': 2\} but the plan's stage mesh is \{'dp': 2\}"):
         lower(cg, skew, LoweringOptions())
+
+
+def test_fsdp_inside_a_stage_is_refused_naming_the_parameters():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    plan = resolve_plan(ManualPlan.parse("fsdp"), cg, 4, "pp=2,dp=2", pipeline=PipelineOptions(microbatches=2))
+    with pytest.raises(PipelineError, match=r"sharded over the batch axis .dp. inside a pipeline stage \(FSDP: blocks.0.attn.k.bias"):
+        lower(cg, plan, LoweringOptions())
 
 
 def test_pipeline_plan_json_round_trip_and_old_plans():

@@ -268,6 +268,13 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     rows = check_microbatches(captured.batch_size, dp, M)
 
     # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering
+    if batch_axis is not None and intra.get(batch_axis, 1) > 1:
+        k = list(plan.mesh).index(batch_axis)
+        sharded = sorted(f for f, pls in plan.param_placements.items() if not isinstance(pls[k], Replicate))
+        if sharded:
+            raise PipelineError(f"parameters sharded over the batch axis {batch_axis!r} inside a pipeline stage (FSDP: "
+                                f"{', '.join(sharded[:3])}{'...' if len(sharded) > 3 else ''}) are not supported yet; "
+                                f"replicate them on {batch_axis!r} (--plan dp) or shard them over a tp axis")
     model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
     vmesh = dict(model_axes) | {MB_AXIS: dp * M}
     keep = [list(plan.mesh).index(a) for a, _ in model_axes]
