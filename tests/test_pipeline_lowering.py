@@ -240,3 +240,24 @@ def test_pipeline_plan_json_round_trip_and_old_plans():
     doc["param_placements"] = {}
     old = Plan.from_json(json.dumps(doc), "p.json")  # a version-2 plan still loads, without a pipeline
     assert old.pipeline is None
+
+
+def test_stages_with_different_placements_on_one_sub_mesh_shape():
+    """Stage 0 replicated, stage 1 Megatron-sharded over tp: each value crosses the cut in the placement the one
+    lowering gave it, and the receiving stage's program reshards where its layers need another."""
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    expected = eager(m, batch, loss_fn)
+    plan = ManualPlan("tp-late", ("tp",), None, (("blocks.1.fc.weight", ("S(0)",)), ("blocks.1.fc.bias", ("S(0)",)),
+                                                 ("blocks.1.fc_out.weight", ("S(1)",))))
+    progs = compile_model(m, batch, loss_fn, 4, plan, mesh="pp=2,tp=2", pipeline=PipelineOptions(microbatches=2))
+    assert not progs[0].state_placements and progs[2].state_placements["blocks.1.fc.weight"] == ("S(0)",)
+    assert progs[0].groups == {"adaptdist:tp": (0, 1)} and progs[3].groups == {"adaptdist:tp": (2, 3)}
+    check_against_eager(progs, batch, expected)
+
+
+def test_plan_pp_without_a_mesh_is_one_pipeline_over_every_rank():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    plan = resolve_plan(None, cg, 4, None, pipeline=PipelineOptions())
+    assert plan.mesh == {"pp": 4} and plan.pipeline.microbatches == 4 and plan.pipeline.schedule == "gpipe"
+    assert [s.layers for s in plan.pipeline.stages] == [("tok_emb", "pos_emb"), ("blocks.0",), ("blocks.1",), ("ln_f",)]
