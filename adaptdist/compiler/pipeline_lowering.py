@@ -328,6 +328,10 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             key = tuple(c.get(a, 0) for a, _ in model_axes)
             if key not in built:
                 vr = vm.rank(key + (d * M,))
+                if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (d * M + 1,))].graph_module.code:
+                    raise PipelineError(
+                        "the step's program differs between microbatches 0 and 1 (random ops drawing per rank under "
+                        "--rng global?); pipeline microbatches run one program: use --rng local or a plan without pp")
                 built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
             b = built[key]
             rank = group_ranks[g][j]
