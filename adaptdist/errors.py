@@ -79,3 +79,9 @@ class RunInterruptedError(RuntimeLaunchError):
         super().__init__(message)
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+class PipelineError(UsageError):
+    """A pipeline plan that cannot be lowered as asked: more stages than layers, microbatches that do not split
+    the batch, a schedule that cannot use the count, a reduction over microbatches that depends on activations;
+    the message names the numbers, layers or node and what to try."""
