@@ -28,15 +28,16 @@ So the backend marks the regions itself, with an op that survives every re-trace
    planner's liveness-based memory estimate (:mod:`adaptdist.cost_models.memory`) sees the shorter lives and the
    recomputation's compute without knowing about checkpoints, as for ``adaptdist train --activation-checkpointing``.
 
-A region holding a random op (dropout) is left saved, not recomputed (recomputing would draw other numbers; eager
-checkpointing replays the generator's state): its numbers stay eager's, its memory is not saved, and a warning says so.
+A random op inside a region (dropout's ``bernoulli``) is not recomputed: its draws are kept from the forward and the
+recomputation reads them (recomputing would draw other numbers; eager checkpointing replays the generator's state to
+draw the same ones), so the recomputed values are the forward's; only the draws (the mask) stay alive, not the
+activations.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -137,19 +138,14 @@ def recompute_regions(gm: torch.fx.GraphModule, forward_outputs: list[torch.fx.N
     for region in sorted({int(m.args[1]) for m in marks}):
         starts = [m for m in marks if int(m.args[1]) == region and not m.args[2]]
         ends = [m for m in marks if int(m.args[1]) == region and m.args[2]]
-        below = _closure(starts, lambda n: n.users)
+        below = _closure(starts, lambda n: n.users, lambda n: not _random(n))  # draws: kept, not recomputed
         core = _closure(ends, lambda n: n.all_input_nodes, lambda n: n in below) - set(ends)
         helpers = _closure([u for n in core for u in n.users], lambda n: n.users,
-                           lambda n: n not in forward and n not in backward and n not in core and n.op != "output")
+                           lambda n: n not in forward and n not in backward and n not in core and n.op != "output"
+                           and not _random(n))
         inside = core | helpers
         uses = [(u, n) for n in inside for u in n.users if u in backward]
         if not uses:
-            continue
-        if any(_random(n) for n in inside):
-            name = next(n.name for n in inside if _random(n))
-            warnings.warn(f"adaptdist: the checkpointed region {region} draws random numbers ({name}); the backend "
-                          "keeps its activations instead of recomputing them (recomputing would draw others): "
-                          "numbers equal eager, no memory saved", stacklevel=2)
             continue
         needed = _closure([n for _, n in uses], lambda n: n.all_input_nodes, lambda n: n in inside)
         first = min((u for u, _ in uses), key=order.__getitem__)
