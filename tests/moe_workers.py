@@ -65,7 +65,7 @@ def moe_backend_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
             if case.get("dead_expert"):
                 starve_last_expert(model)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
-            plan = ManualPlan.parse("ep", moe) if case["plan"] == "ep" else case["plan"]
+            plan = ManualPlan.parse("ep", moe) if case["plan"] == "ep-module" else case["plan"]  # "ep": EP_PLAN found
             be = adaptdist.backend(plan=plan)
             compiled = torch.compile(model, backend=be)
             losses, grads = [], []

@@ -185,12 +185,13 @@ def test_backend_on_two_gloo_ranks_equals_eager():
     Under ``ep`` the stacked experts stay sharded on their expert dim (the capture's batched matmuls keep the
     rank dim out of the expert dim: adaptdist/compiler/expert_batching.py): tokens move by all_to_all and no
     all_gather moves an expert weight; 3 experts on 2 ranks, one that no token picks: its gradients exactly
-    zero. ModuleList experts under ``ep`` are refused as ``adaptdist train`` refuses them (EP_PLAN's globs)."""
+    zero. ``plan="ep"`` reads moe.py's EP_PLAN (``ep-module``: ``ManualPlan.parse("ep", moe)``). ModuleList experts
+    under ``ep`` are refused as ``adaptdist train`` refuses them (EP_PLAN's globs match no parameter)."""
     from adaptdist.runtime.launch import launch_local
     from moe_workers import moe_backend_worker, starve_last_expert
 
     cases = [dict(form=FORMS["stacked-scatter_add"], plan="ep", batch=4),
-             dict(form=dict(FORMS["stacked-index_add"], n_experts=3, k=1), plan="ep", batch=4, dead_expert=True),
+             dict(form=dict(FORMS["stacked-index_add"], n_experts=3, k=1), plan="ep-module", batch=4, dead_expert=True),
              dict(form=FORMS["list-index_add"], plan="auto", batch=4)]
     where = dict(form=dict(experts="list", dispatch="where"), plan="dp", batch=4)  # refused, with the advice
     list_ep = dict(form=FORMS["list-index_add"], plan="ep", batch=4)  # refused: no stacked expert weight
@@ -221,7 +222,7 @@ def test_backend_on_two_gloo_ranks_equals_eager():
             for n, p in model.named_parameters():
                 torch.testing.assert_close(results[r][k]["params"][n], p.detach(), atol=TOL, rtol=0, msg=f"{case} {n}")
             got = results[r][k]
-            if case["plan"] == "ep":
+            if case["plan"].startswith("ep"):
                 assert got["meshes"] == [{"ep": 2}], got["meshes"]
                 assert got["gathered"] == [[]], got["gathered"]  # no all_gather moves an expert weight (nor any)
                 assert any("all_to_all" in c for c in got["collectives"][0]), got["collectives"]
