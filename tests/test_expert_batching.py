@@ -74,3 +74,14 @@ def test_auto_plan_through_the_backend_shards_the_expert_dim():
     captured = _backend_capture(seq_len=8, d=64, hidden=256)
     pp = plan_auto(captured, FixedCluster.uniform([("h", 2)])).plan.param_placements
     assert pp.get("moe.w_in") == pp.get("moe.w_out") == (Shard(0),), pp
+
+
+def test_backend_ep_on_a_model_file_without_ep_plan_says_what_to_pass():
+    import adaptdist
+
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4)), backend=adaptdist.backend(plan="ep"),
+                             dynamic=False)
+    with pytest.raises(Exception, match=r"(?s)plan='ep'.*EP_PLAN.*ManualPlan\.parse\('ep', model_module\)"):
+        compiled(torch.randn(2, 4)).sum().backward()
+    torch._dynamo.reset()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -60,15 +61,22 @@ _TARGETS = {torch.bmm: rank_bmm, torch.ops.aten.bmm.default: rank_bmm, torch.mat
             operator.matmul: rank_matmul, torch.ops.aten.matmul.default: rank_matmul}
 
 
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _is_param(x: Any, params: set[str]) -> bool:
+    """A parameter placeholder (by name), or a dtype cast of one (autocast's, in a graph traced under it)."""
+    if not isinstance(x, torch.fx.Node):
+        return False
+    if x.op == "placeholder":
+        return x.name in params
+    return x.op == "call_function" and x.target in _CASTS and _is_param(x.args[0], params)
+
+
 def _stacked_weight_products(gm: torch.fx.GraphModule, params: set[str]) -> list[torch.fx.Node]:
-    """The ``bmm`` / 3-D ``matmul`` calls of a Dynamo graph with a parameter placeholder (by name) as one operand."""
-    found = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _TARGETS or len(n.args) != 2 or n.kwargs:
-            continue
-        if any(isinstance(x, torch.fx.Node) and x.op == "placeholder" and x.name in params for x in n.args):
-            found.append(n)
-    return found
+    """The ``bmm`` / 3-D ``matmul`` calls of a Dynamo graph with a parameter (or its cast) as one operand."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _TARGETS and len(n.args) == 2
+            and not n.kwargs and any(_is_param(x, params) for x in n.args)]
 
 
 def with_rank_bmm(gm: torch.fx.GraphModule, param_placeholders: set[str]) -> torch.fx.GraphModule:
