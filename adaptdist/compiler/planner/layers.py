@@ -181,29 +181,47 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
                 cands.append(param_layer[s])
             elif layer.get(s) is not None:
                 cands.append(layer[s])
-        layer[n] = max(cands) if cands else None
+        param_view = pn.live[1] < pn.live[0] and inputs[n] and all(pg.nodes[s].kind in ("param", "buffer")
+                                                                      for s in inputs[n])
+        layer[n] = None if param_view else (max(cands) if cands else None)  # t(W): where it is read
     for n in reversed(names):  # forward nodes with no layered input join their earliest user
         if n in layer and layer[n] is None:
             us = [layer[u] for u in users[n] if layer.get(u) is not None]
             layer[n] = min(us) if us else 0
     if not order:
         order["model"] = 0
+    readers: dict[str, set[int]] = {}  # placeholder -> layers whose forward reads it (two for a tied weight)
+    for n in names:
+        if n in forward and pg.nodes[n].kind == "op" and layer.get(n) is not None:
+            for s in inputs[n]:
+                if pg.nodes[s].kind != "op":
+                    readers.setdefault(s, set()).add(layer[n])
     for n in names:  # backward
         pn = pg.nodes[n]
         if pn.kind != "op" or n in forward:
             continue
         fwd = [layer[s] for s in inputs[n] if s in forward and layer.get(s) is not None]
-        fwd += [param_layer[s] for s in inputs[n] if s in param_layer]
         if fwd:
             layer[n] = max(fwd)
             continue
         bwd = [layer[s] for s in inputs[n] if layer.get(s) is not None and s not in forward]
+        read = sorted({r for s in inputs[n] if pg.nodes[s].kind != "op"
+                       for r in readers.get(s, {param_layer[s]} if s in param_layer else set())})
+        if read:  # grad @ W, an embedding's backward: the reader of W (of the indices) at or before the gradient
+            below = [r for r in read if not bwd or r <= min(bwd)]
+            layer[n] = max(below) if below else min(read)
+            continue
         layer[n] = min(bwd) if bwd else None
     last = len(order) - 1
     for n in reversed(names):
         if n in layer and layer[n] is None:
             us = [layer[u] for u in users[n] if layer.get(u) is not None]
             layer[n] = min(us) if us else last
+    for src_name, _ in pg.grad_of.values():  # a tied weight's gradient parts are summed after the schedule:
+        ins = [layer[s] for s in inputs.get(src_name, []) if layer.get(s) is not None]  # the sum is no send
+        if src_name in layer and len(set(ins)) > 1 and getattr(fx[src_name].target, "__name__", "") == "add.Tensor" \
+                and all(u.op == "output" for u in fx[src_name].users):
+            layer[src_name] = max(ins)
     for p in pg.params():  # parameters never consumed by a forward op: the layer of their name, if known
         if p.name not in param_layer:
             k = layer_key(p.fqn or p.name)
