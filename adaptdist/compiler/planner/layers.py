@@ -196,22 +196,30 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
             for s in inputs[n]:
                 if pg.nodes[s].kind != "op":
                     readers.setdefault(s, set()).add(layer[n])
+    fusers: dict[str, set[int]] = {}  # forward value -> layers whose forward reads it
+    for n in names:
+        if n in forward and pg.nodes[n].kind == "op" and layer.get(n) is not None:
+            for s in inputs[n]:
+                fusers.setdefault(s, set()).add(layer[n])
     for n in names:  # backward
         pn = pg.nodes[n]
         if pn.kind != "op" or n in forward:
             continue
-        fwd = [layer[s] for s in inputs[n] if s in forward and layer.get(s) is not None]
-        if fwd:
-            layer[n] = max(fwd)
-            continue
+        own = [layer[s] for s in inputs[n] if s in forward and layer.get(s) is not None]
+        cands = set(own)
+        for s in inputs[n]:
+            if s in forward and layer.get(s) is not None:
+                cands |= fusers.get(s, set())  # a saved value is its layer's, or the input of a later one
+            elif pg.nodes[s].kind != "op":
+                cands |= readers.get(s, {param_layer[s]} if s in param_layer else set())
         bwd = [layer[s] for s in inputs[n] if layer.get(s) is not None and s not in forward]
-        read = sorted({r for s in inputs[n] if pg.nodes[s].kind != "op"
-                       for r in readers.get(s, {param_layer[s]} if s in param_layer else set())})
-        if read:  # grad @ W, an embedding's backward: the reader of W (of the indices) at or before the gradient
-            below = [r for r in read if not bwd or r <= min(bwd)]
-            layer[n] = max(below) if below else min(read)
-            continue
-        layer[n] = min(bwd) if bwd else None
+        if cands and bwd:  # the latest layer the saved values may be of, at or before the incoming gradient's
+            below = [c for c in cands if c <= min(bwd)]
+            layer[n] = max(below) if below else min(cands)
+        elif cands:
+            layer[n] = max(own) if own else max(cands)
+        else:
+            layer[n] = min(bwd) if bwd else None
     last = len(order) - 1
     for n in reversed(names):
         if n in layer and layer[n] is None:
