@@ -1,9 +1,11 @@
 """The captured step as a chain of layers, for the inter-stage planner (:mod:`.stages`).
 
-A **layer** is a module of the model at the granularity a pipeline cuts at: the part of a parameter's
-name up to its first numeric index (``blocks.0``, ``layers.3``), else its top-level module (``tok_emb``,
-``ln_f``, ``head``, ``fc1``). Where a node carries ``nn_module_stack`` (a capture that keeps it), its
-innermost module path is keyed the same way; otherwise (today's ``aot_export_joint`` graphs have no
+A **layer** is a module of the model at the granularity a pipeline cuts at (:func:`layer_key`): the part of
+a parameter's name through its first numeric index (``blocks.0``, ``layers.3``), else its module (``tok_emb``,
+``ln_f``, ``fc1``); a tied alias (GPT's ``head.weight``) is no layer of its own. Layers are ordered by the
+first forward use of their parameters; parameters no forward op reads make layers of their own at the end.
+Where a node carries ``nn_module_stack`` (a capture that keeps it), its innermost module path is keyed
+the same way (plus a dummy leaf); otherwise (today's ``aot_export_joint`` graphs have no
 module stack) a forward node gets its layer from the parameters it consumes and from its inputs:
 
 - **forward** nodes are the ancestors of the loss. In graph order, a node's layer is the *latest* layer
@@ -36,14 +38,16 @@ _INDEX = re.compile(r"^\d+$")
 
 
 def layer_key(path: str) -> str:
-    """The layer a parameter name or module path belongs to: up to its first numeric component
-    (``blocks.0.attn.q.weight`` -> ``blocks.0``), else its first component (``tok_emb.weight`` ->
-    ``tok_emb``); a name without dots is its own layer."""
+    """The layer a parameter name belongs to: its module path through the first numeric component
+    (``blocks.0.attn.q.weight`` -> ``blocks.0``, ``0.weight`` -> ``0``), else its module path (``tok_emb.weight``
+    -> ``tok_emb``, ``model.norm.weight`` -> ``model.norm``); a name without dots is its own layer. The same
+    names as pp-core's ``adaptdist.compiler.pipeline_lowering.layer_of``, so a plan's stage layer ranges are
+    what the stage cut reads."""
     parts = path.split(".")
     for i, p in enumerate(parts):
-        if _INDEX.match(p) and i > 0:
+        if _INDEX.match(p):
             return ".".join(parts[:i + 1])
-    return parts[0] if len(parts) > 1 else path
+    return ".".join(parts[:-1]) or path
 
 
 @dataclass
@@ -230,10 +234,9 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
         if src_name in layer and len(set(ins)) > 1 and getattr(fx[src_name].target, "__name__", "") == "add.Tensor" \
                 and all(u.op == "output" for u in fx[src_name].users):
             layer[src_name] = max(ins)
-    for p in pg.params():  # parameters never consumed by a forward op: the layer of their name, if known
+    for p in pg.params():  # parameters never consumed by a forward op: the layer of their name (last if new)
         if p.name not in param_layer:
-            k = layer_key(p.fqn or p.name)
-            param_layer[p.name] = order.get(k, 0)
+            param_layer[p.name] = key_index(layer_key(p.fqn or p.name))
     keys = sorted(order, key=order.get)
     layers = [Layer(k, i) for i, k in enumerate(keys)]
     # input-gradient (B) vs weight-gradient (W) work, in reverse graph order

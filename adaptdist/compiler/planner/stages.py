@@ -928,3 +928,46 @@ def stage_plan_lines(choice: PipelineChoice) -> list[str]:
                      f"{verdict} ({choice.spmd_step_s / choice.step_s:.2f}x)")
     lines.append(f"  ({choice.stage_costs} stage costs, inter-stage search {choice.planner_s:.2f} s)")
     return lines
+
+
+# --- into the plan ------------------------------------------------------------------------------------
+
+def _stage_mesh(mesh: Mapping[str, int]) -> dict[str, int]:
+    """A stage's sub-mesh as a plan writes it: axes of size 1 dropped (``{}``: one rank)."""
+    return {a: n for a, n in mesh.items() if n > 1}
+
+
+def to_pipeline_spec(choice: PipelineChoice) -> Any:
+    """``choice`` as the plan's pipeline decision (:class:`adaptdist.plan.PipelineSpec`, pp-core's field): one
+    :class:`~adaptdist.plan.StageSpec` per stage with its layer names, sub-mesh, ranks and per-microbatch
+    predicted seconds (``forward``, ``backward``, ``weight``, and ``grad_sync`` per step); for interleaved 1F1B
+    one per model chunk in pipeline order (chunk ``j`` on rank group ``j mod p``, ``stages_per_rank`` chunks
+    each), its predicted seconds the group's. The spec's ``predicted_s`` holds ``step``, ``bubble`` and, when
+    compared, ``spmd_step``.
+
+    Raises:
+        UsageError: the plan module has no pipeline field (a tree without pp-core's plan.py), or the spec
+            refuses the values (from ``PipelineSpec``'s checks).
+    """
+    try:
+        from ...plan import PipelineSpec, StageSpec
+    except ImportError as e:  # pp-core's field not merged
+        raise UsageError("this adaptdist's plan has no pipeline field (adaptdist.plan.PipelineSpec); "
+                         "plan without stages") from e
+
+    def times(s: StageChoice) -> dict[str, float]:
+        return {"forward": s.forward_s, "backward": s.backward_s, "weight": s.weight_s, "grad_sync": s.grad_sync_s}
+
+    predicted = {"step": choice.step_s, "bubble": choice.bubble_s}
+    if choice.spmd_step_s is not None:
+        predicted["spmd_step"] = choice.spmd_step_s
+    p = choice.num_stages
+    if choice.chunks:
+        stages = tuple(StageSpec(tuple(c), _stage_mesh(choice.stages[j % p].mesh), tuple(choice.stages[j % p].ranks),
+                                 times(choice.stages[j % p])) for j, c in enumerate(choice.chunks))
+        per_rank = len(choice.chunks) // p
+    else:
+        stages = tuple(StageSpec(tuple(s.layers), _stage_mesh(s.mesh), tuple(s.ranks), times(s))
+                       for s in choice.stages)
+        per_rank = 1
+    return PipelineSpec(stages, choice.microbatches, choice.schedule, per_rank, predicted)
