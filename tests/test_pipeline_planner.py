@@ -276,3 +276,67 @@ def test_planner_time_is_bounded_on_32_layers_and_8_ranks():
     elapsed = time.perf_counter() - t0
     assert isinstance(ch, PipelineChoice) and ch.num_stages >= 2
     assert elapsed < 60.0, f"inter-stage search took {elapsed:.1f} s"
+
+
+def test_uniform_sub_meshes_give_every_stage_the_same_mesh():
+    cl = FixedCluster.uniform([("h0", 4)], op_overhead_s=5e-6)
+    pg = build_planning_graph(wide_mlp(256, 4, 32), cl)
+    ch = plan_pipeline(None, cl, pg=pg, microbatches=[4], schedules=("1f1b", "zb"), uniform=True)
+    assert len({tuple(sorted(s.mesh.items())) for s in ch.stages}) == 1
+    assert len({len(s.ranks) for s in ch.stages}) == 1 and sum(len(s.ranks) for s in ch.stages) == 4
+
+
+# --- the automatic planner with stages -----------------------------------------------------------------
+
+def slow_hosts():
+    """Two hosts of one rank each joined by a slow link (100 MB/s): gradients and tensor-parallel activations
+    cross it every step, a pipeline's activations once per microbatch."""
+    import dataclasses
+
+    from adaptdist.cost_models.hardware import LinkFigures
+
+    cl = FixedCluster.uniform([("h0", 1), ("h1", 1)], op_overhead_s=5e-6)
+    return dataclasses.replace(cl, inter_host=LinkFigures("inter_host", 1e8, 1e-4))
+
+
+def test_auto_weighs_stages_and_takes_them_only_where_predicted_faster():
+    from rich.console import Console
+
+    from adaptdist.compiler.planner import plan_auto
+    from adaptdist.compiler.planner.summary import print_summary
+
+    fast = plan_auto(wide_mlp(1024, 4, 16), FixedCluster.uniform([("h0", 2)], op_overhead_s=5e-6), pipeline=True)
+    assert isinstance(fast.pipeline, PipelineChoice) and not fast.pipeline.chosen  # tensor parallel is faster
+    assert getattr(fast.plan, "pipeline", None) is None and fast.plan.mesh == {"tp": 2}
+    slow = plan_auto(wide_mlp(1024, 4, 256), slow_hosts(), pipeline=True)
+    assert isinstance(slow.pipeline, PipelineChoice) and slow.pipeline.step_s < 0.9 * slow.predicted.step_s
+    try:
+        import adaptdist.compiler.pipeline_lowering  # noqa: F401 -- pp-core's lowering: the plan holds the stages
+        assert slow.plan.pipeline is not None and slow.plan.mesh == {"pp": 2}
+        assert [s.layers for s in slow.plan.pipeline.stages] == [("0", "2"), ("4", "6")]
+    except ImportError:  # without it the SPMD plan stays, and the stage plan says why
+        assert "not lowered" in slow.pipeline.note and "pp" not in slow.plan.mesh
+    console = Console(record=True, width=200)
+    print_summary(console, slow, layers=False)
+    text = console.export_text()
+    assert "pipeline plan: 2 stages" in text and "stage 1: layers 4 .. 6" in text and "why " in text
+    assert plan_auto(wide_mlp(64, 2, 8), slow_hosts()).pipeline is None  # off unless asked
+
+
+def test_the_automatic_pipeline_plan_lowers():
+    pytest.importorskip("adaptdist.compiler.pipeline_lowering")
+    from adaptdist.compiler.lowering import lower
+    from adaptdist.compiler.planner import plan_auto
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.plan import Plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*itertools.chain.from_iterable((nn.Linear(512, 512), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(256, 512)
+    cg = capture(model, (x, x), F.mse_loss)
+    result = plan_auto(cg, slow_hosts(), pipeline=True)
+    assert result.plan.pipeline is not None
+    assert Plan.from_json(result.plan.to_json()) == result.plan
+    programs = lower(cg, result.plan, LoweringOptions())
+    assert programs[0].schedule == result.plan.pipeline.schedule
+    assert [programs[r].stages[0].layers for r in (0, 1)] == [s.layers for s in result.plan.pipeline.stages]

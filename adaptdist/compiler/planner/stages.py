@@ -153,6 +153,7 @@ class PipelineChoice:
         stage_costs: how many stage costs were computed (cache misses).
         chunks: interleaved 1F1B only: the model chunks in pipeline order (chunk ``j`` on stage ``j mod p``);
             each stage's ``layers`` are then its chunks' layers, and its ``layer_range`` its first chunk's.
+        note: why a pipeline predicted faster is not the plan (empty otherwise).
     """
 
     stages: tuple[StageChoice, ...]
@@ -168,6 +169,7 @@ class PipelineChoice:
     planner_s: float = 0.0
     stage_costs: int = 0
     chunks: tuple[tuple[str, ...], ...] = ()
+    note: str = ""
 
     @property
     def num_stages(self) -> int:
@@ -345,10 +347,11 @@ class StageCoster:
     """
 
     def __init__(self, lg: LayerGraph, cluster: Any, optimizer: str = "adamw", mode: str = "ilp",
-                 time_limit_s: float = ILP_TIME_LIMIT_S) -> None:
+                 time_limit_s: float = ILP_TIME_LIMIT_S, mesh: Any = None) -> None:
         if mode not in ("ilp", "analytic"):
             raise UsageError(f"stage coster {mode!r} is not one of ilp, analytic")
         self.lg, self.cluster, self.mode, self.time_limit_s = lg, cluster, mode, time_limit_s
+        self.mesh = mesh  # a fixed intra-stage MeshCandidate for multi-rank stages (None: search every shape)
         self.state_copies = optimizer_model(optimizer).state_copies
         self.cache: dict[tuple, StageEstimate | None] = {}
         self.strategy_cache: dict = {}
@@ -414,7 +417,10 @@ class StageCoster:
         cl = SubCluster(self.cluster, ranks)
         capacity = 1e6 * float(min(cl.device(i).memory_bytes for i in range(len(ranks))))  # the DP checks memory
         best = None
-        for c in mesh_candidates(len(ranks), sub.batch_size):
+        shapes = [self.mesh] if self.mesh is not None else mesh_candidates(len(ranks), sub.batch_size)
+        for c in shapes:
+            if c.mesh.world_size != len(ranks):
+                return None
             try:
                 ev, sols, chosen = solve_candidate(sub, c, cl, Constraints(), self.state_copies, capacity,
                                                    self.strategy_cache, self.time_limit_s)
@@ -642,7 +648,7 @@ def _size(n: float) -> str:
 def plan_stages(lg: LayerGraph, cluster: Any, coster: Callable[[int, int, Sequence[int]], StageEstimate | None], *,
                 microbatches: Sequence[int] | None = None, schedules: Sequence[str] = SCHEDULES,
                 num_stages: int | None = None, spmd_step_s: float | None = None,
-                epsilon: float = EPSILON) -> PipelineChoice:
+                epsilon: float = EPSILON, sizes: Callable[[int, int], Sequence[int]] | None = None) -> PipelineChoice:
     """The inter-stage search (module docstring, items 3-5) over ``lg``'s layers and ``cluster``'s ranks.
 
     Args:
@@ -650,6 +656,8 @@ def plan_stages(lg: LayerGraph, cluster: Any, coster: Callable[[int, int, Sequen
         microbatches: the counts to try (default :func:`microbatch_candidates` of the batch).
         schedules: the schedules to weigh (default all). num_stages: a fixed number of stages.
         spmd_step_s: the best non-pipeline plan's predicted step, to compare against.
+        sizes: ``(offset, remaining ranks)`` -> the sub-mesh sizes a stage may take (default
+            :func:`submesh_sizes`).
 
     Raises:
         PlanInfeasibleError: no pipeline fits the memory (names the smallest device and the layer that does
@@ -668,8 +676,9 @@ def plan_stages(lg: LayerGraph, cluster: Any, coster: Callable[[int, int, Sequen
     if not ms:
         raise PlanInfeasibleError(f"a pipeline needs at least 2 microbatches; the batch has {lg.pg.batch_size} rows")
 
-    def sizes(off: int, remaining: int) -> list[int]:
-        return submesh_sizes(cluster, off, remaining)
+    if sizes is None:
+        def sizes(off: int, remaining: int) -> list[int]:
+            return submesh_sizes(cluster, off, remaining)
 
     caps = {}
 
@@ -867,7 +876,8 @@ def _interleaved(lg: LayerGraph, res: DPResult, m: int, est, capacity, cluster: 
 def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "adamw", coster: str = "ilp",
                   spmd_step_s: float | None = None, microbatches: Sequence[int] | None = None,
                   schedules: Sequence[str] = SCHEDULES, num_stages: int | None = None,
-                  time_limit_s: float = ILP_TIME_LIMIT_S, pg: PlanningGraph | None = None) -> PipelineChoice:
+                  time_limit_s: float = ILP_TIME_LIMIT_S, pg: PlanningGraph | None = None,
+                  uniform: bool = False) -> PipelineChoice:
     """Plan a pipeline for ``captured`` on ``cluster`` (module docstring): layers, stage costs, the DP, the schedule.
 
     Args:
@@ -876,15 +886,47 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
             result's ``chosen`` says whether the pipeline beats it.
         microbatches, schedules, num_stages: restrict the search (default: everything).
         pg: the planning graph if already built (``plan_auto(...).graph``).
+        uniform: every stage on a sub-mesh of the same size and intra-stage mesh shape (what the pipeline
+            lowering runs today): one search per shape (``dp=2``, ``tp=2``, ...), the fastest wins.
 
     Raises:
         PlanInfeasibleError, UsageError: see :func:`plan_stages`.
     """
     pg = pg or build_planning_graph(captured, cluster)
     lg = build_layers(pg)
-    sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s)
-    return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
-                       spmd_step_s=spmd_step_s)
+    if not uniform:
+        sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s)
+        return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
+                           spmd_step_s=spmd_step_s)
+    from .search import mesh_candidates
+
+    t0 = time.perf_counter()
+    world = cluster.world_size
+    best, last_error, costs = None, None, 0
+    for k in submesh_sizes(cluster, 0, world):
+        if world % k or world // k < 2 or any(k not in submesh_sizes(cluster, off, world - off)
+                                              for off in range(0, world, k)):
+            continue
+        for c in mesh_candidates(k, pg.batch_size):
+            sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, mesh=c if k > 1 else None)
+            try:
+                ch = plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules,
+                                 num_stages=num_stages, spmd_step_s=spmd_step_s,
+                                 sizes=lambda off, rem, k=k: [k] if k <= rem else [])
+            except PlanInfeasibleError as e:
+                last_error = e
+                continue
+            finally:
+                costs += sc.misses
+            if len({tuple(sorted(s.mesh.items())) for s in ch.stages}) != 1:
+                continue  # a stage fell back to another shape (the ILP found no plan on this one)
+            if best is None or ch.step_s < best.step_s * (1 - 1e-9):
+                best = ch
+            if k == 1:
+                break
+    if best is None:
+        raise last_error or PlanInfeasibleError(f"no pipeline of equal sub-meshes fits {world} ranks")
+    return dataclasses.replace(best, planner_s=time.perf_counter() - t0, stage_costs=costs)
 
 
 # --- what the CLI prints -----------------------------------------------------------------------------
@@ -925,7 +967,8 @@ def stage_plan_lines(choice: PipelineChoice) -> list[str]:
     if choice.spmd_step_s is not None:
         verdict = "chosen" if choice.chosen else "not chosen"
         lines.append(f"  vs the best plan without stages: {_ms(choice.spmd_step_s)} predicted; the pipeline is "
-                     f"{verdict} ({choice.spmd_step_s / choice.step_s:.2f}x)")
+                     f"{verdict} ({choice.spmd_step_s / choice.step_s:.2f}x)" + (f": {choice.note}" if choice.note
+                                                                                 else ""))
     lines.append(f"  ({choice.stage_costs} stage costs, inter-stage search {choice.planner_s:.2f} s)")
     return lines
 
@@ -971,3 +1014,33 @@ def to_pipeline_spec(choice: PipelineChoice) -> Any:
                        for s in choice.stages)
         per_rank = 1
     return PipelineSpec(stages, choice.microbatches, choice.schedule, per_rank, predicted)
+
+
+def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: int) -> Any:
+    """The :class:`~adaptdist.plan.Plan` that runs ``choice``: pp-core's pipeline plan for its mesh (``pp`` first,
+    then the stages' common sub-mesh; the sub-mesh axes' placements by the preset of their names, as
+    ``--mesh pp=2,dp=2`` gives), with ``choice``'s stages, microbatches, schedule and predictions as its
+    ``pipeline`` (:func:`to_pipeline_spec`).
+
+    Raises:
+        UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes (the lowering
+            runs equal ones: plan with ``uniform=True``).
+    """
+    try:
+        from ...annotations import ManualPlan
+        from ..pipeline_lowering import PipelineOptions, resolve_pipeline_plan
+    except ImportError as e:
+        raise UsageError("this adaptdist has no pipeline lowering (adaptdist.compiler.pipeline_lowering); "
+                         "plan without stages") from e
+    meshes = {tuple(_stage_mesh(s.mesh).items()) for s in choice.stages}
+    if len(meshes) != 1:
+        raise UsageError(f"the pipeline's stages run on different sub-meshes {sorted(meshes)}; the pipeline lowering "
+                         "needs one sub-mesh for every stage (plan_pipeline(..., uniform=True))")
+    sub = dict(meshes.pop())
+    spec = to_pipeline_spec(choice)
+    text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
+    inner = ManualPlan.parse(",".join(sub)) if sub else None
+    base = resolve_pipeline_plan(inner, captured, world_size, text if sub else None,
+                                 PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
+                                                 schedule=spec.schedule, stages_per_rank=spec.stages_per_rank))
+    return dataclasses.replace(base, pipeline=spec)
