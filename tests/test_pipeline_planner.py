@@ -302,13 +302,13 @@ def slow_hosts():
 def test_auto_weighs_stages_and_takes_them_only_where_predicted_faster():
     from rich.console import Console
 
-    from adaptdist.compiler.planner import plan_auto
-    from adaptdist.compiler.planner.summary import print_summary
+    from adaptdist.compiler.planner.summary import print_summary, run_planner
 
-    fast = plan_auto(wide_mlp(1024, 4, 16), FixedCluster.uniform([("h0", 2)], op_overhead_s=5e-6), pipeline=True)
+    fast = run_planner(wide_mlp(1024, 4, 16), FixedCluster.uniform([("h0", 2)], op_overhead_s=5e-6), None, "adamw",
+                       pipeline=True)
     assert isinstance(fast.pipeline, PipelineChoice) and not fast.pipeline.chosen  # tensor parallel is faster
     assert getattr(fast.plan, "pipeline", None) is None and fast.plan.mesh == {"tp": 2}
-    slow = plan_auto(wide_mlp(1024, 4, 256), slow_hosts(), pipeline=True)
+    slow = run_planner(wide_mlp(1024, 4, 256), slow_hosts(), None, "adamw", pipeline=True)
     assert isinstance(slow.pipeline, PipelineChoice) and slow.pipeline.step_s < 0.9 * slow.predicted.step_s
     try:
         import adaptdist.compiler.pipeline_lowering  # noqa: F401 -- pp-core's lowering: the plan holds the stages
@@ -320,13 +320,14 @@ def test_auto_weighs_stages_and_takes_them_only_where_predicted_faster():
     print_summary(console, slow, layers=False)
     text = console.export_text()
     assert "pipeline plan: 2 stages" in text and "stage 1: layers 4 .. 6" in text and "why " in text
-    assert plan_auto(wide_mlp(64, 2, 8), slow_hosts()).pipeline is None  # off unless asked
+    assert run_planner(wide_mlp(64, 2, 8), slow_hosts(), None, "adamw").pipeline is None  # off unless asked
 
 
 def test_the_automatic_pipeline_plan_lowers():
     pytest.importorskip("adaptdist.compiler.pipeline_lowering")
     from adaptdist.compiler.lowering import lower
     from adaptdist.compiler.planner import plan_auto
+    from adaptdist.compiler.planner.stages import with_pipeline
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.plan import Plan
 
@@ -334,7 +335,7 @@ def test_the_automatic_pipeline_plan_lowers():
     model = nn.Sequential(*itertools.chain.from_iterable((nn.Linear(512, 512), nn.ReLU()) for _ in range(4)))
     x = torch.randn(256, 512)
     cg = capture(model, (x, x), F.mse_loss)
-    result = plan_auto(cg, slow_hosts(), pipeline=True)
+    result = with_pipeline(plan_auto(cg, slow_hosts()), cg, slow_hosts())
     assert result.plan.pipeline is not None
     assert Plan.from_json(result.plan.to_json()) == result.plan
     programs = lower(cg, result.plan, LoweringOptions())

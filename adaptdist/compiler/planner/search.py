@@ -117,7 +117,7 @@ class PlannerResult:
     graph: PlanningGraph
     chosen: dict[str, dict[str, Strategy]] = field(default_factory=dict)
     calibrated: bool = True
-    pipeline: Any = None  # pp-plan: the inter-stage planner's PipelineChoice, or why it gave none (str)
+    pipeline: Any = None  # the inter-stage planner's PipelineChoice, or why it gave none (str): stages.with_pipeline
 
     @property
     def solve_s(self) -> float:
@@ -281,7 +281,7 @@ def _check_pins(pg: PlanningGraph, constraints: Constraints) -> None:
 def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None, batch_axis: str | None = None,
               constraints: Constraints | None = None, optimizer: str = "adamw", time_limit_s: float = 30.0,
               previous: Plan | None = None, progress: Callable[[str], None] | None = None,
-              searcher: str = "ilp", replicate_fallback: bool = False, pipeline: bool = False) -> PlannerResult:
+              searcher: str = "ilp", replicate_fallback: bool = False) -> PlannerResult:
     """Choose the mesh shape (unless ``mesh`` is given) and every node's strategy (module docstring).
 
     Args:
@@ -297,9 +297,6 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
         searcher: ``ilp`` (the default) or ``random_walk`` (the baseline of :mod:`.random_walk`).
         replicate_fallback: ops with no sharding strategy run whole on every rank (their inputs gathered)
             instead of raising UnsupportedOpError (``--replicate-fallback``).
-        pipeline: also plan pipeline stages (:func:`.stages.plan_pipeline`, equal sub-meshes) and return the
-            pipeline plan where it is predicted faster than the best plan without stages (``result.pipeline``
-            holds the stage plan, or why there is none, either way).
 
     Raises:
         PlanInfeasibleError: no mesh shape fits the memory, or the pins contradict (message says which).
@@ -386,40 +383,8 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
     phases["plan"] = time.perf_counter() - t2
     log.info("planner: mesh %s, batch axis %s, predicted %.2f ms per step, %.2f GiB per rank (%d shapes, %.2f s)",
              c.mesh, c.batch_axis, 1e3 * ev.step_s, ev.memory_bytes / 2**30, len(tried), sum(phases.values()))
-    stages = None
-    if pipeline and mesh is None:
-        t3 = time.perf_counter()
-        plan, stages = _with_pipeline(captured, cluster, pg, plan, ev.step_s, optimizer, time_limit_s, progress)
-        phases["stages"] = time.perf_counter() - t3
     return PlannerResult(plan, c, ev, sols, tried, phases, pg, chosen,
-                         calibrated=bool(getattr(cluster, "calibrated", True)), pipeline=stages)
-
-
-def _with_pipeline(captured: CapturedGraph, cluster: Any, pg: PlanningGraph, plan: Plan, spmd_step_s: float,
-                   optimizer: str, time_limit_s: float, progress: Callable[[str], None] | None) -> tuple[Plan, Any]:
-    """The inter-stage planner against the SPMD plan (pp-plan): the pipeline plan where it is predicted faster, else
-    ``plan``; and the stage plan, or why there is none."""
-    from ...errors import AdaptdistError
-    from .stages import pipeline_plan, plan_pipeline
-
-    if cluster.world_size < 2:
-        return plan, "one rank: no pipeline"
-    if progress:
-        progress("pipeline stages")
-    try:
-        choice = plan_pipeline(captured, cluster, optimizer=optimizer, spmd_step_s=spmd_step_s, pg=pg,
-                               time_limit_s=time_limit_s, uniform=True)
-    except AdaptdistError as e:
-        return plan, f"no pipeline: {e}"
-    if not choice.chosen:
-        return plan, choice
-    try:
-        return pipeline_plan(captured, choice, cluster.world_size), choice
-    except AdaptdistError as e:
-        import dataclasses
-
-        return plan, dataclasses.replace(choice, chosen=False, note=f"predicted faster, but not lowered: {e}")
-
+                         calibrated=bool(getattr(cluster, "calibrated", True)))
 
 
 def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:

@@ -1044,3 +1044,35 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
                                  PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
                                                  schedule=spec.schedule, stages_per_rank=spec.stages_per_rank))
     return dataclasses.replace(base, pipeline=spec)
+
+
+def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimizer: str = "adamw",
+                  time_limit_s: float = ILP_TIME_LIMIT_S, progress: Callable[[str], None] | None = None) -> Any:
+    """``result`` (:func:`.search.plan_auto`'s :class:`~.search.PlannerResult`) with pipeline stages weighed:
+    :func:`plan_pipeline` on equal sub-meshes against ``result``'s predicted step; where the pipeline is predicted
+    faster, its plan (:func:`pipeline_plan`) replaces ``result.plan``. ``result.pipeline`` holds the stage plan
+    either way (with ``chosen`` and, where it is faster but cannot be lowered in this tree, a ``note``), or why
+    there is none (a str).
+    """
+    from ...errors import AdaptdistError
+
+    if cluster.world_size < 2:
+        return dataclasses.replace(result, pipeline="one rank: no pipeline")
+    if progress:
+        progress("pipeline stages")
+    t0 = time.perf_counter()
+    phases = dict(result.phases_s)
+    try:
+        choice = plan_pipeline(captured, cluster, optimizer=optimizer, spmd_step_s=result.predicted.step_s,
+                               pg=result.graph, time_limit_s=time_limit_s, uniform=True)
+    except AdaptdistError as e:
+        phases["stages"] = time.perf_counter() - t0
+        return dataclasses.replace(result, pipeline=f"no pipeline: {e}", phases_s=phases)
+    plan = result.plan
+    if choice.chosen:
+        try:
+            plan = pipeline_plan(captured, choice, cluster.world_size)
+        except AdaptdistError as e:
+            choice = dataclasses.replace(choice, chosen=False, note=f"predicted faster, but not lowered: {e}")
+    phases["stages"] = time.perf_counter() - t0
+    return dataclasses.replace(result, plan=plan, pipeline=choice, phases_s=phases)

@@ -28,12 +28,19 @@ def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, c
     fixed = Mesh.parse(mesh) if mesh else None
     if fixed is not None and fixed.world_size != cluster.world_size:
         raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
+    def plan(progress=None) -> PlannerResult:
+        result = plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
+                           progress=progress)
+        if pipeline and fixed is None:
+            from .stages import with_pipeline
+
+            result = with_pipeline(result, captured, cluster, optimizer=optimizer, progress=progress)
+        return result
+
     if console is None:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
-                         pipeline=pipeline)
+        return plan()
     with console.status("planning") as status:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
-                         progress=lambda text: status.update(f"planning: {text}"), pipeline=pipeline)
+        return plan(lambda text: status.update(f"planning: {text}"))
 
 
 def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
