@@ -341,3 +341,18 @@ def test_the_automatic_pipeline_plan_lowers():
     programs = lower(cg, result.plan, LoweringOptions())
     assert programs[0].schedule == result.plan.pipeline.schedule
     assert [programs[r].stages[0].layers for r in (0, 1)] == [s.layers for s in result.plan.pipeline.stages]
+
+
+def test_a_faster_device_gets_more_layers():
+    import dataclasses
+
+    cl = FixedCluster.uniform([("h0", 2)], op_overhead_s=5e-6)
+    fast = dataclasses.replace(cl.devices[0], peak_flops={"float32": 1e11}, memory_bandwidth_bytes_per_s=2e10)
+    hetero = dataclasses.replace(cl, devices=(fast, cl.devices[1]))
+    pg = build_planning_graph(wide_mlp(512, 6, 64), hetero)
+    ch = plan_pipeline(None, hetero, pg=pg, microbatches=[8], schedules=("1f1b",))
+    assert [len(s.ranks) for s in ch.stages] == [1, 1]
+    assert len(ch.stages[0].layers) == 4 and len(ch.stages[1].layers) == 2  # twice as fast: twice the layers
+    even = plan_pipeline(None, cl, pg=build_planning_graph(wide_mlp(512, 6, 64), cl), microbatches=[8],
+                         schedules=("1f1b",))
+    assert [len(s.layers) for s in even.stages] == [3, 3]

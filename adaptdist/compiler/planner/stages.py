@@ -251,10 +251,39 @@ def submesh_sizes(cluster: Any, offset: int, remaining: int) -> list[int]:
 
 # --- restricting the planning graph to a layer range ---------------------------------------------------
 
-def sub_planning_graph(lg: LayerGraph, first: int, end: int) -> PlanningGraph:
+def device_times(pg: PlanningGraph, devices: Sequence[Any]) -> dict[str, tuple[float, float]]:
+    """Each op node's (roofline seconds, op overhead seconds) on the slowest of ``devices``, as
+    :func:`.graph.build_planning_graph` costs them on the whole cluster's slowest: a stage on faster devices
+    computes faster (heterogeneous clusters)."""
+    import torch
+
+    from ...cost_models import compute as compute_cost
+    from ...cost_models.hardware import op_overhead_s
+    from ...passes.sharding_rules import tensor_args
+    from .graph import _flops, _is_view, _outputs
+
+    formulas = compute_cost.flop_formulas()
+    out = {}
+    for name, pn in pg.nodes.items():
+        if pn.kind != "op":
+            continue
+        node = pg.fx_nodes[name]
+        nbytes, _, dtype = _outputs(node.meta.get("val"))
+        moved = 0 if _is_view(node) else sum(int(a.meta["val"].numel() * a.meta["val"].element_size())
+                                             for _, a in tensor_args(node)
+                                             if isinstance(a.meta.get("val"), torch.Tensor)) + sum(nbytes)
+        cost = compute_cost.NodeCost(name, _flops(node, formulas), moved, dtype)
+        out[name] = (max(float(compute_cost.node_time_s(cost, d)) - op_overhead_s(d) for d in devices),
+                     max(op_overhead_s(d) for d in devices))
+    return out
+
+
+def sub_planning_graph(lg: LayerGraph, first: int, end: int,
+                       times: Mapping[str, tuple[float, float]] | None = None) -> PlanningGraph:
     """``lg``'s planning graph restricted to layers ``first..end-1``: their ops, the parameters, buffers and batch
     inputs they read, and every value they receive from another stage as a batch-split input (dim 0 a
     multiple of the batch); a small value that is not (a scalar) is recomputed inside, with what it needs.
+    ``times`` (:func:`device_times`) re-costs the ops on the stage's devices.
 
     Raises:
         InternalError: a received value cannot be split like the batch and is too large to recompute.
@@ -292,8 +321,12 @@ def sub_planning_graph(lg: LayerGraph, first: int, end: int) -> PlanningGraph:
     nodes = {}
     for n in keep:
         pn = pg.nodes[n]
-        nodes[n] = dataclasses.replace(pn, kind="batch", roof_s=0.0, overhead_s=0.0) if n in boundary else \
-            dataclasses.replace(pn)
+        if n in boundary:
+            nodes[n] = dataclasses.replace(pn, kind="batch", roof_s=0.0, overhead_s=0.0)
+        elif times is not None and n in times:
+            nodes[n] = dataclasses.replace(pn, roof_s=times[n][0], overhead_s=times[n][1])
+        else:
+            nodes[n] = dataclasses.replace(pn)
     order = [n for n in pg.order if n in nodes or (n in pg.aliases and pg.aliases[n][0] in nodes)]
     aliases = {n: a for n, a in pg.aliases.items() if a[0] in nodes}
     edges = [e for e in pg.edges if e.src in nodes and e.dst in inside]
@@ -355,6 +388,7 @@ class StageCoster:
         self.state_copies = optimizer_model(optimizer).state_copies
         self.cache: dict[tuple, StageEstimate | None] = {}
         self.strategy_cache: dict = {}
+        self.times_cache: dict = {}
         self.misses = 0
         self.fallbacks: list[str] = []
 
@@ -381,9 +415,23 @@ class StageCoster:
             total += copies * sum(p.out_bytes) / divisor(p.name)
         return total
 
+    def _times(self, ranks: tuple[int, ...]) -> dict[str, tuple[float, float]] | None:
+        """Op times on these ranks' slowest device, or None where they are the cluster's slowest (the planning
+        graph's own)."""
+        sig = lambda d: (d.kind, tuple(sorted(d.peak_flops.items())), d.memory_bandwidth_bytes_per_s,  # noqa: E731
+                         getattr(d, "op_overhead_s", None))
+        everyone = {sig(self.cluster.device(r)): self.cluster.device(r) for r in range(self.cluster.world_size)}
+        mine = {sig(self.cluster.device(r)): self.cluster.device(r) for r in ranks}
+        if len(everyone) == 1:
+            return None
+        key = tuple(sorted(mine, key=repr))
+        if key not in self.times_cache:
+            self.times_cache[key] = device_times(self.lg.pg, list(mine.values()))
+        return self.times_cache[key]
+
     def _compute(self, first: int, end: int, ranks: tuple[int, ...]) -> StageEstimate | None:
         fr, of = _split(self.lg, first, end)
-        sub = sub_planning_graph(self.lg, first, end)
+        sub = sub_planning_graph(self.lg, first, end, self._times(ranks))
         ops = [pn for pn in sub.nodes.values() if pn.kind == "op"]
         roof = sum(pn.roof_s for pn in ops)
         overhead = sum(pn.overhead_s for pn in ops)
@@ -415,16 +463,23 @@ class StageCoster:
         from ...placement import Shard
 
         cl = SubCluster(self.cluster, ranks)
-        capacity = 1e6 * float(min(cl.device(i).memory_bytes for i in range(len(ranks))))  # the DP checks memory
+        device_bytes = float(min(cl.device(i).memory_bytes for i in range(len(ranks))))
         best = None
         shapes = [self.mesh] if self.mesh is not None else mesh_candidates(len(ranks), sub.batch_size)
         for c in shapes:
             if c.mesh.world_size != len(ranks):
                 return None
-            try:
-                ev, sols, chosen = solve_candidate(sub, c, cl, Constraints(), self.state_copies, capacity,
-                                                   self.strategy_cache, self.time_limit_s)
-            except Infeasible:
+            # within the device's memory with the whole batch's activations (more than any schedule keeps), so
+            # the ILP shards state where memory is tight; where even that does not fit, without the limit (the
+            # DP checks the stage's memory with the schedule's in-flight activations)
+            for capacity in (device_bytes, 1e6 * device_bytes):
+                try:
+                    ev, sols, chosen = solve_candidate(sub, c, cl, Constraints(), self.state_copies, capacity,
+                                                       self.strategy_cache, self.time_limit_s)
+                    break
+                except Infeasible:
+                    continue
+            else:
                 continue
             axes = _axis_order(c)
             sync = 0.0
