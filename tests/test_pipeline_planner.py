@@ -275,7 +275,7 @@ def test_planner_time_is_bounded_on_32_layers_and_8_ranks():
     ch = plan_stages(lg, cpu(8), coster, microbatches=[8, 16, 32])
     elapsed = time.perf_counter() - t0
     assert isinstance(ch, PipelineChoice) and ch.num_stages >= 2
-    assert elapsed < 60.0, f"inter-stage search took {elapsed:.1f} s"
+    assert elapsed < 20.0, f"inter-stage search took {elapsed:.1f} s"  # ~2 s alone on this machine
 
 
 def test_uniform_sub_meshes_give_every_stage_the_same_mesh():

@@ -579,9 +579,13 @@ def solve_stages(num_layers: int, num_devices: int, latency_s: Callable[[StageSl
             else:
                 merged.append(t)
         cands = merged
-    by_start: dict[tuple[int, int], list[StageSlot]] = {}
-    for slot in lat:
-        by_start.setdefault((slot.first, slot.offset), []).append(slot)
+    slots_list = list(lat)
+    by_start: dict[tuple[int, int], list[tuple[float, int, int, int]]] = {}  # (t, end, size, slot index), by t
+    for idx, slot in enumerate(slots_list):
+        by_start.setdefault((slot.first, slot.offset), []).append((lat[slot], slot.end, slot.size, idx))
+    for v in by_start.values():
+        v.sort()
+    fits: dict[tuple[int, int], bool] = {}  # (slot index, stages from it) -> memory_ok, asked once
     best: DPResult | None = None
     tried = 0
     inf = float("inf")
@@ -594,22 +598,28 @@ def solve_stages(num_layers: int, num_devices: int, latency_s: Callable[[StageSl
         arg: dict[tuple[int, int, int], StageSlot] = {}
         F[0][L][0] = 0.0
         for s in range(1, S + 1):
+            prev = F[s - 1]
             for a in range(L - 1, -1, -1):
+                row = F[s][a]
                 for d in range(1, D + 1):
-                    off = D - d
-                    bestv = inf
-                    for slot in by_start.get((a, off), ()):
-                        t = lat[slot]
-                        if t > t_max or slot.size > d:
+                    bestv, pick = inf, -1
+                    for t, end, size, idx in by_start.get((a, D - d), ()):
+                        if t > t_max:
+                            break
+                        if size > d:
                             continue
-                        rest = F[s - 1][slot.end][d - slot.size]
+                        rest = prev[end][d - size]
                         if rest == inf or t + rest >= bestv:
                             continue
-                        if not memory_ok(slot, s):
+                        ok = fits.get((idx, s))
+                        if ok is None:
+                            ok = fits[(idx, s)] = bool(memory_ok(slots_list[idx], s))
+                        if not ok:
                             continue
-                        bestv = t + rest
-                        arg[(s, a, d)] = slot
-                    F[s][a][d] = bestv
+                        bestv, pick = t + rest, idx
+                    row[d] = bestv
+                    if pick >= 0:
+                        arg[(s, a, d)] = slots_list[pick]
         for s in range(min_stages, S + 1):
             if F[s][0][D] == inf:
                 continue
