@@ -968,16 +968,18 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
     t0 = time.perf_counter()
     world = cluster.world_size
     best, last_error, costs = None, None, 0
+    strategies: dict = {}  # candidate strategies per node signature, shared by every shape's coster
     for k in submesh_sizes(cluster, 0, world):
         if world % k or world // k < 2 or any(k not in submesh_sizes(cluster, off, world - off)
                                               for off in range(0, world, k)):
             continue
         for c in mesh_candidates(k, pg.batch_size):
             sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, mesh=c if k > 1 else None)
+            sc.strategy_cache = strategies
             try:
                 ch = plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules,
                                  num_stages=num_stages, spmd_step_s=spmd_step_s,
-                                 sizes=lambda off, rem, k=k: [k] if k <= rem else [])
+                                 sizes=lambda off, rem, k=k: [k] if k <= rem and off % k == 0 else [])
             except PlanInfeasibleError as e:
                 last_error = e
                 continue
