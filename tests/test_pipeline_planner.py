@@ -356,3 +356,30 @@ def test_a_faster_device_gets_more_layers():
     even = plan_pipeline(None, cl, pg=build_planning_graph(wide_mlp(512, 6, 64), cl), microbatches=[8],
                          schedules=("1f1b",))
     assert [len(s.layers) for s in even.stages] == [3, 3]
+
+
+def test_too_few_microbatches_for_the_stages_is_not_called_a_memory_error():
+    lg, coster = synthetic([(1e-3, 1e-3, 0.0, 1e3, 1e3)] * 8, batch_size=4)
+    with pytest.raises(PlanInfeasibleError, match="uses all 8 ranks with at most 4 microbatches"):
+        plan_stages(lg, cpu(8), coster, sizes=lambda off, rem: [1])
+
+
+def test_a_pipeline_where_no_plan_without_stages_fits_memory():
+    from adaptdist.compiler.planner.summary import run_planner
+
+    # 256 MiB of activations for the whole batch, 64 MiB devices: split over the batch they still need 128 MiB;
+    # a pipeline of many microbatches keeps only a few in flight
+    cl = FixedCluster.uniform([("h0", 2)], memory_bytes=64 * 2**20, op_overhead_s=5e-6)
+    cg = wide_mlp(256, 4, 32768)
+    with pytest.raises(PlanInfeasibleError):
+        run_planner(cg, cl, None, "adamw")
+    try:
+        import adaptdist.compiler.pipeline_lowering  # noqa: F401
+    except ImportError:
+        with pytest.raises(PlanInfeasibleError, match="no pipeline lowering"):
+            run_planner(cg, cl, None, "adamw", pipeline=True)
+        return
+    result = run_planner(cg, cl, None, "adamw", pipeline=True)
+    assert result.plan.pipeline is not None and isinstance(result.pipeline, PipelineChoice)
+    assert all(s.memory_bytes <= s.capacity_bytes for s in result.pipeline.stages)
+    assert "no SPMD plan" in result.tried[0][1]

@@ -789,6 +789,14 @@ def plan_stages(lg: LayerGraph, cluster: Any, coster: Callable[[int, int, Sequen
                 continue
             found.extend(_schedule_choices(lg, res, m, rule, schedules, est, fbw, capacity, cluster))
     if not found:
+        m = max(ms)
+        shaped = solve_stages(L, D, lambda slot: 0.0 if est(slot) is not None else None, lambda slot, s: True, sizes,
+                              m, max_stages=num_stages or None, min_stages=num_stages or 2)
+        if shaped is None:  # not memory: no pipeline of these sub-meshes uses every rank
+            raise PlanInfeasibleError(
+                f"no pipeline of {L} layers ({', '.join(lg.names)}) uses all {D} ranks with at most {m} microbatches "
+                f"(a schedule needs at least as many microbatches as stages, every stage a layer"
+                + (f", {num_stages} stages" if num_stages else "") + "); try a larger batch or fewer ranks")
         raise _memory_error(lg, coster, cluster, sizes)
     fastest = min(t for t, _ in found)
     order = {s: i for i, s in enumerate(SCHEDULES)}
@@ -1143,3 +1151,37 @@ def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimiz
             choice = dataclasses.replace(choice, chosen=False, note=f"predicted faster, but not lowered: {e}")
     phases["stages"] = time.perf_counter() - t0
     return dataclasses.replace(result, plan=plan, pipeline=choice, phases_s=phases)
+
+
+def pipeline_only(captured: CapturedGraph, cluster: Any, spmd_error: Exception, *, optimizer: str = "adamw",
+                  time_limit_s: float = ILP_TIME_LIMIT_S, progress: Callable[[str], None] | None = None) -> Any:
+    """A :class:`~.search.PlannerResult` holding the pipeline plan where no plan without stages fits
+    (``spmd_error``, :func:`.search.plan_auto`'s PlanInfeasibleError): the step split into stages may fit the
+    devices' memory when no sharding of the whole step does. Its ``predicted`` is the pipeline's step and its
+    largest stage's memory; ``tried`` records why SPMD failed.
+
+    Raises:
+        PlanInfeasibleError: no pipeline fits either (both reasons in the message), or the pipeline cannot be
+            lowered in this tree (the SPMD error, with that).
+    """
+    from ...errors import AdaptdistError
+    from ...mesh import Mesh
+    from .search import BATCH_AXIS, Evaluation, MeshCandidate, PlannerResult
+
+    if progress:
+        progress("pipeline stages (no plan without stages fits)")
+    t0 = time.perf_counter()
+    pg = build_planning_graph(captured, cluster)
+    try:
+        choice = plan_pipeline(captured, cluster, optimizer=optimizer, pg=pg, time_limit_s=time_limit_s, uniform=True)
+        plan = pipeline_plan(captured, choice, cluster.world_size)
+    except AdaptdistError as e:
+        raise PlanInfeasibleError(f"{spmd_error}\nand with pipeline stages: {e}") from spmd_error
+    mesh = Mesh(tuple(plan.mesh.items()))
+    ev = Evaluation(choice.step_s, 0.0, {}, max(s.memory_bytes for s in choice.stages),
+                    min(s.capacity_bytes for s in choice.stages))
+    first = str(spmd_error).splitlines()[0] if str(spmd_error) else type(spmd_error).__name__
+    tried = [(MeshCandidate(Mesh.one_axis(BATCH_AXIS, cluster.world_size), BATCH_AXIS), f"no SPMD plan: {first}"),
+             (MeshCandidate(mesh, plan.batch_axis), ev)]
+    return PlannerResult(plan, tried[1][0], ev, {}, tried, {"stages": time.perf_counter() - t0}, pg,
+                         calibrated=bool(getattr(cluster, "calibrated", True)), pipeline=choice)

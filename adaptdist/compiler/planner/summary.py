@@ -29,8 +29,17 @@ def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, c
     if fixed is not None and fixed.world_size != cluster.world_size:
         raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
     def plan(progress=None) -> PlannerResult:
-        result = plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
-                           progress=progress)
+        from ...errors import PlanInfeasibleError
+
+        try:
+            result = plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+                               replicate_fallback=replicate_fallback, progress=progress)
+        except PlanInfeasibleError as e:
+            if not (pipeline and fixed is None):
+                raise
+            from .stages import pipeline_only
+
+            return pipeline_only(captured, cluster, e, optimizer=optimizer, progress=progress)
         if pipeline and fixed is None:
             from .stages import with_pipeline
 
