@@ -383,3 +383,13 @@ def test_a_pipeline_where_no_plan_without_stages_fits_memory():
     assert result.plan.pipeline is not None and isinstance(result.pipeline, PipelineChoice)
     assert all(s.memory_bytes <= s.capacity_bytes for s in result.pipeline.stages)
     assert "no SPMD plan" in result.tried[0][1]
+
+
+def test_a_given_sub_mesh_is_kept():
+    from adaptdist.mesh import Mesh
+
+    cl = FixedCluster.uniform([("h0", 4)], op_overhead_s=5e-6)
+    pg = build_planning_graph(wide_mlp(256, 4, 32), cl)
+    ch = plan_pipeline(None, cl, pg=pg, microbatches=[4], schedules=("1f1b",), uniform=True,
+                       submesh=Mesh.parse("dp=2"))
+    assert [dict(s.mesh) for s in ch.stages] == [{"dp": 2}, {"dp": 2}] and ch.stages[1].ranks == (2, 3)

@@ -818,10 +818,20 @@ def _schedule_choices(lg: LayerGraph, res: DPResult, m: int, rule: str, schedule
     nlayers = [s.end - s.first for s in res.slots]
     weighed = []
     layouts: dict[str, tuple] = {}
-    for sched in schedules:
+    order = [x for x in schedules if x != "interleaved-1f1b"] + [x for x in schedules if x == "interleaved-1f1b"]
+    for sched in order:
         if (sched == "gpipe") != (rule == "gpipe"):
             continue
         if sched == "interleaved-1f1b":
+            # its chunks are new ranges to cost (intra-stage ILPs): only where a balanced estimate could win,
+            # m * t + (p - 1) t / v with t the mean stage time (Narayanan et al. 2021's bubble)
+            mean = sum(sum(t) for t in times) / p
+            guess = (m + (p - 1) / INTERLEAVE_CHUNKS) * mean
+            rivals = [x.step_s for x in weighed if x.why_not is None]
+            if rivals and guess >= min(rivals) * (1 + TIE_TOLERANCE):
+                weighed.append(ScheduleEstimate(sched, m, float("inf"), float("inf"), 1.0, (),
+                                                f"predicted slower (about {_ms(guess)} with balanced chunks)"))
+                continue
             se, layout = _interleaved(lg, res, m, est, capacity, cluster)
             weighed.append(se)
             if layout is not None:
@@ -950,7 +960,7 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                   spmd_step_s: float | None = None, microbatches: Sequence[int] | None = None,
                   schedules: Sequence[str] = SCHEDULES, num_stages: int | None = None,
                   time_limit_s: float = ILP_TIME_LIMIT_S, pg: PlanningGraph | None = None,
-                  uniform: bool = False) -> PipelineChoice:
+                  uniform: bool = False, submesh: Any = None) -> PipelineChoice:
     """Plan a pipeline for ``captured`` on ``cluster`` (module docstring): layers, stage costs, the DP, the schedule.
 
     Args:
@@ -961,6 +971,8 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
         pg: the planning graph if already built (``plan_auto(...).graph``).
         uniform: every stage on a sub-mesh of the same size and intra-stage mesh shape (what the pipeline
             lowering runs today): one search per shape (``dp=2``, ``tp=2``, ...), the fastest wins.
+        submesh: with ``uniform``, the one intra-stage :class:`~adaptdist.mesh.Mesh` to use (``--mesh
+            pp=2,dp=2`` gives ``dp=2``; its batch axis is ``dp`` if it has one); None: search.
 
     Raises:
         PlanInfeasibleError, UsageError: see :func:`plan_stages`.
@@ -971,17 +983,20 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
         sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s)
         return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
                            spmd_step_s=spmd_step_s)
-    from .search import mesh_candidates
+    from .search import BATCH_AXIS, MeshCandidate, mesh_candidates
 
     t0 = time.perf_counter()
     world = cluster.world_size
     best, last_error, costs = None, None, 0
     strategies: dict = {}  # candidate strategies per node signature, shared by every shape's coster
-    for k in submesh_sizes(cluster, 0, world):
+    fixed = None
+    if submesh is not None:
+        fixed = MeshCandidate(submesh, BATCH_AXIS if BATCH_AXIS in submesh.names else None)
+    for k in ([submesh.world_size] if submesh is not None else submesh_sizes(cluster, 0, world)):
         if world % k or world // k < 2 or any(k not in submesh_sizes(cluster, off, world - off)
                                               for off in range(0, world, k)):
             continue
-        for c in mesh_candidates(k, pg.batch_size):
+        for c in ([fixed] if fixed is not None else mesh_candidates(k, pg.batch_size)):
             sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, mesh=c if k > 1 else None)
             sc.strategy_cache = strategies
             try:
