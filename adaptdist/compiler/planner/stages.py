@@ -27,7 +27,8 @@ a pipeline of ``p`` stages gives stage ``i`` a contiguous layer range and a cont
    stage's first/last rank, the bytes split over its ranks) plus its gradient reduction amortized over the
    ``m`` microbatches. Memory: state + the activations of the microbatches the schedule keeps in flight
    (GPipe ``m``; 1F1B and ZB-H1 ``min(m, s)`` for the stage with ``s`` stages from it to the end).
-4. **Schedule and microbatches**: for each ``m`` dividing the batch (``m >= p``) and each memory rule, the
+4. **Schedule and microbatches**: for each ``m`` dividing the batch (``m >= p``; a stage whose batch axis has
+   ``r`` ranks needs ``m r`` to divide it, so each replica's rows split evenly) and each memory rule, the
    DP's pipeline is costed under every schedule by :mod:`adaptdist.cost_models.pipeline` (GPipe, 1F1B,
    interleaved 1F1B, ZB-H1, with each stage's forward, input-gradient and weight-gradient times), plus the
    slowest stage's gradient reduction; the fastest that fits wins, ties (within :data:`TIE_TOLERANCE`) to
@@ -773,10 +774,14 @@ def plan_stages(lg: LayerGraph, cluster: Any, coster: Callable[[int, int, Sequen
     for m in ms:
         for rule in sorted(wanted_rules):
             def latency(slot: StageSlot, m=m) -> float | None:
-                t = fbw(slot, m)
-                if t is None:
+                e = est(slot)
+                if e is None:
                     return None
-                return sum(t) + est(slot).grad_sync_s / m  # type: ignore[union-attr]
+                replicas = dict(e.mesh).get(e.batch_axis, 1) if e.batch_axis else 1
+                if lg.pg.batch_size % (m * replicas):  # each replica's rows split into m equal microbatches
+                    return None
+                t = fbw(slot, m)
+                return sum(t) + e.grad_sync_s / m  # type: ignore[arg-type]
 
             def memory_ok(slot: StageSlot, s: int, m=m, rule=rule) -> bool:
                 e = est(slot)
