@@ -207,6 +207,18 @@ def test_layers_of_a_gpt_follow_its_modules(gpt_layers):
     assert layer_key("blocks.11.attn.q.weight") == "blocks.11" and layer_key("0.weight") == "0"
 
 
+def test_a_models_own_tensors_are_no_layer():
+    from models import tiny_llama
+
+    model, batch, loss_fn = tiny_llama(batch_size=4)
+    lg = build_layers(build_planning_graph(capture(model, batch, loss_fn), cpu(2)))
+    assert lg.names == ["tok_emb", "layers.0", "layers.1", "norm", "head"]  # rope_cos/rope_sin: held where read
+    act = 4 * 8 * 32 * 4
+    # between the blocks: the residual stream and its RMS-normalized copy (the norm's weight-free part runs with
+    # its inputs, before the cut, as pp-core's stage cut places it); the rotary table's slices are not sent
+    assert lg.forward_bytes[1] == 2 * act
+
+
 def wide_mlp(width, depth, batch):
     """``depth`` Linear(width, width) + ReLU on the meta device (no memory)."""
     with torch.device("meta"):

@@ -4,6 +4,8 @@ A **layer** is a module of the model at the granularity a pipeline cuts at (:fun
 a parameter's name through its first numeric index (``blocks.0``, ``layers.3``), else its module (``tok_emb``,
 ``ln_f``, ``fc1``); a tied alias (GPT's ``head.weight``) is no layer of its own. Layers are ordered by the
 first forward use of their parameters; parameters no forward op reads make layers of their own at the end.
+The model's own tensors (names without a dot, in a model with submodules: a rotary table, a cls token) are
+no layer: each stage that reads one holds it (pp-core's ``shared_tensors``); they count with their first reader.
 Where a node carries ``nn_module_stack`` (a capture that keeps it), its innermost module path is keyed
 the same way (plus a dummy leaf); otherwise (today's ``aot_export_joint`` graphs have no
 module stack) a forward node gets its layer from the parameters it consumes and from its inputs:
@@ -22,7 +24,9 @@ module stack) a forward node gets its layer from the parameters it consumes and 
 Per layer: forward/backward/weight-gradient compute seconds (the planning graph's unsharded roofline
 times, :mod:`.graph`), op counts (each pays the device's op overhead per microbatch), parameter bytes
 (trainable ones marked), the bytes of forward values it keeps for the backward, and per boundary the
-bytes crossing it forward (activations) and backward (their gradients), all for the whole batch.
+bytes crossing it forward (activations computed from the batch: a value computed from parameters alone, a
+rotary table's slice, is recomputed by the stage that needs it) and backward (gradients; a tied weight's
+gradient parts are summed after the schedule, not sent), all for the whole batch.
 """
 
 from __future__ import annotations
@@ -168,6 +172,8 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
             order[key] = len(order)
         return order[key]
 
+    fqns = [p.fqn or p.name for p in pg.params()]
+    shared = {f for f in fqns if "." not in f} if any("." in f for f in fqns) else set()  # the model's own tensors
     layer: dict[str, int | None] = {}
     for n in names:  # forward, graph order
         pn = pg.nodes[n]
@@ -180,6 +186,8 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
         for s in inputs[n]:
             ps = pg.nodes[s]
             if ps.kind in ("param", "buffer"):
+                if (ps.fqn or s) in shared:
+                    continue  # a rotary table, a cls token: held by each stage using it, no layer of its own
                 if s not in param_layer:
                     param_layer[s] = key_index(layer_key(ps.fqn or s))
                 cands.append(param_layer[s])
@@ -194,6 +202,10 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
             layer[n] = min(us) if us else 0
     if not order:
         order["model"] = 0
+    for p in pg.params():  # the model's own tensors count with the first layer that reads them
+        if (p.fqn or p.name) in shared:
+            us = [layer[u] for u in users[p.name] if u in forward and layer.get(u) is not None]
+            param_layer[p.name] = min(us) if us else 0
     readers: dict[str, set[int]] = {}  # placeholder -> layers whose forward reads it (two for a tied weight)
     for n in names:
         if n in forward and pg.nodes[n].kind == "op" and layer.get(n) is not None:
@@ -235,7 +247,7 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
                 and all(u.op == "output" for u in fx[src_name].users):
             layer[src_name] = max(ins)
     for p in pg.params():  # parameters never consumed by a forward op: the layer of their name (last if new)
-        if p.name not in param_layer:
+        if p.name not in param_layer and (p.fqn or p.name) not in shared:
             param_layer[p.name] = key_index(layer_key(p.fqn or p.name))
     keys = sorted(order, key=order.get)
     layers = [Layer(k, i) for i, k in enumerate(keys)]
@@ -270,7 +282,7 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
     for i, L in enumerate(layers):
         L.ops = tuple(ops[i])  # type: ignore[assignment]
     for p in pg.params():
-        L = layers[param_layer[p.name]]
+        L = layers[param_layer.get(p.name, 0)]
         L.param_fqns.append(p.fqn or p.name)
         L.param_bytes += sum(p.out_bytes)
         if p.name in pg.grad_of:
@@ -295,6 +307,10 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
             for s in inputs[n]:
                 if s in param_layer:
                     layers[layer[n]].reads.add(pg.nodes[s].fqn or s)
+    batch_dep: set[str] = set()  # values computed from the batch: what a stage must receive (the rest it recomputes)
+    for n in names:
+        if pg.nodes[n].kind == "batch" or any(x in batch_dep for x in inputs[n]):
+            batch_dep.add(n)
     nb = len(layers)
     fwd_cross = [0] * max(nb - 1, 0)
     bwd_cross = [0] * max(nb - 1, 0)
@@ -307,7 +323,7 @@ def build_layers(pg: PlanningGraph) -> LayerGraph:
         if n in forward:
             uses = [layer_of[u] for u in storage_users[n] if u in layer_of]
             lc = max(uses, default=lp)
-            for b in range(lp, lc):
+            for b in range(lp, lc if n in batch_dep else lp):
                 fwd_cross[b] += nbytes
             if any(u not in forward for u in storage_users[n]):
                 layers[lp].saved_bytes += nbytes
