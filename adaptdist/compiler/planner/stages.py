@@ -1123,7 +1123,8 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     """
     try:
         from ...annotations import ManualPlan
-        from ..pipeline_lowering import PipelineOptions, resolve_pipeline_plan
+        from ..lowering import resolve_plan
+        from ..pipeline_lowering import PipelineOptions
     except ImportError as e:
         raise UsageError("this adaptdist has no pipeline lowering (adaptdist.compiler.pipeline_lowering); "
                          "plan without stages") from e
@@ -1135,8 +1136,8 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     spec = to_pipeline_spec(choice)
     text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
     inner = ManualPlan.parse(",".join(sub)) if sub else None
-    base = resolve_pipeline_plan(inner, captured, world_size, text if sub else None,
-                                 PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
+    base = resolve_plan(inner, captured, world_size, text if sub else None,
+                        pipeline=PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
                                                  schedule=spec.schedule, stages_per_rank=spec.stages_per_rank))
     return dataclasses.replace(base, pipeline=spec)
 
