@@ -1765,6 +1765,42 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
 
+# ---------------------------------------------------------------- issue 14 point 1, "opinfo90": extrema over the shard
+
+
+def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims): over the sharded dim each rank reduces its
+    own rows and the output is replicated once the ``all_reduce_extrema`` pass all-reduces it (max/min) right
+    after the op; otherwise as :func:`reduction` (a Partial input is reduced first)."""
+    x = node.args[0]
+    p = pl(x)
+    nd = len(shape(x))
+    whole = node.target in (aten.max.default, aten.min.default)
+    dims = list(range(nd)) if whole else _norm_dims(_arg(node, 1, "dim", None), nd)
+    if isinstance(p, Shard) and p.dim in dims:
+        return RuleResult(R)
+    if whole:
+        return RuleResult(R, {} if isinstance(p, Replicate) else {(0,): R})
+    return reduction(node, pl)
+
+
+def whole_reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) trace(x), dist(a, b, p): a scalar from every element; replicated inputs give a replicated
+    value, others are gathered (the ``globalize_statistics`` pass first rewrites a sharded one into sums)."""
+    return gather_all(node, pl, "it reduces every element") if any(
+        not isinstance(pl(a), Replicate) for _, a in tensor_args(node)) else RuleResult(R)
+
+
+RULES.update({  # (opinfo90) replaces reduction's gather of amax/amin over the shard
+    aten.trace.default: whole_reduction,
+    aten.dist.default: whole_reduction,
+    aten.amax.default: extremum,
+    aten.amin.default: extremum,
+    aten.max.default: extremum,
+    aten.min.default: extremum,
+})
+
+
 # ---------------------------------------------------------------- DTensor's strategies, after ours
 
 

@@ -1,0 +1,183 @@
+"""Pass: statistics and norms over a sharded dim, as partial sums (issue 14 point 1, "opinfo90").
+
+A ``var`` or a vector norm over the sharded batch dim is not a reduction of per-rank values
+of the same op, so their rules would gather the whole input. Rewritten here into ops whose
+rules keep the shard (sums give ``Partial`` sums, an ``amax`` an all-reduced maximum, see
+:mod:`.all_reduce_extrema`), exact for any split of the rows:
+
+* ``var(x, dims, correction=c)`` (``std``, ``var_mean``, ``std_mean``): two passes,
+  ``m = sum(x) / N``, ``var = sum((x - m)^2) / (N - c)`` with N the global count (the mean
+  all-reduced before the subtraction, the unbiased correction global);
+* ``linalg_vector_norm(x, p, dims)`` and ``norm.ScalarOpt_dim``: ``sum(|x|^p)^(1/p)``
+  (``p = 2``: ``sqrt(sum(x * x))``), ``p = inf / -inf``: ``amax / amin(|x|)``, ``p = 0``:
+  ``sum(x != 0)``; ``dist(a, b, p)`` is ``linalg_vector_norm(a - b, p)``;
+* ``trace(x)`` of a matrix sharded by rows or columns: ``sum(where(eye, x, 0))``.
+
+The backward graphs of these ops read only the op's output (replicated once reduced) and the
+sharded input elementwise, so they keep the shard already. Needs placements; run
+``propagate_placements`` again afterwards.
+
+Before/after (global shapes, batch 5 over 2 ranks)::
+
+    var = aten.var.correction(x, None, correction=1)       # x: f32[5, 5] S(0): gathered
+    # becomes
+    s = aten.sum.dim_IntList(x, [0, 1], True)               # P(sum)
+    m = aten.div.Tensor(s, 25.0)                            # P(sum) -> all_reduce where used
+    d = aten.sub.Tensor(x, m); q = aten.mul.Tensor(d, d)    # S(0)
+    var = aten.div.Tensor(aten.sum.dim_IntList(q, [0, 1], False), 24.0)   # P(sum)
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx
+
+from ..placement import Shard
+from .context import PassContext
+from .graph_build import set_fake_val
+from .infra import placement_of
+
+aten = torch.ops.aten
+
+_VAR = {aten.var.correction: "var", aten.std.correction: "std", aten.var_mean.correction: "var_mean",
+        aten.std_mean.correction: "std_mean"}
+
+
+def _dims(dims, nd: int) -> list[int]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(nd))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % nd for d in dims) if nd else []
+
+
+def _sharded_on(node, dims: list[int]) -> bool:
+    p = placement_of(node) if isinstance(node, torch.fx.Node) else None
+    return isinstance(p, Shard) and p.dim in dims
+
+
+class _Builder:
+    """Adds nodes before ``at`` with fake values and ``at``'s trace metadata."""
+
+    def __init__(self, graph: torch.fx.Graph, at: torch.fx.Node):
+        self.graph, self.at = graph, at
+
+    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.at):
+            n = self.graph.call_function(target, tuple(args), kwargs)
+        for key in ("stack_trace", "nn_module_stack", "seq_nr"):
+            if key in self.at.meta:
+                n.meta[key] = self.at.meta[key]
+        set_fake_val(n)
+        return n
+
+
+def _var(b: _Builder, x, dims: list[int], correction: float, keepdim: bool, shape) -> tuple:
+    """(var, mean) of ``x`` over ``dims`` by two passes; mean with ``keepdim``."""
+    count = float(math.prod(shape[d] for d in dims))
+    mean_k = b(aten.div.Tensor, b(aten.sum.dim_IntList, x, dims, True), count)
+    dev = b(aten.sub.Tensor, x, mean_k)
+    ss = b(aten.sum.dim_IntList, b(aten.mul.Tensor, dev, dev), dims, keepdim)
+    var = b(aten.div.Tensor, ss, max(count - correction, 0.0))
+    mean = mean_k if keepdim else b(aten.div.Tensor, b(aten.sum.dim_IntList, x, dims, False), count)
+    return var, mean
+
+
+def _norm(b: _Builder, x, ord_, dims: list[int], keepdim: bool, dtype) -> torch.fx.Node:
+    """The vector ``ord_``-norm of ``x`` over ``dims`` from sums (or amax/amin) of its elements."""
+    if dtype is not None and dtype != x.meta["val"].dtype:
+        x = b(aten._to_copy.default, x, dtype=dtype)
+    p = 2.0 if ord_ is None else float(ord_)
+    if p == 2.0:
+        return b(aten.sqrt.default, b(aten.sum.dim_IntList, b(aten.mul.Tensor, x, x), dims, keepdim))
+    a = b(aten.abs.default, x)
+    if p == math.inf:
+        return b(aten.amax.default, a, dims, keepdim)
+    if p == -math.inf:
+        return b(aten.amin.default, a, dims, keepdim)
+    if p == 0.0:
+        nz = b(aten.ne.Scalar, x, 0)
+        return b(aten.sum.dim_IntList, nz, dims, keepdim, dtype=x.meta["val"].dtype)
+    if p == 1.0:
+        return b(aten.sum.dim_IntList, a, dims, keepdim)
+    s = b(aten.sum.dim_IntList, b(aten.pow.Tensor_Scalar, a, p), dims, keepdim)
+    return b(aten.pow.Tensor_Scalar, s, 1.0 / p)
+
+
+def _kw(node: torch.fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
+    """Rewrite var/std, vector norms, dist and trace over sharded dims; returns ``(gm, changed)``."""
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        b = _Builder(graph, node)
+        new = None
+        if node.target in _VAR:
+            x = node.args[0]
+            shape = x.meta["val"].shape
+            dims = _dims(_kw(node, 1, "dim"), len(shape))
+            if not _sharded_on(x, dims) or not x.meta["val"].is_floating_point():
+                continue
+            corr = node.kwargs.get("correction", None)
+            corr = 1.0 if corr is None else float(corr)
+            var, mean = _var(b, x, dims, corr, bool(node.kwargs.get("keepdim", False)), shape)
+            kind = _VAR[node.target]
+            first = b(aten.sqrt.default, var) if kind.startswith("std") else var
+            if kind in ("var", "std"):
+                new = first
+            else:
+                for u in list(node.users):
+                    assert u.target is operator.getitem, u
+                    u.replace_all_uses_with(first if u.args[1] == 0 else mean)
+                    graph.erase_node(u)
+                graph.erase_node(node)
+                changed = True
+                continue
+        elif node.target in (aten.linalg_vector_norm.default, aten.norm.ScalarOpt_dim, aten.dist.default):
+            if node.target == aten.dist.default:
+                a, c = node.args[0], node.args[1]
+                if not (_sharded_on(a, list(range(a.meta["val"].dim())))
+                        or _sharded_on(c, list(range(c.meta["val"].dim())))) or not a.meta["val"].is_floating_point():
+                    continue
+                x = b(aten.sub.Tensor, a, c)  # every dim is reduced: the shard of a or c is on one of them
+                ord_, dims, keepdim, dtype = _kw(node, 2, "p", 2), list(range(x.meta["val"].dim())), False, None
+            else:
+                x = node.args[0]
+                nd = x.meta["val"].dim()
+                if node.target == aten.norm.ScalarOpt_dim:
+                    ord_, dims, keepdim, dtype = _kw(node, 1, "p"), _dims(_kw(node, 2, "dim"), nd), \
+                        bool(_kw(node, 3, "keepdim", False)), None
+                else:
+                    ord_, dims = _kw(node, 1, "ord", 2), _dims(_kw(node, 2, "dim"), nd)
+                    keepdim, dtype = bool(_kw(node, 3, "keepdim", False)), node.kwargs.get("dtype")
+                if not _sharded_on(x, dims):
+                    continue
+            if not x.meta["val"].is_floating_point():
+                continue
+            new = _norm(b, x, ord_, dims, keepdim, dtype)
+        elif node.target == aten.trace.default:
+            x = node.args[0]
+            if not _sharded_on(x, [0, 1]):
+                continue
+            n, m = x.meta["val"].shape
+            eye = b(aten.eye.m, n, m, dtype=torch.bool, device=x.meta["val"].device)
+            zero = b(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype, device=x.meta["val"].device)
+            new = b(aten.sum.default, b(aten.where.self, eye, x, zero))
+        if new is None:
+            continue
+        if new.meta["val"].dtype != node.meta["val"].dtype:
+            new = b(aten._to_copy.default, new, dtype=node.meta["val"].dtype)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        changed = True
+    return gm, changed
