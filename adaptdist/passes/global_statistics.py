@@ -173,6 +173,23 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             eye = b(aten.eye.m, n, m, dtype=torch.bool, device=x.meta["val"].device)
             zero = b(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype, device=x.meta["val"].device)
             new = b(aten.sum.default, b(aten.where.self, eye, x, zero))
+        elif node.target in (aten.diagonal.default, aten.diagonal_copy.default, aten.diagonal_backward.default):
+            new = _diagonal(b, node)
+        elif node.target == aten.renorm.default:
+            x, p, dim, maxnorm = node.args[:4]
+            nd = x.meta["val"].dim()
+            dims = [d for d in range(nd) if d != dim % nd]
+            if not _sharded_on(x, dims) or not x.meta["val"].is_floating_point():
+                continue
+            # ATen's renorm: factor = where(norm > maxnorm, maxnorm / (norm + 1e-7), 1), norm in float64
+            norm = _norm(b, x, p, dims, True, torch.float64)
+            big = b(aten.gt.Scalar, norm, maxnorm)
+            scale = b(aten.mul.Tensor, b(aten.reciprocal.default, b(aten.add.Scalar, norm, 1e-7)), float(maxnorm))
+            one = b(aten.scalar_tensor.default, 1.0, dtype=torch.float64, device=x.meta["val"].device)
+            factor = b(aten._to_copy.default, b(aten.where.self, big, scale, one), dtype=x.meta["val"].dtype)
+            new = b(aten.mul.Tensor, x, factor)
+        elif node.target == aten._chunk_cat.default:
+            new = _chunk_cat(b, node, ctx)
         if new is None:
             continue
         if new.meta["val"].dtype != node.meta["val"].dtype:
@@ -181,3 +198,60 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         graph.erase_node(node)
         changed = True
     return gm, changed
+
+
+def _diagonal(b: _Builder, node: torch.fx.Node) -> torch.fx.Node | None:
+    """A 2-D ``diagonal(x, k)`` whose diagonal index runs along the sharded dim of ``x`` with the shard's rows
+    (every row of that dim holds one element: ``L`` equals its size) as a row sum ``sum(where(M, x, 0), other)``
+    with ``M`` the diagonal's mask (replicated, sliced to the rows): the result keeps the shard, no collective;
+    ``diagonal_backward(g)`` of a gradient sharded alike as ``where(M, g[:, None], 0)``. None otherwise."""
+    bw = node.target == aten.diagonal_backward.default
+    if bw:
+        g, sizes, k, d1, d2 = node.args[:5]
+        src, shape = g, tuple(sizes)
+    else:
+        src = node.args[0]
+        shape = tuple(src.meta["val"].shape)
+        k, d1, d2 = _kw(node, 1, "offset", 0), _kw(node, 2, "dim1", 0), _kw(node, 3, "dim2", 1)
+    if len(shape) != 2 or not node.meta["val"].is_floating_point():
+        return None
+    d1, d2 = d1 % 2, d2 % 2
+    rows = d1 if k >= 0 else d2  # the dim along which the diagonal's index runs without an offset
+    length = max(0, min(shape[d1], shape[d2] - k) if k >= 0 else min(shape[d1] + k, shape[d2]))
+    if length != shape[rows] or placement_of(src) != Shard(rows if not bw else 0):
+        return None
+    dev = src.meta["val"].device
+    i0 = b(aten.unsqueeze.default, b(aten.arange.default, shape[0], dtype=torch.int64, device=dev), 1)
+    i1 = b(aten.unsqueeze.default, b(aten.arange.default, shape[1], dtype=torch.int64, device=dev), 0)
+    diff = b(aten.sub.Tensor, i1, i0) if d1 == 0 else b(aten.sub.Tensor, i0, i1)  # index along dim2 - along dim1
+    mask = b(aten.eq.Scalar, diff, k)
+    zero = b(aten.scalar_tensor.default, 0.0, dtype=node.meta["val"].dtype, device=dev)
+    if bw:
+        return b(aten.where.self, mask, b(aten.unsqueeze.default, g, 1 - rows), zero)
+    return b(aten.sum.dim_IntList, b(aten.where.self, mask, src, zero), [1 - rows])
+
+
+def _chunk_cat(b: _Builder, node: torch.fx.Node, ctx: PassContext) -> torch.fx.Node | None:
+    """``_chunk_cat(tensors, dim, n)`` sharded on a dim before ``dim`` where a rank may hold no rows (torch's
+    kernel rejects an empty tensor): each tensor padded with zeros on ``dim`` to ``n`` chunks of
+    ``ceil(size / n)``, viewed as ``[*lead, n, -]`` and concatenated on the last dim, as the kernel does."""
+    from ..placement import chunk_interval
+
+    tensors, dim, n = node.args[:3]
+    nd = tensors[0].meta["val"].dim()
+    dim = dim % nd
+    ps = [placement_of(t) for t in tensors]
+    if not all(isinstance(p, Shard) and p.dim < dim for p in ps):
+        return None
+    size = tensors[0].meta["val"].shape[ps[0].dim]
+    if not (any(s == e for s, e in (chunk_interval(size, ctx.axis_size, r) for r in range(ctx.axis_size)))
+            or (size == ctx.batch_size and 0 in ctx.shard_sizes())):
+        return None
+    pieces = []
+    for t in tensors:
+        shape = list(t.meta["val"].shape)
+        chunk = -(-shape[dim] // n)
+        pad = [0, 0] * (nd - 1 - dim) + [0, chunk * n - shape[dim]]
+        padded = b(aten.constant_pad_nd.default, t, pad, 0.0) if chunk * n != shape[dim] else t
+        pieces.append(b(aten.view.default, padded, shape[:dim] + [n, chunk * math.prod(shape[dim + 1:])]))
+    return b(aten.cat.default, pieces, dim + 1)
