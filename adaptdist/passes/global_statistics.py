@@ -117,6 +117,7 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
     """Rewrite var/std, vector norms, dist and trace over sharded dims; returns ``(gm, changed)``."""
     graph = gm.graph
     changed = False
+    diagonals: set = set()  # (shape, offset, dim1, dim2) of the diagonals rewritten: their backward follows
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -174,7 +175,7 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             zero = b(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype, device=x.meta["val"].device)
             new = b(aten.sum.default, b(aten.where.self, eye, x, zero))
         elif node.target in (aten.diagonal.default, aten.diagonal_copy.default, aten.diagonal_backward.default):
-            new = _diagonal(b, node)
+            new = _diagonal(b, node, diagonals)
         elif node.target == aten.renorm.default:
             x, p, dim, maxnorm = node.args[:4]
             nd = x.meta["val"].dim()
@@ -200,11 +201,12 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
     return gm, changed
 
 
-def _diagonal(b: _Builder, node: torch.fx.Node) -> torch.fx.Node | None:
+def _diagonal(b: _Builder, node: torch.fx.Node, done: set) -> torch.fx.Node | None:
     """A 2-D ``diagonal(x, k)`` whose diagonal index runs along the sharded dim of ``x`` with the shard's rows
     (every row of that dim holds one element: ``L`` equals its size) as a row sum ``sum(where(M, x, 0), other)``
     with ``M`` the diagonal's mask (replicated, sliced to the rows): the result keeps the shard, no collective;
-    ``diagonal_backward(g)`` of a gradient sharded alike as ``where(M, g[:, None], 0)``. None otherwise."""
+    ``diagonal_backward(g)`` of such a diagonal (in ``done``; its gradient was laid out before the forward was
+    rewritten) as ``where(M, g[:, None], 0)``, right for any placement of ``g``. None otherwise."""
     bw = node.target == aten.diagonal_backward.default
     if bw:
         g, sizes, k, d1, d2 = node.args[:5]
@@ -218,8 +220,10 @@ def _diagonal(b: _Builder, node: torch.fx.Node) -> torch.fx.Node | None:
     d1, d2 = d1 % 2, d2 % 2
     rows = d1 if k >= 0 else d2  # the dim along which the diagonal's index runs without an offset
     length = max(0, min(shape[d1], shape[d2] - k) if k >= 0 else min(shape[d1] + k, shape[d2]))
-    if length != shape[rows] or placement_of(src) != Shard(rows if not bw else 0):
+    key = (shape, k, d1, d2)
+    if length != shape[rows] or (key not in done if bw else placement_of(src) != Shard(rows)):
         return None
+    done.add(key)
     dev = src.meta["val"].device
     i0 = b(aten.unsqueeze.default, b(aten.arange.default, shape[0], dtype=torch.int64, device=dev), 1)
     i1 = b(aten.unsqueeze.default, b(aten.arange.default, shape[1], dtype=torch.int64, device=dev), 0)
