@@ -16,6 +16,7 @@ from .global_rng import global_rng
 from .global_statistics import globalize_statistics
 from .globalize_reductions import globalize_reductions
 from .infra import Pass
+from .localize_indices import localize_indices
 from .insert_redistributes import insert_redistributes
 from .propagate_placements import propagate_placements
 from .regather_in_backward import regather_in_backward
@@ -35,6 +36,7 @@ PASSES: tuple[Pass, ...] = (
     global_rng,
     insert_redistributes,
     all_reduce_extrema,
+    localize_indices,
     keep_rank0_running_stats,
     vocab_parallel_embedding,
     vocab_parallel_loss,

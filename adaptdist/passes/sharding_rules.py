@@ -1791,7 +1791,42 @@ def whole_reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         not isinstance(pl(a), Replicate) for _, a in tensor_args(node)) else RuleResult(R)
 
 
+def scatter_reduce_other_dim(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) scatter_reduce(x, dim, index, src, reduce) sharded on another dim: as :func:`gather_scatter`
+    where x, index and src have the same size there (their shards then hold the same slices); else gathered."""
+    d = next((p.dim for _, a in tensor_args(node) for p in [pl(a)] if isinstance(p, Shard)), None)
+    if d is not None and len({shape(a)[d] if d < len(shape(a)) else -1 for _, a in tensor_args(node)}) != 1:
+        return gather_all(node, pl, "its index is smaller than its input on the sharded dim")
+    return gather_scatter(node, pl)
+
+
+def index_along_shard(fallback: Callable | None) -> Callable[[torch.fx.Node, PlacementOf], RuleResult | None]:
+    """(opinfo90) gather(x, dim, index) and scatter/scatter_add/scatter_reduce(x, dim, index, src) with ``x``
+    sharded on ``dim`` itself and ``index`` replicated: each rank reads / writes the rows it holds (the
+    ``localize_indices`` pass shifts the indices by the rank's first row and masks the others): a scatter keeps
+    the shard (``src`` replicated: every rank sees every update and keeps those landing in its rows), a gather
+    gives a Partial sum (the rows another rank holds read 0). Other forms: ``fallback`` (None: DTensor's)."""
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+        self_, dim, index = node.args[:3]
+        nd = max(len(shape(self_)), 1)
+        ps = pl(self_)
+        if isinstance(ps, Shard) and ps.dim == dim % nd and isinstance(pl(index), Replicate) and len(shape(index)) == nd:
+            if node.target == aten.gather.default:
+                return RuleResult(P)
+            src = node.args[3] if len(node.args) > 3 else None
+            needs = {(3,): R} if isinstance(src, torch.fx.Node) and not isinstance(pl(src), Replicate) else {}
+            return RuleResult(Shard(dim % nd), needs)
+        return fallback(node, pl) if fallback is not None else None
+
+    return rule
+
+
 RULES.update({  # (opinfo90) replaces reduction's gather of amax/amin over the shard
+    aten.gather.default: index_along_shard(RULES[aten.gather.default]),
+    aten.scatter.src: index_along_shard(RULES[aten.scatter.src]),
+    aten.scatter.value: index_along_shard(RULES[aten.scatter.value]),
+    aten.scatter_add.default: index_along_shard(RULES[aten.scatter_add.default]),
+    aten.scatter_reduce.two: index_along_shard(RULES.get(aten.scatter_reduce.two, scatter_reduce_other_dim)),
     aten.trace.default: whole_reduction,
     aten.dist.default: whole_reduction,
     aten.amax.default: extremum,
