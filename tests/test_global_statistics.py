@@ -51,6 +51,23 @@ class _Ties(nn.Module):
         return torch.amax(y, 0).sum() + y.max() + y.norm(float("inf"))
 
 
+class _Diagonals(nn.Module):
+    """Diagonals of the square [4, 4] hidden, split by rows: offsets 0 (aligned with the rows), 1 and -2 (not:
+    a Partial sum), of the transposed dims, diagonal_scatter of a parameter, diag_embed of a split vector."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.d = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = self.lin(x)  # [4, 4]
+        out = torch.diagonal(h).pow(2).sum() + torch.diagonal(h, 1).pow(2).sum() + torch.diagonal(h, -2).exp().sum()
+        out = out + torch.diagonal(h, 1, 1, 0).pow(3).sum()
+        out = out + torch.diagonal_scatter(h, self.d, 1).pow(2).sum() + torch.diag_embed(h[:, 0]).pow(2).sum()
+        return out
+
+
 def _loss(out, target):
     return out + 0.0 * target.sum()
 
@@ -60,6 +77,12 @@ def _stats_case(seed=0):
     return _Stats(), (torch.randn(4, 3, generator=g), torch.zeros(4)), _loss
 
 
+def _diagonals_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    return _Diagonals(), (torch.randn(4, 3, generator=g), torch.zeros(4)), _loss
+
+
 def _ties_case(seed=0):
     x = torch.tensor([[1.0, 1, 1, 0, 0, 0], [0.1, 0.2, 0.3, 0, 0, 0], [0, 0, 0, 1, 1, 1], [0.3, 0.2, 0.1, 0, 0, 0]])
     torch.manual_seed(seed)
@@ -67,7 +90,7 @@ def _ties_case(seed=0):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", [_stats_case, _ties_case])
+@pytest.mark.parametrize("case", [_stats_case, _ties_case, _diagonals_case])
 def test_equal_eager_without_gathering_the_batch(case, world):
     model, batch, loss_fn = case()
     progs, hist, params, _ = simulated_sgd(model, batch, loss_fn, world, "dp", LR, STEPS)

@@ -37,7 +37,6 @@ import torch.fx
 
 from ..placement import Shard
 from .context import PassContext
-from .graph_build import set_fake_val
 from .infra import placement_of
 
 aten = torch.ops.aten
@@ -71,8 +70,24 @@ class _Builder:
         for key in ("stack_trace", "nn_module_stack", "seq_nr"):
             if key in self.at.meta:
                 n.meta[key] = self.at.meta[key]
-        set_fake_val(n)
+        # factories (arange, eye) have no fake input to take the mode from: the replaced node's
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        with _fake_mode(self.at):
+            n.meta["val"] = target(*args, **kwargs)
         return n
+
+
+def _fake_mode(node: torch.fx.Node):
+    from .._torch_compat import tree_leaves
+
+    for v in tree_leaves(node.meta.get("val")):
+        if getattr(v, "fake_mode", None) is not None:
+            return v.fake_mode
+    for a in node.all_input_nodes:
+        for v in tree_leaves(a.meta.get("val")):
+            if getattr(v, "fake_mode", None) is not None:
+                return v.fake_mode
+    raise AssertionError(f"node {node.name} has no fake value")
 
 
 def _var(b: _Builder, x, dims: list[int], correction: float, keepdim: bool, shape) -> tuple:
@@ -114,10 +129,27 @@ def _kw(node: torch.fx.Node, i: int, name: str, default=None):
 
 
 def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
-    """Rewrite var/std, vector norms, dist and trace over sharded dims; returns ``(gm, changed)``."""
+    """Rewrite var/std, vector norms, dist, trace and diagonals over sharded dims; returns ``(gm, changed)``.
+
+    A rewrite can shard what the ops before it had gathered (the backward of a diagonal, which the forward's
+    gather had replicated): after one, placements are propagated again and the graph swept again, until
+    nothing changes (at most a few sweeps: each rewrites ops whose inputs became sharded)."""
+    from .propagate_placements import propagate_placements
+
+    diagonals: set = set()  # (shape, offset, dim1, dim2) of the diagonals rewritten: their backward follows
+    changed = False
+    for _ in range(4):
+        if not _sweep(gm, ctx, diagonals):
+            break
+        changed = True
+        gm.graph.lint()
+        gm, _ = propagate_placements(gm, ctx)
+    return gm, changed
+
+
+def _sweep(gm: torch.fx.GraphModule, ctx: PassContext, diagonals: set) -> bool:
     graph = gm.graph
     changed = False
-    diagonals: set = set()  # (shape, offset, dim1, dim2) of the diagonals rewritten: their backward follows
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -174,7 +206,8 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             eye = b(aten.eye.m, n, m, dtype=torch.bool, device=x.meta["val"].device)
             zero = b(aten.scalar_tensor.default, 0.0, dtype=x.meta["val"].dtype, device=x.meta["val"].device)
             new = b(aten.sum.default, b(aten.where.self, eye, x, zero))
-        elif node.target in (aten.diagonal.default, aten.diagonal_copy.default, aten.diagonal_backward.default):
+        elif node.target in (aten.diagonal.default, aten.diagonal_copy.default, aten.diagonal_backward.default,
+                             aten.diagonal_scatter.default, aten.diag_embed.default):
             new = _diagonal(b, node, diagonals)
         elif node.target == aten.renorm.default:
             x, p, dim, maxnorm = node.args[:4]
@@ -198,19 +231,39 @@ def globalize_statistics(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         changed = True
-    return gm, changed
+    return changed
 
 
 def _diagonal(b: _Builder, node: torch.fx.Node, done: set) -> torch.fx.Node | None:
-    """A 2-D ``diagonal(x, k)`` whose diagonal index runs along the sharded dim of ``x`` with the shard's rows
-    (every row of that dim holds one element: ``L`` equals its size) as a row sum ``sum(where(M, x, 0), other)``
-    with ``M`` the diagonal's mask (replicated, sliced to the rows): the result keeps the shard, no collective;
-    ``diagonal_backward(g)`` of such a diagonal (in ``done``; its gradient was laid out before the forward was
-    rewritten) as ``where(M, g[:, None], 0)``, right for any placement of ``g``. None otherwise."""
-    bw = node.target == aten.diagonal_backward.default
-    if bw:
+    """Diagonals of a 2-D ``x`` sharded on one of the two dims, through the diagonal's mask ``M`` (replicated,
+    sliced to the rows; ``M[a, b]``: ``b - a == k`` along ``(dim1, dim2)``). None where none applies.
+
+    * ``diagonal(x, k)`` whose index runs along the sharded dim with its rows (every row of that dim holds one
+      element: ``L`` equals its size): the row sum ``sum(where(M, x, 0), other dim)`` keeps the shard, no
+      collective; otherwise the sum over the sharded dim, sliced to the diagonal: a Partial sum;
+    * ``diagonal_backward(g)`` of an aligned diagonal (in ``done``; its gradient was laid out before the
+      forward was rewritten): ``where(M, g[:, None], 0)``, right for any placement of ``g``;
+    * ``diagonal_scatter(x, src, k)``: ``where(M, src placed along the diagonal's dim, x)`` (keeps the shard);
+    * ``diag_embed(v)`` of a 1-D sharded ``v``, offset 0: ``where(eye, v[:, None], 0)`` (keeps the shard).
+    """
+    t = node.target
+    dev = node.meta["val"].device
+    if t == aten.diag_embed.default:
+        v = node.args[0]
+        if (v.meta["val"].dim() != 1 or placement_of(v) != Shard(0) or any(node.args[1:2])
+                or not v.meta["val"].is_floating_point()):
+            return None
+        n = v.meta["val"].shape[0]
+        eye = b(aten.eye.default, n, dtype=torch.bool, device=dev)
+        zero = b(aten.scalar_tensor.default, 0.0, dtype=node.meta["val"].dtype, device=dev)
+        return b(aten.where.self, eye, b(aten.unsqueeze.default, v, 1), zero)
+    if t == aten.diagonal_backward.default:
         g, sizes, k, d1, d2 = node.args[:5]
         src, shape = g, tuple(sizes)
+    elif t == aten.diagonal_scatter.default:
+        src = node.args[0]
+        shape = tuple(src.meta["val"].shape)
+        k, d1, d2 = _kw(node, 2, "offset", 0), _kw(node, 3, "dim1", 0), _kw(node, 4, "dim2", 1)
     else:
         src = node.args[0]
         shape = tuple(src.meta["val"].shape)
@@ -221,18 +274,33 @@ def _diagonal(b: _Builder, node: torch.fx.Node, done: set) -> torch.fx.Node | No
     rows = d1 if k >= 0 else d2  # the dim along which the diagonal's index runs without an offset
     length = max(0, min(shape[d1], shape[d2] - k) if k >= 0 else min(shape[d1] + k, shape[d2]))
     key = (shape, k, d1, d2)
-    if length != shape[rows] or (key not in done if bw else placement_of(src) != Shard(rows)):
+    p = placement_of(src)
+    if t == aten.diagonal_backward.default:
+        if length != shape[rows] or key not in done:
+            return None
+    elif not isinstance(p, Shard):
         return None
-    done.add(key)
-    dev = src.meta["val"].device
     i0 = b(aten.unsqueeze.default, b(aten.arange.default, shape[0], dtype=torch.int64, device=dev), 1)
     i1 = b(aten.unsqueeze.default, b(aten.arange.default, shape[1], dtype=torch.int64, device=dev), 0)
     diff = b(aten.sub.Tensor, i1, i0) if d1 == 0 else b(aten.sub.Tensor, i0, i1)  # index along dim2 - along dim1
     mask = b(aten.eq.Scalar, diff, k)
     zero = b(aten.scalar_tensor.default, 0.0, dtype=node.meta["val"].dtype, device=dev)
-    if bw:
+    if t == aten.diagonal_backward.default:
         return b(aten.where.self, mask, b(aten.unsqueeze.default, g, 1 - rows), zero)
-    return b(aten.sum.dim_IntList, b(aten.where.self, mask, src, zero), [1 - rows])
+    if t == aten.diagonal_scatter.default:
+        upd = node.args[1]
+        if shape[rows] != length:
+            upd = b(aten.constant_pad_nd.default, upd, [0, shape[rows] - length], 0.0)
+        return b(aten.where.self, mask, b(aten.unsqueeze.default, upd, 1 - rows), src)
+    masked = b(aten.where.self, mask, src, zero)
+    if length == shape[rows] and p == Shard(rows):
+        done.add(key)
+        return b(aten.sum.dim_IntList, masked, [1 - rows])
+    # the sum over the sharded dim s leaves the other dim o: v[j] holds the diagonal's element at index j of o
+    o = 1 - p.dim
+    start = (max(k, 0) if o == d2 else max(-k, 0))
+    v = b(aten.sum.dim_IntList, masked, [p.dim])
+    return b(aten.slice.Tensor, v, 0, start, start + length)
 
 
 def _chunk_cat(b: _Builder, node: torch.fx.Node, ctx: PassContext) -> torch.fx.Node | None:
