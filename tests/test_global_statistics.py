@@ -1,7 +1,7 @@
-"""Statistics, norms and extrema over the split batch without gathering it (passes ``globalize_statistics`` and
-``all_reduce_extrema``, issue 14 point 1 "opinfo90"): equal to eager (loss, gradients, parameters after SGD
-steps) on 2 and 3 ranks (3: a rank holding none of the 4 rows), ties of a max split as eager splits them, and
-no all_gather; the same programs on gloo."""
+"""Statistics, norms, diagonals and extrema over the split batch without gathering it (passes
+``globalize_statistics`` and ``all_reduce_extrema``, issue 14 point 1 "opinfo90"): equal to eager (loss,
+gradients, parameters after SGD steps) on 2 and 3 ranks (3: a rank holding none of the 4 rows), ties of a max
+split as eager splits them, and no all_gather; the same programs on gloo (with a scatter by global row)."""
 
 from __future__ import annotations
 
@@ -143,13 +143,20 @@ def test_passes_leave_other_reductions_alone():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_on_gloo_equal_eager(tmp_path):
-    """The same programs on 2 gloo processes (all_reduce max/min/sum): losses, gradients and parameters."""
+    """The same programs on 2 gloo processes (all_reduce max/min/sum), and a scatter_reduce / gather by global
+    row (localize_indices: per-rank index offsets): losses, gradients and parameters."""
     from adaptdist.program import save_programs
     from adaptdist.runtime.launch import launch_local
     from dist_workers import multi_case_sgd_worker
+    from test_localize_indices import _Indexed
+
+    def indexed_case():
+        torch.manual_seed(0)
+        return _Indexed("amax"), (torch.randn(4, 3), torch.zeros(4)), _loss
 
     prepared, cases = [], []
-    for name, case in (("stats", _stats_case), ("ties", _ties_case)):
+    for name, case in (("stats", _stats_case), ("ties", _ties_case), ("diagonals", _diagonals_case),
+                       ("indexed", indexed_case)):
         model, batch, loss_fn = case()
         programs = compile_model(model, batch, loss_fn, 2, None)
         save_programs(programs, tmp_path / name)

@@ -11,7 +11,12 @@ rules keep the shard (sums give ``Partial`` sums, an ``amax`` an all-reduced max
 * ``linalg_vector_norm(x, p, dims)`` and ``norm.ScalarOpt_dim``: ``sum(|x|^p)^(1/p)``
   (``p = 2``: ``sqrt(sum(x * x))``), ``p = inf / -inf``: ``amax / amin(|x|)``, ``p = 0``:
   ``sum(x != 0)``; ``dist(a, b, p)`` is ``linalg_vector_norm(a - b, p)``;
-* ``trace(x)`` of a matrix sharded by rows or columns: ``sum(where(eye, x, 0))``.
+* ``trace(x)`` of a matrix sharded by rows or columns: ``sum(where(eye, x, 0))``;
+* ``renorm(x, p, dim, maxnorm)`` whose slices span the shard: ATen's formula on the norms above;
+* 2-D ``diagonal`` / ``diagonal_backward`` / ``diagonal_scatter`` and ``diag_embed`` of a split vector through
+  the diagonal's mask (:func:`_diagonal`: the shard stays where the diagonal runs along the rows, else a
+  Partial sum);
+* ``_chunk_cat`` where a rank may hold no rows (torch's kernel rejects an empty tensor): pad, view, cat.
 
 The backward graphs of these ops read only the op's output (replicated once reduced) and the
 sharded input elementwise, so they keep the shard already. Needs placements; run

@@ -1785,9 +1785,9 @@ def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 
 def whole_reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """(opinfo90) trace(x), dist(a, b, p) (a scalar from every element), diagonal_scatter(x, src, offset, ..):
-    replicated inputs give a replicated value, others are gathered (the ``globalize_statistics`` pass first
-    rewrites a sharded one into sums, or a masked ``where``)."""
+    """(opinfo90) trace(x), dist(a, b, p) (a scalar from every element), diagonal_scatter(x, src, offset, ..) of
+    a matrix (a batch of them: DTensor's strategies): replicated inputs give a replicated value, others are
+    gathered (the ``globalize_statistics`` pass first rewrites a sharded one into sums, or a masked ``where``)."""
     return gather_all(node, pl, "it reduces every element") if any(
         not isinstance(pl(a), Replicate) for _, a in tensor_args(node)) else RuleResult(R)
 
@@ -1830,7 +1830,7 @@ RULES.update({  # (opinfo90) replaces reduction's gather of amax/amin over the s
     aten.scatter_reduce.two: index_along_shard(RULES.get(aten.scatter_reduce.two, scatter_reduce_other_dim)),
     aten.trace.default: whole_reduction,
     aten.dist.default: whole_reduction,
-    aten.diagonal_scatter.default: whole_reduction,
+    aten.diagonal_scatter.default: lambda node, pl: whole_reduction(node, pl) if len(shape(node.args[0])) == 2 else None,
     aten.amax.default: extremum,
     aten.amin.default: extremum,
     aten.max.default: extremum,
