@@ -1765,7 +1765,8 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
 
-# ---------------------------------------------------------------- issue 14 point 1, "opinfo90": extrema over the shard
+# ---------------------------------------------------------------- issue 14 point 1, "opinfo90": over the shard
+# extrema (all_reduce_extrema), gathers/scatters by global row (localize_indices), statistics (globalize_statistics)
 
 
 def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
@@ -1822,7 +1823,13 @@ def index_along_shard(fallback: Callable | None) -> Callable[[torch.fx.Node, Pla
     return rule
 
 
-RULES.update({  # (opinfo90) replaces reduction's gather of amax/amin over the shard
+def diagonal_scatter_matrix(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo90) diagonal_scatter of one matrix: :func:`whole_reduction`; of a batch of them: DTensor's."""
+    return whole_reduction(node, pl) if len(shape(node.args[0])) == 2 else None
+
+
+# (opinfo90) these replace the earlier entries for gather/scatter*/amax/amin (which they call for the other forms)
+RULES.update({
     aten.gather.default: index_along_shard(RULES[aten.gather.default]),
     aten.scatter.src: index_along_shard(RULES[aten.scatter.src]),
     aten.scatter.value: index_along_shard(RULES[aten.scatter.value]),
@@ -1830,7 +1837,7 @@ RULES.update({  # (opinfo90) replaces reduction's gather of amax/amin over the s
     aten.scatter_reduce.two: index_along_shard(RULES.get(aten.scatter_reduce.two, scatter_reduce_other_dim)),
     aten.trace.default: whole_reduction,
     aten.dist.default: whole_reduction,
-    aten.diagonal_scatter.default: lambda node, pl: whole_reduction(node, pl) if len(shape(node.args[0])) == 2 else None,
+    aten.diagonal_scatter.default: diagonal_scatter_matrix,
     aten.amax.default: extremum,
     aten.amin.default: extremum,
     aten.max.default: extremum,
