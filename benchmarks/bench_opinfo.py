@@ -86,12 +86,15 @@ def report(results: dict) -> str:
     if "batch" in settings:
         bw = [k for k, r in results.items() if r["has_backward"] and worst(r, "batch") != "xfail"]
         low = [k for k in bw if worst(results[k], "batch") == "supported"]
-        ind = [k for k, r in results.items() if r["independent"] and worst(r, "batch") != "xfail"]
+        ind = [k for k, r in results.items() if r["independent"] and worst(r, "batch") != "xfail"
+               and k not in h.ADDRESSES_ANY_ROW]
         ind_ok = [k for k in ind if worst(results[k], "batch") == "supported"]
         lines.append(f"ops with a backward and a capturable sample: {len(bw)}; lowered under a batch split: "
                      f"{len(low)} ({100 * len(low) / max(1, len(bw)):.1f}%)")
         lines.append(f"ops that keep samples independent (capturable): {len(ind)}; lowered: {len(ind_ok)}"
                      + (f"; not: {', '.join(sorted(set(ind) - set(ind_ok)))}" if len(ind_ok) < len(ind) else ""))
+        lines.append("not counted as independent whatever their sample: " + "; ".join(
+            f"{k} ({why})" for k, why in sorted(h.ADDRESSES_ANY_ROW.items())))
         if any("dtensor" in r for r in results.values()):
             dt = [k for k in bw if results[k]["dtensor"]["category"] == "supported"]
             lines.append(f"DTensor keeps the batch shard (forward) on {len(dt)} of those {len(bw)} ops "

@@ -299,10 +299,22 @@ def build_case(op: Any, sample: Any, setting: str, seed: int = 0) -> Case | Outc
                 sharded, loss.detach(), grads)
 
 
+ADDRESSES_ANY_ROW = {
+    "_unsafe_masked_index": "its index tensors address any row of the input",
+    "_unsafe_masked_index_put_accumulate": "its index tensors address any row of the output",
+    "as_strided_scatter": "its size/stride/offset address any element of the output",
+}
+"""Ops whose arguments may address any row of the batch: the chunk check below can pass on one sample's
+values, but no split is right for every index value, so they are not counted as sample-independent."""
+
+
 def independent_samples(op: Any, sample: Any, chunks: int = 2) -> bool:
     """Whether the op keeps samples independent on this sample: the op on each chunk of the batch-sized
     tensors (dim 0 of the first input's size, split in ``chunks``; the others whole), concatenated on dim 0,
-    equals the op on the whole batch (every float output batch-sized). What DDP's batch split needs."""
+    equals the op on the whole batch (every float output batch-sized). What DDP's batch split needs.
+    False for :data:`ADDRESSES_ANY_ROW` whatever the sample."""
+    if op_key(op) in ADDRESSES_ANY_ROW:
+        return False
     leaves, spec = _leaves(sample)
     first = sample.input[0] if isinstance(sample.input, (list, tuple)) else sample.input
     bsz = first.shape[0]
