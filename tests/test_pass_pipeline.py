@@ -142,3 +142,17 @@ def test_debug_invariants_accept_the_exporters_assert_nodes():
     check = g.call_function(torch.ops.aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
     y = g.call_function(torch.ops.aten.neg.default, (x,))
     assert _returns_nothing(check) and not _returns_nothing(y)
+
+
+def test_a_pass_the_numbers_rely_on_cannot_be_skipped():
+    """Skipping the pass that all-reduces a sharded max would give each rank its own max silently: refused."""
+    import pytest
+    from adaptdist.errors import UsageError
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.passes.pipeline import SKIPPABLE, check_skippable
+
+    with pytest.raises(UsageError, match="all_reduce_extrema.*rely on it"):
+        check_skippable(LoweringOptions(disabled_passes=("all_reduce_extrema",)))
+    with pytest.raises(UsageError, match="no_such_pass"):
+        check_skippable(LoweringOptions(disabled_passes=("no_such_pass",)))
+    check_skippable(LoweringOptions(disabled_passes=tuple(sorted(SKIPPABLE))))

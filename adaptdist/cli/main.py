@@ -57,7 +57,7 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
     p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
-                   help="skip this lowering pass (repeatable; for debugging a pass; see adaptdist/passes/pipeline.py)")
+                   help="skip this lowering pass (repeatable; for debugging speed or memory: only the passes that do not change the numbers, adaptdist/passes/pipeline.py SKIPPABLE)")
 
 
 def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:

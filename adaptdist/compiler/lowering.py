@@ -25,7 +25,7 @@ from ..passes.context import PassContext
 from ..passes.global_rng import mark_random_ops
 from ..passes.infra import check_disabled, copy_graph_module, run_pipeline
 from ..passes.localize_shapes import localize_shapes
-from ..passes.pipeline import PASSES
+from ..passes.pipeline import PASSES, check_skippable
 from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh, lowering_order
 from ..placement import Placement, Replicate, Shard, chunk_interval, parse_placement
@@ -271,12 +271,14 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
         UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding rule over a
             split batch).
         CollectiveMismatchError: ranks of one group would issue different collectives.
-        UsageError: ``plan`` is not a Plan, or ``options.disabled_passes`` names no pass of the pipeline.
+        UsageError: ``plan`` is not a Plan, or ``options.disabled_passes`` names no pass of the pipeline or one
+            the numbers rely on (see :data:`~adaptdist.passes.pipeline.SKIPPABLE`).
     """
     if not isinstance(plan, Plan):
         raise UsageError(f"lower() takes a Plan (resolve_plan turns a ManualPlan into one), not {type(plan).__name__}")
     if not isinstance(options, LoweringOptions):
         raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
+    check_skippable(options)
     with advice_fitting(options.front_end):
         if plan.pipeline is not None:
             from .pipeline_lowering import lower_pipeline

@@ -15,7 +15,9 @@ from .embedding_bag import decompose_embedding_bag
 from .global_rng import global_rng
 from .global_statistics import globalize_statistics
 from .globalize_reductions import globalize_reductions
-from .infra import Pass
+from ..errors import UsageError
+from ..lowering_options import LoweringOptions
+from .infra import Pass, check_disabled
 from .localize_indices import localize_indices
 from .insert_redistributes import insert_redistributes
 from .propagate_placements import propagate_placements
@@ -47,3 +49,24 @@ PASSES: tuple[Pass, ...] = (
     relax_views,
 )
 """The passes of one mesh axis's lowering, in order (``propagate_placements`` runs twice)."""
+
+SKIPPABLE: frozenset[str] = frozenset({
+    "combine_partial_sums", "regather_in_backward", "bucket_param_allgather", "bucket_grad_reduce_scatter",
+    "bucket_grad_allreduce", "relax_views",
+})
+"""The passes ``disabled_passes`` may name: they change speed or memory, not the numbers (``relax_views``: a
+stride error instead). Every other pass is what some sharding rule relies on to mean the single-process
+step (the global-count rewrites, the extrema's all_reduce, shifted indices, the collectives themselves):
+skipping one would leave wrong numbers without an error."""
+
+
+def check_skippable(options: LoweringOptions) -> None:
+    """Raise UsageError naming any pass of ``options.disabled_passes`` that is unknown or not in
+    :data:`SKIPPABLE`."""
+    check_disabled(options, PASSES)
+    bad = [n for n in options.disabled_passes if n not in SKIPPABLE]
+    if bad:
+        raise UsageError(f"cannot skip the lowering pass{'es' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}: "
+                         f"sharding rules rely on {'them' if len(bad) > 1 else 'it'} for the single-process numbers, "
+                         f"so the step would compute something else without an error; passes that may be skipped "
+                         f"(for debugging speed or memory): {', '.join(sorted(SKIPPABLE))}")
