@@ -79,3 +79,9 @@ class RunInterruptedError(RuntimeLaunchError):
         super().__init__(message)
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+class PipelineScheduleError(UsageError):
+    """A pipeline schedule cannot run with these numbers (unknown schedule, too few microbatches for the stages, a
+    count the schedule cannot split into rounds), or its action lists would deadlock; the message names the schedule,
+    the stages and the microbatches, and says what would work."""
