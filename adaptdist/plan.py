@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,8 +30,9 @@ from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, parse_placement
 from .strategy import Strategy
 
-SCHEMA_VERSION = 2
-"""2: the decision and the lowering's record apart (``lowered``); 1 (record and decision mixed) still loads."""
+SCHEMA_VERSION = 3
+"""3: the pipeline decision (``pipeline``); 2: the decision and the lowering's record apart (``lowered``); 1 (record
+and decision mixed) and 2 (no pipeline) still load."""
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -158,6 +160,160 @@ class Difference:
         return f"{self.kind} {self.name}: planned {planned}, lowered {' '.join(map(repr, self.lowered))}"
 
 
+# --- pipeline parallelism (issue 15, pp-core): the stage decision -------------------------------------------
+
+PIPELINE_AXIS = "pp"
+"""The mesh axis of a pipeline plan's stages (``--mesh pp=2,dp=2``: 2 stage groups of 2 ranks)."""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb")
+"""Pipeline schedules a plan may name (``zb``: zero-bubble ZB-H1)."""
+
+
+def _times(value: Any, what: str) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, (int, float))
+                                                 and not isinstance(v, bool) for k, v in value.items()):
+        raise UsageError(f"plan: {what} must map names to seconds (numbers), got {value!r}")
+    return {k: float(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage of a plan.
+
+    Attributes:
+        layers: the layers it holds, in model order: module paths as
+            :func:`adaptdist.compiler.pipeline_lowering.pipeline_layers` names them (``"tok_emb"``,
+            ``"blocks.0"``, ``"ln_f"``, ...).
+        mesh: its sub-mesh, axis -> size (``{"dp": 2}``; ``{}``: one rank).
+        ranks: the global ranks running it, in sub-mesh rank order; ``()``: the default layout (stage
+            group ``g`` = ranks ``g * n .. g * n + n - 1`` of a mesh ``pp`` first).
+        predicted_s: the planner's per-microbatch times, seconds (``forward``, ``backward``, ``weight``...).
+    """
+
+    layers: tuple[str, ...]
+    mesh: Mapping[str, int] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+    predicted_s: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.layers, tuple) or not self.layers
+                or not all(isinstance(x, str) and x for x in self.layers)):
+            raise UsageError(f"plan: a pipeline stage's layers must be a non-empty tuple of layer names, got "
+                             f"{self.layers!r}")
+        if not isinstance(self.mesh, Mapping) or not all(isinstance(a, str) and isinstance(n, int) and
+                                                         not isinstance(n, bool) and n >= 1
+                                                         for a, n in self.mesh.items()):
+            raise UsageError(f"plan: a pipeline stage's mesh must map axis names to sizes >= 1, got {self.mesh!r}")
+        if not isinstance(self.ranks, tuple) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                        for r in self.ranks):
+            raise UsageError(f"plan: a pipeline stage's ranks must be a tuple of ranks >= 0, got {self.ranks!r}")
+        size = math.prod(self.mesh.values())
+        if self.ranks and len(self.ranks) != size:
+            raise UsageError(f"plan: a pipeline stage on mesh {dict(self.mesh)} ({size} ranks) lists "
+                             f"{len(self.ranks)} ranks {list(self.ranks)}")
+        _times(self.predicted_s, "a pipeline stage's predicted_s")
+
+    def to_doc(self) -> dict:
+        return {"layers": list(self.layers), "mesh": [[a, n] for a, n in self.mesh.items()],
+                "ranks": list(self.ranks), "predicted_s": dict(self.predicted_s)}
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The pipeline decision of a plan: stages (layer ranges and sub-meshes), microbatches and schedule.
+
+    Attributes:
+        stages: the stages in pipeline order (stage 0 takes the batch, the last computes the loss).
+        microbatches: microbatches per step (each pipeline replica's rows split evenly into them).
+        schedule: one of :data:`SCHEDULES`.
+        stages_per_rank: stages each rank group holds (``> 1`` only for ``interleaved-1f1b``: stage ``s``
+            runs on group ``s % (len(stages) // stages_per_rank)``).
+        predicted_s: the planner's predictions, seconds (``step``, ``bubble``...), for reports.
+
+    Raises:
+        UsageError: a field of the wrong type or value (names it and the numbers).
+    """
+
+    stages: tuple[StageSpec, ...]
+    microbatches: int
+    schedule: str = "gpipe"
+    stages_per_rank: int = 1
+    predicted_s: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, tuple) or not self.stages or not all(isinstance(s, StageSpec)
+                                                                             for s in self.stages):
+            raise UsageError(f"plan: pipeline stages must be a non-empty tuple of StageSpec, got {self.stages!r}")
+        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
+            raise UsageError(f"plan: pipeline microbatches must be an integer >= 1, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"plan: pipeline schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        v = self.stages_per_rank
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or len(self.stages) % v:
+            raise UsageError(f"plan: pipeline stages_per_rank {v!r} must be an integer >= 1 dividing the "
+                             f"{len(self.stages)} stages")
+        if v > 1 and self.schedule != "interleaved-1f1b":
+            raise UsageError(f"plan: pipeline stages_per_rank {v} needs schedule 'interleaved-1f1b', not "
+                             f"{self.schedule!r}")
+        seen: dict[str, int] = {}
+        for i, st in enumerate(self.stages):
+            for layer in st.layers:
+                if layer in seen:
+                    raise UsageError(f"plan: layer {layer!r} is in pipeline stages {seen[layer]} and {i}")
+                seen[layer] = i
+        _times(self.predicted_s, "pipeline predicted_s")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_groups(self) -> int:
+        """Rank groups (the ``pp`` axis size): stages / stages_per_rank."""
+        return len(self.stages) // self.stages_per_rank
+
+    def to_doc(self) -> dict:
+        return {"stages": [s.to_doc() for s in self.stages], "microbatches": self.microbatches,
+                "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+                "predicted_s": dict(self.predicted_s)}
+
+    @staticmethod
+    def from_doc(doc: Any, source: str = "<plan>") -> "PipelineSpec":
+        """Parse :meth:`to_doc`'s form.
+
+        Raises:
+            UsageError: a field missing or malformed (names the file and the field).
+        """
+        where = f"plan {source!r}: field 'pipeline'"
+        if not isinstance(doc, dict):
+            raise UsageError(f"{where} must be an object")
+        for key in ("stages", "microbatches"):
+            if key not in doc:
+                raise UsageError(f"{where} lacks {key!r}")
+        if not isinstance(doc["stages"], list):
+            raise UsageError(f"{where}.stages must be a list of stages")
+        stages = []
+        for i, st in enumerate(doc["stages"]):
+            if not isinstance(st, dict) or not isinstance(st.get("layers"), list):
+                raise UsageError(f"{where}.stages[{i}] must be an object with a list 'layers'")
+            mesh = st.get("mesh", [])
+            if not isinstance(mesh, list) or not all(isinstance(m, list) and len(m) == 2 for m in mesh):
+                raise UsageError(f"{where}.stages[{i}].mesh must be [[axis, size], ...], got {mesh!r}")
+            ranks = st.get("ranks", [])
+            if not isinstance(ranks, list):
+                raise UsageError(f"{where}.stages[{i}].ranks must be a list of ranks, got {ranks!r}")
+            try:
+                stages.append(StageSpec(tuple(st["layers"]), {a: n for a, n in mesh}, tuple(ranks),
+                                        st.get("predicted_s", {})))
+            except (UsageError, TypeError) as e:
+                raise UsageError(f"{where}.stages[{i}]: {e}") from None
+        try:
+            return PipelineSpec(tuple(stages), doc["microbatches"], doc.get("schedule", "gpipe"),
+                                doc.get("stages_per_rank", 1), doc.get("predicted_s", {}))
+        except UsageError as e:
+            raise UsageError(f"{where}: {e}") from None
+
+
 @dataclass(frozen=True)
 class Plan:
     """A layout of one training step on a mesh: the decision (see the module docstring).
@@ -175,6 +331,9 @@ class Plan:
             planner chose them; the lowering follows them where the op's rule agrees, and does not
             complete parameter placements of such a plan (the planner decided every one).
         lowered: what the lowering did with this plan (None on a plan not lowered yet).
+        pipeline: the pipeline decision (:class:`PipelineSpec`), or None: no pipeline. A pipeline plan's
+            mesh has the axis ``pp`` first (its size: the stage groups), then the stages' sub-mesh axes;
+            ``param_placements`` give the ``pp`` column as ``R``.
 
     Raises:
         UsageError: a field of the wrong type or length (names it).
@@ -189,6 +348,7 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     node_strategies: Mapping[str, tuple[Strategy | None, ...]] = field(default_factory=dict)
     lowered: LoweringRecord | None = None
+    pipeline: PipelineSpec | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -208,6 +368,19 @@ class Plan:
                 raise UsageError(f"plan: node_strategies[{node!r}] must be {n} Strategy (or None), got {sts!r}")
         if self.lowered is not None and not isinstance(self.lowered, LoweringRecord):
             raise UsageError(f"plan: lowered must be a LoweringRecord, got {type(self.lowered).__name__}")
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineSpec):
+            raise UsageError(f"plan: pipeline must be a PipelineSpec, got {type(self.pipeline).__name__}")
+        if self.pipeline is not None:
+            groups = self.mesh.get(PIPELINE_AXIS)
+            if groups != self.pipeline.num_groups:
+                raise UsageError(f"plan: a pipeline of {self.pipeline.num_stages} stage(s) on "
+                                 f"{self.pipeline.num_groups} rank group(s) needs mesh axis {PIPELINE_AXIS!r} of size "
+                                 f"{self.pipeline.num_groups}, the mesh is {dict(self.mesh)}")
+            if self.batch_axis == PIPELINE_AXIS:
+                raise UsageError(f"plan: the pipeline axis {PIPELINE_AXIS!r} cannot split the batch")
+        elif PIPELINE_AXIS in self.mesh and self.mesh[PIPELINE_AXIS] > 1:
+            raise UsageError(f"plan: mesh axis {PIPELINE_AXIS!r} of size {self.mesh[PIPELINE_AXIS]} needs a pipeline "
+                             "decision (Plan.pipeline)")
 
     @property
     def mesh_spec(self) -> Mesh:
@@ -273,13 +446,16 @@ class Plan:
             "node_strategies": {n: [s.text() if s is not None else "" for s in sts]
                                 for n, sts in self.node_strategies.items()},
         }
+        if self.pipeline is not None:
+            doc["pipeline"] = self.pipeline.to_doc()
         if self.lowered is not None:
             doc["lowered"] = dict(self.lowered.to_doc(), differences=[d.line() for d in self.differences()])
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @staticmethod
     def from_json(text: str, source: str = "<plan>") -> "Plan":
-        """Parse a plan (schema 2, or 1: its node placements and reshard points become the lowering record).
+        """Parse a plan (schema 3, 2: no pipeline, or 1: its node placements and reshard points become the
+        lowering record).
 
         Raises:
             UsageError: not JSON, or a field is missing or malformed (names the file and the field).
@@ -294,8 +470,12 @@ class Plan:
             if key not in doc:
                 raise UsageError(f"plan {source!r} lacks the field {key!r}")
         version = doc["schema_version"]
-        if version not in (1, SCHEMA_VERSION):
-            raise UsageError(f"plan {source!r}: schema_version {version!r} is not 1 or {SCHEMA_VERSION}")
+        if version not in (1, 2, SCHEMA_VERSION):
+            raise UsageError(f"plan {source!r}: schema_version {version!r} is not 1, 2 or {SCHEMA_VERSION} (a plan "
+                             "written by a newer adaptdist? make the plan again with this one)")
+        if version < 3 and doc.get("pipeline") is not None:
+            raise UsageError(f"plan {source!r}: schema_version {version} has no field 'pipeline' (pipelines came with "
+                             f"schema_version 3)")
         mesh = doc["mesh"]
         if isinstance(mesh, list):  # [[axis, size], ...] keeps the axis order through sort_keys
             if not all(isinstance(m, list) and len(m) == 2 for m in mesh):
@@ -374,6 +554,7 @@ class Plan:
             return Plan(mesh=mesh, batch_axis=doc["batch_axis"], param_placements=record.param_placements,
                         graph_fingerprint=doc["graph_fingerprint"], name=name,
                         node_strategies=strategies(doc.get("node_strategies", {})), lowered=record)
+        pipeline = PipelineSpec.from_doc(doc["pipeline"], source) if doc.get("pipeline") is not None else None
         lowered = None
         if doc.get("lowered") is not None:
             low = doc["lowered"]
@@ -388,7 +569,8 @@ class Plan:
                     param_placements=placements("param_placements", doc["param_placements"]),
                     graph_fingerprint=doc["graph_fingerprint"],
                     node_placements=placements("node_placements", doc.get("node_placements", {}), _parse_node_placement),
-                    name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered)
+                    name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered,
+                    pipeline=pipeline)
 
     @staticmethod
     def load(path: str | Path) -> "Plan":

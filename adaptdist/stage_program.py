@@ -18,11 +18,13 @@ its stages (one, or several for interleaved schedules), three GraphModules:
     stage ``send`` is empty and the FIRST output is this microbatch's loss term, a 0-dim tensor, scaled
     so that the sum over microbatches (and over the batch group, :attr:`PipelineRankProgram.batch_group`)
     is the global loss of the step: ``(loss_term, *saved)``.
-``backward_input(*saved, *grad_send) -> (*grad_recv, *saved_w)``
-    ``grad_send``: the gradients of this stage's ``send`` tensors, received from the next stage (same
-    specs as ``send_specs``; empty on the last stage, whose backward starts from the loss);
-    ``grad_recv``: the gradients of its ``recv`` tensors, sent to the previous stage (same specs as
-    ``recv_specs``; empty on stage 0); ``saved_w``: kept for ``backward_weight``.
+``backward_input(*saved, *grad_in) -> (*grad_out, *saved_w)``
+    ``grad_in``: received from the next stage (:attr:`StageProgram.grad_in_specs`; empty on the last
+    stage, whose backward starts from the loss); ``grad_out``: sent to the previous stage
+    (:attr:`StageProgram.grad_out_specs`; empty on stage 0); ``saved_w``: kept for ``backward_weight``.
+    Usually ``grad_in`` are the gradients of this stage's ``send`` tensors and ``grad_out`` those of
+    its ``recv`` tensors (same specs), but the cut may carry other backward values (e.g. a gradient
+    summed on the earlier stage): always use ``grad_in_specs`` / ``grad_out_specs``.
 ``backward_weight(*saved_w) -> (*grads)``
     This microbatch's contribution to the gradient of each parameter of :attr:`StageProgram.grad_fqns`
     (its local shard), in that order. The runtime ADDS the contributions of all microbatches, then
@@ -85,7 +87,9 @@ class StageProgram:
         state_names: fqns of the state tensors ``forward`` takes first, in order (params, frozen
             params, buffers this stage uses; a subset of :attr:`PipelineRankProgram.state`).
         grad_fqns: parameters whose gradient contribution ``backward_weight`` returns, in order.
-        recv_specs, send_specs: per-microbatch specs of ``recv`` / ``send`` (their gradients have the same).
+        recv_specs, send_specs: per-microbatch specs of the forward's ``recv`` / ``send``.
+        grad_in_specs, grad_out_specs: per-microbatch specs of ``backward_input``'s ``grad_in`` (received
+            from ``send_to``) / ``grad_out`` (sent to ``recv_from``).
         recv_from, send_to: global rank of the previous / next stage's peer, None at the pipeline's ends.
         num_saved, num_saved_w: number of ``saved`` / ``saved_w`` values.
         layers: the layers (module names) the stage holds, for reports.
@@ -102,6 +106,8 @@ class StageProgram:
     grad_fqns: tuple[str, ...]
     recv_specs: tuple[TensorSpec, ...]
     send_specs: tuple[TensorSpec, ...]
+    grad_in_specs: tuple[TensorSpec, ...]
+    grad_out_specs: tuple[TensorSpec, ...]
     recv_from: int | None
     send_to: int | None
     num_saved: int
