@@ -103,6 +103,7 @@ def build_programs(pp: int, dp: int, schedule: str, microbatches: int, rows: int
                 stage=s, num_stages=num_stages, forward=_Fwd(first, last), backward_input=_BwdI(first, last),
                 backward_weight=_BwdW(), state_names=names[s], grad_fqns=names[s],
                 recv_specs=() if first else (spec,), send_specs=() if last else (spec,),
+                grad_out_specs=() if first else (spec,), grad_in_specs=() if last else (spec,),
                 recv_from=None if first else rank_of(s - 1, d), send_to=None if last else rank_of(s + 1, d),
                 num_saved=4, num_saved_w=2))
         mine = sorted({f for st in stages for f in st.state_names})

@@ -192,7 +192,7 @@ class PipelineStepRunner:
             nonlocal loss
             gs = () if st.is_last else grad_in.pop((st.stage, mb))
             outs = _tuple(st.backward_input(*saved.pop((st.stage, mb)), *gs))
-            n = 0 if st.is_first else len(st.recv_specs)
+            n = 0 if st.is_first else len(st.grad_out_specs)
             if not st.is_first:
                 g = outs[:n]
                 if st.recv_from == prog.rank:  # the previous stage is ours: no message
@@ -240,7 +240,7 @@ class PipelineStepRunner:
             elif a.kind == "SEND_B":
                 self._send(grad_out.pop(key), st.recv_from, a, backward=True)
             elif a.kind == "RECV_B":
-                grad_in[key] = self._recv(st.send_specs, st.send_to, a, backward=True, stage=a.stage + 1)
+                grad_in[key] = self._recv(st.grad_in_specs, st.send_to, a, backward=True, stage=a.stage + 1)
         assert not (fwd_in or fwd_out or grad_in or grad_out or saved or saved_w), "schedule left values behind"
         return loss, grads
 
