@@ -38,6 +38,8 @@ from .consistency import check_against_plan, check_collectives
 
 if TYPE_CHECKING:
     from ..annotations import ManualPlan
+    from ..stage_program import PipelineRankProgram
+    from .pipeline_lowering import PipelineOptions
 
 log = logging.getLogger("adaptdist.compiler")
 
@@ -202,13 +204,16 @@ def _local_state(state: dict[str, torch.Tensor], ctxs: list[PassContext], coords
 
 
 def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, world_size: int,
-                 mesh: str | None = None) -> Plan:
+                 mesh: str | None = None, *, pipeline: "PipelineOptions | None" = None) -> Plan:
     """The :class:`~adaptdist.plan.Plan` that :func:`lower` takes, for ``plan`` on ``world_size`` ranks.
 
     A :class:`~adaptdist.annotations.ManualPlan` (None: data parallel) is sized by ``mesh``
     (``"dp=2,tp=2"``; see :meth:`ManualPlan.mesh`) and its globs resolved against the captured
     parameters; its parameter placements are the ones annotated (the lowering completes the rest). A
-    ``Plan`` (saved or automatic) is checked against the graph, the world size and ``mesh``.
+    ``Plan`` (saved or automatic) is checked against the graph, the world size and ``mesh``. With
+    ``pipeline`` (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``,
+    ``--mesh pp=2,dp=2``), a manual plan (None: ``pp`` alone, or the mesh's stage axes as a preset) becomes a
+    pipeline plan (:func:`~adaptdist.compiler.pipeline_lowering.resolve_pipeline_plan`).
 
     Raises:
         PlanMismatchError: a saved plan made for another graph.
@@ -217,6 +222,9 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
     """
     from ..annotations import ManualPlan
 
+    if pipeline is not None and not isinstance(plan, Plan):
+        from .pipeline_lowering import resolve_pipeline_plan
+        return resolve_pipeline_plan(plan, captured, world_size, mesh, pipeline)
     if plan is None:
         plan = ManualPlan.parse("dp")
     if isinstance(plan, Plan):
@@ -244,7 +252,7 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
 
 def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
           state: dict[str, torch.Tensor] | None = None, timings: dict[str, float] | None = None
-          ) -> dict[int, RankProgram]:
+          ) -> "dict[int, RankProgram] | dict[int, PipelineRankProgram]":
     """Lower a captured step under ``plan`` (see :func:`resolve_plan` for a manual one) with ``options``.
 
     ``state`` (full tensors by fqn) is split into each rank's program (absent: programs without state).
@@ -255,7 +263,9 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
     strategies is followed where the rules agree, and its parameter placements are taken as given;
     a plan without them (manual) has its unannotated parameters completed. Each rank's program means
     exactly what the single-process step means on the whole global batch. ``timings`` (if given)
-    receives the seconds spent in ``lowering`` and ``codegen``.
+    receives the seconds spent in ``lowering`` and ``codegen``. A pipeline plan (``plan.pipeline``) gives
+    one :class:`~adaptdist.stage_program.PipelineRankProgram` per rank instead
+    (:func:`~adaptdist.compiler.pipeline_lowering.lower_pipeline`; it raises PipelineError too).
 
     Raises:
         UnsupportedOpError: an op cannot run with these placements (e.g. an op with no sharding rule over a
@@ -268,6 +278,10 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
     if not isinstance(options, LoweringOptions):
         raise UsageError(f"lower() takes LoweringOptions, not {type(options).__name__}")
     with advice_fitting(options.front_end):
+        if plan.pipeline is not None:
+            from .pipeline_lowering import lower_pipeline
+            plan.check_graph(captured.gm, f"plan {plan.name!r}")
+            return lower_pipeline(captured, dataclasses.replace(plan, lowered=None), options, state)
         return _lower(captured, plan, options, state, timings)
 
 
@@ -306,7 +320,8 @@ def _departure(e: Exception) -> Departure:
 def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
                   plan: "ManualPlan | Plan | None" = None, options: LoweringOptions | None = None, *,
                   mesh: str | None = None, captured: CapturedGraph | None = None,
-                  timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
+                  timings: dict[str, float] | None = None, pipeline: "PipelineOptions | None" = None
+                  ) -> "dict[int, RankProgram] | dict[int, PipelineRankProgram]":
     """Capture ``model``'s training step (unless ``captured`` is given: the planner's capture of it),
     resolve ``plan`` (:func:`resolve_plan`; None: data parallel) and :func:`lower` it with ``options``
     (None: the defaults) onto ``world_size`` ranks. Each program holds its rank's shard of the model's
@@ -324,6 +339,6 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     state = {f: named[f].detach() for f in captured.input_fqns}
-    resolved = resolve_plan(plan, captured, world_size, mesh)
+    resolved = resolve_plan(plan, captured, world_size, mesh, pipeline=pipeline)
     return lower(captured, resolved, options if options is not None else LoweringOptions(), state=state,
                  timings=timings)

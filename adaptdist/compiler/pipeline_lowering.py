@@ -1,0 +1,821 @@
+"""Pipeline lowering: a captured joint graph and a pipeline :class:`~adaptdist.plan.Plan` -> one
+:class:`~adaptdist.stage_program.PipelineRankProgram` per rank.
+
+Three steps (PIPELINE.md):
+
+1. Intra-stage SPMD and microbatches, by the ordinary lowering. The whole joint graph is lowered by
+   :func:`~adaptdist.compiler.lowering._lower_mesh` on the stage sub-mesh's model-parallel axes (``tp``...)
+   plus one virtual batch axis ``mb`` of ``dp * M`` coordinates (``dp`` replicas x ``M`` microbatches), so
+   every mean-like reduction is already a per-microbatch sum over a global count
+   (:mod:`~adaptdist.passes.globalize_reductions`). The collectives over ``mb`` are then rewritten: a
+   gradient's or the loss's all_reduce becomes the identity (the runtime adds the microbatches'
+   contributions, then all-reduces over the data-parallel peers); a forward reduction of a value that
+   depends only on batch tensors (the valid-token count of a cross-entropy with ``ignore_index``) becomes an
+   output of the PROLOGUE, evaluated once per step on the replica's whole batch and fed to every forward as a
+   "normalizer" input; any other reduction over microbatches (one of activations or parameters, e.g.
+   synchronized BatchNorm statistics) is refused naming the node. So the loss is the global sum over the
+   global valid-token count, never a mean of means. Gradient buckets are off (one collective per gradient)
+   so that no collective mixes two stages' values.
+2. Stage cut. Layers are module paths of the parameters (:func:`pipeline_layers`); each stage's layers
+   bind their parameters to it. A forward node's stage is the largest among its bound parameters and
+   non-free inputs; a backward node's is its bound parameters' stage or else the stage of the forward
+   values it consumes (the last stage using them), bounded by the stages its incoming gradients come from.
+   Nodes computed only from batch tensors, normalizers, tied (multi-stage) parameters and constants are
+   "free": recomputed by every program that needs them (cheap views, the embedding lookup of a tied table).
+   Values crossing stages are sent between adjacent stages (relayed through intermediate ones); the backward
+   of a stage is split into its input-gradient part (what the previous stage needs) and its weight-gradient
+   part (everything else: the zero-bubble ``W``).
+3. Tied weights: a parameter used by several stages (GPT's token embedding and output head) is held by
+   each; the addition of the stages' gradient contributions is cut out of the graph, each stage returns its
+   own, and ``grad_groups`` names all holders so the runtime's all-reduce sums them (copies stay equal).
+
+Not done: stages on different sub-meshes (resharding between two stages' placements is refused, naming
+both meshes), mutated buffers (BatchNorm running statistics) in a pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as compat
+from .. import graph_meta as gmeta
+from ..errors import InternalError, PipelineError, UsageError
+from ..lowering_options import LoweringOptions
+from ..mesh import Mesh, lowering_order
+from ..placement import Replicate
+from ..plan import PIPELINE_AXIS, SCHEDULES, PipelineSpec, Plan, StageSpec, graph_fingerprint
+from ..stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
+from .capture import CapturedGraph
+
+if TYPE_CHECKING:
+    from ..annotations import ManualPlan
+
+aten = torch.ops.aten
+MB_AXIS = "mb"
+_MB_GROUP = Mesh.group_name(MB_AXIS)
+_NORMALIZER = "adaptdist.pp_normalizer"
+
+
+# ----------------------------------------------------------------------------------------------- layers and plans
+
+def layer_of(fqn: str) -> str:
+    """The layer a parameter or buffer belongs to: its module path through the first numeric component
+    (``blocks.0.attn.q.weight`` -> ``blocks.0``), else its module path (``tok_emb.weight`` -> ``tok_emb``,
+    ``model.norm.weight`` -> ``model.norm``; a top-level tensor ``scale`` -> ``scale``)."""
+    parts = fqn.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or fqn
+
+
+def pipeline_layers(captured: CapturedGraph) -> list[str]:
+    """The layers of a captured step in forward order (by first use of their tensors in the graph), the
+    units of a pipeline plan's stage ranges. A tied alias (GPT's ``head.weight``, the token embedding's) is
+    not a layer of its own: its ops go with the stage of their inputs."""
+    out: list[str] = []
+    for n in captured.gm.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        for i in n.all_input_nodes:
+            if i.op == "placeholder" and gmeta.get_role(i) in ("param", "buffer"):
+                layer = layer_of(gmeta.get_fqn(i))
+                if layer not in out:
+                    out.append(layer)
+    for f in captured.input_fqns:  # unused tensors last
+        if layer_of(f) not in out:
+            out.append(layer_of(f))
+    return out
+
+
+def split_layers(layers: list[str], num_stages: int) -> list[tuple[str, ...]]:
+    """``layers`` cut into ``num_stages`` contiguous ranges of (nearly) equal length, earlier ones longer.
+
+    Raises:
+        PipelineError: more stages than layers (names both numbers and the layers).
+    """
+    if num_stages < 1:
+        raise PipelineError(f"a pipeline needs at least 1 stage, got {num_stages}")
+    if num_stages > len(layers):
+        raise PipelineError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers; the model has "
+                            f"{len(layers)} ({', '.join(layers)}); use at most {len(layers)} stages")
+    base, extra = divmod(len(layers), num_stages)
+    out, i = [], 0
+    for s in range(num_stages):
+        k = base + (s < extra)
+        out.append(tuple(layers[i:i + k]))
+        i += k
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """What ``--plan pp`` / ``--mesh pp=N,...`` ask for: ``stages`` (None: the mesh's ``pp`` size, or every
+    rank without a mesh), ``microbatches`` (None: one per stage), ``schedule`` (one of
+    :data:`~adaptdist.plan.SCHEDULES`), ``stages_per_rank`` (interleaved: virtual stages per rank group)."""
+
+    stages: int | None = None
+    microbatches: int | None = None
+    schedule: str = "gpipe"
+    stages_per_rank: int = 1
+
+
+def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1) -> None:
+    """Raise :class:`PipelineError` unless ``schedule`` can run ``microbatches`` on ``num_stages`` stages:
+    GPipe takes any count; 1F1B and ZB-H1 need at least one microbatch per stage group; interleaved 1F1B a
+    multiple of the number of rank groups."""
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    groups = num_stages // max(stages_per_rank, 1)
+    if schedule in ("1f1b", "zb") and microbatches < groups:
+        raise PipelineError(f"schedule {schedule!r} needs at least as many microbatches as pipeline stages: "
+                            f"{microbatches} microbatches < {groups} stages; use --microbatches {groups} or more, or "
+                            "--schedule gpipe")
+    if schedule == "interleaved-1f1b" and (microbatches < groups or microbatches % groups):
+        raise PipelineError(f"schedule 'interleaved-1f1b' needs a multiple of the {groups} rank groups as "
+                            f"microbatches, got {microbatches}; use --microbatches {groups * max(1, -(-microbatches // groups))}")
+
+
+def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_size: int, mesh: str | None,
+                          pipeline: PipelineOptions) -> Plan:
+    """The pipeline :class:`~adaptdist.plan.Plan` for ``--plan pp`` (``plan`` None) or a manual intra-stage
+    plan (``plan``: its mesh axes are the stage sub-mesh, e.g. ``dp`` or ``tp``) with ``--mesh pp=2,dp=2``
+    (``mesh`` None: one pipeline of ``pipeline.stages or world_size`` stage groups). Layers are split evenly
+    (:func:`split_layers`).
+
+    Raises:
+        PipelineError: more stages than layers, a mesh whose ``pp`` size differs from ``pipeline.stages``, a
+            schedule that cannot use the microbatch count.
+        UsageError: a mesh that does not match ``world_size``.
+    """
+    from .lowering import resolve_plan
+    from ..annotations import ManualPlan
+
+    v = pipeline.stages_per_rank
+    if mesh:
+        m = Mesh.parse(mesh)
+        if PIPELINE_AXIS not in m.names:
+            raise PipelineError(f"--mesh {mesh} has no axis {PIPELINE_AXIS!r} for the pipeline stages; e.g. "
+                                f"--mesh {PIPELINE_AXIS}=2,{mesh}")
+        if m.names[0] != PIPELINE_AXIS:
+            raise PipelineError(f"--mesh {mesh}: put the pipeline axis first ({PIPELINE_AXIS}=... ,then the stage's axes)")
+        groups = m.size(PIPELINE_AXIS)
+        intra_axes = [(a, n) for a, n in m.axes if a != PIPELINE_AXIS]
+    else:
+        groups = (pipeline.stages or world_size) // v
+        intra_axes = []
+    needed = groups * math.prod(n for _, n in intra_axes)
+    if needed != world_size:
+        raise UsageError(f"a pipeline of {groups} stage group(s) x sub-mesh {dict(intra_axes) or '1 rank'} needs "
+                         f"{needed} ranks, this job has {world_size}")
+    num_stages = groups * v
+    if pipeline.stages is not None and pipeline.stages != num_stages:
+        raise PipelineError(f"{pipeline.stages} pipeline stages asked, but the mesh gives {groups} stage group(s) x "
+                            f"{v} stage(s) per group = {num_stages}")
+    microbatches = pipeline.microbatches or num_stages
+    check_schedule(pipeline.schedule, num_stages, microbatches, v)
+    stage_layers = split_layers(pipeline_layers(captured), num_stages)
+    if intra_axes:
+        intra_mesh = ",".join(f"{a}={n}" for a, n in intra_axes)
+        inner = plan if plan is not None else ManualPlan.parse(",".join(a for a, _ in intra_axes))
+        intra = resolve_plan(inner, captured, world_size // groups, intra_mesh)
+        sub = dict(intra.mesh)
+        pls = {f: (Replicate(),) + tuple(p) for f, p in intra.param_placements.items()}
+        batch_axis, name = intra.batch_axis, f"pp+{intra.name}"
+    else:
+        if plan is not None and plan.name != PIPELINE_AXIS:
+            raise PipelineError(f"plan {plan.name!r} inside the pipeline needs its axes in --mesh, e.g. "
+                                f"--mesh {PIPELINE_AXIS}={groups},{plan.mesh_axes[0]}=2")
+        sub, pls, batch_axis, name = {}, {}, None, PIPELINE_AXIS
+    spec = PipelineSpec(tuple(StageSpec(layers, dict(sub)) for layers in stage_layers), microbatches,
+                        pipeline.schedule, v)
+    return Plan(mesh={PIPELINE_AXIS: groups, **sub}, batch_axis=batch_axis, param_placements=pls,
+                graph_fingerprint=graph_fingerprint(captured.gm), name=name, pipeline=spec)
+
+
+# ------------------------------------------------------------------------------------------------------ lowering
+
+def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions,
+                   state: dict[str, torch.Tensor] | None = None) -> dict[int, PipelineRankProgram]:
+    """Lower a captured step under a pipeline ``plan`` (the module docstring); returns every rank's program.
+
+    Raises:
+        PipelineError: more stages than layers, stage layer ranges that do not cover the model's layers in
+            order, microbatches that do not split each replica's rows evenly (or more microbatch rows than the
+            batch has), a schedule that cannot use the count, stages on different sub-meshes, a reduction over
+            microbatches of activations (names the node), a model that updates buffers.
+        UnsupportedOpError: an op cannot run with the intra-stage placements (as :func:`lower`).
+    """
+    from .lowering import _lower_mesh
+
+    spec = plan.pipeline
+    assert spec is not None
+    S, G, M = spec.num_stages, spec.num_groups, spec.microbatches
+    layers = pipeline_layers(captured)
+    if S > len(layers):
+        raise PipelineError(f"a pipeline of {S} stages needs at least {S} layers; the model has {len(layers)} "
+                            f"({', '.join(layers)}); use at most {len(layers)} stages")
+    given = [layer for st in spec.stages for layer in st.layers]
+    if given != layers:
+        unknown = [x for x in given if x not in layers]
+        missing = [x for x in layers if x not in given]
+        raise PipelineError(
+            "the pipeline's stage layer ranges must cover the model's layers in order: "
+            + (f"unknown layer(s) {unknown}; " if unknown else "")
+            + (f"missing layer(s) {missing}; " if missing else "")
+            + f"the model's layers are {layers}, the plan's stages hold {[list(s.layers) for s in spec.stages]}")
+    intra = {a: n for a, n in plan.mesh.items() if a != PIPELINE_AXIS}
+    for i, st in enumerate(spec.stages):
+        if dict(st.mesh) != intra:
+            raise PipelineError(
+                f"pipeline stage {i} runs on sub-mesh {dict(st.mesh) or '{} (1 rank)'} but the plan's stage mesh is "
+                f"{intra or '{} (1 rank)'}: stages on different sub-meshes need resharding between stages, which is not "
+                "implemented yet; give every stage the same sub-mesh")
+    if captured.mutated_buffer_fqns:
+        raise PipelineError(f"{captured.model_name} updates buffers in its step ({', '.join(captured.mutated_buffer_fqns)}"
+                            ", e.g. BatchNorm running statistics): not supported in a pipeline yet; use a plan without pp "
+                            "or GroupNorm/LayerNorm")
+    check_schedule(spec.schedule, S, M, spec.stages_per_rank)
+    batch_axis = plan.batch_axis
+    dp = intra[batch_axis] if batch_axis is not None else 1
+    B = captured.batch_size
+    if dp * M > B:
+        raise PipelineError(f"{M} microbatches x {dp} data-parallel replica(s) = {dp * M} microbatches of at least one "
+                            f"row, but the batch has {B} rows; use at most {B // dp} microbatches")
+    if B % (dp * M):
+        raise PipelineError(f"the batch of {B} rows does not split into {dp} replica(s) x {M} microbatches of equal "
+                            f"size ({B} is not a multiple of {dp * M}); choose --microbatches dividing {B // dp}"
+                            if B % dp == 0 else
+                            f"the batch of {B} rows does not split evenly over {dp} data-parallel replicas")
+    rows = B // (dp * M)
+
+    # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering
+    model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
+    vmesh = dict(model_axes) | {MB_AXIS: dp * M}
+    keep = [list(plan.mesh).index(a) for a, _ in model_axes]
+    vplan = Plan(mesh=vmesh, batch_axis=MB_AXIS,
+                 param_placements={f: tuple(pls[k] for k in keep) + (Replicate(),)
+                                   for f, pls in plan.param_placements.items()},
+                 graph_fingerprint=plan.graph_fingerprint, name=plan.name)
+    vopts = dataclasses.replace(options, grad_bucket_bytes=1, gather_bucket_bytes=1)
+    vprogs = _lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
+    vm = Mesh(tuple(vmesh.items()))
+
+    # rank layout: group g's ranks; local index j <-> intra coordinates
+    intra_mesh = Mesh(tuple(intra.items())) if intra else None
+    n_intra = intra_mesh.world_size if intra_mesh else 1
+    group_ranks: list[tuple[int, ...]] = []
+    for g in range(G):
+        given_ranks = spec.stages[g].ranks
+        group_ranks.append(tuple(given_ranks) if given_ranks else tuple(range(g * n_intra, (g + 1) * n_intra)))
+    for s in range(S):
+        if spec.stages[s].ranks and tuple(spec.stages[s].ranks) != group_ranks[s % G]:
+            raise PipelineError(f"pipeline stage {s} lists ranks {list(spec.stages[s].ranks)}, but its rank group "
+                                f"{s % G} is {list(group_ranks[s % G])}")
+    world = G * n_intra
+    if sorted(r for gr in group_ranks for r in gr) != list(range(world)):
+        raise PipelineError(f"the pipeline's stage ranks {[list(g) for g in group_ranks]} must use every rank "
+                            f"0..{world - 1} once")
+
+    def coords_of(j: int) -> dict[str, int]:
+        return dict(zip(intra_mesh.names, intra_mesh.coords(j))) if intra_mesh else {}
+
+    stage_of_layer = {layer: s for s, st in enumerate(spec.stages) for layer in st.layers}
+    built: dict[tuple, _Built] = {}
+    programs: dict[int, PipelineRankProgram] = {}
+    for g in range(G):
+        for j in range(n_intra):
+            c = coords_of(j)
+            d = c.get(batch_axis, 0) if batch_axis else 0
+            key = tuple(c.get(a, 0) for a, _ in model_axes)
+            if key not in built:
+                vr = vm.rank(key + (d * M,))
+                built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
+            b = built[key]
+            rank = group_ranks[g][j]
+
+            def peer(stage: int) -> int | None:
+                return group_ranks[stage % G][j] if 0 <= stage < S else None
+
+            def replicas(grp: int) -> tuple[int, ...]:  # this coordinate's data-parallel peers in group grp
+                out = []
+                for jj in range(n_intra):
+                    cc = coords_of(jj)
+                    if all(cc[a] == c[a] for a, _ in model_axes):
+                        out.append(group_ranks[grp][jj])
+                return tuple(out)
+
+            stages = []
+            for s in range(g, S, G):
+                p = b.stages[s]
+                stages.append(dataclasses.replace(p, recv_from=peer(s - 1), send_to=peer(s + 1), coords=dict(c),
+                                                  submesh=dict(intra)))
+            mine = {s for s in range(g, S, G)}
+            grad_groups = {f: tuple(sorted({r for h in b.holders[f] for r in replicas(h % G)}))
+                           for f in b.param_fqns if b.holders[f] & mine}
+            groups = {}
+            for a, _ in model_axes:
+                groups[Mesh.group_name(a)] = tuple(group_ranks[g][x] for x in intra_mesh.group(a, j))
+            names = sorted({f for p in stages for f in p.state_names}, key=b.order.index)
+            placements = {f: tuple("R" if a == batch_axis else pl[vm.index(a)] for a in intra)
+                          for f, pl in b.state_placements.items() if f in names}
+            programs[rank] = PipelineRankProgram(
+                rank=rank, world_size=world, stages=tuple(stages), prologue=b.prologue, num_microbatches=M,
+                microbatch_rows=rows, batch_slice=(d * M * rows, M * rows), schedule=spec.schedule,
+                stage_ranks={s: group_ranks[s % G] for s in range(S)}, batch_group=replicas(g),
+                grad_groups=grad_groups, groups=groups, state={f: b.state[f] for f in names if f in b.state},
+                param_fqns=tuple(f for f in b.param_fqns if f in names),
+                global_shapes={f: tuple(v) for f, v in b.global_shapes.items() if f in names},
+                state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
+                loss_rank=(S - 1) % G == g, plan=plan)
+    return dict(sorted(programs.items()))
+
+
+@dataclasses.dataclass
+class _Built:
+    stages: list[StageProgram]
+    prologue: PrologueProgram | None
+    holders: dict[str, set[int]]
+    param_fqns: list[str]
+    order: list[str]
+    state: dict[str, torch.Tensor]
+    state_placements: dict[str, list[str]]
+    global_shapes: dict[str, list[int]]
+
+
+def _is(n: Any, kind: str) -> bool:
+    return isinstance(n, torch.fx.Node) and n.op == "call_function" and compat.functional_collective_kind(n.target) == kind
+
+
+def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: int, M: int, rows: int) -> _Built:
+    """One intra-stage coordinate's stage programs and prologue, from its microbatch-0 virtual program."""
+    gm = torch.fx.GraphModule(vprog.graph_module, _copy_graph(vprog.graph_module.graph))  # a copy we edit
+    graph = gm.graph
+    out_node = graph.output_node()
+    roles = gmeta.get_output_roles(out_node)
+    outs = list(out_node.args[0])
+    loss_val = outs[roles.index("loss")]
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    batch_phs = [p for p in placeholders if gmeta.get_role(p) == "batch"]
+
+    # forward set: ancestors of the loss (and getitems of forward tuples)
+    def ancestors(roots: Iterable) -> set:
+        seen: set = set()
+        stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        return seen
+
+    # 1b. the microbatch axis's collectives: identity (gradients, loss) or prologue (batch-only reductions)
+    fw = ancestors([loss_val])
+    out_users = {o: roles[i] for i, o in enumerate(outs) if isinstance(o, torch.fx.Node)}
+    normalizers: list[tuple[torch.fx.Node, Any, str]] = []  # (placeholder, what to compute, reduce op)
+    last_ph = placeholders[-1]
+    for n in list(graph.nodes):
+        if n.op != "call_function" or not compat.is_functional_collective(n.target):
+            continue
+        if str(n.args[-1]) != _MB_GROUP:
+            continue
+        kind = compat.functional_collective_kind(n.target)
+        waits = [u for u in n.users if _is(u, "wait")]
+        res = waits[0] if len(waits) == 1 and len(n.users) == 1 else n
+        x = n.args[0]
+        users = list(res.users)
+        to_outputs = bool(users) and all(u is out_node for u in users)
+        if kind == "all_reduce" and to_outputs and out_users.get(res, "").startswith(("grad:", "loss")):
+            res.replace_all_uses_with(x)  # the runtime adds the microbatches' terms
+            graph.erase_node(res)
+            if res is not n:
+                graph.erase_node(n)
+            continue
+        how = _batch_only(x) if kind == "all_reduce" else None
+        if kind == "all_reduce" and how is None:
+            raise PipelineError(
+                f"node {x.name!r} ({x.target}) is reduced over the microbatches (all_reduce at {n.name!r}) but depends "
+                "on parameters or activations (e.g. synchronized BatchNorm statistics); a pipeline cannot make that "
+                "exact: use LayerNorm/GroupNorm, or a plan without pp")
+        if how is not None:
+            op = str(n.args[1])
+            with graph.inserting_after(last_ph):
+                ph = graph.placeholder(f"normalizer_{len(normalizers)}")
+            ph.meta["val"] = x.meta.get("val")
+            ph.meta[_NORMALIZER] = len(normalizers)
+            last_ph = ph
+            res.replace_all_uses_with(ph)
+            graph.erase_node(res)
+            if res is not n:
+                graph.erase_node(n)
+            normalizers.append((ph, how, op))
+            continue
+        raise PipelineError(f"the step's {kind} at node {n.name!r} over the batch (of {x.name!r}) cannot be split "
+                            "into pipeline microbatches; use a plan without pp")
+    graph.eliminate_dead_code()
+    gm.recompile()
+    outs = list(out_node.args[0])
+    loss_val = outs[roles.index("loss")]
+    grad_vals = {r.removeprefix("grad:"): outs[i] for i, r in enumerate(roles) if r.startswith("grad:")}
+
+    # 2. stage assignment
+    tied = set(captured.tied.values())
+    pstage: dict[torch.fx.Node, int] = {}
+    for p in placeholders:
+        if gmeta.get_role(p) in ("param", "buffer"):
+            f = gmeta.get_fqn(p)
+            if f not in tied or S == 1:
+                pstage[p] = stage_of_layer[layer_of(f)]
+    fw = ancestors([loss_val])
+    for n in graph.nodes:  # getitems of forward tuples are forward (mean/rstd of a layer norm)
+        if n.op == "call_function" and n.target is _getitem and n.args[0] in fw:
+            fw.add(n)
+    st: dict[torch.fx.Node, int] = {}
+    deferred: list = []
+    ph_bound = {gmeta.get_fqn(p): s for p, s in pstage.items()}
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    for n in body:
+        if n not in fw:
+            continue
+        srcs = [pstage[i] for i in n.all_input_nodes if i in pstage] + [st[i] for i in n.all_input_nodes if i in st]
+        if srcs:
+            st[n] = max(srcs)
+    lastuse = {v: s for v, s in st.items()}
+    for n in body:
+        if n in fw and n in st:
+            for i in n.all_input_nodes:
+                if i in st:
+                    lastuse[i] = max(lastuse[i], st[n])
+    for n in body:
+        if n in fw:
+            continue
+        ins = n.all_input_nodes
+        bound = [pstage[i] for i in ins if i in pstage]
+        fw_in = [i for i in ins if i in st and i in fw]
+        bw_in = [i for i in ins if i in st and i not in fw]
+        if not (bound or fw_in or bw_in):
+            continue  # free
+        lo = max((st[i] for i in fw_in), default=0)
+        hi = min((st[i] for i in bw_in), default=S - 1)
+        if bound:
+            want = max(bound)
+        elif n.target is _getitem:
+            want = st[ins[0]]
+        elif fw_in:
+            want = max(lastuse[i] for i in fw_in)
+        else:
+            want = hi
+        want = min(max(want, lo), hi)
+        if lo > hi or (bound and want != max(bound)):
+            raise PipelineError(f"node {n.name!r} ({n.target}) of the backward needs values of stage {lo} and gradients "
+                                f"of stage {hi}{f' and parameters of stage {max(bound)}' if bound else ''}: the layers' "
+                                "order in the graph does not match the stages; choose other stage boundaries")
+        st[n] = want
+        if not bound and not fw_in and len(bw_in) == 1 and n.target is not _getitem:
+            deferred.append(n)
+    # a node that only transforms gradients (a view, a transpose, a bias's sum) runs where its users run, so that
+    # one gradient crosses the cut, not each of its views; a parameter's gradient where the parameter is
+    grad_of = {v: r.removeprefix("grad:") for v, r in zip(outs, roles) if r.startswith("grad:")}
+    cut_adds: set = set()
+    for v, f in grad_of.items():
+        if f in tied and S > 1:
+            cut_adds |= _add_tree(v, st)[1]
+    for n in reversed(deferred):
+        cands = [st[u] for u in n.users if u in st and u not in cut_adds]
+        if n in grad_of and ph_bound.get(grad_of[n]) is not None:
+            cands.append(ph_bound[grad_of[n]])
+        if cands:
+            st[n] = min(st[n], max(cands))
+    for n in cut_adds:  # the runtime adds the stages' contributions
+        st.pop(n, None)
+
+    def free(n) -> bool:
+        return isinstance(n, torch.fx.Node) and n.op not in ("placeholder", "output") and n not in st
+
+    # 3. what each stage's programs read from outside
+    def externals(nodes: set, roots: Iterable = ()) -> list:
+        ext: set = set()
+        seen: set = set()
+
+        def visit(v):
+            if not isinstance(v, torch.fx.Node) or v in nodes or v in seen:
+                return
+            seen.add(v)
+            if v.op == "placeholder" or v in st:
+                ext.add(v)
+            elif v.op != "get_attr":
+                for i in v.all_input_nodes:
+                    visit(i)
+        for n in nodes:
+            for i in n.all_input_nodes:
+                visit(i)
+        for r in roots:
+            visit(r)
+        return [n for n in graph.nodes if n in ext]
+
+    f_nodes = [{n for n in body if st.get(n) == s and n in fw} for s in range(S)]
+    bw_nodes = [{n for n in body if st.get(n) == s and n not in fw} for s in range(S)]
+
+    # holders of each state tensor (stages whose programs read it), then each parameter's gradient contributions
+    holders: dict[str, set[int]] = {gmeta.get_fqn(p): set() for p in placeholders if gmeta.get_role(p) != "batch"
+                                    and p.meta.get(_NORMALIZER) is None}
+    for s in range(S):
+        for v in externals(f_nodes[s] | bw_nodes[s]):
+            if v.op == "placeholder" and gmeta.get_fqn(v) in holders:
+                holders[gmeta.get_fqn(v)].add(s)
+    for f, hs in holders.items():
+        if not hs:
+            hs.add(stage_of_layer[layer_of(f)])
+    ph_of = {gmeta.get_fqn(p): p for p in placeholders if gmeta.get_role(p) in ("param", "buffer")}
+    contrib: list[dict[str, list]] = [dict() for _ in range(S)]  # stage -> fqn -> leaf values (summed)
+    for f, g in grad_vals.items():
+        hs = sorted(holders[f])
+        leaves = _add_leaves(g, st) if len(hs) > 1 else [g]
+        for leaf in leaves:
+            ls = st.get(leaf)
+            if ls is None:
+                h = hs[0]
+            else:
+                below = [h for h in hs if h <= ls]
+                if not below:
+                    raise PipelineError(f"the gradient of {f!r} is computed on stage {ls} ({leaf.name!r}) but the "
+                                        f"parameter is held by stage(s) {hs} only; choose other stage boundaries")
+                h = below[-1]
+            contrib[h].setdefault(f, []).append(leaf)
+        for h in hs:
+            contrib[h].setdefault(f, [])
+
+    recv: list[set] = [set() for _ in range(S)]   # forward values received by stage s
+    gin: list[set] = [set() for _ in range(S)]    # backward values received by stage s (from s + 1)
+    saved_ext: list[list] = [[] for _ in range(S)]
+    f_ext: list[list] = [[] for _ in range(S)]
+    for s in range(S):
+        f_roots = [loss_val] if s == S - 1 else []
+        f_ext[s] = externals(f_nodes[s], f_roots)
+        for v in f_ext[s]:
+            if v in st:
+                if v not in fw or st[v] > s:
+                    raise InternalError(f"pipeline cut: forward of stage {s} reads {v.name!r} of stage {st[v]}")
+                for u in range(st[v] + 1, s + 1):
+                    recv[u].add(v)
+        w_roots = [leaf for leaves in contrib[s].values() for leaf in leaves]
+        w_roots += [ph_of[f] for f, leaves in contrib[s].items() if not leaves]
+        saved_ext[s] = externals(bw_nodes[s], w_roots)
+        for v in saved_ext[s]:
+            if v not in st:
+                continue
+            if v in fw:
+                if st[v] > s:
+                    raise PipelineError(f"the backward of stage {s} needs {v.name!r} ({v.target}), a forward value of "
+                                        f"stage {st[v]}; choose other stage boundaries")
+                for u in range(st[v] + 1, s + 1):
+                    recv[u].add(v)
+            else:
+                if st[v] < s:
+                    raise InternalError(f"pipeline cut: backward of stage {s} reads {v.name!r} of stage {st[v]}")
+                for u in range(s, st[v]):
+                    gin[u].add(v)
+    index = {n: i for i, n in enumerate(graph.nodes)}
+
+    def ordered(vals: Iterable) -> list:
+        return sorted(set(vals), key=index.__getitem__)
+
+    state_names_all = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) in ("param", "buffer")]
+    norm_phs = [ph for ph, _, _ in normalizers]
+    stages: list[StageProgram] = []
+    for s in range(S):
+        recv_s = ordered(recv[s])
+        send_s = ordered(recv[s + 1]) if s + 1 < S else []
+        saved_s = ordered(v for v in saved_ext[s] if v.op == "placeholder" or v in fw)
+        gin_s = ordered(gin[s])
+        gout_s = ordered(gin[s - 1]) if s > 0 else []
+        # state this stage reads
+        reads = [v for v in f_ext[s] + saved_s if v.op == "placeholder" and gmeta.get_fqn(v) in holders]
+        state_phs = ordered(reads)
+        f_inputs = state_phs + recv_s + batch_phs + norm_phs
+        f_outputs = ([loss_val] if s == S - 1 else []) + send_s + saved_s
+        forward = _extract(gm, f_inputs, f_outputs, f_nodes[s], st, f"stage {s} forward")
+        # backward: input-gradient part = what the previous stage needs
+        b_set = _ancestors_within([v for v in gout_s if st.get(v) == s], bw_nodes[s], st)
+        for n in list(bw_nodes[s]):  # a getitem goes with its tuple
+            if n.target is _getitem and n.args[0] in b_set:
+                b_set.add(n)
+        w_set = bw_nodes[s] - b_set
+        w_roots = [leaf for leaves in contrib[s].values() for leaf in leaves]
+        w_roots += [ph_of[f] for f, leaves in contrib[s].items() if not leaves]
+        saved_w = externals(w_set, w_roots)
+        b_inputs = saved_s + gin_s
+        backward_input = _extract(gm, b_inputs, gout_s + saved_w, b_set, st, f"stage {s} backward_input")
+        grad_fqns = [f for f in grad_vals if f in contrib[s]]
+        w_outputs = [("sum", contrib[s][f], ph_of[f]) for f in grad_fqns]
+        backward_weight = _extract(gm, saved_w, w_outputs, w_set, st, f"stage {s} backward_weight")
+        stages.append(StageProgram(
+            stage=s, num_stages=S, forward=forward, backward_input=backward_input, backward_weight=backward_weight,
+            state_names=tuple(gmeta.get_fqn(p) for p in state_phs), grad_fqns=tuple(grad_fqns),
+            recv_specs=_specs(recv_s), send_specs=_specs(send_s), grad_in_specs=_specs(gin_s),
+            grad_out_specs=_specs(gout_s), recv_from=None, send_to=None, num_saved=len(saved_s),
+            num_saved_w=len(saved_w),
+            layers=tuple(layer for layer, t in stage_of_layer.items() if t == s)))
+    prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None
+    return _Built(stages, prologue, holders, list(captured.param_fqns), state_names_all, dict(vprog.state),
+                  dict(vprog.state_placements), dict(vprog.global_shapes))
+
+
+_getitem = __import__("operator").getitem
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    env: dict = {}
+    for n in graph.nodes:
+        if n.op == "output":
+            out = new.output(torch.fx.node.map_arg(n.args[0], env.__getitem__))
+            out.meta = dict(n.meta)
+        else:
+            env[n] = new.node_copy(n, env.__getitem__)
+    return new
+
+
+def _batch_only(x: torch.fx.Node):
+    """What computes ``x`` from batch tensors only: ``("node", x)`` when ``x`` depends on nothing else, the
+    valid-token count ``("nll_total_weight", nll)`` of an unweighted ``nll_loss_forward``'s total weight (which
+    the graph wires through the log-probabilities); None otherwise."""
+    def only_batch(v) -> bool:
+        seen, stack = set(), [v]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and gmeta.get_role(n) != "batch":
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
+
+    if only_batch(x):
+        return ("node", x)
+    if x.target is _getitem and x.args[1] == 1 and isinstance(x.args[0], torch.fx.Node) and \
+            x.args[0].target is aten.nll_loss_forward.default:
+        nll = x.args[0]
+        weight = nll.args[2] if len(nll.args) > 2 else nll.kwargs.get("weight")
+        if weight is None and only_batch(nll.args[1]):
+            return ("nll_total_weight", nll)
+    return None
+
+
+def _prologue(gm: torch.fx.GraphModule, batch_phs: list, normalizers: list, M: int, rows: int) -> PrologueProgram:
+    """``prologue(*local_batch)``: each normalizer's value summed (or max-ed) over the M microbatches."""
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"batch_{i}") for i in range(len(batch_phs))]
+    totals = [None] * len(normalizers)
+    for m in range(M):
+        env = {p: graph.call_function(aten.slice.Tensor, (inp, 0, m * rows, (m + 1) * rows))
+               for p, inp in zip(batch_phs, inputs)}
+        for k, (ph, (how, node), op) in enumerate(normalizers):
+            if how == "node":
+                val = _copy_into(graph, node, env)
+            else:
+                target = _copy_into(graph, node.args[1], env)
+                ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+                mask = graph.call_function(aten.ne.Scalar, (target, ignore))
+                count = graph.call_function(aten.sum.default, (mask,))
+                val = graph.call_function(aten._to_copy.default, (count,), {"dtype": ph.meta["val"].dtype})
+            if totals[k] is None:
+                totals[k] = val
+            else:
+                totals[k] = graph.call_function(aten.maximum.default if op == "max" else aten.add.Tensor,
+                                                (totals[k], val))
+    graph.output(tuple(totals))
+    ops = tuple(op for _, _, op in normalizers)
+    for op in ops:
+        if op not in ("sum", "max"):
+            raise PipelineError(f"a normalizer reduced with {op!r} over the batch is not supported in a pipeline")
+    return PrologueProgram(torch.fx.GraphModule(gm, graph), ops,
+                           tuple(node.name for _, (_, node), _ in normalizers))
+
+
+def _copy_into(graph: torch.fx.Graph, root: torch.fx.Node, env: dict) -> torch.fx.Node:
+    order = []
+    seen = set()
+
+    def visit(n):
+        if n in env or n in seen:
+            return
+        seen.add(n)
+        if n.op == "placeholder":
+            raise InternalError(f"pipeline prologue: {root.name!r} reads {n.name!r}, not a batch tensor")
+        for i in n.all_input_nodes:
+            visit(i)
+        order.append(n)
+    visit(root)
+    for n in order:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    return env[root]
+
+
+def _add_leaves(g: torch.fx.Node, st: dict) -> list:
+    """The terms of a tied parameter's gradient: ``g`` split at additions of two stages' contributions."""
+    return _add_tree(g, st)[0]
+
+
+def _add_tree(g: torch.fx.Node, st: dict) -> tuple[list, set]:
+    """(leaves, the additions cut out) of :func:`_add_leaves`."""
+    if (isinstance(g, torch.fx.Node) and g.op == "call_function" and g.target is aten.add.Tensor and len(g.args) == 2
+            and not g.kwargs and all(isinstance(a, torch.fx.Node) for a in g.args)):
+        (a, ia), (b, ib) = _add_tree(g.args[0], st), _add_tree(g.args[1], st)
+        if {st.get(x) for x in a} != {st.get(x) for x in b} or len({st.get(x) for x in a + b}) > 1:
+            return a + b, ia | ib | {g}
+    return [g], set()
+
+
+def _ancestors_within(roots: list, allowed: set, staged: dict) -> set:
+    """The nodes of ``allowed`` that ``roots`` need, through ``allowed`` and free (not ``staged``) nodes."""
+    out: set = set()
+    seen: set = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in allowed:
+            out.add(n)
+        if n in allowed or (n not in staged and n.op == "call_function"):
+            stack.extend(n.all_input_nodes)
+    return out
+
+
+def _specs(vals: list) -> tuple[TensorSpec, ...]:
+    out = []
+    for v in vals:
+        val = v.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise InternalError(f"pipeline cut: value {v.name!r} crossing stages is not a tensor ({type(val).__name__})")
+        out.append(TensorSpec(tuple(int(x) for x in val.shape), val.dtype))
+    return tuple(out)
+
+
+def _extract(gm: torch.fx.GraphModule, inputs: list, outputs: list, allowed: set, staged: dict,
+             what: str) -> torch.fx.GraphModule:
+    """A GraphModule computing ``outputs`` (nodes, or ``("sum", nodes, like)``: their sum, zeros like ``like`` if
+    none) of ``gm`` from ``inputs``, copying only nodes of ``allowed`` and free nodes, in ``gm``'s order."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    used = set()
+    for i, v in enumerate(inputs):
+        if v in env:
+            continue
+        name = re.sub(r"\W", "_", v.name)
+        env[v] = graph.placeholder(name)
+        env[v].meta = dict(v.meta)
+    need: set = set()
+
+    def visit(n):
+        if not isinstance(n, torch.fx.Node) or n in env or n in need:
+            return
+        if n.op == "placeholder":
+            raise InternalError(f"pipeline cut: {what} needs {n.name!r} ({gmeta.get_fqn(n) or 'input'}) but does not "
+                                "take it")
+        if n in staged and n not in allowed:
+            raise InternalError(f"pipeline cut: {what} would recompute {n.name!r} ({n.target}) of another program")
+        need.add(n)
+        for i in n.all_input_nodes:
+            visit(i)
+    roots = []
+    for o in outputs:
+        if isinstance(o, tuple):
+            roots.extend(o[1])
+            if not o[1]:
+                roots.append(o[2])
+        else:
+            roots.append(o)
+    for r in roots:
+        visit(r)
+    for n in gm.graph.nodes:
+        if n in need:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            used.add(n)
+    results = []
+    for o in outputs:
+        if isinstance(o, tuple):
+            _, terms, like = o
+            if not terms:
+                results.append(graph.call_function(aten.zeros_like.default, (env[like],)))
+                continue
+            acc = env[terms[0]]
+            for t in terms[1:]:
+                acc = graph.call_function(aten.add.Tensor, (acc, env[t]))
+            results.append(acc)
+        else:
+            results.append(env[o])
+    graph.output(tuple(results))
+    out = torch.fx.GraphModule(gm, graph)
+    out.graph.lint()
+    return out
+
