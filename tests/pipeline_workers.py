@@ -167,3 +167,30 @@ def dead_peer_worker(timeout_s: float = 5.0) -> str:
     finally:
         dist.destroy_process_group()
     return "no error"
+
+
+def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, steps: int,
+                            timeout_s: float = 60.0) -> list[dict]:
+    """For each directory of saved pipeline programs (pp-core's lowering), run ``steps`` SGD steps of this rank's
+    program in one process group; per directory: losses, grads per step, final params."""
+    from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from adaptdist.runtime.pipeline_programs import load_pipeline_program
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank = int(os.environ["RANK"])
+        out = []
+        for d in program_dirs:
+            program = load_pipeline_program(d, rank, dist.get_world_size())
+            runner = PipelineStepRunner(program, "sgd", lr, setup_pipeline_groups(program, timeout_s),
+                                        timeout_s=timeout_s)
+            losses, grads = [], []
+            for s in range(steps):
+                losses.append(runner.step(batches[s % len(batches)]))
+                grads.append({k: v.clone() for k, v in runner.last_grads.items()})
+            out.append({"losses": losses, "grads": grads,
+                        "params": {f: runner.state[f].clone() for f in program.param_fqns}})
+        return out
+    finally:
+        dist.destroy_process_group()

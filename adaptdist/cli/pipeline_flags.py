@@ -72,8 +72,9 @@ def _is_pipeline_plan_file(plan: str | None) -> bool:
         return False
 
 
-def pipeline_options(args) -> Any:
-    """The :class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions` the flags ask for, or None (no pipeline).
+def pipeline_options(args, world_size: int) -> Any:
+    """The :class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions` the flags ask for on ``world_size`` ranks,
+    or None (no pipeline). Without ``--mesh`` every rank is a stage group (interleaved: 2 stages each).
 
     Raises:
         UsageError: as :func:`wants_pipeline`.
@@ -83,8 +84,9 @@ def pipeline_options(args) -> Any:
     from ..compiler.pipeline_lowering import PipelineOptions
 
     schedule = getattr(args, "schedule", None) or DEFAULT_SCHEDULE
-    return PipelineOptions(microbatches=getattr(args, "microbatches", None), schedule=schedule,
-                           stages_per_rank=stages_per_rank(schedule))
+    v = stages_per_rank(schedule)
+    return PipelineOptions(stages=None if mesh_has_pp(getattr(args, "mesh", None)) else world_size * v,
+                           microbatches=getattr(args, "microbatches", None), schedule=schedule, stages_per_rank=v)
 
 
 def inner_plan(args, spec) -> Any:
