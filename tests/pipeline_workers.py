@@ -125,6 +125,7 @@ def pipeline_sgd_worker(cases: list[tuple], rows: int, batches: list, lr: float,
     SGD steps of this rank's hand-built program in one process group; per case: losses, grads per step, final
     params."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from adaptdist.runtime.worker import make_optimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
@@ -134,7 +135,8 @@ def pipeline_sgd_worker(cases: list[tuple], rows: int, batches: list, lr: float,
         for pp, dp, schedule, microbatches, per_rank, tied in cases:
             program = build_programs(pp, dp, schedule, microbatches, rows, tied, per_rank)[rank]
             groups = setup_pipeline_groups(program, timeout_s)
-            runner = PipelineStepRunner(program, "sgd", lr, groups, timeout_s=timeout_s)
+            runner = PipelineStepRunner(program, "sgd", lr, groups, timeout_s=timeout_s,
+                                        make_optimizer=make_optimizer)
             losses, grads = [], []
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))
@@ -149,13 +151,14 @@ def pipeline_sgd_worker(cases: list[tuple], rows: int, batches: list, lr: float,
 def dead_peer_worker(timeout_s: float = 5.0) -> str:
     """Two pipeline ranks; rank 1 exits before the step: rank 0's error text (it must name rank 1)."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from adaptdist.runtime.worker import make_optimizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank = int(os.environ["RANK"])
     program = build_programs(2, 1, "1f1b", 2, 4, False)[rank]
     groups = setup_pipeline_groups(program, timeout_s)
-    runner = PipelineStepRunner(program, "sgd", 0.1, groups, timeout_s=timeout_s)
+    runner = PipelineStepRunner(program, "sgd", 0.1, groups, timeout_s=timeout_s, make_optimizer=make_optimizer)
     dist.barrier()
     if rank == 1:
         return "gone"  # never runs its step (and never destroys the group)
@@ -174,6 +177,7 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
     """For each directory of saved pipeline programs (pp-core's lowering), run ``steps`` SGD steps of this rank's
     program in one process group; per directory: losses, grads per step, final params."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from adaptdist.runtime.worker import make_optimizer
     from adaptdist.runtime.pipeline_programs import load_pipeline_program
 
     torch.set_num_threads(1)
@@ -184,7 +188,7 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
         for d in program_dirs:
             program = load_pipeline_program(d, rank, dist.get_world_size())
             runner = PipelineStepRunner(program, "sgd", lr, setup_pipeline_groups(program, timeout_s),
-                                        timeout_s=timeout_s)
+                                        timeout_s=timeout_s, make_optimizer=make_optimizer)
             losses, grads = [], []
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))

@@ -133,3 +133,73 @@ def state_shapes_of(programs: dict) -> dict[str, list[int]]:
         for f, t in p.state.items():
             out.setdefault(f, list(p.global_shapes.get(f, tuple(t.shape))))
     return out
+
+
+def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: int, options) -> dict | None:
+    """The pipeline programs the flags ask for (``--plan pp``, ``--mesh pp=...``), or None when they ask for none
+    (the caller compiles as before; a saved pipeline plan file is lowered as a pipeline there too)."""
+    popts = pipeline_options(args, world_size)
+    if popts is None:
+        return None
+    from ..compiler.lowering import compile_model
+
+    return compile_model(model, example, loss_fn, world_size, inner_plan(args, spec), options, mesh=args.mesh,
+                         pipeline=popts)
+
+
+def save_and_describe_pipeline(programs: dict, directory, console, seconds: float, extra: dict | None = None,
+                               extra_files: dict | None = None):
+    """Write pipeline ``programs`` to ``directory`` (:func:`~adaptdist.runtime.pipeline_programs.save_pipeline_programs`)
+    and print what was compiled: mesh, schedule, microbatches, each stage's layers and ranks."""
+    from ..runtime.pipeline_programs import save_pipeline_programs
+
+    d = save_pipeline_programs(programs, directory, extra=extra, extra_files=extra_files)
+    p0 = programs[0]
+    console.print(f"compiled pipeline plan {p0.plan.name!r} (mesh {pipeline_mesh_text(programs)}; schedule "
+                  f"{p0.schedule}, {p0.num_microbatches} microbatches of {p0.microbatch_rows} rows) for "
+                  f"{p0.world_size} ranks in {seconds:.1f} s -> {d} (read rank0/program.py)")
+    for line in describe_stages(programs):
+        console.print(f"  {line}")
+    return d
+
+
+def print_pipeline_plan(programs: dict, spec, cluster, console, out: str | None) -> int:
+    """``adaptdist plan`` of a pipeline: mesh, schedule, microbatches, the stages (layers, ranks), where every
+    parameter lives, the point-to-point traffic per step; ``out``: the plan as JSON."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    p0 = programs[0]
+    console.print(f"plan {p0.plan.name!r} for {spec.text} on {cluster!r}: pipeline mesh {pipeline_mesh_text(programs)}, "
+                  f"schedule {p0.schedule}, {p0.num_microbatches} microbatches of {p0.microbatch_rows} rows per "
+                  f"replica")
+    for line in describe_stages(programs):
+        console.print(f"  {line}")
+    table = Table(title="parameters")
+    for col in ("parameter", "global shape", "ranks holding it", "gradient all-reduced over"):
+        table.add_column(col)
+    holders: dict[str, list[int]] = {}
+    for r, p in sorted(programs.items()):
+        for f in p.param_fqns:
+            holders.setdefault(f, []).append(r)
+    for f, ranks in holders.items():
+        p = programs[ranks[0]]
+        shape = list(p.global_shapes.get(f, tuple(p.state[f].shape)))
+        group = p.grad_groups.get(f, (ranks[0],))
+        table.add_row(f, str(shape), ", ".join(map(str, ranks)), ", ".join(map(str, group)) if len(group) > 1 else "-")
+    console.print(table)
+    sent = sum(_numel(s.shape) * s.dtype.itemsize for st in p0.stages for s in (*st.send_specs, *st.grad_out_specs))
+    console.print(f"point-to-point per microbatch from rank 0: {sent / 2**20:.3f} MiB (activations forward, gradients "
+                  f"backward); per step x {p0.num_microbatches}")
+    if out:
+        Path(out).write_text(p0.plan.to_json())
+        console.print(f"wrote {out}")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -77,7 +77,8 @@ class PipelineStepRunner:
 
     Args:
         program: this rank's :class:`PipelineRankProgram`.
-        optimizer, lr: as ``worker.make_optimizer``.
+        optimizer, lr: passed to ``make_optimizer(optimizer, params, lr)`` (``worker.make_optimizer``; given by the
+            caller, the worker importing this module).
         groups: :func:`setup_pipeline_groups`'s result.
         timeout_s: how long one send, receive or collective waits for its peer (the collective timeout).
         max_grad_norm: not supported for pipeline plans yet (UsageError when set).
@@ -89,9 +90,7 @@ class PipelineStepRunner:
     """
 
     def __init__(self, program: PipelineRankProgram, optimizer: str, lr: float, groups: dict,
-                 timeout_s: float = 120.0, max_grad_norm: float | None = None):
-        from .worker import make_optimizer
-
+                 timeout_s: float = 120.0, max_grad_norm: float | None = None, *, make_optimizer):
         if max_grad_norm is not None:
             raise UsageError("--max-grad-norm is not supported with a pipeline plan yet (the norm spans the "
                              "stages); drop it or use a plan without pp")

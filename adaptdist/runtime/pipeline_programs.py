@@ -6,7 +6,10 @@ A directory of pipeline programs (``adaptdist train``'s ``OUT/programs``, ``adap
                                    "files": {relative path: sha256}}
     plan.json                     the pipeline plan (for reading; the programs carry their own copy)
     rank{r}/pipeline_program.pt   rank r's PipelineRankProgram (torch.save: GraphModules pickle as their code)
-    rank{r}/stage{s}.py           the code of its stage programs (forward, backward_input, backward_weight), to read
+    rank{r}/program.py            the code of its prologue and stage programs (forward, backward_input,
+                                  backward_weight), to read
+    manifest.json                 the artifact manifest of adaptdist.program (format, versions, world size, mesh,
+                                  every file's sha256), so ``adaptdist run`` checks a pipeline's artifacts alike
 
 Trust: ``pipeline_program.pt`` is a pickle, so a program directory is code: load only directories you trust; the
 sha256 of every file is checked before anything is unpickled.
@@ -49,11 +52,23 @@ def is_pipeline_dir(directory: str | os.PathLike) -> bool:
     return (Path(directory) / MANIFEST).is_file()
 
 
-def save_pipeline_programs(programs: Mapping[int, PipelineRankProgram], directory: str | os.PathLike) -> Path:
-    """Write every rank's pipeline program and the manifest into ``directory``; returns its path."""
+def save_pipeline_programs(programs: Mapping[int, PipelineRankProgram], directory: str | os.PathLike,
+                           extra: dict | None = None, extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """Write every rank's pipeline program, ``pipeline.json`` and an artifact ``manifest.json`` (the format of
+    :func:`adaptdist.program.save_programs`, ``extra`` fields added, every file's sha256 in it, so that
+    ``adaptdist run`` checks these artifacts like any others) into ``directory``; ``extra_files`` (relative path ->
+    text or bytes) are written and hashed too. Returns the directory."""
+    from .. import program as rank_program
+    from .._version import __version__
+
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
+    for rel, content in sorted((extra_files or {}).items()):
+        path = d / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+        files[rel] = _sha256(path)
     world = {p.world_size for p in programs.values()}
     assert len(world) == 1 and sorted(programs) == list(range(next(iter(world)))), sorted(programs)
     for r, prog in sorted(programs.items()):
@@ -61,11 +76,16 @@ def save_pipeline_programs(programs: Mapping[int, PipelineRankProgram], director
         rd.mkdir(exist_ok=True)
         torch.save(prog, rd / "pipeline_program.pt")
         files[f"rank{r}/pipeline_program.pt"] = _sha256(rd / "pipeline_program.pt")
+        text = [f"# rank {r} of {prog.world_size}: pipeline stage(s) {[st.stage for st in prog.stages]} of "
+                f"{prog.stages[0].num_stages}, schedule {prog.schedule}, {prog.num_microbatches} microbatches of "
+                f"{prog.microbatch_rows} rows (to read; the rank runs pipeline_program.pt)"]
+        if prog.prologue is not None:
+            text.append(f"# ---- prologue ----\n{getattr(prog.prologue.module, 'code', '')}")
         for st in prog.stages:
-            text = "\n".join(f"# ---- stage {st.stage} {part} ----\n{getattr(getattr(st, part), 'code', '')}"
-                             for part in ("forward", "backward_input", "backward_weight"))
-            (rd / f"stage{st.stage}.py").write_text(text)
-            files[f"rank{r}/stage{st.stage}.py"] = _sha256(rd / f"stage{st.stage}.py")
+            text += [f"# ---- stage {st.stage} {part} ----\n{getattr(getattr(st, part), 'code', '')}"
+                     for part in ("forward", "backward_input", "backward_weight")]
+        (rd / "program.py").write_text("\n".join(text))
+        files[f"rank{r}/program.py"] = _sha256(rd / "program.py")
     any_prog = programs[0]
     if any_prog.plan is not None and hasattr(any_prog.plan, "to_json"):
         (d / "plan.json").write_text(any_prog.plan.to_json())
@@ -74,6 +94,13 @@ def save_pipeline_programs(programs: Mapping[int, PipelineRankProgram], director
                 "schedule": any_prog.schedule, "num_stages": any_prog.stages[0].num_stages,
                 "num_microbatches": any_prog.num_microbatches, "files": files}
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    files[MANIFEST] = _sha256(d / MANIFEST)
+    plan = any_prog.plan
+    artifact = {"format_version": rank_program.FORMAT_VERSION, "adaptdist_version": __version__,
+                "torch_version": torch.__version__, "world_size": any_prog.world_size,
+                "mesh": dict(plan.mesh) if plan is not None else {}, "pipeline": True, "files": files,
+                **(extra or {})}
+    (d / rank_program.MANIFEST).write_text(json.dumps(artifact, indent=1, sort_keys=True))
     return d
 
 

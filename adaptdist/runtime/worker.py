@@ -202,7 +202,7 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
     program = load_pipeline_program(program_dir, rank, world_size=world)
     groups = setup_pipeline_groups(program, cfg.timeout_s)
     runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
-                                max_grad_norm=cfg.max_grad_norm)
+                                max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
     view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program))
     return view, None, runner
 
