@@ -121,7 +121,7 @@ def describe_stages(programs: dict) -> list[str]:
     for s in range(num):
         st = by_stage[s]
         ranks = ", ".join(map(str, p0.stage_ranks[s]))
-        lines.append(f"stage {s} [rank{'s' if len(p0.stage_ranks[s]) > 1 else ''} {ranks}]: "
+        lines.append(f"stage {s} on rank{'s' if len(p0.stage_ranks[s]) > 1 else ''} {ranks}: "
                      f"{', '.join(st.layers) or '-'}")
     return lines
 
