@@ -73,3 +73,12 @@ def test_plan_pp_prints_the_stages(capsys):
 def test_bad_pipeline_flags_are_clear_errors(argv, message, capsys):
     assert main(["plan", MODEL, *COMMON, "--nproc", "2", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{"plan": "pp"}, {"mesh": "pp=2,dp=1"}])
+def test_the_torch_compile_backend_refuses_pipeline_plans(kwargs):
+    import adaptdist
+    from adaptdist.errors import UsageError
+
+    with pytest.raises(UsageError, match="does not run pipeline plans.*adaptdist train --plan pp"):
+        adaptdist.backend(**kwargs)
