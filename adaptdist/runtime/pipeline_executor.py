@@ -128,14 +128,17 @@ class PipelineStepRunner:
     def _tag(self, stage: int, backward: bool, mb: int, i: int) -> int:
         return ((stage * 2 + int(backward)) * self.program.num_microbatches + mb) * 64 + i
 
-    def _wait(self, work, what: str, peer: int) -> None:
+    def _wait(self, work, what: str, peer: int | None = None, ranks: Sequence[int] = ()) -> None:
+        """Wait for ``work`` under the timeout; a failure names ``peer`` (point-to-point) or the group's ``ranks``."""
         try:
             work.wait(self.timeout)
         except Exception as e:  # gloo: timed out / connection closed by a dead peer
+            who = f"rank {peer}" if peer is not None else "one of ranks " + ", ".join(
+                str(r) for r in ranks if r != self.program.rank)
             raise CollectiveTimeoutError(
-                f"rank {self.program.rank}: {what} with rank {peer} failed after at most {self.timeout_s:g} s "
-                f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}): rank {peer} stalled or "
-                f"died (schedule {self.program.schedule}); check rank {peer}'s log, or raise "
+                f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} failed after at "
+                f"most {self.timeout_s:g} s ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+                f": {who} stalled or died (pipeline schedule {self.program.schedule}); check its log, or raise "
                 f"--collective-timeout-s") from e
 
     def _send(self, tensors: Sequence[torch.Tensor], peer: int, a: Action, backward: bool) -> None:
@@ -155,7 +158,7 @@ class PipelineStepRunner:
     def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
         key = tuple(sorted(ranks))
         work = dist.all_reduce(t, op=op, group=self.groups[key], async_op=True)
-        self._wait(work, f"all_reduce {what} over ranks {list(key)}", peer=next(r for r in key if r != self.program.rank))
+        self._wait(work, f"all_reduce {what} over ranks {list(key)}", ranks=key)
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _normalizers(self, global_batch: tuple) -> tuple:
@@ -204,9 +207,9 @@ class PipelineStepRunner:
             outs = _tuple(st.backward_weight(*saved_w.pop((st.stage, mb))))
             for f, g in zip(st.grad_fqns, outs):
                 if f in grads:
-                    grads[f] = grads[f] + g
+                    grads[f].add_(g)
                 else:
-                    grads[f] = g.clone()
+                    grads[f] = g.clone()  # owned: later microbatches add into it
 
         for a in self.actions:
             st = self.stages[a.stage]
@@ -269,7 +272,7 @@ class PipelineStepRunner:
                 value = total
         if dist.get_world_size() > 1:
             work = dist.all_reduce(value, async_op=True)
-            self._wait(work, "the loss all_reduce (every rank)", peer=min(self.program.stage_ranks[self.num_stages - 1]))
+            self._wait(work, "the loss all_reduce (every rank)", ranks=range(dist.get_world_size()))
         return float(value)
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
