@@ -224,7 +224,7 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
 
     if pipeline is not None and not isinstance(plan, Plan):
         from .pipeline_lowering import resolve_pipeline_plan
-        return resolve_pipeline_plan(plan, captured, world_size, mesh, pipeline)
+        return resolve_pipeline_plan(plan, captured, world_size, mesh, pipeline, resolve_plan=resolve_plan)
     if plan is None:
         plan = ManualPlan.parse("dp")
     if isinstance(plan, Plan):
@@ -281,7 +281,8 @@ def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
         if plan.pipeline is not None:
             from .pipeline_lowering import lower_pipeline
             plan.check_graph(captured.gm, f"plan {plan.name!r}")
-            return lower_pipeline(captured, dataclasses.replace(plan, lowered=None), options, state)
+            return lower_pipeline(captured, dataclasses.replace(plan, lowered=None), options, state,
+                                  lower_mesh=_lower_mesh)
         return _lower(captured, plan, options, state, timings)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.fx
@@ -47,7 +47,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import InternalError, PipelineError, UsageError
 from ..lowering_options import LoweringOptions
-from ..mesh import Mesh, lowering_order
+from ..mesh import Mesh
 from ..placement import Replicate
 from ..plan import PIPELINE_AXIS, SCHEDULES, PipelineSpec, Plan, StageSpec, graph_fingerprint
 from ..stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
@@ -142,19 +142,38 @@ def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per
                             f"microbatches, got {microbatches}; use --microbatches {groups * max(1, -(-microbatches // groups))}")
 
 
+def check_microbatches(batch_rows: int, replicas: int, microbatches: int) -> int:
+    """Rows per microbatch when ``batch_rows`` split over ``replicas`` data-parallel replicas of ``microbatches``
+    equal microbatches each.
+
+    Raises:
+        PipelineError: fewer rows than microbatches, or rows that do not split evenly (names the numbers).
+    """
+    B, dp, M = batch_rows, replicas, microbatches
+    if dp * M > B:
+        raise PipelineError(f"{M} microbatches x {dp} data-parallel replica(s) = {dp * M} microbatches of at least one "
+                            f"row, but the batch has {B} rows; use at most {max(B // dp, 1)} microbatches")
+    if B % (dp * M):
+        raise PipelineError(f"the batch of {B} rows does not split into {dp} replica(s) x {M} microbatches of equal "
+                            f"size ({B} is not a multiple of {dp * M}); choose --microbatches dividing {B // dp}"
+                            if B % dp == 0 else
+                            f"the batch of {B} rows does not split evenly over {dp} data-parallel replicas")
+    return B // (dp * M)
+
+
 def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_size: int, mesh: str | None,
-                          pipeline: PipelineOptions) -> Plan:
+                          pipeline: PipelineOptions, *, resolve_plan: Callable) -> Plan:
     """The pipeline :class:`~adaptdist.plan.Plan` for ``--plan pp`` (``plan`` None) or a manual intra-stage
     plan (``plan``: its mesh axes are the stage sub-mesh, e.g. ``dp`` or ``tp``) with ``--mesh pp=2,dp=2``
     (``mesh`` None: one pipeline of ``pipeline.stages or world_size`` stage groups). Layers are split evenly
-    (:func:`split_layers`).
+    (:func:`split_layers`). ``resolve_plan`` is :func:`adaptdist.compiler.lowering.resolve_plan` (which calls
+    this: the door is there).
 
     Raises:
         PipelineError: more stages than layers, a mesh whose ``pp`` size differs from ``pipeline.stages``, a
             schedule that cannot use the microbatch count.
         UsageError: a mesh that does not match ``world_size``.
     """
-    from .lowering import resolve_plan
     from ..annotations import ManualPlan
 
     v = pipeline.stages_per_rank
@@ -193,6 +212,7 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
             raise PipelineError(f"plan {plan.name!r} inside the pipeline needs its axes in --mesh, e.g. "
                                 f"--mesh {PIPELINE_AXIS}={groups},{plan.mesh_axes[0]}=2")
         sub, pls, batch_axis, name = {}, {}, None, PIPELINE_AXIS
+    check_microbatches(captured.batch_size, sub.get(batch_axis, 1) if batch_axis else 1, microbatches)
     spec = PipelineSpec(tuple(StageSpec(layers, dict(sub)) for layers in stage_layers), microbatches,
                         pipeline.schedule, v)
     return Plan(mesh={PIPELINE_AXIS: groups, **sub}, batch_axis=batch_axis, param_placements=pls,
@@ -202,8 +222,11 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
 # ------------------------------------------------------------------------------------------------------ lowering
 
 def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions,
-                   state: dict[str, torch.Tensor] | None = None) -> dict[int, PipelineRankProgram]:
+                   state: dict[str, torch.Tensor] | None = None, *, lower_mesh: Callable
+                   ) -> dict[int, PipelineRankProgram]:
     """Lower a captured step under a pipeline ``plan`` (the module docstring); returns every rank's program.
+    ``lower_mesh`` is :func:`adaptdist.compiler.lowering._lower_mesh` (:func:`~adaptdist.compiler.lowering.lower`
+    calls this: the door is there).
 
     Raises:
         PipelineError: more stages than layers, stage layer ranges that do not cover the model's layers in
@@ -212,8 +235,6 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             microbatches of activations (names the node), a model that updates buffers.
         UnsupportedOpError: an op cannot run with the intra-stage placements (as :func:`lower`).
     """
-    from .lowering import _lower_mesh
-
     spec = plan.pipeline
     assert spec is not None
     S, G, M = spec.num_stages, spec.num_groups, spec.microbatches
@@ -244,18 +265,16 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     check_schedule(spec.schedule, S, M, spec.stages_per_rank)
     batch_axis = plan.batch_axis
     dp = intra[batch_axis] if batch_axis is not None else 1
-    B = captured.batch_size
-    if dp * M > B:
-        raise PipelineError(f"{M} microbatches x {dp} data-parallel replica(s) = {dp * M} microbatches of at least one "
-                            f"row, but the batch has {B} rows; use at most {B // dp} microbatches")
-    if B % (dp * M):
-        raise PipelineError(f"the batch of {B} rows does not split into {dp} replica(s) x {M} microbatches of equal "
-                            f"size ({B} is not a multiple of {dp * M}); choose --microbatches dividing {B // dp}"
-                            if B % dp == 0 else
-                            f"the batch of {B} rows does not split evenly over {dp} data-parallel replicas")
-    rows = B // (dp * M)
+    rows = check_microbatches(captured.batch_size, dp, M)
 
     # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering
+    if batch_axis is not None and intra.get(batch_axis, 1) > 1:
+        k = list(plan.mesh).index(batch_axis)
+        sharded = sorted(f for f, pls in plan.param_placements.items() if not isinstance(pls[k], Replicate))
+        if sharded:
+            raise PipelineError(f"parameters sharded over the batch axis {batch_axis!r} inside a pipeline stage (FSDP: "
+                                f"{', '.join(sharded[:3])}{'...' if len(sharded) > 3 else ''}) are not supported yet; "
+                                f"replicate them on {batch_axis!r} (--plan dp) or shard them over a tp axis")
     model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
     vmesh = dict(model_axes) | {MB_AXIS: dp * M}
     keep = [list(plan.mesh).index(a) for a, _ in model_axes]
@@ -264,7 +283,7 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                                    for f, pls in plan.param_placements.items()},
                  graph_fingerprint=plan.graph_fingerprint, name=plan.name)
     vopts = dataclasses.replace(options, grad_bucket_bytes=1, gather_bucket_bytes=1)
-    vprogs = _lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
+    vprogs = lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
     vm = Mesh(tuple(vmesh.items()))
 
     # rank layout: group g's ranks; local index j <-> intra coordinates
@@ -389,9 +408,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
         waits = [u for u in n.users if _is(u, "wait")]
         res = waits[0] if len(waits) == 1 and len(n.users) == 1 else n
         x = n.args[0]
-        users = list(res.users)
-        to_outputs = bool(users) and all(u is out_node for u in users)
-        if kind == "all_reduce" and to_outputs and out_users.get(res, "").startswith(("grad:", "loss")):
+        if kind == "all_reduce" and str(n.args[1]) == "sum" and _only_to_outputs(res, out_node, out_users):
             res.replace_all_uses_with(x)  # the runtime adds the microbatches' terms
             graph.erase_node(res)
             if res is not n:
@@ -418,6 +435,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             continue
         raise PipelineError(f"the step's {kind} at node {n.name!r} over the batch (of {x.name!r}) cannot be split "
                             "into pipeline microbatches; use a plan without pp")
+    prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None  # before the count is dead
     graph.eliminate_dead_code()
     gm.recompile()
     outs = list(out_node.args[0])
@@ -483,13 +501,25 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
     # one gradient crosses the cut, not each of its views; a parameter's gradient where the parameter is
     grad_of = {v: r.removeprefix("grad:") for v, r in zip(outs, roles) if r.startswith("grad:")}
     cut_adds: set = set()
+    leaf_of: dict = {}  # a tied parameter's gradient term -> the parameter
     for v, f in grad_of.items():
         if f in tied and S > 1:
-            cut_adds |= _add_tree(v, st)[1]
+            leaves, adds = _add_tree(v, st)
+            cut_adds |= adds
+            leaf_of.update({leaf: f for leaf in leaves})
+    fw_readers: dict[str, set[int]] = {}  # tied parameter -> stages whose forward reads it
+    for n in body:
+        if n in fw and n in st:
+            for v in _free_inputs(n, st):
+                if v.op == "placeholder" and gmeta.get_fqn(v) in tied:
+                    fw_readers.setdefault(gmeta.get_fqn(v), set()).add(st[n])
     for n in reversed(deferred):
         cands = [st[u] for u in n.users if u in st and u not in cut_adds]
         if n in grad_of and ph_bound.get(grad_of[n]) is not None:
             cands.append(ph_bound[grad_of[n]])
+        if n in leaf_of:  # computed where the stage holding the parameter below it is
+            cands += [max(h for h in fw_readers.get(leaf_of[n], {0}) if h <= st[n])] \
+                if any(h <= st[n] for h in fw_readers.get(leaf_of[n], {0})) else []
         if cands:
             st[n] = min(st[n], max(cands))
     for n in cut_adds:  # the runtime adds the stages' contributions
@@ -622,7 +652,6 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             grad_out_specs=_specs(gout_s), recv_from=None, send_to=None, num_saved=len(saved_s),
             num_saved_w=len(saved_w),
             layers=tuple(layer for layer, t in stage_of_layer.items() if t == s)))
-    prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None
     return _Built(stages, prologue, holders, list(captured.param_fqns), state_names_all, dict(vprog.state),
                   dict(vprog.state_placements), dict(vprog.global_shapes))
 
@@ -640,6 +669,29 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
         else:
             env[n] = new.node_copy(n, env.__getitem__)
     return new
+
+
+_SHAPE_ONLY = (aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default)
+
+
+def _only_to_outputs(res: torch.fx.Node, out_node: torch.fx.Node, out_users: dict) -> bool:
+    """Whether ``res`` (a sum over microbatches) only reaches the loss / gradient outputs, through sums over
+    other groups (linear: they commute with the runtime's sum) or ops that read only its shape."""
+    if not res.users:
+        return False
+    for u in res.users:
+        if u is out_node:
+            if not out_users.get(res, "").startswith(("grad:", "loss")):
+                return False
+        elif u.op == "call_function" and u.target in _SHAPE_ONLY:
+            continue
+        elif _is(u, "all_reduce") and str(u.args[1]) == "sum":
+            waits = list(u.users)
+            if not (len(waits) == 1 and _is(waits[0], "wait") and _only_to_outputs(waits[0], out_node, out_users)):
+                return False
+        else:
+            return False
+    return True
 
 
 def _batch_only(x: torch.fx.Node):
@@ -732,6 +784,23 @@ def _add_tree(g: torch.fx.Node, st: dict) -> tuple[list, set]:
         if {st.get(x) for x in a} != {st.get(x) for x in b} or len({st.get(x) for x in a + b}) > 1:
             return a + b, ia | ib | {g}
     return [g], set()
+
+
+def _free_inputs(n: torch.fx.Node, staged: dict) -> set:
+    """The placeholders and staged nodes ``n`` reads, through free (not ``staged``) nodes."""
+    out: set = set()
+    seen: set = set()
+    stack = list(n.all_input_nodes)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.op == "placeholder" or v in staged:
+            out.add(v)
+        elif v.op == "call_function":
+            stack.extend(v.all_input_nodes)
+    return out
 
 
 def _ancestors_within(roots: list, allowed: set, staged: dict) -> set:

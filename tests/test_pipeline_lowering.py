@@ -1,0 +1,217 @@
+"""Pipeline lowering (issue 15, pp-core): stage programs run in one process (simulate_pipeline, GPipe order)
+equal single-process eager: loss, every gradient and the SGD-updated parameters, to 1e-5."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist.annotations import ManualPlan
+from adaptdist.compiler.capture import capture
+from adaptdist.compiler.lowering import compile_model, lower, resolve_plan
+from adaptdist.compiler.pipeline_lowering import PipelineOptions, pipeline_layers
+from adaptdist.errors import PipelineError, UsageError
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.mesh import Mesh
+from adaptdist.models import gpt
+from adaptdist.plan import PipelineSpec, Plan, StageSpec
+from adaptdist.runtime.simulate_pipeline import simulate_pipeline
+from adaptdist.stage_program import PipelineRankProgram
+from passutil import global_shard
+
+LR = 0.1
+
+
+def tiny_gpt(batch_size=4, seq_len=8, seed=0):
+    torch.manual_seed(seed)
+    cfg = gpt.GPTConfig(max_seq_len=seq_len, dim=16, num_layers=2, num_heads=2)
+    return gpt.factory(batch_size, seq_len, cfg)
+
+
+class DeepMLP(nn.Module):
+    def __init__(self, widths=(12, 24, 20, 16, 5)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+def deep_mlp(batch_size=8, seed=0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch_size, 12, generator=g)
+    y = torch.randint(0, 5, (batch_size,), generator=g)
+    return DeepMLP(), (x, y), lambda out, t: F.cross_entropy(out, t)
+
+
+def eager(model, batch, loss_fn):
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(*batch[:-1]), batch[-1])
+    loss.backward()
+    named = dict(ref.named_parameters())
+    return loss.detach(), {f: p.grad for f, p in named.items()}, {f: (p - LR * p.grad).detach() for f, p in named.items()}
+
+
+def check_against_eager(programs, batch, expected):
+    loss, grads, params = expected
+    sim = simulate_pipeline(programs, batch, lr=LR)
+    assert torch.allclose(sim.loss, loss, rtol=1e-5, atol=1e-5), (sim.loss, loss)
+    seen = set()
+    for r, p in programs.items():
+        st = p.stages[0]
+        mesh = Mesh(tuple(st.submesh.items())) if st.submesh else None
+        j = mesh.rank(tuple(st.coords[a] for a in mesh.names)) if mesh else 0
+        order = [a for a in mesh.names if a != p.plan.batch_axis] if mesh else []
+        for f, g in sim.grads[r].items():
+            pls = p.state_placements.get(f)
+            want = global_shard(grads[f], pls, mesh, j, order) if pls else grads[f]
+            assert g.shape == want.shape, (r, f)
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5, msg=f"rank {r} grad {f}")
+            want_p = global_shard(params[f], pls, mesh, j, order) if pls else params[f]
+            torch.testing.assert_close(sim.params[r][f], want_p, rtol=1e-5, atol=1e-5, msg=f"rank {r} param {f}")
+            seen.add(f)
+    assert seen == set(grads), set(grads) - seen  # every gradient is somewhere
+    return sim
+
+
+CASES = [
+    ("gpt", 2, 2, None), ("gpt", 2, 4, None), ("gpt", 4, 2, None), ("gpt", 4, 4, None),
+    ("gpt", 2, 2, "pp=2,dp=2"), ("gpt", 2, 2, "pp=2,tp=2"),
+    ("mlp", 2, 2, None), ("mlp", 4, 4, None), ("mlp", 2, 4, "pp=2,dp=2"),
+]
+
+
+@pytest.mark.parametrize("model,stages,microbatches,mesh", CASES)
+def test_pipeline_equals_eager(model, stages, microbatches, mesh):
+    m, batch, loss_fn = tiny_gpt(batch_size=8) if model == "gpt" else deep_mlp(batch_size=8)
+    expected = eager(m, batch, loss_fn)
+    world = stages * (2 if mesh else 1)
+    plan = ManualPlan.parse("tp", gpt) if mesh and "tp=" in mesh else None
+    progs = compile_model(m, batch, loss_fn, world, plan, mesh=mesh,
+                          pipeline=PipelineOptions(stages=stages, microbatches=microbatches))
+    assert sorted(progs) == list(range(world)) and all(isinstance(p, PipelineRankProgram) for p in progs.values())
+    assert {p.stages[0].stage for p in progs.values()} == set(range(stages))
+    sim = check_against_eager(progs, batch, expected)
+    if model == "gpt":  # the tied embedding / head: held by the first and the last stage, identical after the step
+        holders = [r for r, p in progs.items() if "tok_emb.weight" in p.state]
+        first = {r for r, p in progs.items() if p.stages[0].is_first}
+        last = {r for r, p in progs.items() if p.stages[0].is_last}
+        assert first <= set(holders) and last <= set(holders)
+        for r in holders:
+            assert set(progs[r].grad_groups["tok_emb.weight"]) >= ({x for x in first | last
+                                                                   if progs[x].stages[0].coords == progs[r].stages[0].coords})
+            torch.testing.assert_close(sim.params[r]["tok_emb.weight"], sim.params[holders[0]]["tok_emb.weight"]) \
+                if not progs[r].state_placements.get("tok_emb.weight") else None
+    for p in progs.values():  # one activation and one gradient cross each cut of these models
+        for st in p.stages:
+            assert len(st.send_specs) == (0 if st.is_last else 1) and len(st.grad_in_specs) == len(st.send_specs)
+            # the weight gradients are in backward_weight (zero-bubble's W), not in backward_input
+            mms = [n for n in st.backward_weight.graph.nodes if n.target is torch.ops.aten.mm.default]
+            assert len(mms) >= 1
+            if st.is_first:  # nothing to send back: backward_input only hands its inputs on
+                assert not [n for n in st.backward_input.graph.nodes if n.op == "call_function"]
+
+
+def test_loss_is_the_global_sum_over_the_global_valid_token_count():
+    """Two microbatches holding 11 and 101 valid tokens: the loss is the sum over all 112, not a mean of means."""
+    m, (tokens, targets), loss_fn = tiny_gpt(batch_size=4, seq_len=64)
+    targets = targets.clone()
+    flat = targets.view(2, -1)  # microbatch 0 = rows 0-1, microbatch 1 = rows 2-3 (128 tokens each)
+    flat[0, 11:] = -1
+    flat[1, 101:] = -1
+    batch = (tokens, targets)
+    assert (targets[:2] != -1).sum() == 11 and (targets[2:] != -1).sum() == 101
+    expected = eager(m, batch, loss_fn)
+    progs = compile_model(m, batch, loss_fn, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    assert progs[0].prologue is not None and progs[0].prologue.reduce_ops == ("sum",)
+    sim = check_against_eager(progs, batch, expected)
+    with torch.no_grad():
+        logits = m(tokens)
+        mean_of_means = (loss_fn(logits[:2], targets[:2]) + loss_fn(logits[2:], targets[2:])) / 2
+    assert abs(mean_of_means.item() - sim.loss.item()) > 1e-3  # the test can tell the two apart
+
+
+def test_interleaved_stages_on_one_rank_group():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    expected = eager(m, batch, loss_fn)
+    progs = compile_model(m, batch, loss_fn, 2, None,
+                          pipeline=PipelineOptions(stages=4, microbatches=2, schedule="interleaved-1f1b",
+                                                   stages_per_rank=2))
+    assert [[s.stage for s in p.stages] for p in progs.values()] == [[0, 2], [1, 3]]
+    check_against_eager(progs, batch, expected)
+
+
+@pytest.mark.parametrize("stages,microbatches,schedule,match", [
+    (6, 2, "gpipe", r"6 stages needs at least 6 layers; the model has 5"),
+    (2, 3, "gpipe", r"batch of 4 rows does not split into 1 replica\(s\) x 3 microbatches"),
+    (2, 8, "gpipe", r"8 microbatches x 1 data-parallel replica\(s\) = 8 microbatches .* the batch has 4 rows"),
+    (4, 2, "1f1b", r"2 microbatches < 4 stages"),
+    (2, 2, "zigzag", r"unknown pipeline schedule 'zigzag'"),
+])
+def test_bad_pipelines_are_typed_errors_naming_the_numbers(stages, microbatches, schedule, match):
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    with pytest.raises(PipelineError, match=match):
+        resolve_plan(None, cg, stages, None, pipeline=PipelineOptions(stages, microbatches, schedule))
+
+
+def _plan(cg, stages, mesh=None, microbatches=2):
+    base = resolve_plan(None, cg, 2, None, pipeline=PipelineOptions(2, microbatches))
+    return Plan(mesh=mesh or base.mesh, batch_axis=base.batch_axis, param_placements={},
+                graph_fingerprint=base.graph_fingerprint, name="t",
+                pipeline=PipelineSpec(tuple(stages), microbatches))
+
+
+def test_stage_ranges_and_sub_meshes_are_checked_by_lower():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    layers = pipeline_layers(cg)
+    assert layers == ["tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_f"]
+    bad = _plan(cg, [StageSpec(("tok_emb", "pos_emb", "blocks.0")), StageSpec(("blocks.1", "lm_head"))])
+    with pytest.raises(PipelineError, match=r"unknown layer\(s\) \['lm_head'\]; missing layer\(s\) \['ln_f'\]"):
+        lower(cg, bad, LoweringOptions())
+    skew = _plan(cg, [StageSpec(("tok_emb", "pos_emb", "blocks.0"), {"dp": 2}), StageSpec(("blocks.1", "ln_f"), {"tp": 2})],
+                 mesh={"pp": 2, "dp": 2})
+    with pytest.raises(PipelineError, match=r"stage 1 runs on sub-mesh \{'tp': 2\} but the plan's stage mesh is \{'dp': 2\}"):
+        lower(cg, skew, LoweringOptions())
+
+
+def test_fsdp_inside_a_stage_is_refused_naming_the_parameters():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    plan = resolve_plan(ManualPlan.parse("fsdp"), cg, 4, "pp=2,dp=2", pipeline=PipelineOptions(microbatches=2))
+    with pytest.raises(PipelineError, match=r"sharded over the batch axis .dp. inside a pipeline stage \(FSDP: blocks.0.attn.k.bias"):
+        lower(cg, plan, LoweringOptions())
+
+
+def test_pipeline_plan_json_round_trip_and_old_plans():
+    m, batch, loss_fn = tiny_gpt(batch_size=4)
+    cg = capture(m, batch, loss_fn)
+    plan = resolve_plan(None, cg, 4, "pp=2,dp=2", pipeline=PipelineOptions(microbatches=2, schedule="1f1b"))
+    assert plan.mesh == {"pp": 2, "dp": 2} and plan.batch_axis == "dp" and plan.pipeline.schedule == "1f1b"
+    assert [s.layers for s in plan.pipeline.stages] == [("tok_emb", "pos_emb", "blocks.0"), ("blocks.1", "ln_f")]
+    again = Plan.from_json(plan.to_json(), "p.json")
+    assert again == plan
+    doc = json.loads(plan.to_json())
+    doc["pipeline"]["microbatches"] = "two"
+    with pytest.raises(UsageError, match=r"plan 'p.json': field 'pipeline'.*microbatches must be an integer"):
+        Plan.from_json(json.dumps(doc), "p.json")
+    doc = json.loads(plan.to_json())
+    doc["schema_version"] = 2
+    with pytest.raises(UsageError, match="schema_version 2 has no field 'pipeline'"):
+        Plan.from_json(json.dumps(doc), "p.json")
+    del doc["pipeline"]
+    doc["mesh"] = [["dp", 2]]
+    doc["param_placements"] = {}
+    old = Plan.from_json(json.dumps(doc), "p.json")  # a version-2 plan still loads, without a pipeline
+    assert old.pipeline is None
