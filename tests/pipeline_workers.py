@@ -178,7 +178,7 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
     program in one process group; per directory: losses, grads per step, final params."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
     from adaptdist.runtime.worker import make_optimizer
-    from adaptdist.runtime.pipeline_programs import load_pipeline_program
+    from adaptdist.runtime.pipeline_programs import _box, load_pipeline_program
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
@@ -193,7 +193,9 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))
                 grads.append({k: v.clone() for k, v in runner.last_grads.items()})
-            out.append({"losses": losses, "grads": grads,
+            boxes = {f: _box(program, f, tuple(program.global_shapes.get(f, program.state[f].shape)))
+                     for f in program.param_fqns}
+            out.append({"losses": losses, "grads": grads, "boxes": boxes,
                         "params": {f: runner.state[f].clone() for f in program.param_fqns}})
         return out
     finally:

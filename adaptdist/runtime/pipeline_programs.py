@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, ProgramLoadError
+from ..errors import ProgramLoadError
 from ..stage_program import PipelineRankProgram
 
 MANIFEST = "pipeline.json"
@@ -167,16 +167,8 @@ class CheckpointView:
 
 
 def checkpoint_view(program: PipelineRankProgram) -> CheckpointView:
-    """(Collective: one all_gather_object) the :class:`CheckpointView` of this rank's program.
-
-    Raises:
-        CheckpointError: the stages shard their state (tensor parallelism inside a stage): checkpoints of such
-            pipeline plans are not supported yet.
-    """
-    if program.state_placements:
-        raise CheckpointError(f"rank {program.rank}: checkpoints of a pipeline plan whose stages shard their state "
-                              f"({', '.join(sorted(program.state_placements)[:3])}) are not supported yet; use pp "
-                              "with dp inside the stages, or pass --checkpoint-every larger than --steps")
+    """(Collective: one all_gather_object) the :class:`CheckpointView` of this rank's program. State sharded inside a
+    stage (tensor parallelism) keeps its placements over the stage's sub-mesh (:func:`stage_device_mesh`)."""
     mine = {f: tuple(program.global_shapes.get(f, tuple(t.shape))) for f, t in program.state.items()}
     dtypes = {f: str(t.dtype) for f, t in program.state.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -189,21 +181,72 @@ def checkpoint_view(program: PipelineRankProgram) -> CheckpointView:
         params.update(ps)
         for f, s in sh.items():
             meta[f] = torch.empty(s, dtype=getattr(torch, dt[f].split(".")[-1]), device="meta")
+    sharded = bool(program.state_placements)
     return CheckpointView(input_fqns=tuple(sorted(program.state)), state=meta, global_shapes=shapes,
                           param_fqns=tuple(program.param_fqns), all_param_fqns=tuple(sorted(params)),
-                          plan=program.plan)
+                          plan=program.plan, mesh=dict(program.stages[0].submesh) if sharded else {},
+                          state_placements=dict(program.state_placements))
+
+
+def stage_device_mesh(program: PipelineRankProgram) -> Any:
+    """torch's DeviceMesh over this rank's stage sub-mesh (its ranks, ``stage_ranks`` in sub-mesh order), without
+    process groups (enough for torch.distributed.checkpoint to place the shards), or None when no state is sharded
+    inside the stage."""
+    if not program.state_placements:
+        return None
+    from .. import _torch_compat as compat
+
+    sub = dict(program.stages[0].submesh)
+    ranks = torch.tensor(program.stage_ranks[program.stages[0].stage]).reshape(tuple(sub.values()))
+    return compat.device_mesh_without_groups("cpu", ranks, tuple(sub))
+
+
+def _box(program: PipelineRankProgram, fqn: str, shape: tuple[int, ...]) -> list[list[int]]:
+    """``[start, stop)`` per dim of this rank's shard of state ``fqn`` (chunked over the sub-mesh's axes in lowering
+    order, as the lowering and ``compiler.artifacts.shard_layout`` do)."""
+    from ..mesh import Mesh, lowering_order
+    from ..placement import Shard, chunk_interval, parse_placement
+
+    ranges = [[0, n] for n in shape]
+    texts = program.state_placements.get(fqn)
+    if not texts:
+        return ranges
+    sub = dict(program.stages[0].submesh)
+    coords = dict(program.stages[0].coords)
+    by_axis = dict(zip(sub, texts))
+    batch_axis = program.plan.batch_axis if program.plan is not None else None
+    for a in lowering_order(Mesh(tuple(sub.items())), batch_axis):
+        p = parse_placement(by_axis[a])
+        if isinstance(p, Shard) and sub[a] > 1:
+            lo, hi = ranges[p.dim]
+            b, e = chunk_interval(hi - lo, sub[a], coords[a])
+            ranges[p.dim] = [lo + b, lo + e]
+    return ranges
 
 
 def gather_full_weights(program: PipelineRankProgram, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """(Collective) every state tensor of the model, whole, on rank 0 (None elsewhere): each rank's own tensors
-    gathered (a tied weight's copies are identical; the lowest rank's is kept)."""
-    own = {f: t.detach().contiguous() for f, t in state.items()}
-    box: list[Any] = [None] * dist.get_world_size() if program.rank == 0 else None
-    dist.gather_object(own, box, dst=0)
+    """(Collective) every state tensor of the model, whole, on rank 0 (None elsewhere): each rank's own tensors, or
+    shards with their boxes, gathered and put together (a tied weight's copies are identical; the first is kept)."""
+    own = {}
+    for f, t in state.items():
+        shape = tuple(program.global_shapes.get(f, tuple(t.shape)))
+        own[f] = (t.detach().contiguous(), shape, _box(program, f, shape))
+    parts: list[Any] = [None] * dist.get_world_size() if program.rank == 0 else None
+    dist.gather_object(own, parts, dst=0)
     if program.rank != 0:
         return None
     full: dict[str, torch.Tensor] = {}
-    for part in box:
-        for f, t in part.items():
-            full.setdefault(f, t)
+    filled: dict[str, set] = {}
+    for part in parts:
+        for f, (t, shape, box) in part.items():
+            if tuple(t.shape) == shape:
+                full.setdefault(f, t)
+                continue
+            if f not in full:
+                full[f] = torch.empty(shape, dtype=t.dtype)
+                filled[f] = set()
+            key = tuple(map(tuple, box))
+            if key not in filled.get(f, {key}):
+                full[f][tuple(slice(lo, hi) for lo, hi in box)] = t
+                filled[f].add(key)
     return full

@@ -197,14 +197,14 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
     import dataclasses
 
     from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups
-    from .pipeline_programs import checkpoint_view, describe_pipeline, load_pipeline_program
+    from .pipeline_programs import checkpoint_view, describe_pipeline, load_pipeline_program, stage_device_mesh
 
     program = load_pipeline_program(program_dir, rank, world_size=world)
     groups = setup_pipeline_groups(program, cfg.timeout_s)
     runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
                                 max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
     view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program))
-    return view, None, runner
+    return view, stage_device_mesh(program), runner
 
 
 def _newest_checkpoint(root: Path, note) -> tuple[str, dict] | str | None:
@@ -318,7 +318,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                                                          local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         from .pipeline_programs import is_pipeline_dir
 
-        if is_pipeline_dir(program_dir):  # a pipeline plan: `program` is its checkpoint view, no DeviceMesh
+        if is_pipeline_dir(program_dir):  # a pipeline plan: `program` is its checkpoint view, the mesh its stage's
             program, device_mesh, runner = _pipeline_runner(program_dir, rank, world, cfg)
         else:
             program = load_program(program_dir, rank, world_size=world)
@@ -338,7 +338,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             # rank 0 verified the checksums (latest_good) before any rank reads the directory
             load_train_state(Path(path), program, runner.state, runner.opt, device_mesh, rank, restore_rng=same_world,
                              verify=False)
-            check_identical_replicas(program, runner.state, runner.opt, device_mesh)
+            if not getattr(program, "description", None):  # (a pipeline's stage mesh has no process groups)
+                check_identical_replicas(program, runner.state, runner.opt, device_mesh)
             start, losses = int(meta["step"]), list(meta.get("losses", []))
             # rng="global": one stream, the same on every rank whatever the world size: the saver's rank 0's state;
             # otherwise a fresh stream per rank and step (the saver's ranks were others)
@@ -510,7 +511,9 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
 
     out = Path(cfg.out_dir)
     program = runner.program
-    if device_mesh is None:  # a pipeline plan: every rank's whole tensors, gathered on rank 0
+    from .pipeline_executor import PipelineStepRunner
+
+    if isinstance(runner, PipelineStepRunner):  # a pipeline plan: every rank's tensors gathered on rank 0
         from .pipeline_programs import gather_full_weights
 
         full = gather_full_weights(program, runner.state)
