@@ -1,5 +1,5 @@
 """The pipeline flags end to end: ``train --plan pp`` (summary.json's losses = eager's), ``--resume`` of a pipeline
-run, ``compile --mesh pp=2,dp=2`` + ``run``, ``plan --plan pp``, and the flags' clear refusals."""
+run, ``compile --mesh pp=2,tp=2`` + ``run`` (+ ``--resume``), ``plan --plan pp``, and the flags' clear refusals."""
 
 from __future__ import annotations
 
@@ -49,14 +49,32 @@ def test_train_pp_then_resume_equals_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_compile_pp_dp_then_run_equals_eager(tmp_path):
+def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
+    """Tensor parallelism inside the stages: sharded checkpoints resume, the full weights are put together."""
+    model_file = tmp_path / "m.py"  # tiny_gpt with the built-in GPT's TP_PLAN
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          "from models import tiny_gpt  # noqa: F401\nfrom adaptdist.models.gpt import TP_PLAN  # noqa\n")
     art, out = tmp_path / "art", tmp_path / "run"
-    assert main(["compile", MODEL, *COMMON, "--plan", "pp", "--mesh", "pp=2,dp=2", "--microbatches", "2",
-                 "--schedule", "1f1b", "-o", str(art)]) == 0
+    assert main(["compile", f"{model_file}:tiny_gpt", *COMMON, "--plan", "tp", "--mesh", "pp=2,tp=2",
+                 "--microbatches", "2", "--schedule", "gpipe", "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["pipeline"] and manifest["mesh"] == {"pp": 2, "dp": 2} and "rank3/program.py" in manifest["files"]
-    assert main(["run", str(art), "--steps", "2", "--optimizer", "sgd", "--lr", str(LR), "--out", str(out)]) == 0
-    assert _losses(out) == pytest.approx(_eager_losses(2), abs=1e-5)
+    assert manifest["pipeline"] and manifest["mesh"] == {"pp": 2, "tp": 2} and "rank3/program.py" in manifest["files"]
+    run = ["run", str(art), "--optimizer", "sgd", "--lr", str(LR), "--out", str(out)]
+    assert main([*run, "--steps", "2"]) == 0
+    assert main([*run, "--steps", "3", "--resume"]) == 0
+    assert _losses(out) == pytest.approx(_eager_losses(3), abs=1e-5)
+    model, (x, y), loss_fn = tiny_gpt(B, T)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "model.safetensors"))
+    assert set(weights) == set(dict(model.named_parameters()))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(weights[n], p.detach(), atol=1e-5, rtol=1e-5, msg=n)
 
 
 def test_plan_pp_prints_the_stages(capsys):
