@@ -31,7 +31,8 @@ its stages (one, or several for interleaved schedules), three GraphModules:
     all-reduces (sum) each accumulated gradient over :attr:`PipelineRankProgram.grad_groups` ``[fqn]``
     (the ranks holding the same shard: data-parallel peers of the stage and, for a tied weight, the
     ranks of the other stages holding it), when that group has more than one rank. Schedules other
-    than zero-bubble run ``backward_weight`` right after ``backward_input``.
+    than zero-bubble run ``backward_weight`` right after ``backward_input``. A rank holding one parameter on
+    two of its stages (interleaved, tied) adds both stages' contributions before the all-reduce.
 
 Collectives inside the three programs (tensor parallelism within a stage) are ``_c10d_functional``
 ops on group names ``adaptdist:<axis>`` mapped to global ranks by :attr:`PipelineRankProgram.groups`;

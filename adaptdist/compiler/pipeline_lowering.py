@@ -75,21 +75,34 @@ def layer_of(fqn: str) -> str:
     return ".".join(parts[:-1]) or fqn
 
 
+def shared_tensors(captured: CapturedGraph) -> set[str]:
+    """State tensors no stage owns: tied weights (GPT's token embedding, also its output head) and tensors of the
+    model itself, not of a submodule (a rotary table ``rope_cos``, a ``cls_token``) when it has submodules. Each
+    stage using one holds it; a parameter's gradient contributions are summed over its holders."""
+    out = set(captured.tied.values())
+    fqns = captured.input_fqns
+    if any("." in f for f in fqns):
+        out |= {f for f in fqns if "." not in f}
+    return out
+
+
 def pipeline_layers(captured: CapturedGraph) -> list[str]:
     """The layers of a captured step in forward order (by first use of their tensors in the graph), the
     units of a pipeline plan's stage ranges. A tied alias (GPT's ``head.weight``, the token embedding's) is
-    not a layer of its own: its ops go with the stage of their inputs."""
+    not a layer of its own: its ops go with the stage of their inputs; neither are the model's own tensors
+    (:func:`shared_tensors`)."""
+    shared = shared_tensors(captured) - set(captured.tied.values())
     out: list[str] = []
     for n in captured.gm.graph.nodes:
         if n.op == "placeholder":
             continue
         for i in n.all_input_nodes:
-            if i.op == "placeholder" and gmeta.get_role(i) in ("param", "buffer"):
+            if i.op == "placeholder" and gmeta.get_role(i) in ("param", "buffer") and gmeta.get_fqn(i) not in shared:
                 layer = layer_of(gmeta.get_fqn(i))
                 if layer not in out:
                     out.append(layer)
     for f in captured.input_fqns:  # unused tensors last
-        if layer_of(f) not in out:
+        if f not in shared and layer_of(f) not in out:
             out.append(layer_of(f))
     return out
 
@@ -315,6 +328,10 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             key = tuple(c.get(a, 0) for a, _ in model_axes)
             if key not in built:
                 vr = vm.rank(key + (d * M,))
+                if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (d * M + 1,))].graph_module.code:
+                    raise PipelineError(
+                        "the step's program differs between microbatches 0 and 1 (random ops drawing per rank under "
+                        "--rng global?); pipeline microbatches run one program: use --rng local or a plan without pp")
                 built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
             b = built[key]
             rank = group_ranks[g][j]
@@ -443,13 +460,13 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
     grad_vals = {r.removeprefix("grad:"): outs[i] for i, r in enumerate(roles) if r.startswith("grad:")}
 
     # 2. stage assignment
-    tied = set(captured.tied.values())
+    tied = shared_tensors(captured) if S > 1 else set()
     pstage: dict[torch.fx.Node, int] = {}
     for p in placeholders:
         if gmeta.get_role(p) in ("param", "buffer"):
             f = gmeta.get_fqn(p)
-            if f not in tied or S == 1:
-                pstage[p] = stage_of_layer[layer_of(f)]
+            if f not in tied:
+                pstage[p] = stage_of_layer.get(layer_of(f), 0)
     fw = ancestors([loss_val])
     for n in graph.nodes:  # getitems of forward tuples are forward (mean/rstd of a layer norm)
         if n.op == "call_function" and n.target is _getitem and n.args[0] in fw:
@@ -561,7 +578,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
                 holders[gmeta.get_fqn(v)].add(s)
     for f, hs in holders.items():
         if not hs:
-            hs.add(stage_of_layer[layer_of(f)])
+            hs.add(stage_of_layer.get(layer_of(f), 0))
     ph_of = {gmeta.get_fqn(p): p for p in placeholders if gmeta.get_role(p) in ("param", "buffer")}
     contrib: list[dict[str, list]] = [dict() for _ in range(S)]  # stage -> fqn -> leaf values (summed)
     for f, g in grad_vals.items():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
+import torch.fx
 
 from ..errors import SimulationError
 from ..mesh import Mesh
@@ -44,6 +45,14 @@ def _check(vals: Sequence[torch.Tensor], specs: Sequence[TensorSpec], what: str)
         if tuple(v.shape) != tuple(sp.shape) or v.dtype != sp.dtype:
             raise SimulationError(f"{what}: tensor {i} is {tuple(v.shape)} {v.dtype}, its spec {tuple(sp.shape)} "
                                   f"{sp.dtype}")
+
+
+def _run(mods: list, ins: list, mesh: Mesh | None) -> list:
+    """Compiled programs through :func:`simulate_ranks`; loaded ones (plain modules, from
+    :func:`~adaptdist.stage_program_io.load_pipeline_program`) called one by one: they must not hold collectives."""
+    if all(isinstance(m, torch.fx.GraphModule) for m in mods):
+        return simulate_ranks(mods, ins, mesh)
+    return [m(*args) for m, args in zip(mods, ins)]
 
 
 def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[torch.Tensor, ...],
@@ -96,7 +105,7 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
                 mods.append(st.forward)
                 ins.append([p.state[f] for f in st.state_names] + list(recv) + list(p.microbatch(batch, m))
                            + reduced[r])
-            outs = simulate_ranks(mods, ins, submesh(s))
+            outs = _run(mods, ins, submesh(s))
             for r, o in zip(ranks, outs):
                 st = stage_of[(r, s)]
                 o = list(o)
@@ -121,7 +130,7 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
                 _check(gin, st.grad_in_specs, f"rank {r} stage {s} microbatch {m} grad_in")
                 mods.append(st.backward_input)
                 ins.append(saved.pop((r, s, m)) + list(gin))
-            outs = simulate_ranks(mods, ins, submesh(s))
+            outs = _run(mods, ins, submesh(s))
             mods, ins = [], []
             for r, o in zip(ranks, outs):
                 st = stage_of[(r, s)]
@@ -131,7 +140,7 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
                 gsend[(r, s, m)] = [t.contiguous() for t in gout]
                 mods.append(st.backward_weight)
                 ins.append(sw)
-            outs = simulate_ranks(mods, ins, submesh(s))
+            outs = _run(mods, ins, submesh(s))
             for r, o in zip(ranks, outs):
                 st = stage_of[(r, s)]
                 for f, g in zip(st.grad_fqns, o):
