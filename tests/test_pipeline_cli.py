@@ -36,16 +36,18 @@ def _losses(out: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_train_pp_then_resume_equals_eager(tmp_path):
+def test_train_pp_then_resume_on_more_ranks_equals_eager(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", MODEL, *TRAIN, "--plan", "pp", "--nproc", "2", "--schedule", "zb", "--microbatches", "2",
-                 "--steps", "2", "--out", str(out)]) == 0
+    assert main(["train", MODEL, *TRAIN, "--plan", "pp", "--nproc", "2", "--schedule", "gpipe", "--microbatches",
+                 "2", "--steps", "2", "--out", str(out)]) == 0
     eager = _eager_losses(3)
     assert _losses(out) == pytest.approx(eager[:2], abs=1e-5)
     assert (out / "programs" / "pipeline.json").is_file() and (out / "model.safetensors").is_file()
-    assert main(["train", "--resume", str(out), "--steps", "3", "--sample-bytes", "0"]) == 0
+    # resumed on 4 ranks: 4 stages instead of 2, each rank loading its new layers from the checkpoint
+    assert main(["train", "--resume", str(out), "--nproc", "4", "--steps", "3", "--sample-bytes", "0"]) == 0
     assert _losses(out) == pytest.approx(eager, abs=1e-5)
-    assert json.loads((out / "run.json").read_text())["settings"]["schedule"] == "zb"  # restored, not the default
+    assert json.loads((out / "run.json").read_text())["settings"]["schedule"] == "gpipe"  # restored
+    assert json.loads((out / "summary.json").read_text())["ranks"] == 4
 
 
 @pytest.mark.slow

@@ -356,7 +356,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s, **features)
+                               compile_wait_s=timeouts.compile_wait_s, microbatches=getattr(args, "microbatches", None),
+                               schedule=getattr(args, "schedule", None), **features)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 
