@@ -14,6 +14,40 @@ from adaptdist.annotations import ManualPlan
 from adaptdist.models import moe
 from backend_workers import full_grad, rank_rows
 
+# ops that move or reshape a value without computing from it: an all_gather reached through them gathers the value
+_MOVES = ("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "clone", "constant_pad_nd", "cat", "flatten",
+          "contiguous", "_to_copy", "expand", "slice", "detach", "alias", "getitem", "split", "split_with_sizes")
+
+
+def gathered_params(program) -> list[str]:
+    """Fqns of the parameters whose values an all_gather of the rank ``program`` moves (found by walking back
+    from each all_gather's input through ops that only move data, to the program's placeholders)."""
+    from adaptdist import graph_meta as gmeta
+
+    out = set()
+    for n in program.graph_module.graph.nodes:
+        if n.op != "call_function" or "all_gather" not in str(n.target):
+            continue
+        todo = [a for a in n.all_input_nodes]
+        while todo:
+            a = todo.pop()
+            if a.op == "placeholder":
+                if gmeta.get_role(a) == "param":
+                    out.add(gmeta.get_fqn(a))
+            elif a.op == "call_function" and getattr(a.target, "__name__", str(a.target)).split(".")[0] in _MOVES:
+                todo.extend(a.all_input_nodes)
+    return sorted(out)
+
+
+def starve_last_expert(model) -> None:
+    """Push the router's logit of the last expert far down (and the tokens' features positive), so that no token
+    picks it: its gradients are exactly zero in eager (tests/test_moe.py)."""
+    with torch.no_grad():
+        gate = model.moe.router.gate.weight
+        gate[-1] = -50 * gate[:-1].abs().sum(0)
+        model.inp.weight.abs_()
+        model.inp.bias.fill_(1.0)
+
 
 def moe_backend_worker(cases: list[dict], steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
     """Each case (``form``: moe.factory keywords, ``plan``: auto|dp|fsdp|ep) for ``steps`` SGD steps through
@@ -28,8 +62,10 @@ def moe_backend_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
         for case in cases:
             torch._dynamo.reset()
             model, batch, loss_fn = moe.factory(case["batch"], **case["form"])
+            if case.get("dead_expert"):
+                starve_last_expert(model)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
-            plan = ManualPlan.parse("ep", moe) if case["plan"] == "ep" else case["plan"]
+            plan = ManualPlan.parse("ep", moe) if case["plan"] == "ep-module" else case["plan"]  # "ep": EP_PLAN found
             be = adaptdist.backend(plan=plan)
             compiled = torch.compile(model, backend=be)
             losses, grads = [], []
@@ -49,6 +85,7 @@ def moe_backend_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                     continue
             out.append({"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
                         "meshes": [s.mesh for s in be.compiled], "collectives": [s.collectives() for s in be.compiled],
+                        "gathered": [gathered_params(s.program) for s in be.compiled],
                         "placements": [getattr(p, "_adaptdist_layout", None) is not None for p in model.parameters()],
                         "warnings": [str(w.message) for w in caught]})
         return out

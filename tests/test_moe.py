@@ -182,20 +182,27 @@ def test_backend_refuses_data_dependent_dispatch_at_the_graph_break():
 def test_backend_on_two_gloo_ranks_equals_eager():
     """torch.compile(backend=adaptdist.backend(plan=...)) on 2 gloo ranks, each passing its rows: losses,
     full gradients and parameters after 3 SGD steps equal eager's (the mean of the ranks' losses).
-    Under ``ep`` the backend lowers the experts sharded, but its per-rank capture (torch.vmap over the
-    ranks) folds the rank dim into the expert dim of the batched matmul, so the experts' weights are
-    gathered where used (FSDP's way), not reached by all_to_all: correct, not expert-parallel."""
+    Under ``ep`` the stacked experts stay sharded on their expert dim (the capture's batched matmuls keep the
+    rank dim out of the expert dim: adaptdist/compiler/expert_batching.py): tokens move by all_to_all and no
+    all_gather moves an expert weight; 3 experts on 2 ranks, one that no token picks: its gradients exactly
+    zero. ``plan="ep"`` reads moe.py's EP_PLAN (``ep-module``: ``ManualPlan.parse("ep", moe)``). ModuleList experts
+    under ``ep`` are refused as ``adaptdist train`` refuses them (EP_PLAN's globs match no parameter)."""
     from adaptdist.runtime.launch import launch_local
-    from moe_workers import moe_backend_worker
+    from moe_workers import moe_backend_worker, starve_last_expert
 
     cases = [dict(form=FORMS["stacked-scatter_add"], plan="ep", batch=4),
+             dict(form=dict(FORMS["stacked-index_add"], n_experts=3, k=1), plan="ep-module", batch=4, dead_expert=True),
              dict(form=FORMS["list-index_add"], plan="auto", batch=4)]
     where = dict(form=dict(experts="list", dispatch="where"), plan="dp", batch=4)  # refused, with the advice
-    results = launch_local(moe_backend_worker, (cases + [where], STEPS, LR), 2)
+    list_ep = dict(form=FORMS["list-index_add"], plan="ep", batch=4)  # refused: no stacked expert weight
+    results = launch_local(moe_backend_worker, (cases + [where, list_ep], STEPS, LR), 2)
     for r in range(2):
-        assert re.search(r"(?s)depends on the data.*dense dispatch", results[r][-1].get("error", "")), results[r][-1]
+        assert re.search(r"(?s)depends on the data.*dense dispatch", results[r][-2].get("error", "")), results[r][-2]
+        assert "'moe.w_in' matches no parameter" in results[r][-1].get("error", ""), results[r][-1]
     for k, case in enumerate(cases):
         model, (x, y), loss_fn = moe.factory(case["batch"], **case["form"])
+        if case.get("dead_expert"):
+            starve_last_expert(model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for s in range(STEPS):
             losses = [loss_fn(model(xr), yr) for xr, yr in zip(x.chunk(2), y.chunk(2))]
@@ -205,11 +212,21 @@ def test_backend_on_two_gloo_ranks_equals_eager():
                 assert got["losses"][s] == pytest.approx(losses[r].item(), abs=TOL), (case, r, s)
                 for n, p in model.named_parameters():
                     torch.testing.assert_close(got["grads"][s][n], p.grad, atol=TOL, rtol=0, msg=f"{case} {r} {s} {n}")
+                if case.get("dead_expert"):  # no token reaches expert 2: exactly zero, in eager and here
+                    eager = dict(model.named_parameters())
+                    for n in ("moe.w_in", "moe.w_out"):
+                        assert got["grads"][s][n][-1].abs().max() == 0 == eager[n].grad[-1].abs().max(), (n, s)
             opt.step()
             opt.zero_grad()
         for r in range(2):
             for n, p in model.named_parameters():
                 torch.testing.assert_close(results[r][k]["params"][n], p.detach(), atol=TOL, rtol=0, msg=f"{case} {n}")
+            got = results[r][k]
+            if case["plan"].startswith("ep"):
+                assert got["meshes"] == [{"ep": 2}], got["meshes"]
+                assert got["gathered"] == [[]], got["gathered"]  # no all_gather moves an expert weight (nor any)
+                assert any("all_to_all" in c for c in got["collectives"][0]), got["collectives"]
+                assert got["placements"][[n for n, _ in model.named_parameters()].index("moe.w_in")]  # held sharded
         assert not any("graph break" in w for w in results[0][k]["warnings"]), results[0][k]["warnings"]
 
 

@@ -41,6 +41,10 @@ SAMPLE = (
     "index_select", "gather", "take_along_dim", "nn.functional.embedding",
     # batches of matrices and others (opinfo2): the crash of pad.circular on 3 ranks, linalg's batch dims
     "nn.functional.pad.circular", "cholesky", "linalg.slogdet", "cdist", "unfold", "nn.functional.bilinear",
+    # over the split batch without gathering it (opinfo90): two-pass variance, all-reduced max, norms, diagonals,
+    # scatter by global row, _chunk_cat on a rank holding no rows
+    "var.unbiased", "max.reduction_no_dim", "masked.amax", "linalg.norm", "trace", "diagonal", "scatter_reduce.amax",
+    "_chunk_cat",
 )
 
 

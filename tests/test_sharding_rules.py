@@ -78,14 +78,16 @@ def test_sum_over_sharded_dim_is_partial_and_max_is_refused():
     n, _ = node(aten.sum.dim_IntList, ..., [1], val_shape=[6], arg_shapes=[[6, 4]])
     assert run(n, [Shard(0)]).out == Shard(0)
     n, _ = node(aten.amax.default, ..., [0], val_shape=[4], arg_shapes=[[6, 4]])
-    res = run(n, [Shard(0)])  # max over the shard: gather, then every rank computes it
-    assert res.out == R and res.needs == {(0,): R}
+    res = run(n, [Shard(0)])  # (opinfo90) max over the shard: each rank's, all-reduced by all_reduce_extrema
+    assert res.out == R and res.needs == {}
+    n, _ = node(aten.amax.default, ..., [1], val_shape=[6], arg_shapes=[[6, 4]])
+    assert run(n, [Shard(0)]).out == Shard(0)
 
 
 def test_ops_without_rules_are_fine_when_replicated():
-    n, _ = node(aten.trace.default, ..., val_shape=[], arg_shapes=[[6, 4]])  # (renorm has a rule now)
+    n, _ = node(aten._pdist_forward.default, ..., val_shape=[15], arg_shapes=[[6, 4]])  # (renorm, trace have rules)
     assert run(n, [R]).out == R
-    with pytest.raises(UnsupportedOpError, match="trace"):  # neither ours nor DTensor's
+    with pytest.raises(UnsupportedOpError, match="_pdist_forward"):  # neither ours nor DTensor's
         run(n, [Shard(0)])
 
 

@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the predicted peak memory of the local ranks exceeds this host's "
                         "available memory (the check then only warns)")
+    t.add_argument("--trace", action="store_true",
+                   help="record what every rank does when (forward, backward, collectives, optimizer, idle) and "
+                        "write OUT/trace.json (chrome://tracing, Perfetto), OUT/timeline.png and OUT/timeline.html, "
+                        "measured beside the cost model's prediction")
     p = sub.add_parser("plan", help="compile a plan and print where every parameter lives (no training)",
                        formatter_class=fmt)
     _add_common(p)

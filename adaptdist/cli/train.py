@@ -34,7 +34,8 @@ RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan",
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
-           "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl")
+           "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl",
+           "trace", "trace.json", "timeline.png", "timeline.html")
 """What a run writes into ``--out``; a new run into the same directory removes the previous run's first."""
 
 
@@ -369,6 +370,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                       async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
                       run_meta={"cluster": _cluster_doc(cluster), "config": settings})
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
+    cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
     t0 = time.perf_counter()
     try:
         if elastic:
@@ -382,6 +384,10 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name)
+    if cfg.trace:
+        from .trace_outputs import write_run_trace
+
+        write_run_trace(out, programs, cluster, args.optimizer, plan.name, console)
     losses = summary["losses"]
     restarts = len(summary["restarts"])
     console.print(

@@ -165,11 +165,20 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     summary = ""
     if planner is not None:
         ev = planner.predicted
-        summary = (f"automatic plan: {len(planner.tried)} mesh shapes tried; ILP predicted step "
-                   f"{1e3 * ev.step_s:.3f} ms, {ev.memory_bytes / 2**20:,.1f} MiB per rank")
-    report = render_report(title=f"adaptdist compile {spec.text}", manifest=manifest, plan=programs[0].plan,
+        summary = (f"automatic plan: {len(planner.tried)} mesh shapes tried; the planner's ILP objective "
+                   f"{1e3 * ev.step_s:.3f} ms per step, {ev.memory_bytes / 2**20:,.1f} MiB per rank (see 'Predicted "
+                   "step time' for how it differs from the cost model's estimate)")
+    from .report import pipeline_view, rank_mapping_view
+
+    plan = programs[0].plan
+    device_names = [f"{cluster.device(r).kind}@{cluster.device(r).host}" for r in range(cluster.world_size)]
+    report = render_report(title=f"adaptdist compile {spec.text}", manifest=manifest, plan=plan,
                            fqns=list(programs[0].input_fqns), hosts=hosts, estimate=estimate,
-                           planner_summary=summary, phases_s=phases)
+                           planner_summary=summary, phases_s=phases, param_fqns=list(programs[0].param_fqns),
+                           planner_prediction=planner.predicted if planner is not None else None,
+                           pipeline=pipeline_view(plan, cluster.world_size),
+                           rank_mapping=rank_mapping_view(plan, device_names),
+                           state_placements=programs[0].state_placements)
     (d / "report.html").write_text(report)
     from ..program import _sha256
 

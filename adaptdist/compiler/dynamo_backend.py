@@ -58,7 +58,8 @@ class AdaptdistBackend:
     Attributes:
         cluster: an :class:`~adaptdist.cluster.Cluster`, a cluster file path, or None (the local machine
             with the world size's ranks).
-        plan: ``"auto"`` (the planner), ``"dp"``, ``"fsdp"``, ``"dp,tp"``/``"tp"`` as a
+        plan: ``"auto"`` (the planner), ``"dp"``, ``"fsdp"``, ``"ep"`` (the ``EP_PLAN`` globs of the compiled module's
+            file: stacked experts sharded on their expert dim, tokens moved by all_to_all), ``"dp,tp"``/``"tp"`` as a
             :class:`~adaptdist.annotations.ManualPlan` (``ManualPlan.parse("tp", model_module)``), a plan
             file path (YAML annotations or a saved ``plan.json``), or a :class:`~adaptdist.plan.Plan`.
         constraints: the planner's pins and forbidden axes (:class:`~adaptdist.compiler.planner.Constraints`
@@ -114,7 +115,9 @@ class AdaptdistBackend:
                 raise UsageError(f"adaptdist.backend(plan={self.plan!r}) needs the model's tensor-parallel globs: pass "
                                  f"plan=ManualPlan.parse({self.plan!r}, module) with a module defining TP_PLAN = "
                                  "{'blocks.*.fc.weight': 'S(0)', ...}, or a plan file")
-            if key != "auto":
+            if key == "ep":
+                self.plan = "ep"  # the EP_PLAN of the compiled model's module file, found at compile (_model_ep_plan)
+            elif key != "auto":
                 try:
                     self.plan = ManualPlan.parse(self.plan)
                 except UsageError as e:
@@ -426,6 +429,8 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     earlier = [i.layout for i in inputs if i.layout is not None]
     if earlier:
         return _plan_of_sharded(captured, earlier)
+    if config.plan == "ep":
+        return _model_ep_plan()
     if isinstance(config.plan, (Plan, ManualPlan)):
         return config.plan  # checked by AdaptdistBackend.__post_init__: otherwise "auto"
     distributed = dist.is_available() and dist.is_initialized()
@@ -440,6 +445,32 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     if distributed:
         text = _agree("planning", text, rank, control)[0]
     return Plan.from_json(text, "the automatic plan")  # rank 0 logs it with the compiled graph
+
+
+def _model_ep_plan() -> Any:
+    """``plan="ep"``: the ``ep`` preset with the ``EP_PLAN`` globs of the file defining the compiled module's class
+    (``adaptdist/models/moe.py``'s for its MoEModel), as ``adaptdist train --plan ep`` reads the model file's.
+
+    Raises:
+        UsageError: the compiled code is not a module's forward, or its file defines no ``EP_PLAN`` (says what to pass).
+    """
+    import sys
+
+    from ..annotations import ManualPlan
+
+    root = compat.dynamo_root_module()
+    if root is None:
+        wrapper = compat.dynamo_compiled_wrapper()
+        root = wrapper._orig_mod if wrapper is not None else None
+    module = sys.modules.get(type(root).__module__) if root is not None else None
+    if module is None:
+        raise UsageError("adaptdist.backend(plan='ep') reads EP_PLAN from the file of the compiled module's class, and "
+                         "the compiled code is not a module's forward: pass plan=ManualPlan.parse('ep', model_module)")
+    try:
+        return ManualPlan.parse("ep", module)
+    except UsageError as e:
+        raise UsageError(f"adaptdist.backend(plan='ep') on {type(root).__name__} ({module.__name__}): {e}; or pass "
+                         "plan=ManualPlan.parse('ep', model_module)") from None
 
 
 def _check_same_rng_state(rank: int, control: Any) -> None:

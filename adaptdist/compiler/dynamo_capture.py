@@ -342,6 +342,9 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         CaptureError: the graph cannot be run for all ranks at once (an op without a vmap rule, a buffer
             updated in place, a data-dependent shape), naming the construct and what to try.
     """
+    from .checkpoint_regions import recompute_regions, with_marked_regions
+
+    gm = with_marked_regions(gm)  # a user's torch.utils.checkpoint: recomputed in the backward (issue 14, part 6)
     casts = compat.autocast_states()
     per_rank = running_stat_buffers(gm, inputs)
     if casts or any(compat.is_autocast_node(n) for n in gm.graph.nodes):
@@ -352,6 +355,11 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                                f"batch_norm='sync' under torch.autocast is not supported by the adaptdist backend "
                                "yet: run BatchNorm outside the autocast region, or train with adaptdist train")
         gm = _with_explicit_casts(gm, inputs)
+    from .expert_batching import with_rank_bmm
+
+    # batched matmuls against stacked [E, ...] weights keep the expert dim apart from the rank dim (issue 14, ep)
+    gm = with_rank_bmm(gm, {ph.name for ph, i in zip(gm.graph.find_nodes(op="placeholder"), inputs)
+                            if i.kind == "param"})
     outputs = _graph_outputs(gm)
     # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
     # forward part is then all that runs, and it is the same as in training.
@@ -385,6 +393,9 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
+    by_name = {n.name: n for n in joint.graph.output_node().args[0] if isinstance(n, torch.fx.Node)}
+    recompute_regions(joint, [by_name[n] for n in list(sig.user_outputs[1:]) + list(sig.buffers_to_mutate)
+                              if n in by_name], by_name[sig.user_outputs[0]])
     return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
 
 

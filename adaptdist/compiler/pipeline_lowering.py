@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -412,7 +413,6 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
         return seen
 
     # 1b. the microbatch axis's collectives: identity (gradients, loss) or prologue (batch-only reductions)
-    fw = ancestors([loss_val])
     out_users = {o: roles[i] for i, o in enumerate(outs) if isinstance(o, torch.fx.Node)}
     normalizers: list[tuple[torch.fx.Node, Any, str]] = []  # (placeholder, what to compute, reduce op)
     last_ph = placeholders[-1]
@@ -673,7 +673,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
                   dict(vprog.state_placements), dict(vprog.global_shapes))
 
 
-_getitem = __import__("operator").getitem
+_getitem = operator.getitem
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -4,6 +4,7 @@ axis (``passes/README.md`` describes each pass; ``tests/test_pass_pipeline.py`` 
 
 from __future__ import annotations
 
+from .all_reduce_extrema import all_reduce_extrema
 from .batch_norm import keep_rank0_running_stats, sync_batch_norm
 from .bucket_grad_allreduce import bucket_grad_allreduce
 from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
@@ -12,8 +13,10 @@ from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
 from .embedding_bag import decompose_embedding_bag
 from .global_rng import global_rng
+from .global_statistics import globalize_statistics
 from .globalize_reductions import globalize_reductions
 from .infra import Pass
+from .localize_indices import localize_indices
 from .insert_redistributes import insert_redistributes
 from .propagate_placements import propagate_placements
 from .regather_in_backward import regather_in_backward
@@ -28,9 +31,12 @@ PASSES: tuple[Pass, ...] = (
     propagate_placements,
     combine_partial_sums,
     globalize_reductions,
+    globalize_statistics,
     propagate_placements,
     global_rng,
     insert_redistributes,
+    all_reduce_extrema,
+    localize_indices,
     keep_rank0_running_stats,
     vocab_parallel_embedding,
     vocab_parallel_loss,

@@ -1765,6 +1765,86 @@ _OPINFO_RULES: dict[Any, Callable[[torch.fx.Node, PlacementOf], RuleResult]] = {
 RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES})  # ours never replace others'
 
 
+# ---------------------------------------------------------------- issue 14 point 1, "opinfo90": over the shard
+# extrema (all_reduce_extrema), gathers/scatters by global row (localize_indices), statistics (globalize_statistics)
+
+
+def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims): over the sharded dim each rank reduces its
+    own rows and the output is replicated once the ``all_reduce_extrema`` pass all-reduces it (max/min) right
+    after the op; otherwise as :func:`reduction` (a Partial input is reduced first)."""
+    x = node.args[0]
+    p = pl(x)
+    nd = len(shape(x))
+    whole = node.target in (aten.max.default, aten.min.default)
+    dims = list(range(nd)) if whole else _norm_dims(_arg(node, 1, "dim", None), nd)
+    if isinstance(p, Shard) and p.dim in dims:
+        return RuleResult(R)
+    if whole:
+        return RuleResult(R, {} if isinstance(p, Replicate) else {(0,): R})
+    return reduction(node, pl)
+
+
+def whole_reduction(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) trace(x), dist(a, b, p) (a scalar from every element), diagonal_scatter(x, src, offset, ..) of
+    a matrix (a batch of them: DTensor's strategies): replicated inputs give a replicated value, others are
+    gathered (the ``globalize_statistics`` pass first rewrites a sharded one into sums, or a masked ``where``)."""
+    return gather_all(node, pl, "it reduces every element") if any(
+        not isinstance(pl(a), Replicate) for _, a in tensor_args(node)) else RuleResult(R)
+
+
+def scatter_reduce_other_dim(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """(opinfo90) scatter_reduce(x, dim, index, src, reduce) sharded on another dim: as :func:`gather_scatter`
+    where x, index and src have the same size there (their shards then hold the same slices); else gathered."""
+    d = next((p.dim for _, a in tensor_args(node) for p in [pl(a)] if isinstance(p, Shard)), None)
+    if d is not None and len({shape(a)[d] if d < len(shape(a)) else -1 for _, a in tensor_args(node)}) != 1:
+        return gather_all(node, pl, "its index is smaller than its input on the sharded dim")
+    return gather_scatter(node, pl)
+
+
+def index_along_shard(fallback: Callable | None) -> Callable[[torch.fx.Node, PlacementOf], RuleResult | None]:
+    """(opinfo90) gather(x, dim, index) and scatter/scatter_add/scatter_reduce(x, dim, index, src) with ``x``
+    sharded on ``dim`` itself and ``index`` replicated: each rank reads / writes the rows it holds (the
+    ``localize_indices`` pass shifts the indices by the rank's first row and masks the others): a scatter keeps
+    the shard (``src`` replicated: every rank sees every update and keeps those landing in its rows), a gather
+    gives a Partial sum (the rows another rank holds read 0). Other forms: ``fallback`` (None: DTensor's)."""
+    def rule(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+        self_, dim, index = node.args[:3]
+        nd = max(len(shape(self_)), 1)
+        ps = pl(self_)
+        if isinstance(ps, Shard) and ps.dim == dim % nd and isinstance(pl(index), Replicate) and len(shape(index)) == nd:
+            if node.target == aten.gather.default:
+                return RuleResult(P)
+            src = node.args[3] if len(node.args) > 3 else None
+            needs = {(3,): R} if isinstance(src, torch.fx.Node) and not isinstance(pl(src), Replicate) else {}
+            return RuleResult(Shard(dim % nd), needs)
+        return fallback(node, pl) if fallback is not None else None
+
+    return rule
+
+
+def diagonal_scatter_matrix(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """(opinfo90) diagonal_scatter of one matrix: :func:`whole_reduction`; of a batch of them: DTensor's."""
+    return whole_reduction(node, pl) if len(shape(node.args[0])) == 2 else None
+
+
+# (opinfo90) these replace the earlier entries for gather/scatter*/amax/amin (which they call for the other forms)
+RULES.update({
+    aten.gather.default: index_along_shard(RULES[aten.gather.default]),
+    aten.scatter.src: index_along_shard(RULES[aten.scatter.src]),
+    aten.scatter.value: index_along_shard(RULES[aten.scatter.value]),
+    aten.scatter_add.default: index_along_shard(RULES[aten.scatter_add.default]),
+    aten.scatter_reduce.two: index_along_shard(RULES.get(aten.scatter_reduce.two, scatter_reduce_other_dim)),
+    aten.trace.default: whole_reduction,
+    aten.dist.default: whole_reduction,
+    aten.diagonal_scatter.default: diagonal_scatter_matrix,
+    aten.amax.default: extremum,
+    aten.amin.default: extremum,
+    aten.max.default: extremum,
+    aten.min.default: extremum,
+})
+
+
 # ---------------------------------------------------------------- DTensor's strategies, after ours
 
 

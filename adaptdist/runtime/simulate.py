@@ -134,7 +134,8 @@ def _carry_out(kind: str, vals: list[torch.Tensor], at: dict, ranks: tuple[int, 
     first = at[ranks[0]]
     if kind == "all_reduce":
         op = first.args[1]
-        total = torch.stack(vals).amax(0) if op == "max" else torch.stack(vals).sum(0)
+        stacked = torch.stack(vals)
+        total = stacked.amax(0) if op == "max" else stacked.amin(0) if op == "min" else stacked.sum(0)
         out = [total.clone() for _ in ranks]
     elif kind == "all_to_all":
         splits = [list(at[m].args[2]) for m in ranks]  # input split sizes (rows of dim 0) per member

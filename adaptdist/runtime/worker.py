@@ -29,6 +29,7 @@ from ..model_spec import load_module
 from ..program import RankProgram, load_program
 from .grad_clip import clip_grad_norm_
 from .memory import PeakMemory
+from .trace import TraceRecorder
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class TrainConfig:
     backend: str = "gloo"
     progress: bool = True
     checkpoint: bool = True
+    trace: bool = False
+    """Record every rank's spans (:mod:`.trace`) into ``OUT/trace/rank{r}.json``."""
     measure_memory_step: int | None = None
     items_per_step: int = 1
     unit: str = "tokens"
@@ -130,6 +133,8 @@ class StepRunner:
 
     def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None):
         self.program = program
+        self.trace = TraceRecorder(program.rank, enabled=False)
+        self._run = program
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         self.state = {k: v.clone() for k, v in program.state.items()}
@@ -143,15 +148,16 @@ class StepRunner:
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
-        outs = self.program(*self.inputs, *self.program.local_batch(global_batch))
+        outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
         self.last_grads = {f: outs[i] for f, i in zip(self.program.param_fqns, self.grad_slots)}
         if self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(self.last_grads, self.program, self.max_grad_norm)
-        for p, i in zip(self.params, self.grad_slots):
-            p.grad = outs[i]
-        self.opt.step()
-        for p in self.params:
-            p.grad = None
+        with self.trace.span("optimizer"):
+            for p, i in zip(self.params, self.grad_slots):
+                p.grad = outs[i]
+            self.opt.step()
+            for p in self.params:
+                p.grad = None
         with torch.no_grad():
             for i, fqn in self.buffer_slots:
                 self.state[fqn].copy_(outs[i])
@@ -161,6 +167,35 @@ class StepRunner:
         """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
         sd = self.opt.state_dict()
         return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+    def use_trace(self, trace: TraceRecorder) -> None:
+        """Record each step's forward, backward, collectives and optimizer into ``trace`` (when enabled)."""
+        self.trace = trace
+        self._run = _traced_program(self.program, trace) if trace.enabled else self.program
+
+
+def _traced_program(program: RankProgram, trace: TraceRecorder):
+    """``program``'s step with its collectives and its forward/backward boundary recorded into ``trace``
+    (:func:`.trace.instrument_collectives` on an FX trace of its code); when its code cannot be traced, the
+    program itself inside one ``FB`` span."""
+    import torch.fx
+
+    from .trace import instrument_collectives
+
+    forward = [i for i, r in enumerate(program.output_roles) if r == "loss" or r.startswith("buffer:")]
+    try:
+        gm = program.module if isinstance(program.module, torch.fx.GraphModule) else torch.fx.symbolic_trace(
+            program.module)
+        return instrument_collectives(gm, trace, forward_outputs=forward)
+    except Exception as e:  # noqa: BLE001 - a trace is a view; the step must run regardless
+        print(f"adaptdist: rank {program.rank}: --trace records forward and backward as one span ({type(e).__name__}: "
+              f"{e})", file=sys.stderr, flush=True)
+
+        def step(*args):
+            with trace.span("FB"):
+                return program(*args)
+
+        return step
 
 
 def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
@@ -354,6 +389,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         if start >= cfg.steps:
             events.note(f"the checkpoint is at step {start}, --steps is {cfg.steps}: nothing to train")
         batches = positioned_batches(cfg.data, start, events.note)
+        trace = TraceRecorder(rank, enabled=cfg.trace)
+        if cfg.trace:
+            if hasattr(runner, "use_trace"):  # use_trace(TraceRecorder): StepRunner's below, a pipeline runner's own
+                runner.use_trace(trace)
+            else:
+                events.note(f"--trace: {type(runner).__name__} records no spans inside a step (no use_trace)")
+            trace.align_clocks()  # (collective) every rank's time origin right after one barrier
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
         checkpoint_times: list[float] = []
@@ -379,12 +421,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     fault.maybe_fire(rank, step + 1, attempt - cfg.first_attempt, cfg.out_dir)
                 t0 = time.perf_counter()
                 try:
-                    if cfg.measure_memory_step == step:
-                        with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+                    with trace.step(step):
+                        if cfg.measure_memory_step == step:
+                            with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
+                                loss = runner.step(batch)
+                            peak = pm.report
+                        else:
                             loss = runner.step(batch)
-                        peak = pm.report
-                    else:
-                        loss = runner.step(batch)
                     signum = stop.agreed(step + 1)
                 except Exception as e:
                     named = named_timeout(e, heartbeat, step + 1)
@@ -419,6 +462,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     raise SystemExit(128 + signum)
         if cfg.checkpoint:
             _write_weights(cfg, runner, rank, device_mesh)
+        if cfg.trace:
+            trace.save(Path(cfg.out_dir) / "trace" / f"rank{rank}.json")
         dist.barrier()
         status.update(state="finished", step=cfg.steps)
         warm = times[min(2, len(times) - 1):] or times or [float("nan")]

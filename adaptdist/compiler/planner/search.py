@@ -117,6 +117,7 @@ class PlannerResult:
     graph: PlanningGraph
     chosen: dict[str, dict[str, Strategy]] = field(default_factory=dict)
     calibrated: bool = True
+    pipeline: Any = None  # the inter-stage planner's PipelineChoice, or why it gave none (str): stages.with_pipeline
 
     @property
     def solve_s(self) -> float:

@@ -10,20 +10,46 @@ from .explain import layer_rows
 from .search import PlannerResult, plan_auto
 
 
+PIPELINE_IN_AUTO = False
+"""Whether ``--plan auto`` (train, plan, estimate, compile, explain) also weighs pipeline stages (pp-plan's
+inter-stage planner, :mod:`.stages`) and takes the pipeline plan where it is predicted faster. Off until the
+pipeline lowering and runtime (pp-core, pp-run) are merged; ``run_planner(pipeline=True)`` asks for it."""
+
+
 def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None,
-                replicate_fallback: bool = False) -> PlannerResult:
+                replicate_fallback: bool = False, pipeline: bool | None = None) -> PlannerResult:
     """:func:`plan_auto` on ``captured`` for ``cluster`` (``mesh``: a fixed ``"dp=2,tp=2"``), with a status line
-    while it searches; ``replicate_fallback`` as ``--replicate-fallback``."""
+    while it searches; ``replicate_fallback`` as ``--replicate-fallback``; ``pipeline`` (default
+    :data:`PIPELINE_IN_AUTO`): also plan pipeline stages (without a fixed mesh)."""
     from ...mesh import Mesh
+
+    pipeline = PIPELINE_IN_AUTO if pipeline is None else pipeline
 
     fixed = Mesh.parse(mesh) if mesh else None
     if fixed is not None and fixed.world_size != cluster.world_size:
         raise UsageError(f"--mesh {mesh} has {fixed.world_size} ranks but the cluster has {cluster.world_size}")
+    def plan(progress=None) -> PlannerResult:
+        from ...errors import PlanInfeasibleError
+
+        try:
+            result = plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer,
+                               replicate_fallback=replicate_fallback, progress=progress)
+        except PlanInfeasibleError as e:
+            if not (pipeline and fixed is None):
+                raise
+            from .stages import pipeline_only
+
+            return pipeline_only(captured, cluster, e, optimizer=optimizer, progress=progress)
+        if pipeline and fixed is None:
+            from .stages import with_pipeline
+
+            result = with_pipeline(result, captured, cluster, optimizer=optimizer, progress=progress)
+        return result
+
     if console is None:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback)
+        return plan()
     with console.status("planning") as status:
-        return plan_auto(captured, cluster, mesh=fixed, optimizer=optimizer, replicate_fallback=replicate_fallback,
-                         progress=lambda text: status.update(f"planning: {text}"))
+        return plan(lambda text: status.update(f"planning: {text}"))
 
 
 def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
@@ -40,6 +66,8 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                   f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
                   f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
                   f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    if result.pipeline is not None:
+        print_stage_plan(console, result.pipeline)
     if not result.calibrated:
         console.print("[yellow](predicted with uncalibrated default figures; `adaptdist cluster profile` measures this "
                       "machine's)[/]")
@@ -77,3 +105,17 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
         for pattern, text, n in layer_rows(result):
             t.add_row(pattern, text, str(n))
         console.print(t)
+
+
+def print_stage_plan(console: Any, stages: Any) -> None:
+    """The inter-stage planner's result (:class:`.stages.PipelineChoice`: :func:`.stages.stage_plan_lines`), or why
+    there is none (a str), on ``console``."""
+    from rich.markup import escape
+
+    from .stages import stage_plan_lines
+
+    if isinstance(stages, str):
+        console.print(escape(f"pipeline stages: {stages}"))
+        return
+    for line in stage_plan_lines(stages):
+        console.print(escape(line))

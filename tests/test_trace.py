@@ -1,0 +1,239 @@
+"""runtime/trace.py and runtime/trace_view.py: the recorder, idle fractions, the Chrome trace's format, the
+instrumented program, the predicted pipeline timeline, the pictures, and `train --trace` end to end."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from adaptdist.errors import AdaptdistError
+from adaptdist.runtime.trace import (COMPUTE_KINDS, Span, TraceRecorder, chrome_trace, idle_fraction,
+                                     instrument_collectives, merge_traces)
+from adaptdist.runtime.trace_view import (predicted_pipeline_spans, predicted_spmd_spans,
+                                          write_trace_outputs)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _recorded(rank: int = 0, offset_s: float = 0.0):
+    """A rank's 2 steps on a virtual clock: F 3 ms, 1 ms gap, B 4 ms with a send inside, optimizer 1 ms, in
+    10 ms steps (so 2 ms of idle per step: the gap and the tail)."""
+    clk = Clock()
+    clk.t = 100.0 + offset_s
+    rec = TraceRecorder(rank, clock=clk)
+    rec.set_origin()
+    for step in range(2):
+        with rec.step(step):
+            with rec.span("F", stage=0, microbatch=step):
+                clk.t += 0.003
+            clk.t += 0.001
+            with rec.span("B", stage=0, microbatch=step):
+                h = rec.begin("send", stage=0, microbatch=step, peer=1)
+                clk.t += 0.004
+                rec.end(h)
+            with rec.span("optimizer"):
+                clk.t += 0.001
+            clk.t += 0.001
+    return rec
+
+
+def test_recorder_spans_and_idle_fraction():
+    rec = _recorded()
+    kinds = [s.kind for s in rec.spans]
+    assert kinds.count("F") == kinds.count("B") == kinds.count("send") == kinds.count("optimizer") == 2
+    send = next(s for s in rec.spans if s.kind == "send")
+    assert send.lane == "comm" and send.args == {"peer": 1} and send.microbatch == 0 and send.step == 0
+    assert [round(s.duration_s, 9) for s in rec.steps] == [0.01, 0.01]
+    assert rec.idle_fraction() == pytest.approx(0.2)
+    idle = rec.idle_spans()
+    assert [(round(s.start_s, 6), round(s.end_s, 6)) for s in idle[:2]] == [(0.003, 0.004), (0.009, 0.01)]
+
+
+def test_disabled_recorder_records_nothing_and_is_cheap():
+    rec = TraceRecorder(0, enabled=False)
+    assert rec.span("F") is rec.span("B", microbatch=1) is rec.step(0)  # one shared empty context
+    with rec.step(0), rec.span("F"):
+        rec.end(rec.begin("send"))
+        rec.add("F", 0.0, 1.0)
+    assert rec.spans == [] and rec.steps == []
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(AdaptdistError, match="kind 'fwd'"):
+        TraceRecorder(0).begin("fwd")
+
+
+def test_waits_count_as_idle_inside_compute():
+    rec = TraceRecorder(0, clock=Clock())
+    steps = [Span(0, "step", 0.0, 1.0, step=0)]
+    spans = [Span(0, "FB", 0.0, 0.8, step=0), Span(0, "wait", 0.5, 0.7, step=0)]
+    assert idle_fraction(spans, steps) == pytest.approx(0.4)
+    assert rec.idle_fraction() != rec.idle_fraction()  # nan: no steps
+
+
+def test_merge_aligns_one_host_by_the_monotonic_clock():
+    a, b = _recorded(0), _recorded(1, offset_s=0.5)
+    trace = merge_traces([a.to_dict(), b.to_dict()])
+    f0 = next(s for s in trace.spans if s.rank == 0 and s.kind == "F")
+    f1 = next(s for s in trace.spans if s.rank == 1 and s.kind == "F")
+    assert f1.start_s - f0.start_s == pytest.approx(0.5)
+    assert "monotonic" in trace.alignment.lower()
+    assert trace.idle_fractions() == pytest.approx({0: 0.2, 1: 0.2})
+    other = dict(b.to_dict(), host="elsewhere")
+    trace2 = merge_traces([a.to_dict(), other])
+    assert "barrier" in trace2.alignment
+    with pytest.raises(AdaptdistError, match="version"):
+        merge_traces([dict(a.to_dict(), version=99)])
+
+
+def _check_trace_event_format(doc):
+    """The Trace Event Format's required fields (Chromium's "Trace Event Format" document): a JSON object with
+    ``traceEvents``; complete events ``ph: X`` carry name, cat, ts and dur (microseconds, numbers), pid, tid;
+    metadata events ``ph: M`` name a process or thread in ``args.name``."""
+    json.loads(json.dumps(doc))  # plain JSON
+    assert isinstance(doc["traceEvents"], list) and doc["displayTimeUnit"] in ("ms", "ns")
+    xs = 0
+    for ev in doc["traceEvents"]:
+        assert ev["ph"] in ("X", "M"), ev
+        assert isinstance(ev["name"], str) and isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
+        if ev["ph"] == "X":
+            xs += 1
+            assert isinstance(ev["ts"], (int, float)) and isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0
+            assert isinstance(ev["cat"], str) and isinstance(ev.get("args", {}), dict)
+        else:
+            assert ev["name"] in ("process_name", "thread_name", "process_sort_index", "thread_sort_index")
+            assert "name" in ev["args"] or "sort_index" in ev["args"]
+    return xs
+
+
+def test_chrome_trace_has_the_required_fields():
+    trace = merge_traces([_recorded(0).to_dict(), _recorded(1).to_dict()])
+    pred = predicted_spmd_spans({0: (0.008, 0.001, 0.001), 1: (0.008, 0.001, 0.001)})
+    doc = chrome_trace(trace, pred)
+    xs = _check_trace_event_format(doc)
+    assert xs == len(trace.spans) + 2 * 2 * 2 + len(trace.steps) + len(pred)  # spans, idle (2 per step), steps, predicted
+    f = next(e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "F" and e["pid"] == 1)
+    assert f["name"] == "F0" and f["tid"] == 0 and f["args"] == {"step": 0, "stage": 0, "microbatch": 0}
+    assert f["dur"] == pytest.approx(3000.0)
+    send = next(e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "send")
+    assert send["tid"] == 1
+    assert {e["pid"] for e in doc["traceEvents"]} == {0, 1, 1000, 1001}
+
+
+def test_predicted_gpipe_timeline_by_hand():
+    # 2 stages on 2 ranks, 2 microbatches, GPipe: F 1 s, B 2 s, send 0.5 s
+    acts = {0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
+            1: [(1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)]}
+    spans = predicted_pipeline_spans(acts, {(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 2.0, (1, "B"): 2.0}, p2p_s=0.5)
+    got = {(s.rank, s.label()): (s.start_s, s.end_s) for s in spans if s.lane == "compute"}
+    assert got == {(0, "F0"): (0, 1), (0, "F1"): (1, 2), (1, "F0"): (1.5, 2.5), (1, "F1"): (2.5, 3.5),
+                   (1, "B0"): (3.5, 5.5), (1, "B1"): (5.5, 7.5), (0, "B0"): (6.0, 8.0), (0, "B1"): (8.0, 10.0)}
+    assert sum(s.kind == "send" for s in spans) == 4
+
+
+def test_predicted_timeline_refuses_a_deadlock_and_a_missing_action():
+    times = {(0, "F"): 1.0, (1, "F"): 1.0, (0, "B"): 1.0, (1, "B"): 1.0}
+    with pytest.raises(AdaptdistError, match="deadlocks: .*rank 0: B0 of stage 0"):
+        predicted_pipeline_spans({0: [(0, "B", 0), (0, "F", 0)], 1: [(1, "F", 0), (1, "B", 0)]}, times)
+    with pytest.raises(AdaptdistError, match="F0 of stage 0, which no rank"):
+        predicted_pipeline_spans({1: [(1, "F", 0)]}, times)
+    with pytest.raises(AdaptdistError, match="no predicted time for action W0"):
+        predicted_pipeline_spans({0: [(0, "F", 0), (0, "B", 0), (0, "W", 0)]}, times)
+
+
+def test_writers_png_html_json(tmp_path):
+    for r in (0, 1):
+        _recorded(r).save(tmp_path / "trace" / f"rank{r}.json")
+    acts = {0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "F", 0), (1, "B", 0)]}
+    pred = predicted_pipeline_spans(acts, lambda s, k, m: 0.003 if k == "F" else 0.004, p2p_s=0.0005)
+    res = write_trace_outputs(tmp_path / "trace", tmp_path, pred, notes=["a note"])
+    assert res["idle_fraction"] == pytest.approx({0: 0.2, 1: 0.2})
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_trace_event_format(json.loads((tmp_path / "trace.json").read_text()))
+    page = (tmp_path / "timeline.html").read_text()
+    assert "<script" not in page and "src=" not in page and "<link" not in page  # self-contained
+    assert page.count("<svg") == 2 and "predicted" in page and "a note" in page and "<title>rank 1 F stage 0" in page
+    with pytest.raises(AdaptdistError, match="no rank"):
+        write_trace_outputs(tmp_path / "nothing", tmp_path)
+
+
+@pytest.fixture
+def one_rank_group():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def test_instrumented_program_records_collectives_and_fb_and_keeps_values(one_rank_group):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    name = one_rank_group
+
+    def joint(w, x):  # a "forward" (the loss, with an all_reduce) then a "backward" (grad, all_reduced)
+        h = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x @ w, "sum", name))
+        loss = h.sum()
+        g = torch.ops._c10d_functional.all_reduce(x.t() @ torch.ones_like(h), "sum", name)
+        return loss, torch.ops._c10d_functional.wait_tensor(g)
+
+    w, x = torch.randn(3, 2), torch.randn(4, 3)
+    gm = make_fx(joint)(w, x)
+    rec = TraceRecorder(0)
+    rec.set_origin()
+    inst = instrument_collectives(gm, rec, forward_outputs=[0])
+    with rec.step(0), rec.span("FB", stage=1, microbatch=2):
+        got = inst(w, x)
+    want = gm(w, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    by = {k: [s for s in rec.spans if s.kind == k] for k in ("collective", "wait", "F", "B")}
+    assert [len(v) for v in by.values()] == [2, 2, 1, 1]
+    assert {s.args["op"] for s in by["collective"]} == {"all_reduce"}
+    assert sorted(s.args["bytes"] for s in by["collective"]) == [4 * 3 * 2, 4 * 4 * 2]
+    assert all(s.stage == 1 and s.microbatch == 2 and s.step == 0 for v in by.values() for s in v)
+    f, b = by["F"][0], by["B"][0]
+    assert f.end_s == b.start_s and f.start_s <= min(s.start_s for s in by["collective"])
+    first = min(by["collective"], key=lambda s: s.start_s)
+    assert f.start_s <= first.start_s <= first.end_s <= f.end_s  # the forward's all_reduce is inside F
+    assert all(s.kind in COMPUTE_KINDS + ("wait",) for s in rec.spans if s.lane == "compute")
+
+
+@pytest.mark.slow
+def test_train_trace_writes_the_pictures(tmp_path):
+    from adaptdist.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--out", str(out), "--sample-bytes", "0", "--trace", "--plan", "dp",
+                 "--batch-size", "4", "--seq-len", "16", "--threads-per-rank", "1", "--timeout-s", "60"]) == 0
+    for f in ("trace.json", "timeline.png", "timeline.html", "trace/rank0.json", "trace/rank1.json"):
+        assert (out / f).is_file(), f
+    doc = json.loads((out / "trace.json").read_text())
+    _check_trace_event_format(doc)
+    cats = {(e["pid"], e["cat"]) for e in doc["traceEvents"] if e["ph"] == "X"}
+    for r in (0, 1):
+        assert {(r, "F"), (r, "B"), (r, "collective"), (r, "optimizer"), (r, "step")} <= cats
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["idle_fraction"]) == {"0", "1"} and all(0 <= f < 1 for f in summary["idle_fraction"].values())
+
+
+def test_predicted_timeline_takes_split_backwards_and_action_objects():
+    from types import SimpleNamespace as A
+
+    # zero-bubble style on 2 ranks, 1 microbatch: I and W apart; send/recv actions are left out
+    acts = {0: [A(stage=0, kind="F", microbatch=0), A(stage=0, kind="SEND_F", microbatch=0),
+                A(stage=0, kind="I", microbatch=0), A(stage=0, kind="W", microbatch=0)],
+            1: [(1, "F", 0), (1, "I", 0), (1, "W", 0)]}
+    spans = predicted_pipeline_spans(acts, {(0, "F"): 1, (1, "F"): 1, (0, "I"): 1, (1, "I"): 1, (0, "W"): 2,
+                                            (1, "W"): 2})
+    got = {(s.rank, s.label()): (s.start_s, s.end_s) for s in spans}
+    assert got == {(0, "F0"): (0, 1), (1, "F0"): (1, 2), (1, "I0"): (2, 3), (1, "W0"): (3, 5),
+                   (0, "I0"): (3, 4), (0, "W0"): (4, 6)}
