@@ -28,6 +28,7 @@ every rank's group memberships once and creates each distinct group on every ran
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ from .. import _torch_compat as compat
 from ..errors import CollectiveTimeoutError, UsageError
 from ..pipeline_schedules import Action, pipeline_order, stage_rank
 from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
+from .trace import TraceRecorder
 
 
 def _needed_groups(program: PipelineRankProgram) -> set[tuple[int, ...]]:
@@ -105,6 +107,7 @@ class PipelineStepRunner:
         self.opt = make_optimizer(optimizer, self.params, lr)
         self.last_grads: dict[str, torch.Tensor] = {}
         self.stages = {s.stage: s for s in program.stages}
+        self.trace = TraceRecorder(program.rank, enabled=False)
         first = program.stages[0]
         per_rank = len(program.stages)
         self.num_stages = first.num_stages
@@ -124,6 +127,11 @@ class PipelineStepRunner:
         # one rank per replica reports the replica-summed loss: the lowest rank of the last stage
         self.reports_loss = program.rank == min(last)
 
+    def use_trace(self, trace: TraceRecorder) -> None:
+        """Record each action (F, B, I, W, send, recv), the gradient and loss all-reduces and the optimizer step
+        into ``trace`` (``adaptdist train --trace``: the real run's pipeline timeline)."""
+        self.trace = trace
+
     # -- communication -------------------------------------------------------------------------------------------
     def _tag(self, stage: int, backward: bool, mb: int, i: int) -> int:
         return ((stage * 2 + int(backward)) * self.program.num_microbatches + mb) * 64 + i
@@ -142,23 +150,26 @@ class PipelineStepRunner:
                 f"--collective-timeout-s") from e
 
     def _send(self, tensors: Sequence[torch.Tensor], peer: int, a: Action, backward: bool) -> None:
-        for i, t in enumerate(tensors):
-            work = dist.isend(t.contiguous(), peer, tag=self._tag(a.stage, backward, a.microbatch, i))
-            self._wait(work, f"send {a} (tensor {i})", peer)
+        with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):
+            for i, t in enumerate(tensors):
+                work = dist.isend(t.contiguous(), peer, tag=self._tag(a.stage, backward, a.microbatch, i))
+                self._wait(work, f"send {a} (tensor {i})", peer)
 
     def _recv(self, specs: Sequence[TensorSpec], peer: int, a: Action, backward: bool, stage: int) -> tuple:
         out = []
-        for i, spec in enumerate(specs):
-            buf = spec.empty()
-            work = dist.irecv(buf, peer, tag=self._tag(stage, backward, a.microbatch, i))
-            self._wait(work, f"receive {a} (tensor {i})", peer)
-            out.append(buf)
+        with self.trace.span("recv", stage=a.stage, microbatch=a.microbatch, peer=peer):
+            for i, spec in enumerate(specs):
+                buf = spec.empty()
+                work = dist.irecv(buf, peer, tag=self._tag(stage, backward, a.microbatch, i))
+                self._wait(work, f"receive {a} (tensor {i})", peer)
+                out.append(buf)
         return tuple(out)
 
     def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
         key = tuple(sorted(ranks))
-        work = dist.all_reduce(t, op=op, group=self.groups[key], async_op=True)
-        self._wait(work, f"all_reduce {what} over ranks {list(key)}", ranks=key)
+        with self.trace.span("collective", op="all_reduce", what=what):
+            work = dist.all_reduce(t, op=op, group=self.groups[key], async_op=True)
+            self._wait(work, f"all_reduce {what} over ranks {list(key)}", ranks=key)
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _normalizers(self, global_batch: tuple) -> tuple:
@@ -214,35 +225,37 @@ class PipelineStepRunner:
         for a in self.actions:
             st = self.stages[a.stage]
             key = (a.stage, a.microbatch)
-            if a.kind == "F":
-                recv = () if st.is_first else fwd_in.pop(key)
-                outs = _tuple(st.forward(*(self.state[n] for n in st.state_names), *recv,
-                                         *prog.microbatch(global_batch, a.microbatch), *normalizers))
-                if st.is_last:
-                    loss = outs[0] if loss is None else loss + outs[0]
-                    saved[key] = outs[1:]
-                else:
-                    n = len(st.send_specs)
-                    if st.send_to == prog.rank:
-                        fwd_in[(a.stage + 1, a.microbatch)] = outs[:n]
+            compute = a.kind in ("F", "B", "I", "W")  # sends/receives record their own spans
+            with self.trace.span(a.kind, stage=a.stage, microbatch=a.microbatch) if compute else _NULL:
+                if a.kind == "F":
+                    recv = () if st.is_first else fwd_in.pop(key)
+                    outs = _tuple(st.forward(*(self.state[n] for n in st.state_names), *recv,
+                                             *prog.microbatch(global_batch, a.microbatch), *normalizers))
+                    if st.is_last:
+                        loss = outs[0] if loss is None else loss + outs[0]
+                        saved[key] = outs[1:]
                     else:
-                        fwd_out[key] = outs[:n]
-                    saved[key] = outs[n:]
-            elif a.kind == "B":
-                backward_input(st, a.microbatch)
-                backward_weight(st, a.microbatch)
-            elif a.kind == "I":
-                backward_input(st, a.microbatch)
-            elif a.kind == "W":
-                backward_weight(st, a.microbatch)
-            elif a.kind == "SEND_F":
-                self._send(fwd_out.pop(key), st.send_to, a, backward=False)
-            elif a.kind == "RECV_F":
-                fwd_in[key] = self._recv(st.recv_specs, st.recv_from, a, backward=False, stage=a.stage - 1)
-            elif a.kind == "SEND_B":
-                self._send(grad_out.pop(key), st.recv_from, a, backward=True)
-            elif a.kind == "RECV_B":
-                grad_in[key] = self._recv(st.grad_in_specs, st.send_to, a, backward=True, stage=a.stage + 1)
+                        n = len(st.send_specs)
+                        if st.send_to == prog.rank:
+                            fwd_in[(a.stage + 1, a.microbatch)] = outs[:n]
+                        else:
+                            fwd_out[key] = outs[:n]
+                        saved[key] = outs[n:]
+                elif a.kind == "B":
+                    backward_input(st, a.microbatch)
+                    backward_weight(st, a.microbatch)
+                elif a.kind == "I":
+                    backward_input(st, a.microbatch)
+                elif a.kind == "W":
+                    backward_weight(st, a.microbatch)
+                elif a.kind == "SEND_F":
+                    self._send(fwd_out.pop(key), st.send_to, a, backward=False)
+                elif a.kind == "RECV_F":
+                    fwd_in[key] = self._recv(st.recv_specs, st.recv_from, a, backward=False, stage=a.stage - 1)
+                elif a.kind == "SEND_B":
+                    self._send(grad_out.pop(key), st.recv_from, a, backward=True)
+                elif a.kind == "RECV_B":
+                    grad_in[key] = self._recv(st.grad_in_specs, st.send_to, a, backward=True, stage=a.stage + 1)
         assert not (fwd_in or fwd_out or grad_in or grad_out or saved or saved_w), "schedule left values behind"
         return loss, grads
 
@@ -290,7 +303,8 @@ class PipelineStepRunner:
         self.last_grads = {f: grads[f] for f in self.program.param_fqns}
         for p, f in zip(self.params, self.program.param_fqns):
             p.grad = grads[f]
-        self.opt.step()
+        with self.trace.span("optimizer"):
+            self.opt.step()
         for p in self.params:
             p.grad = None
         return self._global_loss(loss)
@@ -299,6 +313,9 @@ class PipelineStepRunner:
         """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
         sd = self.opt.state_dict()
         return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+
+_NULL = contextlib.nullcontext()  # immutable: safe to share
 
 
 def _tuple(x) -> tuple:
