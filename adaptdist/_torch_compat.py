@@ -746,3 +746,67 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+# -- pipeline schedules (issue 15, pp-run): torch.distributed.pipelining's action lists ------------------------------
+# The schedule classes are public, but their action lists (``pipeline_order``), the ``_Action`` tuple and the
+# send/recv lowering ``_add_send_recv`` are private (torch 2.13: torch/distributed/pipelining/schedules.py).
+
+
+def _pipelining_stage(stage_index: int, num_stages: int, group_size: int) -> Any:
+    """What a schedule's constructor reads of a ``_PipelineStageBase`` to compute its action lists (nothing runs)."""
+    import types
+
+    return types.SimpleNamespace(stage_index=stage_index, num_stages=num_stages, group_size=group_size, group_rank=0,
+                                 submod=None, is_first=stage_index == 0, is_last=stage_index == num_stages - 1)
+
+
+def pipelining_compute_order(kind: str, pp_size: int, num_microbatches: int,
+                             stages_per_rank: int = 1) -> dict[int, list[tuple[int, str, int]]]:
+    """Per pipeline rank, the compute actions ``(stage, "F"|"B"|"I"|"W", microbatch)`` of torch's schedule ``kind``:
+    ``"gpipe"`` (``ScheduleGPipe``), ``"interleaved"`` (``ScheduleInterleaved1F1B`` over ``stages_per_rank`` local
+    stages, stage ``s`` on rank ``s % pp_size``), ``"zero-bubble"`` (``ScheduleInterleavedZeroBubble``: ZB1P, which on
+    one local stage per rank is ZB-H1). Idle slots and REDUCE_GRAD/UNSHARD/RESHARD are dropped.
+
+    Raises:
+        ValueError: torch refuses the numbers (its message).
+    """
+    import torch.distributed.pipelining.schedules as S
+
+    num_stages = pp_size * stages_per_rank
+    if kind == "gpipe":
+        order = S.ScheduleGPipe(_pipelining_stage(0, num_stages, pp_size), num_microbatches).pipeline_order
+    else:
+        cls = {"interleaved": S.ScheduleInterleaved1F1B, "zero-bubble": S.ScheduleInterleavedZeroBubble}[kind]
+        stages = [_pipelining_stage(i * pp_size, num_stages, pp_size) for i in range(stages_per_rank)]
+        with _quiet_logger("torch.distributed.pipelining.schedules"):
+            order = cls(stages, num_microbatches).pipeline_order
+    keep = {"F", "B", "I", "W"}
+    return {rank: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions
+                   if a is not None and a.computation_type.value in keep]
+            for rank, actions in order.items()}
+
+
+def pipelining_add_send_recv(compute: dict[int, list[tuple[int, str, int]]],
+                             num_stages: int) -> dict[int, list[tuple[int, str, int]]]:
+    """``compute`` (per pipeline rank, ``(stage, kind, microbatch)``; stage ``s`` on rank ``s % len(compute)``) with
+    torch's SEND_F/RECV_F/SEND_B/RECV_B actions inserted (``_add_send_recv``): each send is placed right after the
+    action that computes it and its receive on the peer at the same point of one global order."""
+    import torch.distributed.pipelining.schedules as S
+
+    pp_size = len(compute)
+    actions = {r: [S._Action(s, S._ComputationType(k), mb) for s, k, mb in acts] for r, acts in compute.items()}
+    lowered = S._add_send_recv(actions, stage_to_rank=lambda s: s % pp_size, num_stages=num_stages)
+    return {r: [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in acts]
+            for r, acts in lowered.items()}
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)

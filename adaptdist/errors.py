@@ -85,3 +85,9 @@ class PipelineError(UsageError):
     """A pipeline plan that cannot be lowered as asked: more stages than layers, microbatches that do not split
     the batch, a schedule that cannot use the count, a reduction over microbatches that depends on activations;
     the message names the numbers, layers or node and what to try."""
+
+
+class PipelineScheduleError(PipelineError):
+    """A pipeline schedule cannot run with these numbers (unknown schedule, too few microbatches for the stages, a
+    count the schedule cannot split into rounds), or its action lists would deadlock; the message names the schedule,
+    the stages and the microbatches, and says what would work."""

@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(t, nproc_range, "; MIN:MAX: an elastic world size, one torchrun agent per rank (started at MAX), "
                                 "re-planned and resharded when ranks leave or join")
     t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
-    t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|ep|FILE",
-                   help="auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
+    t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|ep|pp|FILE",
+                   help="pp: a pipeline, one stage per rank (--mesh pp=2,dp=2: stages on sub-meshes; --microbatches, "
+                        "--schedule); auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
                         "model; --mesh fixes the mesh); "
                         "dp: batch split, parameters replicated; fsdp: batch split, every parameter sharded on "
                         "dim 0; tp: the model file's TP_PLAN globs (Megatron column/row parallel); dp,tp: both on "
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "saved plan.json (checked against the model's graph)")
     _add_lowering(t)
     _add_training_features(t)
+    from .pipeline_flags import add_pipeline_flags
+
+    add_pipeline_flags(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -152,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_features(p)
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
     _add_lowering(p)
+    add_pipeline_flags(p)
     from .cluster import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
@@ -172,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sizes the optimizer state for the plan and the report")
     c.add_argument("-o", "--out", metavar="DIR", required=True, help="artifact directory to write")
     _add_lowering(c)
+    add_pipeline_flags(c)
     r = sub.add_parser("run", help="train with the artifacts of `adaptdist compile` on local ranks",
                        formatter_class=fmt)
     r.add_argument("artifacts", metavar="DIR", help="the -o directory of `adaptdist compile`")
@@ -225,6 +231,12 @@ def cmd_plan(args) -> int:
     from ..compiler.training_features import apply_training_features
 
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
+    from .pipeline_flags import compile_pipeline_or_none, print_pipeline_plan
+
+    pipeline = compile_pipeline_or_none(args, spec, model, example, loss_fn, cluster.world_size,
+                                        lowering_options(args))
+    if pipeline is not None:
+        return print_pipeline_plan(pipeline, spec, cluster, console, args.out)
     plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console,
                                   args.optimizer.replace("-", "_"))
     if captured is not None and cluster.world_size > MAX_LOWERED_RANKS:
@@ -236,6 +248,10 @@ def cmd_plan(args) -> int:
         return 0
     programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args),
                              mesh=args.mesh if captured is None else None, captured=captured)
+    from .pipeline_flags import is_pipeline
+
+    if is_pipeline(programs):  # a saved pipeline plan file
+        return print_pipeline_plan(programs, spec, cluster, console, args.out)
     p0 = programs[0]
     if captured is not None:
         from ..cost_models.estimate import estimate_programs
@@ -296,6 +312,7 @@ def cmd_compile(args) -> int:
 
     from ..compiler.artifacts import compile_artifacts
     from ..model_spec import ModelSpec
+    from .pipeline_flags import pipeline_options
 
     console = report_console()
     cluster = _cluster(args)
@@ -304,12 +321,13 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
-                            console=console, options=lowering_options(args))
+                            console=console, options=lowering_options(args),
+                            pipeline=pipeline_options(args, cluster.world_size))
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
     console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))
-    console.print(f"wrote {res.out_dir}: manifest.json, plan.json, rank0..{len(res.programs) - 1}/program.py, "
-                  f"report.html; train with: adaptdist run {res.out_dir}")
+    console.print(f"wrote {res.out_dir}: manifest.json, plan.json, rank0..{len(res.programs) - 1}/program.py"
+                  f"{'' if res.pipeline else ', report.html'}; train with: adaptdist run {res.out_dir}")
     return 0
 
 

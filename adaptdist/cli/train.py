@@ -28,7 +28,8 @@ RUN_FILE = "run.json"
 RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
-            "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng")
+            "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng",
+            "microbatches", "schedule")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -311,18 +312,38 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                   f"{f' (elastic: {elastic[0]} to {elastic[1]} ranks)' if elastic else ''}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
     t0 = time.perf_counter()
-    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer, layers=False)
+    from .pipeline_flags import compile_pipeline_or_none
+
     options = lowering_options(args)
-    programs = compile_model(model, example, loss_fn, nproc, plan, options,
-                             mesh=args.mesh if captured is None else None, captured=captured)
-    peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
-    _check_checkpoint_fits(out, spec.text, programs[0], console)
-    save_programs(programs, out / "programs")
-    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
-    console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
-                  f"{time.perf_counter() - t0:.1f} s "
-                  f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
-                  "per rank")
+    programs = compile_pipeline_or_none(args, spec, model, example, loss_fn, nproc, options)
+    if programs is None:
+        plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer,
+                                      layers=False)
+        programs = compile_model(model, example, loss_fn, nproc, plan, options,
+                                 mesh=args.mesh if captured is None else None, captured=captured)
+    from .pipeline_flags import is_pipeline
+
+    pipeline = is_pipeline(programs)
+    if pipeline:  # pipeline programs (--plan pp, --mesh pp=..., or a saved pipeline plan)
+        from .pipeline_flags import save_and_describe_pipeline
+
+        if elastic:
+            raise UsageError("--nproc MIN:MAX (elastic) with a pipeline plan is not supported yet; pass --nproc N")
+        if args.max_grad_norm is not None:
+            raise UsageError("--max-grad-norm with a pipeline plan is not supported yet (the norm spans the stages); "
+                             "drop it, or use a plan without pp")
+        plan = programs[0].plan
+        _check_checkpoint_fits(out, spec.text, None, console, programs=programs)
+        save_and_describe_pipeline(programs, out / "programs", console, time.perf_counter() - t0)
+    else:
+        peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
+        _check_checkpoint_fits(out, spec.text, programs[0], console)
+        save_programs(programs, out / "programs")
+        mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+        console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
+                      f"{time.perf_counter() - t0:.1f} s "
+                      f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
+                      "per rank")
     source = None
     if elastic:
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
@@ -336,7 +357,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s, **features)
+                               compile_wait_s=timeouts.compile_wait_s, microbatches=getattr(args, "microbatches", None),
+                               schedule=getattr(args, "schedule", None), **features)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 
@@ -382,7 +404,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     if args.sample_bytes > 0 and callable(sample):
         state = load_file(str(out / "model.safetensors"))
         missing = model.load_state_dict(state, strict=False).missing_keys
-        assert all(k in programs[0].tied for k in missing), missing
+        assert pipeline or all(k in programs[0].tied for k in missing), missing
         text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
         console.rule("sample")
         print(text)
@@ -390,9 +412,9 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     return 0
 
 
-def _check_checkpoint_fits(out: Path, model: str, program, console) -> None:
+def _check_checkpoint_fits(out: Path, model: str, program, console, programs: dict | None = None) -> None:
     """Before launching: the checkpoint a resumed run will load must be of this model (else the ranks would each
-    refuse it, and restarting could not help).
+    refuse it, and restarting could not help). Pipeline ``programs``: the state of all of them.
 
     Raises:
         CheckpointError: names both models and the first state that differs.
@@ -402,7 +424,12 @@ def _check_checkpoint_fits(out: Path, model: str, program, console) -> None:
 
     info = latest_good(out / "checkpoints", lambda m: console.print(f"[yellow]{m}[/]"))
     if info is not None:
-        check_same_model(info.meta, info.path, model, state_shapes(program))
+        if programs is not None:
+            from .pipeline_flags import state_shapes_of
+
+            check_same_model(info.meta, info.path, model, state_shapes_of(programs))
+        else:
+            check_same_model(info.meta, info.path, model, state_shapes(program))
 
 
 def _cluster_doc(cluster) -> dict:

@@ -51,6 +51,7 @@ class CompileResult:
     plan: Any
     phases_s: dict[str, float] = field(default_factory=dict)
     planner: Any = None
+    pipeline: bool = False
 
 
 def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
@@ -80,10 +81,14 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
-                      options: Any = None) -> CompileResult:
+                      options: Any = None, pipeline: Any = None) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
     it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults), and write the
-    artifact directory (module docstring).
+    artifact directory (module docstring). With ``pipeline``
+    (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
+    then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
+    pipeline programs instead (:func:`adaptdist.runtime.pipeline_programs.save_pipeline_programs`: the same
+    manifest, no report.html yet).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -111,7 +116,9 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["capture"] = time.perf_counter() - t
     t = time.perf_counter()
     planner = None
-    if plan_arg == "auto":
+    if pipeline is not None:
+        plan = None if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg, spec.module())
+    elif plan_arg == "auto":
         options = options if options is not None else LoweringOptions()
         planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback)
         if console is not None:
@@ -122,8 +129,13 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["planning"] = time.perf_counter() - t
     timings: dict[str, float] = {}
     programs = compile_model(model, example, loss_fn, cluster.world_size, plan, options, mesh=mesh, captured=captured,
-                             timings=timings)
+                             timings=timings, pipeline=pipeline)
     phases.update(timings)
+    from ..stage_program import PipelineRankProgram
+
+    if isinstance(programs[0], PipelineRankProgram):
+        return _write_pipeline_artifacts(programs, out, spec, cluster, example, batch_size, seq_len, optimizer,
+                                         options, phases)
     t = time.perf_counter()
     estimate = estimate_programs(programs, cluster, optimizer)
     phases["estimate"] = time.perf_counter() - t
@@ -173,3 +185,29 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     manifest["files"]["report.html"] = _sha256(d / "report.html")
     (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return CompileResult(d, programs, programs[0].plan, phases, planner)
+
+
+def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any, example: tuple, batch_size: int,
+                              seq_len: int, optimizer: str, options: Any, phases: dict[str, float]) -> CompileResult:
+    """:func:`compile_artifacts`'s writing for pipeline programs: the manifest's same fields, the example batch."""
+    import hashlib
+
+    from safetensors.torch import save as save_tensors
+
+    from ..lowering_options import LoweringOptions
+    from ..runtime.pipeline_programs import save_pipeline_programs
+
+    t = time.perf_counter()
+    model_file = Path(spec.file)
+    options = options if options is not None else LoweringOptions()
+    extra = {"cluster_fingerprint": cluster.topology_fingerprint(),
+             "cluster_hosts": [[h.name, len(h.devices), h.device_kind] for h in cluster.hosts],
+             "model": spec.text, "model_file": str(model_file),
+             "model_file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
+             "batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "num_batch_inputs": len(example),
+             "rng": options.rng}
+    files = {"example_batch.safetensors": save_tensors({f"b{i}": x.detach().clone(memory_format=torch.contiguous_format)
+                                                        for i, x in enumerate(example)})}
+    d = save_pipeline_programs(programs, out, extra=extra, extra_files=files)
+    phases["writing"] = time.perf_counter() - t
+    return CompileResult(d, programs, programs[0].plan, phases, None, pipeline=True)

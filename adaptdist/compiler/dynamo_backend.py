@@ -108,6 +108,7 @@ class AdaptdistBackend:
         elif self.cluster is not None and not hasattr(self.cluster, "world_size"):
             raise UsageError(f"adaptdist.backend(cluster=...) takes a cluster file path, an adaptdist Cluster or None; "
                              f"got {type(self.cluster).__name__}")
+        _refuse_pipeline(self.plan, self.mesh)  # issue 15: pipeline plans run under `adaptdist train` only
         if isinstance(self.plan, str):
             key = self.plan.replace(" ", "")
             if key in ("tp", "dp,tp"):
@@ -165,6 +166,28 @@ class AdaptdistBackend:
         if isinstance(step, CompiledStep):  # not a graph run as it is (compile_graph)
             self.compiled.append(step)
         return step
+
+
+def _refuse_pipeline(plan: Any, mesh: Any) -> None:
+    """Pipeline plans (``plan="pp"``, a mesh with a ``pp`` axis, a saved pipeline plan) are not supported here.
+
+    Raises:
+        UsageError: says why and what to use instead.
+    """
+    if isinstance(plan, str) and plan.endswith(".json") and Path(plan).is_file():
+        try:
+            plan = Plan.load(plan)
+        except Exception:  # noqa: BLE001 -- a bad file is reported by the normal path below
+            return
+    named = (isinstance(plan, str) and plan.replace(" ", "") == "pp") or getattr(plan, "pipeline", None) is not None
+    axes = [part.split("=")[0].strip() for part in mesh.split(",")] if isinstance(mesh, str) else []
+    if named or "pp" in axes:
+        what = f"mesh={mesh!r}" if "pp" in axes and not named else "a pipeline plan"
+        raise UsageError(f"adaptdist.backend({what}): the torch.compile backend does not run pipeline plans (a "
+                         "compiled graph is one program per rank per call; a pipeline step runs several stage "
+                         "programs per rank, microbatch by microbatch, with sends and receives between the ranks "
+                         "in the schedule's order); train a pipeline with `adaptdist train --plan pp` (or --mesh pp=2,dp=2), or "
+                         "`adaptdist compile` + `adaptdist run`, and use dp, fsdp or tp with the backend")
 
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,

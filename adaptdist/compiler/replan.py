@@ -50,6 +50,8 @@ class ProgramSource:
         compile_wait_s: how long the other ranks of a host wait for its local rank 0 to compile.
         precision, activation_checkpointing: ``--precision`` and ``--activation-checkpointing``
             (:func:`~adaptdist.compiler.training_features.apply_training_features`).
+        microbatches, schedule: ``--microbatches`` and ``--schedule`` of a pipeline plan (``plan == "pp"``: one
+            stage group per rank at every world size).
     """
 
     model: str
@@ -67,6 +69,8 @@ class ProgramSource:
     compile_wait_s: float = 600.0
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    microbatches: int | None = None
+    schedule: str | None = None
 
     def cluster_for(self, world_size: int):
         """The cluster a job of ``world_size`` ranks plans for (estimated figures)."""
@@ -150,6 +154,7 @@ class ProgramSource:
         key = {"graph": graph_fingerprint(captured.gm), "cluster": cluster.topology_fingerprint(),
                "world_size": world_size, "plan": self.plan, "mesh": self.mesh, "optimizer": self.optimizer,
                "batch_size": self.batch_size, "seq_len": self.seq_len,
+               **({"microbatches": self.microbatches, "schedule": self.schedule} if self.plan == "pp" else {}),
                "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.options).items()
                            if k != "dump_dir"}}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -157,20 +162,37 @@ class ProgramSource:
         if _cached(entry, key):
             message(f"reusing the programs planned for this graph on {cluster!r} ({entry})")
             return str(entry)
-        if self.plan == "auto":
+        pipeline = None
+        if self.plan == "pp":  # a pipeline over every rank (issue 15): one stage group per rank
+            from ..pipeline_schedules import stages_per_rank
+            from .pipeline_lowering import PipelineOptions
+
+            schedule = self.schedule or "1f1b"
+            v = stages_per_rank(schedule)
+            pipeline = PipelineOptions(stages=world_size * v, microbatches=self.microbatches, schedule=schedule,
+                                       stages_per_rank=v)
+            plan = None
+        elif self.plan == "auto":
             from .planner.summary import run_planner
 
             plan = run_planner(captured, cluster, None, self.optimizer).plan
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
-        programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
+        programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured,
+                                 pipeline=pipeline)
         tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_programs(programs, tmp, extra_files={CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)})
+        extra_files = {CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)}
+        if pipeline is not None:
+            from ..runtime.pipeline_programs import save_pipeline_programs
+
+            save_pipeline_programs(programs, tmp, extra_files=extra_files)
+        else:
+            save_programs(programs, tmp, extra_files=extra_files)
         shutil.rmtree(entry, ignore_errors=True)
         tmp.rename(entry)
         p0 = programs[0]
-        mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
+        mesh = ",".join(f"{a}={n}" for a, n in (p0.plan.mesh if pipeline is not None else p0.mesh).items())
         message(f"planned {p0.plan.name!r} (mesh {mesh}) for {cluster!r}; programs cached in {entry}")
         return str(entry)
 

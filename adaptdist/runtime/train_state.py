@@ -283,8 +283,8 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
     saved = md.state_dict_metadata
     names = _state_names(program, state)
     theirs_model = {k[len("model."):] for k in saved if k.startswith("model.")}
-    if set(names) != theirs_model:
-        missing, extra = sorted(set(names) - theirs_model), sorted(theirs_model - set(names))
+    if set(ours) != theirs_model:  # the whole model's names (a pipeline rank loads only its own: `names`)
+        missing, extra = sorted(set(ours) - theirs_model), sorted(theirs_model - set(ours))
         raise CheckpointError(f"checkpoint {str(directory)!r} holds another model's state: it lacks {missing[:3]}"
                               f"{' and has ' + str(extra[:3]) + ' that this model does not' if extra else ''}; "
                               "resume with the model it was written for")
@@ -301,7 +301,8 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
     params = _param_names(program, state, optimizer)
     entries = _saved_entries(md)
     pnames = {f for _, f in params}
-    unknown = sorted(set(entries) - pnames)
+    # a pipeline rank's view (runtime/pipeline_programs.CheckpointView) names the parameters of every stage
+    unknown = sorted(set(entries) - pnames - set(getattr(program, "all_param_fqns", ())))
     if unknown:
         raise CheckpointError(f"checkpoint {str(directory)!r} has optimizer state for {unknown[:3]}, which this "
                               "run does not train (another model, or other frozen parameters)")

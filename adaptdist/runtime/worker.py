@@ -219,9 +219,27 @@ def register_mesh_groups(program: RankProgram, backend: str):
 
 def describe_program(program: RankProgram) -> str:
     """``plan 'dp' on mesh dp=2 (2 ranks)``: one line for restart and re-plan logs."""
+    if getattr(program, "description", None):  # a pipeline rank's CheckpointView
+        return program.description
     mesh = ",".join(f"{a}={n}" for a, n in program.mesh.items())
     name = program.plan.name if program.plan is not None else "?"
     return f"plan {name!r} on mesh {mesh} ({program.world_size} ranks)"
+
+
+def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"):
+    """(Collective) a pipeline rank's (checkpoint view, None, PipelineStepRunner) for ``run_worker``: its program
+    loaded, every process group made, the view of its state gathered (:mod:`.pipeline_programs`)."""
+    import dataclasses
+
+    from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from .pipeline_programs import checkpoint_view, describe_pipeline, load_pipeline_program, stage_device_mesh
+
+    program = load_pipeline_program(program_dir, rank, world_size=world)
+    groups = setup_pipeline_groups(program, cfg.timeout_s)
+    runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
+                                max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
+    view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program))
+    return view, stage_device_mesh(program), runner
 
 
 def _newest_checkpoint(root: Path, note) -> tuple[str, dict] | str | None:
@@ -333,9 +351,14 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             program_dir = cfg.program_source.program_dir(world, rank, lambda p: _publish(p, rank, attempt, wait_s),
                                                          events.note,
                                                          local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        program = load_program(program_dir, rank, world_size=world)
-        device_mesh = register_mesh_groups(program, cfg.backend)
-        runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
+        from .pipeline_programs import is_pipeline_dir
+
+        if is_pipeline_dir(program_dir):  # a pipeline plan: `program` is its checkpoint view, the mesh its stage's
+            program, device_mesh, runner = _pipeline_runner(program_dir, rank, world, cfg)
+        else:
+            program = load_program(program_dir, rank, world_size=world)
+            device_mesh = register_mesh_groups(program, cfg.backend)
+            runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
         losses: list[float] = []
         found = _broadcast(_newest_checkpoint(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None,
                            rank)
@@ -350,7 +373,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             # rank 0 verified the checksums (latest_good) before any rank reads the directory
             load_train_state(Path(path), program, runner.state, runner.opt, device_mesh, rank, restore_rng=same_world,
                              verify=False)
-            check_identical_replicas(program, runner.state, runner.opt, device_mesh)
+            if not getattr(program, "description", None):  # (a pipeline's stage mesh has no process groups)
+                check_identical_replicas(program, runner.state, runner.opt, device_mesh)
             start, losses = int(meta["step"]), list(meta.get("losses", []))
             # rng="global": one stream, the same on every rank whatever the world size: the saver's rank 0's state;
             # otherwise a fresh stream per rank and step (the saver's ranks were others)
@@ -532,6 +556,17 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
 
     out = Path(cfg.out_dir)
     program = runner.program
+    from .pipeline_executor import PipelineStepRunner
+
+    if isinstance(runner, PipelineStepRunner):  # a pipeline plan: every rank's tensors gathered on rank 0
+        from .pipeline_programs import gather_full_weights
+
+        full = gather_full_weights(program, runner.state)
+        if rank == 0:
+            tmp = out / "model.safetensors.tmp"
+            save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+            tmp.replace(out / "model.safetensors")
+        return
     ordered = ordered_device_mesh(device_mesh, program)
     # the same order on every rank (full_tensor below is collective); runner.state comes in the order of this
     # rank's state.safetensors, which can differ between ranks when shard sizes differ

@@ -1,0 +1,205 @@
+"""The pipeline flags of ``train``, ``plan`` and ``compile``: ``--plan pp``, ``--mesh pp=N,...``, ``--microbatches``,
+``--schedule``; and what the commands do differently with pipeline programs (printing, writing, checks).
+
+``--plan pp`` without ``--mesh``: one pipeline over every rank (one rank per stage). ``--mesh pp=2,dp=2``: 2 stage
+groups, each stage on a sub-mesh ``dp=2`` (``--plan`` then names the plan inside the stages: ``pp`` or ``auto`` take
+the mesh's other axes as a preset, ``dp``/``tp``/``dp,tp`` or a plan file give it). ``--schedule interleaved-1f1b``
+puts 2 stages on each stage group. A saved pipeline plan (``programs/plan.json``) is a pipeline without these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import UsageError
+from ..pipeline_schedules import SCHEDULES, stages_per_rank
+
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule of ``--plan pp`` without ``--schedule``: GPipe's bubble with at most ``p`` microbatches in flight."""
+
+
+def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    """``--microbatches`` and ``--schedule`` (``--plan pp`` and ``--mesh pp=...`` are the existing flags' values)."""
+    p.add_argument("--microbatches", type=_positive_int, default=None, metavar="N",
+                   help="pipeline plans (--plan pp, --mesh pp=N,...): microbatches per step (each pipeline replica's "
+                        "rows split evenly into N); default one per stage")
+    p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                   help=f"pipeline plans: the schedule (default {DEFAULT_SCHEDULE}); interleaved-1f1b holds 2 stages "
+                        "per stage group, zb is ZB-H1 (the backward split into input- and weight-gradient parts)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def mesh_has_pp(mesh: str | None) -> bool:
+    return bool(mesh) and any(part.split("=")[0].strip() == "pp" for part in mesh.split(","))
+
+
+def wants_pipeline(args) -> bool:
+    """Whether the flags ask for a pipeline plan (``--plan pp`` or a ``pp`` axis in ``--mesh``).
+
+    Raises:
+        UsageError: ``--microbatches`` or ``--schedule`` without a pipeline plan.
+    """
+    plan = getattr(args, "plan", None)
+    mesh = getattr(args, "mesh", None)
+    yes = plan == "pp" or mesh_has_pp(mesh)
+    given = [f for f, v in (("--microbatches", getattr(args, "microbatches", None)),
+                            ("--schedule", getattr(args, "schedule", None))) if v is not None]
+    if given and not yes and not _is_pipeline_plan_file(plan):
+        raise UsageError(f"{' and '.join(given)} set a pipeline plan's microbatches/schedule; add --plan pp (one "
+                         f"pipeline over every rank) or --mesh pp=N,... (e.g. --mesh pp=2,dp=2)")
+    return yes
+
+
+def _is_pipeline_plan_file(plan: str | None) -> bool:
+    if not plan or not plan.endswith(".json"):
+        return False
+    import json
+    from pathlib import Path
+
+    try:
+        return bool(json.loads(Path(plan).read_text()).get("pipeline"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def pipeline_options(args, world_size: int) -> Any:
+    """The :class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions` the flags ask for on ``world_size`` ranks,
+    or None (no pipeline). Without ``--mesh`` every rank is a stage group (interleaved: 2 stages each).
+
+    Raises:
+        UsageError: as :func:`wants_pipeline`.
+    """
+    if not wants_pipeline(args):
+        return None
+    from ..compiler.pipeline_lowering import PipelineOptions
+
+    schedule = getattr(args, "schedule", None) or DEFAULT_SCHEDULE
+    v = stages_per_rank(schedule)
+    return PipelineOptions(stages=None if mesh_has_pp(getattr(args, "mesh", None)) else world_size * v,
+                           microbatches=getattr(args, "microbatches", None), schedule=schedule, stages_per_rank=v)
+
+
+def inner_plan(args, spec) -> Any:
+    """The plan inside the stages for ``--plan``: None for ``pp`` and ``auto`` (the mesh's other axes as a preset),
+    else the manual plan or plan file."""
+    from ..annotations import ManualPlan
+
+    if args.plan in ("pp", "auto"):
+        return None
+    return ManualPlan.parse(args.plan, spec.module())
+
+
+def is_pipeline(programs: dict) -> bool:
+    """Whether ``programs`` (a lowering's result) are pipeline programs."""
+    from ..stage_program import PipelineRankProgram
+
+    return isinstance(next(iter(programs.values())), PipelineRankProgram)
+
+
+def pipeline_mesh_text(programs: dict) -> str:
+    """``pp=2,dp=2`` of pipeline programs."""
+    plan = programs[0].plan
+    return ",".join(f"{a}={n}" for a, n in plan.mesh.items()) if plan is not None else "?"
+
+
+def describe_stages(programs: dict) -> list[str]:
+    """One line per stage: its layers and ranks (``stage 0 [ranks 0, 1]: embed, blocks.0``)."""
+    p0 = programs[0]
+    lines = []
+    num = p0.stages[0].num_stages
+    by_stage = {st.stage: st for p in programs.values() for st in p.stages}
+    for s in range(num):
+        st = by_stage[s]
+        ranks = ", ".join(map(str, p0.stage_ranks[s]))
+        lines.append(f"stage {s} on rank{'s' if len(p0.stage_ranks[s]) > 1 else ''} {ranks}: "
+                     f"{', '.join(st.layers) or '-'}")
+    return lines
+
+
+def state_shapes_of(programs: dict) -> dict[str, list[int]]:
+    """Every state tensor's global shape over all ranks' pipeline programs (what a checkpoint records)."""
+    out: dict[str, list[int]] = {}
+    for p in programs.values():
+        for f, t in p.state.items():
+            out.setdefault(f, list(p.global_shapes.get(f, tuple(t.shape))))
+    return out
+
+
+def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: int, options) -> dict | None:
+    """The pipeline programs the flags ask for (``--plan pp``, ``--mesh pp=...``), or None when they ask for none
+    (the caller compiles as before; a saved pipeline plan file is lowered as a pipeline there too)."""
+    popts = pipeline_options(args, world_size)
+    if popts is None:
+        return None
+    from ..compiler.lowering import compile_model
+
+    return compile_model(model, example, loss_fn, world_size, inner_plan(args, spec), options, mesh=args.mesh,
+                         pipeline=popts)
+
+
+def save_and_describe_pipeline(programs: dict, directory, console, seconds: float, extra: dict | None = None,
+                               extra_files: dict | None = None):
+    """Write pipeline ``programs`` to ``directory`` (:func:`~adaptdist.runtime.pipeline_programs.save_pipeline_programs`)
+    and print what was compiled: mesh, schedule, microbatches, each stage's layers and ranks."""
+    from ..runtime.pipeline_programs import save_pipeline_programs
+
+    d = save_pipeline_programs(programs, directory, extra=extra, extra_files=extra_files)
+    p0 = programs[0]
+    console.print(f"compiled pipeline plan {p0.plan.name!r} (mesh {pipeline_mesh_text(programs)}; schedule "
+                  f"{p0.schedule}, {p0.num_microbatches} microbatches of {p0.microbatch_rows} rows) for "
+                  f"{p0.world_size} ranks in {seconds:.1f} s -> {d} (read rank0/program.py)")
+    for line in describe_stages(programs):
+        console.print(f"  {line}")
+    return d
+
+
+def print_pipeline_plan(programs: dict, spec, cluster, console, out: str | None) -> int:
+    """``adaptdist plan`` of a pipeline: mesh, schedule, microbatches, the stages (layers, ranks), where every
+    parameter lives, the point-to-point traffic per step; ``out``: the plan as JSON."""
+    from pathlib import Path
+
+    from rich.table import Table
+
+    p0 = programs[0]
+    console.print(f"plan {p0.plan.name!r} for {spec.text} on {cluster!r}: pipeline mesh {pipeline_mesh_text(programs)}, "
+                  f"schedule {p0.schedule}, {p0.num_microbatches} microbatches of {p0.microbatch_rows} rows per "
+                  f"replica")
+    for line in describe_stages(programs):
+        console.print(f"  {line}")
+    table = Table(title="parameters")
+    for col in ("parameter", "global shape", "ranks holding it", "gradient all-reduced over"):
+        table.add_column(col)
+    holders: dict[str, list[int]] = {}
+    for r, p in sorted(programs.items()):
+        for f in p.param_fqns:
+            holders.setdefault(f, []).append(r)
+    for f, ranks in holders.items():
+        p = programs[ranks[0]]
+        shape = list(p.global_shapes.get(f, tuple(p.state[f].shape)))
+        group = p.grad_groups.get(f, (ranks[0],))
+        table.add_row(f, str(shape), ", ".join(map(str, ranks)), ", ".join(map(str, group)) if len(group) > 1 else "-")
+    console.print(table)
+    sent = sum(_numel(s.shape) * s.dtype.itemsize for st in p0.stages for s in (*st.send_specs, *st.grad_out_specs))
+    console.print(f"point-to-point per microbatch from rank 0: {sent / 2**20:.3f} MiB (activations forward, gradients "
+                  f"backward); per step x {p0.num_microbatches}")
+    if out:
+        Path(out).write_text(p0.plan.to_json())
+        console.print(f"wrote {out}")
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

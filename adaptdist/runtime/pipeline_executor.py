@@ -1,0 +1,322 @@
+"""Run one rank's pipeline step: its schedule's action list over torch.distributed point-to-point ops.
+
+A :class:`~adaptdist.stage_program.PipelineRankProgram` holds this rank's stage programs (one; several for
+interleaved 1F1B) and the step's layout (module docstring of :mod:`adaptdist.stage_program`). One step:
+
+1. the prologue (if any) on this replica's whole local batch; its outputs all-reduced over ``batch_group`` with
+   their ``reduce_ops``: the normalizers every ``forward`` takes;
+2. the schedule (:func:`adaptdist.pipeline_schedules.pipeline_order`, this rank's list): ``F`` runs a stage's
+   forward on one microbatch and keeps its ``saved`` values; ``B`` runs ``backward_input`` then
+   ``backward_weight``; zero bubble runs them apart as ``I`` and ``W``; each microbatch's gradient contributions are
+   added up per parameter; ``SEND_*`` / ``RECV_*`` move activations and gradients between stages, each message
+   received into a buffer allocated from the program's specs before it arrives;
+3. the accumulated gradients all-reduced (sum) over each parameter's ``grad_groups`` entry (data-parallel peers of
+   the stage, and for a tied weight the ranks of the other stages holding it), one flat all-reduce per group, the
+   groups in one global order so that no two ranks wait on each other in different groups;
+4. the loss: the last stage's microbatch terms summed, all-reduced over its ``batch_group`` and handed to every
+   rank (one world all-reduce of a scalar, only the lowest loss rank contributing), so rank 0 reports it.
+
+Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at once, under the
+collective timeout): the lists are proven to terminate under blocking semantics
+(:func:`adaptdist.pipeline_schedules.check_deadlock_free`). Every message has its own tag (stage, direction,
+microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls fails the
+wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the microbatch.
+
+Process groups (``torch.distributed.new_group`` is collective over all ranks): :func:`setup_pipeline_groups` gathers
+every rank's group memberships once and creates each distinct group on every rank, in sorted order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import _torch_compat as compat
+from ..errors import CollectiveTimeoutError, UsageError
+from ..pipeline_schedules import Action, pipeline_order, stage_rank
+from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
+from .trace import TraceRecorder
+
+
+def _needed_groups(program: PipelineRankProgram) -> set[tuple[int, ...]]:
+    groups = {tuple(g) for g in program.grad_groups.values() if len(g) > 1}
+    if len(program.batch_group) > 1:
+        groups.add(tuple(program.batch_group))
+    groups.update(tuple(g) for g in program.groups.values())  # 1-rank axes too: their collectives need a group
+    return groups
+
+
+def setup_pipeline_groups(program: PipelineRankProgram, timeout_s: float | None = None) -> dict[tuple[int, ...], Any]:
+    """(Collective over all ranks) create every process group any rank's program needs and register this rank's
+    intra-stage collective groups under their names (``adaptdist:<axis>``).
+
+    Returns:
+        ``{ranks: ProcessGroup}`` for the groups this rank belongs to (ranks sorted ascending), plus ``()`` -> the
+        world group.
+    """
+    mine = sorted(_needed_groups(program))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    union = sorted({tuple(sorted(g)) for gs in everyone for g in gs})
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    out: dict[tuple[int, ...], Any] = {(): dist.group.WORLD}
+    for ranks in union:
+        pg = dist.new_group(list(ranks), **kwargs)  # every rank calls it, in the same order
+        if program.rank in ranks:
+            out[ranks] = pg
+    for name, ranks in program.groups.items():
+        key = tuple(sorted(ranks))
+        compat.register_process_group(name, out[key])
+    return out
+
+
+class PipelineStepRunner:
+    """One rank's state, optimizer and pipeline step (the pipeline counterpart of ``worker.StepRunner``).
+
+    Args:
+        program: this rank's :class:`PipelineRankProgram`.
+        optimizer, lr: passed to ``make_optimizer(optimizer, params, lr)`` (``worker.make_optimizer``; given by the
+            caller, the worker importing this module).
+        groups: :func:`setup_pipeline_groups`'s result.
+        timeout_s: how long one send, receive or collective waits for its peer (the collective timeout).
+        max_grad_norm: not supported for pipeline plans yet (UsageError when set).
+
+    Raises:
+        UsageError: this rank's stages do not follow the schedule's stage placement (stage ``s`` on pipeline rank
+            ``s % pp``), or ``max_grad_norm`` is set.
+        PipelineScheduleError: the schedule cannot run these numbers.
+    """
+
+    def __init__(self, program: PipelineRankProgram, optimizer: str, lr: float, groups: dict,
+                 timeout_s: float = 120.0, max_grad_norm: float | None = None, *, make_optimizer):
+        if max_grad_norm is not None:
+            raise UsageError("--max-grad-norm is not supported with a pipeline plan yet (the norm spans the "
+                             "stages); drop it or use a plan without pp")
+        self.program = program
+        self.groups = groups
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.max_grad_norm = None
+        self.last_grad_norm = None
+        self.state = {k: v.clone() for k, v in program.state.items()}
+        self.params = [self.state[f] for f in program.param_fqns]
+        self.opt = make_optimizer(optimizer, self.params, lr)
+        self.last_grads: dict[str, torch.Tensor] = {}
+        self.stages = {s.stage: s for s in program.stages}
+        self.trace = TraceRecorder(program.rank, enabled=False)
+        first = program.stages[0]
+        per_rank = len(program.stages)
+        self.num_stages = first.num_stages
+        if self.num_stages % per_rank:
+            raise UsageError(f"rank {program.rank} holds {per_rank} stages of {self.num_stages}: not a whole number of "
+                             f"stages per pipeline rank")
+        self.pp_size = self.num_stages // per_rank
+        self.pp_rank = stage_rank(first.stage, self.pp_size)
+        want = [s for s in range(self.num_stages) if stage_rank(s, self.pp_size) == self.pp_rank]
+        if sorted(self.stages) != want:
+            raise UsageError(f"rank {program.rank} holds stages {sorted(self.stages)}, but schedule "
+                             f"{program.schedule} on {self.pp_size} pipeline ranks places stages {want} on its "
+                             f"pipeline rank {self.pp_rank} (stage s on rank s % {self.pp_size})")
+        self.actions = pipeline_order(program.schedule, self.pp_size, program.num_microbatches,
+                                      per_rank)[self.pp_rank]
+        last = program.stage_ranks[self.num_stages - 1]
+        # one rank per replica reports the replica-summed loss: the lowest rank of the last stage
+        self.reports_loss = program.rank == min(last)
+
+    def use_trace(self, trace: TraceRecorder) -> None:
+        """Record each action (F, B, I, W, send, recv), the gradient and loss all-reduces and the optimizer step
+        into ``trace`` (``adaptdist train --trace``: the real run's pipeline timeline)."""
+        self.trace = trace
+
+    # -- communication -------------------------------------------------------------------------------------------
+    def _tag(self, stage: int, backward: bool, mb: int, i: int) -> int:
+        return ((stage * 2 + int(backward)) * self.program.num_microbatches + mb) * 64 + i
+
+    def _wait(self, work, what: str, peer: int | None = None, ranks: Sequence[int] = ()) -> None:
+        """Wait for ``work`` under the timeout; a failure names ``peer`` (point-to-point) or the group's ``ranks``."""
+        try:
+            work.wait(self.timeout)
+        except Exception as e:  # gloo: timed out / connection closed by a dead peer
+            who = f"rank {peer}" if peer is not None else "one of ranks " + ", ".join(
+                str(r) for r in ranks if r != self.program.rank)
+            raise CollectiveTimeoutError(
+                f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} failed after at "
+                f"most {self.timeout_s:g} s ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+                f": {who} stalled or died (pipeline schedule {self.program.schedule}); check its log, or raise "
+                f"--collective-timeout-s") from e
+
+    def _send(self, tensors: Sequence[torch.Tensor], peer: int, a: Action, backward: bool) -> None:
+        with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):
+            for i, t in enumerate(tensors):
+                work = dist.isend(t.contiguous(), peer, tag=self._tag(a.stage, backward, a.microbatch, i))
+                self._wait(work, f"send {a} (tensor {i})", peer)
+
+    def _recv(self, specs: Sequence[TensorSpec], peer: int, a: Action, backward: bool, stage: int) -> tuple:
+        out = []
+        with self.trace.span("recv", stage=a.stage, microbatch=a.microbatch, peer=peer):
+            for i, spec in enumerate(specs):
+                buf = spec.empty()
+                work = dist.irecv(buf, peer, tag=self._tag(stage, backward, a.microbatch, i))
+                self._wait(work, f"receive {a} (tensor {i})", peer)
+                out.append(buf)
+        return tuple(out)
+
+    def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
+        key = tuple(sorted(ranks))
+        with self.trace.span("collective", op="all_reduce", what=what):
+            work = dist.all_reduce(t, op=op, group=self.groups[key], async_op=True)
+            self._wait(work, f"all_reduce {what} over ranks {list(key)}", ranks=key)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _normalizers(self, global_batch: tuple) -> tuple:
+        pro = self.program.prologue
+        if pro is None:
+            return ()
+        outs = pro.module(*self.program.local_batch(global_batch))
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        group = self.program.batch_group
+        if len(group) > 1:
+            outs = tuple(o.clone() for o in outs)
+            for i, (o, op) in enumerate(zip(outs, pro.reduce_ops)):
+                name = pro.names[i] if i < len(pro.names) else f"normalizer {i}"
+                self._all_reduce(o, group, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, name)
+        return outs
+
+    @torch.no_grad()
+    def run_schedule(self, global_batch: tuple) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Run this rank's actions for one step (no gradient sync); returns (the sum of this rank's loss terms or
+        None, {fqn: gradient accumulated over microbatches})."""
+        prog = self.program
+        normalizers = self._normalizers(global_batch)
+        fwd_in: dict[tuple[int, int], tuple] = {}     # received activations
+        fwd_out: dict[tuple[int, int], tuple] = {}    # activations to send
+        grad_in: dict[tuple[int, int], tuple] = {}    # received output gradients
+        grad_out: dict[tuple[int, int], tuple] = {}   # input gradients to send
+        saved: dict[tuple[int, int], tuple] = {}
+        saved_w: dict[tuple[int, int], tuple] = {}
+        grads: dict[str, torch.Tensor] = {}
+        loss = None
+
+        def backward_input(st: StageProgram, mb: int) -> None:
+            nonlocal loss
+            gs = () if st.is_last else grad_in.pop((st.stage, mb))
+            outs = _tuple(st.backward_input(*saved.pop((st.stage, mb)), *gs))
+            n = 0 if st.is_first else len(st.grad_out_specs)
+            if not st.is_first:
+                g = outs[:n]
+                if st.recv_from == prog.rank:  # the previous stage is ours: no message
+                    grad_in[(st.stage - 1, mb)] = g
+                else:
+                    grad_out[(st.stage, mb)] = g
+            saved_w[(st.stage, mb)] = outs[n:]
+
+        def backward_weight(st: StageProgram, mb: int) -> None:
+            outs = _tuple(st.backward_weight(*saved_w.pop((st.stage, mb))))
+            for f, g in zip(st.grad_fqns, outs):
+                if f in grads:
+                    grads[f].add_(g)
+                else:
+                    grads[f] = g.clone()  # owned: later microbatches add into it
+
+        for a in self.actions:
+            st = self.stages[a.stage]
+            key = (a.stage, a.microbatch)
+            compute = a.kind in ("F", "B", "I", "W")  # sends/receives record their own spans
+            with self.trace.span(a.kind, stage=a.stage, microbatch=a.microbatch) if compute else _NULL:
+                if a.kind == "F":
+                    recv = () if st.is_first else fwd_in.pop(key)
+                    outs = _tuple(st.forward(*(self.state[n] for n in st.state_names), *recv,
+                                             *prog.microbatch(global_batch, a.microbatch), *normalizers))
+                    if st.is_last:
+                        loss = outs[0] if loss is None else loss + outs[0]
+                        saved[key] = outs[1:]
+                    else:
+                        n = len(st.send_specs)
+                        if st.send_to == prog.rank:
+                            fwd_in[(a.stage + 1, a.microbatch)] = outs[:n]
+                        else:
+                            fwd_out[key] = outs[:n]
+                        saved[key] = outs[n:]
+                elif a.kind == "B":
+                    backward_input(st, a.microbatch)
+                    backward_weight(st, a.microbatch)
+                elif a.kind == "I":
+                    backward_input(st, a.microbatch)
+                elif a.kind == "W":
+                    backward_weight(st, a.microbatch)
+                elif a.kind == "SEND_F":
+                    self._send(fwd_out.pop(key), st.send_to, a, backward=False)
+                elif a.kind == "RECV_F":
+                    fwd_in[key] = self._recv(st.recv_specs, st.recv_from, a, backward=False, stage=a.stage - 1)
+                elif a.kind == "SEND_B":
+                    self._send(grad_out.pop(key), st.recv_from, a, backward=True)
+                elif a.kind == "RECV_B":
+                    grad_in[key] = self._recv(st.grad_in_specs, st.send_to, a, backward=True, stage=a.stage + 1)
+        assert not (fwd_in or fwd_out or grad_in or grad_out or saved or saved_w), "schedule left values behind"
+        return loss, grads
+
+    def _sync_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        by_group: dict[tuple[int, ...], list[str]] = {}
+        for f in grads:
+            g = tuple(sorted(self.program.grad_groups.get(f, (self.program.rank,))))
+            if len(g) > 1:
+                by_group.setdefault(g, []).append(f)
+        for g in sorted(by_group):  # one global order of groups: no cross-group wait cycle
+            names = sorted(by_group[g])
+            flat = torch.cat([grads[f].reshape(-1) for f in names])
+            self._all_reduce(flat, g, what=f"gradients of {', '.join(names[:3])}{'...' if len(names) > 3 else ''}")
+            off = 0
+            for f in names:
+                n = grads[f].numel()
+                grads[f] = flat[off:off + n].view_as(grads[f])
+                off += n
+
+    def _global_loss(self, loss: torch.Tensor | None) -> float:
+        value = torch.zeros((), dtype=torch.float64)
+        if loss is not None:
+            total = loss.detach().to(torch.float64).clone()
+            if len(self.program.batch_group) > 1:
+                self._all_reduce(total, self.program.batch_group, what="the loss")
+            if self.reports_loss:
+                value = total
+        if dist.get_world_size() > 1:
+            work = dist.all_reduce(value, async_op=True)
+            self._wait(work, "the loss all_reduce (every rank)", ranks=range(dist.get_world_size()))
+        return float(value)
+
+    def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
+        """One training step on ``global_batch`` (every rank passes the same); returns the global loss (every rank).
+
+        Raises:
+            CollectiveTimeoutError: a peer did not send, receive or reduce within the timeout (named).
+        """
+        loss, grads = self.run_schedule(global_batch)
+        self._sync_grads(grads)
+        missing = [f for f in self.program.param_fqns if f not in grads]
+        if missing:
+            raise UsageError(f"rank {self.program.rank}: the stage programs returned no gradient for "
+                             f"{', '.join(missing[:5])}: a bug in the stage cut (its grad_fqns)")
+        self.last_grads = {f: grads[f] for f in self.program.param_fqns}
+        for p, f in zip(self.params, self.program.param_fqns):
+            p.grad = grads[f]
+        with self.trace.span("optimizer"):
+            self.opt.step()
+        for p in self.params:
+            p.grad = None
+        return self._global_loss(loss)
+
+    def optimizer_state_by_fqn(self) -> dict:
+        """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
+        sd = self.opt.state_dict()
+        return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+
+_NULL = contextlib.nullcontext()  # immutable: safe to share
+
+
+def _tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
