@@ -24,55 +24,8 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
 
 
 
-MAX_SEED = 2**63 - 1
-"""The largest ``--seed``: a rank seeds torch with ``seed + rank`` (``torch.manual_seed`` takes up to 2**64 - 1)."""
-
-
-def positive(kind):
-    """An argparse ``type=`` for a number > 0 of ``kind`` (int or float); floats must also be finite (``nan`` and
-    ``inf`` are refused: ``--lr nan`` would only fail on the ranks, ``--max-grad-norm nan`` would turn clipping
-    off). argparse prefixes the message with the flag (``argument --lr: ...``)."""
-    import argparse
-    import math
-
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if isinstance(v, float) and not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-    conv.__name__ = f"positive {kind.__name__}"
-    return conv
-
-
-def nonnegative_int(text: str) -> int:
-    """An argparse ``type=`` for an integer >= 0 (``--max-restarts``)."""
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def seed(text: str) -> int:
-    """An argparse ``type=`` for ``--seed``: an integer in 0..:data:`MAX_SEED`."""
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= v <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1 ({MAX_SEED}), got {text}")
-    return v
+# the shared argparse types (numbers refused at parse time when not finite, out of range or absurd)
+from ..arg_types import MAX_SEED, bounded, local_ranks, nonnegative_int, positive, seed, threads  # noqa: E402,F401
 
 
 def prepare_out_dir(path: str, flag: str = "--out"):
