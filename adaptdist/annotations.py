@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import yaml
 
 from .errors import UsageError
 from .mesh import Mesh
@@ -197,10 +196,9 @@ class ManualPlan:
             from .plan import Plan
 
             return Plan.load(p)  # a saved plan (e.g. programs/plan.json), checked against the graph
-        try:
-            doc = yaml.safe_load(p.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise UsageError(f"plan file {text!r} is not valid YAML: {e}") from None
+        from .safe_load import load_yaml_file
+
+        doc = load_yaml_file(p, "plan file", UsageError)  # bounded size and depth, no duplicate keys
         if not isinstance(doc, dict):
             raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 2'")
         version = doc.get("schema_version")

@@ -163,7 +163,7 @@ def load_json_text(text: str, source: str, error: type[Exception]) -> object:
     try:
         doc = json.loads(text, parse_constant=no_constant)
     except (json.JSONDecodeError, ValueError) as e:
-        raise error(f"{source} is not JSON: {e}") from None
+        raise error(f"{source} is not valid JSON: {e}") from None
     except RecursionError:
         raise error(f"{source} nests too deeply to read (limit {limits.MAX_DEPTH} levels)") from None
     return check_shape(doc, source, error)

@@ -49,6 +49,9 @@ def cmd_cluster(args) -> int:
 
     from ..calibrate.detect import describe_machine, detect_local
 
+    from .common import check_out_file
+
+    check_out_file(args.out)
     console = Console(stderr=True, emoji=False)
     if not console.is_terminal:
         console = Console(stderr=True, emoji=False, width=140)

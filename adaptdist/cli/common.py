@@ -47,7 +47,43 @@ def prepare_out_dir(path: str, flag: str = "--out"):
     except OSError as e:
         raise UsageError(f"cannot create the output directory {flag} {str(out)!r}: {e.strerror or e}; pass a "
                          "writable directory path") from None
+    _probe_write(out, flag, f"the output directory {flag} {str(out)!r}")
     return out
+
+
+def _probe_write(directory, flag: str, what: str) -> None:
+    """Create and remove a file in ``directory``: the one sure test that the run's files can be written there
+    (permission bits say nothing to root, nor about a read-only mount or a full disk)."""
+    import tempfile
+
+    from ..errors import UsageError
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".adaptdist-write-test-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write into {what}: {e.strerror or e}; pass a writable path") from None
+
+
+def check_out_file(path: str | None, flag: str = "--out") -> None:
+    """Before any work: ``path`` (a file a command writes at its end, e.g. ``plan --out plan.json``) must not be a
+    directory and its directory must exist and take a new file.
+
+    Raises:
+        UsageError: names ``flag`` and the path.
+    """
+    from ..errors import UsageError
+
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {str(p)!r} is a directory; pass a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {str(p)!r}: the directory {str(parent)!r} does not exist; create it or pass "
+                         "another path")
+    _probe_write(parent, flag, f"the directory of {flag} {str(p)!r}")
 
 
 def lowering_options(args):

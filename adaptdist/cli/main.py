@@ -18,7 +18,7 @@ from ..errors import AdaptdistError, UsageError
 from ..limits import MAX_BATCH_DIM, check_batch_items
 from .common import _cluster, lowering_options
 from .common import local_ranks, nonnegative_int, positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
-from .common import bounded, threads as _threads
+from .common import bounded, check_out_file, threads as _threads
 
 
 def _add_common(p: argparse.ArgumentParser, nproc_type=local_ranks, nproc_help: str = "") -> None:
@@ -218,6 +218,7 @@ def cmd_plan(args) -> int:
     from ..model_spec import ModelSpec
 
     console = report_console()
+    check_out_file(args.out)
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)

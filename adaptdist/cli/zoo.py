@@ -594,8 +594,9 @@ def cmd_zoo(args) -> int:
     models = parse_names(args.models, list(ZOO), "models")
     plans = parse_names(args.plans, PLANS, "plans")
     front_ends = parse_names(args.front_ends, FRONT_ENDS, "front-ends")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .common import prepare_out_dir
+
+    out = prepare_out_dir(args.out)
     total = len(combinations(models, plans, front_ends))
     err_console.print(f"adaptdist zoo: {len(models)} models, plans {','.join(plans)}, front ends "
                       f"{','.join(front_ends)}: {total} combinations on {args.ranks} ranks, {args.steps} SGD steps")
