@@ -21,6 +21,76 @@ def check_plan_doc(doc: object, source: str) -> None:
     from .safe_load import check_shape
 
     check_shape(doc, f"plan {source!r}", UsageError)
+    _check_types(doc, source)
+
+
+def _is_str_list(v: object, lengths: tuple[int, ...] | None = None) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v) and (lengths is None or len(v) in lengths)
+
+
+def _check_types(doc: object, source: str) -> None:
+    """Every field :meth:`~adaptdist.plan.Plan.from_json` reads has its JSON type (fields it does not know are
+    left alone: a newer adaptdist may add some)."""
+    from . import limits
+
+    def fail(name: str, want: str, got: object) -> UsageError:
+        import reprlib
+
+        return UsageError(f"plan {source!r}: field {name!r} must be {want}, got {type(got).__name__} "
+                          f"{reprlib.repr(got)}")
+
+    if not isinstance(doc, dict):
+        raise UsageError(f"plan {source!r} is not a JSON object")
+    v = doc.get("schema_version")
+    if "schema_version" in doc and (type(v) is not int):
+        raise fail("schema_version", "an integer (1 or 2)", v)
+    mesh = doc.get("mesh")
+    if "mesh" in doc:
+        pairs = mesh if isinstance(mesh, list) else list(mesh.items()) if isinstance(mesh, dict) else None
+        if pairs is None or not all(isinstance(m, (list, tuple)) and len(m) == 2 and isinstance(m[0], str)
+                                    and type(m[1]) is int and m[1] >= 1 for m in pairs):
+            raise fail("mesh", "[[axis name, size >= 1], ...]", mesh)
+        names = [m[0] for m in pairs]
+        if len(set(names)) != len(names):
+            raise fail("mesh", "axes of distinct names", mesh)
+        world = 1
+        for _, n in pairs:
+            world *= n
+            if world > limits.max_ranks():
+                raise UsageError(f"plan {source!r}: field 'mesh' {mesh!r} gives more than {limits.max_ranks()} "
+                                 "ranks, the limit (ADAPTDIST_MAX_RANKS; README, Trust and limits)")
+    if doc.get("batch_axis") is not None and not isinstance(doc["batch_axis"], str):
+        raise fail("batch_axis", "a mesh axis name or null", doc["batch_axis"])
+    for key in ("graph_fingerprint", "name"):
+        if key in doc and not isinstance(doc[key], str):
+            raise fail(key, "a string", doc[key])
+
+    def placement_map(name: str, value: object) -> None:
+        if not isinstance(value, dict) or not all(_is_str_list(x) for x in value.values()):
+            raise fail(name, "an object of name -> [placement text per mesh axis]", value)
+
+    def redistribution_map(name: str, value: object) -> None:
+        if not isinstance(value, dict) or not all(isinstance(rows, list) and all(_is_str_list(r, (4, 5)) for r in rows)
+                                                  for rows in value.values()):
+            raise fail(name, "an object of mesh axis -> [[consumer, source, from, to, collective], ...]", value)
+
+    for key in ("param_placements", "node_placements", "node_strategies"):
+        if key in doc:
+            placement_map(key, doc[key])
+    if "redistributions" in doc:
+        redistribution_map("redistributions", doc["redistributions"])
+    low = doc.get("lowered")
+    if low is not None:
+        if not isinstance(low, dict):
+            raise fail("lowered", "an object or null", low)
+        for key in ("param_placements", "node_placements"):
+            if key in low:
+                placement_map(f"lowered.{key}", low[key])
+        if "redistributions" in low:
+            redistribution_map("lowered.redistributions", low["redistributions"])
+        if "departures" in low and not (isinstance(low["departures"], list)
+                                        and all(_is_str_list(d, (3,)) for d in low["departures"])):
+            raise fail("lowered.departures", "[[node, axis, reason], ...]", low["departures"])
 
 
 def check_plan_params(plan, shapes: Mapping[str, tuple[int, ...]], source: str | None = None) -> None:
