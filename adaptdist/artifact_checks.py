@@ -31,11 +31,20 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 RNG_MODES = ("per-rank", "global")
 
 
-def compile_id(file_digests: Mapping[str, str], metas: Mapping[int, Mapping[str, Any]]) -> str:
-    """The id of one compile: sha256 over every rank's files' digests (code, state, constants) and every rank's
-    program metadata (without its own ``compile_id``); equal only for programs that are interchangeable."""
+COMPILE_ID_EXCLUDES = ("files", "compile_id", "compile_covers", "model_file")
+"""Manifest fields outside the compile id: the files it covers enter through their digests; ``model_file`` is a
+location, which may be edited when the directory and the model move (its content is ``model_file_sha256``)."""
+
+
+def compile_id(file_digests: Mapping[str, str], metas: Mapping[int, Mapping[str, Any]],
+               manifest: Mapping[str, Any] | None = None) -> str:
+    """The id of one compile: sha256 over the digests of the files it covers (every rank's code, state and
+    constants, the plan, the example batch), every rank's program metadata (without its ``compile_id``) and the
+    manifest's fields (but :data:`COMPILE_ID_EXCLUDES`); equal only for programs that are interchangeable."""
     h = hashlib.sha256()
     h.update(json.dumps(sorted(file_digests.items())).encode())
+    fields = {k: v for k, v in (manifest or {}).items() if k not in COMPILE_ID_EXCLUDES}
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
     for r in sorted(metas):
         h.update(json.dumps({k: v for k, v in metas[r].items() if k != "compile_id"}, sort_keys=True,
                             default=str).encode())
@@ -272,5 +281,21 @@ def check_compile(directory: str | Path, manifest: Mapping[str, Any]) -> dict[in
         p = d / f"rank{r}" / "program.json"
         meta = safe_load.load_json_file(p, "program file", ProgramLoadError)
         metas[r] = check_program_meta(meta, p, r, manifest)
+    if "compile_id" in manifest:  # recomputed: an edit of any covered file, field or rank's metadata shows
+        covers = manifest.get("compile_covers")
+        if not (isinstance(covers, list) and all(isinstance(c, str) and c in manifest["files"] for c in covers)):
+            raise ProgramLoadError(f"{str(d / 'manifest.json')!r}: field 'compile_covers' must list files of "
+                                   f"'files', got {_short(covers)}; compile again (a hand-edited manifest)")
+        got = compile_id({c: manifest["files"][c] for c in covers}, metas, manifest)
+        if got != manifest["compile_id"]:
+            raise ProgramLoadError(
+                f"the programs in {str(d)!r} are not the compile their manifest names (compile id recomputed from "
+                f"the files, the manifest's fields and every rank's program.json: {got[:12]}..., the manifest's "
+                f"{manifest['compile_id'][:12]}...): a rank from another compile, or an edited file or field; copy "
+                "one compile's whole directory, or compile again")
+    for name in ("example_batch.safetensors", "plan.json"):  # files adaptdist reads must be hash-checked
+        if (d / name).exists() and name not in manifest["files"]:
+            raise ProgramLoadError(f"{str(d / name)!r} is not listed in {str(d / 'manifest.json')!r} (an edited "
+                                   "manifest?), so its sha256 cannot be checked; compile again")
     check_batch_partition(metas, d, manifest)
     return metas

@@ -442,15 +442,16 @@ class _Parser:
         wall = None if c.get("wall_s") is None else self.number("calibration.wall_s", c["wall_s"], "seconds",
                                                                  zero_ok=True)
         coll = c["collectives"]
-        if not isinstance(coll, dict):
-            raise self.fail("calibration.collectives", f"must map tier -> collective -> fit, got {coll!r}")
+        if not isinstance(coll, dict) or not coll:
+            raise self.fail("calibration.collectives", f"must map tier -> collective -> fit (at least one; "
+                                                       f"'calibration: null' when nothing was measured), got {coll!r}")
         fits = {}
         for tier, by_name in coll.items():
             tp = f"calibration.collectives.{tier}"
             if tier not in TIERS:
                 raise self.fail(tp, f"is not a link tier; allowed: {', '.join(TIERS)}")
-            if not isinstance(by_name, dict):
-                raise self.fail(tp, f"must map collective names to fits, got {by_name!r}")
+            if not isinstance(by_name, dict) or not by_name:
+                raise self.fail(tp, f"must map collective names to fits (at least one), got {by_name!r}")
             for name, f in by_name.items():
                 fp = f"{tp}.{name}"
                 if name not in COLLECTIVES:

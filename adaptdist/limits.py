@@ -43,15 +43,15 @@ MAX_BATCH_ITEMS = 2**28
 """Largest ``--batch-size`` x ``--seq-len`` (the example batch is built for real: 2**28 int64 tokens are 2 GiB)."""
 
 FIGURE_BOUNDS: dict[str, tuple[float, float]] = {
-    "peak_flops": (1e3, 1e19),                      # FLOP/s of one device (an H200: ~2e15 dense fp8)
-    "memory_bytes": (1, 2**50),                     # bytes one rank may use (1 PiB)
-    "memory_bandwidth_bytes_per_s": (1e3, 1e15),    # an H200: 4.8e12
-    "bandwidth_bytes_per_s": (1e3, 1e15),           # a link
-    "latency_s": (0.0, 3600.0),
-    "op_overhead_s": (0.0, 10.0),
-    "cores": (1e-6, 1e5),
-    "alpha_s": (0.0, 3600.0),
-    "beta_s_per_byte": (1e-18, 1e-3),               # 1 / (1e18 ... 1e3 bytes/s)
+    "peak_flops": (1e5, 1e19),                      # FLOP/s of one device (an H200: ~2e15 dense fp8)
+    "memory_bytes": (2**20, 2**50),                 # bytes one rank may use: 1 MiB .. 1 PiB
+    "memory_bandwidth_bytes_per_s": (1e6, 1e15),    # an H200: 4.8e12
+    "bandwidth_bytes_per_s": (1e5, 1e15),           # a link: 100 kB/s .. 1 PB/s
+    "latency_s": (0.0, 1.0),                        # a link's one-way latency (across the earth: ~0.1 s)
+    "op_overhead_s": (0.0, 0.1),                    # host time of one dispatched op (measured: 3-10 us)
+    "cores": (1e-3, 1e5),                           # a rank's share of its host's cores
+    "alpha_s": (0.0, 1.0),                          # a collective's fixed cost
+    "beta_s_per_byte": (1e-18, 1e-5),               # 1 / (1e18 ... 1e5 bytes/s)
     "rms_rel_error": (0.0, 1e6),
     "wall_s": (0.0, 1e8),
     "num_ranks": (1, 2**31),

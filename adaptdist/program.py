@@ -201,7 +201,6 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         files[rel] = _sha256(path)
     world = {p.world_size for p in programs.values()}
     assert len(world) == 1 and sorted(programs) == list(range(world.pop()))
-    rank_files: dict[str, str] = {}
     for r, prog in sorted(programs.items()):
         rd = d / f"rank{r}"
         rd.mkdir(exist_ok=True)
@@ -212,14 +211,7 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
             save_file(_own_memory(prog.constants), str(rd / "constants.safetensors"))
             names.append("constants.safetensors")
         for name in names:
-            rank_files[f"rank{r}/{name}"] = _sha256(rd / name)
-    # every rank's program.json names its compile (adaptdist.artifact_checks: a directory mixed from two is refused)
-    metas = {r: prog._meta() for r, prog in programs.items()}
-    cid = compile_id(rank_files, metas)
-    for r in sorted(programs):
-        (d / f"rank{r}" / "program.json").write_text(json.dumps(dict(metas[r], compile_id=cid), indent=1))
-        rank_files[f"rank{r}/program.json"] = _sha256(d / f"rank{r}" / "program.json")
-    files.update(sorted(rank_files.items()))
+            files[f"rank{r}/{name}"] = _sha256(rd / name)
     any_prog = programs[0]
     if any_prog.plan is not None:
         (d / "plan.json").write_text(any_prog.plan.to_json())
@@ -230,10 +222,17 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         "torch_version": torch.__version__,
         "world_size": any_prog.world_size,
         "mesh": any_prog.mesh,
-        "compile_id": cid,
-        "files": files,
         **(extra or {}),
     }
+    # the compile id: a digest of every file so far, the manifest's fields and every rank's metadata, written into
+    # each rank's program.json (adaptdist.artifact_checks: a directory mixed from two compiles, or edited, is refused)
+    metas = {r: prog._meta() for r, prog in programs.items()}
+    covers = sorted(files)
+    cid = compile_id({f: files[f] for f in covers}, metas, manifest)
+    for r in sorted(programs):
+        (d / f"rank{r}" / "program.json").write_text(json.dumps(dict(metas[r], compile_id=cid), indent=1))
+        files[f"rank{r}/program.json"] = _sha256(d / f"rank{r}" / "program.json")
+    manifest.update(compile_id=cid, compile_covers=covers, files=files)
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return d
 
