@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| kind | cases | clean errors | accepted | failures | slowest case (s) | peak memory (MiB) | wall (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
+    import resource
+
+    print(f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB (torch and the "
+          f"compiled programs included); load {os.getloadavg()[0]:.1f}")
     return 1 if failed else 0
 
 
