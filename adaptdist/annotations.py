@@ -215,6 +215,7 @@ class ManualPlan:
         axes = doc.get("mesh")
         if not isinstance(axes, list) or not axes or not all(isinstance(a, str) for a in axes):
             raise UsageError(f"plan file {text!r}: field 'mesh' must list the axis names, e.g. [dp, tp]")
+        _check_axis_names(axes, f"plan file {text!r}: field 'mesh'")
         params = doc.get("params") or {}
         if not isinstance(params, dict):
             raise UsageError(f"plan file {text!r}: field 'params' must map globs to placement lists like [R, S(0)]")
@@ -229,7 +230,10 @@ class ManualPlan:
         batch = doc.get("batch_axis")
         if batch is not None and not isinstance(batch, str):
             raise UsageError(f"plan file {text!r}: 'batch_axis' must be a mesh axis name or null")
-        return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+        try:
+            return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+        except UsageError as e:
+            raise UsageError(f"plan file {text!r}: {e}") from None
 
 
 def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -265,6 +269,18 @@ def _ep_plan(model_module) -> dict:
     return ep
 
 
+def _check_axis_names(axes: list[str], where: str) -> None:
+    """The mesh's own rules on axis names (identifiers, each once), checked where the file is still known.
+
+    Raises:
+        UsageError: names ``where`` (the file and field).
+    """
+    try:
+        Mesh(tuple((a, 1) for a in axes))
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
 def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:
     unknown = set(doc) - {"schema_version", "mesh_axis", "shard_batch", "params"}
     if unknown:
@@ -277,4 +293,8 @@ def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:
     shard_batch = doc.get("shard_batch", True)
     if not isinstance(axis, str) or not isinstance(shard_batch, bool):
         raise UsageError(f"plan file {text!r}: 'mesh_axis' must be a string and 'shard_batch' true or false")
-    return ManualPlan(name, (axis,), axis if shard_batch else None, tuple((g, (v,)) for g, v in params.items()))
+    _check_axis_names([axis], f"plan file {text!r}: field 'mesh_axis'")
+    try:
+        return ManualPlan(name, (axis,), axis if shard_batch else None, tuple((g, (v,)) for g, v in params.items()))
+    except UsageError as e:
+        raise UsageError(f"plan file {text!r}: {e}") from None

@@ -12,6 +12,9 @@ from . import limits
 
 MAX_SEED = 2**63 - 1
 """The largest ``--seed``: a rank seeds torch with ``seed + rank`` (``torch.manual_seed`` takes up to 2**64 - 1)."""
+MAX_COUNT = 10**9
+"""The largest integer flag (``--steps``, ``--keep``, ``--max-restarts``, ...): a billion steps is no real run, and
+a number past int64 would fail only deep in a rank."""
 MAX_DIGITS = 40
 """Longest number text read (Python refuses int() of more than 4300 digits with a ValueError of its own)."""
 
@@ -52,6 +55,8 @@ def positive(kind, greatest=None, why: str = ""):
     """An argparse ``type=`` for a number > 0 of ``kind`` (int or float); floats must also be finite (``nan`` and
     ``inf`` are refused: ``--lr nan`` would only fail on the ranks, ``--max-grad-norm nan`` would turn clipping
     off); ``greatest`` bounds it above. argparse prefixes the message with the flag (``argument --lr: ...``)."""
+    if greatest is None and kind is int:
+        greatest, why = MAX_COUNT, "the largest count adaptdist takes"
     conv = bounded(kind, None, greatest, above=0, why=why)
     conv.__name__ = f"positive {kind.__name__}"
     return conv
@@ -59,7 +64,7 @@ def positive(kind, greatest=None, why: str = ""):
 
 def nonnegative_int(text: str) -> int:
     """An argparse ``type=`` for an integer >= 0 (``--max-restarts``, ``--sample-bytes``)."""
-    return bounded(int, 0)(text)
+    return bounded(int, 0, MAX_COUNT, why="the largest count adaptdist takes")(text)
 
 
 def seed(text: str) -> int:

@@ -205,6 +205,9 @@ def test_batch_items_are_limited_before_the_batch_is_built(capsys):
     (["cluster", "profile", "--max-message-mib", "1e9"], "--max-message-mib"),
     (["train", "--seed", "9" * 5000], "--seed"),
     (["zoo", "--ranks", "999"], "--ranks"),
+    (["train", "--steps", str(2**70)], "--steps"),                  # a count past int64: only a rank would fail
+    (["train", "--checkpoint-every", "63523124357880"], "--checkpoint-every"),
+    (["train", "--max-restarts", str(10**12)], "--max-restarts"),
 ])
 def test_absurd_values_are_refused_by_the_parser(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
@@ -335,6 +338,18 @@ def test_plan_json_nested_too_deeply(tmp_path):
     path.write_text('{"schema_version": 2, "x": ' + "[" * 100000 + "]" * 100000 + "}")
     with pytest.raises(UsageError, match="deep"):
         Plan.load(path)
+
+
+def test_plan_yaml_errors_of_the_plan_itself_name_the_file(tmp_path):
+    from adaptdist.annotations import ManualPlan
+
+    p = tmp_path / "p.yaml"
+    p.write_text("schema_version: 2\nmesh: ['d p']\n")  # found by bench_fuzz.py: the message lacked the file
+    with pytest.raises(UsageError, match=f"plan file '{p}'.*identifier"):
+        ManualPlan.parse(str(p))
+    p.write_text("schema_version: 1\nmesh_axis: '1x'\n")
+    with pytest.raises(UsageError, match=f"plan file '{p}'"):
+        ManualPlan.parse(str(p))
 
 
 def test_plan_yaml_duplicate_keys_and_depth(tmp_path):
