@@ -138,8 +138,11 @@ class ManualPlan:
         no dim of which every rank can share in (e.g. ``[1]``) is placed ``R`` explicitly (logged)."""
         out: dict[str, dict[str, Placement]] = {}
         for k, axis in enumerate(self.mesh_axes):
-            out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
-                                                 keep_replicate=True)
+            try:
+                out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
+                                                     keep_replicate=True)
+            except UsageError as e:  # the plan (a file's name) and the field, before the glob's own words
+                raise UsageError(f"plan {self.name!r}: field params, mesh axis {axis!r}: {e}") from None
         if self.fsdp_axis is not None:
             pl = out.setdefault(self.fsdp_axis, {})
             n = (axis_sizes or {}).get(self.fsdp_axis, 2)

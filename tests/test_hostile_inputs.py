@@ -347,6 +347,9 @@ def test_plan_yaml_errors_of_the_plan_itself_name_the_file(tmp_path):
     p.write_text("schema_version: 2\nmesh: ['d p']\n")  # found by bench_fuzz.py: the message lacked the file
     with pytest.raises(UsageError, match=f"plan file '{p}'.*identifier"):
         ManualPlan.parse(str(p))
+    p.write_text("schema_version: 2\nmesh: [dp]\nparams:\n  fc1.bias: [Q]\n")  # found by bench_fuzz.py too
+    with pytest.raises(UsageError, match="plan 'p.yaml': field params, mesh axis 'dp': annotation 'fc1.bias'"):
+        ManualPlan.parse(str(p)).axis_placements({"fc1.bias": (24,)})
     p.write_text("schema_version: 1\nmesh_axis: '1x'\n")
     with pytest.raises(UsageError, match=f"plan file '{p}'"):
         ManualPlan.parse(str(p))
