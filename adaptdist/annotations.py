@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import yaml
 
 from .errors import UsageError
 from .mesh import Mesh
@@ -139,8 +138,11 @@ class ManualPlan:
         no dim of which every rank can share in (e.g. ``[1]``) is placed ``R`` explicitly (logged)."""
         out: dict[str, dict[str, Placement]] = {}
         for k, axis in enumerate(self.mesh_axes):
-            out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
-                                                 keep_replicate=True)
+            try:
+                out[axis] = resolve_param_placements(shapes, {g: pls[k] for g, pls in self.params}, keep_globs=False,
+                                                     keep_replicate=True)
+            except UsageError as e:  # the plan (a file's name) and the field, before the glob's own words
+                raise UsageError(f"plan {self.name!r}: field params, mesh axis {axis!r}: {e}") from None
         if self.fsdp_axis is not None:
             pl = out.setdefault(self.fsdp_axis, {})
             n = (axis_sizes or {}).get(self.fsdp_axis, 2)
@@ -197,10 +199,9 @@ class ManualPlan:
             from .plan import Plan
 
             return Plan.load(p)  # a saved plan (e.g. programs/plan.json), checked against the graph
-        try:
-            doc = yaml.safe_load(p.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise UsageError(f"plan file {text!r} is not valid YAML: {e}") from None
+        from .safe_load import load_yaml_file
+
+        doc = load_yaml_file(p, "plan file", UsageError)  # bounded size and depth, no duplicate keys
         if not isinstance(doc, dict):
             raise UsageError(f"plan file {text!r}: needs a mapping with 'schema_version: 2'")
         version = doc.get("schema_version")
@@ -217,6 +218,7 @@ class ManualPlan:
         axes = doc.get("mesh")
         if not isinstance(axes, list) or not axes or not all(isinstance(a, str) for a in axes):
             raise UsageError(f"plan file {text!r}: field 'mesh' must list the axis names, e.g. [dp, tp]")
+        _check_axis_names(axes, f"plan file {text!r}: field 'mesh'")
         params = doc.get("params") or {}
         if not isinstance(params, dict):
             raise UsageError(f"plan file {text!r}: field 'params' must map globs to placement lists like [R, S(0)]")
@@ -231,7 +233,10 @@ class ManualPlan:
         batch = doc.get("batch_axis")
         if batch is not None and not isinstance(batch, str):
             raise UsageError(f"plan file {text!r}: 'batch_axis' must be a mesh axis name or null")
-        return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+        try:
+            return ManualPlan(p.name, tuple(axes), batch, tuple(out))
+        except UsageError as e:
+            raise UsageError(f"plan file {text!r}: {e}") from None
 
 
 def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
@@ -267,6 +272,18 @@ def _ep_plan(model_module) -> dict:
     return ep
 
 
+def _check_axis_names(axes: list[str], where: str) -> None:
+    """The mesh's own rules on axis names (identifiers, each once), checked where the file is still known.
+
+    Raises:
+        UsageError: names ``where`` (the file and field).
+    """
+    try:
+        Mesh(tuple((a, 1) for a in axes))
+    except UsageError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
 def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:
     unknown = set(doc) - {"schema_version", "mesh_axis", "shard_batch", "params"}
     if unknown:
@@ -279,4 +296,8 @@ def _parse_v1(doc: dict, text: str, name: str) -> ManualPlan:
     shard_batch = doc.get("shard_batch", True)
     if not isinstance(axis, str) or not isinstance(shard_batch, bool):
         raise UsageError(f"plan file {text!r}: 'mesh_axis' must be a string and 'shard_batch' true or false")
-    return ManualPlan(name, (axis,), axis if shard_batch else None, tuple((g, (v,)) for g, v in params.items()))
+    _check_axis_names([axis], f"plan file {text!r}: field 'mesh_axis'")
+    try:
+        return ManualPlan(name, (axis,), axis if shard_batch else None, tuple((g, (v,)) for g, v in params.items()))
+    except UsageError as e:
+        raise UsageError(f"plan file {text!r}: {e}") from None

@@ -61,6 +61,7 @@ import yaml
 from .cluster import (COLLECTIVES, DEVICE_KINDS, DTYPES, TIERS, Calibration, Cluster, CollectiveFit, Device,
                       FrozenMap, Host, Link, _is_number)
 from .errors import ClusterSpecError
+from . import limits, safe_load
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -79,12 +80,7 @@ def load_cluster(path: str | os.PathLike, estimate: EstimateCluster | None = Non
             type or an invalid value; the message names the file, the field and the allowed form.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ClusterSpecError(f"cluster file {str(p)!r} does not exist")
-    try:
-        doc = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ClusterSpecError(f"cluster file {str(p)!r} is not valid YAML: {e}") from None
+    doc = safe_load.load_yaml_file(p, "cluster file", ClusterSpecError, _Loader)  # bounded: adaptdist/limits.py
     return cluster_from_dict(doc, source=str(p), estimate=estimate)
 
 
@@ -158,8 +154,9 @@ def save_cluster(cluster: Cluster, path: str | os.PathLike, comment: str = "") -
 
 # --- parsing -------------------------------------------------------------------------------------
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads YAML 1.2 floats such as ``1.5e9`` (PyYAML's 1.1 rules make it a string)."""
+class _Loader(safe_load.SafeLoader):
+    """SafeLoader that also reads YAML 1.2 floats such as ``1.5e9`` (PyYAML's 1.1 rules make it a string), and
+    refuses duplicate keys (:mod:`adaptdist.safe_load`)."""
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -233,17 +230,23 @@ class _Parser:
         if bad:
             want = ">= 0" if zero_ok else "> 0"
             raise self.fail(path, f"must be a number of {unit} {want} (e.g. 1.5e+9), got {v!r}")
+        absurd = limits.out_of_bounds(path, float(v))
+        if absurd:
+            raise self.fail(path, absurd)
         return float(v)
 
     def integer(self, path: str, v: object, what: str, *, minimum: int) -> int:
-        if isinstance(v, float) and v.is_integer() and what == "bytes":
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer() and what == "bytes" and v <= 2**53:
             v = int(v)  # memory_bytes: 8e9
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
             raise self.fail(path, f"must be an integer {what} >= {minimum}, got {v!r}")
+        absurd = limits.out_of_bounds(path, v)
+        if absurd:
+            raise self.fail(path, absurd)
         return v
 
     def kind(self, path: str, v: object) -> str:
-        if v not in DEVICE_KINDS:
+        if not isinstance(v, str) or v not in DEVICE_KINDS:
             raise self.fail(path, f"is {v!r}; allowed device kinds: 'cpu' (gloo) or 'cuda' (nccl)")
         return v  # type: ignore[return-value]
 
@@ -290,6 +293,9 @@ class _Parser:
             if unknown:
                 raise self.fail(f"hosts[{i}]", f"has unknown keys {sorted(map(str, unknown))}")
             parsed.append((h["name"], h["device_kind"], h["num_devices"]))
+            if h["num_devices"] < 1:
+                raise self.fail(f"hosts[{i}].num_devices", f"must be a positive integer, got {h['num_devices']!r}")
+            limits.check_ranks(sum(n for _, _, n in parsed), f"cluster file {self.source!r}: field 'hosts[{i}].num_devices'")
         if self.estimate is None:
             raise self.fail("schema_version", "is 1: such a file has no figures; load it with "
                                               "adaptdist.calibrate.local.load_cluster (this machine's estimates), "
@@ -303,6 +309,9 @@ class _Parser:
         self.mapping("", doc, _V2_TOP, ("schema_version", "hosts"))
         hosts: list[Host] = []
         seen: dict[int, str] = {}
+        limits.check_ranks(sum(len(h["devices"]) for h in self.hosts_list(doc, "name and devices")
+                               if isinstance(h, dict) and isinstance(h.get("devices"), list)),
+                           f"cluster file {self.source!r}: field 'hosts'")
         for i, h in enumerate(self.hosts_list(doc, "name and devices")):
             hp = f"hosts[{i}]"
             if isinstance(h, dict) and "devices" not in h and ("num_devices" in h or "device_kind" in h):
@@ -312,6 +321,10 @@ class _Parser:
             self.mapping(hp, h, ("name", "devices"), ("name", "devices"), "{name: localhost, devices: [...]}")
             if not isinstance(h["name"], str) or not h["name"]:
                 raise self.fail(f"{hp}.name", f"must be a non-empty string, got {h['name']!r}")
+            from .input_checks import host_name_problem
+
+            if host_name_problem(h["name"]):
+                raise self.fail(f"{hp}.name", host_name_problem(h["name"]))
             devs = h["devices"]
             if not isinstance(devs, list) or not devs:
                 raise self.fail(f"{hp}.devices", f"must be a non-empty list of devices like {_EXAMPLE_DEVICE}, "
@@ -363,6 +376,9 @@ class _Parser:
         mem = self.integer(f"{dp}.memory_bytes", d["memory_bytes"], "bytes", minimum=1)
         bw = self.number(f"{dp}.memory_bandwidth_bytes_per_s", d["memory_bandwidth_bytes_per_s"], "bytes/s")
         cores = None if d.get("cores") is None else self.number(f"{dp}.cores", d["cores"], "cores")
+        if cores is not None and kind != "cpu":
+            raise self.fail(f"{dp}.cores", f"is given for a {kind} device; 'cores' is a cpu rank's share of its host's "
+                                           "cores: drop it")
         ovh = (None if d.get("op_overhead_s") is None
                else self.number(f"{dp}.op_overhead_s", d["op_overhead_s"], "seconds", zero_ok=True))
         try:
@@ -417,18 +433,25 @@ class _Parser:
         for key in ("measured_at", "backend", "torch_version"):
             if key in c and not isinstance(c[key], str):
                 raise self.fail(f"calibration.{key}", f"must be a string, got {c[key]!r}")
+        from .input_checks import calibration_problem
+
+        for key in ("measured_at", "backend"):
+            why = calibration_problem(key, c.get(key, ""))
+            if why:
+                raise self.fail(f"calibration.{key}", why)
         wall = None if c.get("wall_s") is None else self.number("calibration.wall_s", c["wall_s"], "seconds",
                                                                  zero_ok=True)
         coll = c["collectives"]
-        if not isinstance(coll, dict):
-            raise self.fail("calibration.collectives", f"must map tier -> collective -> fit, got {coll!r}")
+        if not isinstance(coll, dict) or not coll:
+            raise self.fail("calibration.collectives", f"must map tier -> collective -> fit (at least one; "
+                                                       f"'calibration: null' when nothing was measured), got {coll!r}")
         fits = {}
         for tier, by_name in coll.items():
             tp = f"calibration.collectives.{tier}"
             if tier not in TIERS:
                 raise self.fail(tp, f"is not a link tier; allowed: {', '.join(TIERS)}")
-            if not isinstance(by_name, dict):
-                raise self.fail(tp, f"must map collective names to fits, got {by_name!r}")
+            if not isinstance(by_name, dict) or not by_name:
+                raise self.fail(tp, f"must map collective names to fits (at least one), got {by_name!r}")
             for name, f in by_name.items():
                 fp = f"{tp}.{name}"
                 if name not in COLLECTIVES:

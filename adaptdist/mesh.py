@@ -42,10 +42,13 @@ class Mesh:
         axes = []
         for part in text.split(","):
             name, eq, size = part.strip().partition("=")
-            if not eq or not size.strip().isdigit():
+            if not eq or not size.strip().isascii() or not size.strip().isdigit() or len(size.strip()) > 18:
                 raise UsageError(f"--mesh {text!r}: {part.strip()!r} is not AXIS=SIZE; write e.g. --mesh dp=2,tp=2")
             axes.append((name.strip(), int(size)))
-        return Mesh(tuple(axes))
+        try:
+            return Mesh(tuple(axes))
+        except UsageError as e:
+            raise UsageError(f"--mesh {text!r}: {e}") from None
 
     @staticmethod
     def one_axis(name: str, size: int) -> "Mesh":

@@ -462,8 +462,11 @@ class Plan:
         """
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"plan {source!r} is not JSON: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise UsageError(f"plan {source!r} is not JSON: {e or 'nested too deeply'}") from None
+        from .plan_checks import check_plan_doc
+
+        check_plan_doc(doc, source)  # bounded size and depth; every field's type (adaptdist/plan_checks.py)
         if not isinstance(doc, dict):
             raise UsageError(f"plan {source!r} is not a JSON object")
         for key in ("schema_version", "mesh", "batch_axis", "graph_fingerprint", "param_placements"):
@@ -579,10 +582,11 @@ class Plan:
         Raises:
             UsageError: the file does not exist or is not a valid plan (names the file and the field).
         """
-        p = Path(path)
-        if not p.is_file():
-            raise UsageError(f"plan file {str(p)!r} does not exist")
-        return Plan.from_json(p.read_text(), str(p))
+        from .safe_load import read_text
+
+        plan = Plan.from_json(read_text(path, "plan file", UsageError), str(path))  # size-bounded, UTF-8
+        object.__setattr__(plan, "_source", str(path))  # not a field: later errors name the file (plan_checks)
+        return plan
 
 
 def _collective_of(src: Placement, dst: Placement) -> str:

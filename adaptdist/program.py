@@ -30,7 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from ._version import __version__
 from . import _torch_compat as compat
+from .artifact_checks import check_compile, check_manifest, check_program_meta, compile_id
 from .errors import ProgramLoadError
+from .safe_load import load_json_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -203,9 +205,8 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         rd = d / f"rank{r}"
         rd.mkdir(exist_ok=True)
         (rd / "program.py").write_text(prog.code)
-        (rd / "program.json").write_text(json.dumps(prog._meta(), indent=1))
         save_file(_own_memory(prog.state), str(rd / "state.safetensors"))
-        names = ["program.py", "program.json", "state.safetensors"]
+        names = ["program.py", "state.safetensors"]
         if prog.constants:
             save_file(_own_memory(prog.constants), str(rd / "constants.safetensors"))
             names.append("constants.safetensors")
@@ -221,9 +222,17 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         "torch_version": torch.__version__,
         "world_size": any_prog.world_size,
         "mesh": any_prog.mesh,
-        "files": files,
         **(extra or {}),
     }
+    # the compile id: a digest of every file so far, the manifest's fields and every rank's metadata, written into
+    # each rank's program.json (adaptdist.artifact_checks: a directory mixed from two compiles, or edited, is refused)
+    metas = {r: prog._meta() for r, prog in programs.items()}
+    covers = sorted(files)
+    cid = compile_id({f: files[f] for f in covers}, metas, manifest)
+    for r in sorted(programs):
+        (d / f"rank{r}" / "program.json").write_text(json.dumps(dict(metas[r], compile_id=cid), indent=1))
+        files[f"rank{r}/program.json"] = _sha256(d / f"rank{r}" / "program.json")
+    manifest.update(compile_id=cid, compile_covers=covers, files=files)
     (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return d
 
@@ -238,10 +247,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     mpath = d / MANIFEST
     if not mpath.is_file():
         raise ProgramLoadError(f"{str(mpath)!r} does not exist; is {str(d)!r} a directory written by adaptdist?")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProgramLoadError(f"{str(mpath)!r} is not valid JSON: {e}") from None
+    manifest = load_json_file(mpath, "manifest", ProgramLoadError)  # bounded: adaptdist/limits.py
+    if not isinstance(manifest, dict):
+        raise ProgramLoadError(f"{str(mpath)!r} must hold a JSON object, got {type(manifest).__name__}; recompile")
     for key in ("format_version", "torch_version", "world_size", "files"):
         if key not in manifest:
             raise ProgramLoadError(f"{str(mpath)!r} lacks the field {key!r}; recompile the programs")
@@ -255,7 +263,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             f"{str(mpath)!r} was written with torch {manifest['torch_version']}, this is torch "
             f"{torch.__version__}; recompile the programs with this torch"
         )
-    return manifest
+    return check_manifest(manifest, mpath)  # every field type-checked (adaptdist.artifact_checks)
 
 
 def load_program(directory: str | os.PathLike, rank: int, world_size: int | None = None) -> RankProgram:
@@ -287,7 +295,8 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
             raise ProgramLoadError(
                 f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or edited); recompile"
             )
-    meta = json.loads((d / prefix / "program.json").read_text())
+    meta_path = d / prefix / "program.json"  # typed, and from the manifest's compile (check_artifacts: all ranks)
+    meta = check_program_meta(load_json_file(meta_path, "program file", ProgramLoadError), meta_path, rank, manifest)
     plan = None
     if "plan.json" in manifest["files"]:
         from .plan import Plan
@@ -344,9 +353,11 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
             raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
                                    "(corrupted or edited); compile again")
     for r in range(manifest["world_size"]):
-        if f"rank{r}/program.py" not in manifest["files"]:
-            raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/program.py for world size "
-                                   f"{manifest['world_size']}; compile again")
+        for name in ("program.py", "program.json", "state.safetensors"):
+            if f"rank{r}/{name}" not in manifest["files"]:
+                raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/{name} for world size "
+                                       f"{manifest['world_size']}; compile again")
+    check_compile(d, manifest)  # every rank from one compile, the batch slices a partition (artifact_checks)
     if cluster is not None:
         if cluster.world_size != manifest["world_size"]:
             raise ProgramLoadError(

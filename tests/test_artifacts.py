@@ -164,8 +164,10 @@ def test_compile_writes_the_programs_train_runs(tmp_path):
         compiled = (tmp_path / "compiled" / f"rank{r}" / "program.py").read_text()
         trained = (tmp_path / "trained" / "programs" / f"rank{r}" / "program.py").read_text()
         assert compiled == trained, f"rank {r}: compile and train lowered different programs"
-        assert json.loads((tmp_path / "compiled" / f"rank{r}" / "program.json").read_text()) == \
-            json.loads((tmp_path / "trained" / "programs" / f"rank{r}" / "program.json").read_text())
+        metas = [json.loads((d / f"rank{r}" / "program.json").read_text())
+                 for d in (tmp_path / "compiled", tmp_path / "trained" / "programs")]
+        assert all(len(m.pop("compile_id")) == 64 for m in metas)  # the ids differ: compile's manifest has more fields
+        assert metas[0] == metas[1]
     assert compiled.count("all_reduce") > 1  # several gradient buckets: the bucket size is part of what agrees
     assert (tmp_path / "compiled" / "plan.json").read_text() == (tmp_path / "trained" / "programs" / "plan.json").read_text()
 

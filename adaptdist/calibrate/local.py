@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .. import cluster_file
+from .. import cluster_file, limits
 from ..cluster import Cluster, Device, Host, Link, _check_kind
 from ..errors import ClusterSpecError
 from . import hardware
@@ -60,6 +60,7 @@ def local_cluster(nproc: int, device_kind: str = "cpu") -> Cluster:
             f"--nproc must be a positive number of local ranks, got {nproc!r}; try --nproc 2"
         )
     _check_kind(device_kind, "local_cluster")
+    limits.check_ranks(nproc, "--nproc (or the mesh's world size)", local=True)
     hosts = (uniform_host("localhost", device_kind, nproc),)
     return Cluster(hosts, default_links(hosts))
 

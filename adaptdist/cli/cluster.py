@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import UsageError
-from .common import positive
+from .common import local_ranks, positive
 
 QUICK_SIZES_BYTES = (256, 4096, 65536)
 """Message sizes of ``profile --quick`` (a smoke test, not a calibration to plan with)."""
@@ -28,11 +28,11 @@ def add_parser(sub) -> None:
                              "memory bandwidth with all ranks busy, and write a calibrated cluster file")
     for q in (d, p):
         q.add_argument("--out", metavar="FILE", default="cluster.yaml", help="file to write (.json: JSON, else YAML)")
-        q.add_argument("--nproc", type=_positive_int, default=None,
+        q.add_argument("--nproc", type=local_ranks, default=None,
                        help="local ranks; default 2 on cpu, every visible GPU on cuda")
         q.add_argument("--device-kind", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto: cuda when a GPU is visible, else cpu")
-    p.add_argument("--max-message-mib", type=_positive_float, default=16.0,
+    p.add_argument("--max-message-mib", type=positive(float, 4096.0, "4 GiB"), default=16.0,
                    help="largest collective message, MiB (sizes from 1 KiB, x4 apart)")
     p.add_argument("--timeout-s", type=_positive_float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--quick", action="store_true",
@@ -49,6 +49,9 @@ def cmd_cluster(args) -> int:
 
     from ..calibrate.detect import describe_machine, detect_local
 
+    from .common import check_out_file
+
+    check_out_file(args.out)
     console = Console(stderr=True, emoji=False)
     if not console.is_terminal:
         console = Console(stderr=True, emoji=False, width=140)

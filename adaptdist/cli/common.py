@@ -24,55 +24,8 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
 
 
 
-MAX_SEED = 2**63 - 1
-"""The largest ``--seed``: a rank seeds torch with ``seed + rank`` (``torch.manual_seed`` takes up to 2**64 - 1)."""
-
-
-def positive(kind):
-    """An argparse ``type=`` for a number > 0 of ``kind`` (int or float); floats must also be finite (``nan`` and
-    ``inf`` are refused: ``--lr nan`` would only fail on the ranks, ``--max-grad-norm nan`` would turn clipping
-    off). argparse prefixes the message with the flag (``argument --lr: ...``)."""
-    import argparse
-    import math
-
-    def conv(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if isinstance(v, float) and not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return v
-    conv.__name__ = f"positive {kind.__name__}"
-    return conv
-
-
-def nonnegative_int(text: str) -> int:
-    """An argparse ``type=`` for an integer >= 0 (``--max-restarts``)."""
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def seed(text: str) -> int:
-    """An argparse ``type=`` for ``--seed``: an integer in 0..:data:`MAX_SEED`."""
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= v <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1 ({MAX_SEED}), got {text}")
-    return v
+# the shared argparse types (numbers refused at parse time when not finite, out of range or absurd)
+from ..arg_types import MAX_SEED, bounded, local_ranks, nonnegative_int, positive, seed, threads  # noqa: E402,F401
 
 
 def prepare_out_dir(path: str, flag: str = "--out"):
@@ -94,7 +47,43 @@ def prepare_out_dir(path: str, flag: str = "--out"):
     except OSError as e:
         raise UsageError(f"cannot create the output directory {flag} {str(out)!r}: {e.strerror or e}; pass a "
                          "writable directory path") from None
+    _probe_write(out, flag, f"the output directory {flag} {str(out)!r}")
     return out
+
+
+def _probe_write(directory, flag: str, what: str) -> None:
+    """Create and remove a file in ``directory``: the one sure test that the run's files can be written there
+    (permission bits say nothing to root, nor about a read-only mount or a full disk)."""
+    import tempfile
+
+    from ..errors import UsageError
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".adaptdist-write-test-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write into {what}: {e.strerror or e}; pass a writable path") from None
+
+
+def check_out_file(path: str | None, flag: str = "--out") -> None:
+    """Before any work: ``path`` (a file a command writes at its end, e.g. ``plan --out plan.json``) must not be a
+    directory and its directory must exist and take a new file.
+
+    Raises:
+        UsageError: names ``flag`` and the path.
+    """
+    from ..errors import UsageError
+
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {str(p)!r} is a directory; pass a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {str(p)!r}: the directory {str(parent)!r} does not exist; create it or pass "
+                         "another path")
+    _probe_write(parent, flag, f"the directory of {flag} {str(p)!r}")
 
 
 def lowering_options(args):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeLaunchError, UsageError
-from .common import nonnegative_int
+from .common import local_ranks, nonnegative_int, positive
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -30,8 +30,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from ..runtime.timeouts import Timeouts
 
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this machine")
-    p.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=float,
+    p.add_argument("--nproc", type=local_ranks, default=2, help="ranks (processes) on this machine")
+    p.add_argument("--collective-timeout-s", "--timeout-s", dest="collective_timeout_s", type=positive(float),
                    default=Timeouts().collective_s,
                    help="timeout of the script's init_process_group (and so of its collectives) when it sets "
                         "none, seconds")

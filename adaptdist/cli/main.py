@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
+from ..limits import MAX_BATCH_DIM, check_batch_items
 from .common import _cluster, lowering_options
-from .common import nonnegative_int, positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
+from .common import local_ranks, nonnegative_int, positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
+from .common import bounded, check_out_file, threads as _threads
 
 
-def _add_common(p: argparse.ArgumentParser, nproc_type=int, nproc_help: str = "") -> None:
+def _add_common(p: argparse.ArgumentParser, nproc_type=local_ranks, nproc_help: str = "") -> None:
     p.add_argument("model", nargs="?", default="builtin:gpt",
                    help="FILE.py:FACTORY, factory(batch_size, seq_len) -> (model, batch, loss_fn)")
     g = p.add_mutually_exclusive_group()
@@ -29,8 +31,10 @@ def _add_common(p: argparse.ArgumentParser, nproc_type=int, nproc_help: str = ""
     p.add_argument("--mesh", metavar="AXIS=N,...", default=None,
                    help="mesh axis sizes for a multi-axis plan, outermost first, e.g. dp=2,tp=2 (their product is "
                         "the number of ranks; sets --nproc when that is not given)")
-    p.add_argument("--batch-size", type=_positive(int), default=16, help="global batch size")
-    p.add_argument("--seq-len", type=_positive(int), default=128, help="sequence length")
+    p.add_argument("--batch-size", type=_positive(int, MAX_BATCH_DIM, "adaptdist/limits.py"), default=16,
+                   help="global batch size")
+    p.add_argument("--seq-len", type=_positive(int, MAX_BATCH_DIM, "adaptdist/limits.py"), default=128,
+                   help="sequence length")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs (pass timings)")
 
 
@@ -131,13 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip gradients to this global 2-norm (over all shards, as torch.nn.utils.clip_grad_norm_)")
     t.add_argument("--seed", type=_seed, default=0, help="random seed, 0..2**63-1")
     t.add_argument("--out", metavar="DIR", default="runs/latest", help="output directory")
-    t.add_argument("--threads-per-rank", type=_positive(int), default=None,
+    t.add_argument("--threads-per-rank", type=_threads, default=None,
                    help="torch threads per rank; None: cores // ranks, at least 1")
     _add_fault_tolerance(t)
     from .train_hosts import add_host_arguments
 
     add_host_arguments(t)
-    t.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end (0: none)")
+    t.add_argument("--sample-bytes", type=bounded(int, 0, 2**20), default=300, help="bytes of text to generate at the end (0: none)")
     t.add_argument("--dump-graphs", metavar="DIR",
                    help="write the graph before and after each lowering pass, with its op-count diff, to DIR")
     t.add_argument("--skip-memory-check", action="store_true",
@@ -224,6 +228,7 @@ def cmd_plan(args) -> int:
     from ..model_spec import ModelSpec
 
     console = report_console()
+    check_out_file(args.out)
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
@@ -443,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_batch_items(getattr(args, "batch_size", None), getattr(args, "seq_len", None))
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
                     "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch,
                     "zoo": cmd_zoo}

@@ -44,12 +44,17 @@ def nproc_range(text: str):
     import argparse
 
     parts = text.split(":")
+    if len(text) > 80:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (integers), got {len(text)} characters")
     try:
         nums = [int(p) for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected N or MIN:MAX (integers), got {text!r}") from None
     if len(nums) > 2 or any(n < 1 for n in nums) or (len(nums) == 2 and nums[0] > nums[1]):
         raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    from ..arg_types import local_ranks
+
+    local_ranks(str(nums[-1]))  # the stated limit (adaptdist/limits.py)
     return nums[0] if len(nums) == 1 else (nums[0], nums[1])
 
 

@@ -47,7 +47,7 @@ ROWS_PER_RANK = 2
 
 def add_zoo_parser(sub) -> None:
     """The ``zoo`` subcommand's arguments."""
-    from .common import positive
+    from .common import local_ranks, positive
 
     z = sub.add_parser("zoo", help="train every zoo model under every plan and compare with eager PyTorch",
                        description=__doc__.split("\n\n")[0])
@@ -56,7 +56,7 @@ def add_zoo_parser(sub) -> None:
                    help="plans to sweep (tp only for models with a TP_PLAN)")
     z.add_argument("--front-ends", default=",".join(FRONT_ENDS), metavar="backend,train",
                    help="backend: torch.compile(backend=adaptdist.backend(...)); train: adaptdist train")
-    z.add_argument("--ranks", type=positive(int), default=2, help="local gloo ranks")
+    z.add_argument("--ranks", type=local_ranks, default=2, help="local gloo ranks")
     z.add_argument("--steps", type=positive(int), default=2, help="SGD steps per combination")
     z.add_argument("--lr", type=positive(float), default=0.1, help="SGD learning rate")
     z.add_argument("--timeout-s", type=positive(float), default=600.0,
@@ -594,8 +594,9 @@ def cmd_zoo(args) -> int:
     models = parse_names(args.models, list(ZOO), "models")
     plans = parse_names(args.plans, PLANS, "plans")
     front_ends = parse_names(args.front_ends, FRONT_ENDS, "front-ends")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .common import prepare_out_dir
+
+    out = prepare_out_dir(args.out)
     total = len(combinations(models, plans, front_ends))
     err_console.print(f"adaptdist zoo: {len(models)} models, plans {','.join(plans)}, front ends "
                       f"{','.join(front_ends)}: {total} combinations on {args.ranks} ranks, {args.steps} SGD steps")

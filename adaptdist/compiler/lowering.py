@@ -229,6 +229,11 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
         plan = ManualPlan.parse("dp")
     if isinstance(plan, Plan):
         plan.check_graph(captured.gm, f"plan {plan.name!r}")
+        from ..plan_checks import check_plan_params
+
+        check_plan_params(plan, {gmeta.get_fqn(p): tuple(p.meta["val"].shape)  # an edited plan.json: named, not a
+                                 for p in captured.gm.graph.find_nodes(op="placeholder")  # pass's ValueError
+                                 if gmeta.get_role(p) != "batch"})
         m = plan.mesh_spec
         if m.world_size != world_size:
             raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}; "

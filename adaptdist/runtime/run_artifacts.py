@@ -25,13 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, check the artifacts, and run this rank (torchrun sets RANK and WORLD_SIZE)."""
     ap = argparse.ArgumentParser(prog="python -m adaptdist.runtime.run_artifacts")
     ap.add_argument("artifacts", metavar="DIR")
-    ap.add_argument("--steps", type=int, default=100)
+    from ..arg_types import positive, seed
+
+    ap.add_argument("--steps", type=positive(int), default=100)
     ap.add_argument("--data", default=None)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=positive(float), default=2e-3)
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=seed, default=0)
     ap.add_argument("--out", default="runs/artifacts")
-    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--timeout-s", type=positive(float), default=300.0)
     args = ap.parse_args(argv)
     from ..errors import AdaptdistError, RuntimeLaunchError
     from ..program import check_artifacts, check_model_file

@@ -116,9 +116,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m adaptdist.runtime.script_runner",
                                 description="run a script on one rank with bounded init_process_group defaults")
-    p.add_argument("--collective-timeout-s", "--timeout-s", type=float, default=Timeouts().collective_s,
+    from ..arg_types import positive
+
+    p.add_argument("--collective-timeout-s", "--timeout-s", type=positive(float), default=Timeouts().collective_s,
                    help="timeout of init_process_group calls that set none, seconds")
-    p.add_argument("--store-timeout-s", type=float, default=None,
+    p.add_argument("--store-timeout-s", type=positive(float), default=None,
                    help="timeout of the workers' store, seconds (default: the collective timeout, as torch does)")
     p.add_argument("-m", dest="module", action="store_true", help="run a module (python -m) instead of a script")
     p.add_argument("target", help="the script (or, with -m, the module) to run")

@@ -333,12 +333,12 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
     # screening: one round of every shape; the REFINE_TOP fastest that fit get the remaining rounds
     screen = len(candidates) > REFINE_TOP
     found: dict[MeshCandidate, tuple] = {}
-    for c in candidates:
+    for k, c in enumerate(candidates):
         if pinned_axes - set(c.mesh.names) and mesh is None:
             tried.append((c, f"lacks the pinned axes {sorted(pinned_axes - set(c.mesh.names))}"))
             continue
         if progress:
-            progress(f"mesh {c}")
+            progress(f"mesh {c} ({k + 1} of {len(candidates)} shapes, {time.perf_counter() - t0:.0f} s)")
         try:
             start = warm if warm is not None and previous is not None and dict(previous.mesh) == c.mesh.as_dict() \
                 else None
@@ -349,9 +349,9 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             tried.append((c, f"infeasible ({e})"))
     if screen:
         ranked = sorted(found, key=lambda c: (not found[c][0].fits, found[c][0].step_s, candidates.index(c)))
-        for c in ranked[:REFINE_TOP]:
+        for k, c in enumerate(ranked[:REFINE_TOP]):
             if progress:
-                progress(f"refine mesh {c}")
+                progress(f"refine mesh {c} ({k + 1} of {min(REFINE_TOP, len(ranked))}, {time.perf_counter() - t0:.0f} s)")
             try:
                 found[c] = solve_candidate(pg, c, cluster, constraints, state_copies, capacity, cache, time_limit_s,
                                            warm, rounds=MAX_ROUNDS - 1, start=found[c][2], searcher=search_fn,

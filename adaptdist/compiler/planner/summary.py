@@ -48,8 +48,31 @@ def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, c
 
     if console is None:
         return plan()
+    progress = _LineProgress(console)
     with console.status("planning") as status:
-        return plan(lambda text: status.update(f"planning: {text}"))
+        def update(text: str) -> None:
+            status.update(f"planning: {text}")
+            progress(text)
+        return plan(update)
+
+
+class _LineProgress:
+    """Where the status line does not show (output to a file or a pipe), a line of the planner's progress every
+    :data:`PROGRESS_EVERY_S` seconds, so a long search (hundreds of ranks: many mesh shapes) is not silent."""
+
+    def __init__(self, console: Any) -> None:
+        import time
+
+        self.console, self.clock = console, time.perf_counter
+        self.last = self.clock()
+
+    def __call__(self, text: str) -> None:
+        if getattr(self.console, "is_terminal", True):
+            return
+        now = self.clock()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            self.console.print(f"planning: {text}")
 
 
 def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
