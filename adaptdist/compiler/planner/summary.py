@@ -75,6 +75,9 @@ class _LineProgress:
             self.console.print(f"planning: {text}")
 
 
+PROGRESS_EVERY_S = 10.0
+
+
 def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> None:
     """The chosen mesh, predicted time and memory per rank, shapes tried, and (``layers``) the per-layer table."""
     from rich.table import Table
