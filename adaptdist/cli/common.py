@@ -122,19 +122,14 @@ def _cluster(args):
 
 
 def check_batch(batch, example, data) -> None:
-    """The data's batches must look like the factory's example batch (count, shapes, dtypes).
+    """The data's first batch must look like the factory's example batch (count, shapes, dtypes); the ranks check
+    every later one alike (:mod:`adaptdist.runtime.batch_check`, one message for both).
 
     Raises:
-        DataError: names the element and what differs.
+        DataError: names the step, the element and what differs.
     """
-    from ..errors import DataError
+    from ..runtime.batch_check import batch_shapes, check_batch as check
 
     src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
-    if not isinstance(batch, (tuple, list)) or len(batch) != len(example):
-        raise DataError(f"{src} yielded {type(batch).__name__} of {len(batch) if hasattr(batch, '__len__') else '?'} "
-                        f"elements; the factory's example batch has {len(example)} tensors")
-    for i, (b, e) in enumerate(zip(batch, example)):
-        if not hasattr(b, "shape") or tuple(b.shape) != tuple(e.shape) or b.dtype != e.dtype:
-            got = f"{b.dtype} {list(b.shape)}" if hasattr(b, "shape") else type(b).__name__
-            raise DataError(f"{src} yielded batch element {i} as {got}, but the example batch has "
-                            f"{e.dtype} {list(e.shape)}; yield batches shaped like the example (--batch-size, --seq-len)")
+    check(batch, batch_shapes(example), src, step=1, compiled="the factory's example batch",
+          sizes=f"--batch-size {data.batch_size} --seq-len {data.seq_len}")

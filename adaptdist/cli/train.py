@@ -299,8 +299,10 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     has_data = callable(getattr(module, "data", None))
     if args.data and not has_data:
         raise UsageError(f"--data was given but {spec.file} defines no data(batch_size, seq_len, path=...) function")
+    from ..runtime.batch_check import batch_shapes
+
     data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
-                    path=args.data, seed=args.seed)
+                    path=args.data, seed=args.seed, batch_shapes=batch_shapes(example))
     if not has_data:
         # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
         save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},

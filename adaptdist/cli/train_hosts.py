@@ -194,6 +194,11 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
 
     torch.manual_seed(args.seed)
     example = spec.build(args.batch_size, args.seq_len)[1]
+    import dataclasses
+
+    from ..runtime.batch_check import batch_shapes
+
+    data = dataclasses.replace(data, batch_shapes=batch_shapes(example))  # every rank checks every batch against it
     x0 = example[0]
     tokens = not x0.is_floating_point() and x0.dim() >= 2
     unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])

@@ -84,7 +84,13 @@ def data_spec(manifest: Mapping[str, Any], directory: Path, data: str | None, se
     if model_file.is_file():
         module = load_module(str(model_file))
         if callable(getattr(module, "data", None)):
-            return DataSpec(str(model_file), "data", B, T, path=data, seed=seed)
+            from safetensors.torch import load_file
+
+            from .batch_check import batch_shapes
+
+            example = load_file(str(directory / "example_batch.safetensors"))  # the batch the programs were built for
+            return DataSpec(str(model_file), "data", B, T, path=data, seed=seed,
+                            batch_shapes=batch_shapes(example[f"b{i}"] for i in range(len(example))))
     if data:
         raise UsageError(f"--data was given but the model file {str(model_file)!r} (recorded in the manifest) "
                          "is missing or defines no data(batch_size, seq_len, path=...) function")

@@ -44,6 +44,9 @@ class DataSpec:
     path: str | None = None
     seed: int = 0
     batch_file: str | None = None
+    batch_shapes: tuple | None = None
+    """The compiled global batch (:data:`.batch_check.BatchShapes`: each tensor's shape and dtype): every batch is
+    checked against it before it reaches the programs; None: against the first batch drawn."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,12 @@ class TrainConfig:
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless global batches per ``spec`` (the same on every rank); ``start_step`` is passed to a ``data()`` that
-    takes it (see :func:`positioned_batches`)."""
+    takes it (see :func:`positioned_batches`).
+
+    Raises:
+        DataError: (as a batch is drawn) a batch whose count, shapes or dtypes differ from ``spec.batch_shapes``
+            (:mod:`.batch_check`; names the 1-based step).
+    """
     if spec.function is None:
         from safetensors.torch import load_file
 
@@ -106,7 +114,12 @@ def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tu
         kwargs["seed"] = spec.seed
     if start_step is not None:
         kwargs["start_step"] = start_step
-    return iter(fn(spec.batch_size, spec.seq_len, **kwargs))
+    from .batch_check import checked_batches
+
+    return checked_batches(iter(fn(spec.batch_size, spec.seq_len, **kwargs)), spec.batch_shapes,
+                           f"{spec.module_file}:{spec.function}", first_step=(start_step or 0) + 1,
+                           compiled="the factory's example batch" if spec.batch_shapes is not None else "",
+                           sizes=f"--batch-size {spec.batch_size} --seq-len {spec.seq_len}")
 
 
 def _repeat(batch: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, ...]]:
