@@ -60,8 +60,22 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
                         "the global batch, one all_reduce per BatchNorm in forward and in backward); default local")
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
-    p.add_argument("--disable-pass", metavar="NAME", action="append", default=[],
+    p.add_argument("--disable-pass", metavar="NAME", action="append", default=[], type=_skippable_pass,
                    help="skip this lowering pass (repeatable; for debugging speed or memory: only the passes that do not change the numbers, adaptdist/passes/pipeline.py SKIPPABLE)")
+
+
+def _skippable_pass(text: str) -> str:
+    """An argparse ``type=`` for ``--disable-pass``: a pass name of :data:`adaptdist.passes.pipeline.SKIPPABLE`,
+    refused at parse time (before any capture, planning or change to --out)."""
+    from ..passes.infra import pass_names
+    from ..passes.pipeline import PASSES, SKIPPABLE
+
+    if text not in SKIPPABLE:
+        what = "sharding rules rely on it for the single-process numbers" if text in pass_names(PASSES) else \
+            "not a lowering pass"
+        raise argparse.ArgumentTypeError(f"cannot skip {text!r} ({what}); the passes that may be skipped (for "
+                                         f"debugging speed or memory): {', '.join(sorted(SKIPPABLE))}")
+    return text
 
 
 def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
@@ -375,12 +389,16 @@ def cmd_run(args) -> int:
         check_resumable(out, args.steps, console)
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
+    data = data_spec(manifest, d, args.data, args.seed)
+    if data.function:
+        from ..runtime.worker import global_batches
+
+        next(global_batches(data))  # a first batch unlike the compiled one: DataError now (the ranks check the rest)
+    example = load_file(str(d / "example_batch.safetensors"))
     lock = lock_out_dir(out)  # held until this process ends
-    if not args.resume:
+    if not args.resume:  # (everything checked: only now is the previous run in --out replaced)
         _clear_previous_run(out, console)
     write_run_file(out, {**{k: getattr(args, k) for k in (*RUN_RESTORED, "steps")}, "artifacts": str(d)}, "running")
-    data = data_spec(manifest, d, args.data, args.seed)
-    example = load_file(str(d / "example_batch.safetensors"))
     x0 = example["b0"]
     tokens = not x0.is_floating_point() and x0.dim() >= 2
     unit, items = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
@@ -449,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         check_batch_items(getattr(args, "batch_size", None), getattr(args, "seq_len", None))
+        from .mesh_axes import check_mesh_axes
+
+        check_mesh_axes(getattr(args, "mesh", None), getattr(args, "plan", None))  # before any work or --out change
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
                     "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch,
                     "zoo": cmd_zoo}

@@ -256,18 +256,26 @@ def cmd_train(args, defaults: dict) -> int:
 
     torch.manual_seed(args.seed)
     built = spec.build(args.batch_size, args.seq_len)  # a bad factory fails before the previous run is touched
-    if not resuming_here:
-        _clear_previous_run(out, console)
-        if resume_src is not None:
-            _take_checkpoints(resume_src, out, console)
-    # resuming in place: the stopped run's programs, weights and summary stay until their successors replace them
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
     settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
-    write_run_file(out, settings, "running")
+    started = []
+
+    def begin() -> None:
+        """Called by :func:`_train` once everything is checked and compiled, right before its first write: only
+        then is the previous run in ``out`` replaced (a run that fails before leaves it whole)."""
+        if not resuming_here:
+            _clear_previous_run(out, console)
+            if resume_src is not None:
+                _take_checkpoints(resume_src, out, console)
+        # resuming in place: the stopped run's programs, weights and summary stay until their successors replace them
+        write_run_file(out, settings, "running")
+        started.append(True)
+
     try:
-        return _train(args, spec, built, out, cluster, nproc, elastic, resume_src, settings, timeouts, console)
+        return _train(args, spec, built, out, cluster, nproc, elastic, resume_src, settings, timeouts, console,
+                      begin=begin)
     except BaseException:
-        if json.loads((out / RUN_FILE).read_text()).get("state") == "running":
+        if started and json.loads((out / RUN_FILE).read_text()).get("state") == "running":
             _set_state(out, "failed")
         raise
     finally:
@@ -275,9 +283,10 @@ def cmd_train(args, defaults: dict) -> int:
 
 
 def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, resume_src, settings: dict, timeouts,
-           console) -> int:
-    """The body of :func:`cmd_train` once the run directory is set up; ``built`` is the factory's
-    ``(model, example_batch, loss_fn)``, made with ``--seed``."""
+           console, begin=lambda: None) -> int:
+    """The body of :func:`cmd_train` once the run directory is locked; ``built`` is the factory's
+    ``(model, example_batch, loss_fn)``, made with ``--seed``. Checks the data, compiles, then calls ``begin()``
+    (which replaces the previous run in ``out``) before it writes anything there."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -303,13 +312,11 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
 
     data = DataSpec(str(spec.file), "data" if has_data else None, args.batch_size, args.seq_len,
                     path=args.data, seed=args.seed, batch_shapes=batch_shapes(example))
-    if not has_data:
-        # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
-        save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},
-                  str(out / "example_batch.safetensors"))
+    if not has_data:  # (the example batch is saved below, once the previous run's outputs are gone)
         data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
         console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
-    check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
+    else:
+        check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
 
     n_params = sum(p.numel() for p in model.parameters())
     x0 = example[0]
@@ -340,17 +347,12 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
             raise UsageError("--max-grad-norm with a pipeline plan is not supported yet (the norm spans the stages); "
                              "drop it, or use a plan without pp")
         plan = programs[0].plan
-        _check_checkpoint_fits(out, spec.text, None, console, programs=programs)
-        save_and_describe_pipeline(programs, out / "programs", console, time.perf_counter() - t0)
+        if resume_src is not None:  # (before begin(): a checkpoint of another model leaves --out as it was)
+            _check_checkpoint_fits(resume_src, spec.text, None, console, programs=programs)
     else:
         peak = check_host_memory(programs, args.optimizer, nproc, enforce=not args.skip_memory_check)
-        _check_checkpoint_fits(out, spec.text, programs[0], console)
-        save_programs(programs, out / "programs")
-        mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
-        console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
-                      f"{time.perf_counter() - t0:.1f} s "
-                      f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
-                      "per rank")
+        if resume_src is not None:
+            _check_checkpoint_fits(resume_src, spec.text, programs[0], console)
     source = None
     if elastic:
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
@@ -366,6 +368,20 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                                base_program_dir=str(out / "programs"), options=options,
                                compile_wait_s=timeouts.compile_wait_s, microbatches=getattr(args, "microbatches", None),
                                schedule=getattr(args, "schedule", None), **features)
+    begin()  # everything checked: only now is the previous run in --out replaced
+    if not has_data:
+        # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
+        save_file({f"b{i}": t.detach().clone(memory_format=torch.contiguous_format) for i, t in enumerate(example)},
+                  str(out / "example_batch.safetensors"))
+    if pipeline:
+        save_and_describe_pipeline(programs, out / "programs", console, time.perf_counter() - t0)
+    else:
+        save_programs(programs, out / "programs")
+        mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+        console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
+                      f"{time.perf_counter() - t0:.1f} s "
+                      f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
+                      "per rank")
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 

@@ -1,0 +1,115 @@
+"""A command that fails leaves the previous run in --out whole: everything that can be checked is checked first
+(arguments and pass names at parsing, --mesh axis names, the data source, the model factory, the plan and the
+compile), and the previous run is replaced only once the new one is about to write."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from adaptdist.cli import main
+
+MODEL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+def f(batch_size, seq_len):
+    torch.manual_seed(0)
+    return nn.Linear(4, 3), (torch.randn(batch_size, 4), torch.randn(batch_size, 3)), F.mse_loss
+"""
+DATA = """
+def data(batch_size, seq_len, path=None, seed=0):
+    while True:
+        yield torch.randn(batch_size + 1, 4), torch.randn(batch_size + 1, 3)
+"""
+
+
+def _previous_run(out):
+    """What a complete run leaves (its files' contents stand in for the real ones)."""
+    (out / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-00000002" / "meta.json").write_text('{"step": 2}')
+    (out / "programs").mkdir()
+    (out / "model.safetensors").write_bytes(b"weights of the previous run")
+    (out / "summary.json").write_text('{"steps": 2}')
+    (out / "run.json").write_text(json.dumps({"version": 1, "state": "complete", "settings": {}}))
+    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def _files(out):
+    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def _model(tmp_path, body=MODEL):
+    f = tmp_path / "m.py"
+    f.write_text(textwrap.dedent(body))
+    return str(f)
+
+
+@pytest.mark.parametrize("case", ["data_without_data_fn", "bad_first_batch", "unplannable", "bad_mesh_axis",
+                                  "bad_pass"])
+def test_a_failing_train_leaves_the_previous_run_whole(capsys, tmp_path, case):
+    out = tmp_path / "out"
+    out.mkdir()
+    before = _previous_run(out)
+    model = _model(tmp_path, MODEL + DATA if case == "bad_first_batch" else MODEL)
+    extra = {"data_without_data_fn": ["--data", str(tmp_path / "x.txt")],
+             "bad_first_batch": [],
+             "unplannable": ["--plan", "tp"],  # no TP_PLAN in the model file
+             "bad_mesh_axis": ["--mesh", "foo=2"],
+             "bad_pass": ["--disable-pass", "bogus"]}[case]
+    argv = ["train", f"{model}:f", "--nproc", "2", "--batch-size", "6", "--steps", "2", "--out", str(out),
+            "--sample-bytes", "0", *extra]
+    if case == "bad_pass":
+        with pytest.raises(SystemExit) as e:  # argparse, before anything runs
+            main(argv)
+        assert e.value.code == 2
+    else:
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "replacing it" not in err and "Traceback" not in err, err
+    assert _files(out) == before, err
+    want = {"data_without_data_fn": "defines no data(", "bad_first_batch": "for step 1, batch element 0 as float32 [7, 4]",
+            "unplannable": "TP_PLAN", "bad_mesh_axis": "mesh axis 'foo' means nothing",
+            "bad_pass": "cannot skip 'bogus' (not a lowering pass)"}[case]
+    assert want in err, err
+
+
+def test_pass_names_are_checked_at_parsing(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "-o", "/nonexistent/never-made", "--disable-pass", "localize_indices"])
+    err = capsys.readouterr().err
+    assert "cannot skip 'localize_indices' (sharding rules rely on it" in err and "bucket_grad_allreduce" in err, err
+    from adaptdist.cli.main import build_parser
+
+    args = build_parser().parse_args(["train", "--disable-pass", "relax_views", "--disable-pass", "combine_partial_sums"])
+    assert args.disable_pass == ["relax_views", "combine_partial_sums"]
+
+
+@pytest.mark.parametrize("mesh, plan, bad", [
+    ("foo=2", None, "'foo'"), ("dp=2,foo=2", "auto", "'foo'"), ("ep=2", "auto", "--plan ep"),
+    ("tp=2", "dp", "'tp'"), ("dp=2", "ep", "'dp'"), ("pp=2,tp2=2", "pp", "'tp2'"),
+    ("dp=2", "dp", None), ("dp=2,tp=2", "auto", None), ("tp3=4", None, None), ("dp=2,tp=2", "dp,tp", None),
+    ("pp=2,dp=2", "auto", None), ("pp=2,dp=2", "dp", None), ("ep=2", "ep", None), ("dp=2", "fsdp", None),
+    ("foo=2", "plan.yaml", None),  # a plan file names its own axes (checked when it is read)
+])
+def test_mesh_axes_must_mean_something_to_the_plan(mesh, plan, bad):
+    from adaptdist.cli.mesh_axes import check_mesh_axes
+    from adaptdist.errors import UsageError
+
+    if bad is None:
+        check_mesh_axes(mesh, plan)
+        return
+    with pytest.raises(UsageError, match="means nothing to this plan") as e:
+        check_mesh_axes(mesh, plan)
+    assert bad in str(e.value)
+
+
+def test_the_preset_axes_are_the_presets_own():
+    import types
+
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.cli.mesh_axes import PRESET_AXES
+
+    module = types.SimpleNamespace(TP_PLAN={"*.weight": "S(0)"}, EP_PLAN={"experts.*": "S(0)"})
+    for name, axes in PRESET_AXES.items():
+        assert ManualPlan.parse(name, module).mesh_axes == axes, name
