@@ -412,11 +412,14 @@ def cmd_run(args) -> int:
     console.print(f"running {d} ({manifest.get('model')}, mesh {manifest['mesh']}) on {cluster!r} for {args.steps} "
                   f"steps; data from {data.module_file + ':data' if data.function else 'the example batch'}")
     t0 = time.perf_counter()
+    launched_s = time.time()
     try:
         launch_local(run_worker, (cfg,), world, max_restarts=args.max_restarts, timeouts=timeouts)
     except BaseException as e:
-        code = _ended_early(e, out, console, resume=f"adaptdist run {d} --out {out} --resume")
-        return code
+        from .train import finished_anyway
+
+        if finished_anyway(e, out, args.steps, launched_s, console) is None:  # (else: finished after all)
+            return _ended_early(e, out, console, resume=f"adaptdist run {d} --out {out} --resume", steps=args.steps)
     result = json.loads((out / "result.json").read_text())
     wall = time.perf_counter() - t0
     summary, loss_text = write_summary(out, result, wall)

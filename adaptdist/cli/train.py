@@ -395,6 +395,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
     cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
     t0 = time.perf_counter()
+    launched_s = time.time()
     try:
         if elastic:
             result = _launch_elastic(cfg, out, elastic, args.max_restarts, timeouts)
@@ -402,7 +403,9 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
             launch_local(run_worker, (cfg,), nproc, max_restarts=args.max_restarts, timeouts=timeouts)
             result = json.loads((out / "result.json").read_text())
     except BaseException as e:
-        return _ended_early(e, out, console)
+        result = finished_anyway(e, out, args.steps, launched_s, console)
+        if result is None:
+            return _ended_early(e, out, console, steps=args.steps)
     wall = time.perf_counter() - t0
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
@@ -538,9 +541,33 @@ def cmd_join(out: Path, console) -> int:
     return subprocess.call(job["command"], env=env)
 
 
-def _ended_early(e: BaseException, out: Path, console, resume: str | None = None) -> int:
+def finished_anyway(e: BaseException, out: Path, steps: int, launched_s: float, console) -> dict | None:
+    """Rank 0's result when the run finished although the launcher was interrupted (``e``: SIGINT/SIGTERM after
+    the last step, while the ranks wrote their last files: they finish then), else None: ``OUT/result.json``
+    written since ``launched_s`` (``time.time()``) with all ``steps`` losses."""
+    from ..runtime.stop import interrupted_exit_code
+
+    f = out / "result.json"
+    if interrupted_exit_code(e) is None or not f.is_file() or f.stat().st_mtime < launched_s:
+        return None
+    try:
+        result = json.loads(f.read_text())
+    except ValueError:
+        return None
+    if len(result.get("losses", [])) != steps:
+        return None
+    import signal
+
+    name = signal.Signals(interrupted_exit_code(e) - 128).name
+    console.print(f"[yellow]interrupted ({name}) after the last step: the run had trained all {steps} steps and "
+                  "written its weights and checkpoint; finishing it[/]")
+    return result
+
+
+def _ended_early(e: BaseException, out: Path, console, resume: str | None = None, steps: int | None = None) -> int:
     """A run that did not finish: say what happened, where its newest checkpoint is and the exact command to
-    resume; record the state in run.json. Returns the exit code (130/143 for SIGINT/SIGTERM), or re-raises."""
+    resume (with ``steps``, the run's ``--steps``: a checkpoint at that step already says so and how to train on
+    instead); record the state in run.json. Returns the exit code (130/143 for SIGINT/SIGTERM), or re-raises."""
     from ..runtime.checkpoint_store import latest_good
 
     from ..runtime.stop import interrupted_exit_code
@@ -554,6 +581,11 @@ def _ended_early(e: BaseException, out: Path, console, resume: str | None = None
 
         _set_state(out, "interrupted")
         step = info.step if info else 0
+        if steps is not None and step >= steps:  # all trained, the last files not all written: nothing to resume
+            print(f"adaptdist: interrupted ({signal.Signals(code - 128).name}) after the last step ({step}), {where} "
+                  f"(the weights may be missing); to train on from it: {resume} --steps N (N > {step})",
+                  file=sys.stderr)
+            return code
         print(f"adaptdist: interrupted ({signal.Signals(code - 128).name}) at step {step}, {where}; resume with: "
               f"{resume}", file=sys.stderr)
         return code

@@ -238,6 +238,26 @@ def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = Non
                               f"--max-restarts raises the limit)")
 
 
+FINISHED_AFTER_STOP_EXIT_S = 3.0
+"""A worker that finished its function after a stop signal exits this long after returning (see
+:func:`_exit_unless_collected`)."""
+
+
+def _exit_unless_collected(after_s: float) -> None:
+    """End this worker process ``after_s`` seconds from now (exit 0) unless it ended before. For a worker that
+    finished after a stop signal (``run_worker`` trains its last step, then writes everything): its launcher got
+    the signal too (Ctrl-C reaches the whole group) and is shutting down, so torch's agent never tells the worker
+    that its return value was read (the worker waits for that after putting it) and would SIGKILL it only after its
+    whole grace period; a launcher that is not shutting down reads the value within its monitor interval."""
+    import threading
+
+    def later() -> None:
+        time.sleep(after_s)
+        os._exit(0)
+
+    threading.Thread(target=later, name="adaptdist-exit-after-stop", daemon=True).start()
+
+
 def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float | None,
                  report_dir: str | None = None) -> Any:
     """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults.
@@ -250,7 +270,10 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
 
     with init_defaults(collective_s=collective_s, store_s=store_s):
         try:
-            return fn(*args)
+            ret = fn(*args)
+            if isinstance(ret, dict) and ret.get("stop_signal"):  # finished although a stop signal came
+                _exit_unless_collected(FINISHED_AFTER_STOP_EXIT_S)
+            return ret
         except BaseException as e:
             code = e.code if isinstance(e, SystemExit) else None
             if report_dir is not None and (not isinstance(e, SystemExit) or (isinstance(code, int) and code)):

@@ -333,7 +333,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     Resumes from the newest good checkpoint under ``OUT/checkpoints`` when there is one (after a restart, or
     for ``--resume``), resharded into this world size's programs; checkpoints every ``checkpoint_every`` steps,
     on a stop signal (SIGTERM, SIGINT: every rank stops after the same step, then exits 128 + the signal) and
-    at the end.
+    at the end. A stop signal at the last step, or while the run's last files are written, is noted and the run
+    finishes (weights, ``result.json``): nothing would be left to resume.
     """
     from .checkpoint_store import check_same_model
     from .faults import Fault
@@ -354,6 +355,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     fault = Fault.from_env()
     events = _Events(cfg.out_dir, enabled=rank == 0)
     step = 0
+    from contextlib import ExitStack
+
+    stops = ExitStack()  # the StopRequest's handlers, from the first step until the run's last file is written
     try:
         if restarted and rank == 0:
             events.add("restart", attempt=attempt - cfg.first_attempt, world_size=world,
@@ -420,7 +424,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             async_group = checkpoint_process_group()
         peak = None
         bar = _Progress(cfg.steps, enabled=cfg.progress and rank == 0, unit=cfg.unit, start=start)
-        with bar, StopRequest(stuck_after_s=cfg.timeout_s) as stop:
+        stop = stops.enter_context(StopRequest(stuck_after_s=cfg.timeout_s))
+        with bar:
             for step in range(start, cfg.steps):
                 batch = next(batches, None)
                 if batch is None:
@@ -468,7 +473,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 bar.update(done, loss, cfg.items_per_step / dt)
                 if done == start + 1 and (start or restarted):
                     events.add("resumed_step", step=done, quiet=True)
-                if signum:
+                if signum and done == cfg.steps:  # every step trained: finish the run (its weights, its result)
+                    events.note(f"{signal.Signals(signum).name} after the last step ({done}): finishing the run")
+                elif signum:
                     status.update(state="stopped", step=done, error=f"stopped by {signal.Signals(signum).name}")
                     events.add("stopped", step=done, signal=signal.Signals(signum).name,
                                checkpoint=str(path) if cfg.checkpoint else None)
@@ -491,6 +498,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "peak_bytes": peak.peak_bytes if peak else None,
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
             "events": events.read(),
+            "stop_signal": stop.requested,  # a SIGTERM/SIGINT this rank got after its last step began (noted)
         }
         if rank == 0:  # the launcher's copy (an elastic job's ranks are not its children)
             tmp = Path(cfg.out_dir) / "result.json.tmp"
@@ -503,6 +511,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         status.update(state="failed", step=step, error=f"{type(e).__name__}: {e}"[:2000], error_type=type(e).__name__)
         raise
     finally:
+        stops.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
