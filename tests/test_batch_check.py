@@ -110,6 +110,7 @@ def test_run_takes_the_compiled_shapes_from_the_artifacts(tmp_path):
     assert spec.batch_shapes == (((6, 4), "float32"), ((6, 4), "int64"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_train_refuses_a_smaller_later_batch_on_the_ranks(capsys, tmp_path):
     """End to end (2 ranks): step 2's batch of 5 rows where 6 were compiled fails with the DataError, before any

@@ -37,6 +37,7 @@ def data(batch_size, seq_len, seed=0):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ctrl_c_at_the_last_step_finishes_the_run(tmp_path):
     model = tmp_path / "m.py"
