@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from . import graph_meta as gmeta
+from .device_assignment import DeviceAssignment
 from .errors import PlanMismatchError, UsageError
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, parse_placement
@@ -175,6 +176,9 @@ class Plan:
             planner chose them; the lowering follows them where the op's rule agrees, and does not
             complete parameter placements of such a plan (the planner decided every one).
         lowered: what the lowering did with this plan (None on a plan not lowered yet).
+        devices: the batch rows of each batch-axis coordinate and the device of each rank
+            (:class:`~adaptdist.device_assignment.DeviceAssignment`; None: torch.chunk's split, rank r on
+            device r).
 
     Raises:
         UsageError: a field of the wrong type or length (names it).
@@ -189,6 +193,7 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     node_strategies: Mapping[str, tuple[Strategy | None, ...]] = field(default_factory=dict)
     lowered: LoweringRecord | None = None
+    devices: DeviceAssignment | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -208,6 +213,7 @@ class Plan:
                 raise UsageError(f"plan: node_strategies[{node!r}] must be {n} Strategy (or None), got {sts!r}")
         if self.lowered is not None and not isinstance(self.lowered, LoweringRecord):
             raise UsageError(f"plan: lowered must be a LoweringRecord, got {type(self.lowered).__name__}")
+        _check_devices(self)
 
     @property
     def mesh_spec(self) -> Mesh:
@@ -275,6 +281,8 @@ class Plan:
         }
         if self.lowered is not None:
             doc["lowered"] = dict(self.lowered.to_doc(), differences=[d.line() for d in self.differences()])
+        if self.devices is not None:
+            doc["devices"] = self.devices.to_doc()
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @staticmethod
@@ -388,7 +396,8 @@ class Plan:
                     param_placements=placements("param_placements", doc["param_placements"]),
                     graph_fingerprint=doc["graph_fingerprint"],
                     node_placements=placements("node_placements", doc.get("node_placements", {}), _parse_node_placement),
-                    name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered)
+                    name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered,
+                    devices=None if doc.get("devices") is None else DeviceAssignment.from_doc(doc["devices"], source))
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
@@ -401,6 +410,23 @@ class Plan:
         if not p.is_file():
             raise UsageError(f"plan file {str(p)!r} does not exist")
         return Plan.from_json(p.read_text(), str(p))
+
+
+def _check_devices(plan: Plan) -> None:
+    """A plan's :attr:`Plan.devices` fits its mesh: one row count per batch-axis coordinate, one device per rank."""
+    d = plan.devices
+    if d is None:
+        return
+    if not isinstance(d, DeviceAssignment):
+        raise UsageError(f"plan: devices must be a DeviceAssignment, got {type(d).__name__}")
+    if d.batch_rows is not None:
+        want = plan.mesh.get(plan.batch_axis, 0) if plan.batch_axis is not None else 0
+        if len(d.batch_rows) != want:
+            raise UsageError(f"plan: devices.batch_rows {list(d.batch_rows)} must give one row count per coordinate of "
+                             f"the batch axis {plan.batch_axis!r} ({want}) of mesh {dict(plan.mesh)}")
+    if d.rank_to_device is not None and len(d.rank_to_device) != plan.mesh_spec.world_size:
+        raise UsageError(f"plan: devices.rank_to_device {list(d.rank_to_device)} must name one device per rank of mesh "
+                         f"{dict(plan.mesh)}")
 
 
 def _collective_of(src: Placement, dst: Placement) -> str:

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-message-mib", type=_positive_float, default=16.0,
                    help="largest collective message, MiB (sizes from 1 KiB, x4 apart)")
     p.add_argument("--timeout-s", type=_positive_float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--cluster", metavar="FILE", default=None,
+                   help="measure the ranks this cluster file describes (one host; a device's 'cpus: [0]' pins its "
+                        "rank while it is measured); default: --nproc ranks, unpinned")
     p.add_argument("--quick", action="store_true",
                    help="tiny messages and short windows: a smoke test, not figures to plan with")
 
@@ -71,8 +74,16 @@ def cmd_cluster(args) -> int:
             raise UsageError(f"--max-message-mib {args.max_message_mib} is below 4 KiB; give at least 0.004")
         sizes = tuple(s for s in DEFAULT_SIZES_BYTES if s < top) + (top,)
         extra = {}
+    base = None
+    if args.cluster:
+        from ..calibrate.local import load_cluster
+
+        base = load_cluster(args.cluster)
+        if args.nproc is not None and args.nproc != base.world_size:
+            raise UsageError(f"--nproc {args.nproc} differs from the {base.world_size} ranks of --cluster "
+                             f"{args.cluster}; drop --nproc")
     result = profile_local(2 if args.nproc is None and args.device_kind != "cuda" else args.nproc,
-                           args.device_kind, sizes, console=console, timeout_s=args.timeout_s, **extra)
+                           args.device_kind, sizes, console=console, timeout_s=args.timeout_s, base=base, **extra)
     cluster = result.cluster
     _write(cluster, args.out, f"written by `adaptdist cluster profile` on {describe_machine()}"
                               + (" (--quick: smoke test)" if args.quick else ""))

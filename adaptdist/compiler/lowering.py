@@ -93,7 +93,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
                           replicate_fallback=options.replicate_fallback, batch_norm=options.batch_norm,
                           node_hints=dict((axis_hints or {}).get(axis, {})),
-                          rng=options.rng)
+                          rng=options.rng, batch_rows=_batch_rows(plan, axis, captured.batch_size))
         ctxs[axis] = ctx
         if ctx.axis_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
@@ -171,6 +171,21 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         timings["lowering"] = timings.get("lowering", 0.0) + time.perf_counter() - t_start - codegen_s
         timings["codegen"] = timings.get("codegen", 0.0) + codegen_s
     return programs
+
+
+def _batch_rows(plan: Plan, axis: str, batch_size: int) -> tuple[int, ...] | None:
+    """The plan's uneven rows per coordinate of ``axis`` when it is the batch axis (None: torch.chunk's split).
+
+    Raises:
+        UsageError: the rows do not add up to the captured batch size.
+    """
+    rows = plan.devices.batch_rows if plan.devices is not None else None
+    if rows is None or axis != plan.batch_axis or plan.mesh.get(axis, 1) < 2 or batch_size < 2:
+        return None
+    if sum(rows) != batch_size:
+        raise UsageError(f"plan {plan.name!r}: devices.batch_rows {list(rows)} add up to {sum(rows)} rows, but the "
+                         f"batch has {batch_size}; make the plan again for this batch size")
+    return tuple(rows)
 
 
 def _log_hints(plan: Plan) -> None:

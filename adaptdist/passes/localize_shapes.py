@@ -79,7 +79,7 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
     """
     local = copy_graph_module(gm)
     intervals = _intervals(local, ctx, rank)
-    largest = _intervals(local, ctx, 0)  # torch.chunk: rank 0 holds the largest shard
+    largest = _largest_intervals(local, ctx, rank, intervals)
     changed = False
     for node in local.graph.nodes:
         if node.op != "call_function":
@@ -161,6 +161,30 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
 
 
 Interval = tuple[int, int]
+
+
+def _largest_intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, mine: dict) -> dict:
+    """Each value's interval on the rank holding the most of it (what padded gathers pad to): rank 0's under
+    torch.chunk; with uneven batch rows (``ctx.batch_rows``) the longest over every rank, node by node."""
+    if ctx.batch_rows is None:
+        return mine if rank == 0 else _intervals(gm, ctx, 0)
+    per_rank = [mine if r == rank else _intervals(gm, ctx, r) for r in range(ctx.axis_size)]
+
+    def length(iv: Any) -> int:
+        return iv[1] - iv[0] if isinstance(iv, tuple) and len(iv) == 2 and isinstance(iv[0], int) else -1
+
+    for node in mine:
+        if gmeta.get_gather_pad(node, ctx.group_name) is None:
+            continue
+        # a padded gather keeps the first n rows of the concatenated blocks: right only for torch.chunk's blocks
+        got = [ivs.get(node) for ivs in per_rank]
+        total = max(iv[1] for iv in got if iv is not None) if any(iv is not None for iv in got) else 0
+        if got != [chunk_interval(total, ctx.axis_size, r) for r in range(ctx.axis_size)]:
+            raise UnsupportedOpError(
+                f"node {node.name!r} gathers a value split over the batch by the uneven rows {list(ctx.batch_rows)} "
+                f"(ranks' rows {[iv for iv in got]}); a gather of uneven blocks is not supported yet: split the batch "
+                "evenly (--batch-split even) or use a plan that keeps the batch split through the step")
+    return {node: max((ivs[node] for ivs in per_rank if node in ivs), key=length) for node in mine}
 
 
 def _nodes_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
