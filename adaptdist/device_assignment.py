@@ -267,3 +267,10 @@ def permuted_cluster(cluster: Any, rank_to_device: Sequence[int] | None) -> Any:
                                                         (inverse[link.ranks[0]], inverse[link.ranks[1]]))
                   for link in cluster.links)
     return Cluster(tuple(hosts), links, cluster.calibration)
+
+
+def program_cluster(plan: Any, cluster: Any) -> Any:
+    """The cluster as ``plan``'s programs see it (:func:`permuted_cluster` by ``plan.devices``; ``cluster`` when
+    the plan maps rank r to device r)."""
+    devices = getattr(plan, "devices", None)
+    return permuted_cluster(cluster, devices.rank_to_device if devices is not None else None)

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx
@@ -321,11 +321,15 @@ def _departure(e: Exception) -> Departure:
 def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
                   plan: "ManualPlan | Plan | None" = None, options: LoweringOptions | None = None, *,
                   mesh: str | None = None, captured: CapturedGraph | None = None,
-                  timings: dict[str, float] | None = None) -> dict[int, RankProgram]:
+                  timings: dict[str, float] | None = None, cluster: Any = None, optimizer: str = "adamw",
+                  batch_split: str | tuple[int, ...] = "auto") -> dict[int, RankProgram]:
     """Capture ``model``'s training step (unless ``captured`` is given: the planner's capture of it),
     resolve ``plan`` (:func:`resolve_plan`; None: data parallel) and :func:`lower` it with ``options``
     (None: the defaults) onto ``world_size`` ranks. Each program holds its rank's shard of the model's
-    current parameters and buffers.
+    current parameters and buffers. With ``cluster`` (the devices it will run on) the plan is first placed on
+    them (:func:`~.device_placement.place_on_devices`: the rank mapping, and with ``batch_split="auto"`` uneven
+    batch rows by each device's speed and memory, judged with ``optimizer``'s state; ``"even"``: torch.chunk's;
+    a tuple: those rows); the programs' plan then carries it (``Plan.devices``).
 
     Raises:
         CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`resolve_plan`, :func:`lower`.
@@ -340,5 +344,10 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     state = {f: named[f].detach() for f in captured.input_fqns}
     resolved = resolve_plan(plan, captured, world_size, mesh)
-    return lower(captured, resolved, options if options is not None else LoweringOptions(), state=state,
-                 timings=timings)
+    options = options if options is not None else LoweringOptions()
+    if cluster is not None and (resolved.devices is None or batch_split != "auto"):
+        from .device_placement import place_on_devices
+
+        return place_on_devices(captured, resolved, cluster, options, state=state, optimizer=optimizer,
+                                batch_split=batch_split, timings=timings)[1]
+    return lower(captured, resolved, options, state=state, timings=timings)
