@@ -116,7 +116,8 @@ def _show(console, cluster) -> None:
                 "memory GB/s", "op us"):
         dev.add_column(col, justify="right")
     for d in cluster.devices:
-        dev.add_row(str(d.rank), d.host, d.kind, "" if d.cores is None else f"{d.cores:g}",
+        dev.add_row(str(d.rank), d.host, d.kind,
+                    ("" if d.cores is None else f"{d.cores:g}") + (f" cpus {list(d.cpus)}" if d.cpus is not None else ""),
                     *[f"{d.peak_flops[dt] / 1e12:.3f}" if dt in d.peak_flops else "" for dt in dtypes],
                     f"{d.memory_bytes / 2**30:.1f}", f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f}",
                     "" if d.op_overhead_s is None else f"{d.op_overhead_s * 1e6:.2f}")

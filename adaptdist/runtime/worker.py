@@ -290,9 +290,10 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     attempt = _broadcast(_next_attempt(cfg.out_dir), rank)
     status = RankStatus(cfg.out_dir, rank, attempt)
     restarted = attempt > cfg.first_attempt
-    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}" + (f" (restart {attempt - cfg.first_attempt})"
-                                                                          if restarted else ""),
-          file=sys.stderr, flush=True)
+    pinned = cfg.cpus_of_rank[rank] if rank < len(cfg.cpus_of_rank) else None
+    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}"
+          + (f", pinned to cpus {list(pinned)}" if pinned is not None else "")
+          + (f" (restart {attempt - cfg.first_attempt})" if restarted else ""), file=sys.stderr, flush=True)
     fault = Fault.from_env()
     events = _Events(cfg.out_dir, enabled=rank == 0)
     step = 0
