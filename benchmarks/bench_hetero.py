@@ -137,7 +137,7 @@ def main() -> int:
     from adaptdist.cluster_file import save_cluster
     from adaptdist.compiler.capture import capture
     from adaptdist.compiler.device_placement import place_on_devices
-    from adaptdist.compiler.lowering import resolve_plan
+    from adaptdist.compiler.lowering import lower, resolve_plan
     from adaptdist.cost_models.estimate import estimate_programs
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.program import save_programs
@@ -167,7 +167,7 @@ def main() -> int:
         opts = LoweringOptions()
         sets, preds, rows = {}, {}, {}
         for name, split in (("hetero", "auto"), ("even", "even")):
-            placed, programs = place_on_devices(cg, plan, cluster, opts, state=state, optimizer="sgd",
+            placed, programs = place_on_devices(cg, plan, cluster, opts, lower, state=state, optimizer="sgd",
                                                 batch_split=split)
             est = estimate_programs(programs, cluster, "sgd")
             sets[name] = str(save_programs(programs, tmp / name))

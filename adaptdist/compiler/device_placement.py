@@ -63,11 +63,13 @@ def _axis_bytes(program: Any) -> dict[str, float]:
     return out
 
 
-def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, *, state: dict | None = None,
+def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, lower: Any, *,
+                     state: dict | None = None,
                      optimizer: str = "adamw", batch_split: str | tuple[int, ...] = "auto",
                      timings: dict[str, float] | None = None) -> tuple[Plan, dict[int, Any]]:
     """``plan`` with its :attr:`~adaptdist.plan.Plan.devices` chosen for ``cluster``, and its programs (see the
-    module docstring). ``batch_split``: ``auto`` (by speed and memory), ``even`` (torch.chunk) or explicit rows
+    module docstring), lowered by ``lower`` (:func:`~.lowering.lower`, passed in: the lowering calls this
+    module). ``batch_split``: ``auto`` (by speed and memory), ``even`` (torch.chunk) or explicit rows
     per batch-axis coordinate.
 
     Raises:
@@ -76,8 +78,6 @@ def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, *, s
         UsageError: explicit rows of the wrong count or sum; the mesh and the cluster differ in size.
         UnsupportedOpError, CollectiveMismatchError: as :func:`~.lowering.lower`.
     """
-    from .lowering import lower
-
     mesh = plan.mesh_spec
     if mesh.world_size != cluster.world_size:
         return plan, lower(captured, plan, options, state=state, timings=timings)

@@ -348,6 +348,6 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
     if cluster is not None and (resolved.devices is None or batch_split != "auto"):
         from .device_placement import place_on_devices
 
-        return place_on_devices(captured, resolved, cluster, options, state=state, optimizer=optimizer,
+        return place_on_devices(captured, resolved, cluster, options, lower, state=state, optimizer=optimizer,
                                 batch_split=batch_split, timings=timings)[1]
     return lower(captured, resolved, options, state=state, timings=timings)
