@@ -243,7 +243,7 @@ def map_ranks(cluster: Any, mesh: Any, axis_bytes: Mapping[str, float]) -> tuple
     before, after = mapping_cost_s(cluster, mesh, axis_bytes, identity), mapping_cost_s(cluster, mesh, axis_bytes,
                                                                                          greedy)
     if greedy == identity or after >= before * (1 - 1e-9):
-        return identity, f"identity ({', '.join(heavy)} heaviest first; already on the fastest links)"
+        return identity, f"identity: {', '.join(heavy)} already on the fastest links"
     return greedy, (f"{', '.join(heavy)} heaviest first on the fastest links: predicted communication "
                     f"{before * 1e3:.3f} -> {after * 1e3:.3f} ms per step")
 

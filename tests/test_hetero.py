@@ -217,3 +217,41 @@ def test_uneven_rows_equal_eager_on_gloo(tmp_path):
                 torch.testing.assert_close(g, grads[f], atol=TOL, rtol=TOL, msg=f"rank {r} step {s} grad {f}")
         for f, p in results[r]["params"].items():
             torch.testing.assert_close(p, final[f], atol=TOL, rtol=TOL, msg=f"rank {r} param {f}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cluster_profile_pins_each_rank(tmp_path):
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.calibrate.profile import profile_local
+
+    cores = available_cpus()
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    f = tmp_path / "c.yaml"
+    f.write_text(__import__("yaml").safe_dump(cluster_doc([dev(0, cpus=[cores[1]]), dev(1, cpus=[cores[0]])])))
+    res = profile_local(2, "cpu", (256, 4096), base=load_cluster(f), target_s=0.002, repeats=2,
+                        compute_window_s=0.05, elementwise_bytes=2**20, compute_dtypes=("float32",), timeout_s=30)
+    assert [res.raw[r]["affinity"] for r in range(2)] == [[cores[1]], [cores[0]]]  # pinned while measured
+    assert [res.raw[r]["threads"] for r in range(2)] == [1, 1]
+    assert [d.cpus for d in res.cluster.devices] == [(cores[1],), (cores[0],)] and res.cluster.calibrated
+
+
+def test_plan_command_shows_each_devices_load(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from adaptdist.cli import main
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cluster_doc([dev(0, 2e10, cpus=[0]), dev(1, 2e10, cpus=[0]), dev(2, 4e10, cpus=[1])])))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "builtin:gpt", "--cluster", str(f), "--plan", "dp", "--batch-size", "8", "--seq-len", "16",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "devices: load, memory and predicted time per rank" in text
+    assert "2: cpu@localhost cpus [1]" in text and "/ 4,096" in text  # the device, its memory (MiB)
+    rows = json.loads(out.read_text())["devices"]["batch_rows"]
+    assert sum(rows) == 8 and rows[2] > max(rows[0], rows[1]), rows
+    assert f"devices: batch rows {rows}" in text

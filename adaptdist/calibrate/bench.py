@@ -345,7 +345,8 @@ def profile_rank(cfg: BenchConfig) -> dict:
     Returns:
         {"rank", "collectives": {name: [[nbytes, seconds], ...]} (rank 0 only, identical on all),
         "peak_flops": {dtype: FLOP/s}, "failed_dtypes": {dtype: reason},
-        "memory_bandwidth_bytes_per_s", "op_overhead_s" (seconds per op; None on cuda), "threads",
+        "memory_bandwidth_bytes_per_s", "op_overhead_s" (seconds per op; None on cuda), "threads", "affinity"
+        (the cores this rank ran on),
         "device_name", "memory_bytes"}.
     """
     import datetime
@@ -399,6 +400,7 @@ def profile_rank(cfg: BenchConfig) -> dict:
         return {"rank": rank, "collectives": timings if rank == 0 else {}, "peak_flops": flops,
                 "failed_dtypes": failed, "memory_bandwidth_bytes_per_s": bw, "op_overhead_s": ovh,
                 "threads": torch.get_num_threads(),
+                "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "device_name": name, "memory_bytes": mem}
     finally:
         dist.destroy_process_group()

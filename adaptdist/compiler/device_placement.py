@@ -89,21 +89,21 @@ def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, lowe
     axis = plan.batch_axis
     splits = axis is not None and mesh.size(axis) > 1 and captured.batch_size > 1
     rows: tuple[int, ...] | None = None
-    reason = f"rank mapping: {why}"
+    reason = f"rank mapping: {why}" if rank_to_device is not None else ""
     if splits and isinstance(batch_split, tuple):
         if len(batch_split) != mesh.size(axis) or sum(batch_split) != captured.batch_size:
             raise UsageError(f"--batch-split {','.join(map(str, batch_split))}: give {mesh.size(axis)} row counts "
                              f"(one per coordinate of the batch axis {axis!r}) adding up to the batch size "
                              f"{captured.batch_size}")
-        rows, reason = batch_split, f"batch rows as given; {reason}"
+        rows, reason = batch_split, _join("batch rows as given", reason)
     elif splits and batch_split == "auto" and not is_uniform(pc):
         rows = _balanced(even, pc, mesh, axis, captured.batch_size, optimizer, mapping)
         if rows == tuple(even[mesh.rank(_coords(mesh, axis, i))].batch_slice[1] for i in range(mesh.size(axis))):
             rows = None
-        reason = (f"batch rows by each device's speed and memory; {reason}" if rows is not None
-                  else f"the even split is already the balanced one; {reason}")
+        reason = _join("batch rows by each device's predicted speed, within its memory" if rows is not None
+                       else "the even split is already the balanced one", reason)
     if rows is None and rank_to_device is None:
-        return (dataclasses.replace(plan, devices=DeviceAssignment(None, None, reason)) if splits else plan), even
+        return plan, even  # torch.chunk's split, rank r on device r: nothing to record
     devices = DeviceAssignment(rows, rank_to_device, reason)
     placed = dataclasses.replace(plan, devices=devices)
     if rows is None:
@@ -118,6 +118,10 @@ def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, lowe
         placed = dataclasses.replace(plan, devices=DeviceAssignment(None, rank_to_device, "even split: uneven rows "
                                                                     f"do not lower ({str(e).splitlines()[0]})"))
         return placed, {r: _with_plan(p, placed) for r, p in even.items()}
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
 
 
 def _with_plan(program: Any, plan: Plan) -> Any:
