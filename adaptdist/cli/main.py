@@ -272,7 +272,11 @@ def cmd_plan(args) -> int:
         for (axis, op), v in sorted(kinds.items())) or "none"))
     if args.out:
         Path(args.out).write_text(p0.plan.to_json())
-        console.print(f"wrote {args.out}")
+        from ..compiler.device_placement import draw_devices
+
+        picture = Path(args.out).with_suffix(".devices.png")
+        draw_devices(programs, cluster, est, picture)
+        console.print(f"wrote {args.out} and {picture} (each rank's device, rows and predicted time)")
     return 0
 
 

@@ -217,3 +217,38 @@ def placement_line(plan: Any) -> str:
     rows = f"batch rows {list(d.batch_rows)}" if d.batch_rows is not None else "batch split by torch.chunk"
     mapping = (f"rank -> device {list(d.rank_to_device)}" if d.rank_to_device is not None else "rank r on device r")
     return f"devices: {rows}; {mapping} ({d.reason})" if d.reason else f"devices: {rows}; {mapping}"
+
+
+def draw_devices(programs: dict[int, Any], cluster: Any, estimate: Any, path: Any) -> None:
+    """A PNG at ``path``: per rank, the batch rows it takes and its predicted compute and step time, each bar
+    labelled with the device the mapping puts it on (host, cpus); the mesh coordinates in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plan = programs[min(programs)].plan
+    devices = plan.devices if plan is not None else None
+    ranks = sorted(programs)
+    labels = []
+    for r in ranks:
+        d = devices.device_of(r) if devices is not None else r
+        dev = cluster.device(d)
+        cpus = f"\ncpus {list(dev.cpus)}" if dev.cpus is not None else ""
+        labels.append(f"rank {r}\ndevice {d} @{dev.host}{cpus}")
+    fig, (ax_rows, ax_t) = plt.subplots(1, 2, figsize=(4 + 1.4 * len(ranks), 3.6))
+    ax_rows.bar(range(len(ranks)), [programs[r].batch_slice[1] for r in ranks], color="#4c72b0")
+    ax_rows.set_title("batch rows per rank")
+    step = [estimate.ranks[r].step_s * 1e3 for r in ranks]
+    comp = [estimate.ranks[r].compute_s * 1e3 for r in ranks]
+    ax_t.bar(range(len(ranks)), step, color="#dddddd", label="step (predicted)")
+    ax_t.bar(range(len(ranks)), comp, color="#dd8452", label="compute (predicted)")
+    ax_t.set_title("predicted time per rank, ms")
+    ax_t.legend(loc="lower right", fontsize=7)
+    for ax in (ax_rows, ax_t):
+        ax.set_xticks(range(len(ranks)), labels, fontsize=7)
+    mesh = ",".join(f"{a}={n}" for a, n in programs[ranks[0]].mesh.items())
+    fig.suptitle(f"mesh {mesh}: {placement_line(plan).removeprefix('devices: ')}"[:140], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
