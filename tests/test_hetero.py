@@ -255,3 +255,16 @@ def test_plan_command_shows_each_devices_load(tmp_path, capsys):
     rows = json.loads(out.read_text())["devices"]["batch_rows"]
     assert sum(rows) == 8 and rows[2] > max(rows[0], rows[1]), rows
     assert f"devices: batch rows {rows}" in text
+
+
+def test_uneven_rows_on_a_dp_tp_mesh_equal_eager_simulated():
+    import adaptdist.models.gpt as gpt_module
+    from adaptdist.annotations import ManualPlan
+    from passutil import check_mesh_against_eager
+
+    model, batch, loss_fn = tiny_gpt(8, 6)
+    cg = capture(model, batch, loss_fn)
+    plan = resolve_plan(ManualPlan.parse("dp,tp", gpt_module), cg, 4, "dp=2,tp=2")
+    plan = dataclasses.replace(plan, devices=DeviceAssignment((6, 2)))
+    progs = check_mesh_against_eager(model, batch, loss_fn, "dp=2,tp=2", plan)
+    assert sorted(p.batch_slice for p in progs.values()) == [(0, 6), (0, 6), (6, 2), (6, 2)]
