@@ -79,7 +79,8 @@ def place_on_devices(captured: Any, plan: Plan, cluster: Any, options: Any, lowe
         UnsupportedOpError, CollectiveMismatchError: as :func:`~.lowering.lower`.
     """
     mesh = plan.mesh_spec
-    if mesh.world_size != cluster.world_size:
+    if mesh.world_size != cluster.world_size or getattr(plan, "pipeline", None) is not None:
+        # a pipeline plan's stages get their devices from the stage DP (rank_capacities), not from here
         return plan, lower(captured, plan, options, state=state, timings=timings)
     base = dataclasses.replace(plan, devices=None)
     even = lower(captured, base, options, state=state, timings=timings)
