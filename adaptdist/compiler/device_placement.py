@@ -214,7 +214,8 @@ def placement_line(plan: Any) -> str:
     """One line: the batch rows and the rank mapping of ``plan.devices``, and why."""
     d = getattr(plan, "devices", None)
     if d is None:
-        return "devices: batch split by torch.chunk, rank r on device r"
+        split = "batch split by torch.chunk" if getattr(plan, "batch_axis", None) else "batch replicated"
+        return f"devices: {split}, rank r on device r"
     rows = f"batch rows {list(d.batch_rows)}" if d.batch_rows is not None else "batch split by torch.chunk"
     mapping = (f"rank -> device {list(d.rank_to_device)}" if d.rank_to_device is not None else "rank r on device r")
     return f"devices: {rows}; {mapping} ({d.reason})" if d.reason else f"devices: {rows}; {mapping}"
