@@ -268,3 +268,28 @@ def test_uneven_rows_on_a_dp_tp_mesh_equal_eager_simulated():
     plan = dataclasses.replace(plan, devices=DeviceAssignment((6, 2)))
     progs = check_mesh_against_eager(model, batch, loss_fn, "dp=2,tp=2", plan)
     assert sorted(p.batch_slice for p in progs.values()) == [(0, 6), (0, 6), (6, 2), (6, 2)]
+
+
+def test_gather_of_uneven_batch_blocks_refused_or_exact():
+    from adaptdist.errors import UnsupportedOpError
+    from models import pairwise_distances
+
+    model, batch, loss_fn = pairwise_distances(8)  # every rank needs every row: an all_gather over the batch
+    cg = capture(model, batch, loss_fn)
+    base = resolve_plan(None, cg, 3)
+    gather = LoweringOptions(replicate_fallback=True)
+    with pytest.raises(UnsupportedOpError, match=r"gathers a value split over the batch by the uneven rows \[2, 2, 4\]"):
+        compile_model(model, batch, loss_fn, 3, dataclasses.replace(base, devices=DeviceAssignment((2, 2, 4))), gather,
+                      captured=cg)
+    # the automatic split falls back to torch.chunk's, and says why in the plan
+    auto = compile_model(model, batch, loss_fn, 3, base, gather, captured=cg, cluster=three_ranks(), optimizer="sgd")
+    assert [p.batch_slice[1] for p in auto.values()] == [3, 3, 2]
+    assert "uneven rows do not lower" in auto[0].plan.devices.reason
+    programs = compile_model(model, batch, loss_fn, 3, dataclasses.replace(base, devices=DeviceAssignment((3, 3, 2))),
+                             gather, captured=cg)  # pads after all the data: exact
+    losses, grads = _simulated_sgd_step(model, batch, loss_fn, programs, 0.1)
+    history, _ = eager_sgd(copy.deepcopy(model), [batch], loss_fn, 0.1, 1)
+    loss, ref = history[0]
+    for f, g in grads.items():
+        torch.testing.assert_close(g, ref[f], atol=TOL, rtol=TOL, msg=f)
+    assert losses == pytest.approx([loss] * 3, abs=TOL)

@@ -176,10 +176,13 @@ def _largest_intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, mi
     for node in mine:
         if gmeta.get_gather_pad(node, ctx.group_name) is None:
             continue
-        # a padded gather keeps the first n rows of the concatenated blocks: right only for torch.chunk's blocks
+        # a padded gather keeps the first n rows of the concatenated blocks padded to the longest: right only
+        # when every pad comes after all the data (lengths M, ..., M, m <= M, 0, ..., 0), as torch.chunk's are
         got = [ivs.get(node) for ivs in per_rank]
-        total = max(iv[1] for iv in got if iv is not None) if any(iv is not None for iv in got) else 0
-        if got != [chunk_interval(total, ctx.axis_size, r) for r in range(ctx.axis_size)]:
+        lengths = [length(iv) if iv is not None else 0 for iv in got]
+        top = max(lengths)
+        short = next((k for k, n in enumerate(lengths) if n < top), len(lengths))
+        if any(n != 0 for n in lengths[short + 1:]):
             raise UnsupportedOpError(
                 f"node {node.name!r} gathers a value split over the batch by the uneven rows {list(ctx.batch_rows)} "
                 f"(ranks' rows {[iv for iv in got]}); a gather of uneven blocks is not supported yet: split the batch "
