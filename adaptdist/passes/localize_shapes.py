@@ -2,7 +2,8 @@
 
 Sharded dims carry global sizes in shape arguments (``view``, ``expand``,
 ``new_zeros`` ...). For rank ``r`` every sharded value gets its interval
-``[start, end)`` of the sharded dim (``torch.chunk`` semantics at the inputs,
+``[start, end)`` of the sharded dim (``torch.chunk`` semantics at the inputs -- batch inputs take
+the plan's uneven rows instead when ``ctx.batch_rows`` gives them --
 rescaled by views that merge or split that dim), and each such size becomes
 ``end - start``; rank slices inserted by redistribution get the interval of the
 operand they align with. Finally the local graph is re-run on fake inputs of
