@@ -87,6 +87,13 @@ def worker(cfg: dict) -> dict:
             register_mesh_groups(program, "gloo")
             runners[name] = StepRunner(program, "sgd", 1e-3)
 
+        runners_local, local_batches = {}, {}
+        for name in ("hetero", "even"):
+            program = load_program(cfg["local_dirs"][name][rank], 0, world_size=1)
+            runners_local[name] = StepRunner(program, "sgd", 1e-3)
+            off, n = runners[name].program.batch_slice
+            local_batches[name] = tuple(t.narrow(0, off, n).contiguous() for t in batch)
+
         def timed(name: str) -> float:
             dist.barrier()
             t0 = time.perf_counter()
@@ -102,6 +109,16 @@ def worker(cfg: dict) -> dict:
             order = ("hetero", "even") if rep % 2 == 0 else ("even", "hetero")
             for name in order:
                 times[name] += [timed(name) for _ in range(cfg["steps"])]
+        # each rank's own compute, all ranks at once: a one-rank program of its rows, no collectives
+        own: dict[str, list[float]] = {"hetero": [], "even": []}
+        for rep in range(cfg["reps"]):
+            for name in (("hetero", "even") if rep % 2 == 0 else ("even", "hetero")):
+                local = runners_local[name]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(cfg["steps"]):
+                    local.step(local_batches[name])
+                own[name].append((time.perf_counter() - t0) / cfg["steps"])
         # each rank's matmul rate during the run, all ranks at once (the heterogeneity actually present)
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         dist.barrier()
@@ -117,7 +134,7 @@ def worker(cfg: dict) -> dict:
             dist.all_reduce(grad)
             comm.append(time.perf_counter() - t0)
         return {"times": times, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
-                "in_run_gflops": in_run_gflops,
+                "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
                 "affinity": sorted(os.sched_getaffinity(0))}
     finally:
         dist.destroy_process_group()
@@ -181,9 +198,18 @@ def main() -> int:
             sets[name] = str(save_programs(programs, tmp / name))
             preds[name] = est
             rows[name] = [p.batch_slice[1] for p in programs.values()]
+        local_dirs = {}
+        for name in ("hetero", "even"):
+            local_dirs[name] = []
+            for r, n in enumerate(rows[name]):
+                m1, b1, l1 = build(n, args.width, args.layers)
+                cg1 = capture(m1, b1, l1)
+                st1 = {f: dict(m1.named_parameters())[f].detach() for f in cg1.input_fqns}
+                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), opts, state=st1),
+                                                          tmp / f"{name}-local{r}")))
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         num_params = sum(p.numel() for p in model.parameters())
-        cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, batch_file=str(tmp / "batch.safetensors"),
+        cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
                    warmup=args.warmup, steps=args.steps, reps=args.reps, timeout_s=args.timeout_s,
                    num_params=num_params)
         t0 = time.perf_counter()
@@ -203,6 +229,9 @@ def main() -> int:
         "predicted_comm_ms": {k: 1e3 * max(x.communication_s for x in e.ranks.values()) for k, e in preds.items()},
         "speedup_measured": ratio,
         "in_run_gflops": [res[r]["in_run_gflops"] for r in range(3)],
+        "own_compute_ms": {k: [1e3 * res[r]["own_compute_s"][k] for r in range(3)] for k in ("hetero", "even")},
+        "compute_only_speedup": max(res[r]["own_compute_s"]["even"] for r in range(3))
+        / max(res[r]["own_compute_s"]["hetero"] for r in range(3)),
         "ideal_speedup_profiled": sum(flops) / (3 * min(flops)),
         "ideal_speedup_in_run": sum(res[r]["in_run_gflops"] for r in range(3)) / (3 * min(res[r]["in_run_gflops"]
                                                                                        for r in range(3))),
@@ -217,7 +246,8 @@ def main() -> int:
           f"{med['even'] * 1e3:.1f} ms/step = {ratio:.3f}x (target >= 1.25, ideal 4/3); predicted "
           f"{out['predicted_step_ms']['hetero']:.1f} vs {out['predicted_step_ms']['even']:.1f} ms = "
           f"{out['speedup_predicted']:.3f}x; ideal for the speeds measured (profile / during the run) "
-          f"{out['ideal_speedup_profiled']:.3f}x / {out['ideal_speedup_in_run']:.3f}x; gradient all_reduce alone {out['all_reduce_ms_measured']:.2f} ms "
+          f"{out['ideal_speedup_profiled']:.3f}x / {out['ideal_speedup_in_run']:.3f}x; compute alone (each rank's "
+          f"rows, all at once, slowest rank) {out['compute_only_speedup']:.3f}x; gradient all_reduce alone {out['all_reduce_ms_measured']:.2f} ms "
           f"({100 * r0['all_reduce_s'] / med['hetero']:.1f}% of the hetero step); load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
     if args.json:
