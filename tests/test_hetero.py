@@ -186,10 +186,15 @@ def test_auto_split_follows_speed_and_memory():
 
 
 def test_device_too_small_is_named():
-    model, batch, loss_fn = mlp(64)
-    tiny = cluster_from_dict(cluster_doc([dev(0, 1e10), dev(1, 1e10), dev(2, 2e10, mem=1024, cpus=[1])]))
-    with pytest.raises(PlanInfeasibleError, match=r"device 2 \(cpu on localhost, cpus \[1\]\) has 0 MiB.*too small"):
-        compile_model(model, batch, loss_fn, 3, None, cluster=tiny, optimizer="sgd")
+    # 1 MiB is the smallest memory a cluster file may state (adaptdist/limits.py); the model's state needs 8 MiB
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 5))
+    batch = (torch.randn(64, 12), torch.randint(0, 5, (64,)))
+    tiny = cluster_from_dict(cluster_doc([dev(0, 1e10), dev(1, 1e10), dev(2, 2e10, mem=2**20, cpus=[1])]))
+    with pytest.raises(PlanInfeasibleError, match=r"device 2 \(cpu on localhost, cpus \[1\]\) has 1 MiB.*too small"):
+        compile_model(model, batch, lambda out, y: torch.nn.functional.cross_entropy(out, y), 3, None, cluster=tiny,
+                      optimizer="sgd")
 
 
 # --- real processes ---------------------------------------------------------------------------------------
