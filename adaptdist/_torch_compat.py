@@ -344,7 +344,6 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
-    from torch.utils._pytree import tree_map
 
     prop = DTensor._op_dispatcher.sharding_propagator
 

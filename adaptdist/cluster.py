@@ -97,6 +97,9 @@ class Device:
         op_overhead_s: seconds of host time one dispatched ATen op call costs beyond its arithmetic and
             memory traffic (Python + dispatcher + output allocation of a tiny op), all ranks busy at once;
             measured by ``adaptdist cluster profile`` on CPU; None: unknown (the cost models then count 0).
+        cpus: the CPU core ids this rank is pinned to (``os.sched_setaffinity``; torch then runs
+            ``len(cpus)`` threads), applied by the launcher and by ``adaptdist cluster profile``; None: not
+            pinned. Ranks may share cores (two ranks on ``[0]`` each get about half of core 0).
 
     Raises:
         ClusterSpecError: a field is missing its allowed form (message names the rank).
@@ -110,6 +113,7 @@ class Device:
     memory_bandwidth_bytes_per_s: float
     cores: float | None = None
     op_overhead_s: float | None = None
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         who = f"device rank {self.rank!r}"
@@ -137,10 +141,20 @@ class Device:
         if self.op_overhead_s is not None and (not _is_number(self.op_overhead_s) or self.op_overhead_s < 0):
             raise ClusterSpecError(f"{who}: op_overhead_s must be a number of seconds >= 0 (or absent), "
                                    f"got {self.op_overhead_s!r}")
+        if self.cpus is not None:
+            cpus = tuple(self.cpus) if isinstance(self.cpus, (list, tuple)) else None
+            if (not cpus or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)
+                    or len(set(cpus)) != len(cpus)):
+                raise ClusterSpecError(f"{who}: cpus must be a non-empty list of distinct core ids >= 0 (e.g. [0] or "
+                                       f"[2, 3]), or absent; got {self.cpus!r}")
+            if self.kind != "cpu":
+                raise ClusterSpecError(f"{who}: cpus pins a cpu rank to cores; this device is {self.kind!r}")
+            object.__setattr__(self, "cpus", cpus)
 
     def __repr__(self) -> str:
         return (f"Device(rank={self.rank}, {self.kind} on {self.host}, "
-                f"{self.peak_flops['float32']:.3g} float32 FLOP/s, {self.memory_bytes / 2**30:.1f} GiB)")
+                f"{self.peak_flops['float32']:.3g} float32 FLOP/s, {self.memory_bytes / 2**30:.1f} GiB"
+                + (f", cpus {list(self.cpus)}" if self.cpus is not None else "") + ")")
 
 
 @dataclass(frozen=True)

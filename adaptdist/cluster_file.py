@@ -13,6 +13,8 @@ Schema version 2::
             memory_bytes: 12637208576
             memory_bandwidth_bytes_per_s: 1.0e+10
             op_overhead_s: 3.5e-6     # optional: host time of one dispatched op call (measured by profile)
+            cpus: [0]                 # cpu only, optional: pin this rank to these core ids (the launcher and
+                                      #   `cluster profile` apply it; torch runs len(cpus) threads there)
           - {rank: 1, kind: cpu, cores: 1.0, peak_flops: {float32: 1.6e+11},
              memory_bytes: 12637208576, memory_bandwidth_bytes_per_s: 1.0e+10}
     links:
@@ -103,6 +105,8 @@ def cluster_to_dict(cluster: Cluster) -> dict:
             e["memory_bandwidth_bytes_per_s"] = d.memory_bandwidth_bytes_per_s
             if d.op_overhead_s is not None:
                 e["op_overhead_s"] = d.op_overhead_s
+            if d.cpus is not None:
+                e["cpus"] = list(d.cpus)
             devs.append(e)
         doc["hosts"].append({"name": h.name, "devices": devs})
     for link in cluster.links:
@@ -189,7 +193,8 @@ def _represent_float(dumper: yaml.SafeDumper, v: float) -> yaml.ScalarNode:
 _Dumper.add_representer(float, _represent_float)
 
 _V2_TOP = ("schema_version", "hosts", "links", "calibration")
-_V2_DEVICE = ("rank", "kind", "cores", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "op_overhead_s")
+_V2_DEVICE = ("rank", "kind", "cores", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s", "op_overhead_s",
+              "cpus")
 _V2_DEVICE_REQUIRED = ("rank", "kind", "peak_flops", "memory_bytes", "memory_bandwidth_bytes_per_s")
 _EXAMPLE_DEVICE = ("{rank: 0, kind: cpu, peak_flops: {float32: 1.0e+11}, memory_bytes: 8589934592, "
                    "memory_bandwidth_bytes_per_s: 1.0e+10}")
@@ -381,10 +386,23 @@ class _Parser:
                                            "cores: drop it")
         ovh = (None if d.get("op_overhead_s") is None
                else self.number(f"{dp}.op_overhead_s", d["op_overhead_s"], "seconds", zero_ok=True))
+        cpus = None if d.get("cpus") is None else self.cpus(f"{dp}.cpus", d["cpus"], kind)
         try:
-            return Device(rank, host, kind, flops, mem, bw, cores, ovh)
+            return Device(rank, host, kind, flops, mem, bw, cores, ovh, cpus)
         except ClusterSpecError as e:
             raise self.wrap(e) from None
+
+    def cpus(self, path: str, v: object, kind: str) -> tuple[int, ...]:
+        if kind != "cpu":
+            raise self.fail(path, f"pins a cpu rank to cores; this device's kind is {kind!r} (drop 'cpus')")
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = [v]
+        if (not isinstance(v, list) or not v
+                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)):
+            raise self.fail(path, f"must be a non-empty list of CPU core ids >= 0, e.g. [0] or [2, 3]; got {v!r}")
+        if len(set(v)) != len(v):
+            raise self.fail(path, f"lists a core twice: {v!r}; list each core id once")
+        return tuple(v)
 
     def link(self, lp: str, e: object, host_of: dict[int, str]) -> Link:
         n = len(host_of)

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from . import graph_meta as gmeta
+from .device_assignment import DeviceAssignment
 from .errors import PlanMismatchError, UsageError
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, parse_placement
@@ -334,6 +335,9 @@ class Plan:
         pipeline: the pipeline decision (:class:`PipelineSpec`), or None: no pipeline. A pipeline plan's
             mesh has the axis ``pp`` first (its size: the stage groups), then the stages' sub-mesh axes;
             ``param_placements`` give the ``pp`` column as ``R``.
+        devices: the batch rows of each batch-axis coordinate and the device of each rank
+            (:class:`~adaptdist.device_assignment.DeviceAssignment`; None: torch.chunk's split, rank r on
+            device r).
 
     Raises:
         UsageError: a field of the wrong type or length (names it).
@@ -349,6 +353,7 @@ class Plan:
     node_strategies: Mapping[str, tuple[Strategy | None, ...]] = field(default_factory=dict)
     lowered: LoweringRecord | None = None
     pipeline: PipelineSpec | None = None
+    devices: DeviceAssignment | None = None
 
     def __post_init__(self) -> None:
         if self.schema_version != SCHEMA_VERSION:
@@ -381,6 +386,7 @@ class Plan:
         elif PIPELINE_AXIS in self.mesh and self.mesh[PIPELINE_AXIS] > 1:
             raise UsageError(f"plan: mesh axis {PIPELINE_AXIS!r} of size {self.mesh[PIPELINE_AXIS]} needs a pipeline "
                              "decision (Plan.pipeline)")
+        _check_devices(self)
 
     @property
     def mesh_spec(self) -> Mesh:
@@ -450,6 +456,8 @@ class Plan:
             doc["pipeline"] = self.pipeline.to_doc()
         if self.lowered is not None:
             doc["lowered"] = dict(self.lowered.to_doc(), differences=[d.line() for d in self.differences()])
+        if self.devices is not None:
+            doc["devices"] = self.devices.to_doc()
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @staticmethod
@@ -573,7 +581,8 @@ class Plan:
                     graph_fingerprint=doc["graph_fingerprint"],
                     node_placements=placements("node_placements", doc.get("node_placements", {}), _parse_node_placement),
                     name=name, node_strategies=strategies(doc.get("node_strategies", {})), lowered=lowered,
-                    pipeline=pipeline)
+                    pipeline=pipeline,
+                    devices=None if doc.get("devices") is None else DeviceAssignment.from_doc(doc["devices"], source))
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
@@ -587,6 +596,23 @@ class Plan:
         plan = Plan.from_json(read_text(path, "plan file", UsageError), str(path))  # size-bounded, UTF-8
         object.__setattr__(plan, "_source", str(path))  # not a field: later errors name the file (plan_checks)
         return plan
+
+
+def _check_devices(plan: Plan) -> None:
+    """A plan's :attr:`Plan.devices` fits its mesh: one row count per batch-axis coordinate, one device per rank."""
+    d = plan.devices
+    if d is None:
+        return
+    if not isinstance(d, DeviceAssignment):
+        raise UsageError(f"plan: devices must be a DeviceAssignment, got {type(d).__name__}")
+    if d.batch_rows is not None:
+        want = plan.mesh.get(plan.batch_axis, 0) if plan.batch_axis is not None else 0
+        if len(d.batch_rows) != want:
+            raise UsageError(f"plan: devices.batch_rows {list(d.batch_rows)} must give one row count per coordinate of "
+                             f"the batch axis {plan.batch_axis!r} ({want}) of mesh {dict(plan.mesh)}")
+    if d.rank_to_device is not None and len(d.rank_to_device) != plan.mesh_spec.world_size:
+        raise UsageError(f"plan: devices.rank_to_device {list(d.rank_to_device)} must name one device per rank of mesh "
+                         f"{dict(plan.mesh)}")
 
 
 def _collective_of(src: Placement, dst: Placement) -> str:

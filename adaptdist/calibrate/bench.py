@@ -77,6 +77,8 @@ class BenchConfig:
         elementwise_bytes: bytes of each elementwise operand.
         progress_file: where rank 0 writes ``{"done": i, "total": n, "label": str}`` (None: nowhere).
         timeout_s: collective timeout, seconds (a hang becomes an error).
+        cpus_of_rank: rank -> the CPU core ids to pin it to (the cluster file's ``cpus``; None: not pinned),
+            applied before anything is measured, so each device's figures are its own; empty: none pinned.
     """
 
     backend: str
@@ -93,6 +95,7 @@ class BenchConfig:
     elementwise_bytes: int = 64 * 2**20
     progress_file: str | None = None
     timeout_s: float = 60.0
+    cpus_of_rank: tuple = ()
     total_steps: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -342,7 +345,8 @@ def profile_rank(cfg: BenchConfig) -> dict:
     Returns:
         {"rank", "collectives": {name: [[nbytes, seconds], ...]} (rank 0 only, identical on all),
         "peak_flops": {dtype: FLOP/s}, "failed_dtypes": {dtype: reason},
-        "memory_bandwidth_bytes_per_s", "op_overhead_s" (seconds per op; None on cuda), "threads",
+        "memory_bandwidth_bytes_per_s", "op_overhead_s" (seconds per op; None on cuda), "threads", "affinity"
+        (the cores this rank ran on),
         "device_name", "memory_bytes"}.
     """
     import datetime
@@ -353,7 +357,10 @@ def profile_rank(cfg: BenchConfig) -> dict:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    torch.set_num_threads(cfg.threads_per_rank)
+    from ..runtime.affinity import pin_to_cpus
+
+    if pin_to_cpus(cfg.cpus_of_rank[rank] if rank < len(cfg.cpus_of_rank) else None, rank) is None:
+        torch.set_num_threads(cfg.threads_per_rank)
     if cfg.device_kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -393,6 +400,7 @@ def profile_rank(cfg: BenchConfig) -> dict:
         return {"rank": rank, "collectives": timings if rank == 0 else {}, "peak_flops": flops,
                 "failed_dtypes": failed, "memory_bandwidth_bytes_per_s": bw, "op_overhead_s": ovh,
                 "threads": torch.get_num_threads(),
+                "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "device_name": name, "memory_bytes": mem}
     finally:
         dist.destroy_process_group()

@@ -81,7 +81,8 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
                   sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES, *, console=None,
                   threads_per_rank: int | None = None, target_s: float = 0.025, repeats: int = 7,
                   busy_s: float = 1e-3, compute_window_s: float = 0.4, elementwise_bytes: int = 64 * 2**20,
-                  compute_dtypes: tuple[str, ...] | None = None, timeout_s: float = 60.0) -> ProfileResult:
+                  compute_dtypes: tuple[str, ...] | None = None, timeout_s: float = 60.0,
+                  base: Cluster | None = None) -> ProfileResult:
     """Measure this machine with ``nproc`` ranks all running at once; return a calibrated cluster.
 
     Args:
@@ -96,6 +97,9 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
         elementwise_bytes: bytes of each elementwise operand (well beyond the caches).
         compute_dtypes: matmul dtypes to measure (default float32, bfloat16, float16, float64).
         timeout_s: collective timeout, seconds: a hung rank becomes an error.
+        base: the cluster to measure (one host, as read from a cluster file): its devices' ``cpus`` pin each
+            rank while it is measured, so ranks sharing cores measure slower than a rank alone; its memory and
+            core figures are kept. None: :func:`.detect.detect_local` of ``nproc`` ranks.
 
     Raises:
         ClusterSpecError: bad ``nproc`` / kind / sizes.
@@ -104,7 +108,11 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
     from ..runtime.launch import launch_local
     from .bench import COMPUTE_DTYPES
 
-    base = detect_local(nproc, device_kind)
+    if base is None:
+        base = detect_local(nproc, device_kind)
+    elif len(base.hosts) != 1:
+        raise ClusterSpecError(f"profile: {base!r} has {len(base.hosts)} hosts; `cluster profile` measures the ranks "
+                               "of this machine (one host)")
     kind = base.device_kind
     sizes = tuple(sorted({int(s) for s in sizes_bytes}))
     if len(sizes) < 2 or sizes[0] < 4:
@@ -123,7 +131,8 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
                           target_s=target_s, repeats=repeats, busy_s=busy_s, compute_window_s=compute_window_s,
                           elementwise_bytes=elementwise_bytes,
                           compute_dtypes=tuple(compute_dtypes or COMPUTE_DTYPES),
-                          progress_file=str(progress_file), timeout_s=timeout_s)
+                          progress_file=str(progress_file), timeout_s=timeout_s,
+                          cpus_of_rank=tuple(base.device(r).cpus for r in range(world)))
         stop = threading.Event()
         poller = None
         if console is not None:

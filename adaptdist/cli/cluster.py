@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-message-mib", type=positive(float, 4096.0, "4 GiB"), default=16.0,
                    help="largest collective message, MiB (sizes from 1 KiB, x4 apart)")
     p.add_argument("--timeout-s", type=_positive_float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--cluster", metavar="FILE", default=None,
+                   help="measure the ranks this cluster file describes (one host; a device's 'cpus: [0]' pins its "
+                        "rank while it is measured); default: --nproc ranks, unpinned")
     p.add_argument("--quick", action="store_true",
                    help="tiny messages and short windows: a smoke test, not figures to plan with")
 
@@ -74,8 +77,16 @@ def cmd_cluster(args) -> int:
             raise UsageError(f"--max-message-mib {args.max_message_mib} is below 4 KiB; give at least 0.004")
         sizes = tuple(s for s in DEFAULT_SIZES_BYTES if s < top) + (top,)
         extra = {}
+    base = None
+    if args.cluster:
+        from ..calibrate.local import load_cluster
+
+        base = load_cluster(args.cluster)
+        if args.nproc is not None and args.nproc != base.world_size:
+            raise UsageError(f"--nproc {args.nproc} differs from the {base.world_size} ranks of --cluster "
+                             f"{args.cluster}; drop --nproc")
     result = profile_local(2 if args.nproc is None and args.device_kind != "cuda" else args.nproc,
-                           args.device_kind, sizes, console=console, timeout_s=args.timeout_s, **extra)
+                           args.device_kind, sizes, console=console, timeout_s=args.timeout_s, base=base, **extra)
     cluster = result.cluster
     _write(cluster, args.out, f"written by `adaptdist cluster profile` on {describe_machine()}"
                               + (" (--quick: smoke test)" if args.quick else ""))
@@ -108,7 +119,8 @@ def _show(console, cluster) -> None:
                 "memory GB/s", "op us"):
         dev.add_column(col, justify="right")
     for d in cluster.devices:
-        dev.add_row(str(d.rank), d.host, d.kind, "" if d.cores is None else f"{d.cores:g}",
+        dev.add_row(str(d.rank), d.host, d.kind,
+                    ("" if d.cores is None else f"{d.cores:g}") + (f" cpus {list(d.cpus)}" if d.cpus is not None else ""),
                     *[f"{d.peak_flops[dt] / 1e12:.3f}" if dt in d.peak_flops else "" for dt in dtypes],
                     f"{d.memory_bytes / 2**30:.1f}", f"{d.memory_bandwidth_bytes_per_s / 1e9:.1f}",
                     "" if d.op_overhead_s is None else f"{d.op_overhead_s * 1e6:.2f}")

@@ -68,20 +68,24 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
         auto, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer)
-        programs = compile_model(model, example, loss_fn, cluster.world_size, auto, options, captured=captured)
+        programs = compile_model(model, example, loss_fn, cluster.world_size, auto, options, captured=captured,
+                                 cluster=cluster, optimizer=optimizer)
         plan = ManualPlan(name="auto", mesh_axes=tuple(auto.mesh), batch_axis=auto.batch_axis,
                           params=tuple((f, tuple(map(repr, p))) for f, p in auto.param_placements.items()))
     else:
         plan = ManualPlan.parse(args.plan, module)
 
-    def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None):
+    def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None, on=None):
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(batch_size, seq_len)
-        return compile_model(model, example, loss_fn, world_size, plan, options, mesh=mesh), example
+        return compile_model(model, example, loss_fn, world_size, plan, options, mesh=mesh, cluster=on,
+                             optimizer=optimizer), example
 
     if args.plan != "auto":
-        programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh)
-    est = estimate_programs(programs, cluster, optimizer, args.algorithm)
+        programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh, cluster)
+    from ..device_assignment import program_cluster
+
+    est = estimate_programs(programs, program_cluster(programs[0].plan, cluster), optimizer, args.algorithm)
     p0 = programs[0]
     mesh_text = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
     calibrated = bool(getattr(cluster, "calibrated", False))

@@ -58,6 +58,10 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
                    help="training-mode BatchNorm over the split batch: 'local' (DDP's semantics: each rank's statistics "
                         "from its own rows, rank 0's running buffers kept) or 'sync' (SyncBatchNorm's: statistics over "
                         "the global batch, one all_reduce per BatchNorm in forward and in backward); default local")
+    p.add_argument("--batch-split", metavar="auto|even|ROWS", default="auto",
+                   help="rows of the global batch per data-parallel rank: auto (in proportion to each device's "
+                        "measured speed, within its memory; torch.chunk's even split on alike devices), even "
+                        "(torch.chunk), or row counts per batch-axis coordinate, e.g. 4,2,2")
     p.add_argument("--debug-passes", action="store_true",
                    help="check the graph invariants of adaptdist/passes/README.md after every lowering pass")
     p.add_argument("--disable-pass", metavar="NAME", action="append", default=[], type=_skippable_pass,
@@ -265,17 +269,20 @@ def cmd_plan(args) -> int:
         console.print(f"(not lowered: {cluster.world_size} ranks; `adaptdist plan` lowers automatic plans of up to "
                       f"{MAX_LOWERED_RANKS} ranks to list each rank's shards and collectives)")
         return 0
-    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args),
-                             mesh=args.mesh if captured is None else None, captured=captured)
+    from ..compiler.device_placement import device_table, parse_batch_split, placement_line
+    from ..cost_models.estimate import estimate_programs
+    from ..device_assignment import program_cluster
     from .pipeline_flags import is_pipeline
 
+    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args),
+                             mesh=args.mesh if captured is None else None, captured=captured, cluster=cluster,
+                             optimizer=args.optimizer.replace("-", "_"),
+                             batch_split=parse_batch_split(getattr(args, "batch_split", None)))
     if is_pipeline(programs):  # a saved pipeline plan file
         return print_pipeline_plan(programs, spec, cluster, console, args.out)
     p0 = programs[0]
+    est = estimate_programs(programs, program_cluster(p0.plan, cluster), args.optimizer.replace("-", "_"))
     if captured is not None:
-        from ..cost_models.estimate import estimate_programs
-
-        est = estimate_programs(programs, cluster, args.optimizer.replace("-", "_"))
         console.print(f"adaptdist estimate of the lowered programs (overlap timeline, exact collectives): step "
                       f"{1e3 * est.step_s:.3f} ms, peak memory {est.peak_memory_bytes / 2**20:,.1f} MiB per rank")
     mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
@@ -292,6 +299,8 @@ def cmd_plan(args) -> int:
         table.add_row(f, str(p0.global_shapes[f]), text,
                       str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
     console.print(table)
+    console.print(device_table(programs, cluster, est))
+    console.print(placement_line(p0.plan))
     calls = collective_calls(p0)
     kinds: dict[tuple[str, str], list[int]] = {}
     for c in calls:
@@ -301,7 +310,11 @@ def cmd_plan(args) -> int:
         for (axis, op), v in sorted(kinds.items())) or "none"))
     if args.out:
         Path(args.out).write_text(p0.plan.to_json())
-        console.print(f"wrote {args.out}")
+        from ..compiler.device_placement import draw_devices
+
+        picture = Path(args.out).with_suffix(".devices.png")
+        draw_devices(programs, cluster, est, picture)
+        console.print(f"wrote {args.out} and {picture} (each rank's device, rows and predicted time)")
     return 0
 
 
@@ -328,6 +341,7 @@ def cmd_estimate(args) -> int:
 def cmd_compile(args) -> int:
     """``adaptdist compile``: write rank artifacts (see :mod:`adaptdist.compiler.artifacts`)."""
     from ..console import report_console
+    from ..compiler.device_placement import parse_batch_split
 
     from ..compiler.artifacts import compile_artifacts
     from ..model_spec import ModelSpec
@@ -341,7 +355,8 @@ def cmd_compile(args) -> int:
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
                             console=console, options=lowering_options(args),
-                            pipeline=pipeline_options(args, cluster.world_size))
+                            pipeline=pipeline_options(args, cluster.world_size),
+                            batch_split=parse_batch_split(getattr(args, "batch_split", None)))
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
     console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))
@@ -408,7 +423,8 @@ def cmd_run(args) -> int:
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
                       timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items, unit=unit,
                       checkpoint_every=args.checkpoint_every, keep=args.keep, model_name=str(manifest.get("model")),
-                      run_meta={"artifacts": str(d)}, rng=manifest.get("rng", "per-rank"))
+                      run_meta={"artifacts": str(d)}, rng=manifest.get("rng", "per-rank"),
+                      cpus_of_rank=_artifact_cpus(d, cluster))
     console.print(f"running {d} ({manifest.get('model')}, mesh {manifest['mesh']}) on {cluster!r} for {args.steps} "
                   f"steps; data from {data.module_file + ':data' if data.function else 'the example batch'}")
     t0 = time.perf_counter()
@@ -428,6 +444,16 @@ def cmd_run(args) -> int:
     console.print(f"trained {len(losses)} steps on {world} ranks in {wall:.0f} s: {loss_text}; checkpoints "
                   f"{out / 'checkpoints'}")
     return 0
+
+
+def _artifact_cpus(d: Path, cluster) -> tuple:
+    """Each rank's ``cpus`` (the cluster file's, of the device the artifacts' plan maps it to), for the worker."""
+    from ..plan import Plan
+    from ..runtime.affinity import cpus_of_ranks
+
+    plan = Plan.load(d / "plan.json") if (d / "plan.json").is_file() else None
+    devices = plan.devices if plan is not None else None
+    return cpus_of_ranks(cluster, devices.rank_to_device if devices is not None else None)
 
 
 def cmd_explain(args) -> int:

@@ -29,7 +29,7 @@ RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
             "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng",
-            "microbatches", "schedule")
+            "microbatches", "schedule", "batch_split")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -333,8 +333,14 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     if programs is None:
         plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer,
                                       layers=False)
+        from ..compiler.device_placement import parse_batch_split, placement_line
+
         programs = compile_model(model, example, loss_fn, nproc, plan, options,
-                                 mesh=args.mesh if captured is None else None, captured=captured)
+                                 mesh=args.mesh if captured is None else None, captured=captured, cluster=cluster,
+                                 optimizer=args.optimizer,
+                                 batch_split=parse_batch_split(getattr(args, "batch_split", None)))
+        if programs[0].plan.devices is not None:
+            console.print(placement_line(programs[0].plan))
     from .pipeline_flags import is_pipeline
 
     pipeline = is_pipeline(programs)
@@ -391,7 +397,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                       unit=unit, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
                       keep=args.keep, model_name=spec.text, program_source=source,
                       async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
-                      run_meta={"cluster": _cluster_doc(cluster), "config": settings})
+                      run_meta={"cluster": _cluster_doc(cluster), "config": settings},
+                      cpus_of_rank=_cpus_of_rank(cluster, programs[0].plan))
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
     cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
     t0 = time.perf_counter()
@@ -436,6 +443,14 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         print(text)
         console.rule()
     return 0
+
+
+def _cpus_of_rank(cluster, plan) -> tuple:
+    """Each rank's ``cpus`` from the cluster file (the device the plan's rank mapping puts it on)."""
+    from ..runtime.affinity import cpus_of_ranks
+
+    devices = plan.devices if plan is not None else None
+    return cpus_of_ranks(cluster, devices.rank_to_device if devices is not None else None)
 
 
 def _check_checkpoint_fits(out: Path, model: str, program, console, programs: dict | None = None) -> None:

@@ -81,9 +81,10 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
-                      options: Any = None, pipeline: Any = None) -> CompileResult:
+                      options: Any = None, pipeline: Any = None, batch_split: Any = "auto") -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
-    it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults), and write the
+    it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults) placed on the
+    cluster's devices (``batch_split``: see :func:`~.device_placement.place_on_devices`), and write the
     artifact directory (module docstring). With ``pipeline``
     (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
@@ -129,7 +130,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["planning"] = time.perf_counter() - t
     timings: dict[str, float] = {}
     programs = compile_model(model, example, loss_fn, cluster.world_size, plan, options, mesh=mesh, captured=captured,
-                             timings=timings, pipeline=pipeline)
+                             timings=timings, pipeline=pipeline, cluster=cluster, optimizer=optimizer,
+                             batch_split=batch_split)
     phases.update(timings)
     from ..stage_program import PipelineRankProgram
 
@@ -137,7 +139,9 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         return _write_pipeline_artifacts(programs, out, spec, cluster, example, batch_size, seq_len, optimizer,
                                          options, phases)
     t = time.perf_counter()
-    estimate = estimate_programs(programs, cluster, optimizer)
+    from ..device_assignment import program_cluster
+
+    estimate = estimate_programs(programs, program_cluster(programs[0].plan, cluster), optimizer)
     phases["estimate"] = time.perf_counter() - t
     t = time.perf_counter()
     extra_files: dict[str, str | bytes] = {
@@ -160,7 +164,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     extra["rng"] = options.rng  # how the runner seeds its ranks (LoweringOptions.rng)
     d = save_programs(programs, out, extra=extra, extra_files=extra_files)
     manifest = json.loads((d / "manifest.json").read_text())
-    hosts = [cluster.device(r).host for r in range(cluster.world_size)]
+    hosts = [program_cluster(programs[0].plan, cluster).device(r).host for r in range(cluster.world_size)]
     phases["writing"] = time.perf_counter() - t
     summary = ""
     if planner is not None:

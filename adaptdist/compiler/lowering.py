@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx
@@ -95,7 +95,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
                           shard_batch=axis == batch_axis, param_placements=dict(axis_placements.get(axis, {})),
                           replicate_fallback=options.replicate_fallback, batch_norm=options.batch_norm,
                           node_hints=dict((axis_hints or {}).get(axis, {})),
-                          rng=options.rng)
+                          rng=options.rng, batch_rows=_batch_rows(plan, axis, captured.batch_size))
         ctxs[axis] = ctx
         if ctx.axis_size == 1:
             graphs = {key + (0,): gm for key, gm in graphs.items()}
@@ -173,6 +173,21 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         timings["lowering"] = timings.get("lowering", 0.0) + time.perf_counter() - t_start - codegen_s
         timings["codegen"] = timings.get("codegen", 0.0) + codegen_s
     return programs
+
+
+def _batch_rows(plan: Plan, axis: str, batch_size: int) -> tuple[int, ...] | None:
+    """The plan's uneven rows per coordinate of ``axis`` when it is the batch axis (None: torch.chunk's split).
+
+    Raises:
+        UsageError: the rows do not add up to the captured batch size.
+    """
+    rows = plan.devices.batch_rows if plan.devices is not None else None
+    if rows is None or axis != plan.batch_axis or plan.mesh.get(axis, 1) < 2 or batch_size < 2:
+        return None
+    if sum(rows) != batch_size:
+        raise UsageError(f"plan {plan.name!r}: devices.batch_rows {list(rows)} add up to {sum(rows)} rows, but the "
+                         f"batch has {batch_size}; make the plan again for this batch size")
+    return tuple(rows)
 
 
 def _log_hints(plan: Plan) -> None:
@@ -328,12 +343,16 @@ def _departure(e: Exception) -> Departure:
 def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size: int,
                   plan: "ManualPlan | Plan | None" = None, options: LoweringOptions | None = None, *,
                   mesh: str | None = None, captured: CapturedGraph | None = None,
-                  timings: dict[str, float] | None = None, pipeline: "PipelineOptions | None" = None
+                  timings: dict[str, float] | None = None, pipeline: "PipelineOptions | None" = None,
+                  cluster: Any = None, optimizer: str = "adamw", batch_split: str | tuple[int, ...] = "auto"
                   ) -> "dict[int, RankProgram] | dict[int, PipelineRankProgram]":
     """Capture ``model``'s training step (unless ``captured`` is given: the planner's capture of it),
     resolve ``plan`` (:func:`resolve_plan`; None: data parallel) and :func:`lower` it with ``options``
     (None: the defaults) onto ``world_size`` ranks. Each program holds its rank's shard of the model's
-    current parameters and buffers.
+    current parameters and buffers. With ``cluster`` (the devices it will run on) the plan is first placed on
+    them (:func:`~.device_placement.place_on_devices`: the rank mapping, and with ``batch_split="auto"`` uneven
+    batch rows by each device's speed and memory, judged with ``optimizer``'s state; ``"even"``: torch.chunk's;
+    a tuple: those rows); the programs' plan then carries it (``Plan.devices``).
 
     Raises:
         CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`resolve_plan`, :func:`lower`.
@@ -348,5 +367,10 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     state = {f: named[f].detach() for f in captured.input_fqns}
     resolved = resolve_plan(plan, captured, world_size, mesh, pipeline=pipeline)
-    return lower(captured, resolved, options if options is not None else LoweringOptions(), state=state,
-                 timings=timings)
+    options = options if options is not None else LoweringOptions()
+    if cluster is not None and resolved.pipeline is None and (resolved.devices is None or batch_split != "auto"):
+        from .device_placement import place_on_devices
+
+        return place_on_devices(captured, resolved, cluster, options, lower, state=state, optimizer=optimizer,
+                                batch_split=batch_split, timings=timings)[1]
+    return lower(captured, resolved, options, state=state, timings=timings)

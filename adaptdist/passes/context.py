@@ -31,6 +31,9 @@ class PassContext:
         node_hints: node name -> the strategy the planner chose for it on this axis; propagation
             follows it where the op's rule agrees (see ``propagate_placements``).
         rng: ``"per-rank"`` or ``"global"`` (``LoweringOptions.rng``; the ``global_rng`` pass).
+        batch_rows: rows of the batch each coordinate of this axis takes when it splits the batch (the plan's
+            :attr:`~adaptdist.device_assignment.DeviceAssignment.batch_rows`: uneven, in proportion to each
+            device's speed); None: torch.chunk's split.
     """
 
     axis_size: int
@@ -44,10 +47,16 @@ class PassContext:
     node_hints: Mapping[str, Any] = field(default_factory=dict)
     rng: str = "per-rank"
     batch_norm: str = LoweringOptions.batch_norm
+    batch_rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.axis_size < 1:
             raise ValueError(f"axis_size must be >= 1, got {self.axis_size}")
+        if self.batch_rows is not None and (len(self.batch_rows) != self.axis_size
+                                            or sum(self.batch_rows) != self.batch_size
+                                            or any(r < 0 for r in self.batch_rows)):
+            raise ValueError(f"batch_rows {list(self.batch_rows)} must be {self.axis_size} row counts >= 0 summing "
+                             f"to the batch size {self.batch_size}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
 
@@ -63,10 +72,13 @@ class PassContext:
         return f"adaptdist:{self.mesh_axis}"
 
     def shard_sizes(self) -> list[int]:
-        """Local batch size of each rank, torch.chunk semantics (trailing ranks may get 0)."""
+        """Local batch size of each rank: :attr:`batch_rows` when given, else torch.chunk semantics (trailing ranks
+        may get 0)."""
         b, w = self.batch_size, self.axis_size
         if not self.shards_batch:
             return [b] * w
+        if self.batch_rows is not None:
+            return list(self.batch_rows)
         chunk = -(-b // w) if b else 0
         return [max(0, min(chunk, b - r * chunk)) for r in range(w)]
 

@@ -2,7 +2,8 @@
 
 Sharded dims carry global sizes in shape arguments (``view``, ``expand``,
 ``new_zeros`` ...). For rank ``r`` every sharded value gets its interval
-``[start, end)`` of the sharded dim (``torch.chunk`` semantics at the inputs,
+``[start, end)`` of the sharded dim (``torch.chunk`` semantics at the inputs -- batch inputs take
+the plan's uneven rows instead when ``ctx.batch_rows`` gives them --
 rescaled by views that merge or split that dim), and each such size becomes
 ``end - start``; rank slices inserted by redistribution get the interval of the
 operand they align with. Finally the local graph is re-run on fake inputs of
@@ -79,7 +80,7 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
     """
     local = copy_graph_module(gm)
     intervals = _intervals(local, ctx, rank)
-    largest = _intervals(local, ctx, 0)  # torch.chunk: rank 0 holds the largest shard
+    largest = _largest_intervals(local, ctx, rank, intervals)
     changed = False
     for node in local.graph.nodes:
         if node.op != "call_function":
@@ -161,6 +162,33 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
 
 
 Interval = tuple[int, int]
+
+
+def _largest_intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int, mine: dict) -> dict:
+    """Each value's interval on the rank holding the most of it (what padded gathers pad to): rank 0's under
+    torch.chunk; with uneven batch rows (``ctx.batch_rows``) the longest over every rank, node by node."""
+    if ctx.batch_rows is None:
+        return mine if rank == 0 else _intervals(gm, ctx, 0)
+    per_rank = [mine if r == rank else _intervals(gm, ctx, r) for r in range(ctx.axis_size)]
+
+    def length(iv: Any) -> int:
+        return iv[1] - iv[0] if isinstance(iv, tuple) and len(iv) == 2 and isinstance(iv[0], int) else -1
+
+    for node in mine:
+        if gmeta.get_gather_pad(node, ctx.group_name) is None:
+            continue
+        # a padded gather keeps the first n rows of the concatenated blocks padded to the longest: right only
+        # when every pad comes after all the data (lengths M, ..., M, m <= M, 0, ..., 0), as torch.chunk's are
+        got = [ivs.get(node) for ivs in per_rank]
+        lengths = [length(iv) if iv is not None else 0 for iv in got]
+        top = max(lengths)
+        short = next((k for k, n in enumerate(lengths) if n < top), len(lengths))
+        if any(n != 0 for n in lengths[short + 1:]):
+            raise UnsupportedOpError(
+                f"node {node.name!r} gathers a value split over the batch by the uneven rows {list(ctx.batch_rows)} "
+                f"(ranks' rows {[iv for iv in got]}); a gather of uneven blocks is not supported yet: split the batch "
+                "evenly (--batch-split even) or use a plan that keeps the batch split through the step")
+    return {node: max((ivs[node] for ivs in per_rank if node in ivs), key=length) for node in mine}
 
 
 def _nodes_by_name(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:

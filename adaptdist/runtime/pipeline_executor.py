@@ -202,7 +202,6 @@ class PipelineStepRunner:
         loss = None
 
         def backward_input(st: StageProgram, mb: int) -> None:
-            nonlocal loss
             gs = () if st.is_last else grad_in.pop((st.stage, mb))
             outs = _tuple(st.backward_input(*saved.pop((st.stage, mb)), *gs))
             n = 0 if st.is_first else len(st.grad_out_specs)

@@ -59,6 +59,9 @@ def check_host_memory(programs: dict, optimizer: str, num_local_ranks: int, avai
 
 
 def _distinct(programs: dict) -> list:
-    """Rank 0 and the last rank: torch.chunk gives rank 0 the largest shards, the last the smallest."""
+    """Rank 0 and the last rank: torch.chunk gives rank 0 the largest shards, the last the smallest; and, with
+    uneven batch rows (``Plan.devices``), the rank holding the most rows."""
     ranks = sorted(programs)
-    return [programs[ranks[0]]] + ([programs[ranks[-1]]] if len(ranks) > 1 else [])
+    most = max(ranks, key=lambda r: (programs[r].batch_slice[1], -r))
+    picked = [ranks[0]] + ([ranks[-1]] if len(ranks) > 1 else []) + ([most] if most not in (ranks[0], ranks[-1]) else [])
+    return [programs[r] for r in picked]

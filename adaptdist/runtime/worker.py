@@ -87,6 +87,10 @@ class TrainConfig:
     rng: str = "per-rank"
     """``"global"``: every rank seeds torch with ``seed`` alike (programs lowered with ``LoweringOptions.rng =
     "global"``, see ``passes/global_rng.py``); ``"per-rank"``: rank r seeds ``seed + r``."""
+    cpus_of_rank: tuple = ()
+    """Rank r -> the CPU core ids its process is pinned to (the cluster file's ``cpus`` of the device the rank
+    mapping puts it on; None: not pinned), applied before torch's threads start, with ``len(cpus)`` threads
+    (:mod:`.affinity`); empty: no rank is pinned (``threads_per_rank`` threads each)."""
 
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -343,15 +347,20 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     from .stop import StopRequest
     from .train_state import check_identical_replicas, load_train_state, state_shapes
 
-    torch.set_num_threads(cfg.threads_per_rank)
+    from .affinity import pin_to_cpus
+
+    own = int(os.environ.get("RANK", 0))
+    if pin_to_cpus(cfg.cpus_of_rank[own] if own < len(cfg.cpus_of_rank) else None, own) is None:
+        torch.set_num_threads(cfg.threads_per_rank)
     rank, world = _init_distributed(cfg)
     # one attempt number for the whole job (an elastic job's agents count their restarts each on its own)
     attempt = _broadcast(_next_attempt(cfg.out_dir), rank)
     status = RankStatus(cfg.out_dir, rank, attempt)
     restarted = attempt > cfg.first_attempt
-    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}" + (f" (restart {attempt - cfg.first_attempt})"
-                                                                          if restarted else ""),
-          file=sys.stderr, flush=True)
+    pinned = cfg.cpus_of_rank[rank] if rank < len(cfg.cpus_of_rank) else None
+    print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}"
+          + (f", pinned to cpus {list(pinned)}" if pinned is not None else "")
+          + (f" (restart {attempt - cfg.first_attempt})" if restarted else ""), file=sys.stderr, flush=True)
     fault = Fault.from_env()
     events = _Events(cfg.out_dir, enabled=rank == 0)
     step = 0

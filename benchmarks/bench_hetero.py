@@ -1,0 +1,263 @@
+"""Heterogeneity-aware data parallelism vs an even split, on real unequal ranks of this machine, in one run.
+
+3 gloo ranks: ranks 0 and 1 pinned to core 0 (``cpus: [0]`` in the cluster file: they share it, each at about
+half a core), rank 2 alone on core 1 (``cpus: [1]``). The cluster is first measured with those pins
+(``adaptdist.calibrate.profile.profile_local(base=...)``, what ``adaptdist cluster profile --cluster FILE``
+runs), so the planner sees rank 2 at about twice the FLOP/s of the others. The model is compute-dominated: a
+wide-batch MLP (``WideBatchMLP``: 6 x Linear(256, 256) + ReLU, 395k parameters, 1.5 MiB of gradients; 4096 rows of
+256 features per step; MSE loss; SGD), about 9.7 GFLOP per step against one 1.5 MiB all_reduce.
+
+Two program sets of the same plan (dp on 3 ranks) are compiled: ``even`` (torch.chunk: 1366/1365/1365 rows)
+and ``hetero`` (``place_on_devices``: rows by each device's measured speed, about 1024/1024/2048), and run in
+ONE process group, interleaved (blocks of steps alternate, A B then B A), so both see the same machine load.
+Per step, the time is rank 0's wall time between two barriers (the slowest rank sets it). Reported: the median
+step time of each, their ratio (target >= 1.25; ideal 4/3), the predicted step time of each (the cost model on
+the measured cluster), and the gradient all_reduce's time alone, measured, against the step.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_hetero.py [--rows 4096] [--width 256] [--layers 6]
+        [--steps 12] [--reps 3] [--quick-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+
+
+class WideBatchMLP(nn.Module):
+    """``layers`` x (Linear(width, width) + ReLU): little to all-reduce, much to compute per row."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def build(rows: int, width: int, layers: int):
+    torch.manual_seed(0)
+    model = WideBatchMLP(width, layers)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g))
+    return model, batch, F.mse_loss
+
+
+def cluster_yaml(path: Path, mem_bytes: int) -> None:
+    dev = ("{{rank: {r}, kind: cpu, cpus: [{c}], peak_flops: {{float32: 1.0e+10}}, memory_bytes: %d, "
+           "memory_bandwidth_bytes_per_s: 5.0e+9}}" % mem_bytes)
+    path.write_text("schema_version: 2\nhosts:\n  - name: localhost\n    devices:\n"
+                    + "".join(f"      - {dev.format(r=r, c=c)}\n" for r, c in ((0, 0), (1, 0), (2, 1)))
+                    + "links:\n  - {tier: intra_host, bandwidth_bytes_per_s: 1.5e+9, latency_s: 2.0e-4}\n"
+                      "calibration: null\n")
+
+
+# --------------------------------------------------------------------------- worker (one per rank)
+
+def worker(cfg: dict) -> dict:
+    from adaptdist.program import load_program
+    from adaptdist.runtime.affinity import pin_to_cpus
+    from adaptdist.runtime.worker import StepRunner, register_mesh_groups
+
+    rank = int(os.environ["RANK"])
+    pin_to_cpus(cfg["cpus"][rank], rank)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["timeout_s"]))
+    try:
+        from safetensors.torch import load_file
+
+        t = load_file(cfg["batch_file"])
+        batch = (t["b0"], t["b1"])
+        runners = {}
+        for name in ("hetero", "even"):
+            program = load_program(cfg["dirs"][name], rank, world_size=3)
+            register_mesh_groups(program, "gloo")
+            runners[name] = StepRunner(program, "sgd", 1e-3)
+
+        runners_local, local_batches = {}, {}
+        for name in ("hetero", "even"):
+            program = load_program(cfg["local_dirs"][name][rank], 0, world_size=1)
+            runners_local[name] = StepRunner(program, "sgd", 1e-3)
+            off, n = runners[name].program.batch_slice
+            local_batches[name] = tuple(t.narrow(0, off, n).contiguous() for t in batch)
+
+        def timed(name: str) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            runners[name].step(batch)
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        for name in ("hetero", "even"):
+            for _ in range(cfg["warmup"]):
+                timed(name)
+        times: dict[str, list[float]] = {"hetero": [], "even": []}
+        for rep in range(cfg["reps"]):
+            order = ("hetero", "even") if rep % 2 == 0 else ("even", "hetero")
+            for name in order:
+                times[name] += [timed(name) for _ in range(cfg["steps"])]
+        # each rank's own compute, all ranks at once: a one-rank program of its rows, no collectives
+        own: dict[str, list[float]] = {"hetero": [], "even": []}
+        for rep in range(cfg["reps"]):
+            for name in (("hetero", "even") if rep % 2 == 0 else ("even", "hetero")):
+                local = runners_local[name]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(cfg["steps"]):
+                    local.step(local_batches[name])
+                own[name].append((time.perf_counter() - t0) / cfg["steps"])
+        # each rank's matmul rate during the run, all ranks at once (the heterogeneity actually present)
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            torch.mm(a, b)
+        in_run_gflops = 200 * 2 * 256**3 / (time.perf_counter() - t0) / 1e9
+        grad = torch.zeros(cfg["num_params"])
+        comm = []
+        for _ in range(10):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(grad)
+            comm.append(time.perf_counter() - t0)
+        return {"times": times, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+                "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
+                "affinity": sorted(os.sched_getaffinity(0))}
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- driver
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=12, help="steps per block")
+    ap.add_argument("--reps", type=int, default=3, help="blocks of each (alternating order)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--quick-profile", action="store_true", help="short profile windows (noisier figures)")
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--json", metavar="FILE", help="also write the numbers here")
+    args = ap.parse_args()
+
+    from safetensors.torch import save_file
+
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.calibrate.profile import profile_local
+    from adaptdist.cluster_file import save_cluster
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.device_placement import place_on_devices
+    from adaptdist.compiler.lowering import lower, resolve_plan
+    from adaptdist.cost_models.estimate import estimate_programs
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.program import save_programs
+    from adaptdist.runtime.launch import launch_local
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-hetero-") as tmp:
+        tmp = Path(tmp)
+        cluster_yaml(tmp / "cluster.yaml", 4 * 2**30)
+        base = load_cluster(tmp / "cluster.yaml")
+        t0 = time.perf_counter()
+        quick = dict(target_s=0.005, repeats=2, compute_window_s=0.3, elementwise_bytes=16 * 2**20) \
+            if args.quick_profile else dict(compute_window_s=0.6)
+        prof = profile_local(3, "cpu", (4096, 65536, 2**20), base=base, compute_dtypes=("float32",), **quick)
+        cluster = prof.cluster
+        save_cluster(cluster, tmp / "measured.yaml")
+        profile_s = time.perf_counter() - t0
+        flops = [cluster.device(r).peak_flops["float32"] for r in range(3)]
+        print(f"profiled with cpus [0], [0], [1] in {profile_s:.0f} s: float32 GFLOP/s "
+              f"{[round(f / 1e9, 2) for f in flops]}")
+
+        model, batch, loss_fn = build(args.rows, args.width, args.layers)
+        named = {k: v.detach() for k, v in model.named_parameters()}
+        cg = capture(model, batch, loss_fn)
+        state = {f: named[f] for f in cg.input_fqns}
+        plan = resolve_plan(None, cg, 3)
+        opts = LoweringOptions()
+        sets, preds, rows = {}, {}, {}
+        for name, split in (("hetero", "auto"), ("even", "even")):
+            placed, programs = place_on_devices(cg, plan, cluster, opts, lower, state=state, optimizer="sgd",
+                                                batch_split=split)
+            est = estimate_programs(programs, cluster, "sgd")
+            sets[name] = str(save_programs(programs, tmp / name))
+            preds[name] = est
+            rows[name] = [p.batch_slice[1] for p in programs.values()]
+        local_dirs = {}
+        for name in ("hetero", "even"):
+            local_dirs[name] = []
+            for r, n in enumerate(rows[name]):
+                m1, b1, l1 = build(n, args.width, args.layers)
+                cg1 = capture(m1, b1, l1)
+                st1 = {f: dict(m1.named_parameters())[f].detach() for f in cg1.input_fqns}
+                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), opts, state=st1),
+                                                          tmp / f"{name}-local{r}")))
+        save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
+        num_params = sum(p.numel() for p in model.parameters())
+        cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
+                   warmup=args.warmup, steps=args.steps, reps=args.reps, timeout_s=args.timeout_s,
+                   num_params=num_params)
+        t0 = time.perf_counter()
+        res = launch_local(worker, (cfg,), 3)
+        run_s = time.perf_counter() - t0
+    load_after = os.getloadavg()
+    r0 = res[0]
+    med = {k: statistics.median(v) for k, v in r0["times"].items()}
+    ratio = med["even"] / med["hetero"]
+    out = {
+        "model": f"WideBatchMLP({args.width}x{args.layers}), {num_params} params, {args.rows} rows, MSE, SGD",
+        "measured_gflops": [f / 1e9 for f in flops],
+        "rows": rows,
+        "measured_step_ms": {k: 1e3 * v for k, v in med.items()},
+        "measured_step_ms_quartiles": {k: [1e3 * q for q in statistics.quantiles(v, n=4)] for k, v in r0["times"].items()},
+        "predicted_step_ms": {k: 1e3 * e.step_s for k, e in preds.items()},
+        "predicted_comm_ms": {k: 1e3 * max(x.communication_s for x in e.ranks.values()) for k, e in preds.items()},
+        "speedup_measured": ratio,
+        "in_run_gflops": [res[r]["in_run_gflops"] for r in range(3)],
+        "own_compute_ms": {k: [1e3 * res[r]["own_compute_s"][k] for r in range(3)] for k in ("hetero", "even")},
+        "compute_only_speedup": max(res[r]["own_compute_s"]["even"] for r in range(3))
+        / max(res[r]["own_compute_s"]["hetero"] for r in range(3)),
+        "ideal_speedup_profiled": sum(flops) / (3 * min(flops)),
+        "ideal_speedup_in_run": sum(res[r]["in_run_gflops"] for r in range(3)) / (3 * min(res[r]["in_run_gflops"]
+                                                                                       for r in range(3))),
+        "speedup_predicted": preds["even"].step_s / preds["hetero"].step_s,
+        "all_reduce_ms_measured": 1e3 * r0["all_reduce_s"],
+        "threads_affinity": [(res[r]["threads"], res[r]["affinity"]) for r in range(3)],
+        "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
+        "profile_s": profile_s, "run_s": run_s,
+    }
+    print(json.dumps(out, indent=1))
+    print(f"hetero rows {rows['hetero']} vs even {rows['even']}: measured {med['hetero'] * 1e3:.1f} vs "
+          f"{med['even'] * 1e3:.1f} ms/step = {ratio:.3f}x (target >= 1.25, ideal 4/3); predicted "
+          f"{out['predicted_step_ms']['hetero']:.1f} vs {out['predicted_step_ms']['even']:.1f} ms = "
+          f"{out['speedup_predicted']:.3f}x; ideal for the speeds measured (profile / during the run) "
+          f"{out['ideal_speedup_profiled']:.3f}x / {out['ideal_speedup_in_run']:.3f}x; compute alone (each rank's "
+          f"rows, all at once, slowest rank) {out['compute_only_speedup']:.3f}x; gradient all_reduce alone {out['all_reduce_ms_measured']:.2f} ms "
+          f"({100 * r0['all_reduce_s'] / med['hetero']:.1f}% of the hetero step); load average "
+          f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    import bench_hetero  # noqa: F401  (the ranks unpickle the worker by this module name)
+
+    sys.exit(bench_hetero.main())
