@@ -77,3 +77,63 @@ def test_fsdp_seq_first_model_with_uneven_batch_equals_eager(tie, cumsum, batch_
     kinds = {r.as_list()[-1] for r in progs[0].plan.lowered.redistributions["dp"]
              if r.as_list()[2].startswith("S") and r.as_list()[3].startswith("S")}
     assert kinds <= {"all_to_all_single"}, kinds  # no fallback to a gather: the rows are grouped chunk blocks
+
+
+class BatchMixer(nn.Module):
+    """An op over the batch dim (it mixes samples), then Linear -> ReLU -> Linear."""
+
+    OPS = {
+        "flip": lambda x: x + 0.5 * x.flip(0),
+        "roll": lambda x: torch.roll(x, 1, dims=0),
+        "normalize": lambda x: F.normalize(x, dim=0),
+        "sort": lambda x: x.sort(0).values,
+        "cumsum": lambda x: x - x.cumsum(0) / 3,
+    }
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = self.OPS[op]
+        self.l1 = nn.Linear(6, 9)
+        self.l2 = nn.Linear(9, 3)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(self.op(x))))
+
+
+@pytest.mark.parametrize("op", sorted(BatchMixer.OPS))
+def test_batch_dim_ops_under_dp_with_an_uneven_batch_equal_eager(op):
+    """dp, batch 7 on 2 ranks: flip/roll/sort/cumsum over the batch run where DTensor's strategy moves the shard
+    to the feature dim (S(0) -> S(1)); the following addmm then got a product partial over that dim and a whole
+    bias, which had no rule (and --replicate-fallback did not help). The rule now reshards the activation back
+    to its rows (S(1) -> S(0), an all_to_all), so the step lowers and equals eager."""
+    torch.manual_seed(7)
+    model = BatchMixer(op)
+    batch = (torch.randn(7, 6), torch.randn(7, 3))
+    progs = compile_model(model, batch, F.mse_loss, 2, ManualPlan.parse("dp"))
+    check_programs_against_eager(model, batch, F.mse_loss, progs, 2)
+    for r in progs[0].plan.lowered.redistributions["dp"]:
+        if r.as_list()[0] == "addmm" and r.as_list()[2] != "R":
+            assert r.as_list()[2:] == ["S(1)", "S(0)", "all_to_all_single"], r.as_list()
+
+
+def test_replicate_fallback_runs_an_op_whose_rule_refuses_its_inputs(monkeypatch):
+    """The advice of a rule's refusal (sharding_rules.unsupported) names --replicate-fallback: the flag must then
+    run that op whole on every rank (it used to apply only to ops with no rule at all, so the advice did not
+    help); the result equals eager."""
+    from adaptdist.errors import UnsupportedOpError
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.passes import sharding_rules
+
+    def refuses(node, pl):
+        if any(not isinstance(pl(a), type(sharding_rules.R)) for _, a in sharding_rules.tensor_args(node)):
+            raise sharding_rules.unsupported(node, pl, "refused for this test")
+        return sharding_rules.RuleResult(sharding_rules.R)
+
+    monkeypatch.setitem(sharding_rules.RULES, torch.ops.aten.addmm.default, refuses)
+    torch.manual_seed(7)
+    model = BatchMixer("roll")
+    batch = (torch.randn(7, 6), torch.randn(7, 3))
+    with pytest.raises(UnsupportedOpError, match="refused for this test.*--replicate-fallback"):
+        compile_model(model, batch, F.mse_loss, 2, ManualPlan.parse("dp"))
+    progs = compile_model(model, batch, F.mse_loss, 2, ManualPlan.parse("dp"), LoweringOptions(replicate_fallback=True))
+    check_programs_against_eager(model, batch, F.mse_loss, progs, 2)
