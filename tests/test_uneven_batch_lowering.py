@@ -79,6 +79,34 @@ def test_fsdp_seq_first_model_with_uneven_batch_equals_eager(tie, cumsum, batch_
     assert kinds <= {"all_to_all_single"}, kinds  # no fallback to a gather: the rows are grouped chunk blocks
 
 
+class SeqFirstNormLM(nn.Module):
+    """A seq-first block with a LayerNorm (a multi-output op: its output is a ``getitem``) and a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(31, 10), nn.LayerNorm(10)
+        self.lin, self.out = nn.Linear(10, 10), nn.Linear(10, 31, bias=False)
+
+    def forward(self, idx):
+        h = self.ln(self.emb(idx).transpose(0, 1))
+        h = torch.tanh(self.lin(h)) + h
+        return self.out(h.transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_size,seq,world", [(7, 5, 2), (5, 3, 3)])
+def test_fsdp_seq_first_block_with_layer_norm_equals_eager(batch_size, seq, world):
+    """The rows an S(i) -> S(j) all_to_all must deliver are derived through a LayerNorm's getitem too (no
+    fallback to a gather); loss, gradients and SGD-updated parameters equal eager."""
+    torch.manual_seed(0)
+    model = SeqFirstNormLM()
+    batch = (torch.randint(0, 31, (batch_size, seq)), torch.randint(0, 31, (batch_size, seq)))
+    progs = compile_model(model, batch, _lm_loss, world, ManualPlan.parse("fsdp"))
+    check_programs_against_eager(model, batch, _lm_loss, progs, world)
+    kinds = {r.as_list()[-1] for r in progs[0].plan.lowered.redistributions["dp"]
+             if r.as_list()[2].startswith("S") and r.as_list()[3].startswith("S")}
+    assert kinds == {"all_to_all_single"}, kinds
+
+
 class BatchMixer(nn.Module):
     """An op over the batch dim (it mixes samples), then Linear -> ReLU -> Linear."""
 

@@ -341,8 +341,8 @@ def _chunk_groups(a: torch.fx.Node, group: str) -> int | None:
     ``j``; a split by ``j`` divides it (``chunk(m) k / j = chunk(m / j') k / g``, ``g = gcd(k, j)``, ``j' = j / g``,
     where localization checks that the bounds divide); any other op passes its first sharded input's rows on
     unchanged, so it keeps ``k`` only when it keeps that input's size. A rank slice has the rows of the operand it
-    is aligned with (:func:`_rank_slice_alignment`; none: chunked). Multi-output ops and the vocabulary-parallel
-    marks align with other operands: None.
+    is aligned with (:func:`_rank_slice_alignment`; none: chunked); one output of a multi-output op those of the
+    op's first sharded input of its size. The vocabulary-parallel marks align with other operands: None.
     """
     k = 1
     factors: list[tuple[int, int]] = []
@@ -354,6 +354,22 @@ def _chunk_groups(a: torch.fx.Node, group: str) -> int | None:
             if aligned is None:
                 break  # localization falls back to the torch.chunk block of the slice's dim
             a = aligned
+            continue
+        if a.op == "call_function" and a.target is operator.getitem and gmeta.get_vocab_bounds(a, group) is None:
+            # one output of a multi-output op has the rows of the op's first sharded input of its size
+            # (localize_shapes._op_interval); a single-output producer's (its placement not a tuple) as they are
+            src = a.args[0]
+            if not isinstance(gmeta.get_placements(src), tuple):
+                return None
+            if not isinstance(placement_of(src), tuple):
+                a = src
+                continue
+            size = _size_on_shard(a)
+            same = [b for _, b in tensor_args(src) if isinstance(gmeta.get_placements(b), tuple)
+                    and isinstance(placement_of(b), Shard) and _size_on_shard(b) == size]
+            if not same:
+                return None
+            a = same[0]
             continue
         if (a.op != "call_function" or a.target is operator.getitem
                 or gmeta.get_vocab_bounds(a, group) is not None):
