@@ -3,8 +3,10 @@ measured run beside the planner's prediction, and the Chrome-trace JSON file.
 
 The prediction is a list of :class:`~.trace.Span` like the measurement, made by
 :func:`predicted_pipeline_spans` (a per-rank action list ``(stage, "F"|"B"|"W", microbatch)`` and predicted
-seconds per action, run with the pipeline's dependencies) or :func:`predicted_spmd_spans` (an SPMD step from the
-cost model's per-rank compute, exposed communication and optimizer seconds). :func:`write_trace_outputs`
+seconds per action, run with the pipeline's dependencies), :func:`predicted_spmd_timeline_spans` (an SPMD step as
+the cost model lays it out, each collective it counts on the comm lane: what ``train --trace`` draws) or
+:func:`predicted_spmd_spans` (an SPMD step from the cost model's per-rank compute, exposed communication and
+optimizer seconds alone). :func:`write_trace_outputs`
 writes ``trace.json``, ``timeline.png`` and ``timeline.html`` (what ``adaptdist train --trace`` leaves in
 ``--out``).
 """
@@ -159,6 +161,28 @@ def predicted_spmd_spans(per_rank: Mapping[int, tuple[float, float, float]]) -> 
         out.append(Span(r, "wait", fb, fb + idle_s, "compute", 0))
         out.append(Span(r, "optimizer", fb + idle_s, fb + idle_s + opt_s, "compute", 0))
     return out
+
+
+def predicted_spmd_timeline_spans(per_rank: Mapping[int, Sequence[tuple]]) -> list[Span]:
+    """An SPMD step as the cost model lays it out, per rank its parts ``(kind, start_s, end_s, args)`` in time
+    order (:func:`~adaptdist.cost_models.timeline.predicted_segments` through ``segments_as_tuples``): ``compute``
+    (forward+backward, an ``FB`` bar), ``optimizer``, ``wait`` (the compute lane idle until a collective ends) and
+    ``collective`` (a bar on the comm lane, ``args`` its op, group, bytes and node name), so every collective the
+    estimate counts (fsdp's all_gathers and reduce_scatters) is drawn where the model puts it."""
+    out: list[Span] = []
+    for r, parts in sorted(per_rank.items()):
+        for kind, start, end, args in parts:
+            if kind == "compute":
+                prev = out[-1] if out and out[-1].rank == r and out[-1].kind == "FB" else None
+                if prev is not None and abs(prev.end_s - start) <= 1e-12:
+                    out[-1] = Span(r, "FB", prev.start_s, end, "compute", 0)  # one bar for touching parts
+                    continue
+                out.append(Span(r, "FB", start, end, "compute", 0))
+            elif kind == "collective":
+                out.append(Span(r, "collective", start, end, "comm", 0, args=dict(args)))
+            elif kind in ("wait", "optimizer"):
+                out.append(Span(r, kind, start, end, "compute", 0, args=dict(args)))
+    return sorted(out, key=lambda s: (s.rank, s.start_s))
 
 
 def shown_steps(trace: Trace, count: int = 1) -> list[int]:
