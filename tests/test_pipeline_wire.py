@@ -107,3 +107,17 @@ def test_compile_pp_writes_the_report_with_the_stages(tmp_path):
     files = json.loads((out / "manifest.json").read_text())["files"]
     assert files["report.html"] == hashlib.sha256((out / "report.html").read_bytes()).hexdigest()
     assert load_pipeline_program(out, 1).schedule == json.loads((out / "plan.json").read_text())["pipeline"]["schedule"]
+
+
+@pytest.mark.slow
+def test_train_trace_of_a_pipeline_has_the_predicted_timeline(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", MODEL, *COMMON, "--plan", "pp", "--nproc", "2", "--steps", "2", "--out", str(out),
+                 "--sample-bytes", "0", "--trace", "--threads-per-rank", "1", "--optimizer", "sgd",
+                 "--timeout-s", "60"]) == 0
+    text = "".join(capsys.readouterr())
+    assert "no predicted timeline" not in text and "pipeline stages chosen by the planner" in text
+    html = (out / "timeline.html").read_text()
+    assert "Predicted (planner)" in html and "<h3>predicted</h3>" in html
+    doc = json.loads((out / "trace.json").read_text())
+    assert {1000, 1001} <= {e["pid"] for e in doc["traceEvents"] if e.get("ph") == "X"}  # predicted ranks 0, 1
