@@ -90,7 +90,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
     pipeline programs instead (:func:`adaptdist.runtime.pipeline_programs.save_pipeline_programs`: the same
-    manifest, no report.html yet).
+    manifest, and report.html with the pipeline section).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
