@@ -121,3 +121,11 @@ def test_train_trace_of_a_pipeline_has_the_predicted_timeline(tmp_path, capsys):
     assert "Predicted (planner)" in html and "<h3>predicted</h3>" in html
     doc = json.loads((out / "trace.json").read_text())
     assert {1000, 1001} <= {e["pid"] for e in doc["traceEvents"] if e.get("ph") == "X"}  # predicted ranks 0, 1
+
+
+def test_consider_pp_weighs_stages_in_auto(capsys):
+    assert main(["plan", MODEL, *COMMON, "--nproc", "2", "--consider-pp"]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline plan:" in text and "vs the best plan without stages" in text
+    assert main(["plan", MODEL, *COMMON, "--nproc", "2"]) == 0
+    assert "vs the best plan without stages" not in capsys.readouterr().out

@@ -82,7 +82,8 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
-                      options: Any = None, pipeline: Any = None, batch_split: Any = "auto") -> CompileResult:
+                      options: Any = None, pipeline: Any = None, batch_split: Any = "auto",
+                      consider_pp: bool | None = None) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
     it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults) placed on the
     cluster's devices (``batch_split``: see :func:`~.device_placement.place_on_devices`), and write the
@@ -90,7 +91,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
     pipeline programs instead (:func:`adaptdist.runtime.pipeline_programs.save_pipeline_programs`: the same
-    manifest, and report.html with the pipeline section).
+    manifest, and report.html with the pipeline section). ``consider_pp``: ``--plan auto`` weighs pipeline
+    stages too (None: :data:`~.planner.summary.PIPELINE_IN_AUTO`).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -133,7 +135,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         plan, mesh, pipeline = decision.plan, None, None
     elif plan_arg == "auto":
         options = options if options is not None else LoweringOptions()
-        planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback)
+        planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback,
+                              pipeline=consider_pp)
         if console is not None:
             print_summary(console, planner)
         plan, mesh = planner.plan, None
