@@ -94,6 +94,8 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
         fixed["microbatches"] = microbatches
     note = ""
     try:
+        if mesh and num_stages is None:
+            raise AdaptdistError(f"--mesh {mesh} has no {PIPELINE_AXIS!r} axis")  # the even split's error says more
         if mesh and submesh is None and num_stages is not None and num_stages != world_size:
             raise AdaptdistError(f"--mesh {mesh} gives {num_stages} stage groups of one rank on {world_size} ranks")
         kw: dict = {"num_stages": num_stages} if num_stages is not None else {}
