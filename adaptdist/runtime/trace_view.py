@@ -142,6 +142,56 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
     return sorted(spans, key=lambda s: (s.rank, s.start_s))
 
 
+def stage_action_times(stage_times_s: Mapping[int, Mapping[str, float]]) -> dict[tuple[int, str], float]:
+    """Seconds per ``(stage, kind)`` from each stage's predicted per-microbatch ``forward``, ``backward`` (the
+    input-gradient part) and ``weight`` seconds (a ``StageSpec.predicted_s``): ``F`` forward, ``I`` backward,
+    ``W`` weight, ``B`` (the whole backward, what every schedule but zb runs) backward + weight."""
+    out: dict[tuple[int, str], float] = {}
+    for s, t in stage_times_s.items():
+        f, b, w = (float(t.get(k, 0.0)) for k in ("forward", "backward", "weight"))
+        out.update({(s, "F"): f, (s, "I"): b, (s, "W"): w, (s, "B"): b + w})
+    return out
+
+
+def pipeline_actions(spec: Any, world_size: int) -> dict[int, list[Action]]:
+    """Every global rank's compute actions of one step of the pipeline ``spec`` (a ``PipelineSpec``: its
+    schedule, microbatches, stages per rank; a stage's ``ranks``, or stage group ``g`` on ranks ``g*n .. g*n+n-1``
+    with ``n = world_size / groups``): the schedule's per pipeline rank list
+    (:func:`adaptdist.pipeline_schedules.compute_order`), run alike by each data-parallel replica of a stage group.
+
+    Raises:
+        PipelineScheduleError: the schedule cannot run the counts (names them).
+    """
+    from ..pipeline_schedules import compute_order
+
+    per = max(1, int(getattr(spec, "stages_per_rank", 1) or 1))
+    groups = max(1, len(spec.stages) // per)
+    n = max(1, world_size // groups)
+    order = compute_order(spec.schedule, groups, int(spec.microbatches), per)
+    out: dict[int, list[Action]] = {}
+    for g, acts in order.items():
+        st = spec.stages[g]
+        for r in (tuple(st.ranks) if st.ranks else range(g * n, g * n + n)):
+            out[int(r)] = [(a.stage, a.kind, a.microbatch) for a in acts]
+    return out
+
+
+def predicted_pipeline_of(spec: Any, world_size: int) -> list[Span]:
+    """The planner's predicted timeline of one step of the pipeline ``spec`` (:func:`pipeline_actions` run on its
+    stages' predicted seconds, :func:`stage_action_times`; the stage-to-stage sends are in the stages' times).
+
+    Raises:
+        AdaptdistError: a stage without predicted seconds (an even split the planner did not cost), or a
+            schedule that cannot run the counts.
+    """
+    missing = [i for i, st in enumerate(spec.stages) if "forward" not in (st.predicted_s or {})]
+    if missing:
+        raise AdaptdistError(f"stage(s) {missing} of the pipeline have no predicted times (the layers were split "
+                             "evenly, not by the planner)")
+    times = stage_action_times({i: st.predicted_s for i, st in enumerate(spec.stages)})
+    return predicted_pipeline_spans(pipeline_actions(spec, world_size), times)
+
+
 def predicted_steps(spans: Sequence[Span]) -> list[Span]:
     """One ``step`` window per rank from 0 to the end of the last predicted span (every rank's step ends
     together, as a synchronous step does)."""
