@@ -352,12 +352,17 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
         if _sha256(p) != digest:
             raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
                                    "(corrupted or edited); compile again")
+    pipeline = manifest.get("pipeline") is True
+    # a pipeline compile's ranks hold a pickled PipelineRankProgram (runtime/pipeline_programs.py), read after its
+    # sha256 matched; it has no program.json for check_compile's meaning checks
+    names = ("program.py", "pipeline_program.pt") if pipeline else ("program.py", "program.json", "state.safetensors")
     for r in range(manifest["world_size"]):
-        for name in ("program.py", "program.json", "state.safetensors"):
+        for name in names:
             if f"rank{r}/{name}" not in manifest["files"]:
                 raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/{name} for world size "
                                        f"{manifest['world_size']}; compile again")
-    check_compile(d, manifest)  # every rank from one compile, the batch slices a partition (artifact_checks)
+    if not pipeline:
+        check_compile(d, manifest)  # every rank from one compile, the batch slices a partition (artifact_checks)
     if cluster is not None:
         if cluster.world_size != manifest["world_size"]:
             raise ProgramLoadError(

@@ -109,14 +109,29 @@ def rank_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
-def mismatch_worker(timeout_s: float = 60.0) -> str:
-    """Rank 1 passes inputs of another shape than rank 0: every rank must refuse with the same error."""
+class _BreakAfterFirst(torch.nn.Module):
+    """``model`` with a graph break before it (a logging call in Hugging Face's GPT-2 does the same)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.model(x)
+
+
+def mismatch_worker(timeout_s: float = 60.0, graph_break: bool = False) -> str:
+    """Rank 1 passes inputs of another shape than rank 0: every rank must refuse with the same error (with
+    ``graph_break``, after a graph break in the model)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         rank = int(os.environ["RANK"])
         model, (x, y), loss_fn = mlp(6, seed=0)
-        compiled = torch.compile(model, backend=adaptdist.backend(plan="dp"), fullgraph=True)
+        if graph_break:
+            model = _BreakAfterFirst(model)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan="dp"), fullgraph=not graph_break)
         try:
             loss_fn(compiled(x[:2] if rank == 0 else x[:3]), y[:2] if rank == 0 else y[:3]).backward()
         except Exception as e:  # Dynamo wraps the backend's error

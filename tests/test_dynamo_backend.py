@@ -254,10 +254,27 @@ def test_destroy_process_group_stops_the_gloo_threads():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ranks_with_different_graphs_are_refused():
-    results = launch_local(mismatch_worker, (), 2)
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_ranks_with_different_graphs_are_refused(graph_break):
+    """Uneven per-rank batches (2 + 3 rows): the refusal names the input and both shapes and says what to do;
+    after a graph break it must not blame a branch on data (fix-lower)."""
+    results = launch_local(mismatch_worker, (60.0, graph_break), 2)
     for r in (0, 1):
         assert "PlanMismatchError" in results[r] and "compiled different graphs" in results[r], results[r]
+        assert "inputs differ: L['x'] is float32[2, 12] on rank 0 but float32[3, 12] on rank 1" in results[r], results[r]
+        assert "drop_last=True" in results[r] and "if t.sum() > 0" not in results[r], results[r]
+
+
+def test_input_shape_mismatch_hint_names_the_input_and_the_shapes():
+    from adaptdist.compiler.rank_input_shapes import input_shape_mismatch_hint
+
+    same = [("L['input_ids']", "int64", (3, 8))]
+    assert input_shape_mismatch_hint([same, same]) == ""
+    text = input_shape_mismatch_hint([same, [("L['input_ids']", "int64", (2, 8))]])
+    assert "L['input_ids'] is int64[3, 8] on rank 0 but int64[2, 8] on rank 1 (rows per rank: 3, 2)" in text
+    assert "equal per-rank batch shapes" in text and "drop_last=True" in text and "5 rows over 2 ranks" in text
+    other = input_shape_mismatch_hint([same, [("L['input_ids']", "int64", (3, 9))]])
+    assert "int64[3, 9] on rank 1" in other and "rows per rank" not in other
 
 
 class _Broken(nn.Module):

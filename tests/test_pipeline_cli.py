@@ -80,7 +80,7 @@ def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
 
 
 def test_plan_pp_prints_the_stages(capsys):
-    assert main(["plan", MODEL, *COMMON, "--plan", "pp", "--nproc", "2", "--microbatches", "4"]) == 0
+    assert main(["plan", MODEL, *COMMON, "--plan", "pp", "--nproc", "2", "--microbatches", "4", "--schedule", "1f1b"]) == 0
     text = capsys.readouterr().out
     assert "pipeline mesh pp=2, schedule 1f1b, 4 microbatches" in text
     assert "stage 0 on rank 0: tok_emb, pos_emb, blocks.0" in text and "stage 1 on rank 1" in text

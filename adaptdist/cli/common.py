@@ -18,7 +18,8 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
 
     captured = capture(model, example, loss_fn)
     result = run_planner(captured, cluster, args.mesh, optimizer, console,
-                         replicate_fallback=bool(getattr(args, "replicate_fallback", False)))
+                         replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
+                         pipeline=True if getattr(args, "consider_pp", False) else None)
     print_summary(console, result, layers=layers)
     return result.plan, captured
 

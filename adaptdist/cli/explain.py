@@ -45,7 +45,8 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     from ..compiler.planner.graph import build_planning_graph
 
     node = find_node(build_planning_graph(captured, cluster), args.node)  # a misspelt name fails before planning
-    result = run_planner(captured, cluster, args.mesh, args.optimizer.replace("-", "_"), console)
+    result = run_planner(captured, cluster, args.mesh, args.optimizer.replace("-", "_"), console,
+                         pipeline=True if getattr(args, "consider_pp", False) else None)
     print_summary(console, result, layers=False)
     console.print(f"(planned in {time.perf_counter() - t0:.1f} s)")
     found = explain(result, args.node)

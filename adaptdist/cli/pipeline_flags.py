@@ -16,17 +16,19 @@ from ..errors import UsageError
 from ..pipeline_schedules import SCHEDULES, stages_per_rank
 
 DEFAULT_SCHEDULE = "1f1b"
-"""The schedule of ``--plan pp`` without ``--schedule``: GPipe's bubble with at most ``p`` microbatches in flight."""
+"""The schedule where the planner finds no pipeline and ``--schedule`` is not given (the layers then split evenly);
+otherwise the planner chooses it (:mod:`adaptdist.compiler.pipeline_auto`)."""
 
 
 def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
     """``--microbatches`` and ``--schedule`` (``--plan pp`` and ``--mesh pp=...`` are the existing flags' values)."""
     p.add_argument("--microbatches", type=_positive_int, default=None, metavar="N",
                    help="pipeline plans (--plan pp, --mesh pp=N,...): microbatches per step (each pipeline replica's "
-                        "rows split evenly into N); default one per stage")
+                        "rows split evenly into N); default: the planner chooses (the least predicted step)")
     p.add_argument("--schedule", choices=SCHEDULES, default=None,
-                   help=f"pipeline plans: the schedule (default {DEFAULT_SCHEDULE}); interleaved-1f1b holds 2 stages "
-                        "per stage group, zb is ZB-H1 (the backward split into input- and weight-gradient parts)")
+                   help="pipeline plans: the schedule (default: the planner chooses from each schedule's predicted "
+                        "bubble); interleaved-1f1b holds 2 stages per stage group, zb is ZB-H1 (the backward split into "
+                        "input- and weight-gradient parts)")
 
 
 def _positive_int(text: str) -> int:
@@ -135,16 +137,53 @@ def state_shapes_of(programs: dict) -> dict[str, list[int]]:
     return out
 
 
-def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: int, options) -> dict | None:
-    """The pipeline programs the flags ask for (``--plan pp``, ``--mesh pp=...``), or None when they ask for none
-    (the caller compiles as before; a saved pipeline plan file is lowered as a pipeline there too)."""
-    popts = pipeline_options(args, world_size)
-    if popts is None:
-        return None
-    from ..compiler.lowering import compile_model
+def pipeline_request(args) -> Any:
+    """What the flags fix of a pipeline plan (``microbatches``, ``schedule``: None where the planner chooses), or
+    None without a pipeline plan (:func:`compile_artifacts`'s ``pipeline``).
 
-    return compile_model(model, example, loss_fn, world_size, inner_plan(args, spec), options, mesh=args.mesh,
-                         pipeline=popts)
+    Raises:
+        UsageError: as :func:`wants_pipeline`.
+    """
+    if not wants_pipeline(args):
+        return None
+    from ..compiler.pipeline_auto import PipelineRequest
+
+    return PipelineRequest(getattr(args, "microbatches", None), getattr(args, "schedule", None))
+
+
+def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: int, options, cluster=None,
+                             console=None) -> dict | None:
+    """The pipeline programs the flags ask for (``--plan pp``, ``--mesh pp=...``), or None when they ask for none
+    (the caller compiles as before; a saved pipeline plan file is lowered as a pipeline there too). What the flags
+    leave open (stages, layer ranges, schedule, microbatches) the planner chooses for ``cluster`` (None: this
+    machine's ``world_size`` ranks) and prints on ``console``
+    (:func:`~adaptdist.compiler.pipeline_auto.choose_pipeline_plan`)."""
+    if not wants_pipeline(args):
+        return None
+    from ..compiler.capture import capture
+    from ..compiler.lowering import compile_model
+    from ..compiler.pipeline_auto import choose_pipeline_plan
+
+    if cluster is None:
+        from ..calibrate.local import local_cluster
+
+        cluster = local_cluster(world_size)
+    captured = capture(model, example, loss_fn)
+    decision = choose_pipeline_plan(captured, cluster, world_size, mesh=args.mesh,
+                                    microbatches=getattr(args, "microbatches", None),
+                                    schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec),
+                                    optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"))
+    if console is not None:
+        print_decision(console, decision)
+    return compile_model(model, example, loss_fn, world_size, decision.plan, options, captured=captured)
+
+
+def print_decision(console, decision) -> None:
+    """:meth:`~adaptdist.compiler.pipeline_auto.PipelineDecision.lines` on ``console`` (no rich markup)."""
+    from rich.markup import escape
+
+    for line in decision.lines():
+        console.print(escape(line))
 
 
 def save_and_describe_pipeline(programs: dict, directory, console, seconds: float, extra: dict | None = None,

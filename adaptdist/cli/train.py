@@ -329,7 +329,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     from .pipeline_flags import compile_pipeline_or_none
 
     options = lowering_options(args)
-    programs = compile_pipeline_or_none(args, spec, model, example, loss_fn, nproc, options)
+    programs = compile_pipeline_or_none(args, spec, model, example, loss_fn, nproc, options, cluster, console)
     if programs is None:
         plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer,
                                       layers=False)

@@ -26,6 +26,7 @@ trust.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ..errors import AdaptdistError, UsageError
 from ..placement import Shard, chunk_interval, parse_placement
 
 log = logging.getLogger("adaptdist.compiler")
@@ -81,7 +82,8 @@ def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
-                      options: Any = None, pipeline: Any = None, batch_split: Any = "auto") -> CompileResult:
+                      options: Any = None, pipeline: Any = None, batch_split: Any = "auto",
+                      consider_pp: bool | None = None) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
     it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults) placed on the
     cluster's devices (``batch_split``: see :func:`~.device_placement.place_on_devices`), and write the
@@ -89,7 +91,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
     pipeline programs instead (:func:`adaptdist.runtime.pipeline_programs.save_pipeline_programs`: the same
-    manifest, no report.html yet).
+    manifest, and report.html with the pipeline section). ``consider_pp``: ``--plan auto`` weighs pipeline
+    stages too (None: :data:`~.planner.summary.PIPELINE_IN_AUTO`).
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -117,11 +120,23 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases["capture"] = time.perf_counter() - t
     t = time.perf_counter()
     planner = None
-    if pipeline is not None:
-        plan = None if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg, spec.module())
+    if pipeline is not None:  # what --microbatches/--schedule leave open, the planner chooses (pipeline_auto.py)
+        from .pipeline_auto import choose_pipeline_plan
+
+        decision = choose_pipeline_plan(
+            captured, cluster, cluster.world_size, mesh=mesh, microbatches=pipeline.microbatches,
+            schedule=pipeline.schedule, optimizer=optimizer,
+            inner=None if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg, spec.module()))
+        if console is not None:
+            from rich.markup import escape
+
+            for line in decision.lines():
+                console.print(escape(line))
+        plan, mesh, pipeline = decision.plan, None, None
     elif plan_arg == "auto":
         options = options if options is not None else LoweringOptions()
-        planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback)
+        planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback,
+                              pipeline=consider_pp)
         if console is not None:
             print_summary(console, planner)
         plan, mesh = planner.plan, None
@@ -137,7 +152,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
 
     if isinstance(programs[0], PipelineRankProgram):
         return _write_pipeline_artifacts(programs, out, spec, cluster, example, batch_size, seq_len, optimizer,
-                                         options, phases)
+                                         options, phases, render_report)
     t = time.perf_counter()
     from ..device_assignment import program_cluster
 
@@ -192,8 +207,10 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
 
 
 def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any, example: tuple, batch_size: int,
-                              seq_len: int, optimizer: str, options: Any, phases: dict[str, float]) -> CompileResult:
-    """:func:`compile_artifacts`'s writing for pipeline programs: the manifest's same fields, the example batch."""
+                              seq_len: int, optimizer: str, options: Any, phases: dict[str, float],
+                              render_report: Any = None) -> CompileResult:
+    """:func:`compile_artifacts`'s writing for pipeline programs: the manifest's same fields, the example batch, and
+    ``report.html`` with the pipeline section (stages, predicted F/B/W, the predicted timeline of the schedule)."""
     import hashlib
 
     from safetensors.torch import save as save_tensors
@@ -214,4 +231,37 @@ def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any
                                                         for i, x in enumerate(example)})}
     d = save_pipeline_programs(programs, out, extra=extra, extra_files=files)
     phases["writing"] = time.perf_counter() - t
+    if render_report is not None:
+        _pipeline_report(d, programs, spec, cluster, phases, render_report)
     return CompileResult(d, programs, programs[0].plan, phases, None, pipeline=True)
+
+
+def _pipeline_report(d: Path, programs: dict, spec: Any, cluster: Any, phases: dict[str, float],
+                     render_report: Any) -> None:
+    """``report.html`` of pipeline programs (:func:`.report.pipeline_view` with every rank's compute actions of
+    one step), listed in the manifest with its digest."""
+    from ..program import _sha256
+    from ..runtime.trace_view import pipeline_actions
+    from .report import pipeline_view, rank_mapping_view
+
+    manifest = json.loads((d / "manifest.json").read_text())
+    plan = programs[0].plan
+    view = pipeline_view(plan, cluster.world_size)
+    if view is not None:
+        try:
+            if all("forward" in (st.predicted_s or {}) for st in plan.pipeline.stages):  # the planner's times
+                view = dataclasses.replace(view, actions=pipeline_actions(plan.pipeline, cluster.world_size))
+        except AdaptdistError:  # the table stands without the timeline
+            pass
+    hosts = [cluster.device(r).host for r in range(cluster.world_size)]
+    device_names = [f"{cluster.device(r).kind}@{cluster.device(r).host}" for r in range(cluster.world_size)]
+    fqns = list(dict.fromkeys(f for p in programs.values() for f in p.state))
+    params = list(dict.fromkeys(f for p in programs.values() for f in p.param_fqns))
+    placements = {f: pl for p in programs.values() for f, pl in p.state_placements.items()}
+    report = render_report(title=f"adaptdist compile {spec.text}", manifest=manifest, plan=plan, fqns=fqns,
+                           hosts=hosts, estimate=None, planner_summary="", phases_s=phases, param_fqns=params,
+                           planner_prediction=None, pipeline=view,
+                           rank_mapping=rank_mapping_view(plan, device_names), state_placements=placements)
+    (d / "report.html").write_text(report)
+    manifest["files"]["report.html"] = _sha256(d / "report.html")
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))

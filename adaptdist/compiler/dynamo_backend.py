@@ -346,12 +346,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             groups: dict[str, list[int]] = {}
             for r, text in enumerate(texts):
                 groups.setdefault(text, []).append(r)
+            shapes_hint = _input_shapes_hint(inputs, control)  # a collective: on every rank, before any `or`
             raise PlanMismatchError(
                 "the ranks compiled different graphs (" + "; ".join(
                     f"ranks {rs}: graph {text.split(' ')[0][:12]}, inputs {text.partition(' ')[2]}"
                     for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes"
-                + (_data_dependent_hint() or _divergent_branch_hint()))
+                + (_data_dependent_hint() or shapes_hint or _divergent_branch_hint()))
     if as_is:
         log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
         return gm
@@ -657,6 +658,14 @@ def _data_dependent_hint() -> str:
     from .capture import data_dependent_message
 
     return ". " + data_dependent_message("The compiled model", f"(a graph break on a dynamic-shape operator, {sites[0]})")
+def _input_shapes_hint(inputs: list[GraphInput], control: Any) -> str:
+    """For a mismatch: the advice naming a user input whose shape differs between ranks (uneven per-rank
+    batches), or "" (a collective over ``control``: every rank in the mismatch calls it)."""
+    from .rank_input_shapes import input_shape_mismatch_hint, input_shapes_text, parse_input_shapes
+
+    return input_shape_mismatch_hint([parse_input_shapes(t) for t in _all_gather_text(input_shapes_text(inputs), control)])
+
+
 def _divergent_branch_hint() -> str:
     """For a mismatch after graph breaks: ranks whose data take different sides of a Python branch compile
     different graphs (the backend runs one graph on every rank), with what to do."""

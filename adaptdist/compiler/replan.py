@@ -163,23 +163,19 @@ class ProgramSource:
             message(f"reusing the programs planned for this graph on {cluster!r} ({entry})")
             return str(entry)
         pipeline = None
-        if self.plan == "pp":  # a pipeline over every rank (issue 15): one stage group per rank
-            from ..pipeline_schedules import stages_per_rank
-            from .pipeline_lowering import PipelineOptions
+        if self.plan == "pp":  # a pipeline over every rank (issue 15): what the flags leave open, the planner chooses
+            from .pipeline_auto import choose_pipeline_plan
 
-            schedule = self.schedule or "1f1b"
-            v = stages_per_rank(schedule)
-            pipeline = PipelineOptions(stages=world_size * v, microbatches=self.microbatches, schedule=schedule,
-                                       stages_per_rank=v)
-            plan = None
+            plan = choose_pipeline_plan(captured, cluster, world_size, microbatches=self.microbatches,
+                                        schedule=self.schedule, optimizer=self.optimizer).plan
+            pipeline = True
         elif self.plan == "auto":
             from .planner.summary import run_planner
 
             plan = run_planner(captured, cluster, None, self.optimizer).plan
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
-        programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured,
-                                 pipeline=pipeline)
+        programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
         tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         extra_files = {CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)}

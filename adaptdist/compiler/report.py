@@ -308,8 +308,9 @@ def pipeline_section(view: PipelineView | None) -> str:
         from ..runtime.trace import Trace
         from ..runtime.trace_view import predicted_pipeline_spans, predicted_steps, timeline_figure
 
-        names = {"F": "forward", "B": "backward", "I": "backward_input", "W": "weight"}
-        times = {(s.stage, k): float(s.predicted_s.get(names[k], 0.0)) for s in view.stages for k in names}
+        from ..runtime.trace_view import stage_action_times
+
+        times = stage_action_times({s.stage: s.predicted_s for s in view.stages})  # B = backward + weight
         spans = predicted_pipeline_spans(view.actions, times)
         trace = Trace(tuple(spans), tuple(predicted_steps(spans)), tuple(sorted(view.actions)), "predicted")
         fig = timeline_figure(trace, label=f"predicted {view.schedule} schedule, {view.microbatches} microbatches")

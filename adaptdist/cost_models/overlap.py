@@ -88,7 +88,8 @@ def merge_computes(events: Sequence[Event]) -> list[Event]:
 
 def simulate(events_by_rank: Mapping[int, Sequence[Event]],
              members: Callable[[int, Issue], Sequence[int]] | None = None,
-             define: Callable[[Any], Any] | None = None) -> dict[int, Timeline]:
+             define: Callable[[Any], Any] | None = None,
+             record: dict[int, list[tuple]] | None = None) -> dict[int, Timeline]:
     """Run every rank's events on the two-stream timeline (module docstring).
 
     Args:
@@ -99,6 +100,10 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
         define: applied to every time the timeline takes a max of; a symbolic estimate names each one
             (a fresh symbol defined by the max), so times stay short expressions instead of nesting
             every earlier max. Default: identity.
+        record: if given, filled with rank -> where each thing falls on its timeline, in time order per
+            stream: ``("compute", start_s, end_s)``, ``("wait", start_s, end_s, collective)`` (the compute
+            stream idle at a wait) and ``("collective", start_s, finish_s, collective)`` (on its group's
+            communication stream, from the start all members joined to its finish).
 
     Returns:
         rank -> :class:`Timeline`, seconds.
@@ -125,6 +130,8 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
         while pos[r] < stop:
             e = evs[r][pos[r]]
             if isinstance(e, Compute):
+                if record is not None:
+                    record.setdefault(r, []).append(("compute", clock[r], clock[r] + e.duration_s))
                 clock[r] = clock[r] + e.duration_s
                 compute[r] = compute[r] + e.duration_s
             elif isinstance(e, Wait):
@@ -132,6 +139,8 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
                 if f is not None:
                     new = name(smax(clock[r], f))
                     idle[r] = idle[r] + (new - clock[r])
+                    if record is not None and new != clock[r]:
+                        record.setdefault(r, []).append(("wait", clock[r], new, e.collective))
                     clock[r] = new
             pos[r] += 1
 
@@ -152,6 +161,8 @@ def simulate(events_by_rank: Mapping[int, Sequence[Event]],
             finish = start + duration
             done[(r, e.collective)] = finish
             stream_free[(r, e.group)] = finish
+            if record is not None:
+                record.setdefault(r, []).append(("collective", start, finish, e.collective))
             comm[r] = comm[r] + e.duration_s
         for r in ranks:
             pos[r] = issues[r][k] + 1

@@ -251,6 +251,49 @@ def grouped_reduce_scatter(graph: torch.fx.Graph, x: torch.fx.Node, dim: int, k:
         return add_op(graph, aten.reshape.default, (mine, shape), Shard(dim))
 
 
+def grouped_all_to_all(graph: torch.fx.Graph, x: torch.fx.Node, i: int, j: int, k: int, ctx: PassContext,
+                       before: torch.fx.Node) -> torch.fx.Node:
+    """Insert the all_to_all turning ``x`` (sharded on dim ``i``) into ``Shard(j)`` where rank r holds rows
+    ``[k s_r, k e_r)`` of ``j``, ``[s_r, e_r)`` its torch.chunk block of ``n_j / k`` (the rows of a view that
+    merged a chunked dim with ``k`` inner rows, e.g. an uneven batch 7 merged with T = 5: rows [0, 20) and
+    [20, 35), not torch.chunk's [0, 18) and [18, 35)), before ``before``.
+
+    ``x`` ``[..., n_j, ...]`` is viewed as ``[..., n_j / k, k, ...]``, exchanged in torch.chunk blocks of the
+    groups (:func:`all_to_all`) and viewed back (:func:`grouped_reduce_scatter`'s layout). ``k == 1`` is the
+    plain :func:`all_to_all`.
+    """
+    if k == 1:
+        return all_to_all(graph, x, i, j, ctx, before)
+    shape = list(x.meta["val"].shape)
+    i_grouped = i if i < j else i + 1
+    with graph.inserting_before(before):
+        grouped = add_op(graph, aten.reshape.default, (x, shape[:j] + [shape[j] // k, k] + shape[j + 1:]),
+                         Shard(i_grouped))
+    mine = all_to_all(graph, grouped, i_grouped, j, ctx, before)
+    with graph.inserting_before(before):
+        return add_op(graph, aten.reshape.default, (mine, shape), Shard(j))
+
+
+def all_to_all_groups(consumer: torch.fx.Node, src: torch.fx.Node, target: Shard, group: str) -> int | None:
+    """``k`` where the rows of ``src`` that ``consumer`` wants on each rank (``target`` of Shard ``src``) are
+    torch.chunk blocks of ``n / k`` groups of ``k`` rows (1: plain chunk blocks), or None where they cannot be
+    derived from torch.chunk blocks (then an all_gather and a slice aligned with the operand serve).
+
+    Only the consumer's other sharded operands of size ``n`` on their sharded dim count (localization aligns
+    operands of equal size only); without any, the all_to_all's own torch.chunk blocks define the rows (1).
+    """
+    if consumer.op == "output":
+        return 1
+    n = src.meta["val"].shape[target.dim]
+    others = [a for _, a in tensor_args(consumer) if a is not src and isinstance(placement_of(a), Shard)
+              and _size_on_shard(a) == n]
+    if not others:
+        return 1
+    ks = {_chunk_groups(a, group) for a in others}
+    k = ks.pop() if len(ks) == 1 else None
+    return k if k is not None and n % k == 0 else None
+
+
 def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node, group: str) -> str:
     """The ``_c10d_functional`` op that turns ``src_placement`` into ``target`` at ``consumer`` (``local``: none), by
     :data:`adaptdist.redistribute.TRANSITIONS`; a P->S whose rows are not torch.chunk blocks (of groups) of the
@@ -258,6 +301,8 @@ def via(src_placement, target, consumer: torch.fx.Node, src: torch.fx.Node, grou
     kind = transition_collective(src_placement, target)
     if kind == "reduce_scatter" and scatter_groups(consumer, src, target, group) is None:
         kind = "all_reduce"
+    if kind == "all_to_all" and all_to_all_groups(consumer, src, target, group) is None:
+        kind = "all_gather"  # then a local slice aligned with the consumer's operand
     return FUNCTIONAL_OP[kind] if kind is not None else "local"
 
 
@@ -295,15 +340,38 @@ def _chunk_groups(a: torch.fx.Node, group: str) -> int | None:
     chunked (1); a view that merges its input's sharded dim ``n_in`` into ``n_out = j n_in`` multiplies ``k`` by
     ``j``; a split by ``j`` divides it (``chunk(m) k / j = chunk(m / j') k / g``, ``g = gcd(k, j)``, ``j' = j / g``,
     where localization checks that the bounds divide); any other op passes its first sharded input's rows on
-    unchanged, so it keeps ``k`` only when it keeps that input's size. Rank slices, multi-output ops and the
-    vocabulary-parallel marks align with other operands: None.
+    unchanged, so it keeps ``k`` only when it keeps that input's size. A rank slice has the rows of the operand it
+    is aligned with (:func:`_rank_slice_alignment`; none: chunked); one output of a multi-output op those of the
+    op's first sharded input of its size. The vocabulary-parallel marks align with other operands: None.
     """
     k = 1
     factors: list[tuple[int, int]] = []
     while True:
         if a.op == "placeholder" or gmeta.get_scatter_trim(a, group) is not None:
             break
-        if (a.op != "call_function" or a.target is operator.getitem or gmeta.get_rank_slice(a, group) is not None
+        if gmeta.get_rank_slice(a, group) is not None:
+            aligned = _rank_slice_alignment(a, group)
+            if aligned is None:
+                break  # localization falls back to the torch.chunk block of the slice's dim
+            a = aligned
+            continue
+        if a.op == "call_function" and a.target is operator.getitem and gmeta.get_vocab_bounds(a, group) is None:
+            # one output of a multi-output op has the rows of the op's first sharded input of its size
+            # (localize_shapes._op_interval); a single-output producer's (its placement not a tuple) as they are
+            src = a.args[0]
+            if not isinstance(gmeta.get_placements(src), tuple):
+                return None
+            if not isinstance(placement_of(src), tuple):
+                a = src
+                continue
+            size = _size_on_shard(a)
+            same = [b for _, b in tensor_args(src) if isinstance(gmeta.get_placements(b), tuple)
+                    and isinstance(placement_of(b), Shard) and _size_on_shard(b) == size]
+            if not same:
+                return None
+            a = same[0]
+            continue
+        if (a.op != "call_function" or a.target is operator.getitem
                 or gmeta.get_vocab_bounds(a, group) is not None):
             return None
         ins = [b for _, b in tensor_args(a) if isinstance(gmeta.get_placements(b), tuple)
@@ -330,11 +398,42 @@ def _chunk_groups(a: torch.fx.Node, group: str) -> int | None:
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
+def _rank_slice_alignment(sl: torch.fx.Node, group: str) -> torch.fx.Node | None:
+    """The operand whose rows localization gives rank slice ``sl`` (``localize_shapes._aligned_interval``): the
+    node named by its alignment mark, else the first earlier Shard operand of equal size on that dim of a
+    consumer of ``sl`` (or of its contiguous copy); None: the torch.chunk block."""
+    dim = gmeta.get_rank_slice(sl, group)
+    size = sl.args[0].meta["val"].shape[dim]
+    position = {n: p for p, n in enumerate(sl.graph.nodes)}
+    align = gmeta.get_rank_slice_align(sl, group)
+    if align is not None:
+        other = next((n for n in sl.graph.nodes if n.name == align), None)
+        if other is not None and position[other] < position[sl] and isinstance(gmeta.get_placements(other), tuple) \
+                and isinstance(placement_of(other), Shard):
+            return other
+    mine = {sl} | {u for u in sl.users if u.target is aten.clone.default}
+    for user in [c for m in mine for c in m.users]:
+        for _, a in tensor_args(user):
+            if (a not in mine and position.get(a, len(position)) < position[sl]
+                    and isinstance(gmeta.get_placements(a), tuple) and isinstance(placement_of(a), Shard)
+                    and _size_on_shard(a) == size):
+                return a
+    return None
+
+
 def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext, consumer: torch.fx.Node,
              cache: dict) -> torch.fx.Node:
     cur = placement_of(src)
     groups = (scatter_groups(consumer, src, target, ctx.group_name)
               if isinstance(cur, Partial) and isinstance(target, Shard) else None)
+    if isinstance(cur, Shard) and isinstance(target, Shard) and cur != target:
+        groups = all_to_all_groups(consumer, src, target, ctx.group_name)
+        if groups is not None:
+            node = grouped_all_to_all(graph, src, cur.dim, target.dim, groups, ctx, before=consumer)
+            cache[(src, target, groups)] = node
+            return node
+        # the rows the consumer's operands hold on the target dim are not torch.chunk blocks (of groups):
+        # gather, then the local slice below takes the rows of the operand it is combined with
     key = (src, target, groups)
     if key in cache:
         return cache[key]
@@ -347,10 +446,7 @@ def _convert(graph: torch.fx.Graph, src: torch.fx.Node, target, ctx: PassContext
     if isinstance(cur, Partial):
         node = all_reduce(graph, src, ctx.group_name)
         cur = Replicate()
-    if isinstance(cur, Shard) and isinstance(target, Shard) and cur != target:
-        node = all_to_all(graph, src, cur.dim, target.dim, ctx, before=consumer)
-        cur = target
-    if isinstance(cur, Shard) and cur != target:  # S -> R
+    if isinstance(cur, Shard) and cur != target:  # S -> R (and S(i) -> S(j) whose rows need aligning)
         node = all_gather(graph, src, cur.dim, ctx, before=consumer)
         cur = Replicate()
     if isinstance(target, Shard) and isinstance(cur, Replicate):

@@ -33,7 +33,7 @@ from ..errors import UnsupportedOpError
 from ..placement import Partial, Replicate, Shard
 from .context import PassContext
 from .infra import placement_of
-from .sharding_rules import RuleResult, apply_rule, gather_all, rule_for, tensor_args
+from .sharding_rules import RuleResult, apply_rule, gather_all, tensor_args
 
 log = logging.getLogger("adaptdist.passes")
 
@@ -41,8 +41,9 @@ log = logging.getLogger("adaptdist.passes")
 def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
     """Annotate placements; returns ``(gm, changed)`` where changed means annotations changed.
 
-    With ``ctx.replicate_fallback``, an op with no rule gets its inputs gathered and runs
-    whole on every rank instead; one warning lists every such node.
+    With ``ctx.replicate_fallback``, an op with no rule for the placements it receives (no rule at all, or
+    a rule that refuses them) gets its inputs gathered and runs whole on every rank instead; one warning
+    lists every such node.
 
     Raises:
         UnsupportedOpError: an op has no rule for the placements it receives (and no
@@ -71,8 +72,11 @@ def propagate_placements(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[to
             try:
                 res = (_follow_hint(node, ctx.node_hints.get(node.name), seen_as, ctx.axis_size)
                        or apply_rule(node, seen_as, ctx.axis_size))
-            except UnsupportedOpError as e:
-                if not ctx.replicate_fallback or (rule_for(node) is not None and not getattr(e, "no_strategy", False)):
+            except UnsupportedOpError:
+                # any op with no rule for the placements it receives (none at all, or a rule of ours that
+                # refuses this form, e.g. addmm's partial product with a whole bias): what the error's advice
+                # (sharding_rules.unsupported) promises --replicate-fallback does (fix-lower)
+                if not ctx.replicate_fallback:
                     raise
                 res = gather_all(node, seen_as, "no sharding rule (replicate fallback)")
                 fallbacks.append(f"{node.name} ({node.target})")

@@ -546,8 +546,11 @@ def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     out_nd = len(shape(node))
     if isinstance(core.out, Partial):
         if not isinstance(pbias, Partial):
-            raise unsupported(node, pl, "the product is Partial but the bias is not")
-        return RuleResult(P, needs)
+            # a partial product cannot take a whole bias once: reshard the operands so that the product is whole
+            # (fix-lower: a batch moved to the contracted dim, e.g. by DTensor's flip(0) strategy under dp)
+            core, needs = _addmm_whole_product(node, pl, batch)
+        else:
+            return RuleResult(P, needs)
     if isinstance(core.out, Shard):
         ad = core.out.dim - (out_nd - len(shape(bias)))
         if ad >= 0 and shape(bias)[ad] != 1:
@@ -559,6 +562,23 @@ def addmm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     if not isinstance(pbias, Replicate):
         needs[(0,)] = R
     return RuleResult(R, needs)
+
+
+def _addmm_whole_product(node: torch.fx.Node, pl: PlacementOf, batch: bool) -> tuple[RuleResult, dict]:
+    """(fix-lower) The product of addmm/baddbmm(bias, a, b) made whole, for a bias that is not Partial: a sharded
+    ``a`` keeps its rows split (``S(k) -> S(m)``, an all_to_all: a batch moved to the contracted dim returns to
+    its rows), a partial ``a`` is reduced, ``b`` is replicated. Returns the product's rule result and the needs."""
+    a, b = node.args[1], node.args[2]
+    m_dim = 1 if batch else 0
+    pa = pl(a)
+    want_a = Shard(m_dim) if isinstance(pa, Shard) else R
+    want = {a: want_a, b: R}
+    core = _mm_core(node, lambda x: want.get(x, pl(x)), (1,), (2,), batch=batch)
+    needs = dict(core.needs)
+    for path, x in (((1,), a), ((2,), b)):
+        if pl(x) != want[x]:
+            needs.setdefault(path, want[x])
+    return core, needs
 
 
 # ---------------------------------------------------------------- nn ops

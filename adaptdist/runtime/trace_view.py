@@ -3,8 +3,10 @@ measured run beside the planner's prediction, and the Chrome-trace JSON file.
 
 The prediction is a list of :class:`~.trace.Span` like the measurement, made by
 :func:`predicted_pipeline_spans` (a per-rank action list ``(stage, "F"|"B"|"W", microbatch)`` and predicted
-seconds per action, run with the pipeline's dependencies) or :func:`predicted_spmd_spans` (an SPMD step from the
-cost model's per-rank compute, exposed communication and optimizer seconds). :func:`write_trace_outputs`
+seconds per action, run with the pipeline's dependencies), :func:`predicted_spmd_timeline_spans` (an SPMD step as
+the cost model lays it out, each collective it counts on the comm lane: what ``train --trace`` draws) or
+:func:`predicted_spmd_spans` (an SPMD step from the cost model's per-rank compute, exposed communication and
+optimizer seconds alone). :func:`write_trace_outputs`
 writes ``trace.json``, ``timeline.png`` and ``timeline.html`` (what ``adaptdist train --trace`` leaves in
 ``--out``).
 """
@@ -140,6 +142,56 @@ def predicted_pipeline_spans(actions: Mapping[int, Sequence[Action]],
     return sorted(spans, key=lambda s: (s.rank, s.start_s))
 
 
+def stage_action_times(stage_times_s: Mapping[int, Mapping[str, float]]) -> dict[tuple[int, str], float]:
+    """Seconds per ``(stage, kind)`` from each stage's predicted per-microbatch ``forward``, ``backward`` (the
+    input-gradient part) and ``weight`` seconds (a ``StageSpec.predicted_s``): ``F`` forward, ``I`` backward,
+    ``W`` weight, ``B`` (the whole backward, what every schedule but zb runs) backward + weight."""
+    out: dict[tuple[int, str], float] = {}
+    for s, t in stage_times_s.items():
+        f, b, w = (float(t.get(k, 0.0)) for k in ("forward", "backward", "weight"))
+        out.update({(s, "F"): f, (s, "I"): b, (s, "W"): w, (s, "B"): b + w})
+    return out
+
+
+def pipeline_actions(spec: Any, world_size: int) -> dict[int, list[Action]]:
+    """Every global rank's compute actions of one step of the pipeline ``spec`` (a ``PipelineSpec``: its
+    schedule, microbatches, stages per rank; a stage's ``ranks``, or stage group ``g`` on ranks ``g*n .. g*n+n-1``
+    with ``n = world_size / groups``): the schedule's per pipeline rank list
+    (:func:`adaptdist.pipeline_schedules.compute_order`), run alike by each data-parallel replica of a stage group.
+
+    Raises:
+        PipelineScheduleError: the schedule cannot run the counts (names them).
+    """
+    from ..pipeline_schedules import compute_order
+
+    per = max(1, int(getattr(spec, "stages_per_rank", 1) or 1))
+    groups = max(1, len(spec.stages) // per)
+    n = max(1, world_size // groups)
+    order = compute_order(spec.schedule, groups, int(spec.microbatches), per)
+    out: dict[int, list[Action]] = {}
+    for g, acts in order.items():
+        st = spec.stages[g]
+        for r in (tuple(st.ranks) if st.ranks else range(g * n, g * n + n)):
+            out[int(r)] = [(a.stage, a.kind, a.microbatch) for a in acts]
+    return out
+
+
+def predicted_pipeline_of(spec: Any, world_size: int) -> list[Span]:
+    """The planner's predicted timeline of one step of the pipeline ``spec`` (:func:`pipeline_actions` run on its
+    stages' predicted seconds, :func:`stage_action_times`; the stage-to-stage sends are in the stages' times).
+
+    Raises:
+        AdaptdistError: a stage without predicted seconds (an even split the planner did not cost), or a
+            schedule that cannot run the counts.
+    """
+    missing = [i for i, st in enumerate(spec.stages) if "forward" not in (st.predicted_s or {})]
+    if missing:
+        raise AdaptdistError(f"stage(s) {missing} of the pipeline have no predicted times (the layers were split "
+                             "evenly, not by the planner)")
+    times = stage_action_times({i: st.predicted_s for i, st in enumerate(spec.stages)})
+    return predicted_pipeline_spans(pipeline_actions(spec, world_size), times)
+
+
 def predicted_steps(spans: Sequence[Span]) -> list[Span]:
     """One ``step`` window per rank from 0 to the end of the last predicted span (every rank's step ends
     together, as a synchronous step does)."""
@@ -159,6 +211,28 @@ def predicted_spmd_spans(per_rank: Mapping[int, tuple[float, float, float]]) -> 
         out.append(Span(r, "wait", fb, fb + idle_s, "compute", 0))
         out.append(Span(r, "optimizer", fb + idle_s, fb + idle_s + opt_s, "compute", 0))
     return out
+
+
+def predicted_spmd_timeline_spans(per_rank: Mapping[int, Sequence[tuple]]) -> list[Span]:
+    """An SPMD step as the cost model lays it out, per rank its parts ``(kind, start_s, end_s, args)`` in time
+    order (:func:`~adaptdist.cost_models.timeline.predicted_segments` through ``segments_as_tuples``): ``compute``
+    (forward+backward, an ``FB`` bar), ``optimizer``, ``wait`` (the compute lane idle until a collective ends) and
+    ``collective`` (a bar on the comm lane, ``args`` its op, group, bytes and node name), so every collective the
+    estimate counts (fsdp's all_gathers and reduce_scatters) is drawn where the model puts it."""
+    out: list[Span] = []
+    for r, parts in sorted(per_rank.items()):
+        for kind, start, end, args in parts:
+            if kind == "compute":
+                prev = out[-1] if out and out[-1].rank == r and out[-1].kind == "FB" else None
+                if prev is not None and abs(prev.end_s - start) <= 1e-12:
+                    out[-1] = Span(r, "FB", prev.start_s, end, "compute", 0)  # one bar for touching parts
+                    continue
+                out.append(Span(r, "FB", start, end, "compute", 0))
+            elif kind == "collective":
+                out.append(Span(r, "collective", start, end, "comm", 0, args=dict(args)))
+            elif kind in ("wait", "optimizer"):
+                out.append(Span(r, kind, start, end, "compute", 0, args=dict(args)))
+    return sorted(out, key=lambda s: (s.rank, s.start_s))
 
 
 def shown_steps(trace: Trace, count: int = 1) -> list[int]:

@@ -1111,11 +1111,12 @@ def to_pipeline_spec(choice: PipelineChoice) -> Any:
     return PipelineSpec(stages, choice.microbatches, choice.schedule, per_rank, predicted)
 
 
-def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: int) -> Any:
+def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: int, inner: Any = None) -> Any:
     """The :class:`~adaptdist.plan.Plan` that runs ``choice``: pp-core's pipeline plan for its mesh (``pp`` first,
     then the stages' common sub-mesh; the sub-mesh axes' placements by the preset of their names, as
     ``--mesh pp=2,dp=2`` gives), with ``choice``'s stages, microbatches, schedule and predictions as its
-    ``pipeline`` (:func:`to_pipeline_spec`).
+    ``pipeline`` (:func:`to_pipeline_spec`). ``inner``: the plan inside the stages (a ManualPlan such as
+    ``--plan tp``'s) instead of the presets.
 
     Raises:
         UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes (the lowering
@@ -1135,7 +1136,8 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     sub = dict(meshes.pop())
     spec = to_pipeline_spec(choice)
     text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
-    inner = ManualPlan.parse(",".join(sub)) if sub else None
+    if inner is None:
+        inner = ManualPlan.parse(",".join(sub)) if sub else None
     base = resolve_plan(inner, captured, world_size, text if sub else None,
                         pipeline=PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
                                                  schedule=spec.schedule, stages_per_rank=spec.stages_per_rank))

@@ -12,8 +12,10 @@ from .search import PlannerResult, plan_auto
 
 PIPELINE_IN_AUTO = False
 """Whether ``--plan auto`` (train, plan, estimate, compile, explain) also weighs pipeline stages (pp-plan's
-inter-stage planner, :mod:`.stages`) and takes the pipeline plan where it is predicted faster. Off until the
-pipeline lowering and runtime (pp-core, pp-run) are merged; ``run_planner(pipeline=True)`` asks for it."""
+inter-stage planner, :mod:`.stages`) and takes the pipeline plan where it is predicted faster. Off: on this
+machine's 2-rank default (the built-in GPT) the stages add 0.3-0.8 s to 4 s of planning and are not chosen (233 vs
+211 ms predicted), but on 4 ranks they double the planning time (24 s more: the ILP of every sub-mesh shape).
+``--consider-pp`` (train, plan, estimate, compile, explain) or ``run_planner(pipeline=True)`` asks for it."""
 
 
 def run_planner(captured: Any, cluster: Any, mesh: str | None, optimizer: str, console: Any | None = None,
