@@ -330,9 +330,8 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             if key not in built:
                 vr = vm.rank(key + (d * M,))
                 if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (d * M + 1,))].graph_module.code:
-                    raise PipelineError(
-                        "the step's program differs between microbatches 0 and 1 (random ops drawing per rank under "
-                        "--rng global?); pipeline microbatches run one program: use --rng local or a plan without pp")
+                    raise PipelineError(_program_difference(vprogs[vr].graph_module,
+                                                            vprogs[vm.rank(key + (d * M + 1,))].graph_module))
                 built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
             b = built[key]
             rank = group_ranks[g][j]
@@ -372,6 +371,21 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
                 loss_rank=(S - 1) % G == g, plan=plan)
     return dict(sorted(programs.items()))
+
+
+def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) -> str:
+    """The message for microbatch programs that differ: the first node whose code differs, both versions."""
+    a, b = gm0.code.splitlines(), gm1.code.splitlines()
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    x = a[i].strip() if i < len(a) else "(nothing)"
+    y = b[i].strip() if i < len(b) else "(nothing)"
+    name = x.split(" = ")[0] if " = " in x else "?"
+    rng = "; ops drawing random numbers per row (--rng global) make such a difference: use --rng per-rank" \
+        if any(t in x for t in ("rand", "bernoulli", "dropout")) else ""
+    return (f"the step's program differs between microbatches 0 and 1 at node {name!r}: microbatch 0 runs "
+            f"`{x.split(';')[0]}`, microbatch 1 runs `{y.split(';')[0]}` (a value that depends on the microbatch's "
+            f"rows, not only on its data){rng}; pipeline microbatches run one program: use a plan without pp "
+            "(--plan dp, tp, fsdp)")
 
 
 @dataclasses.dataclass

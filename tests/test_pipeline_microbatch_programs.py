@@ -1,0 +1,99 @@
+"""Pipeline microbatches run one program (pp-fix): models whose SPMD lowering used to bake a microbatch's row
+offset into a constant (HF GPT-2's DynamicCache cat with an empty tensor, the backward of a masked mean, a
+zero-filled expert buffer) train under pp equal to eager, in one process (simulate_pipeline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist.compiler.lowering import compile_model
+from adaptdist.compiler.pipeline_lowering import PipelineOptions, _program_difference
+from test_pipeline_lowering import check_against_eager, eager
+
+V = 50
+
+
+def _batch(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    y[0, :] = -100
+    y[1:B // 2, 2:] = -100
+    return x, y
+
+
+class HFGPT2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0,
+                                      embd_pdrop=0, attn_pdrop=0, tie_word_embeddings=True)
+        self.m = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, x):
+        return self.m(input_ids=x).logits
+
+
+class Experts(nn.Module):
+    """A stacked-expert layer that fills a zero buffer (new_zeros) per token."""
+    def __init__(self, d=8, e=2):
+        super().__init__()
+        self.gate = nn.Linear(d, e)
+        self.w = nn.Parameter(torch.randn(e, d, d) * 0.3)
+
+    def forward(self, x):
+        out = x.new_zeros(x.shape)
+        p = self.gate(x).softmax(-1)
+        for k in range(self.w.shape[0]):
+            out = out + p[..., k:k + 1] * (x @ self.w[k])
+        return out
+
+
+class Tokens(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([Experts(d), Experts(d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def ce(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), ignore_index=-100)
+
+
+def masked_mean(lg, y):
+    m = y != -100
+    lo = F.cross_entropy(lg.reshape(-1, V), y.clamp(min=0).reshape(-1), reduction="none").reshape(y.shape)
+    return (lo * m).sum() / m.sum()
+
+
+def smooth(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), ignore_index=-100, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "moe_masked_mean", "moe_smooth"])
+def test_microbatches_share_one_program(name):
+    torch.manual_seed(1234)
+    model, loss_fn = (HFGPT2(), ce) if name == "hf_gpt2" else (Tokens(), masked_mean if "masked" in name else smooth)
+    batch = _batch(6, 8)
+    expected = eager(model, batch, loss_fn)
+    progs = compile_model(model, batch, loss_fn, 2, None, pipeline=PipelineOptions(stages=2, microbatches=3))
+    check_against_eager(progs, batch, expected)
+
+
+def test_difference_message_names_the_node():
+    def f(x):
+        return x[0:2] + 1
+
+    def g(x):
+        return x[2:4] + 1
+    msg = _program_difference(torch.fx.symbolic_trace(f), torch.fx.symbolic_trace(g))
+    assert "getitem" in msg and "microbatch 0 runs" in msg and "--rng local" not in msg and "--plan dp" in msg
