@@ -97,3 +97,45 @@ def test_difference_message_names_the_node():
         return x[2:4] + 1
     msg = _program_difference(torch.fx.symbolic_trace(f), torch.fx.symbolic_trace(g))
     assert "getitem" in msg and "microbatch 0 runs" in msg and "--rng local" not in msg and "--plan dp" in msg
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+CW = torch.linspace(0.2, 3.0, V)
+
+
+def weighted(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), weight=CW, ignore_index=-100)
+
+
+def test_weighted_cross_entropy_normalizer_in_prologue():
+    """F.cross_entropy(weight=...)'s normalizer (the valid targets' class weights summed) comes from the batch
+    alone: the prologue computes it, and the pipeline equals eager."""
+    torch.manual_seed(1234)
+    model, batch = MLP(), _batch(6, 8)
+    expected = eager(model, batch, weighted)
+    progs = compile_model(model, batch, weighted, 2, None, pipeline=PipelineOptions(stages=2, microbatches=3))
+    assert all(p.prologue is not None for p in progs.values())
+    check_against_eager(progs, batch, expected)
+
+
+def test_square_of_mean_refused_naming_the_value():
+    from adaptdist.errors import PipelineError
+    torch.manual_seed(1234)
+    with pytest.raises(PipelineError) as e:
+        compile_model(MLP(), _batch(6, 8), lambda lg, y: ce(lg, y) ** 2, 2, None,
+                      pipeline=PipelineOptions(stages=2, microbatches=3))
+    msg = str(e.value)
+    assert "BatchNorm statistics)" not in msg and "aten.div.Tensor" in msg and "pow" in msg and "sum" in msg

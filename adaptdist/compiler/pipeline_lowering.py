@@ -447,10 +447,14 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             continue
         how = _batch_only(x) if kind == "all_reduce" else None
         if kind == "all_reduce" and how is None:
+            users = sorted({f"{u.name} ({u.target})" for u in res.users})
             raise PipelineError(
-                f"node {x.name!r} ({x.target}) is reduced over the microbatches (all_reduce at {n.name!r}) but depends "
-                "on parameters or activations (e.g. synchronized BatchNorm statistics); a pipeline cannot make that "
-                "exact: use LayerNorm/GroupNorm, or a plan without pp")
+                f"the step needs the {n.args[1]} over the whole batch of node {x.name!r} ({x.target}, "
+                f"{gmeta.shape_str(x)}), computed from parameters or activations (all_reduce at {n.name!r}, used by "
+                f"{', '.join(users[:3]) or 'the outputs'}{'...' if len(users) > 3 else ''}): a pipeline runs each "
+                "microbatch's forward and backward apart, so that total is not known in time. This happens where "
+                "the loss is not a sum or mean of per-sample terms (a function of the batch mean such as its square, "
+                "a batch-level statistic, synchronized BatchNorm); use a loss that is, or a plan without pp")
         if how is not None:
             op = str(n.args[1])
             with graph.inserting_after(last_ph):
@@ -727,8 +731,9 @@ def _only_to_outputs(res: torch.fx.Node, out_node: torch.fx.Node, out_users: dic
 
 def _batch_only(x: torch.fx.Node):
     """What computes ``x`` from batch tensors only: ``("node", x)`` when ``x`` depends on nothing else, the
-    valid-token count ``("nll_total_weight", nll)`` of an unweighted ``nll_loss_forward``'s total weight (which
-    the graph wires through the log-probabilities); None otherwise."""
+    valid-token count ``("nll_total_weight", nll)`` of an ``nll_loss_forward``'s total weight (which the graph
+    wires through the log-probabilities; with constant class weights, their sum over the valid targets); None
+    otherwise."""
     def only_batch(v) -> bool:
         seen, stack = set(), [v]
         while stack:
@@ -747,7 +752,7 @@ def _batch_only(x: torch.fx.Node):
             x.args[0].target is aten.nll_loss_forward.default:
         nll = x.args[0]
         weight = nll.args[2] if len(nll.args) > 2 else nll.kwargs.get("weight")
-        if weight is None and only_batch(nll.args[1]):
+        if (weight is None or only_batch(weight)) and only_batch(nll.args[1]):  # class weights: a constant
             return ("nll_total_weight", nll)
     return None
 
@@ -767,7 +772,15 @@ def _prologue(gm: torch.fx.GraphModule, batch_phs: list, normalizers: list, M: i
                 target = _copy_into(graph, node.args[1], env)
                 ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
                 mask = graph.call_function(aten.ne.Scalar, (target, ignore))
-                count = graph.call_function(aten.sum.default, (mask,))
+                weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+                if weight is None:
+                    count = graph.call_function(aten.sum.default, (mask,))
+                else:  # the sum of the valid targets' class weights (F.cross_entropy(weight=...)'s normalizer)
+                    w = _copy_into(graph, weight, env)
+                    safe = graph.call_function(aten.where.ScalarOther, (mask, target, 0))
+                    picked = graph.call_function(aten.index.Tensor, (w, [safe]))
+                    count = graph.call_function(aten.sum.default, (graph.call_function(aten.mul.Tensor,
+                                                                                       (picked, mask)),))
                 val = graph.call_function(aten._to_copy.default, (count,), {"dtype": ph.meta["val"].dtype})
             if totals[k] is None:
                 totals[k] = val
