@@ -139,3 +139,18 @@ def test_square_of_mean_refused_naming_the_value():
                       pipeline=PipelineOptions(stages=2, microbatches=3))
     msg = str(e.value)
     assert "BatchNorm statistics)" not in msg and "aten.div.Tensor" in msg and "pow" in msg and "sum" in msg
+
+
+def test_mesh_preset_takes_the_model_files_tp_plan():
+    """--plan pp / --mesh pp=2,tp=2: the tp axis uses the model file's TP_PLAN (it was parsed without the file)."""
+    from types import SimpleNamespace
+
+    from adaptdist.compiler.pipeline_lowering import mesh_preset
+    from adaptdist.errors import UsageError
+    module = SimpleNamespace(TP_PLAN={"layers.*.weight": "S(0)"})
+    p = mesh_preset("pp=2,tp=2", module)
+    assert p.mesh_axes == ("tp",) and dict(p.params) == {"layers.*.weight": ("S(0)",)}
+    assert mesh_preset("pp=2,tp=2,dp=2", module).mesh_axes == ("dp", "tp")
+    assert mesh_preset("pp=2,dp=2", None) is None and mesh_preset(None, None) is None
+    with pytest.raises(UsageError, match="TP_PLAN"):
+        mesh_preset("pp=2,tp=2", SimpleNamespace())

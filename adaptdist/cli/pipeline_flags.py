@@ -95,7 +95,9 @@ def inner_plan(args, spec) -> Any:
     from ..annotations import ManualPlan
 
     if args.plan in ("pp", "auto"):
-        return None
+        from ..compiler.pipeline_lowering import mesh_preset
+
+        return mesh_preset(getattr(args, "mesh", None), spec.module())  # a tp axis: the model file's TP_PLAN
     return ManualPlan.parse(args.plan, spec.module())
 
 

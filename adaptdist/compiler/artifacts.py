@@ -118,7 +118,10 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     t = time.perf_counter()
     planner = None
     if pipeline is not None:
-        plan = None if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg, spec.module())
+        from .pipeline_lowering import mesh_preset
+
+        plan = mesh_preset(mesh, spec.module()) if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg,
+                                                                                                     spec.module())
     elif plan_arg == "auto":
         options = options if options is not None else LoweringOptions()
         planner = run_planner(captured, cluster, mesh, optimizer, console, replicate_fallback=options.replicate_fallback)

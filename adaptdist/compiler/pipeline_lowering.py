@@ -233,6 +233,23 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
                 graph_fingerprint=graph_fingerprint(captured.gm), name=name, pipeline=spec)
 
 
+def mesh_preset(mesh: str | None, model_module: Any) -> Any:
+    """The inner plan of ``--plan pp`` (or ``auto``) on ``--mesh pp=...,tp=...``: the preset the mesh's other axes
+    name, with the model file's ``TP_PLAN`` (``EP_PLAN``) for a ``tp`` (``ep``) axis; None where those axes need
+    no model file (``dp`` alone, or no other axis: the lowering's own preset).
+
+    Raises:
+        UsageError: as :meth:`ManualPlan.parse` (a model file without ``TP_PLAN`` for a tp axis).
+    """
+    axes = {part.split("=")[0].strip() for part in (mesh or "").split(",") if "=" in part} - {PIPELINE_AXIS}
+    if "tp" not in axes and "ep" not in axes:
+        return None
+    from ..annotations import ManualPlan
+
+    key = "dp,tp" if axes == {"dp", "tp"} else ",".join(sorted(axes))
+    return ManualPlan.parse(key, model_module)
+
+
 # ------------------------------------------------------------------------------------------------------ lowering
 
 def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions,
