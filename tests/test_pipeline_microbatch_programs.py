@@ -154,3 +154,11 @@ def test_mesh_preset_takes_the_model_files_tp_plan():
     assert mesh_preset("pp=2,dp=2", None) is None and mesh_preset(None, None) is None
     with pytest.raises(UsageError, match="TP_PLAN"):
         mesh_preset("pp=2,tp=2", SimpleNamespace())
+
+
+def test_estimate_refuses_pipeline_plans_plainly(capsys):
+    from adaptdist.cli.main import main
+    from test_pipeline_cli import COMMON, MODEL
+    assert main(["estimate", MODEL, *COMMON, "--nproc", "2", "--plan", "pp"]) == 2
+    err = capsys.readouterr().err
+    assert "does not support pipeline plans" in err and "neither auto" not in err

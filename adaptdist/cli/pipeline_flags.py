@@ -55,7 +55,8 @@ def wants_pipeline(args) -> bool:
     given = [f for f, v in (("--microbatches", getattr(args, "microbatches", None)),
                             ("--schedule", getattr(args, "schedule", None))) if v is not None]
     if given and not yes and not _is_pipeline_plan_file(plan):
-        raise UsageError(f"{' and '.join(given)} set a pipeline plan's microbatches/schedule; add --plan pp (one "
+        raise UsageError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} a pipeline plan's "
+                         f"{'microbatches and schedule' if len(given) > 1 else given[0][2:]}; add --plan pp (one "
                          f"pipeline over every rank) or --mesh pp=N,... (e.g. --mesh pp=2,dp=2)")
     return yes
 
