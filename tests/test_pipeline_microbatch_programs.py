@@ -162,3 +162,15 @@ def test_estimate_refuses_pipeline_plans_plainly(capsys):
     assert main(["estimate", MODEL, *COMMON, "--nproc", "2", "--plan", "pp"]) == 2
     err = capsys.readouterr().err
     assert "does not support pipeline plans" in err and "neither auto" not in err
+
+
+def test_resume_names_the_default_schedule(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from adaptdist.cli.train import _restored_args
+    from adaptdist.errors import UsageError
+    (tmp_path / "run.json").write_text(json.dumps({"settings": {"schedule": None, "microbatches": 3}}))
+    args = SimpleNamespace(resume=str(tmp_path), schedule="gpipe", microbatches=None, steps=5)
+    with pytest.raises(UsageError, match=r"--schedule was not set \(the default, 1f1b\) there, not 'gpipe'"):
+        _restored_args(args, {"schedule": None, "microbatches": None, "steps": 10}, keys=("microbatches", "schedule"))

@@ -145,9 +145,20 @@ def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: in
     if popts is None:
         return None
     from ..compiler.lowering import compile_model
+    from ..errors import PipelineError
 
-    return compile_model(model, example, loss_fn, world_size, inner_plan(args, spec), options, mesh=args.mesh,
-                         pipeline=popts)
+    try:
+        return compile_model(model, example, loss_fn, world_size, inner_plan(args, spec), options, mesh=args.mesh,
+                             pipeline=popts)
+    except PipelineError as e:
+        if not getattr(args, "resume", None):
+            raise
+        m = popts.microbatches if popts.microbatches is not None else "unset (one per stage)"
+        raise PipelineError(
+            f"{e.args[0].split('; use ')[0]}. A resumed run keeps the run's --schedule ({popts.schedule}) and "
+            f"--microbatches ({m}), which do not fit {world_size} ranks: resume on fewer ranks (with 1f1b or zb at "
+            "most as many as microbatches, and a count whose microbatches split the batch rows evenly), or start a "
+            "new run with another --out") from e
 
 
 def save_and_describe_pipeline(programs: dict, directory, console, seconds: float, extra: dict | None = None,

@@ -79,8 +79,10 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
         given = getattr(args, key, None)
         recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
         if given != defaults.get(key) and given != recorded:
+            shown = repr(recorded) if recorded is not None else ("not set (the default, 1f1b)" if key == "schedule"
+                                                                  else "not set (its default)")
             raise UsageError(f"--resume continues the run in {str(d)!r} with its own settings: --{key.replace('_', '-')} "
-                             f"was {recorded!r} there, not {given!r}; only --steps, --nproc/--cluster, --out and "
+                             f"was {shown} there, not {given!r}; only --steps, --nproc/--cluster, --out and "
                              "--threads-per-rank may change (start a new run with another --out to change it)")
         setattr(args, key, recorded)
     if args.steps == defaults.get("steps"):
