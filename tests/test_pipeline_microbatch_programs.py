@@ -174,3 +174,14 @@ def test_resume_names_the_default_schedule(tmp_path):
     args = SimpleNamespace(resume=str(tmp_path), schedule="gpipe", microbatches=None, steps=5)
     with pytest.raises(UsageError, match=r"--schedule was not set \(the default, 1f1b\) there, not 'gpipe'"):
         _restored_args(args, {"schedule": None, "microbatches": None, "steps": 10}, keys=("microbatches", "schedule"))
+
+
+def test_schedule_advice_splits_the_batch():
+    from adaptdist.compiler.pipeline_lowering import check_schedule
+    from adaptdist.errors import PipelineError
+    with pytest.raises(PipelineError, match="use --microbatches 2$"):
+        check_schedule("interleaved-1f1b", 4, 3, 2, rows=6)  # 4 (the next multiple of 2) does not split 6 rows
+    with pytest.raises(PipelineError, match="use --microbatches 6, or --schedule gpipe"):
+        check_schedule("1f1b", 4, 3, 1, rows=6)
+    with pytest.raises(PipelineError, match="no such count splits the 3 batch rows"):
+        check_schedule("1f1b", 4, 3, 1, rows=3)

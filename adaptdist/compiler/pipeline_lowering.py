@@ -140,20 +140,30 @@ class PipelineOptions:
     stages_per_rank: int = 1
 
 
-def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1) -> None:
+def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1,
+                   rows: int | None = None) -> None:
     """Raise :class:`PipelineError` unless ``schedule`` can run ``microbatches`` on ``num_stages`` stages:
     GPipe takes any count; 1F1B and ZB-H1 need at least one microbatch per stage group; interleaved 1F1B a
-    multiple of the number of rank groups."""
+    multiple of the number of rank groups. ``rows`` (each data-parallel replica's batch rows, where known): the
+    suggested count also splits them evenly."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     groups = num_stages // max(stages_per_rank, 1)
+
+    def suggest(step: int) -> str:  # the smallest count >= groups, a multiple of step, splitting the rows
+        ok = [m for m in range(groups, (rows or 0) + 1) if m % step == 0 and rows % m == 0] if rows else []
+        if ok:
+            return f"use --microbatches {ok[0]}"
+        if rows:
+            return (f"no such count splits the {rows} batch rows per replica evenly: use a batch size with a multiple "
+                    f"of {groups * step // math.gcd(groups, step)} rows per replica, or fewer pipeline ranks")
+        return f"use --microbatches {groups * max(1, -(-microbatches // groups)) if step > 1 else groups} or more"
     if schedule in ("1f1b", "zb") and microbatches < groups:
         raise PipelineError(f"schedule {schedule!r} needs at least as many microbatches as pipeline stages: "
-                            f"{microbatches} microbatches < {groups} stages; use --microbatches {groups} or more, or "
-                            "--schedule gpipe")
+                            f"{microbatches} microbatches < {groups} stages; {suggest(1)}, or --schedule gpipe")
     if schedule == "interleaved-1f1b" and (microbatches < groups or microbatches % groups):
         raise PipelineError(f"schedule 'interleaved-1f1b' needs a multiple of the {groups} rank groups as "
-                            f"microbatches, got {microbatches}; use --microbatches {groups * max(1, -(-microbatches // groups))}")
+                            f"microbatches, got {microbatches}; {suggest(groups)}")
 
 
 def check_microbatches(batch_rows: int, replicas: int, microbatches: int) -> int:
@@ -212,7 +222,8 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
         raise PipelineError(f"{pipeline.stages} pipeline stages asked, but the mesh gives {groups} stage group(s) x "
                             f"{v} stage(s) per group = {num_stages}")
     microbatches = pipeline.microbatches or num_stages
-    check_schedule(pipeline.schedule, num_stages, microbatches, v)
+    dp_rows = captured.batch_size // math.prod(n for a, n in intra_axes if a == "dp")
+    check_schedule(pipeline.schedule, num_stages, microbatches, v, rows=dp_rows)
     stage_layers = split_layers(pipeline_layers(captured), num_stages)
     if intra_axes:
         intra_mesh = ",".join(f"{a}={n}" for a, n in intra_axes)
