@@ -185,3 +185,12 @@ def test_schedule_advice_splits_the_batch():
         check_schedule("1f1b", 4, 3, 1, rows=6)
     with pytest.raises(PipelineError, match="no such count splits the 3 batch rows"):
         check_schedule("1f1b", 4, 3, 1, rows=3)
+
+
+def test_resumed_pipeline_mesh_resizes_dp():
+    from adaptdist.cli.train import _pipeline_mesh_for
+    assert _pipeline_mesh_for("pp=2,dp=2", 2) == "pp=2,dp=1"
+    assert _pipeline_mesh_for("pp=2,dp=2", 6) == "pp=2,dp=3"
+    assert _pipeline_mesh_for("pp=2,tp=2", 8) == "pp=2,tp=2,dp=2"
+    assert _pipeline_mesh_for("pp=2,dp=2", 3) == "pp=2,dp=2"  # no fit: the lowering names the numbers
+    assert _pipeline_mesh_for("dp=2,tp=2", 2) == "dp=2,tp=2"  # not a pipeline: unchanged
