@@ -194,3 +194,16 @@ def test_resumed_pipeline_mesh_resizes_dp():
     assert _pipeline_mesh_for("pp=2,tp=2", 8) == "pp=2,tp=2,dp=2"
     assert _pipeline_mesh_for("pp=2,dp=2", 3) == "pp=2,dp=2"  # no fit: the lowering names the numbers
     assert _pipeline_mesh_for("dp=2,tp=2", 2) == "dp=2,tp=2"  # not a pipeline: unchanged
+
+
+def test_saved_pipeline_plan_refuses_other_microbatches(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from adaptdist.cli.pipeline_flags import wants_pipeline
+    from adaptdist.errors import UsageError
+    f = tmp_path / "pp_plan.json"
+    f.write_text(json.dumps({"pipeline": {"microbatches": 3, "schedule": "1f1b", "stages": []}}))
+    assert not wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=3, schedule="1f1b"))
+    with pytest.raises(UsageError, match=r"--schedule gpipe differs from the saved pipeline plan .*'1f1b'"):
+        wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=None, schedule="gpipe"))

@@ -58,7 +58,24 @@ def wants_pipeline(args) -> bool:
         raise UsageError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} a pipeline plan's "
                          f"{'microbatches and schedule' if len(given) > 1 else given[0][2:]}; add --plan pp (one "
                          f"pipeline over every rank) or --mesh pp=N,... (e.g. --mesh pp=2,dp=2)")
+    if given and not yes:
+        _check_plan_file_pipeline(plan, args)
     return yes
+
+
+def _check_plan_file_pipeline(plan: str, args) -> None:
+    """A saved pipeline plan fixes its microbatches and schedule: a different ``--microbatches``/``--schedule``
+    is refused (it was ignored before), naming the file's values."""
+    import json
+    from pathlib import Path
+
+    spec = json.loads(Path(plan).read_text()).get("pipeline") or {}
+    for flag, key in (("--microbatches", "microbatches"), ("--schedule", "schedule")):
+        given = getattr(args, key, None)
+        if given is not None and given != spec.get(key):
+            raise UsageError(f"{flag} {given} differs from the saved pipeline plan {plan!r} ({key} "
+                             f"{spec.get(key)!r}): a plan file fixes its stages, microbatches and schedule; drop "
+                             f"{flag}, or re-plan with --plan pp {flag} {given}")
 
 
 def _is_pipeline_plan_file(plan: str | None) -> bool:
