@@ -87,7 +87,7 @@ def test_plan_pp_prints_the_stages(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--microbatches", "2", "--plan", "dp"], "--microbatches set a pipeline plan's microbatches/schedule; add --plan pp"),
+    (["--microbatches", "2", "--plan", "dp"], "--microbatches sets a pipeline plan's microbatches; add --plan pp"),
     (["--plan", "pp", "--schedule", "1f1b", "--microbatches", "1"], "1 microbatches < 2 stages"),
 ])
 def test_bad_pipeline_flags_are_clear_errors(argv, message, capsys):

@@ -55,6 +55,11 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
 
     if args.bucket_mb is not None and args.bucket_mb <= 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    mesh_text = getattr(args, "mesh", None) or ""
+    if args.plan == "pp" or any(part.split("=")[0].strip() == "pp" for part in mesh_text.split(",")):
+        raise UsageError("adaptdist estimate does not support pipeline plans (--plan pp, --mesh pp=...) yet; "
+                         "`adaptdist plan MODEL --plan pp` shows a pipeline's stages and traffic, "
+                         "`adaptdist train --trace` its timeline")
     from ..console import report_console
 
     console = report_console()

@@ -57,9 +57,27 @@ def wants_pipeline(args) -> bool:
     given = [f for f, v in (("--microbatches", getattr(args, "microbatches", None)),
                             ("--schedule", getattr(args, "schedule", None))) if v is not None]
     if given and not yes and not _is_pipeline_plan_file(plan):
-        raise UsageError(f"{' and '.join(given)} set a pipeline plan's microbatches/schedule; add --plan pp (one "
+        raise UsageError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} a pipeline plan's "
+                         f"{'microbatches and schedule' if len(given) > 1 else given[0][2:]}; add --plan pp (one "
                          f"pipeline over every rank) or --mesh pp=N,... (e.g. --mesh pp=2,dp=2)")
+    if given and not yes:
+        _check_plan_file_pipeline(plan, args)
     return yes
+
+
+def _check_plan_file_pipeline(plan: str, args) -> None:
+    """A saved pipeline plan fixes its microbatches and schedule: a different ``--microbatches``/``--schedule``
+    is refused (it was ignored before), naming the file's values."""
+    import json
+    from pathlib import Path
+
+    spec = json.loads(Path(plan).read_text()).get("pipeline") or {}
+    for flag, key in (("--microbatches", "microbatches"), ("--schedule", "schedule")):
+        given = getattr(args, key, None)
+        if given is not None and given != spec.get(key):
+            raise UsageError(f"{flag} {given} differs from the saved pipeline plan {plan!r} ({key} "
+                             f"{spec.get(key)!r}): a plan file fixes its stages, microbatches and schedule; drop "
+                             f"{flag}, or re-plan with --plan pp {flag} {given}")
 
 
 def _is_pipeline_plan_file(plan: str | None) -> bool:
@@ -97,7 +115,9 @@ def inner_plan(args, spec) -> Any:
     from ..annotations import ManualPlan
 
     if args.plan in ("pp", "auto"):
-        return None
+        from ..compiler.pipeline_lowering import mesh_preset
+
+        return mesh_preset(getattr(args, "mesh", None), spec.module())  # a tp axis: the model file's TP_PLAN
     return ManualPlan.parse(args.plan, spec.module())
 
 
@@ -168,14 +188,27 @@ def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: in
         from ..calibrate.local import local_cluster
 
         cluster = local_cluster(world_size)
+    from ..errors import PipelineError
+
     captured = capture(model, example, loss_fn)
-    decision = choose_pipeline_plan(captured, cluster, world_size, mesh=args.mesh,
-                                    microbatches=getattr(args, "microbatches", None),
-                                    schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec),
-                                    optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"))
-    if console is not None:
-        print_decision(console, decision)
-    return compile_model(model, example, loss_fn, world_size, decision.plan, options, captured=captured)
+    try:
+        decision = choose_pipeline_plan(captured, cluster, world_size, mesh=args.mesh,
+                                        microbatches=getattr(args, "microbatches", None),
+                                        schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec),
+                                        optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"))
+        if console is not None:
+            print_decision(console, decision)
+        return compile_model(model, example, loss_fn, world_size, decision.plan, options, captured=captured)
+    except PipelineError as e:
+        if not getattr(args, "resume", None):
+            raise
+        s = getattr(args, "schedule", None) or "not set (the planner's choice)"
+        m = getattr(args, "microbatches", None) or "not set (the planner's choice)"
+        raise PipelineError(
+            f"{e.args[0].split('; use ')[0]}. A resumed run keeps the run's --schedule ({s}) and "
+            f"--microbatches ({m}), which do not fit {world_size} ranks: resume on fewer ranks (with 1f1b or zb at "
+            "most as many as microbatches, and a count whose microbatches split the batch rows evenly), or start a "
+            "new run with another --out") from e
 
 
 def print_decision(console, decision) -> None:

@@ -79,8 +79,10 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
         given = getattr(args, key, None)
         recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
         if given != defaults.get(key) and given != recorded:
+            shown = repr(recorded) if recorded is not None else ("not set (the default, 1f1b)" if key == "schedule"
+                                                                  else "not set (its default)")
             raise UsageError(f"--resume continues the run in {str(d)!r} with its own settings: --{key.replace('_', '-')} "
-                             f"was {recorded!r} there, not {given!r}; only --steps, --nproc/--cluster, --out and "
+                             f"was {shown} there, not {given!r}; only --steps, --nproc/--cluster, --out and "
                              "--threads-per-rank may change (start a new run with another --out to change it)")
         setattr(args, key, recorded)
     if args.steps == defaults.get("steps"):
@@ -90,6 +92,27 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
         args.cluster = settings.get("cluster")
     if isinstance(getattr(args, "nproc", None), list):
         args.nproc = tuple(args.nproc)
+    if isinstance(getattr(args, "nproc", None), int) and getattr(args, "mesh", None):
+        args.mesh = _pipeline_mesh_for(args.mesh, args.nproc)
+
+
+def _pipeline_mesh_for(mesh: str, nproc: int) -> str:
+    """A resumed pipeline run's ``--mesh pp=P,dp=D[,tp=T]`` on ``nproc`` ranks: the same stages and other axes,
+    the data-parallel axis resized to fit (``pp=2,dp=2`` on 2 ranks: ``pp=2,dp=1``); ``mesh`` unchanged where it
+    has no pp axis, already fits, or no dp size fits (the lowering then names the numbers)."""
+    try:
+        axes = [(a.strip(), int(n)) for a, n in (part.split("=") for part in mesh.split(","))]
+    except ValueError:
+        return mesh
+    names = [a for a, _ in axes]
+    if "pp" not in names or math.prod(n for _, n in axes) == nproc:
+        return mesh
+    fixed = math.prod(n for a, n in axes if a != "dp")
+    if nproc % fixed:
+        return mesh
+    dp = nproc // fixed
+    axes = [(a, dp if a == "dp" else n) for a, n in axes] if "dp" in names else axes + [("dp", dp)]
+    return ",".join(f"{a}={n}" for a, n in axes)
 
 
 def check_resumable(src: Path, steps: int, console):

@@ -122,11 +122,13 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     planner = None
     if pipeline is not None:  # what --microbatches/--schedule leave open, the planner chooses (pipeline_auto.py)
         from .pipeline_auto import choose_pipeline_plan
+        from .pipeline_lowering import mesh_preset
 
         decision = choose_pipeline_plan(
             captured, cluster, cluster.world_size, mesh=mesh, microbatches=pipeline.microbatches,
             schedule=pipeline.schedule, optimizer=optimizer,
-            inner=None if plan_arg in ("pp", "auto") else ManualPlan.parse(plan_arg, spec.module()))
+            inner=mesh_preset(mesh, spec.module()) if plan_arg in ("pp", "auto")
+            else ManualPlan.parse(plan_arg, spec.module()))
         if console is not None:
             from rich.markup import escape
 

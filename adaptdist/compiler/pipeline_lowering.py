@@ -140,20 +140,30 @@ class PipelineOptions:
     stages_per_rank: int = 1
 
 
-def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1) -> None:
+def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1,
+                   rows: int | None = None) -> None:
     """Raise :class:`PipelineError` unless ``schedule`` can run ``microbatches`` on ``num_stages`` stages:
     GPipe takes any count; 1F1B and ZB-H1 need at least one microbatch per stage group; interleaved 1F1B a
-    multiple of the number of rank groups."""
+    multiple of the number of rank groups. ``rows`` (each data-parallel replica's batch rows, where known): the
+    suggested count also splits them evenly."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     groups = num_stages // max(stages_per_rank, 1)
+
+    def suggest(step: int) -> str:  # the smallest count >= groups, a multiple of step, splitting the rows
+        ok = [m for m in range(groups, (rows or 0) + 1) if m % step == 0 and rows % m == 0] if rows else []
+        if ok:
+            return f"use --microbatches {ok[0]}"
+        if rows:
+            return (f"no such count splits the {rows} batch rows per replica evenly: use a batch size with a multiple "
+                    f"of {groups * step // math.gcd(groups, step)} rows per replica, or fewer pipeline ranks")
+        return f"use --microbatches {groups * max(1, -(-microbatches // groups)) if step > 1 else groups} or more"
     if schedule in ("1f1b", "zb") and microbatches < groups:
         raise PipelineError(f"schedule {schedule!r} needs at least as many microbatches as pipeline stages: "
-                            f"{microbatches} microbatches < {groups} stages; use --microbatches {groups} or more, or "
-                            "--schedule gpipe")
+                            f"{microbatches} microbatches < {groups} stages; {suggest(1)}, or --schedule gpipe")
     if schedule == "interleaved-1f1b" and (microbatches < groups or microbatches % groups):
         raise PipelineError(f"schedule 'interleaved-1f1b' needs a multiple of the {groups} rank groups as "
-                            f"microbatches, got {microbatches}; use --microbatches {groups * max(1, -(-microbatches // groups))}")
+                            f"microbatches, got {microbatches}; {suggest(groups)}")
 
 
 def check_microbatches(batch_rows: int, replicas: int, microbatches: int) -> int:
@@ -212,7 +222,8 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
         raise PipelineError(f"{pipeline.stages} pipeline stages asked, but the mesh gives {groups} stage group(s) x "
                             f"{v} stage(s) per group = {num_stages}")
     microbatches = pipeline.microbatches or num_stages
-    check_schedule(pipeline.schedule, num_stages, microbatches, v)
+    dp_rows = captured.batch_size // math.prod(n for a, n in intra_axes if a == "dp")
+    check_schedule(pipeline.schedule, num_stages, microbatches, v, rows=dp_rows)
     stage_layers = split_layers(pipeline_layers(captured), num_stages)
     if intra_axes:
         intra_mesh = ",".join(f"{a}={n}" for a, n in intra_axes)
@@ -231,6 +242,23 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
                         pipeline.schedule, v)
     return Plan(mesh={PIPELINE_AXIS: groups, **sub}, batch_axis=batch_axis, param_placements=pls,
                 graph_fingerprint=graph_fingerprint(captured.gm), name=name, pipeline=spec)
+
+
+def mesh_preset(mesh: str | None, model_module: Any) -> Any:
+    """The inner plan of ``--plan pp`` (or ``auto``) on ``--mesh pp=...,tp=...``: the preset the mesh's other axes
+    name, with the model file's ``TP_PLAN`` (``EP_PLAN``) for a ``tp`` (``ep``) axis; None where those axes need
+    no model file (``dp`` alone, or no other axis: the lowering's own preset).
+
+    Raises:
+        UsageError: as :meth:`ManualPlan.parse` (a model file without ``TP_PLAN`` for a tp axis).
+    """
+    axes = {part.split("=")[0].strip() for part in (mesh or "").split(",") if "=" in part} - {PIPELINE_AXIS}
+    if "tp" not in axes and "ep" not in axes:
+        return None
+    from ..annotations import ManualPlan
+
+    key = "dp,tp" if axes == {"dp", "tp"} else ",".join(sorted(axes))
+    return ManualPlan.parse(key, model_module)
 
 
 # ------------------------------------------------------------------------------------------------------ lowering
@@ -330,9 +358,8 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             if key not in built:
                 vr = vm.rank(key + (d * M,))
                 if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (d * M + 1,))].graph_module.code:
-                    raise PipelineError(
-                        "the step's program differs between microbatches 0 and 1 (random ops drawing per rank under "
-                        "--rng global?); pipeline microbatches run one program: use --rng local or a plan without pp")
+                    raise PipelineError(_program_difference(vprogs[vr].graph_module,
+                                                            vprogs[vm.rank(key + (d * M + 1,))].graph_module))
                 built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
             b = built[key]
             rank = group_ranks[g][j]
@@ -372,6 +399,21 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
                 loss_rank=(S - 1) % G == g, plan=plan)
     return dict(sorted(programs.items()))
+
+
+def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) -> str:
+    """The message for microbatch programs that differ: the first node whose code differs, both versions."""
+    a, b = gm0.code.splitlines(), gm1.code.splitlines()
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    x = a[i].strip() if i < len(a) else "(nothing)"
+    y = b[i].strip() if i < len(b) else "(nothing)"
+    name = x.split(" = ")[0] if " = " in x else "?"
+    rng = "; ops drawing random numbers per row (--rng global) make such a difference: use --rng per-rank" \
+        if any(t in x for t in ("rand", "bernoulli", "dropout")) else ""
+    return (f"the step's program differs between microbatches 0 and 1 at node {name!r}: microbatch 0 runs "
+            f"`{x.split(';')[0]}`, microbatch 1 runs `{y.split(';')[0]}` (a value that depends on the microbatch's "
+            f"rows, not only on its data){rng}; pipeline microbatches run one program: use a plan without pp "
+            "(--plan dp, tp, fsdp)")
 
 
 @dataclasses.dataclass
@@ -433,10 +475,14 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             continue
         how = _batch_only(x) if kind == "all_reduce" else None
         if kind == "all_reduce" and how is None:
+            users = sorted({f"{u.name} ({u.target})" for u in res.users})
             raise PipelineError(
-                f"node {x.name!r} ({x.target}) is reduced over the microbatches (all_reduce at {n.name!r}) but depends "
-                "on parameters or activations (e.g. synchronized BatchNorm statistics); a pipeline cannot make that "
-                "exact: use LayerNorm/GroupNorm, or a plan without pp")
+                f"the step needs the {n.args[1]} over the whole batch of node {x.name!r} ({x.target}, "
+                f"{gmeta.shape_str(x)}), computed from parameters or activations (all_reduce at {n.name!r}, used by "
+                f"{', '.join(users[:3]) or 'the outputs'}{'...' if len(users) > 3 else ''}): a pipeline runs each "
+                "microbatch's forward and backward apart, so that total is not known in time. This happens where "
+                "the loss is not a sum or mean of per-sample terms (a function of the batch mean such as its square, "
+                "a batch-level statistic, synchronized BatchNorm); use a loss that is, or a plan without pp")
         if how is not None:
             op = str(n.args[1])
             with graph.inserting_after(last_ph):
@@ -713,8 +759,9 @@ def _only_to_outputs(res: torch.fx.Node, out_node: torch.fx.Node, out_users: dic
 
 def _batch_only(x: torch.fx.Node):
     """What computes ``x`` from batch tensors only: ``("node", x)`` when ``x`` depends on nothing else, the
-    valid-token count ``("nll_total_weight", nll)`` of an unweighted ``nll_loss_forward``'s total weight (which
-    the graph wires through the log-probabilities); None otherwise."""
+    valid-token count ``("nll_total_weight", nll)`` of an ``nll_loss_forward``'s total weight (which the graph
+    wires through the log-probabilities; with constant class weights, their sum over the valid targets); None
+    otherwise."""
     def only_batch(v) -> bool:
         seen, stack = set(), [v]
         while stack:
@@ -733,7 +780,7 @@ def _batch_only(x: torch.fx.Node):
             x.args[0].target is aten.nll_loss_forward.default:
         nll = x.args[0]
         weight = nll.args[2] if len(nll.args) > 2 else nll.kwargs.get("weight")
-        if weight is None and only_batch(nll.args[1]):
+        if (weight is None or only_batch(weight)) and only_batch(nll.args[1]):  # class weights: a constant
             return ("nll_total_weight", nll)
     return None
 
@@ -753,7 +800,15 @@ def _prologue(gm: torch.fx.GraphModule, batch_phs: list, normalizers: list, M: i
                 target = _copy_into(graph, node.args[1], env)
                 ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
                 mask = graph.call_function(aten.ne.Scalar, (target, ignore))
-                count = graph.call_function(aten.sum.default, (mask,))
+                weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+                if weight is None:
+                    count = graph.call_function(aten.sum.default, (mask,))
+                else:  # the sum of the valid targets' class weights (F.cross_entropy(weight=...)'s normalizer)
+                    w = _copy_into(graph, weight, env)
+                    safe = graph.call_function(aten.where.ScalarOther, (mask, target, 0))
+                    picked = graph.call_function(aten.index.Tensor, (w, [safe]))
+                    count = graph.call_function(aten.sum.default, (graph.call_function(aten.mul.Tensor,
+                                                                                       (picked, mask)),))
                 val = graph.call_function(aten._to_copy.default, (count,), {"dtype": ph.meta["val"].dtype})
             if totals[k] is None:
                 totals[k] = val

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UsageError
+from ..errors import PipelineError, UsageError
 from ..lowering_options import LoweringOptions
 
 log = logging.getLogger("adaptdist")
@@ -175,7 +175,18 @@ class ProgramSource:
             plan = run_planner(captured, cluster, None, self.optimizer).plan
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
-        programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
+        try:
+            programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
+        except PipelineError as e:
+            if pipeline is None:
+                raise
+            s = self.schedule or "the planner's choice"
+            m = self.microbatches if self.microbatches is not None else "the planner's choice"
+            raise PipelineError(
+                f"the run's pipeline (--schedule {s}, --microbatches {m}) does not fit "
+                f"{world_size} ranks: {str(e).split('; use ')[0]}. A resumed run keeps its --microbatches and "
+                f"--schedule: resume on fewer ranks (with 1f1b/zb at most as many as microbatches, and a count "
+                f"whose microbatches split the batch rows evenly), or start a new run with another --out") from e
         tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         extra_files = {CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)}

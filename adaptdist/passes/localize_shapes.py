@@ -108,6 +108,8 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
         rs_dim = gmeta.get_rank_slice(node, ctx.group_name)
         if rs_dim is not None:
             s, e = intervals[node]
+            if _rows_alike(node.args[0], rs_dim):  # every row the same: any rows do, and one program serves all ranks
+                s, e = 0, e - s
             node.args = (node.args[0], rs_dim, s, e)
             changed = True
             continue
@@ -283,6 +285,33 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
             )
         return (s // k, e // k)
     return (s, e)
+
+
+_FILLS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+          aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
+          aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+          aten.scalar_tensor.default}
+
+
+def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
+    """Whether every index of ``x`` along ``dim`` holds the same values, from how ``x`` is made: a constant fill,
+    or an expand of a size-1 (or absent) dim (the backward of a sum/mean), through clones and dtype copies. Then
+    a rank slice of ``x`` along ``dim`` may take rows [0, n) on every rank (the pipeline's microbatches run one
+    program: their slices must not depend on the microbatch's offset)."""
+    if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
+        return False
+    if x.target in _FILLS:
+        return True
+    if x.target in (aten.expand.default, aten.expand_copy.default):
+        src = x.args[0]
+        v = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            return False
+        lead = x.meta["val"].dim() - v.dim()
+        return dim < lead or v.shape[dim - lead] == 1 or _rows_alike(src, dim - lead, depth - 1)
+    if x.target in (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default):
+        return _rows_alike(x.args[0], dim, depth - 1)
+    return False
 
 
 def _aligned_interval(node: torch.fx.Node, ivs: dict, ctx: PassContext, rank: int) -> Interval:

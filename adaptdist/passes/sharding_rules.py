@@ -367,11 +367,16 @@ def split(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 def cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
     """cat/stack: sharded inputs must share the dim; replicated ones are sliced to match."""
     tensors = node.args[0]
-    nd = len(shape(tensors[0]))
-    dim = _arg(node, 1, "dim", 0)
     stack = node.target == aten.stack.default
+    # cat skips legacy empty inputs (shape (0,): HF's DynamicCache starts from one): they neither set the rank
+    # nor need a placement; dropping them keeps cat([empty, k], -2) a per-row op
+    skip = set() if stack else {j for j, t in enumerate(tensors) if tuple(shape(t)) == (0,)}
+    if len(skip) == len(tensors):
+        skip = set()
+    nd = len(shape(next(t for j, t in enumerate(tensors) if j not in skip)))
+    dim = _arg(node, 1, "dim", 0)
     dim = dim % (nd + 1 if stack else nd)
-    pls = [pl(t) for t in tensors]
+    pls = [R if j in skip else pl(t) for j, t in enumerate(tensors)]
     shard_dims = {p.dim for p in pls if isinstance(p, Shard)}
     if len(shard_dims) > 1:
         return gather_all(node, pl, "inputs are sharded on different dims")
@@ -379,7 +384,7 @@ def cat(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         d = shard_dims.pop()
         if d == dim and not stack:
             return gather_all(node, pl, "it concatenates along the sharded dim")
-        needs = {(0, j): Shard(d) for j, p in enumerate(pls) if not isinstance(p, Shard)}
+        needs = {(0, j): Shard(d) for j, p in enumerate(pls) if not isinstance(p, Shard) and j not in skip}
         return RuleResult(Shard(d + 1 if stack and dim <= d else d), needs)
     if all(isinstance(p, Partial) for p in pls):
         return RuleResult(P)

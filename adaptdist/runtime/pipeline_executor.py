@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+import time
 from typing import Any, Sequence
 
 import torch
@@ -138,16 +139,23 @@ class PipelineStepRunner:
 
     def _wait(self, work, what: str, peer: int | None = None, ranks: Sequence[int] = ()) -> None:
         """Wait for ``work`` under the timeout; a failure names ``peer`` (point-to-point) or the group's ``ranks``."""
+        t0 = time.monotonic()
         try:
             work.wait(self.timeout)
         except Exception as e:  # gloo: timed out / connection closed by a dead peer
             who = f"rank {peer}" if peer is not None else "one of ranks " + ", ".join(
                 str(r) for r in ranks if r != self.program.rank)
+            waited_s = time.monotonic() - t0
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if waited_s < 0.9 * self.timeout_s:  # not the timeout: the connection failed (a peer died)
+                how, why, fix = (f"failed after {waited_s:.1f} s", f"{who} closed the connection (it died or exited)",
+                                 "check its log for the first error")
+            else:
+                how, why, fix = (f"timed out after {self.timeout_s:g} s", f"{who} stalled or died",
+                                 "check its log, or raise --collective-timeout-s")
             raise CollectiveTimeoutError(
-                f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} failed after at "
-                f"most {self.timeout_s:g} s ({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
-                f": {who} stalled or died (pipeline schedule {self.program.schedule}); check its log, or raise "
-                f"--collective-timeout-s") from e
+                f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} {how} ({text})"
+                f": {why} (pipeline schedule {self.program.schedule}); {fix}") from e
 
     def _send(self, tensors: Sequence[torch.Tensor], peer: int, a: Action, backward: bool) -> None:
         with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):

@@ -1,0 +1,209 @@
+"""Pipeline microbatches run one program (pp-fix): models whose SPMD lowering used to bake a microbatch's row
+offset into a constant (HF GPT-2's DynamicCache cat with an empty tensor, the backward of a masked mean, a
+zero-filled expert buffer) train under pp equal to eager, in one process (simulate_pipeline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist.compiler.lowering import compile_model
+from adaptdist.compiler.pipeline_lowering import PipelineOptions, _program_difference
+from test_pipeline_lowering import check_against_eager, eager
+
+V = 50
+
+
+def _batch(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+    y[0, :] = -100
+    y[1:B // 2, 2:] = -100
+    return x, y
+
+
+class HFGPT2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0,
+                                      embd_pdrop=0, attn_pdrop=0, tie_word_embeddings=True)
+        self.m = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, x):
+        return self.m(input_ids=x).logits
+
+
+class Experts(nn.Module):
+    """A stacked-expert layer that fills a zero buffer (new_zeros) per token."""
+    def __init__(self, d=8, e=2):
+        super().__init__()
+        self.gate = nn.Linear(d, e)
+        self.w = nn.Parameter(torch.randn(e, d, d) * 0.3)
+
+    def forward(self, x):
+        out = x.new_zeros(x.shape)
+        p = self.gate(x).softmax(-1)
+        for k in range(self.w.shape[0]):
+            out = out + p[..., k:k + 1] * (x @ self.w[k])
+        return out
+
+
+class Tokens(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([Experts(d), Experts(d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def ce(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), ignore_index=-100)
+
+
+def masked_mean(lg, y):
+    m = y != -100
+    lo = F.cross_entropy(lg.reshape(-1, V), y.clamp(min=0).reshape(-1), reduction="none").reshape(y.shape)
+    return (lo * m).sum() / m.sum()
+
+
+def smooth(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), ignore_index=-100, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "moe_masked_mean", "moe_smooth"])
+def test_microbatches_share_one_program(name):
+    torch.manual_seed(1234)
+    model, loss_fn = (HFGPT2(), ce) if name == "hf_gpt2" else (Tokens(), masked_mean if "masked" in name else smooth)
+    batch = _batch(6, 8)
+    expected = eager(model, batch, loss_fn)
+    progs = compile_model(model, batch, loss_fn, 2, None, pipeline=PipelineOptions(stages=2, microbatches=3))
+    check_against_eager(progs, batch, expected)
+
+
+def test_difference_message_names_the_node():
+    def f(x):
+        return x[0:2] + 1
+
+    def g(x):
+        return x[2:4] + 1
+    msg = _program_difference(torch.fx.symbolic_trace(f), torch.fx.symbolic_trace(g))
+    assert "getitem" in msg and "microbatch 0 runs" in msg and "--rng local" not in msg and "--plan dp" in msg
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+CW = torch.linspace(0.2, 3.0, V)
+
+
+def weighted(lg, y):
+    return F.cross_entropy(lg.reshape(-1, V), y.reshape(-1), weight=CW, ignore_index=-100)
+
+
+def test_weighted_cross_entropy_normalizer_in_prologue():
+    """F.cross_entropy(weight=...)'s normalizer (the valid targets' class weights summed) comes from the batch
+    alone: the prologue computes it, and the pipeline equals eager."""
+    torch.manual_seed(1234)
+    model, batch = MLP(), _batch(6, 8)
+    expected = eager(model, batch, weighted)
+    progs = compile_model(model, batch, weighted, 2, None, pipeline=PipelineOptions(stages=2, microbatches=3))
+    assert all(p.prologue is not None for p in progs.values())
+    check_against_eager(progs, batch, expected)
+
+
+def test_square_of_mean_refused_naming_the_value():
+    from adaptdist.errors import PipelineError
+    torch.manual_seed(1234)
+    with pytest.raises(PipelineError) as e:
+        compile_model(MLP(), _batch(6, 8), lambda lg, y: ce(lg, y) ** 2, 2, None,
+                      pipeline=PipelineOptions(stages=2, microbatches=3))
+    msg = str(e.value)
+    assert "BatchNorm statistics)" not in msg and "aten.div.Tensor" in msg and "pow" in msg and "sum" in msg
+
+
+def test_mesh_preset_takes_the_model_files_tp_plan():
+    """--plan pp / --mesh pp=2,tp=2: the tp axis uses the model file's TP_PLAN (it was parsed without the file)."""
+    from types import SimpleNamespace
+
+    from adaptdist.compiler.pipeline_lowering import mesh_preset
+    from adaptdist.errors import UsageError
+    module = SimpleNamespace(TP_PLAN={"layers.*.weight": "S(0)"})
+    p = mesh_preset("pp=2,tp=2", module)
+    assert p.mesh_axes == ("tp",) and dict(p.params) == {"layers.*.weight": ("S(0)",)}
+    assert mesh_preset("pp=2,tp=2,dp=2", module).mesh_axes == ("dp", "tp")
+    assert mesh_preset("pp=2,dp=2", None) is None and mesh_preset(None, None) is None
+    with pytest.raises(UsageError, match="TP_PLAN"):
+        mesh_preset("pp=2,tp=2", SimpleNamespace())
+
+
+def test_estimate_refuses_pipeline_plans_plainly(capsys):
+    from adaptdist.cli.main import main
+    from test_pipeline_cli import COMMON, MODEL
+    assert main(["estimate", MODEL, *COMMON, "--nproc", "2", "--plan", "pp"]) == 2
+    err = capsys.readouterr().err
+    assert "does not support pipeline plans" in err and "neither auto" not in err
+
+
+def test_resume_names_the_default_schedule(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from adaptdist.cli.train import _restored_args
+    from adaptdist.errors import UsageError
+    (tmp_path / "run.json").write_text(json.dumps({"settings": {"schedule": None, "microbatches": 3}}))
+    args = SimpleNamespace(resume=str(tmp_path), schedule="gpipe", microbatches=None, steps=5)
+    with pytest.raises(UsageError, match=r"--schedule was not set \(the default, 1f1b\) there, not 'gpipe'"):
+        _restored_args(args, {"schedule": None, "microbatches": None, "steps": 10}, keys=("microbatches", "schedule"))
+
+
+def test_schedule_advice_splits_the_batch():
+    from adaptdist.compiler.pipeline_lowering import check_schedule
+    from adaptdist.errors import PipelineError
+    with pytest.raises(PipelineError, match="use --microbatches 2$"):
+        check_schedule("interleaved-1f1b", 4, 3, 2, rows=6)  # 4 (the next multiple of 2) does not split 6 rows
+    with pytest.raises(PipelineError, match="use --microbatches 6, or --schedule gpipe"):
+        check_schedule("1f1b", 4, 3, 1, rows=6)
+    with pytest.raises(PipelineError, match="no such count splits the 3 batch rows"):
+        check_schedule("1f1b", 4, 3, 1, rows=3)
+
+
+def test_resumed_pipeline_mesh_resizes_dp():
+    from adaptdist.cli.train import _pipeline_mesh_for
+    assert _pipeline_mesh_for("pp=2,dp=2", 2) == "pp=2,dp=1"
+    assert _pipeline_mesh_for("pp=2,dp=2", 6) == "pp=2,dp=3"
+    assert _pipeline_mesh_for("pp=2,tp=2", 8) == "pp=2,tp=2,dp=2"
+    assert _pipeline_mesh_for("pp=2,dp=2", 3) == "pp=2,dp=2"  # no fit: the lowering names the numbers
+    assert _pipeline_mesh_for("dp=2,tp=2", 2) == "dp=2,tp=2"  # not a pipeline: unchanged
+
+
+def test_saved_pipeline_plan_refuses_other_microbatches(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from adaptdist.cli.pipeline_flags import wants_pipeline
+    from adaptdist.errors import UsageError
+    f = tmp_path / "pp_plan.json"
+    f.write_text(json.dumps({"pipeline": {"microbatches": 3, "schedule": "1f1b", "stages": []}}))
+    assert not wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=3, schedule="1f1b"))
+    with pytest.raises(UsageError, match=r"--schedule gpipe differs from the saved pipeline plan .*'1f1b'"):
+        wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=None, schedule="gpipe"))
