@@ -352,10 +352,12 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
         if _sha256(p) != digest:
             raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
                                    "(corrupted or edited); compile again")
-    pipeline = manifest.get("pipeline") is True
-    # a pipeline compile's ranks hold a pickled PipelineRankProgram (runtime/pipeline_programs.py), read after its
-    # sha256 matched; it has no program.json for check_compile's meaning checks
-    names = ("program.py", "pipeline_program.pt") if pipeline else ("program.py", "program.json", "state.safetensors")
+    pickled = manifest.get("pipeline") is True
+    pipeline = pickled or manifest.get("kind") == "pipeline"
+    # pipeline programs have their own per-rank files: a pickled PipelineRankProgram (runtime/pipeline_programs.py,
+    # read after its sha256 matched) or stage_program_io.py's JSON + safetensors; neither has the program.json
+    # fields of check_compile's meaning checks
+    names = ("program.py", "pipeline_program.pt") if pickled else ("program.py", "program.json", "state.safetensors")
     for r in range(manifest["world_size"]):
         for name in names:
             if f"rank{r}/{name}" not in manifest["files"]:
