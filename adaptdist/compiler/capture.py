@@ -33,6 +33,7 @@ import torch.nn as nn
 from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
+from .expert_lists import ExpertLists, batched_experts, fold_stack_of_unbind, probe_expert_lists
 
 
 @dataclass
@@ -50,6 +51,10 @@ class CapturedGraph:
         grad_output_index: {param fqn: output index of its gradient}.
         batch_size: size of dim 0 shared by all batch tensors.
         model_name: class name of the captured model (for messages).
+        tied: {name: the name it is captured under} for tied parameters.
+        stacked: {stacked name: [the E user names]} for experts written as a ModuleList, captured as one
+            ``[E, ...]`` parameter (``moe.experts.*.fc.weight``; :mod:`.expert_lists`).
+        notes: one line per ModuleList of identical modules not captured as experts, saying why.
     """
 
     gm: torch.fx.GraphModule
@@ -63,6 +68,8 @@ class CapturedGraph:
     batch_size: int
     model_name: str
     tied: dict[str, str] = field(default_factory=dict)
+    stacked: dict[str, list[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def input_fqns(self) -> list[str]:
@@ -99,13 +106,20 @@ class _EachParameterOnce(nn.Module):
     mutated tensor are refused by aot), a tensor registered as two buffers has two.
     """
 
-    def __init__(self, step: nn.Module):
+    def __init__(self, step: nn.Module, experts: "ExpertLists | None" = None):
         super().__init__()
         object.__setattr__(self, "step", step)  # not a submodule: the exporter sees only what is registered here
         self.names = state_aliases(step)  # every name in step -> the name it is registered under here
-        for n, p in step.named_parameters(remove_duplicate=False):
-            if self.names[n] == n:
+        self.experts = experts if experts is not None else ExpertLists()
+        stacked = self.experts.stacked()
+        members = {m for ms in stacked.values() for m in ms}
+        named = dict(step.named_parameters(remove_duplicate=False))
+        for n, p in named.items():
+            if self.names[n] == n and n not in members:
                 _register(self, n, p, param=True)
+        for s, ms in stacked.items():  # one [E, ...] parameter per expert parameter name (expert_lists.py)
+            _register(self, s, nn.Parameter(torch.stack([named[m].detach() for m in ms])), param=True)
+        self.names = {n: k for n, k in self.names.items() if n not in members}
         for n, b in step.named_buffers(remove_duplicate=False):
             if self.names[n] == n:
                 _register(self, n, b, param=False)
@@ -113,7 +127,8 @@ class _EachParameterOnce(nn.Module):
     def forward(self, *batch):
         mine = dict(self.named_parameters(remove_duplicate=False))
         mine.update(self.named_buffers(remove_duplicate=False))
-        with compat.reparametrize(self.step, {n: mine[k] for n, k in self.names.items()}, tie_weights=False):
+        with compat.reparametrize(self.step, {n: mine[k] for n, k in self.names.items()}, tie_weights=False), \
+                batched_experts(self.step, self.experts.lists, {s: mine[s] for s in self.experts.stacked()}):
             return self.step(*batch)
 
 
@@ -245,8 +260,9 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
             # model or loss that fails the eager run fails the export too, so the messages are
             # those of checking first, without a third forward pass when all is well (the loss
             # of a successful export is checked on its graph, in _finish).
+            experts = probe_expert_lists(step, fake_batch, strip=len("model."))
             try:
-                gm, sig = compat.aot_export_joint(_EachParameterOnce(step), fake_batch, loss_index=0)
+                gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
                 failure = None
             except Exception as e:
                 failure = e
@@ -255,7 +271,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 no_grad = (_params_without_gradient(step, fake_batch)
                            if "did not receive a gradient" in str(failure) else [])
                 raise _export_error(failure, name, no_grad) from failure
-        return _finish(gm, sig, step, batch, name)
+        return _finish(gm, sig, step, batch, name, experts)
 
 
 @contextlib.contextmanager
@@ -361,7 +377,9 @@ def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> 
     )
 
 
-def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, name: str) -> CapturedGraph:
+def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, name: str,
+            experts: ExpertLists | None = None) -> CapturedGraph:
+    experts = experts if experts is not None else ExpertLists()
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     strip = len("model.")
@@ -385,7 +403,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         _check_loss(loss_node.meta["val"], name)
 
     # Tied parameters are one input already, under the first name (_EachParameterOnce).
-    tied = tied_names(step, strip)
+    stacked = experts.stacked(strip)
+    members = {m for ms in stacked.values() for m in ms}
+    tied = {n: k for n, k in tied_names(step, strip).items() if n not in members}
     assert not set(tied) & {gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param"}, tied
 
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -398,6 +418,8 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         out_node, [f"buffer:{f}" for f in mutated_fqns] + ["loss"] + [f"grad:{f}" for f in trainable]
     )
     graph.eliminate_dead_code()
+    if stacked:
+        fold_stack_of_unbind(gm)
     graph.lint()
     gm.recompile()
     return CapturedGraph(
@@ -412,6 +434,8 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         batch_size=batch[0].shape[0],
         model_name=name,
         tied=tied,
+        stacked=stacked,
+        notes=list(experts.notes),
     )
 
 

@@ -365,6 +365,10 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
     # every name, tied ones too: a tensor registered twice (two buffers of one tensor) is an input under each name
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
+    if captured.stacked:  # ModuleList experts, captured stacked (expert_lists.py)
+        from .expert_lists import stack_state
+
+        named.update(stack_state(named, captured.stacked))
     state = {f: named[f].detach() for f in captured.input_fqns}
     resolved = resolve_plan(plan, captured, world_size, mesh, pipeline=pipeline)
     options = options if options is not None else LoweringOptions()
