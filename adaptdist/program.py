@@ -79,6 +79,7 @@ class RankProgram:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    stacked: dict[str, list[str]] = field(default_factory=dict)  # ModuleList experts: stacked name -> user names
     batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
     state_placements: dict[str, list[str]] = field(default_factory=dict)
     global_shapes: dict[str, list[int]] = field(default_factory=dict)
@@ -132,6 +133,7 @@ class RankProgram:
             "batch_slice": list(self.batch_slice),
             "output_roles": self.output_roles,
             "tied": self.tied,
+            **({"stacked": self.stacked} if self.stacked else {}),
             "constants": sorted(self.constants),
             "batch_specs": [[list(shape), dtype] for shape, dtype in self.batch_specs],
             "state_placements": self.state_placements,
@@ -316,7 +318,7 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         rank=meta["rank"], world_size=meta["world_size"], mesh=meta["mesh"], group_names=meta["group_names"],
         input_fqns=meta["input_fqns"], param_fqns=meta["param_fqns"], num_batch_inputs=meta["num_batch_inputs"],
         batch_slice=tuple(meta["batch_slice"]), output_roles=meta["output_roles"], code=code, module=module,
-        state=state, constants=constants, tied=meta.get("tied", {}),
+        state=state, constants=constants, tied=meta.get("tied", {}), stacked=meta.get("stacked", {}),
         batch_specs=[(list(shape), dtype) for shape, dtype in meta["batch_specs"]],
         state_placements=meta.get("state_placements", {}), global_shapes=meta.get("global_shapes", {}),
         plan=plan,

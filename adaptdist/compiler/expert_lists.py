@@ -120,15 +120,19 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
     if not candidates:
         return found
     calls: dict[int, list[tuple[tuple, dict]]] = {}
+    outputs: dict[int, list[Any]] = {}
     handles = []
     for _, mod in candidates:
         for child in mod:
-            def hook(m, args, kwargs, _key=id(child)):
+            def pre(m, args, kwargs, _key=id(child)):
                 calls.setdefault(_key, []).append((args, kwargs))
-            handles.append(child.register_forward_pre_hook(hook, with_kwargs=True))
+
+            def post(m, args, out, _key=id(child)):
+                outputs.setdefault(_key, []).append(out)
+            handles.append(child.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(child.register_forward_hook(post))
     try:
-        with torch.no_grad():
-            step(*batch)
+        step(*batch)  # with autograd: its graph tells a chain of layers from experts on their own inputs
     except Exception:  # the export reports the model's own failure; nothing is recognised
         return found
     finally:
@@ -137,6 +141,8 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
     for prefix, mod in candidates:
         name = prefix[strip:]
         seen = [calls.get(id(c), []) for c in mod]
+        if _chained(seen, [outputs.get(id(c), []) for c in mod]):
+            continue  # a transformer's layers, one after another: not experts, nothing to say
         why = _why_not_experts(seen)
         if why is None:
             rel = tuple(n for n, _ in mod[0].named_parameters())
@@ -146,9 +152,28 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
     return found
 
 
+def _chained(seen: list[list[tuple[tuple, dict]]], outs: list[list[Any]], budget: int = 256) -> bool:
+    """Whether module 1's input is computed from module 0's output (found within ``budget`` autograd nodes)."""
+    if len(seen) < 2 or not seen[0] or not seen[1] or not outs[0]:
+        return False
+    targets = {t.grad_fn for t in torch.utils._pytree.tree_leaves(outs[0][0])
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [a.grad_fn for a in torch.utils._pytree.tree_leaves((seen[1][0][0], seen[1][0][1]))
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+    visited: set = set()
+    while todo and len(visited) < budget:
+        fn = todo.pop()
+        if fn in targets:
+            return True
+        if fn in visited:
+            continue
+        visited.add(fn)
+        todo.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
+
+
 def _why_not_experts(seen: list[list[tuple[tuple, dict]]]) -> str | None:
-    """None when every module was called once with the same positional tensors; "" when the list is not called
-    the way experts are at all (e.g. a transformer's layers: no note), else the reason."""
+    """None when every module was called once with the same positional tensors, else the reason."""
     if any(len(s) == 0 for s in seen) and all(len(s) <= 1 for s in seen):
         idle = [i for i, s in enumerate(seen) if not s]
         return f"module(s) {idle} are never called in the step"
@@ -159,10 +184,9 @@ def _why_not_experts(seen: list[list[tuple[tuple, dict]]]) -> str | None:
         return "its modules are called with keyword arguments"
     if not args0 or not all(isinstance(a, torch.Tensor) for a in args0):
         return "its modules take non-tensor arguments"
-    chained = any(any(a is not b for a, b in zip(s[0][0], args0)) or len(s[0][0]) != len(args0) for s in seen[1:])
-    if chained:
-        return ("its modules receive different inputs (each its own tokens, or one after another); only dense "
-                "dispatch, every expert on the same tokens weighted by the router's gates, is batched")
+    if any(len(s[0][0]) != len(args0) or any(a is not b for a, b in zip(s[0][0], args0)) for s in seen[1:]):
+        return ("its modules receive different inputs (each its own tokens); only dense dispatch, every expert on "
+                "the same tokens weighted by the router's gates, is batched")
     return None
 
 

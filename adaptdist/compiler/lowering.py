@@ -165,6 +165,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
             global_shapes, state_placements,
         )
         programs[rank].plan = plan
+        programs[rank].stacked = {f: list(ms) for f, ms in captured.stacked.items()}
         codegen_s += time.perf_counter() - t_gen
     programs = dict(sorted(programs.items()))
     check_collectives(programs)
@@ -263,11 +264,28 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
     m = plan.mesh(world_size, mesh)
     shapes = {gmeta.get_fqn(p): tuple(p.meta["val"].shape) for p in captured.gm.graph.find_nodes(op="placeholder")
               if gmeta.get_role(p) != "batch"}
+    if captured.stacked and "ep" in plan.mesh_axes:
+        plan = _ep_for_expert_lists(plan, shapes, captured.stacked)
     axis_pl = plan.axis_placements(shapes, set(captured.param_fqns), {a: m.size(a) for a in m.names})
     fqns = sorted({f for pl in axis_pl.values() for f in pl})
     return Plan(mesh=m.as_dict(), batch_axis=plan.batch_axis,
                 param_placements={f: tuple(axis_pl.get(a, {}).get(f, Replicate()) for a in m.names) for f in fqns},
                 graph_fingerprint=graph_fingerprint(captured.gm), name=plan.name)
+
+
+def _ep_for_expert_lists(plan: "ManualPlan", shapes: dict[str, tuple[int, ...]], stacked: dict[str, list[str]]
+                         ) -> "ManualPlan":
+    """``plan`` with every ModuleList expert's stacked parameter (``stacked``: :mod:`.expert_lists`) placed
+    ``S(0)`` (its expert dim) on the ``ep`` mesh axis, after the plan's own globs (which win), and ``R`` on the
+    others; a glob of the plan that matches no parameter is dropped (a model file's ``EP_PLAN`` written for the
+    stacked form, ``moe.w_in``, while this model's experts are a list)."""
+    import fnmatch
+
+    k = plan.mesh_axes.index("ep")
+    params = tuple((g, pls) for g, pls in plan.params if any(fnmatch.fnmatchcase(f, g) for f in shapes))
+    extra = tuple((f, tuple("S(0)" if i == k else "R" for i in range(len(plan.mesh_axes)))) for f in stacked
+                  if not any(fnmatch.fnmatchcase(f, g) for g, _ in params))
+    return dataclasses.replace(plan, params=params + extra)
 
 
 def lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *,
