@@ -80,6 +80,7 @@ class RankProgram:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     stacked: dict[str, list[str]] = field(default_factory=dict)  # ModuleList experts: stacked name -> user names
+    notes: list[str] = field(default_factory=list)  # capture's notes (ModuleLists not taken as experts), not saved
     batch_specs: list[tuple[list[int], str]] = field(default_factory=list)
     state_placements: dict[str, list[str]] = field(default_factory=dict)
     global_shapes: dict[str, list[int]] = field(default_factory=dict)

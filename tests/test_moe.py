@@ -313,11 +313,22 @@ def test_index_add_along_the_batch_gathers_and_equals_eager():
     assert any(k == "all_gather_into_tensor" for k, _ in _collectives(progs[0]))
 
 
-def test_ep_preset_on_module_list_experts_names_the_glob():
-    """``--plan ep`` on ModuleList experts: EP_PLAN's stacked-weight globs match nothing, and the error says so."""
+def test_ep_preset_on_module_list_experts_shards_the_stacked_list():
+    """``--plan ep`` on ModuleList experts: EP_PLAN's stacked-weight globs match nothing here and are dropped; the
+    list, captured stacked (compiler/expert_lists.py), is split on its expert dim (tests/test_expert_lists.py)."""
     from adaptdist.compiler.lowering import resolve_plan
 
     model, batch, loss_fn = moe.list_factory(4)
+    plan = resolve_plan(ManualPlan.parse("ep", moe), capture(model, batch, loss_fn), 2)
+    assert plan.param_placements["moe.experts.*.fc.weight"] == (Shard(0),) and "moe.w_in" not in plan.param_placements
+
+
+def test_ep_preset_without_experts_names_the_glob():
+    """A model with neither stacked experts nor a ModuleList of them: EP_PLAN's globs match nothing, and the error
+    says so."""
+    from adaptdist.compiler.lowering import resolve_plan
+
+    model, batch, loss_fn = _IndexAlongBatch(), (torch.randn(4, 6), torch.randn(4, 6)), torch.nn.functional.mse_loss
     with pytest.raises(UsageError, match=r"'moe.w_in' matches no parameter"):
         resolve_plan(ManualPlan.parse("ep", moe), capture(model, batch, loss_fn), 2)
 

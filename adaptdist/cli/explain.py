@@ -41,6 +41,10 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
     t0 = time.perf_counter()
     captured = capture(model, example, loss_fn)
+    from ..compiler.expert_lists import expert_lines
+
+    for line in expert_lines(captured.stacked, captured.notes):
+        console.print(line)
     from ..compiler.planner.explain import find_node
     from ..compiler.planner.graph import build_planning_graph
 

@@ -302,6 +302,10 @@ def cmd_plan(args) -> int:
         table.add_row(f, str(p0.global_shapes[f]), text,
                       str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
     console.print(table)
+    from ..compiler.expert_lists import expert_lines
+
+    for line in expert_lines(p0.stacked, p0.notes):
+        console.print(line)
     console.print(device_table(programs, cluster, est))
     console.print(placement_line(p0.plan))
     calls = collective_calls(p0)

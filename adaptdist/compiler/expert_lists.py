@@ -294,6 +294,19 @@ def fold_stack_of_unbind(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def expert_lines(stacked: dict[str, list[str]], notes: list[str]) -> list[str]:
+    """What ``adaptdist plan`` / ``explain`` print about ModuleList experts: one line per recognised list (its
+    stacked names) and each note of a list of identical modules left as it is."""
+    lists: dict[str, list[str]] = {}
+    for s, members in stacked.items():
+        prefix = s.split(f".{STAR}.")[0]
+        lists.setdefault(prefix, []).append(s)
+    out = [f"experts {p}: {len(stacked[names[0]])} ModuleList experts held stacked on their expert dim as "
+           f"{', '.join(names)} (an ep axis or the planner places them per rank; weights saved under their own "
+           "names)" for p, names in lists.items()]
+    return out + [f"note: {n}" for n in notes]
+
+
 def stack_state(named: dict[str, torch.Tensor], stacked: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     """The stacked values ``{stacked name: torch.stack(members)}`` from a model's ``named`` tensors."""
     return {s: torch.stack([named[m].detach() for m in members]) for s, members in stacked.items()}

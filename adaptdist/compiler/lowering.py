@@ -166,6 +166,7 @@ def _lower_mesh(captured: CapturedGraph, plan: Plan, options: LoweringOptions, *
         )
         programs[rank].plan = plan
         programs[rank].stacked = {f: list(ms) for f, ms in captured.stacked.items()}
+        programs[rank].notes = list(captured.notes)
         codegen_s += time.perf_counter() - t_gen
     programs = dict(sorted(programs.items()))
     check_collectives(programs)

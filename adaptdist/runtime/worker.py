@@ -583,6 +583,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     """
     from safetensors.torch import save_file
 
+    from ..compiler.expert_lists import unstack_state
     from .checkpoint import as_global, ordered_device_mesh
 
     out = Path(cfg.out_dir)
@@ -594,6 +595,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
 
         full = gather_full_weights(program, runner.state)
         if rank == 0:
+            full = unstack_state(full, getattr(program, "stacked", {}))
             tmp = out / "model.safetensors.tmp"
             save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
             tmp.replace(out / "model.safetensors")
@@ -604,6 +606,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     names = list(program.input_fqns) + sorted(set(runner.state) - set(program.input_fqns))
     model = {f: as_global(runner.state[f], f, program, device_mesh, ordered) for f in names}
     full = {f: (t.full_tensor() if hasattr(t, "full_tensor") else t) for f, t in model.items()}  # collective
+    full = unstack_state(full, program.stacked)  # ModuleList experts under the user's names (expert_lists.py)
     if rank == 0:
         tmp = out / "model.safetensors.tmp"
         save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
