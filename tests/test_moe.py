@@ -50,7 +50,10 @@ def run_sgd(model, batch, loss_fn, plan, world: int, mesh_text: str | None = Non
     mesh = p0.plan.mesh_spec
     order = lowering_order(mesh, p0.plan.batch_axis)
     history, final = eager_sgd(model, [batch], loss_fn, LR, steps)
+    stack = lambda d: {**d, **{s: torch.stack([d[m] for m in ms]) for s, ms in p0.stacked.items()}}  # noqa: E731
+    final = stack(final)  # ModuleList experts are held stacked (compiler/expert_lists.py)
     for step, (loss, grads) in enumerate(history):
+        grads = stack(grads)
         ins = [[p.state[f] for f in p.input_fqns] + list(p.local_batch(batch)) for p in progs.values()]
         outs = simulate_ranks([p.module for p in progs.values()], ins, mesh)
         for r, p in progs.items():
