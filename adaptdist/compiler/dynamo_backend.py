@@ -42,6 +42,8 @@ from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
+from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
+from .expert_lists import fold_stack_of_unbind
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -322,14 +324,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         atexit.register(destroy_process_groups_at_exit)
     _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error, as_is = [], None, [], "", False
+    cap_inputs, experts = [], StackedExperts()
     control = _control_group() if distributed else None
     try:
         inputs = classify_inputs(gm, example_inputs)
         check_batch_norm(gm, config.batch_norm)
         as_is = _runs_as_is(gm, inputs)
         if not as_is:
+            # ModuleList experts: one stacked [E, ...] input per parameter name (issue 14, ep)
+            cap_gm, cap_inputs, experts = stack_dynamo_experts(gm, inputs)
             with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-                captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm)
+                captured, tangent_outputs = capture_all_ranks(cap_gm, cap_inputs, world, config.batch_norm)
+            if experts.stacked:
+                captured.stacked, captured.notes = experts.stacked, experts.notes
+                fold_stack_of_unbind(captured.gm)
+            for note in experts.notes:
+                log.info("adaptdist: %s", note)
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
         hint = _data_dependent_hint()
         if not distributed:
@@ -365,7 +375,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                      config.lowering_options())
     program = programs[rank]
     io = _rank_io(programs, rank, world)
-    step_layouts = _layouts(program, programs, inputs)
+    step_layouts, expert_rows = _member_layouts(_layouts(program, programs, cap_inputs), experts, inputs, rank)
     sharded = {inputs[k].source for k in step_layouts if inputs[k].kind == "param"}
     # parameters hold their shards from the first call on (adaptdist.runtime.sharded_params): the module's
     # hooks (installed once, whatever this graph's plan: a later graph after a break may shard) and no size
@@ -393,7 +403,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         # by torch's group name, not the group object (CompiledStep.process_groups says why)
         groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
-    step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
+    step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank, cap_inputs, experts,
+                          expert_rows)
     step.process_groups = groups
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
@@ -619,9 +630,45 @@ def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]
     return out
 
 
+def _member_layouts(layouts: dict[int, ShardLayout], experts: StackedExperts, inputs: list[GraphInput], rank: int
+                    ) -> tuple[dict[int, ShardLayout], dict[tuple[int, ...], tuple[list[bool], tuple[int, ...]]]]:
+    """Layouts by captured input index -> by Dynamo input index: a stacked experts' layout becomes one per member
+    (expert e's shard on rank r: its rows of the stacked value's other dims where r holds e, empty elsewhere), so
+    each rank's parameter objects hold only its experts; and per stacked input, which members this rank holds and
+    the shape of its stacked value."""
+    if not experts.origin:
+        return layouts, {}
+    out: dict[int, ShardLayout] = {}
+    rows: dict[tuple[int, ...], tuple[list[bool], tuple[int, ...]]] = {}
+    for j, o in enumerate(experts.origin):
+        lay = layouts.get(j)
+        if not isinstance(o, list):
+            if lay is not None:
+                out[o] = lay
+            continue
+        shape = tuple(inputs[o[0]].global_shape)
+        if lay is None:
+            rows[tuple(o)] = ([True] * len(o), (len(o), *shape))
+            continue
+        mine = lay.ranges[rank]
+        rows[tuple(o)] = ([mine[0][0] <= e < mine[0][1] for e in range(len(o))], tuple(hi - lo for lo, hi in mine))
+        pls = {a: ("R" if p == "S(0)" else f"S({int(p[2:-1]) - 1})" if p.startswith("S(") else p)
+               for a, p in lay.placements.items()}
+        for e, k in enumerate(o):
+            ranges = [r[1:] if r[0][0] <= e < r[0][1] else [[0, 0]] + r[2:] for r in lay.ranges]
+            out[k] = ShardLayout(inputs[k].fqn, shape, pls, ranges, lay.plan_json)
+    return out, rows
+
+
 def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], inputs: list[GraphInput],
-                   tangent_outputs: list[int], io: RankIO, world: int, rank: int) -> CompiledStep:
-    index_of = {i.fqn: k for k, i in enumerate(inputs) if i.kind != "input"}
+                   tangent_outputs: list[int], io: RankIO, world: int, rank: int,
+                   cap_inputs: list[GraphInput] | None = None, experts: StackedExperts | None = None,
+                   expert_rows: dict | None = None) -> CompiledStep:
+    """``inputs``: the Dynamo graph's; ``cap_inputs``: the captured graph's (ModuleList experts stacked,
+    ``experts.origin`` maps them back)."""
+    cap_inputs = cap_inputs or inputs
+    origin = experts.origin if experts is not None and experts.origin else list(range(len(inputs)))
+    index_of = {i.fqn: origin[k] for k, i in enumerate(cap_inputs) if i.kind != "input"}
     state_order = [index_of[f] for f in program.input_fqns]
     input_order = [k for k, i in enumerate(inputs) if i.kind == "input"]
     grad_params = [index_of[f] for f in program.param_fqns]
@@ -631,7 +678,7 @@ def _compiled_step(split: Any, program: Any, layouts: dict[int, ShardLayout], in
         raise AdaptdistError(f"the program has {len(roles)} input gradients for {len(differentiable_inputs)} "
                              "inputs that require grad")
     return CompiledStep(split, [i.kind for i in inputs], state_order, input_order, grad_params, layouts, io,
-                        world, tangent_outputs, differentiable_inputs, rank, program)
+                        world, tangent_outputs, differentiable_inputs, rank, program, expert_rows)
 
 
 def _note_graph_breaks(gm: torch.fx.GraphModule) -> None:

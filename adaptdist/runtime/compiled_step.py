@@ -97,10 +97,11 @@ class CompiledStep:
         split: the rank's program split into forward and backward (:mod:`adaptdist.compiler.partition`).
         kinds: per Dynamo placeholder, ``param``, ``buffer`` or ``input``.
         state_order: per program state input (params, frozen params, buffers in the program's order), the
-            Dynamo placeholder index it comes from.
+            Dynamo placeholder index it comes from, or for ModuleList experts held stacked
+            (:mod:`adaptdist.compiler.dynamo_expert_lists`) the list of their members' indices, in expert order.
         input_order: Dynamo placeholder indices of the user inputs, in the program's batch order.
         grad_params: Dynamo placeholder indices of the parameters whose gradients the program returns, in
-            its ``grad:`` output order.
+            its ``grad:`` output order (a list of members for a stacked one: its gradient is split into theirs).
         layouts: sharded parameters by Dynamo placeholder index.
         io: the row layout of this rank.
         world_size: ``W`` (gradients of parameters are divided by it).
@@ -108,12 +109,16 @@ class CompiledStep:
         grad_inputs: per ``grad_in:k`` output of the program, the user input (program batch index) it is for.
         rank: this rank.
         program: the whole (unsplit) RankProgram, for inspection (``mesh``, ``collectives()``).
+        expert_rows: per stacked entry of ``state_order`` (its members as a tuple), whether this rank holds each
+            member (its row of the stacked value) and the shape of this rank's stacked value.
     """
 
-    def __init__(self, split: SplitProgram, kinds: list[str], state_order: list[int], input_order: list[int],
-                 grad_params: list[int], layouts: dict[int, ShardLayout], io: RankIO, world_size: int,
-                 tangent_outputs: list[int], grad_inputs: list[int], rank: int, program: Any = None):
+    def __init__(self, split: SplitProgram, kinds: list[str], state_order: list[Any], input_order: list[int],
+                 grad_params: list[Any], layouts: dict[int, ShardLayout], io: RankIO, world_size: int,
+                 tangent_outputs: list[int], grad_inputs: list[int], rank: int, program: Any = None,
+                 expert_rows: dict[tuple[int, ...], tuple[list[bool], tuple[int, ...]]] | None = None):
         self.split = split
+        self.expert_rows = expert_rows or {}
         self.program = program
         self.kinds = kinds
         self.state_order = state_order
@@ -155,7 +160,7 @@ class CompiledStep:
         elif self.calls == 1:
             self.first_step_done()
         self.calls += 1
-        differentiable = [i for i in self.grad_params] + [self.input_order[k] for k in self.grad_inputs]
+        differentiable = _flat(self.grad_params) + [self.input_order[k] for k in self.grad_inputs]
         # no backward will come under no_grad() (an eval loop): the forward then keeps nothing for it
         keep = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         outs = _StepFunction.apply(self, differentiable, keep, *args)
@@ -176,7 +181,10 @@ class CompiledStep:
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return
         fqns = self.program.input_fqns if self.program is not None else [str(i) for i in self.state_order]
-        todo = [(f, args[i]) for f, i in zip(fqns, self.state_order) if layout_of(args[i]) is None]
+        named = [(f"{f}[{e}]", m) for f, i in zip(fqns, self.state_order)
+                 for e, m in enumerate(i if isinstance(i, list) else [i])]
+        todo = [(f, args[i]) for f, i in (named if self.expert_rows else zip(fqns, self.state_order))
+                if layout_of(args[i]) is None]
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for f, t in todo:
             by_dtype.setdefault(t.dtype, []).append((f, t))
@@ -204,13 +212,18 @@ class CompiledStep:
             if self.kinds[i] == "param":
                 shard_parameter(args[i], layout, self.rank)
 
-    def state_input(self, args: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+    def state_input(self, args: Sequence[torch.Tensor], i: Any) -> torch.Tensor:
         """Dynamo input ``i`` (a parameter or buffer) as the program takes it: this rank's shard if sharded
-        (a parameter's from its layout, as it may hold a placeholder now; a sharded buffer is sliced).
+        (a parameter's from its layout, as it may hold a placeholder now; a sharded buffer is sliced). For a list
+        of ModuleList experts' members, the rows this rank holds, stacked (``[E_local, ...]``).
 
         Raises:
             AdaptdistError: a sharded buffer is neither its full shape nor this rank's shard.
         """
+        if isinstance(i, list):
+            held, local = self.expert_rows[tuple(i)]
+            parts = [self.state_input(args, m) for m, h in zip(i, held) if h]
+            return torch.stack(parts) if parts else args[i[0]].new_empty(local)
         t = args[i].detach()
         layout = self.layouts.get(i)
         if layout is None:
@@ -283,9 +296,36 @@ class CompiledStep:
         inputs = list(program_inputs) + tangents
         res = sp.backward(*saved, *[inputs[i] for i in sp.backward_inputs])
         by_role = dict(zip(sp.backward_roles, res))
-        param_grads = [by_role[r] / self.world_size for r in sp.backward_roles if r.startswith("grad:")]
+        param_grads = self._member_grads([by_role[r] / self.world_size for r in sp.backward_roles
+                                          if r.startswith("grad:")])
         input_grads = [self.own_row(by_role[f"grad_in:{k}"]) for k in range(len(self.grad_inputs))]
         return param_grads, input_grads
+
+
+    def _member_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The program's parameter gradients in ``grad_params`` order, each stacked experts' gradient split into
+        its members' (a held member's row; an empty gradient for a member another rank holds)."""
+        if not self.expert_rows:
+            return grads
+        out = []
+        for i, g in zip(self.grad_params, grads):
+            if not isinstance(i, list):
+                out.append(g)
+                continue
+            held, _ = self.expert_rows[tuple(i)]
+            rows = iter(g.unbind(0))
+            for m, h in zip(i, held):
+                if h:
+                    out.append(next(rows))
+                else:
+                    shape = [hi - lo for lo, hi in self.layouts[m].ranges[self.rank]]
+                    out.append(g.new_zeros(shape))
+        return out
+
+
+def _flat(entries: list[Any]) -> list[int]:
+    """Dynamo input indices, a stacked entry's members in its place."""
+    return [m for i in entries for m in (i if isinstance(i, list) else [i])]
 
 
 def _refuse_eager_parameters(args: Sequence[Any], limit: int = 100_000) -> None:
