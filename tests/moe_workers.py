@@ -87,6 +87,7 @@ def moe_backend_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                         "meshes": [s.mesh for s in be.compiled], "collectives": [s.collectives() for s in be.compiled],
                         "gathered": [gathered_params(s.program) for s in be.compiled],
                         "placements": [getattr(p, "_adaptdist_layout", None) is not None for p in model.parameters()],
+                        "local_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
                         "warnings": [str(w.message) for w in caught]})
         return out
     finally:

@@ -189,19 +189,21 @@ def test_backend_on_two_gloo_ranks_equals_eager():
     rank dim out of the expert dim: adaptdist/compiler/expert_batching.py): tokens move by all_to_all and no
     all_gather moves an expert weight; 3 experts on 2 ranks, one that no token picks: its gradients exactly
     zero. ``plan="ep"`` reads moe.py's EP_PLAN (``ep-module``: ``ManualPlan.parse("ep", moe)``). ModuleList experts
-    under ``ep`` are refused as ``adaptdist train`` refuses them (EP_PLAN's globs match no parameter)."""
+    under ``ep`` (compiler/dynamo_expert_lists.py): each rank's expert parameters hold only its experts (4 on 2
+    ranks: 2 + 2; 3 on 2: 2 + 1, the last never picked), gradients and parameters equal eager's under the user's
+    names."""
     from adaptdist.runtime.launch import launch_local
     from moe_workers import moe_backend_worker, starve_last_expert
 
     cases = [dict(form=FORMS["stacked-scatter_add"], plan="ep", batch=4),
              dict(form=dict(FORMS["stacked-index_add"], n_experts=3, k=1), plan="ep-module", batch=4, dead_expert=True),
-             dict(form=FORMS["list-index_add"], plan="auto", batch=4)]
+             dict(form=FORMS["list-index_add"], plan="auto", batch=4),
+             dict(form=FORMS["list-index_add"], plan="ep", batch=4),
+             dict(form=dict(FORMS["list-scatter_add"], n_experts=3, k=1), plan="ep", batch=4, dead_expert=True)]
     where = dict(form=dict(experts="list", dispatch="where"), plan="dp", batch=4)  # refused, with the advice
-    list_ep = dict(form=FORMS["list-index_add"], plan="ep", batch=4)  # refused: no stacked expert weight
-    results = launch_local(moe_backend_worker, (cases + [where, list_ep], STEPS, LR), 2)
+    results = launch_local(moe_backend_worker, (cases + [where], STEPS, LR), 2)
     for r in range(2):
-        assert re.search(r"(?s)depends on the data.*dense dispatch", results[r][-2].get("error", "")), results[r][-2]
-        assert "'moe.w_in' matches no parameter" in results[r][-1].get("error", ""), results[r][-1]
+        assert re.search(r"(?s)depends on the data.*dense dispatch", results[r][-1].get("error", "")), results[r][-1]
     for k, case in enumerate(cases):
         model, (x, y), loss_fn = moe.factory(case["batch"], **case["form"])
         if case.get("dead_expert"):
@@ -217,8 +219,10 @@ def test_backend_on_two_gloo_ranks_equals_eager():
                     torch.testing.assert_close(got["grads"][s][n], p.grad, atol=TOL, rtol=0, msg=f"{case} {r} {s} {n}")
                 if case.get("dead_expert"):  # no token reaches expert 2: exactly zero, in eager and here
                     eager = dict(model.named_parameters())
-                    for n in ("moe.w_in", "moe.w_out"):
-                        assert got["grads"][s][n][-1].abs().max() == 0 == eager[n].grad[-1].abs().max(), (n, s)
+                    last = ([("moe.w_in", -1), ("moe.w_out", -1)] if case["form"]["experts"] == "stacked" else
+                            [(n, slice(None)) for n in eager if n.startswith("moe.experts.2.")])
+                    for n, i in last:
+                        assert got["grads"][s][n][i].abs().max() == 0 == eager[n].grad[i].abs().max(), (n, s)
             opt.step()
             opt.zero_grad()
         for r in range(2):
@@ -229,7 +233,16 @@ def test_backend_on_two_gloo_ranks_equals_eager():
                 assert got["meshes"] == [{"ep": 2}], got["meshes"]
                 assert got["gathered"] == [[]], got["gathered"]  # no all_gather moves an expert weight (nor any)
                 assert any("all_to_all" in c for c in got["collectives"][0]), got["collectives"]
-                assert got["placements"][[n for n, _ in model.named_parameters()].index("moe.w_in")]  # held sharded
+                if case["form"]["experts"] == "stacked":
+                    assert got["placements"][[n for n, _ in model.named_parameters()].index("moe.w_in")]  # sharded
+                else:  # each rank's expert parameters hold its experts only (torch.chunk's split), empty the others
+                    e = case["form"].get("n_experts", 4)
+                    mine = list(torch.arange(e).chunk(2)[r].tolist())
+                    for n, shape in got["local_shapes"].items():
+                        if n.startswith("moe.experts."):
+                            full = list(dict(model.named_parameters())[n].shape)
+                            held = int(n.split(".")[2]) in mine
+                            assert shape == (full if held else [0] + full[1:]), (r, n, shape)
         assert not any("graph break" in w for w in results[0][k]["warnings"]), results[0][k]["warnings"]
 
 
