@@ -34,6 +34,10 @@ class Small(nn.Module):
 def make_model(seed: int = 0, kind: str = "small") -> nn.Module:
     """``small`` (:class:`Small`) or ``gpt`` (the built-in GPT, dim 32, 4 heads: tensor-parallel by heads)."""
     torch.manual_seed(seed)
+    if kind == "moe-list":  # 4 experts as an nn.ModuleList: under ep each rank holds 2 (compiler/expert_lists.py)
+        from adaptdist.models.moe import MoEModel
+
+        return MoEModel(16, 32, 4, 2, experts="list", combine="index_add")
     if kind == "gpt":
         from adaptdist.models.gpt import GPT, GPTConfig
 
@@ -46,6 +50,11 @@ def backend_for(case: dict):
     from backend_workers import make_plan
 
     kind = case.get("model", "small")
+    if kind == "moe-list" and case["plan"] == "ep":
+        from adaptdist.annotations import ManualPlan
+        from adaptdist.models import moe
+
+        return adaptdist.backend(plan=ManualPlan.parse("ep", moe))
     return adaptdist.backend(plan=make_plan("gpt" if kind == "gpt" else kind, case["plan"]), mesh=case.get("mesh"))
 
 
@@ -59,12 +68,16 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 def batch(step: int, kind: str = "small", rows: int = GLOBAL_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
+    if kind == "moe-list":
+        return torch.randn(rows, 3, 16, generator=g), torch.randn(rows, 3, 16, generator=g)
     if kind == "gpt":
         return torch.randint(0, 256, (rows, 8), generator=g), torch.randint(0, 256, (rows, 8), generator=g)
     return torch.randn(rows, 12, generator=g), torch.randint(0, 4, (rows,), generator=g)
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if y.is_floating_point():  # moe-list: regression
+        return F.mse_loss(out, y)
     return F.cross_entropy(out.flatten(0, -2), y.flatten())
 
 
@@ -81,7 +94,9 @@ def full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` (a parameter, or a state tensor of parameter ``like``) as the full tensor (all_gathered where
     ``like`` holds a shard: a collective)."""
     layout = getattr(like, "_adaptdist_layout", None)
-    if layout is None or tuple(t.shape) != tuple(like.shape) or tuple(like.shape) == tuple(layout.global_shape):
+    whole_or_none = getattr(layout, "whole_or_none", False)  # a ModuleList expert: whole on some ranks, gathered on all
+    if layout is None or tuple(t.shape) != tuple(like.shape) or (
+            tuple(like.shape) == tuple(layout.global_shape) and not whole_or_none):
         return t.detach().clone()
     return layout.gather(t.detach())
 

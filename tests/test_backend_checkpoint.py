@@ -181,6 +181,36 @@ def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_module_list_experts_under_ep_save_under_their_names_and_load_under_ep_dp_and_uncompiled(tmp_path):
+    """ModuleList experts under ``ep`` (each rank holds 2 of 4 experts whole, the others empty): the checkpoint has
+    each expert once under its own name (``moe.experts.3.fc.weight``), from the rank holding it; loaded on 2 ranks
+    under ep and dp (after the first compiled call) and into an uncompiled model in this process, the parameters
+    and momentum equal the saved ones bitwise, and training on equals the uninterrupted run."""
+    root = str(tmp_path / "ep")
+    case = dict(root=root, plan="ep", opt="sgd", save_at=2, steps=3, model="moe-list")
+    saved = launch_local(save_worker, ([case],), 2)
+    layouts = saved[0][0]["saved"]["layouts"]
+    assert layouts["moe.experts.0.fc.weight"] == [[[0, 32], [0, 16]], [[0, 0], [0, 16]]], layouts
+    assert layouts["moe.experts.3.fc.bias"] == [[[0, 0]], [[0, 32]]], layouts
+    loads = [dict(case, order="after"), dict(case, plan="dp", order="after")]
+    loaded = launch_local(load_worker, (loads,), 2)
+    for k, load in enumerate(loads):
+        for r in range(2):
+            _assert_equal_snapshots(loaded[r][k]["loaded"], saved[0][0]["saved"], f"{load['plan']} rank {r}")
+            _assert_close_params(loaded[r][k]["final"], saved[0][0]["final"], f"{load['plan']} rank {r}", atol=1e-5)
+    model = make_model(2, "moe-list")
+    opt = make_optimizer(model, "sgd")
+    assert adaptdist.load_checkpoint(root, model, opt)[0] == 2
+    _assert_equal_snapshots(snapshot(model, opt), saved[0][0]["saved"], "world 1")
+    import torch.distributed.checkpoint as dcp
+
+    where = next(Path(root).glob("step-*"))
+    keys = set(dcp.FileSystemReader(str(where)).read_metadata().state_dict_metadata)
+    assert "model/moe.experts.3.fc.weight" in keys and not any("*" in k for k in keys), sorted(keys)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tensor_parallel_checkpoint_loads_on_a_2d_mesh_and_under_the_automatic_plan(tmp_path):
     """The GPT saved tensor-parallel on 2 ranks (attention and MLP weights sharded by heads / features), loaded

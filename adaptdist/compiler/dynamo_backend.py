@@ -656,7 +656,8 @@ def _member_layouts(layouts: dict[int, ShardLayout], experts: StackedExperts, in
                for a, p in lay.placements.items()}
         for e, k in enumerate(o):
             ranges = [r[1:] if r[0][0] <= e < r[0][1] else [[0, 0]] + r[2:] for r in lay.ranges]
-            out[k] = ShardLayout(inputs[k].fqn, shape, pls, ranges, lay.plan_json)
+            whole = all(all(hi - lo == n for (lo, hi), n in zip(r, shape)) or r[0][1] == r[0][0] for r in ranges)
+            out[k] = ShardLayout(inputs[k].fqn, shape, pls, ranges, lay.plan_json, whole_or_none=whole)
     return out, rows
 
 

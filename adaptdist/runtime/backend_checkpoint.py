@@ -176,6 +176,8 @@ def _as_global(local: torch.Tensor, layout: Any, meshes: _Meshes) -> torch.Tenso
     if world != len(layout.ranges):
         raise AdaptdistError(f"parameter {layout.fqn} was sharded over {len(layout.ranges)} ranks but the process "
                              f"group has {world}: save the checkpoint on every rank of the job that compiled it")
+    if getattr(layout, "whole_or_none", False):  # a ModuleList expert this rank holds whole: a plain tensor
+        return local
     device_mesh, order, sizes = meshes.get(layout, local.device.type)
     placements = {a: parse_placement(layout.placements[a]) for a in order}
     # every rank's box by DTensor's rule (torch.chunk, mesh dims left to right), checked against the layout's
@@ -287,8 +289,10 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     shapes: dict[str, list[int]] = {}
     for name, t in _model_state(inner).items():
         layout = layout_of(t)
-        state[f"model/{name}"] = t.detach() if layout is None else _as_global(t.detach(), layout, meshes)
         shapes[name] = _global_shape(t)
+        if _elsewhere(layout, rank):
+            continue  # an expert another rank holds whole: saved by that rank, under its own name
+        state[f"model/{name}"] = t.detach() if layout is None else _as_global(t.detach(), layout, meshes)
     opt_tensors, opt_scalars, groups, params = _optimizer_entries(inner, optimizer)
     opt_meta: dict[str, dict[str, Any]] = {}
     for pname, entries in opt_tensors.items():
@@ -296,8 +300,9 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         layout = layout_of(p)
         for k, v in entries.items():
             like = tuple(v.shape) == tuple(p.shape) and (layout is not None or v.dim() > 0)
-            state[f"optim/{pname}/{k}"] = (_as_global(v.detach(), layout, meshes) if like and layout is not None
-                                           else v.detach())
+            if not (like and _elsewhere(layout, rank)):
+                state[f"optim/{pname}/{k}"] = (_as_global(v.detach(), layout, meshes) if like and layout is not None
+                                               else v.detach())
             opt_meta.setdefault(pname, {})[k] = {
                 "shape": _global_shape(p) if like else list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
                 "like_param": like, "device_type": v.device.type}
@@ -402,6 +407,12 @@ def _target(like: torch.Tensor, layout: Any, meshes: _Meshes) -> torch.Tensor:
     return like if layout is None else _as_global(like, layout, meshes)
 
 
+def _elsewhere(layout: Any, rank: int) -> bool:
+    """Whether ``layout`` is a ModuleList expert's (each rank holds it whole or not at all) and this rank does not
+    hold it."""
+    return layout is not None and getattr(layout, "whole_or_none", False) and not layout.held_whole(rank)
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     log_fn: Callable[[str], None] | None = None) -> tuple[int, dict] | None:
     """Load the newest good checkpoint under the root ``path`` into ``model`` (and ``optimizer``), whatever the
@@ -438,6 +449,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     targets: dict[str, torch.Tensor] = {}
     dest: dict[str, torch.Tensor] = {}
     for name, t in own.items():
+        if _elsewhere(layout_of(t), rank):
+            continue  # an expert another rank holds: this rank reads nothing of it
         local = t.detach()
         dest[f"model/{name}"] = local
         targets[f"model/{name}"] = _target(local, layout_of(t), meshes)
@@ -476,9 +489,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                     cur = torch.zeros(want_shape, dtype=dtype, device=device)
                 cur = cur.detach()
                 key = f"optim/{pname}/{k}"
+                st[k] = cur
+                if info["like_param"] and _elsewhere(layout, rank):
+                    continue
                 dest[key] = cur
                 targets[key] = _target(cur, layout, meshes) if info["like_param"] else cur
-                st[k] = cur
             st.update(ometa.get("scalars", {}).get(pname, {}))
             new_state[p] = st
 

@@ -51,6 +51,13 @@ class ShardLayout:
     plan_json: str = ""
     shard: torch.Tensor | None = None  # this rank's shard, once the parameter is sharded
     grad: torch.Tensor | None = None  # the shard's gradient, set aside while the module runs
+    # an expert of a ModuleList held stacked (compiler/dynamo_expert_lists.py): each rank holds it whole or not at
+    # all (empty on dim 0), which no DTensor placement describes; checkpoints save it from the ranks that hold it
+    whole_or_none: bool = False
+
+    def held_whole(self, rank: int) -> bool:
+        """Whether rank ``rank``'s shard is the whole tensor."""
+        return all(hi - lo == n for (lo, hi), n in zip(self.ranges[rank], self.global_shape))
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
