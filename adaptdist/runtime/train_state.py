@@ -54,8 +54,54 @@ RNG_DIR = "rng"
 def state_shapes(program: RankProgram) -> dict[str, list[int]]:
     """{state name: global shape} of every state tensor of ``program`` (what meta.json records as
     ``state_shapes`` for :func:`~adaptdist.runtime.checkpoint_store.check_same_model`). A state without a
-    recorded global shape (replicated everywhere) has its local shape."""
-    return {f: list(program.global_shapes.get(f, program.state[f].shape)) for f in _state_names(program)}
+    recorded global shape (replicated everywhere) has its local shape. ModuleList experts held stacked appear
+    under their own names (:func:`expert_rows`)."""
+    out = {}
+    rows = expert_rows(program)
+    for f in _state_names(program):
+        shape = list(program.global_shapes.get(f, program.state[f].shape))
+        if f in rows:
+            out.update({m: shape[1:] for m in program.stacked[f]})
+        else:
+            out[f] = shape
+    return out
+
+
+def expert_rows(program: RankProgram) -> dict[str, tuple[int, int]]:
+    """{stacked name: this rank's rows [lo, hi) of its expert dim} for the ModuleList experts that checkpoints keep
+    under the user's names (``moe.experts.3.fc.weight``, each expert whole on the ranks holding it): those whose
+    other dims are not sharded. Another placement (an expert's hidden dim split too) keeps the stacked name."""
+    stacked = getattr(program, "stacked", None) or {}
+    if not stacked:
+        return {}
+    from ..compiler.artifacts import shard_layout
+
+    out = {}
+    layout = None
+    for f in stacked:
+        pls = program.state_placements.get(f, [])
+        if any(p not in ("R", "S(0)") for p in pls):
+            continue
+        if not pls:
+            out[f] = (0, len(stacked[f]))
+            continue
+        layout = layout or shard_layout(program)
+        out[f] = tuple(layout[f]["ranges"][0])
+    return out
+
+
+def _by_expert(program: RankProgram, model: dict, optim: dict) -> None:
+    """Stacked experts' entries of the DCP dicts (in place) -> one plain tensor per expert this rank holds, under
+    its own name (a view of its row); DCP saves each once (from one of the ranks holding it)."""
+    for f, (lo, hi) in expert_rows(program).items():
+        members = program.stacked[f]
+        local = _local(model.pop(f))
+        model.update({members[e]: local[e - lo] for e in range(lo, hi)})
+        entry = optim.pop(f, None)
+        if entry is not None:
+            for e in range(lo, hi):
+                optim[members[e]] = {k: (_local(v)[e - lo] if isinstance(v, torch.Tensor) and v.dim() else v)
+                                     for k, v in entry.items()}
 
 
 def _state_names(program: RankProgram, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
@@ -106,6 +152,7 @@ def _global_dicts(program: RankProgram, state: Mapping[str, torch.Tensor], optim
                 v = as_global(v.detach(), f, program, device_mesh, ordered)
             entry[k] = v
         optim[f] = entry
+    _by_expert(program, model, optim)
     return model, optim
 
 
@@ -281,7 +328,11 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
         raise CheckpointError(f"{str(dcp_dir)!r} is not a readable torch.distributed.checkpoint "
                               f"({type(e).__name__}: {e})") from None
     saved = md.state_dict_metadata
-    names = _state_names(program, state)
+    rows = expert_rows(program)
+    names = [n for f in _state_names(program, state)
+             for n in ([program.stacked[f][e] for e in range(*rows[f])] if f in rows else [f])]
+    held = {m: (f, e - rows[f][0]) for f in rows for e, m in enumerate(program.stacked[f]) if rows[f][0] <= e < rows[f][1]}
+    local_of = {n: (state[held[n][0]][held[n][1]] if n in held else state[n]) for n in names}
     theirs_model = {k[len("model."):] for k in saved if k.startswith("model.")}
     if set(ours) != theirs_model:  # the whole model's names (a pipeline rank loads only its own: `names`)
         missing, extra = sorted(set(ours) - theirs_model), sorted(theirs_model - set(ours))
@@ -294,22 +345,53 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
             size = list(smd.size) if isinstance(smd, TensorStorageMetadata) else "not a tensor"
             raise CheckpointError(f"checkpoint {str(directory)!r}: state {f!r} has global shape {size} there, "
                                   f"{ours[f]} here; resume with the model it was written for")
-        if smd.properties.dtype != state[f].dtype:
+        if smd.properties.dtype != local_of[f].dtype:
             raise CheckpointError(f"checkpoint {str(directory)!r}: state {f!r} is {smd.properties.dtype} there, "
-                                  f"{state[f].dtype} here")
+                                  f"{local_of[f].dtype} here")
 
     params = _param_names(program, state, optimizer)
     entries = _saved_entries(md)
-    pnames = {f for _, f in params}
+    pnames = {f for _, f in params} | {m for f in rows for m in program.stacked[f]}
     # a pipeline rank's view (runtime/pipeline_programs.CheckpointView) names the parameters of every stage
     unknown = sorted(set(entries) - pnames - set(getattr(program, "all_param_fqns", ())))
     if unknown:
         raise CheckpointError(f"checkpoint {str(directory)!r} has optimizer state for {unknown[:3]}, which this "
                               "run does not train (another model, or other frozen parameters)")
     ordered = ordered_device_mesh(device_mesh, program)  # collective, every rank alike
-    model_sd = {f: as_global(state[f].detach(), f, program, device_mesh, ordered) for f in names}
+    model_sd = {f: local_of[f].detach() if f in held else as_global(state[f].detach(), f, program, device_mesh, ordered)
+                for f in names}
     optim_sd: dict[str, dict[str, Any]] = {}
+    expert_state: dict[str, dict[str, torch.Tensor]] = {}  # stacked name -> its per-element state, whole rows
     for p, f in params:
+        if f in rows:
+            lo, hi = rows[f]
+            members = program.stacked[f]
+            first = members[lo] if hi > lo else members[0]
+            if first not in entries:
+                continue
+            have = optimizer.state.get(p) or {}
+            st: dict[str, Any] = {}
+            for k, smd in sorted(entries[first].items()):
+                if not isinstance(smd, TensorStorageMetadata) or list(smd.size) == []:
+                    st[k] = smd  # a scalar: read from the first member this rank holds (or expert 0's)
+                    continue
+                old = have.get(k)
+                ok = isinstance(old, torch.Tensor) and old.shape == p.shape and old.dtype == smd.properties.dtype
+                st[k] = old.detach() if ok else torch.zeros(p.shape, dtype=smd.properties.dtype, device=p.device)
+            expert_state[f] = st
+            for e, m in enumerate(members):
+                if not (lo <= e < hi) and m != first:
+                    continue
+                entry = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        if lo <= e < hi:
+                            entry[k] = v[e - lo]
+                    elif m == first:
+                        entry[k] = (have.get(k) if not isinstance(v, TensorStorageMetadata) else
+                                    torch.zeros((), dtype=v.properties.dtype, device=p.device))
+                optim_sd[m] = entry
+            continue
         if f not in entries:
             continue
         have = optimizer.state.get(p) or {}
@@ -342,9 +424,25 @@ def load_train_state(directory: str | Path, program: RankProgram, state: Mapping
     with torch.no_grad():
         for f in names:
             got = _local(sd["model"][f])
-            if got.untyped_storage().data_ptr() != state[f].untyped_storage().data_ptr() or got.numel() == 0:
-                state[f].copy_(got)
+            if (got.untyped_storage().data_ptr() != local_of[f].untyped_storage().data_ptr() or got.numel() == 0
+                    or f in held):
+                local_of[f].copy_(got)
     for p, f in params:
+        if f in rows:
+            if f in expert_state:
+                lo, hi = rows[f]
+                first = program.stacked[f][lo] if hi > lo else program.stacked[f][0]
+                loaded = sd["optim"][first]
+                with torch.no_grad():  # DCP read each held expert's rows in place; copied again if it did not
+                    for e in range(lo, hi):
+                        for k, v in expert_state[f].items():
+                            if isinstance(v, torch.Tensor) and k in sd["optim"][program.stacked[f][e]]:
+                                v[e - lo].copy_(_local(sd["optim"][program.stacked[f][e]][k]))
+                optimizer.state[p] = {k: (v if isinstance(v, torch.Tensor) else _local(loaded[k]))
+                                      for k, v in expert_state[f].items()}
+            else:
+                optimizer.state.pop(p, None)
+            continue
         if f in sd["optim"]:
             optimizer.state[p] = {k: _local(v) for k, v in sd["optim"][f].items()}
         else:
