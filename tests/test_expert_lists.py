@@ -133,6 +133,35 @@ def test_list_under_dp_and_fsdp_still_equals_eager(plan):
     run_sgd(model, batch, loss_fn, ManualPlan.parse(plan), 2, steps=1)
 
 
+class _LoopMoE(nn.Module):
+    """Experts as users often combine them: a Python loop adding each expert's output weighted by its column of the
+    router's dense top-k gates (zero where the router did not pick it)."""
+
+    def __init__(self, d: int = 16, hidden: int = 32, n_experts: int = 4, k: int = 2):
+        super().__init__()
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(moe.ExpertMLP(d, hidden) for _ in range(n_experts))
+        self.k = k
+
+    def forward(self, x):
+        w, idx = torch.topk(F.softmax(self.gate(x), -1), self.k, -1)
+        g = torch.zeros(x.shape[0], len(self.experts)).scatter_add(1, idx, w)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + g[:, e:e + 1] * expert(x)
+        return out
+
+
+def test_a_loop_combine_is_recognised_too():
+    """The loop's experts read the same tokens: held stacked and split under ep, equal to eager; each expert's
+    rows of the output are all_gathered for the loop's sums (an activation), never an expert weight."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    progs, _ = run_sgd(_LoopMoE(), (x, y), F.mse_loss, EP, 2)
+    for p in progs.values():
+        assert tuple(p.state["experts.*.fc.weight"].shape) == (2, 32, 16) and gathered_params(p) == []
+
+
 class _Chained(nn.Module):
     """A ModuleList of identical blocks applied one after another (a transformer's layers): not experts."""
 
