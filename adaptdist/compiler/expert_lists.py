@@ -121,11 +121,17 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
         return found
     calls: dict[int, list[tuple[tuple, dict]]] = {}
     outputs: dict[int, list[Any]] = {}
+    chained: set[str] = set()
     handles = []
-    for _, mod in candidates:
-        for child in mod:
-            def pre(m, args, kwargs, _key=id(child)):
+    for prefix, mod in candidates:
+        for i, child in enumerate(mod):
+            def pre(m, args, kwargs, _key=id(child), _i=i, _prefix=prefix, _mod=mod):
                 calls.setdefault(_key, []).append((args, kwargs))
+                if _i == 1 and _prefix not in chained and _chained(
+                        [calls.get(id(_mod[0]), []), calls[_key]], [outputs.get(id(_mod[0]), [])]):
+                    chained.add(_prefix)
+                    if len(chained) == len(candidates):
+                        raise _Decided  # every list is a chain of layers: the rest of the forward tells nothing
 
             def post(m, args, out, _key=id(child)):
                 outputs.setdefault(_key, []).append(out)
@@ -133,16 +139,18 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
             handles.append(child.register_forward_hook(post))
     try:
         step(*batch)  # with autograd: its graph tells a chain of layers from experts on their own inputs
+    except _Decided:
+        return found
     except Exception:  # the export reports the model's own failure; nothing is recognised
         return found
     finally:
         for h in handles:
             h.remove()
     for prefix, mod in candidates:
+        if prefix in chained:
+            continue  # a transformer's layers, one after another: not experts, nothing to say
         name = prefix[strip:]
         seen = [calls.get(id(c), []) for c in mod]
-        if _chained(seen, [outputs.get(id(c), []) for c in mod]):
-            continue  # a transformer's layers, one after another: not experts, nothing to say
         why = _why_not_experts(seen)
         if why is None:
             rel = tuple(n for n, _ in mod[0].named_parameters())
@@ -152,9 +160,14 @@ def probe_expert_lists(step: nn.Module, batch: tuple, strip: int = 0) -> ExpertL
     return found
 
 
+class _Decided(Exception):
+    """Raised by the probe's hook to stop the forward once every candidate list is known to be a chain."""
+
+
 def _chained(seen: list[list[tuple[tuple, dict]]], outs: list[list[Any]], budget: int = 256) -> bool:
-    """Whether module 1's input is computed from module 0's output (found within ``budget`` autograd nodes)."""
-    if len(seen) < 2 or not seen[0] or not seen[1] or not outs[0]:
+    """Whether module 1's (first) input is computed from module 0's (first) output (found within ``budget``
+    autograd nodes)."""
+    if len(seen) < 2 or not seen[0] or not seen[1] or not outs or not outs[0]:
         return False
     targets = {t.grad_fn for t in torch.utils._pytree.tree_leaves(outs[0][0])
                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
