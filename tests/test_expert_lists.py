@@ -237,3 +237,13 @@ def test_adaptdist_train_ep_on_a_list_equals_eager_and_resumes_on_one_rank(tmp_p
     assert set(weights) == set(final), sorted(set(weights) ^ set(final))
     for n, v in final.items():
         torch.testing.assert_close(weights[n], v, atol=TOL, rtol=TOL, msg=n)
+
+
+def test_plan_and_explain_lines_name_the_stacked_experts_and_the_notes():
+    from adaptdist.compiler.expert_lists import expert_lines
+
+    stacked = {"moe.experts.*.fc.weight": ["moe.experts.0.fc.weight", "moe.experts.1.fc.weight"],
+               "moe.experts.*.fc.bias": ["moe.experts.0.fc.bias", "moe.experts.1.fc.bias"]}
+    lines = expert_lines(stacked, ["experts (2 identical modules) is not sharded as experts: why"])
+    assert lines[0].startswith("experts moe.experts: 2 ModuleList experts held stacked") and "fc.bias" in lines[0]
+    assert lines[1] == "note: experts (2 identical modules) is not sharded as experts: why" and len(lines) == 2
