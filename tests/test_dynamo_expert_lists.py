@@ -87,3 +87,23 @@ def test_experts_on_their_own_tokens_are_left_with_a_note():
     new, new_inputs, found = stack_dynamo_experts(gm, inputs)
     assert new is gm and new_inputs is inputs and not found.stacked
     assert len(found.notes) == 1 and "experts (2 identical modules)" in found.notes[0] and "different" in found.notes[0]
+
+
+class _DropoutExperts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+                                           for _ in range(2))
+
+    def forward(self, x):
+        return torch.stack([e(x) for e in self.experts]).sum(0)
+
+
+def test_experts_that_cannot_run_batched_are_left_with_a_note():
+    """Dropout inside each expert: vmap refuses the random op while tracing the batched call; the list is left as
+    it is, with a note, instead of failing the compile."""
+    model = _DropoutExperts()
+    gm, inputs = _dynamo(model, torch.randn(4, 8))
+    new, new_inputs, found = stack_dynamo_experts(gm, inputs)
+    assert new is gm and not found.stacked
+    assert len(found.notes) == 1 and "running them batched failed" in found.notes[0], found.notes

@@ -247,3 +247,43 @@ def test_plan_and_explain_lines_name_the_stacked_experts_and_the_notes():
     lines = expert_lines(stacked, ["experts (2 identical modules) is not sharded as experts: why"])
     assert lines[0].startswith("experts moe.experts: 2 ModuleList experts held stacked") and "fc.bias" in lines[0]
     assert lines[1] == "note: experts (2 identical modules) is not sharded as experts: why" and len(lines) == 2
+
+
+class _DropoutExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+class _Experts(nn.Module):
+    """Dense experts (``expert``: the module class), their outputs summed; ``aux``: an extra loss term reading
+    expert 0's weight directly (outside its forward)."""
+
+    def __init__(self, expert=None, aux: bool = False):
+        super().__init__()
+        self.experts = nn.ModuleList((expert or (lambda: nn.Linear(8, 8)))() for _ in range(3))
+        self.aux = aux
+
+    def forward(self, x):
+        out = torch.stack([e(x) for e in self.experts]).sum(0)
+        return out + (self.experts[0].weight.sum() if self.aux else 0)
+
+
+def test_a_list_that_cannot_run_batched_is_captured_as_it_is_with_a_note():
+    """Dropout inside each expert: vmap refuses random ops by default, so the batched capture fails; the list is
+    then captured as it was (unsharded, a note saying why) instead of failing."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    c = capture(_Experts(_DropoutExpert), (x, y), F.mse_loss)
+    assert not c.stacked and "experts.0.fc.weight" in c.param_fqns
+    assert len(c.notes) == 1 and "running them batched failed" in c.notes[0], c.notes
+
+
+def test_an_expert_weight_read_outside_its_forward_gets_that_gradient_too():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    progs, _ = run_sgd(_Experts(aux=True), (x, y), F.mse_loss, EP, 2, steps=1)
+    assert "experts.*.weight" in progs[0].stacked

@@ -127,7 +127,11 @@ class _EachParameterOnce(nn.Module):
     def forward(self, *batch):
         mine = dict(self.named_parameters(remove_duplicate=False))
         mine.update(self.named_buffers(remove_duplicate=False))
-        with compat.reparametrize(self.step, {n: mine[k] for n, k in self.names.items()}, tie_weights=False), \
+        swap = {n: mine[k] for n, k in self.names.items()}
+        # an expert's parameter read outside its forward (an auxiliary loss, a dtype check) is its row of the
+        # stacked one: autograd takes that use's gradient there too (unused rows are dead code, removed)
+        swap.update({m: mine[s][i] for s, ms in self.experts.stacked().items() for i, m in enumerate(ms)})
+        with compat.reparametrize(self.step, swap, tie_weights=False), \
                 batched_experts(self.step, self.experts.lists, {s: mine[s] for s in self.experts.stacked()}):
             return self.step(*batch)
 
@@ -266,6 +270,16 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 failure = None
             except Exception as e:
                 failure = e
+            if failure is not None and experts.lists:  # batching the experts failed: capture them as they are
+                why = f"{type(failure).__name__}: {(str(failure).splitlines() or [''])[0][:200]}"
+                experts = ExpertLists(notes=experts.notes + [
+                    f"{el.prefix[len('model.'):]} ({el.size} identical modules) is not sharded as experts: running "
+                    f"them batched failed ({why})" for el in experts.lists])
+                try:
+                    gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
+                    failure = None
+                except Exception as e:
+                    failure = e
             if failure is not None:
                 _check_step(step, fake_batch, batch, name)
                 no_grad = (_params_without_gradient(step, fake_batch)

@@ -333,8 +333,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         if not as_is:
             # ModuleList experts: one stacked [E, ...] input per parameter name (issue 14, ep)
             cap_gm, cap_inputs, experts = stack_dynamo_experts(gm, inputs)
-            with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-                captured, tangent_outputs = capture_all_ranks(cap_gm, cap_inputs, world, config.batch_norm)
+            try:
+                with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
+                    captured, tangent_outputs = capture_all_ranks(cap_gm, cap_inputs, world, config.batch_norm)
+            except Exception as e:
+                if not experts.stacked:
+                    raise
+                # batching the experts failed: capture them as they are (every rank holds every expert)
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                prefixes = sorted({f.split(".*.")[0] for f in experts.stacked})
+                experts = StackedExperts(notes=experts.notes + [
+                    f"{p} is not sharded as experts: running them batched failed ({why})" for p in prefixes])
+                cap_inputs = inputs
+                with torch.enable_grad():
+                    captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm)
             if experts.stacked:
                 captured.stacked, captured.notes = experts.stacked, experts.notes
                 fold_stack_of_unbind(captured.gm)

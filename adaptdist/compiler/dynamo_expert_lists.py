@@ -147,6 +147,12 @@ def _example(n: torch.fx.Node) -> torch.Tensor:
     return n.meta.get("example_value", n.meta.get("val"))
 
 
+def _stacked_example(ph: torch.fx.Node, size: int) -> torch.Tensor:
+    val = _example(ph)
+    with compat.fake_tensor_mode(allow_constants=True):
+        return torch.empty((size, *val.shape), dtype=val.dtype)
+
+
 def _batched(sub: torch.fx.GraphModule, n_params: int, size: int, stacked_vals: list, ext_vals: list
              ) -> torch.fx.GraphModule:
     """``sub`` for all experts at once, traced to ATen ops on fake tensors, its ``bmm``\\ s :func:`rank_bmm`."""
@@ -185,6 +191,18 @@ def stack_dynamo_experts(gm: torch.fx.GraphModule, inputs: list) -> tuple[torch.
             continue
         plans.append((prefix, members, details))
         taken |= {k for m in members.values() for k in m.values()}
+    batched = {}
+    for prefix, members, (rels, regions, ext, outs) in list(plans):
+        stacked_vals = [_stacked_example(phs[members[0][rel]], len(members)) for rel in rels]
+        try:  # region 0 under vmap over the experts, traced once (an op without a vmap rule fails here)
+            sub = _region_module(gm, regions[0], [phs[members[0][rel]] for rel in rels], ext, outs[0])
+            batched[prefix] = _batched(sub, len(rels), len(members), stacked_vals, [_example(x) for x in ext])
+        except Exception as e:
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            found.notes.append(f"{prefix} ({len(members)} identical modules) is not sharded as experts: running them "
+                               f"batched failed ({why})")
+            plans.remove((prefix, members, (rels, regions, ext, outs)))
+            taken -= {k for m in members.values() for k in m.values()}
     if not plans:
         return gm, inputs, found
     import copy
@@ -200,8 +218,6 @@ def stack_dynamo_experts(gm: torch.fx.GraphModule, inputs: list) -> tuple[torch.
         ext = [by_name[n.name] for n in ext]
         outs = [by_name[n.name] for n in outs]
         size = len(members)
-        params0 = [phs[members[0][rel]] for rel in rels]
-        sub = _region_module(gm, regions[0], params0, ext, outs[0])
         stacked_phs, stacked_vals = [], []
         for rel in rels:
             gi = inputs[members[0][rel]]
@@ -209,16 +225,14 @@ def stack_dynamo_experts(gm: torch.fx.GraphModule, inputs: list) -> tuple[torch.
             with gm.graph.inserting_after(last):
                 ph = gm.graph.placeholder(re.sub(r"\W", "_", f"{prefix}_s_{rel}"))
             last = ph
-            val = _example(phs[members[0][rel]])
-            with compat.fake_tensor_mode(allow_constants=True):
-                ph.meta["example_value"] = torch.empty((size, *val.shape), dtype=val.dtype)
+            ph.meta["example_value"] = _stacked_example(phs[members[0][rel]], size)
             stacked_phs.append(ph)
             stacked_vals.append(ph.meta["example_value"])
             new_inputs.append(replace(gi, fqn=name, global_shape=(size, *gi.global_shape), source=""))
             found.origin.append([members[i][rel] for i in range(size)])
             found.stacked[name] = [inputs[members[i][rel]].fqn for i in range(size)]
         mod_name = re.sub(r"\W", "_", f"{prefix}_batched")
-        gm.add_submodule(mod_name, _batched(sub, len(rels), size, stacked_vals, [_example(x) for x in ext]))
+        gm.add_submodule(mod_name, batched[prefix])
         order = {n: k for k, n in enumerate(gm.graph.nodes)}
         anchor = max(ext + [last], key=order.__getitem__)  # after every input of the experts
         with gm.graph.inserting_after(anchor):
