@@ -20,14 +20,18 @@ so the backward of the batched form is autograd's own:
    is recognised when each of its experts is called exactly once, with positional tensor arguments only, and all
    of them with the *same* tensors (dense dispatch: every expert on every token, weighted by the router's
    zero-masked gates, as in ``adaptdist/models/moe.py``). A transformer's ``layers`` list fails this (layer i+1
-   reads layer i's output) and is left alone; so is a list whose experts get their own token slices. Each
-   rejection keeps a one-line reason (:attr:`ExpertLists.notes`: ``adaptdist plan`` / ``explain`` print it).
+   reads layer i's output, seen in the autograd graph at layer 1's call, where the probe stops when every
+   candidate is such a chain) and is left alone silently; so is a list whose experts get their own token slices,
+   with a one-line reason (:attr:`ExpertLists.notes`: ``adaptdist plan`` / ``explain`` print it).
 3. During the export, each recognised list's parameters are registered once, stacked: ``<prefix>.*.<name>``
    (``moe.experts.*.fc.weight: [E, hidden, d]``, expert i at index i), and each expert's ``forward`` is replaced
    (for the trace only) by :class:`_BatchedExperts`: the first expert called computes all E experts at once with
    ``torch.vmap`` over the stacked parameters and the input expanded to ``[E, ...]`` (``F.linear`` becomes
    ``bmm(x [E, N, d], W^T [E, d, h])``, the stacked form's op), and expert i returns row i of that result
-   (``unbind``). The user's ``torch.stack([e(x) for e in experts])`` then reads ``stack(unbind(Y))``, which
+   (``unbind``); an expert's parameter read outside its forward is its row of the stacked one. If the batched
+   export fails (an op without a vmap rule, dropout inside an expert: vmap refuses random ops), the step is
+   exported again with the list as it is, and a note says why. The user's ``torch.stack([e(x) for e in experts])``
+   then reads ``stack(unbind(Y))``, which
    :func:`fold_stack_of_unbind` folds back to ``Y`` in the joint graph (the same pattern appears in the backward
    for ``stack``'s gradient), so the expert dim runs from the weights to the combine with nothing in between.
 
@@ -169,9 +173,9 @@ def _chained(seen: list[list[tuple[tuple, dict]]], outs: list[list[Any]], budget
     autograd nodes)."""
     if len(seen) < 2 or not seen[0] or not seen[1] or not outs or not outs[0]:
         return False
-    targets = {t.grad_fn for t in torch.utils._pytree.tree_leaves(outs[0][0])
+    targets = {t.grad_fn for t in compat.tree_leaves(outs[0][0])
                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    todo = [a.grad_fn for a in torch.utils._pytree.tree_leaves((seen[1][0][0], seen[1][0][1]))
+    todo = [a.grad_fn for a in compat.tree_leaves((seen[1][0][0], seen[1][0][1]))
             if isinstance(a, torch.Tensor) and a.grad_fn is not None]
     visited: set = set()
     while todo and len(visited) < budget:
@@ -226,12 +230,11 @@ class _BatchedExperts:
 
         expanded = [a.unsqueeze(0).expand(self.size, *a.shape) for a in args]  # the stacked form's xe [E, N, d]
         out = torch.vmap(one)(self.stacked, *expanded)
-        rows = torch.utils._pytree.tree_map(lambda t: t.unbind(0), out)
         if isinstance(out, torch.Tensor):
-            return list(rows)
-        flat, spec = torch.utils._pytree.tree_flatten(out)
+            return list(out.unbind(0))
+        flat, spec = compat.tree_flatten(out)  # a tuple or dict of outputs: each expert gets its rows of each
         per = [t.unbind(0) for t in flat]
-        return [torch.utils._pytree.tree_unflatten([p[i] for p in per], spec) for i in range(self.size)]
+        return [compat.tree_unflatten([p[i] for p in per], spec) for i in range(self.size)]
 
 
 @contextlib.contextmanager
