@@ -171,8 +171,9 @@ def factory(batch_size: int, seq_len: int, data_path: str | None = None, config:
 
         raise DataError(f"--batch-size {batch_size} is larger than the {train.numel():,} training ratings of "
                         f"{data.source}; use --batch-size {train.numel()} or less")
-    why = f" ({ml.DEFAULT_DIR} is absent)" if data.generated and data_path is None else ""
-    _note(f"builtin:dlrm data: {data.source}{why}: {data.describe()}; training on the first "
+    which = (f"{ml.DEFAULT_DIR} is absent: a generated data set of its shape" if data.generated and data_path is None
+             else data.source)
+    _note(f"builtin:dlrm data: {which} ({data.describe()}); training on the first "
           f"{1 - ml.VALIDATION_FRACTION:.0%} by timestamp ({train.numel():,} ratings, {per_epoch:,} steps per epoch "
           f"at --batch-size {batch_size}), validating on the last {ml.VALIDATION_FRACTION:.0%} ({val.numel():,})")
     model = rating_model(data.num_users, data.num_movies, data.num_genres, float(data.ratings[train].mean()),
