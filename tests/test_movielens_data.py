@@ -110,7 +110,7 @@ BAD = {
     "user id too large": (dict(ratings_rows=_replace_row(5, (2**64, 20, "4.5", 300))), "ratings.csv", 7,
                           "is out of range"),
     "movie id not a number": (dict(ratings_rows=_replace_row(1, (7, "x20", "3.5", 100))), "ratings.csv", 3,
-                              "movieId 'x20' is out of range"),
+                              "movieId 'x20' is not an id"),
     "unknown movie": (dict(ratings_rows=_replace_row(9, (7, 99, "4.0", 1000))), "ratings.csv", 11,
                       "movieId 99 is out of range"),
     "timestamp not whole": (dict(ratings_rows=_replace_row(4, (5, 40, "1.5", "2.5e2"))), "ratings.csv", 6,

@@ -183,10 +183,11 @@ def _id(text: str, column: str, path: Path, line: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = None
-    if value is None or not 0 <= value <= MAX_ID:
-        raise DataError(f"{path}:{line}: {column} {text!r} is out of range: an id is a whole number from 0 to "
-                        f"2**63-1; fix or drop the row")
+        raise DataError(f"{path}:{line}: {column} {text!r} is not an id (a whole number from 0 to 2**63-1); fix or "
+                        "drop the row") from None
+    if not 0 <= value <= MAX_ID:
+        raise DataError(f"{path}:{line}: {column} {text!r} is out of range (ids are whole numbers from 0 to "
+                        "2**63-1); fix or drop the row")
     return value
 
 
