@@ -200,3 +200,26 @@ def test_movielens_small_loads_splits_and_builds_the_model():
     model, batch, loss_fn = dlrm.factory(256, 1)
     assert [t.weight.shape[0] for t in model.sparse_arch.tables] == [610, 9742, 21]
     assert math.isfinite(loss_fn(model(*batch[:-1]), batch[-1]).item())
+
+
+def test_a_model_files_evaluate_that_fails_is_a_warning_not_a_failed_run():
+    """train calls a model file's evaluate() after the run finished: a user's function of that name with another
+    contract leaves the run complete, without an evaluation, and says why."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from adaptdist.cli.train import _call_evaluate
+
+    args = argparse.Namespace(model="my.py:factory", data="d", batch_size=4, steps=6)
+    text = io.StringIO()
+    console = Console(file=text, width=200)
+    got = _call_evaluate(lambda model, path, steps: ({"k": path, "s": steps}, "line"), None, args, console)
+    assert got == ({"k": "d", "s": 6}, "line")  # only the keywords it takes
+    assert _call_evaluate(lambda model, loader: 0.5, None, args, console) is None  # another contract: TypeError
+    assert _call_evaluate(lambda model: 0.5, None, args, console) is None  # another return value
+    assert _call_evaluate(lambda model: ({"x": object()}, "line"), None, args, console) is None
+    out = text.getvalue()
+    assert "raised TypeError" in out and "must return (fields: dict, line: str), got float" in out
+    assert "cannot be written as JSON" in out

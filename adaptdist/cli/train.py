@@ -442,7 +442,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     evaluation = None
     if callable(evaluate):  # the model file's metrics of the trained model (builtin:dlrm: the validation RMSE)
         _load_trained(model, out, programs, pipeline)
-        evaluation = _call_evaluate(evaluate, model, args)
+        evaluation = _call_evaluate(evaluate, model, args, console)
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
@@ -485,21 +485,30 @@ def _load_trained(model, out: Path, programs: dict, pipeline: bool) -> None:
     assert pipeline or all(k in programs[0].tied for k in missing), missing
 
 
-def _call_evaluate(evaluate, model, args) -> tuple[dict, str]:
+def _call_evaluate(evaluate, model, args, console) -> tuple[dict, str] | None:
     """The model file's ``evaluate(model, path=--data, batch_size=, steps=)`` (the keywords it takes) ->
-    ``(fields for summary.json, one line for the log)``.
-
-    Raises:
-        UsageError: it returns something else.
-    """
+    ``(fields for summary.json, one line for the log)``; None, with a warning, when it fails or returns something
+    else (the run itself has finished: its weights and checkpoint are written, so it is not failed for that)."""
     import inspect
 
     params = inspect.signature(evaluate).parameters
     given = {"path": args.data, "batch_size": args.batch_size, "steps": args.steps}
-    out = evaluate(model, **{k: v for k, v in given.items() if k in params})
+    try:
+        out = evaluate(model, **{k: v for k, v in given.items() if k in params})
+    except Exception as e:  # noqa: BLE001 - a user's evaluate(); the trained run stands
+        console.print(f"[yellow]warning: {args.model}: evaluate(model, ...) of the model file raised "
+                      f"{type(e).__name__}: {e}; summary.json has no evaluation[/]")
+        return None
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict) and isinstance(out[1], str)):
-        raise UsageError(f"{args.model}: evaluate(model, ...) must return (fields: dict, line: str), got "
-                         f"{type(out).__name__}")
+        console.print(f"[yellow]warning: {args.model}: evaluate(model, ...) must return (fields: dict, line: str), "
+                      f"got {type(out).__name__}; summary.json has no evaluation[/]")
+        return None
+    try:
+        json.dumps(out[0])
+    except (TypeError, ValueError) as e:
+        console.print(f"[yellow]warning: {args.model}: evaluate's fields cannot be written as JSON ({e}); "
+                      "summary.json has no evaluation[/]")
+        return None
     return out
 
 
