@@ -192,7 +192,8 @@ SHARED = ml.DEFAULT_DIR
 def test_movielens_small_loads_splits_and_builds_the_model():
     data = ml.resolve(None)
     assert not data.generated and data.source == str(SHARED)
-    assert (len(data), data.num_users, data.num_movies, data.num_genres, data.max_genres) == (100_836, 610, 9742, 20, 10)
+    counts = (len(data), data.num_users, data.num_movies, data.num_genres, data.max_genres)
+    assert counts == (100_836, 610, 9742, 20, 10)
     train, val = data.split()
     assert (len(train), len(val)) == (80_669, 20_167)
     assert data.timestamps[train].max() <= data.timestamps[val].min()

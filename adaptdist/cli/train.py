@@ -278,7 +278,8 @@ def cmd_train(args, defaults: dict) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    built = spec.build(args.batch_size, args.seq_len, data_path=args.data)  # a bad factory fails before the previous run is touched
+    # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
+    built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
     settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
     started = []
