@@ -157,6 +157,15 @@ def test_train_refuses_bad_data_before_starting_ranks(tmp_path, capsys):
     assert not (tmp_path / "run" / "programs").exists()
 
 
+@pytest.mark.parametrize("command", [["plan"], ["estimate"], ["explain", "addmm"]])
+def test_plan_estimate_and_explain_size_the_model_from_data(tmp_path, capsys, command):
+    from adaptdist.cli import main
+
+    folder = write_data(tmp_path / "ml", movies="movieId,title,genres\n10,A,Drama\n")
+    assert main([*command, "builtin:dlrm", "--data", str(folder)]) != 0
+    assert f"{folder / 'ratings.csv'}:3: movieId 20 is out of range" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_builtin_dlrm_on_two_gloo_ranks_writes_the_validation_rmse(tmp_path, capsys):

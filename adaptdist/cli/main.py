@@ -258,7 +258,7 @@ def cmd_plan(args) -> int:
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
-    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=args.data)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=getattr(args, "data", None))
     from ..compiler.training_features import apply_training_features
 
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
