@@ -4,6 +4,7 @@ bad data as a DataError naming the file and the line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,11 @@ def test_without_the_default_folder_a_generated_data_set_of_its_shape(tmp_path, 
     assert torch.equal(ml.resolve(None).ratings, data.ratings)  # the same every time
     monkeypatch.setattr(ml, "DEFAULT_DIR", write_data(tmp_path / "present"))
     assert not ml.resolve(None).generated  # the default folder where it exists
+
+
+def test_ratings_check_themselves():
+    data = ml.generate(num_users=4, num_movies=6, num_genres=3, num_ratings=20, max_genres=2)
+    with pytest.raises(DataError, match="a movie index is outside"):
+        dataclasses.replace(data, movies=data.movies + 6)
+    with pytest.raises(DataError, match="one length"):
+        dataclasses.replace(data, ratings=data.ratings[:-1])

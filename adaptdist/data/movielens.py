@@ -63,6 +63,18 @@ class Ratings:
     source: str
     generated: bool = False
 
+    def __post_init__(self) -> None:
+        """Raises DataError: the tensors disagree in length, or an index is outside its table."""
+        n = self.users.numel()
+        if any(t.shape != (n,) for t in (self.movies, self.ratings, self.timestamps)):
+            raise DataError(f"{self.source}: users, movies, ratings and timestamps must be 1-D of one length, got "
+                            f"{[list(t.shape) for t in (self.users, self.movies, self.ratings, self.timestamps)]}")
+        for name, t, size in (("user", self.users, self.num_users), ("movie", self.movies, self.num_movies),
+                              ("genre", self.movie_genres, self.num_genres + 1)):
+            if t.numel() and not (0 <= int(t.min()) and int(t.max()) < size):
+                raise DataError(f"{self.source}: a {name} index is outside [0, {size}) (min {int(t.min())}, max "
+                                f"{int(t.max())})")
+
     @property
     def num_movies(self) -> int:
         return self.movie_genres.shape[0]
