@@ -201,9 +201,10 @@ def dead_peer_worker(timeout_s: float = 5.0) -> str:
 
 
 def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, steps: int,
-                            timeout_s: float = 60.0) -> list[dict]:
+                            timeout_s: float = 60.0, max_grad_norm: float | None = None) -> list[dict]:
     """For each directory of saved pipeline programs (pp-core's lowering), run ``steps`` SGD steps of this rank's
-    program in one process group; per directory: losses, grads per step, final params."""
+    program in one process group (gradients clipped to ``max_grad_norm``); per directory: losses, grads per step
+    (clipped), final params."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
     from adaptdist.runtime.worker import make_optimizer
     from adaptdist.runtime.pipeline_programs import _box
@@ -217,7 +218,8 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
         for d in program_dirs:
             program = load_pipeline_program(d, rank, dist.get_world_size())
             runner = PipelineStepRunner(program, "sgd", lr, setup_pipeline_groups(program, timeout_s),
-                                        timeout_s=timeout_s, make_optimizer=make_optimizer)
+                                        timeout_s=timeout_s, make_optimizer=make_optimizer,
+                                        max_grad_norm=max_grad_norm)
             losses, grads = [], []
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))

@@ -35,10 +35,23 @@ def _batches():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_lowered_pipelines_equal_eager(tmp_path, world):
+    _check(tmp_path, world, CASES[world])
+
+
+def test_clipped_pipelines_equal_eager(tmp_path):
+    """--max-grad-norm: the executor's global norm over the stages, dp peers and tp shards; clipping active on
+    every step (a quarter of the first step's norm)."""
+    model, _, loss_fn = tiny_gpt(B)
+    history, _ = eager_sgd(model, _batches(), loss_fn, LR, 1)
+    norm = float(torch.cat([g.reshape(-1) for g in history[0][1].values()]).norm())
+    _check(tmp_path, 4, [("pp=2,dp=2", "1f1b", 2), ("pp=2,tp=2", "zb", 2)], max_grad_norm=0.25 * norm)
+
+
+def _check(tmp_path, world, cases, max_grad_norm=None):
     model, batch, loss_fn = tiny_gpt(B)
     batches = _batches()
     dirs, sims = [], []
-    for i, (mesh, schedule, m) in enumerate(CASES[world]):
+    for i, (mesh, schedule, m) in enumerate(cases):
         inner = ManualPlan.parse("tp", gpt_module) if mesh and "tp" in mesh else None  # the GPT's TP_PLAN
         programs = compile_model(model, batch, loss_fn, world, inner, mesh=mesh,
                                  pipeline=PipelineOptions(
@@ -46,9 +59,9 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
                                      schedule=schedule, stages_per_rank=stages_per_rank(schedule)))
         sims.append(simulate_pipeline(programs, batches[0]).loss)
         dirs.append(str(save_pipeline_programs(programs, tmp_path / f"case{i}")))
-    results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, STEPS), world)
-    history, final = eager_sgd(model, batches, loss_fn, LR, STEPS)
-    for i, (mesh, schedule, m) in enumerate(CASES[world]):
+    results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, STEPS, 60.0, max_grad_norm), world)
+    history, final = eager_sgd(model, batches, loss_fn, LR, STEPS, max_grad_norm=max_grad_norm)
+    for i, (mesh, schedule, m) in enumerate(cases):
         what = f"{mesh or f'pp={world}'} {schedule} m={m}"
         assert float(sims[i]) == pytest.approx(history[0][0], abs=TOL), what
         held: dict[str, list[int]] = {}

@@ -372,9 +372,6 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
 
         if elastic:
             raise UsageError("--nproc MIN:MAX (elastic) with a pipeline plan is not supported yet; pass --nproc N")
-        if args.max_grad_norm is not None:
-            raise UsageError("--max-grad-norm with a pipeline plan is not supported yet (the norm spans the stages); "
-                             "drop it, or use a plan without pp")
         plan = programs[0].plan
         if resume_src is not None:  # (before begin(): a checkpoint of another model leaves --out as it was)
             _check_checkpoint_fits(resume_src, spec.text, None, console, programs=programs)

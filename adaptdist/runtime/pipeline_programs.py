@@ -106,6 +106,18 @@ def _box(program: PipelineRankProgram, fqn: str, shape: tuple[int, ...]) -> list
     return ranges
 
 
+def norm_owned_params(program: PipelineRankProgram) -> frozenset[str]:
+    """(Collective: one all_gather_object over every rank) the parameters whose gradient this rank counts in the
+    global gradient norm (:func:`~.grad_clip.shard_owners` over every rank's shards and their boxes)."""
+    from .grad_clip import shard_owners
+
+    mine = [(f, _box(program, f, tuple(program.global_shapes.get(f, tuple(program.state[f].shape)))))
+            for f in program.param_fqns]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return frozenset(shard_owners(dict(enumerate(everyone)))[program.rank])
+
+
 def gather_full_weights(program: PipelineRankProgram, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """(Collective) every state tensor of the model, whole, on rank 0 (None elsewhere): each rank's own tensors, or
     shards with their boxes, gathered and put together (a tied weight's copies are identical; the first is kept)."""
