@@ -21,7 +21,6 @@ recomputed from the files, and what :mod:`adaptdist.pipeline_artifact_checks` ch
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -138,10 +137,11 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
 def is_pipeline_directory(directory: str | os.PathLike) -> bool:
     """Whether ``directory``'s manifest says it holds pipeline programs (False: none, or rank programs)."""
     p = Path(directory) / MANIFEST
-    try:
-        return json.loads(p.read_text()).get("kind") == KIND
-    except (OSError, json.JSONDecodeError, AttributeError):
+    try:  # bounded (adaptdist/limits.py); a bad manifest is the loader's to name
+        doc = load_json_file(p, "manifest", ProgramLoadError)
+    except ProgramLoadError:
         return False
+    return isinstance(doc, dict) and doc.get("kind") == KIND
 
 
 def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: int | None = None
