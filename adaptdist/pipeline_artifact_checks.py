@@ -167,7 +167,7 @@ def check_pipeline_ranks(metas: Mapping[int, Mapping[str, Any]], directory: Path
 
     m0 = metas[0]
     for r, m in sorted(metas.items()):
-        for key in ("schedule", "num_microbatches", "microbatch_rows", "stage_ranks"):
+        for key in ("schedule", "num_microbatches", "stage_ranks"):  # (rows may differ by replica)
             if m[key] != m0[key]:
                 raise fail(r, f"{key} is {_short(m[key])}, rank 0's is {_short(m0[key])}", 0)
     by_rank = {r: {st["stage"]: st for st in m["stages"]} for r, m in metas.items()}

@@ -201,10 +201,10 @@ def dead_peer_worker(timeout_s: float = 5.0) -> str:
 
 
 def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, steps: int,
-                            timeout_s: float = 60.0, max_grad_norm: float | None = None) -> list[dict]:
+                            timeout_s: float = 60.0, max_grad_norms: list | None = None) -> list[dict]:
     """For each directory of saved pipeline programs (pp-core's lowering), run ``steps`` SGD steps of this rank's
-    program in one process group (gradients clipped to ``max_grad_norm``); per directory: losses, grads per step
-    (clipped), final params."""
+    program in one process group (gradients clipped to the directory's entry of ``max_grad_norms`` unless None);
+    per directory: losses, grads per step (clipped), final params, the gradient norm of each step."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
     from adaptdist.runtime.worker import make_optimizer
     from adaptdist.runtime.pipeline_programs import _box
@@ -215,18 +215,20 @@ def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, s
     try:
         rank = int(os.environ["RANK"])
         out = []
-        for d in program_dirs:
+        for i, d in enumerate(program_dirs):
             program = load_pipeline_program(d, rank, dist.get_world_size())
+            max_grad_norm = max_grad_norms[i] if max_grad_norms else None
             runner = PipelineStepRunner(program, "sgd", lr, setup_pipeline_groups(program, timeout_s),
                                         timeout_s=timeout_s, make_optimizer=make_optimizer,
                                         max_grad_norm=max_grad_norm)
-            losses, grads = [], []
+            losses, grads, norms = [], [], []
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))
                 grads.append({k: v.clone() for k, v in runner.last_grads.items()})
+                norms.append(runner.last_grad_norm)
             boxes = {f: _box(program, f, tuple(program.global_shapes.get(f, program.state[f].shape)))
                      for f in program.param_fqns}
-            out.append({"losses": losses, "grads": grads, "boxes": boxes,
+            out.append({"losses": losses, "grads": grads, "boxes": boxes, "norms": norms,
                         "params": {f: runner.state[f].clone() for f in program.param_fqns}})
         return out
     finally:
