@@ -14,7 +14,7 @@ from adaptdist.compiler.lowering import compile_model
 from adaptdist.compiler.pipeline_lowering import PipelineOptions
 from adaptdist.pipeline_schedules import stages_per_rank
 from adaptdist.runtime.launch import launch_local
-from adaptdist.runtime.pipeline_programs import save_pipeline_programs
+from adaptdist.stage_program_io import save_pipeline_programs
 from adaptdist.runtime.simulate_pipeline import simulate_pipeline
 from models import tiny_gpt
 from pipeline_workers import lowered_pipeline_worker
