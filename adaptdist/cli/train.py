@@ -371,11 +371,6 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     if pipeline:  # pipeline programs (--plan pp, --mesh pp=..., or a saved pipeline plan)
         from .pipeline_flags import save_and_describe_pipeline
 
-        if elastic:
-            raise UsageError("--nproc MIN:MAX (elastic) with a pipeline plan is not supported yet; pass --nproc N")
-        if args.max_grad_norm is not None:
-            raise UsageError("--max-grad-norm with a pipeline plan is not supported yet (the norm spans the stages); "
-                             "drop it, or use a plan without pp")
         plan = programs[0].plan
         if resume_src is not None:  # (before begin(): a checkpoint of another model leaves --out as it was)
             _check_checkpoint_fits(resume_src, spec.text, None, console, programs=programs)
@@ -384,21 +379,15 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if resume_src is not None:
             _check_checkpoint_fits(resume_src, spec.text, programs[0], console)
     source = None
-    if elastic:
-        source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                               plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
-                               cache_dir=str(out / "programs_cache"), base_world_size=nproc,
-                               base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s, data_path=args.data, **features)
-        source.check_elastic()
-    elif resume_src is not None:
+    if elastic or resume_src is not None:  # one door for every other world size: re-planned, pipelines included
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
                                compile_wait_s=timeouts.compile_wait_s, microbatches=getattr(args, "microbatches", None),
-                               schedule=getattr(args, "schedule", None), data_path=args.data,
-                               **features)
+                               schedule=getattr(args, "schedule", None), data_path=args.data, **features)
+        if elastic:
+            source.check_elastic()
     begin()  # everything checked: only now is the previous run in --out replaced
     if not has_data:
         # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder

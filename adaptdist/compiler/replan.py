@@ -193,7 +193,7 @@ class ProgramSource:
         shutil.rmtree(tmp, ignore_errors=True)
         extra_files = {CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)}
         if pipeline is not None:
-            from ..runtime.pipeline_programs import save_pipeline_programs
+            from ..stage_program_io import save_pipeline_programs
 
             save_pipeline_programs(programs, tmp, extra_files=extra_files)
         else:
