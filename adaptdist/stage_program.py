@@ -188,6 +188,8 @@ class PipelineRankProgram:
     state_placements: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     loss_rank: bool = False
     plan: Any = None
+    # ModuleList experts held stacked: stacked name -> the user's names (model.safetensors is written under those)
+    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def microbatch(self, batch: tuple[torch.Tensor, ...], m: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``m``'s rows of the GLOBAL batch (every tensor, dim 0)."""

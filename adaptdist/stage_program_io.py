@@ -114,6 +114,8 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
             "global_shapes": {f: list(s) for f, s in prog.global_shapes.items()},
             "state_placements": {f: list(p) for f, p in prog.state_placements.items()}, "loss_rank": prog.loss_rank,
         }
+        if prog.stacked:  # ModuleList experts held stacked: their user names (model.safetensors)
+            meta["stacked"] = {f: list(ms) for f, ms in prog.stacked.items()}
         (rd / "program.py").write_text("\n\n".join(sources))
         save_file(_own_memory(dict(prog.state)), str(rd / "state.safetensors"))
         names = ["program.py", "state.safetensors"]
@@ -205,4 +207,18 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
         groups={g: tuple(rs) for g, rs in meta["groups"].items()}, state=load_file(str(d / prefix / "state.safetensors")),
         param_fqns=tuple(meta["param_fqns"]), global_shapes={f: tuple(s) for f, s in meta["global_shapes"].items()},
         state_placements={f: tuple(p) for f, p in meta["state_placements"].items()}, loss_rank=meta["loss_rank"],
-        plan=plan)
+        plan=plan, stacked=_stacked(meta, meta_path))
+
+
+def _stacked(meta: dict, path: Path) -> dict[str, tuple[str, ...]]:
+    """program.json's optional ``stacked`` ({stacked name: [the experts' names]}).
+
+    Raises:
+        ProgramLoadError: it is not a map of names to lists of names.
+    """
+    got = meta.get("stacked") or {}
+    if not (isinstance(got, dict) and all(isinstance(k, str) and isinstance(v, list) and v
+                                          and all(isinstance(x, str) for x in v) for k, v in got.items())):
+        raise ProgramLoadError(f"{str(path)!r}: field 'stacked' must map names to non-empty lists of names; "
+                               "compile again")
+    return {k: tuple(v) for k, v in got.items()}

@@ -397,7 +397,8 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 param_fqns=tuple(f for f in b.param_fqns if f in names),
                 global_shapes={f: tuple(v) for f, v in b.global_shapes.items() if f in names},
                 state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
-                loss_rank=(S - 1) % G == g, plan=plan)
+                loss_rank=(S - 1) % G == g, plan=plan,
+                stacked={f: tuple(ms) for f, ms in captured.stacked.items()})
     return dict(sorted(programs.items()))
 
 
