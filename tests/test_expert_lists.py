@@ -287,3 +287,25 @@ def test_an_expert_weight_read_outside_its_forward_gets_that_gradient_too():
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     progs, _ = run_sgd(_Experts(aux=True), (x, y), F.mse_loss, EP, 2, steps=1)
     assert "experts.*.weight" in progs[0].stacked
+
+
+def test_pipeline_programs_keep_the_experts_names_through_their_files(tmp_path):
+    """Under ``--plan pp`` the list is held stacked by its stage; program.json records the user's names (what
+    model.safetensors is written under), and a malformed record is refused on load."""
+    import json
+
+    from adaptdist.compiler.pipeline_lowering import PipelineOptions
+    from adaptdist.errors import ProgramLoadError
+    from adaptdist.stage_program_io import load_pipeline_program, save_pipeline_programs
+
+    model, batch, loss_fn = moe.list_factory(4)
+    progs = compile_model(model, batch, loss_fn, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    assert progs[1].stacked["moe.experts.*.out.bias"] == tuple(f"moe.experts.{i}.out.bias" for i in range(4))
+    save_pipeline_programs(progs, tmp_path)
+    assert load_pipeline_program(tmp_path, 1, 2).stacked == progs[1].stacked
+    meta_path = tmp_path / "rank1" / "program.json"
+    meta = json.loads(meta_path.read_text())
+    meta["stacked"] = {"moe.experts.*.out.bias": "not a list"}
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ProgramLoadError):  # the manifest's checksum, or the field's check
+        load_pipeline_program(tmp_path, 1, 2)
