@@ -98,6 +98,8 @@ def _why_not(gm, inputs, prefix: str, members: dict[int, dict[str, int]], phs: l
     rels = list(members[0])
     if any(list(members[i]) != rels for i in members):
         return "skip", None
+    if any(not inputs[members[0][rel]].global_shape for rel in rels):
+        return "its experts have 0-dim parameters, which the backend cannot hold per rank", None
     for rel in rels:
         first = inputs[members[0][rel]]
         if any((inputs[members[i][rel]].global_shape, inputs[members[i][rel]].dtype)
