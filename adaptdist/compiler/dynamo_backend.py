@@ -25,6 +25,7 @@ import logging
 import re
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -42,6 +43,7 @@ from ..plan import Plan, graph_fingerprint
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
+from .graphless_calls import GraphRuns, refuse_skipped_rnn_frame
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class GraphBreakWarning(UserWarning):
     """The compiled forward was split into several graphs (Dynamo graph breaks)."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: torch registers the named backend in a set
 class AdaptdistBackend:
     """A configured backend: ``torch.compile(model, backend=AdaptdistBackend(...))``.
 
@@ -89,6 +91,7 @@ class AdaptdistBackend:
     rng: str = "per-rank"
     batch_norm: str = "local"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
+    graph_runs: GraphRuns = field(default_factory=GraphRuns, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
@@ -97,6 +100,7 @@ class AdaptdistBackend:
             UsageError: names the argument, what it got and what it takes.
         """
         compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
+        compat.on_dynamo_frame_compiled(refuse_skipped_rnn_frame)
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
         from .planner import Constraints
@@ -164,6 +168,7 @@ class AdaptdistBackend:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
             step = compile_graph(gm, example_inputs, self)
         if isinstance(step, CompiledStep):  # not a graph run as it is (compile_graph)
+            step.runs = self.graph_runs
             self.compiled.append(step)
         return step
 
@@ -214,9 +219,8 @@ def __getattr__(name: str) -> Any:
     """``named_backend``, the ``torch_dynamo_backends`` entry point (pyproject.toml): :func:`adaptdist_backend`,
     with :func:`refuse_skipped_frames` installed as torch resolves ``backend="adaptdist"`` (at ``torch.compile``),
     before Dynamo compiles, or skips, the model's first frame."""
-    if name == "named_backend":
-        compat.on_dynamo_frame_compiled(refuse_skipped_frames)
-        return adaptdist_backend
+    if name == "named_backend":  # loaded once per process by torch (cached): one backend, one graph-run count
+        return AdaptdistBackend()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -395,6 +399,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank)
     step.process_groups = groups
+    step.root_module = weakref.ref(root) if root is not None else None
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
     if rank == 0:
