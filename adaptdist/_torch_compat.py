@@ -719,6 +719,14 @@ def new_skipped_frames() -> list[str]:
     return new
 
 
+def dynamo_unsupported_reasons() -> list[str]:
+    """The first line of each construct Dynamo gave up on in this process (``counters["unimplemented"]``), oldest
+    first: why it broke a graph or skipped a frame."""
+    from torch._dynamo.utils import counters
+
+    return [str(r).strip().split("\n")[0] for r in counters["unimplemented"]]
+
+
 def compile_session():
     """A context in which ``torch.compiler.is_compiling()`` is True, as Dynamo holds it while it compiles: library
     code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask

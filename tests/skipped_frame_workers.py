@@ -89,3 +89,69 @@ def batch_ema_worker(timeout_s: float = 60.0) -> str:
         return ""
     finally:
         dist.destroy_process_group()
+
+
+class RNNHead(torch.nn.Module):
+    """An ``nn.GRU`` and a linear head: Dynamo skips the whole frame (RNNs unless ``allow_rnn``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(8, 16, batch_first=True)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h, _ = self.rnn(x)
+        return self.out(h[:, -1])
+
+
+class StepCounter(torch.nn.Module):
+    """A linear layer and a step-counter buffer every rank updates alike (``self.n += 1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 1)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1
+        return self.fc(x)
+
+
+def counter_batches(steps: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(8, 4, generator=g) for _ in range(steps)]
+
+
+def graphless_call_worker(timeout_s: float = 60.0) -> dict:
+    """Through the backend on this rank's rows: one step of :class:`RNNHead` (Dynamo runs its frame eagerly: the
+    error text), then three SGD steps of
+    :class:`StepCounter` (its parameters and counter after them, or the error text)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {}
+    try:
+        cases = {"rnn": (RNNHead(), torch.randn(4, 5, 8))}
+        for name, (model, x) in cases.items():
+            torch._dynamo.reset()
+            try:
+                torch.compile(model, backend=adaptdist.backend(plan="dp"))(x.chunk(world)[rank]).sum().backward()
+                out[name] = ""
+            except Exception as e:  # noqa: BLE001 - the test reads the message
+                out[name] = f"{type(e).__name__}: {e}"
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = StepCounter()
+        compiled = torch.compile(model, backend="adaptdist", dynamic=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            for x in counter_batches():
+                compiled(x.chunk(world)[rank]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            out["counter"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out["counter"] = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -50,3 +50,28 @@ def test_a_buffer_updated_from_the_rows_is_refused_saying_so():
     errors = launch_local(batch_ema_worker, (), 2)
     for r in range(2):
         assert re.search(r"A buffer updated in the forward from each rank's rows .*adaptdist train", errors[r]), (r, errors[r])
+
+
+@pytest.mark.timeout(300)
+def test_calls_that_run_no_adaptdist_graph_stop_and_a_step_counter_buffer_trains():
+    """Dynamo skips a GRU's frame: the call runs eagerly, never reaching the backend, so every rank stops (it
+    used to train each rank's own model silently). A buffer every rank updates alike (``self.n += 1``) trains equal to eager (its
+    second step used to crash in the backward)."""
+    from skipped_frame_workers import StepCounter, counter_batches, graphless_call_worker
+
+    results = launch_local(graphless_call_worker, (), 2)
+    torch.manual_seed(0)
+    ref = StepCounter()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in counter_batches():
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        assert re.search(r"(?s)CaptureError: torch.compile runs a frame that calls nn.RNN/GRU/LSTM eagerly.*"
+                         r"never be reduced.*allow_rnn", results[r]["rnn"]), (r, results[r]["rnn"])
+        got = results[r]["counter"]
+        assert isinstance(got, dict), (r, got)
+        assert got["n"].item() == 3.0
+        for k in ("fc.weight", "fc.bias"):
+            torch.testing.assert_close(got[k], ref.state_dict()[k], atol=1e-6, rtol=1e-6)

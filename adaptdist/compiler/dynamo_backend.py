@@ -25,6 +25,7 @@ import logging
 import re
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -44,6 +45,7 @@ from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
 from .expert_lists import fold_stack_of_unbind
+from .graphless_calls import GraphRuns, refuse_skipped_rnn_frame
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class GraphBreakWarning(UserWarning):
     """The compiled forward was split into several graphs (Dynamo graph breaks)."""
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: torch registers the named backend in a set
 class AdaptdistBackend:
     """A configured backend: ``torch.compile(model, backend=AdaptdistBackend(...))``.
 
@@ -91,6 +93,7 @@ class AdaptdistBackend:
     rng: str = "per-rank"
     batch_norm: str = "local"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
+    graph_runs: GraphRuns = field(default_factory=GraphRuns, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
@@ -99,6 +102,7 @@ class AdaptdistBackend:
             UsageError: names the argument, what it got and what it takes.
         """
         compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
+        compat.on_dynamo_frame_compiled(refuse_skipped_rnn_frame)
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
         from .planner import Constraints
@@ -166,6 +170,7 @@ class AdaptdistBackend:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
             step = compile_graph(gm, example_inputs, self)
         if isinstance(step, CompiledStep):  # not a graph run as it is (compile_graph)
+            step.runs = self.graph_runs
             self.compiled.append(step)
         return step
 
@@ -216,9 +221,8 @@ def __getattr__(name: str) -> Any:
     """``named_backend``, the ``torch_dynamo_backends`` entry point (pyproject.toml): :func:`adaptdist_backend`,
     with :func:`refuse_skipped_frames` installed as torch resolves ``backend="adaptdist"`` (at ``torch.compile``),
     before Dynamo compiles, or skips, the model's first frame."""
-    if name == "named_backend":
-        compat.on_dynamo_frame_compiled(refuse_skipped_frames)
-        return adaptdist_backend
+    if name == "named_backend":  # loaded once per process by torch (cached): one backend, one graph-run count
+        return AdaptdistBackend()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -418,6 +422,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank, cap_inputs, experts,
                           expert_rows)
     step.process_groups = groups
+    step.root_module = weakref.ref(root) if root is not None else None
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
     if rank == 0:

@@ -268,6 +268,20 @@ def _graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
     return [o.meta.get("example_value", o.meta.get("val")) if isinstance(o, torch.fx.Node) else o for o in outs]
 
 
+def _outputs_reached_from_grad_inputs(gm: torch.fx.GraphModule, inputs: list["GraphInput"]) -> set[int]:
+    """Indices of the Dynamo graph's outputs that data flows into from an input requiring grad (a parameter,
+    an activation from an earlier graph), following every node's inputs; decided from the graph, not from
+    the example values' ``requires_grad`` (False for all under ``no_grad()``)."""
+    reached = {ph for ph, i in zip(gm.graph.find_nodes(op="placeholder"), inputs) if i.requires_grad}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and any(
+                a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    outs = gm.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return {k for k, o in enumerate(outs) if o in reached}
+
+
 class _Holder(nn.Module):
     """A module tree holding tensors under their original dotted names (so plans and state dicts
     speak the user's parameter names)."""
@@ -363,7 +377,11 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
     outputs = _graph_outputs(gm)
     # Every floating-point output takes a tangent, also under no_grad() (an eval loop): the program's
     # forward part is then all that runs, and it is the same as in training.
-    tangent_outputs = [k for k, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    # ... that depends on an input requiring grad: a buffer's in-place update (``self.n += 1``, returned
+    # by Dynamo as an output) takes none, or its new value would carry this step's backward into the next
+    reached = _outputs_reached_from_grad_inputs(gm, inputs)
+    tangent_outputs = [k for k, o in enumerate(outputs)
+                       if isinstance(o, torch.Tensor) and o.is_floating_point() and k in reached]
     if not tangent_outputs or not any(i.requires_grad for i in inputs):
         raise CaptureError("no floating-point output or no parameter that requires grad in the compiled graph: "
                            "nothing the adaptdist backend would split (it compiles training steps); run this part "

@@ -138,6 +138,9 @@ class CompiledStep:
         self.grad_inputs = grad_inputs
         self.rank = rank
         self.calls = 0
+        self.runs = None  # the backend's GraphRuns (compiler/graphless_calls.py): its graphs' parameters
+        self.root_module = None  # weakref to the compiled module, where Dynamo compiled a module's forward
+        self.backward_checked = False
         # collective group name -> torch's name of the process group (ProcessGroup.group_name); registered
         # again before each run, because another compiled graph (after a graph break, another model) may have
         # pointed the same names elsewhere. Names, not ProcessGroup objects: Dynamo's cache keeps this step
@@ -166,6 +169,10 @@ class CompiledStep:
             self._shard_parameters(args)
         elif self.calls == 1:
             self.first_step_done()
+        if self.runs is not None:
+            self.runs.count += 1
+            if self.calls == 0:
+                self.runs.param_ids.update(id(a) for a, k in zip(args, self.kinds) if k == "param")
         self.calls += 1
         differentiable = _flat(self.grad_params) + [self.input_order[k] for k in self.grad_inputs]
         # no backward will come under no_grad() (an eval loop): the forward then keeps nothing for it
@@ -399,6 +406,11 @@ class _StepFunction(torch.autograd.Function):
         with compat.autocast_disabled():
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None
+        if not step.backward_checked and step.runs is not None:
+            from ..compiler.graphless_calls import refuse_eager_trained_parameters
+
+            step.backward_checked = True
+            refuse_eager_trained_parameters(step.root_module() if step.root_module is not None else None, step.runs)
         step.first_step_done()
         out: list[torch.Tensor | None] = [None] * ctx.num_args
         for i, g in zip(ctx.differentiable, param_grads + input_grads):
