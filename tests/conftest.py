@@ -9,6 +9,15 @@ def pytest_addoption(parser):
                      help="rewrite tests/goldens/* from the current code generation (review the diff)")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``) each worker runs torch on one intra-op thread: N workers sharing the
+    machine's cores would otherwise each start a thread per core and oversubscribe them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """``bench`` tests (sweeps, stress, faults: outside CI) run only when ``-m`` names them."""
     import pytest
