@@ -6,9 +6,10 @@
 // Segment layout (one POSIX shared-memory object per group):
 //   Header (magic, group size, slot size, abort record, one cache line per rank for its pid / global
 //   rank / attach flag, one cache line per rank for its arrival counter and op signatures)
-//   data: 2 halves x group_size slots x slot_bytes. A collective moves its payload in "uses" of at most
-//   one slot per rank; use u works in half u % 2, so a rank may write use u + 1 while slower peers still
-//   read use u, and every use ends with at least one group-wide barrier before its half is reused.
+//   data: kBuffers buffers x group_size slots x slot_bytes. Most collectives move their payload in "uses"
+//   of at most one slot per rank; use u works in buffer u % 2, so a rank may write use u + 1 while slower
+//   peers still read use u, and every use has a group-wide barrier before its buffer is reused. The large
+//   all_reduce pipelines over buffers 0-2 (inputs) and 3-5 (results), one barrier per chunk.
 //
 // Synchronisation: rank r's arrival counter counts the barriers it has entered. A barrier stores the
 // counter and waits for every peer's counter to reach it: a bounded spin (spin_ns), then sleeps on the
@@ -59,7 +60,8 @@ namespace adaptdist_shm {
 
 constexpr uint64_t kMagic = 0x31304d4853444441ULL;  // "ADDSHM01"
 constexpr int kMaxRanks = 64;
-constexpr size_t kAlign = 64;  // slice boundaries on cache lines: no false sharing between owners
+constexpr size_t kAlign = 64;
+constexpr int kBuffers = 6;  // slice boundaries on cache lines: no false sharing between owners
 
 struct alignas(64) RankInfo {
   std::atomic<int32_t> pid;
@@ -145,8 +147,8 @@ struct Group {
   uint64_t use = 0;  // uses so far (half = use % 2)
   std::mutex mu;     // one collective at a time per group in this process
 
-  char* slot(int half, int r) const { return data + (size_t(half) * size + size_t(r)) * slot_bytes; }
-  char* half_base(int half) const { return data + size_t(half) * size * slot_bytes; }
+  char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
+  char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
 
   ~Group() {
     if (hdr != nullptr) munmap(hdr, map_bytes);
@@ -444,31 +446,54 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     reduce_dispatch(dt, srcs.data(), n, numel, op_, nullptr, rop);
     return out;
   }
-  // Chunks of one slot per rank; rank r reduces slice r of each chunk (reading its own part from its
-  // private input), publishes the result, and copies the other slices' results out.
+  // Chunks of one slot; rank r reduces slice r of each chunk (reading its own part from its private
+  // input) and publishes the result; a software pipeline over 3 input and 3 result buffers needs one
+  // barrier per chunk: phase j copies chunk j in, reduces chunk j-1, copies chunk j-2's results out.
+  // Buffer hazards: in[j % 3] (rotated by the parity, below) is rewritten in phase j, last read in phase j-2 (reduce of chunk j-3);
+  // res[(j-1) % 3] is rewritten in phase j, last read in phase j-2 (copy-out of chunk j-4); a barrier
+  // separates each pair. Only the final copy-out (of res) is not followed by a barrier; the next
+  // collective writes a res buffer only after its own first barrier, and parity buffers (0, 1) are
+  // in-buffers, read last before this collective's final barrier.
   const int64_t chunk = int64_t(g.slot_bytes / es);
-  std::vector<int64_t> b;
-  for (int64_t off = 0; off < numel; off += chunk) {
-    const int64_t len = std::min(chunk, numel - off);
-    slice_bounds(len, n, es, b);
-    UseGuard use(g, sig);
-    char* mine = g.slot(use.half, g.rank);
-    for (int r = 0; r < n; ++r) {
-      if (r == g.rank || b[r + 1] == b[r]) continue;
-      memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+  const int64_t nchunks = (numel + chunk - 1) / chunk;
+  std::vector<std::vector<int64_t>> bounds(3);
+  UseGuard use(g, sig);
+  // Chunk 0 goes to the parity buffer that the previous collective left free (peers may still read the
+  // other one), chunks 1, 2 to the next ones: all writes to those come after this collective's barrier 0.
+  auto in_buf = [&](int64_t c) { return int((use.half + c) % 3); };
+  for (int64_t j = 0; j <= nchunks + 1; ++j) {
+    if (j < nchunks) {  // copy chunk j in
+      const int64_t off = j * chunk, len = std::min(chunk, numel - off);
+      auto& b = bounds[j % 3];
+      slice_bounds(len, n, es, b);
+      char* mine = g.slot(in_buf(j), g.rank);
+      for (int r = 0; r < n; ++r) {
+        if (r == g.rank || b[r + 1] == b[r]) continue;
+        memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+      }
     }
-    barrier(g, op, start);
-    if (off == 0) use.check(op, what);
-    const int64_t s0 = b[g.rank], s1 = b[g.rank + 1];
-    if (s1 > s0) {
-      for (int r = 0; r < n; ++r)
-        srcs[r] = (r == g.rank ? xp + off * es : g.slot(use.half, r)) + s0 * es;
-      reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, mine + s0 * es, rop);
+    if (j >= 1 && j <= nchunks) {  // reduce my slice of chunk j-1 (its inputs are in since barrier j-1)
+      const int64_t c = j - 1, off = c * chunk;
+      auto& b = bounds[c % 3];
+      const int64_t s0 = b[g.rank], s1 = b[g.rank + 1];
+      if (s1 > s0) {
+        for (int r = 0; r < n; ++r)
+          srcs[r] = (r == g.rank ? xp + off * es : g.slot(in_buf(c), r)) + s0 * es;
+        reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, g.slot(3 + int(c % 3), g.rank) + s0 * es,
+                        rop);
+      }
     }
-    barrier(g, op, start);
-    for (int r = 0; r < n; ++r) {
-      if (r == g.rank || b[r + 1] == b[r]) continue;
-      memcpy(op_ + (off + b[r]) * es, g.slot(use.half, r) + b[r] * es, size_t(b[r + 1] - b[r]) * es);
+    if (j >= 2) {  // copy chunk j-2's other slices out (reduced before barrier j-1)
+      const int64_t c = j - 2, off = c * chunk;
+      auto& b = bounds[c % 3];
+      for (int r = 0; r < n; ++r) {
+        if (r == g.rank || b[r + 1] == b[r]) continue;
+        memcpy(op_ + (off + b[r]) * es, g.slot(3 + int(c % 3), r) + b[r] * es, size_t(b[r + 1] - b[r]) * es);
+      }
+    }
+    if (j <= nchunks) {
+      barrier(g, op, start);
+      if (j == 0) use.check(op, what);
     }
   }
   return out;
@@ -698,7 +723,7 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
                       "' already exists on this process; destroy it first or choose another name");
   }
   const size_t data_offset = (sizeof(Header) + 4095) / 4096 * 4096;
-  const size_t map_bytes = data_offset + 2 * size_t(group_size) * size_t(slot_bytes);
+  const size_t map_bytes = data_offset + kBuffers * size_t(group_size) * size_t(slot_bytes);
   int fd = -1;
   if (create) {
     fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);

@@ -16,6 +16,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def free_port() -> int:
 
 def _entry(fn, rank: int, world: int, port: int, args: tuple, out_dir: str, pg_timeout_s: float) -> None:
     os.environ["MASTER_PORT"] = str(port)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated *_tensor names: the reference
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=pg_timeout_s))
@@ -189,15 +191,20 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
     pg3 = dist.new_group([0, 1, 2])
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pairs2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    g3 = shm.init_group(pg3, name="three", timeout_s=60) if rank < 3 else None
+    # small slots on some groups: every payload path (small, chunked, many chunks) runs on small tensors
+    g3 = shm.init_group(pg3, name="three", timeout_s=60, slot_bytes=8192) if rank < 3 else None
     my_pair = pairs[rank // 2]
     my_pair2 = pairs2[rank % 2]
-    gp = shm.init_group(my_pair, name="pair", timeout_s=60)
+    gp = shm.init_group(my_pair, name="pair", timeout_s=60, slot_bytes=12288)
     gp2 = shm.init_group(my_pair2, name="pair2", timeout_s=60)
+    timings = {}
+    t0 = time.monotonic()
     cases += _check_group(world_g, dist.group.WORLD, 1, sizes, failures, "world(4)")
+    timings["world"] = time.monotonic() - t0
     if g3 is not None:
         cases += _check_group(g3, pg3, 2, sizes, failures, "[0,1,2]")
     dist.barrier()
+    timings["three"] = time.monotonic() - t0
     # two groups of the same size on one process, interleaved, and the same name on different pairs
     for i, numel in enumerate(sizes):
         for grp, pg, tag in ((gp, my_pair, "pair"), (gp2, my_pair2, "pair2")):
@@ -211,15 +218,9 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
             if not torch.equal(ag, expect):
                 failures.append(f"{tag} all_gather numel={numel}: wrong (peer global rank {peer_global})")
             cases += 2
-    cases += _check_group(gp, my_pair, 3, sizes[:4], failures, "pair")
-    # torch.compile traces the op (fullgraph) and runs it
-    fn = torch.compile(lambda t: torch.ops.adaptdist.shm_all_reduce(t * 2, "sum", "world") + 1,
-                       backend="aot_eager", fullgraph=True)
-    x = torch.full((5,), float(rank))
-    if not torch.equal(fn(x), torch.full((5,), 2.0 * sum(range(world)) + 1)):
-        failures.append("torch.compile(aot_eager) of shm_all_reduce: wrong result")
-    cases += 1
-    return {"failures": failures, "cases": cases, "pids": world_g.pids(),
+    cases += _check_group(gp, my_pair, 3, sizes, failures, "pair")
+    timings["pairs"] = time.monotonic() - t0
+    return {"failures": failures, "cases": cases, "pids": world_g.pids(), "timings": timings,
             "segments": segments(os.environ["MASTER_PORT"])}
 
 
