@@ -11,7 +11,7 @@ them: one core's `torch.Tensor.copy_` of the same S (bandwidth = S / t), the phy
 bytes once. Ratios: shm busbw / gloo busbw, and shm busbw / memcpy bandwidth.
 
     .venv/bin/python benchmarks/bench_comm.py [--ranks 2 4] [--sizes 4K 1M 16M 64M] [--min-time-s 0.3]
-        [--ops all_reduce ...] [--slot-bytes N] [--json out.json]
+        [--ops all_reduce ...] [--slot-bytes N] [--spin-us US] [--json out.json]
 
 Prints the load average before and after: this machine is shared, and 4 ranks on 2 cores are
 oversubscribed by construction.
@@ -85,13 +85,14 @@ def _time(fn, min_time_s: float, world: int) -> float:
 
 
 def bench_worker(rank: int, world: int, ops: list[str], sizes: list[str], min_time_s: float,
-                 slot_bytes: int) -> list[dict]:
+                 slot_bytes: int, spin_us: float | None = None) -> list[dict]:
     import warnings
 
     from adaptdist.kernels import shm
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    group = shm.init_group(dist.group.WORLD, name="bench", timeout_s=300, slot_bytes=slot_bytes)
+    group = shm.init_group(dist.group.WORLD, name="bench", timeout_s=300, slot_bytes=slot_bytes,
+                           spin_us=spin_us)
     rows = []
     for op in ops:
         for size in sizes:
@@ -131,6 +132,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     ap.add_argument("--min-time-s", type=float, default=0.3, help="timed loop length per measurement")
     ap.add_argument("--slot-bytes", type=int, default=None, help="shm slot size (default: init_group's)")
+    ap.add_argument("--spin-us", type=float, default=None, help="shm spin before sleeping (default: init_group's)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import shm_workers
@@ -142,7 +144,8 @@ def main(argv=None) -> None:
     memcpy = memcpy_bandwidth(args.sizes, args.min_time_s)
     rows = []
     for n in args.ranks:
-        res = shm_workers.run_ranks(bench_worker, n, (args.ops, args.sizes, args.min_time_s, args.slot_bytes or shm.DEFAULT_SLOT_BYTES), timeout_s=1800,
+        res = shm_workers.run_ranks(bench_worker, n, (args.ops, args.sizes, args.min_time_s, args.slot_bytes or shm.DEFAULT_SLOT_BYTES,
+                                                       args.spin_us), timeout_s=1800,
                                     pg_timeout_s=600)
         if 0 not in res or isinstance(res[0], dict):
             raise SystemExit(f"{n} ranks failed: {res}")
