@@ -176,7 +176,10 @@ class ProgramSource:
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
         try:
-            programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
+            from ..cli.common import rank_hosts
+
+            options = replace(self.options, hosts=rank_hosts(cluster))  # this world size's hosts (--comm)
+            programs = compile_model(model, example, loss_fn, world_size, plan, options, captured=captured)
         except PipelineError as e:
             if pipeline is None:
                 raise
