@@ -82,6 +82,17 @@ def axis_transports(mesh: Mesh, comm: str, hosts: Sequence[str] | None, *, kerne
     return out
 
 
+def is_shm_collective(target) -> bool:
+    """Whether ``target`` is one of adaptdist's shared-memory collective ops (``torch.ops.adaptdist.shm_*``)."""
+    name = getattr(target, "name", None)
+    try:
+        text = name() if callable(name) else ""
+    except Exception:  # noqa: BLE001 -- not an OpOverload
+        return False
+    return isinstance(text, str) and text.startswith("adaptdist::shm_") and text[len("adaptdist::"):] in \
+        SHM_OPS.values()
+
+
 def shm_groups_in_code(code: str) -> list[str]:
     """The group names that a program's source passes to ``torch.ops.adaptdist.shm_*`` ops, in first-use order
     (what the runtime must set up with ``init_group`` before the program runs)."""

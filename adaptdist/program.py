@@ -109,11 +109,14 @@ class RankProgram:
         return tuple(t[off:off + size] for t in batch)
 
     def collectives(self) -> list[str]:
-        """The collectives this program issues, in order, as ``op(group, numel)`` strings."""
+        """The collectives this program issues, in order, as ``op(group, numel)`` strings (functional collectives and
+        adaptdist's shared-memory ones)."""
+        from .comm_transport import is_shm_collective
+
         gm = self.graph_module
         out = []
         for n in gm.graph.nodes:
-            if n.op == "call_function" and compat.is_functional_collective(n.target):
+            if n.op == "call_function" and (compat.is_functional_collective(n.target) or is_shm_collective(n.target)):
                 out.append(f"{n.target}({n.args[-1]}, {n.args[0].meta['val'].numel()})")
         return out
 
