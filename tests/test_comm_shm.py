@@ -93,7 +93,7 @@ def test_train_and_run_with_shm_equal_gloo_and_eager(model_file, shm_artifacts, 
         assert main(["train", f"{model_file}:factory", "--nproc", "2", "--batch-size", "8", "--plan", "fsdp",
                      "--comm", comm, "--sample-bytes", "0", "--out", str(out), *common]) == 0
         runs[comm] = out
-    assert main(["run", str(shm_artifacts), "--out", str(tmp_path / "run"), *common[:4]]) == 0
+    assert main(["run", str(shm_artifacts), "--out", str(tmp_path / "run"), *common]) == 0
     runs["run"] = tmp_path / "run"
     for name, out in runs.items():
         summary = json.loads((out / "summary.json").read_text())
