@@ -93,6 +93,21 @@ def is_shm_collective(target) -> bool:
         SHM_OPS.values()
 
 
+def cluster_for_comm(cluster, comm: str):
+    """``cluster`` as the cost models and the planner should see it under ``comm``: with ``auto`` (kernels loaded)
+    or ``shm``, its one-host (``intra_host``) collective fits are the shared-memory kernels' measured ones
+    (:meth:`~adaptdist.cluster.Cluster.with_shm_collectives`; an axis whose ranks share a host is exactly one the
+    lowering puts on shared memory); else, or without ``shm`` fits (not profiled with the kernels), ``cluster``."""
+    if cluster is None or comm == "gloo" or not hasattr(cluster, "with_shm_collectives"):
+        return cluster
+    if comm == "auto":
+        from .kernels import available
+
+        if not available():
+            return cluster
+    return cluster.with_shm_collectives()
+
+
 def shm_groups_in_code(code: str) -> list[str]:
     """The group names that a program's source passes to ``torch.ops.adaptdist.shm_*`` ops, in first-use order
     (what the runtime must set up with ``init_group`` before the program runs)."""

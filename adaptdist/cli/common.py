@@ -116,6 +116,14 @@ def lowering_options(args, cluster=None):
 
 
 def _cluster(args):
+    """The cluster a command runs or plans for (``--cluster``, ``--nproc``, a saved plan's mesh), its one-host
+    collectives costed as ``--comm`` carries them (:func:`~adaptdist.comm_transport.cluster_for_comm`)."""
+    from ..comm_transport import cluster_for_comm
+
+    return cluster_for_comm(_cluster_of_flags(args), getattr(args, "comm", None) or "gloo")
+
+
+def _cluster_of_flags(args):
     from ..calibrate.local import load_cluster, local_cluster
 
     if args.cluster:
