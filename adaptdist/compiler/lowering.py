@@ -329,9 +329,13 @@ def _lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, state:
 
 def mesh_rank_hosts(plan: Plan, hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """The host of each *mesh* rank of ``plan``, from ``hosts`` (the host of each cluster rank): through the plan's
-    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. None when ``hosts`` is None or does not
-    fit the mesh."""
-    if hosts is None or len(hosts) != plan.mesh_spec.world_size:
+    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. ``hosts`` of one host fits any number
+    of ranks (a local cluster compiled again at another size, e.g. ``estimate --symbolic``); None when ``hosts`` is
+    None or, naming several hosts, does not fit the mesh."""
+    world = plan.mesh_spec.world_size
+    if hosts is not None and len(hosts) != world and len(set(hosts)) == 1:
+        return (hosts[0],) * world
+    if hosts is None or len(hosts) != world:
         return None
     order = plan.devices.rank_to_device if plan.devices is not None else None
     return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
