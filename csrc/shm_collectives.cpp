@@ -208,7 +208,6 @@ static std::string group_desc(const Group& g) {
     g.hdr->abort_state.store(2);
   }
   for (int r = 0; r < g.size; ++r) {
-    g.hdr->counters[r].seq.fetch_add(0);  // keep the word; the wake below makes sleepers re-check
     futex_wake_all(&g.hdr->counters[r].seq);
   }
   C10_THROW_ERROR(DistBackendError, "adaptdist shm: " + std::string(op) + " on " + group_desc(g) + ": " + detail);
@@ -235,11 +234,14 @@ static void wait_peer(Group& g, int peer, uint32_t target, const char* op, doubl
       if (++i % 8 == 0 && now_ns() > spin_end) break;
     }
   }
+  // Sleeping: the abort record every wake-up, the peer's process and the timeout every 50 ms.
   double next_check_s = 0.0;
   while (true) {
+    check_abort(g, op);
     double t = now_s();
-    if (t >= next_check_s) {
-      check_abort(g, op);
+    if (next_check_s == 0.0) {
+      next_check_s = t + 0.05;
+    } else if (t >= next_check_s) {
       if (!process_alive(g.hdr->ranks[peer].pid.load())) {
         if (reached(word.load(std::memory_order_acquire), target)) return;
         fail_peer(g, op, peer, "died (its process is gone)");
@@ -386,24 +388,19 @@ struct UseGuard {
   UseGuard(Group& g_, uint64_t sig_) : g(g_), half(int(g_.use++ & 1)), sig(sig_) {
     g.hdr->counters[g.rank].sig[half].store(sig, std::memory_order_relaxed);
   }
-  void check(const char* op, const std::string& what) {
+  void check(const char* op, const at::Tensor& t) {
     for (int r = 0; r < g.size; ++r) {
       if (r == g.rank) continue;
       if (g.hdr->counters[r].sig[half].load(std::memory_order_relaxed) != sig) {
         std::ostringstream os;
-        os << "issued a different collective than this rank's " << what
+        os << "issued a different collective than this rank's " << op << " of " << t.scalar_type() << " "
+           << t.sizes()
            << " (op, dtype or size differ: the ranks' programs disagree)";
         fail_peer(g, op, r, os.str().c_str());
       }
     }
   }
 };
-
-static std::string describe(const char* op, const at::Tensor& t) {
-  std::ostringstream os;
-  os << op << " of " << t.scalar_type() << " " << t.sizes();
-  return os.str();
-}
 
 // ---------------------------------------------------------------------------------------------
 // collectives (CPU kernels)
@@ -428,7 +425,6 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   const double start = now_s();
   const uint64_t sig = signature(1, dt, numel, int64_t(rop));
   std::vector<const char*> srcs(n);
-  const std::string what = describe(op, x);
   if (n == 1) {
     srcs[0] = xp;
     reduce_dispatch(dt, srcs.data(), 1, numel, op_, nullptr, rop);
@@ -441,7 +437,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     UseGuard use(g, sig);
     memcpy(g.slot(use.half, g.rank), xp, bytes);
     barrier(g, op, start);
-    use.check(op, what);
+    use.check(op, x);
     for (int r = 0; r < n; ++r) srcs[r] = (r == g.rank) ? xp : g.slot(use.half, r);
     reduce_dispatch(dt, srcs.data(), n, numel, op_, nullptr, rop);
     return out;
@@ -493,7 +489,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     }
     if (j <= nchunks) {
       barrier(g, op, start);
-      if (j == 0) use.check(op, what);
+      if (j == 0) use.check(op, x);
     }
   }
   return out;
@@ -521,7 +517,6 @@ static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c1
   const int n = g.size;
   const double start = now_s();
   const uint64_t sig = signature(2, x.scalar_type(), numel, 0);
-  const std::string what = describe(op, x);
   const int64_t chunk = int64_t(g.slot_bytes / es);
   for (int64_t off = 0; off < numel; off += chunk) {
     const int64_t len = std::min(chunk, numel - off);
@@ -529,7 +524,7 @@ static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c1
     memcpy(g.slot(use.half, g.rank), xp + off * es, size_t(len) * es);
     memcpy(op_ + (g.rank * numel + off) * es, xp + off * es, size_t(len) * es);
     if (n > 1) barrier(g, op, start);
-    if (off == 0) use.check(op, what);
+    if (off == 0) use.check(op, x);
     for (int r = 0; r < n; ++r) {
       if (r == g.rank) continue;
       memcpy(op_ + (r * numel + off) * es, g.slot(use.half, r), size_t(len) * es);
@@ -565,7 +560,6 @@ static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view r
   const int n = g.size;
   const double start = now_s();
   const uint64_t sig = signature(3, dt, M, int64_t(rop));
-  const std::string what = describe(op, x);
   std::vector<const char*> srcs(n);
   const int64_t unit = std::max<int64_t>(1, int64_t(kAlign / es));
   const int64_t seg = std::max<int64_t>(unit, (int64_t(g.slot_bytes / es) / n) / unit * unit);
@@ -578,7 +572,7 @@ static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view r
       memcpy(mine + r * seg * es, xp + (r * M + off) * es, size_t(len) * es);
     }
     if (n > 1) barrier(g, op, start);
-    if (off == 0) use.check(op, what);
+    if (off == 0) use.check(op, x);
     for (int q = 0; q < n; ++q)
       srcs[q] = q == g.rank ? xp + (g.rank * M + off) * es : g.slot(use.half, q) + g.rank * seg * es;
     reduce_dispatch(dt, srcs.data(), n, len, op_ + off * es, nullptr, rop);
@@ -616,7 +610,6 @@ static at::Tensor all_to_all_cpu(const at::Tensor& input, c10::SymIntArrayRef ou
   char* op_ = static_cast<char*>(out.data_ptr());
   const double start = now_s();
   const uint64_t sig = signature(4, x.scalar_type(), M, 0);
-  const std::string what = describe(op, x);
   const int64_t unit = std::max<int64_t>(1, int64_t(kAlign / es));
   const int64_t seg = std::max<int64_t>(unit, (int64_t(g.slot_bytes / es) / n) / unit * unit);
   for (int64_t off = 0; off < M; off += seg) {
@@ -629,7 +622,7 @@ static at::Tensor all_to_all_cpu(const at::Tensor& input, c10::SymIntArrayRef ou
     }
     memcpy(op_ + (g.rank * M + off) * es, xp + (g.rank * M + off) * es, size_t(len) * es);
     if (n > 1) barrier(g, op, start);
-    if (off == 0) use.check(op, what);
+    if (off == 0) use.check(op, x);
     for (int q = 0; q < n; ++q) {
       if (q == g.rank) continue;
       memcpy(op_ + (q * M + off) * es, g.slot(use.half, q) + g.rank * seg * es, size_t(len) * es);
@@ -656,7 +649,6 @@ static at::Tensor broadcast_cpu(const at::Tensor& input, int64_t src, c10::strin
   char* op_ = static_cast<char*>(out.data_ptr());
   const double start = now_s();
   const uint64_t sig = signature(5, x.scalar_type(), numel, src);
-  const std::string what = describe(op, x);
   // The source may fill the whole half (every rank's slot): broadcast moves one payload only.
   const int64_t chunk = int64_t(g.slot_bytes * g.size / es);
   for (int64_t off = 0; off < numel; off += chunk) {
@@ -667,7 +659,7 @@ static at::Tensor broadcast_cpu(const at::Tensor& input, int64_t src, c10::strin
       memcpy(op_ + off * es, xp + off * es, size_t(len) * es);
     }
     if (g.size > 1) barrier(g, op, start);
-    if (off == 0) use.check(op, what);
+    if (off == 0) use.check(op, x);
     if (g.rank != src) memcpy(op_ + off * es, g.half_base(use.half), size_t(len) * es);
   }
   return out;

@@ -66,7 +66,11 @@ def load() -> LoadResult:
     import torch
 
     error = None
-    if not path.is_file():
+    if _registered(torch):
+        # Already loaded in this process (possibly from another path): a second copy would register the
+        # namespace twice, which torch treats as fatal.
+        pass
+    elif not path.is_file():
         error = (f"{path} does not exist (the C++ kernels were not built: reinstall with `pip install -e .` "
                  "on a machine with cmake and a C++ compiler, and see the install log)")
     else:
@@ -81,6 +85,14 @@ def load() -> LoadResult:
         warnings.warn(f"adaptdist: C++ kernels unavailable, using gloo for all collectives: {error}",
                       RuntimeWarning, stacklevel=2)
     return LoadResult(str(path), error)
+
+
+def _registered(torch) -> bool:
+    try:
+        torch.ops.adaptdist._abi_version  # noqa: B018 -- the lookup is the test
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def load_if_torch_imported() -> None:
