@@ -28,6 +28,17 @@ by one rank, over group ranks 0, 1, ..., n-1 in that order, accumulating in floa
 too) and rounding once to the dtype; "avg" divides the float32 sum by n, then rounds; "max" propagates
 NaN. Results equal gloo's within float rounding (gloo sums in another order, in the tensor's dtype).
 
+Wiring (``--comm auto|shm|gloo``): for each mesh axis's gloo group, ``auto`` uses shm where
+``adaptdist.kernels.available()`` on every rank (agree on it, e.g. all_gather the flag: all ranks of a group
+must pick the same transport) and :func:`group_on_one_host` (a collective: the same answer everywhere);
+``shm`` calls ``adaptdist.kernels.require("--comm shm")`` first (ShmUnavailableError, typed),
+then :func:`init_group` on every rank of the group, after ``init_process_group`` and before the first step,
+with ``timeout_s`` = the run's collective timeout and ``job_key`` = the rendezvous port (the default reads
+``$MASTER_PORT``). Then rewrite ``torch.ops._c10d_functional.{all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single, broadcast}`` to the ``adaptdist.shm_*`` op of the same arguments and
+drop its ``wait_tensor`` (or keep it: ``wait_tensor`` returns a tensor no collective is pending on unchanged). Wrap the step so that a
+``RuntimeError`` goes through :func:`translate_error` (-> ShmPeerError, a CollectiveTimeoutError).
+
 A group (what ``group_name`` names) is set up once per process and group, on every rank of it, by
 :func:`init_group` (a collective over a gloo process group of the same ranks)::
 
@@ -44,7 +55,7 @@ after the gloo group it shadows (the default) lets a pass swap ``_c10d_functiona
 explicit request (``--comm shm``) without them.
 
 Failures: a peer that dies, stalls past ``timeout_s`` or issues another collective makes every rank of the
-group raise within the timeout (a dead peer within ~50 ms): from the op, ``torch.distributed.DistBackendError``
+group raise within the timeout (a dead peer within about 0.1 s: liveness is checked every 50 ms of sleeping): from the op, ``torch.distributed.DistBackendError``
 whose message starts with "adaptdist shm:" and names the peer (group rank, global rank, pid); the
 :class:`ShmGroup` methods raise :class:`adaptdist.errors.ShmPeerError` (a CollectiveTimeoutError) instead, and
 :func:`translate_error` converts one raised from a graph. The group is then unusable (every later op
