@@ -165,7 +165,15 @@ class StepRunner:
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
-        outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
+        try:
+            outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
+        except RuntimeError as e:  # a shared-memory collective's peer died or stalled: the typed error naming it
+            from ..kernels.shm import translate_error
+
+            typed = translate_error(e)
+            if typed is None:
+                raise
+            raise typed from e
         self.last_grads = {f: outs[i] for f, i in zip(self.program.param_fqns, self.grad_slots)}
         if self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(self.last_grads, self.program, self.max_grad_norm)
