@@ -5,10 +5,16 @@ import; ``adaptdist.AdaptdistBackend`` is its class, ``adaptdist.ManualPlan`` a 
 ``adaptdist.full_state_dict(model)`` returns the unsharded state dict of a model it compiled, and
 ``adaptdist.clip_grad_norm_(model, max_norm)`` clips by the norm of its whole (sharded) gradient;
 ``adaptdist.save_checkpoint(path, model, optimizer, step=...)`` and ``adaptdist.load_checkpoint(path, model,
-optimizer)`` checkpoint and resume it under any plan and world size.
+optimizer)`` checkpoint and resume it under any plan and world size. ``adaptdist.kernels`` loads the
+C++ kernels (``torch.ops.adaptdist.*``: shared-memory collectives, :mod:`adaptdist.kernels.shm`).
 """
 
 from ._version import __version__
+from .kernels import load_if_torch_imported as _load_kernels_if_torch_imported
+
+# The C++ kernels (torch.ops.adaptdist.*) register on import when torch is loaded already; otherwise the
+# first adaptdist module that imports torch loads them (adaptdist/kernels/__init__.py). Never raises.
+_load_kernels_if_torch_imported()
 
 
 def __getattr__(name: str):

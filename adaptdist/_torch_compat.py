@@ -19,6 +19,12 @@ import torch.fx
 # torch's pytree helpers are private (torch.utils._pytree); everything else reaches them through here
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 -- re-exported
 
+from .kernels import load as _load_kernels
+
+# Every adaptdist module that uses torch comes through here: register torch.ops.adaptdist.* (warns once and
+# falls back to gloo when the C++ kernels are missing; never raises).
+_load_kernels()
+
 
 def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
     """Export ``module(*args)`` and its backward as one functional ATen graph.

@@ -162,6 +162,15 @@ def check_manifest(manifest: object, mpath: Path) -> dict:
         raise f.fail("kind", f"must be {PIPELINE_KIND!r} (pipeline programs) or absent, got {_short(f.need('kind'))}")
     if f.has("rng") and f.need("rng") not in RNG_MODES:
         raise f.fail("rng", f"must be one of {list(RNG_MODES)}, got {_short(f.need('rng'))}")
+    if f.has("kernels"):
+        kernels = f.need("kernels")
+        if not isinstance(kernels, list) or not all(k in ("shm",) for k in kernels):
+            raise f.fail("kernels", f"must list the C++ kernels the programs use (['shm']), got {_short(kernels)}")
+    if f.has("transports"):
+        transports = f.need("transports")
+        if not isinstance(transports, dict) or not all(isinstance(a, str) and t in ("shm", "gloo", "none")
+                                                       for a, t in transports.items()):
+            raise f.fail("transports", f"must map mesh axes to 'shm', 'gloo' or 'none', got {_short(transports)}")
     if f.has("cluster_hosts"):
         hosts = f.need("cluster_hosts")
         if not isinstance(hosts, list) or not all(

@@ -27,6 +27,11 @@ DEVICE_KINDS: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 """Device kind -> the torch.distributed backend that launches it."""
 TIERS = ("intra_host", "inter_host")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SHM_TIER = "shm"
+"""The calibration key of adaptdist's shared-memory collectives among the ranks of one host (``--comm``): measured
+by ``adaptdist cluster profile`` beside gloo's ``intra_host`` fits where the kernels are loaded."""
+SHM_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+CALIBRATION_TIERS = TIERS + (SHM_TIER,)
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8")
 """dtype names (torch's) that ``peak_flops`` may be keyed by."""
 
@@ -260,9 +265,11 @@ class Calibration:
 
     def __post_init__(self) -> None:
         for key, fit in dict(self.collectives).items():
-            if not (isinstance(key, tuple) and len(key) == 2 and key[0] in TIERS and key[1] in COLLECTIVES):
+            if not (isinstance(key, tuple) and len(key) == 2 and key[0] in CALIBRATION_TIERS
+                    and key[1] in (SHM_COLLECTIVES if key[0] == SHM_TIER else COLLECTIVES)):
                 raise ClusterSpecError(f"calibration: collective key {key!r} must be (tier, collective) with tier in "
-                                       f"{list(TIERS)} and collective in {list(COLLECTIVES)}")
+                                       f"{list(CALIBRATION_TIERS)} and collective in {list(COLLECTIVES)} "
+                                       f"({list(SHM_COLLECTIVES)} for {SHM_TIER!r})")
             if not isinstance(fit, CollectiveFit):
                 raise ClusterSpecError(f"calibration: {key!r} must be a CollectiveFit, got {type(fit).__name__}")
         object.__setattr__(self, "collectives", FrozenMap(self.collectives))
@@ -454,8 +461,8 @@ class Cluster:
         """
         if collective not in COLLECTIVES:
             raise ClusterSpecError(f"collective {collective!r} is not one of {list(COLLECTIVES)}")
-        if tier not in TIERS:
-            raise ClusterSpecError(f"tier {tier!r} is not one of {list(TIERS)}")
+        if tier not in CALIBRATION_TIERS:
+            raise ClusterSpecError(f"tier {tier!r} is not one of {list(CALIBRATION_TIERS)}")
         if self.calibration is None:
             return None
         return self.calibration.collectives.get((tier, collective))
@@ -519,6 +526,20 @@ class Cluster:
         return f"Cluster({', '.join(map(host, self.hosts))}{', calibrated' if self.calibrated else ''})"
 
     # --- construction --------------------------------------------------------------------------
+
+    def with_shm_collectives(self) -> "Cluster":
+        """A copy whose ``intra_host`` collective fits are the shared-memory kernels' (the ``shm`` fits, where
+        measured): what the cost models and the planner see when a one-host group's collectives take shared
+        memory (``--comm auto|shm``; :func:`adaptdist.comm_transport.cluster_for_comm`). Itself when there are
+        no ``shm`` fits."""
+        cal = self.calibration
+        if cal is None or not any(t == SHM_TIER for t, _ in cal.collectives):
+            return self
+        fits = dict(cal.collectives)
+        for (tier, name), fit in cal.collectives.items():
+            if tier == SHM_TIER:
+                fits[("intra_host", name)] = fit
+        return self.with_calibration(dataclasses.replace(cal, collectives=FrozenMap(fits)))
 
     def with_calibration(self, calibration: Calibration | None) -> "Cluster":
         """A copy with another calibration block."""

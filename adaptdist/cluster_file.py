@@ -38,6 +38,8 @@ block with the alpha-beta fit of each collective per link tier::
         intra_host:
           all_reduce: {alpha_s: 1.9e-4, beta_s_per_byte: 6.8e-10, num_ranks: 2, rms_rel_error: 0.08}
           # all_gather, reduce_scatter, all_to_all, send_recv likewise
+        shm:        # adaptdist's shared-memory collectives among one host's ranks (where the kernels load)
+          all_reduce: {alpha_s: 2.0e-5, beta_s_per_byte: 2.0e-10, num_ranks: 2}
 
 Numbers may be written ``1.5e9`` (YAML 1.2 style) as well as ``1.5e+9``.
 
@@ -60,8 +62,8 @@ from typing import Any
 
 import yaml
 
-from .cluster import (COLLECTIVES, DEVICE_KINDS, DTYPES, TIERS, Calibration, Cluster, CollectiveFit, Device,
-                      FrozenMap, Host, Link, _is_number)
+from .cluster import (CALIBRATION_TIERS, COLLECTIVES, DEVICE_KINDS, DTYPES, SHM_COLLECTIVES, SHM_TIER, TIERS,
+                      Calibration, Cluster, CollectiveFit, Device, FrozenMap, Host, Link, _is_number)
 from .errors import ClusterSpecError
 from . import limits, safe_load
 
@@ -466,14 +468,15 @@ class _Parser:
         fits = {}
         for tier, by_name in coll.items():
             tp = f"calibration.collectives.{tier}"
-            if tier not in TIERS:
-                raise self.fail(tp, f"is not a link tier; allowed: {', '.join(TIERS)}")
+            if tier not in CALIBRATION_TIERS:
+                raise self.fail(tp, f"is not a link tier or 'shm'; allowed: {', '.join(CALIBRATION_TIERS)}")
             if not isinstance(by_name, dict) or not by_name:
                 raise self.fail(tp, f"must map collective names to fits (at least one), got {by_name!r}")
             for name, f in by_name.items():
                 fp = f"{tp}.{name}"
-                if name not in COLLECTIVES:
-                    raise self.fail(fp, f"is not a collective; allowed: {', '.join(COLLECTIVES)}")
+                allowed = SHM_COLLECTIVES if tier == SHM_TIER else COLLECTIVES
+                if name not in allowed:
+                    raise self.fail(fp, f"is not a collective; allowed: {', '.join(allowed)}")
                 self.mapping(fp, f, ("alpha_s", "beta_s_per_byte", "num_ranks", "rms_rel_error"),
                              ("alpha_s", "beta_s_per_byte"), "{alpha_s: 2.0e-4, beta_s_per_byte: 7.0e-10}")
                 assert isinstance(f, dict)

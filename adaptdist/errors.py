@@ -5,6 +5,8 @@ Its message is one paragraph that names what is wrong (node, op, shapes, mesh,
 rank or file) and says what to try; the CLI prints it without a traceback.
 """
 
+from __future__ import annotations
+
 
 class AdaptdistError(Exception):
     """Base class of all user-facing adaptdist errors."""
@@ -68,6 +70,25 @@ class PlanInfeasibleError(AdaptdistError):
 class CollectiveTimeoutError(RuntimeLaunchError):
     """A collective timed out or lost its connection; the message names the rank(s) that did not arrive, their
     last step and how long ago it was, and the collective timeout."""
+
+
+class ShmUnavailableError(UsageError):
+    """Shared-memory collectives were asked for explicitly (``comm="shm"``) but adaptdist's C++ kernels are not
+    built or could not be loaded on this machine; the message gives the load error and what to try."""
+
+
+class ShmPeerError(CollectiveTimeoutError):
+    """A shared-memory collective failed because a peer died, stalled past the collective timeout or issued
+    another collective. ``group`` is the group's name; ``peer_group_rank``, ``peer_global_rank`` and
+    ``peer_pid`` name the peer (None where the message did not say)."""
+
+    def __init__(self, message: str, group: str | None = None, peer_group_rank: int | None = None,
+                 peer_global_rank: int | None = None, peer_pid: int | None = None):
+        super().__init__(message)
+        self.group = group
+        self.peer_group_rank = peer_group_rank
+        self.peer_global_rank = peer_global_rank
+        self.peer_pid = peer_pid
 
 
 class RunInterruptedError(RuntimeLaunchError):

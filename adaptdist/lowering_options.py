@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
+from .comm_transport import COMM_MODES
 from .errors import AdaptdistError, UsageError
 
 MIB = 2**20
@@ -48,10 +49,15 @@ class LoweringOptions:
             ``"local"`` (DDP's semantics: each rank's statistics from its own rows; the running buffers of rank
             0 kept, as DDP broadcasts rank 0's) or ``"sync"`` (SyncBatchNorm's: statistics over the global
             batch, by all_reduce of per-channel sums and sums of squared deviations, and likewise in backward).
+        comm: how collectives are carried (``--comm``, ``backend(comm=...)``; :mod:`adaptdist.comm_transport`):
+            ``"auto"`` (shared-memory kernels on mesh axes whose ranks share a host, where the kernels are loaded
+            and ``hosts`` is known), ``"shm"`` (required: ShmUnavailableError without the kernels) or ``"gloo"``.
+        hosts: the host name of each rank of the plan's mesh (index = mesh rank), from the cluster the programs
+            will run on; None: unknown (``auto`` then keeps gloo; ``shm`` assumes one host).
 
     Raises:
-        UsageError: a bucket size below 1 byte, an unknown front end, rng mode or batch_norm mode, or
-            disabled_passes not a tuple of names.
+        UsageError: a bucket size below 1 byte, an unknown front end, rng mode, batch_norm mode or comm mode,
+            disabled_passes not a tuple of names, or hosts not a tuple of host names.
     """
 
     grad_bucket_bytes: int = 2 * MIB
@@ -63,6 +69,8 @@ class LoweringOptions:
     front_end: str = "cli"
     rng: str = "per-rank"
     batch_norm: str = "local"
+    comm: str = "auto"
+    hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("grad_bucket_bytes", "gather_bucket_bytes"):
@@ -86,6 +94,13 @@ class LoweringOptions:
             raise UsageError(f"LoweringOptions.batch_norm must be one of {BATCH_NORM_MODES} ('local': each rank's "
                              f"statistics, as DDP; 'sync': over the global batch, as SyncBatchNorm), got "
                              f"{self.batch_norm!r}")
+        if self.comm not in COMM_MODES:
+            raise UsageError(f"LoweringOptions.comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), "
+                             f"got {self.comm!r}")
+        if self.hosts is not None and (not isinstance(self.hosts, tuple)
+                                       or not all(isinstance(h, str) and h for h in self.hosts)):
+            raise UsageError(f"LoweringOptions.hosts must be a tuple of host names (one per rank) or None, "
+                             f"got {self.hosts!r}")
 
     @staticmethod
     def from_mb(bucket_mb: float | None = None, **kw) -> "LoweringOptions":
@@ -111,6 +126,7 @@ _BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"; without --nproc and --cluster a saved plan brings its mesh"), ""),
     (re.compile(r"(?:pass )?--replicate-fallback"), "pass adaptdist.backend(..., replicate_fallback=True)"),
     (re.compile(r"--batch-norm (\w+)"), r"adaptdist.backend(batch_norm='\1')"),
+    (re.compile(r"\(--comm auto\|gloo\)"), "(adaptdist.backend(comm='auto') or comm='gloo')"),
     (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
     (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
     (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),

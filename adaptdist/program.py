@@ -111,11 +111,14 @@ class RankProgram:
         return tuple(t[off:off + size] for t in batch)
 
     def collectives(self) -> list[str]:
-        """The collectives this program issues, in order, as ``op(group, numel)`` strings."""
+        """The collectives this program issues, in order, as ``op(group, numel)`` strings (functional collectives and
+        adaptdist's shared-memory ones)."""
+        from .comm_transport import is_shm_collective
+
         gm = self.graph_module
         out = []
         for n in gm.graph.nodes:
-            if n.op == "call_function" and compat.is_functional_collective(n.target):
+            if n.op == "call_function" and (compat.is_functional_collective(n.target) or is_shm_collective(n.target)):
                 out.append(f"{n.target}({n.args[-1]}, {n.args[0].meta['val'].numel()})")
         return out
 
@@ -246,10 +249,39 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         "torch_version": torch.__version__,
         "world_size": any_prog.world_size,
         "mesh": any_prog.mesh,
+        **_transport_fields(programs),
         **(extra or {}),
     }
     seal_programs(d, files, {r: prog._meta() for r, prog in programs.items()}, manifest)
     return d
+
+
+def _transport_fields(programs: dict[int, RankProgram]) -> dict:
+    """The manifest's ``transports`` (mesh axis -> ``shm`` | ``gloo`` | ``none``) and ``kernels`` (``["shm"]`` when a
+    program calls adaptdist's shared-memory ops, so a machine without them refuses the artifacts: :func:`check_kernels`)."""
+    from .comm_transport import transports_of_code
+
+    transports: dict[str, str] = {}
+    for prog in programs.values():
+        for axis, t in transports_of_code(prog.code, prog.group_names, prog.mesh).items():
+            transports[axis] = "shm" if t == "shm" or transports.get(axis) == "shm" else t
+    return {"transports": transports, **({"kernels": ["shm"]} if "shm" in transports.values() else {})}
+
+
+def check_kernels(manifest: dict, directory: str | os.PathLike) -> None:
+    """Refuse artifacts whose programs call adaptdist's C++ kernels (``manifest["kernels"]``) where they cannot be
+    loaded.
+
+    Raises:
+        ShmUnavailableError: names the directory, why the kernels are unavailable and what to do.
+    """
+    if "shm" not in (manifest.get("kernels") or []):
+        return
+    from .kernels import require
+
+    axes = [a for a, t in (manifest.get("transports") or {}).items() if t == "shm"]
+    require(f"{str(directory)!r} (compiled with shared-memory collectives on mesh axes {axes}; compile it again "
+            "with --comm gloo to run it here)")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -397,6 +429,7 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
             if f"rank{r}/{name}" not in manifest["files"]:
                 raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/{name} for world size "
                                        f"{manifest['world_size']}; compile again")
+    check_kernels(manifest, d)  # before any rank starts (adaptdist run)
     # every rank from one compile, the batch slices a partition; pipeline programs: the stages' peers agree too
     check_compile(d, manifest)
     if cluster is not None:

@@ -16,7 +16,11 @@ and their ratio, and peak memory per rank with ``adaptdist.runtime.memory.PeakMe
 the process's max RSS beside it.
 
     .venv/bin/python benchmarks/bench_dp.py [--nproc 2] [--batch-size 16] [--seq-len 128]
-        [--steps 30] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120]
+        [--steps 30] [--warmup 3] [--reps 4] [--threads-per-rank 1] [--timeout-s 120] [--comm gloo|shm|both]
+
+``--comm both`` runs adaptdist twice, its collectives on gloo and on the shared-memory kernels
+(``LoweringOptions.comm``), beside DDP, and a ``no-comm`` side (each rank's DDP step on its rows without DDP:
+the compute alone), so that DDP's exposed communication (DDP - no-comm) is measured too.
 
 The workers live in this module; the ``__main__`` block re-imports this file as
 the module ``bench_dp`` (its directory is put on ``sys.path`` and ``PYTHONPATH``)
@@ -89,6 +93,76 @@ def adaptdist_worker(cfg: dict) -> dict:
         dist.destroy_process_group()
 
 
+def adaptdist_gloo_worker(cfg: dict) -> dict:
+    """adaptdist_worker on the programs lowered with ``--comm gloo``."""
+    return adaptdist_worker(dict(cfg, program_dir=cfg["program_dirs"]["gloo"]))
+
+
+def adaptdist_shm_worker(cfg: dict) -> dict:
+    """adaptdist_worker on the programs lowered with ``--comm shm`` (the shared-memory kernels)."""
+    return adaptdist_worker(dict(cfg, program_dir=cfg["program_dirs"]["shm"]))
+
+
+def no_comm_worker(cfg: dict) -> dict:
+    """DDP's per-rank work without DDP: each rank's forward, backward and AdamW on its rows, no collectives (what
+    DDP's step would cost with free communication)."""
+    from adaptdist.models.gpt import factory
+    from adaptdist.runtime.worker import make_optimizer
+
+    rank, world = _setup(cfg)
+    try:
+        torch.manual_seed(cfg["seed"])
+        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+        opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+        batch = _load_batch(cfg)
+
+        def step(global_batch):
+            x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.item()
+
+        return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
+    finally:
+        dist.destroy_process_group()
+
+
+def sides_table(con, title: str, summaries: dict, torch_side: str) -> None:
+    """One row per side (``summaries``: name -> :func:`_summarize`): median and fastest per-rep median step time,
+    tokens/s, and throughput ratios to ``torch_side`` and (for adaptdist sides) shm / gloo."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("side", "median step (ms)", "fastest rep median (ms)", "tokens/s", f"x {torch_side}"):
+        t.add_column(col, justify="right")
+    ref = summaries[torch_side]["tokens_per_s"]
+    for name, a in summaries.items():
+        t.add_row(name, f"{1e3 * a['median_s']:.1f}", f"{1e3 * a['min_rep_s']:.1f}", f"{a['tokens_per_s']:,.0f}",
+                  f"{a['tokens_per_s'] / ref:.3f}")
+    con.print(t)
+    if "adaptdist/shm" in summaries and "adaptdist/gloo" in summaries:
+        s, g = summaries["adaptdist/shm"], summaries["adaptdist/gloo"]
+        con.print(f"adaptdist shm / gloo throughput: {s['tokens_per_s'] / g['tokens_per_s']:.3f}x (all-steps median), "
+                  f"{g['min_rep_s'] / s['min_rep_s']:.3f}x (fastest per-rep medians)")
+
+
+def compile_comms(comm: str, compile_one) -> dict[str, str]:
+    """``compile_one(comm) -> program dir`` for each transport ``--comm`` asks for (``both``: shm and gloo)."""
+    comms = ("shm", "gloo") if comm == "both" else (comm,)
+    return {c: compile_one(c) for c in comms}
+
+
+def adaptdist_sides(program_dirs: dict[str, str]) -> dict:
+    """The adaptdist side(s) of a benchmark: ``adaptdist`` (one transport) or ``adaptdist/shm`` and ``adaptdist/gloo``."""
+    import bench_dp
+
+    if len(program_dirs) == 1:
+        return {"adaptdist": bench_dp.adaptdist_shm_worker if "shm" in program_dirs else bench_dp.adaptdist_gloo_worker}
+    return {"adaptdist/shm": bench_dp.adaptdist_shm_worker, "adaptdist/gloo": bench_dp.adaptdist_gloo_worker}
+
+
 def ddp_worker(cfg: dict) -> dict:
     """One rank of torch DDP: same model and seed, standard loop on this rank's torch.chunk of the batch."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -148,6 +222,8 @@ def add_common_args(ap: argparse.ArgumentParser, *, steps: int, batch_help: str,
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout (init_process_group)")
     ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
+    ap.add_argument("--comm", choices=("gloo", "shm", "both"), default="both",
+                    help="adaptdist's transport: gloo, the shared-memory kernels, or both side by side")
 
 
 # --------------------------------------------------------------------------- parent
@@ -232,28 +308,35 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_dp-") as tmp:
         model, example, loss_fn, n_params, batch_file = example_batch(args, tmp)
         t0 = time.perf_counter()
-        programs = compile_model(model, example, loss_fn, args.nproc,
-                                         options=LoweringOptions(grad_bucket_bytes=int(args.bucket_mb * 2**20)))
-        save_programs(programs, Path(tmp) / "programs")
-        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist DP for {args.nproc} ranks in "
-                  f"{time.perf_counter() - t0:.1f} s (not part of the timings)")
-        cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
+
+        def compile_one(comm: str) -> str:
+            opts = LoweringOptions(grad_bucket_bytes=int(args.bucket_mb * 2**20), comm=comm,
+                                   hosts=("localhost",) * args.nproc)
+            d = Path(tmp) / f"programs_{comm}"
+            save_programs(compile_model(model, example, loss_fn, args.nproc, options=opts), d)
+            return str(d)
+
+        program_dirs = compile_comms(args.comm, compile_one)
+        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist DP for {args.nproc} ranks "
+                  f"({', '.join(program_dirs)}) in {time.perf_counter() - t0:.1f} s (not part of the timings)")
+        cfg = {"program_dirs": program_dirs, "batch_file": batch_file, "lr": args.lr,
                "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
                "bucket_mb": args.bucket_mb,
                "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
         import bench_dp  # this file as an importable module, so spawn can unpickle the workers
 
-        sides = {"adaptdist": bench_dp.adaptdist_worker, "DDP": bench_dp.ddp_worker}
-        results: dict[str, list] = {"adaptdist": [], "DDP": []}
+        sides = {**adaptdist_sides(program_dirs), "DDP": bench_dp.ddp_worker, "no-comm": bench_dp.no_comm_worker}
+        results: dict[str, list] = {side: [] for side in sides}
         t_all = time.perf_counter()
         load_before = os.getloadavg()
+        names = list(sides)
         for rep in range(args.reps):
-            order = ["adaptdist", "DDP"] if rep % 2 == 0 else ["DDP", "adaptdist"]
+            order = names if rep % 2 == 0 else names[::-1]
             for side in order:
                 t0 = time.perf_counter()
                 res = launch_local(sides[side], (cfg,), args.nproc)
                 times = sorted(max(res[r]["times"][i] for r in res) for i in range(args.warmup, args.warmup + args.steps))
-                con.print(f"rep {rep + 1}/{args.reps} {side:9s}: median step {1e3 * statistics.median(times):7.1f} ms "
+                con.print(f"rep {rep + 1}/{args.reps} {side:14s}: median step {1e3 * statistics.median(times):7.1f} ms "
                           f"(launch total {time.perf_counter() - t0:.1f} s)")
                 results[side].append(res)
         load_after = os.getloadavg()
@@ -269,8 +352,15 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"args": vars(args), "load_before": load_before,
                                                    "load_after": load_after, "raw": raw}))
 
-    a = _summarize(results["adaptdist"], args.warmup, tokens)
-    d = _summarize(results["DDP"], args.warmup, tokens)
+    summaries = {side: _summarize(res, args.warmup, tokens) for side, res in results.items()}
+    sides_table(con, f"all sides — {args.nproc} ranks x {args.threads_per_rank} thread(s), global batch "
+                     f"{args.batch_size}x{args.seq_len} (load average before/after: {load_before[0]:.1f}/"
+                     f"{load_after[0]:.1f})", summaries, "DDP")
+    d, free = summaries["DDP"], summaries["no-comm"]
+    con.print(f"DDP's exposed communication: {1e3 * (d['median_s'] - free['median_s']):.1f} ms of its "
+              f"{1e3 * d['median_s']:.1f} ms step ({(d['median_s'] - free['median_s']) / d['median_s']:.0%}; "
+              f"fastest reps: {(d['min_rep_s'] - free['min_rep_s']) / d['min_rep_s']:.0%})")
+    a = summaries["adaptdist/shm" if "adaptdist/shm" in summaries else next(iter(summaries))]
     mib = 2**20
     t = Table(title=f"adaptdist DP vs torch DDP — {args.nproc} ranks x {args.threads_per_rank} thread(s), "
                     f"global batch {args.batch_size}x{args.seq_len}")

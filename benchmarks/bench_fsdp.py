@@ -175,9 +175,10 @@ def print_loss_check(con, results: dict[str, list], tol: float = 1e-4) -> bool:
 
 
 def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, seed: int,
-                     out_dir: Path, bucket_bytes: int, mesh: str | None = None) -> float:
+                     out_dir: Path, bucket_bytes: int, mesh: str | None = None, comm: str = "gloo") -> float:
     """Build the model with ``seed``, compile ``plan_text`` for ``world`` ranks (on ``mesh``, e.g.
-    ``"dp=2,tp=2"``, for a multi-axis plan), save; returns seconds."""
+    ``"dp=2,tp=2"``, for a multi-axis plan; collectives on ``comm``: gloo or shm, every rank on this host), save;
+    returns seconds."""
     from adaptdist.annotations import ManualPlan
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.compiler.lowering import compile_model
@@ -188,7 +189,8 @@ def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, 
     model, example, loss_fn = gpt.factory(batch_size, seq_len)
     t0 = time.perf_counter()
     programs = compile_model(model, example, loss_fn, world, ManualPlan.parse(plan_text, gpt),
-                               options=LoweringOptions(grad_bucket_bytes=bucket_bytes), mesh=mesh)
+                               options=LoweringOptions(grad_bucket_bytes=bucket_bytes, comm=comm,
+                                                       hosts=("localhost",) * world), mesh=mesh)
     save_programs(programs, out_dir)
     return time.perf_counter() - t0
 
@@ -291,24 +293,30 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_fsdp-") as tmp:
         model, example, _, n_params, batch_file = example_batch(args, tmp)
-        secs = compile_and_save("fsdp", args.nproc, args.batch_size, args.seq_len, args.seed,
-                                Path(tmp) / "programs", int(args.bucket_mb * MIB))
-        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan 'fsdp' for {args.nproc} ranks in "
-                  f"{secs:.1f} s (not part of the timings)")
-        cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
+        from bench_dp import adaptdist_sides, compile_comms, sides_table
+
+        t0 = time.perf_counter()
+        program_dirs = compile_comms(args.comm, lambda c: str(Path(tmp) / f"programs_{c}") if compile_and_save(
+            "fsdp", args.nproc, args.batch_size, args.seq_len, args.seed, Path(tmp) / f"programs_{c}",
+            int(args.bucket_mb * MIB), comm=c) is not None else "")
+        con.print(f"{n_params / 1e6:.2f} M parameters; compiled adaptdist plan 'fsdp' for {args.nproc} ranks "
+                  f"({', '.join(program_dirs)}) in {time.perf_counter() - t0:.1f} s (not part of the timings)")
+        cfg = {"program_dirs": program_dirs, "batch_file": batch_file, "lr": args.lr,
                "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
                "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
         import bench_dp
         import bench_fsdp  # this file as an importable module, so spawn can unpickle the workers
 
-        sides = {"adaptdist": bench_dp.adaptdist_worker, "FSDP2": bench_fsdp.fsdp2_worker}
+        sides = {**adaptdist_sides(program_dirs), "FSDP2": bench_fsdp.fsdp2_worker}
         results, load_before, load_after, wall = run_alternating(con, sides, cfg, args)
         print_load(con, load_before, load_after, wall, args)
         if args.json:
             write_json(args.json, args, load_before, load_after, results)
 
-        a = _summarize(results["adaptdist"], args.warmup, tokens)
-        d = _summarize(results["FSDP2"], args.warmup, tokens)
+        summaries = {side: _summarize(res, args.warmup, tokens) for side, res in results.items()}
+        sides_table(con, f"all sides (load average before/after: {load_before[0]:.1f}/{load_after[0]:.1f})",
+                    summaries, "FSDP2")
+        a, d = summaries[next(iter(summaries))], summaries["FSDP2"]
         ratio = comparison_table(con, f"adaptdist fsdp plan vs torch FSDP2 — {args.nproc} ranks x "
                                       f"{args.threads_per_rank} thread(s), global batch {args.batch_size}x{args.seq_len}",
                                  "FSDP2", a, d)

@@ -42,6 +42,7 @@ import argparse
 import types
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -171,8 +172,13 @@ def main(argv=None) -> int:
             Path(plan_text).write_text("schema_version: 1\nmesh_axis: tp\nshard_batch: false\nparams:\n"
                                        "  blocks.*.fc.weight: S(0)\n  blocks.*.fc.bias: S(0)\n"
                                        "  blocks.*.fc_out.weight: S(1)\n")
-        secs = compile_and_save(plan_text, args.nproc, args.batch_size, args.seq_len, args.seed,
-                                Path(tmp) / "programs", int(args.bucket_mb * MIB))
+        from bench_dp import adaptdist_sides, compile_comms, sides_table
+
+        t0 = time.perf_counter()
+        program_dirs = compile_comms(args.comm, lambda c: str(Path(tmp) / f"programs_{c}") if compile_and_save(
+            plan_text, args.nproc, args.batch_size, args.seq_len, args.seed, Path(tmp) / f"programs_{c}",
+            int(args.bucket_mb * MIB), comm=c) is not None else "")
+        secs = time.perf_counter() - t0
         from adaptdist.annotations import ManualPlan
         from adaptdist.models import gpt
 
@@ -183,21 +189,23 @@ def main(argv=None) -> int:
                   f"for {args.nproc} ranks in {secs:.1f} s (not part of the timings); sharded on both sides: "
                   f"{len(adaptdist_sharded)} tensors ({', '.join(n for n in adaptdist_sharded if n.startswith('blocks.0.'))}, "
                   f"same in every block)")
-        cfg = {"program_dir": str(Path(tmp) / "programs"), "batch_file": batch_file, "lr": args.lr,
+        cfg = {"program_dirs": program_dirs, "batch_file": batch_file, "lr": args.lr,
                "seed": args.seed, "threads": args.threads_per_rank, "timeout_s": args.timeout_s,
                "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len,
                "mlp_only": args.mlp_only, "adaptdist_sharded": adaptdist_sharded}
         import bench_dp
         import bench_tp  # this file as an importable module, so spawn can unpickle the workers
 
-        sides = {"adaptdist": bench_dp.adaptdist_worker, "DTensor": bench_tp.dtensor_tp_worker}
+        sides = {**adaptdist_sides(program_dirs), "DTensor": bench_tp.dtensor_tp_worker}
         results, load_before, load_after, wall = run_alternating(con, sides, cfg, args)
         print_load(con, load_before, load_after, wall, args)
         if args.json:
             write_json(args.json, args, load_before, load_after, results)
 
-    a = _summarize(results["adaptdist"], args.warmup, tokens)
-    d = _summarize(results["DTensor"], args.warmup, tokens)
+    summaries = {side: _summarize(res, args.warmup, tokens) for side, res in results.items()}
+    sides_table(con, f"all sides (load average before/after: {load_before[0]:.1f}/{load_after[0]:.1f})",
+                summaries, "DTensor")
+    a, d = summaries[next(iter(summaries))], summaries["DTensor"]
     ratio = comparison_table(con, f"adaptdist tp plan vs torch DTensor TP — {args.nproc} ranks x "
                                   f"{args.threads_per_rank} thread(s), global batch {args.batch_size}x{args.seq_len} "
                                   f"replicated{', MLP only' if args.mlp_only else ''}", "DTensor", a, d)

@@ -206,7 +206,8 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
             if case.get("rank_seeded"):  # rank r builds its model from seed r (rank 0's are eager's weights)
                 model.load_state_dict(SEEDED[case["model"]](case["batch"], rank).state_dict())
             opt = torch.optim.SGD(model.parameters(), lr=lr)
-            be = adaptdist.backend(plan=make_plan(case["model"], case["plan"]), mesh=case.get("mesh"))
+            be = adaptdist.backend(plan=make_plan(case["model"], case["plan"]), mesh=case.get("mesh"),
+                                   comm=case.get("comm", "auto"))
             compiled = torch.compile(model, backend=be, fullgraph=True)
             losses, grads = [], []
             for _ in range(steps):

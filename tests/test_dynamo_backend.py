@@ -540,3 +540,18 @@ def test_hugging_face_models_retrace_for_eval_and_new_shapes(name, plan):
         assert got["eval"] == pytest.approx(want_eval[r], abs=TOL), r
         for n, p in model.named_parameters():
             torch.testing.assert_close(got["state"][n], p.detach(), atol=TOL, rtol=0, msg=f"rank {r} {n}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_backend_with_shared_memory_collectives_equals_eager():
+    """adaptdist.backend(comm="shm"): the programs' collectives run on the shm kernels (dp, fsdp), and each rank's
+    losses, gradients and SGD-updated parameters equal eager's."""
+    if not adaptdist.kernels.available():
+        pytest.skip(f"the shm kernels are not built here: {adaptdist.kernels.load_error()}")
+    cases = [dict(model="mlp", plan="dp", batch=6, comm="shm"), dict(model="mlp", plan="fsdp", batch=6, comm="shm")]
+    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
+    _assert_cases_equal_eager(cases, results, 2)
+    for k in range(len(cases)):
+        calls = results[0][k]["collectives"][0]
+        assert calls and all(c.startswith("adaptdist.shm_") for c in calls), calls

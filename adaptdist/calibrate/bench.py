@@ -66,6 +66,8 @@ class BenchConfig:
         device_kind: ``cpu`` or ``cuda``.
         sizes_bytes: collective message sizes, bytes (whole tensor per rank).
         collectives: which collectives to time.
+        shm_collectives: which of adaptdist's shared-memory collectives to time too (``torch.ops.adaptdist.shm_*``
+            on a shared-memory group of all ranks; one host, kernels loaded), reported as ``shm:<name>``.
         threads_per_rank: torch threads per rank (CPU).
         target_s: seconds of calls per timed batch.
         repeats: timed batches per message size.
@@ -85,6 +87,7 @@ class BenchConfig:
     device_kind: str
     sizes_bytes: tuple[int, ...]
     collectives: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+    shm_collectives: tuple[str, ...] = ()
     threads_per_rank: int = 1
     target_s: float = 0.025
     repeats: int = 7
@@ -100,7 +103,12 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "total_steps",
-                           len(self.collectives) * (1 + self.repeats) + len(self.compute_dtypes) + 2)
+                           len(self.names) * (1 + self.repeats) + len(self.compute_dtypes) + 2)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every collective timed: gloo's by name, then the shared-memory ones as ``shm:<name>``."""
+        return tuple(self.collectives) + tuple(f"shm:{c}" for c in self.shm_collectives)
 
 
 class _Progress:
@@ -118,7 +126,8 @@ class _Progress:
 
 
 PROFILE_GROUP = "adaptdist:profile"
-"""The name the world group is registered under for the functional collectives timed here."""
+"""The name the world group is registered under for the functional collectives timed here (and the name of the
+shared-memory group of all ranks that times the ``shm:`` collectives)."""
 
 
 def _collective_call(name: str, nbytes: int, world: int, rank: int, device):
@@ -134,6 +143,19 @@ def _collective_call(name: str, nbytes: int, world: int, rank: int, device):
     x = torch.ones(numel, dtype=torch.float32, device=device)
     wait = compat.functional_wait_op()
     g = PROFILE_GROUP
+    if name.startswith("shm:"):  # the shared-memory ops: complete on return, no wait (adaptdist.kernels.shm)
+        ops = torch.ops.adaptdist
+        kind = name[len("shm:"):]
+        if kind == "all_reduce":
+            return lambda: ops.shm_all_reduce(x, "sum", g)
+        if kind == "all_gather":
+            inp = torch.ones(numel // world, dtype=torch.float32, device=device)
+            return lambda: ops.shm_all_gather_into_tensor(inp, world, g)
+        if kind == "reduce_scatter":
+            return lambda: ops.shm_reduce_scatter_tensor(x, "sum", world, g)
+        if kind == "all_to_all":
+            return lambda: ops.shm_all_to_all_single(x, [], [], g)
+        raise ValueError(f"unknown shared-memory collective {name!r}")
     if name == "all_reduce":
         op = compat.functional_all_reduce_op()
         return lambda: wait(op(x, "sum", g))
@@ -210,9 +232,15 @@ def time_collectives(cfg: BenchConfig, rank: int, world: int, device, progress: 
     from .. import _torch_compat as compat
 
     compat.register_process_group(PROFILE_GROUP, dist.group.WORLD)
+    if cfg.shm_collectives:
+        from ..kernels.shm import destroy_group, group_names, init_group
+
+        if PROFILE_GROUP in group_names():
+            destroy_group(PROFILE_GROUP)
+        init_group(dist.group.WORLD, name=PROFILE_GROUP, timeout_s=cfg.timeout_s)
     burst = _compute_burst(cfg.busy_s, device)
     points = []  # (name, nbytes, call, iterations)
-    for name in cfg.collectives:
+    for name in cfg.names:
         progress.step(f"{name}: warm-up", 0)
         for nbytes in cfg.sizes_bytes:
             call = _collective_call(name, nbytes, world, rank, device)
@@ -374,7 +402,7 @@ def profile_rank(cfg: BenchConfig) -> dict:
             timings = time_collectives(cfg, rank, world, device, progress)
         else:
             timings = {}
-            progress.step("collectives: skipped (one rank)", len(cfg.collectives) * (1 + cfg.repeats))
+            progress.step("collectives: skipped (one rank)", len(cfg.names) * (1 + cfg.repeats))
         flops: dict[str, float] = {}
         failed: dict[str, str] = {}
         for dt in cfg.compute_dtypes:

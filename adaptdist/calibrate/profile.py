@@ -6,7 +6,8 @@ on CUDA). Their timings become:
 - per collective, an alpha-beta fit (:func:`.fit.fit_alpha_beta`) of the time a call costs inside a
   training step (the functional collective the rank programs issue, after a burst of compute; the
   median over rounds of batch means: :mod:`.bench`), stored in the cluster's calibration block under
-  the tier the ranks span (``intra_host`` for a local run);
+  the tier the ranks span (``intra_host`` for a local run); on CPU, where adaptdist's C++ kernels are loaded,
+  the shared-memory collectives too (``torch.ops.adaptdist.shm_*``, timed the same way), filed under ``shm``;
 - the tier's link: latency_s = alpha and bandwidth_bytes_per_s = 1 / beta of the send_recv fit;
 - per device, ``peak_flops`` = the measured matmul FLOP/s per dtype,
   ``memory_bandwidth_bytes_per_s`` = the elementwise add rate and (CPU) ``op_overhead_s`` = the host time
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..cluster import COLLECTIVES, Calibration, Cluster, CollectiveFit, FrozenMap, Host, Link
+from ..cluster import COLLECTIVES, SHM_COLLECTIVES, SHM_TIER, Calibration, Cluster, CollectiveFit, FrozenMap, Host, Link
 from ..errors import ClusterSpecError
 from . import hardware
 from .bench import BenchConfig, profile_rank
@@ -120,6 +121,9 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
                                f"got {sizes_bytes!r}")
     world = base.world_size
     threads = threads_per_rank or max(1, hardware.usable_cores() // world)
+    from ..kernels import available
+
+    shm = SHM_COLLECTIVES if kind == "cpu" and world > 1 and available() else ()
     busy = _load_average()
     if console is not None and busy > 0.5 * hardware.usable_cores():
         console.print(f"[yellow]warning: this machine is busy (load average {busy:.1f} on {hardware.usable_cores()} "
@@ -129,7 +133,7 @@ def profile_local(nproc: int = 2, device_kind: str = "auto",
         progress_file = Path(tmp) / "progress.json"
         cfg = BenchConfig(backend=base.backend, device_kind=kind, sizes_bytes=sizes, threads_per_rank=threads,
                           target_s=target_s, repeats=repeats, busy_s=busy_s, compute_window_s=compute_window_s,
-                          elementwise_bytes=elementwise_bytes,
+                          elementwise_bytes=elementwise_bytes, shm_collectives=shm,
                           compute_dtypes=tuple(compute_dtypes or COMPUTE_DTYPES),
                           progress_file=str(progress_file), timeout_s=timeout_s,
                           cpus_of_rank=tuple(base.device(r).cpus for r in range(world)))
@@ -169,9 +173,12 @@ def calibrate(base: Cluster, results: dict[int, dict], wall_s: float | None = No
     tier = "intra_host" if len(base.hosts) == 1 else "inter_host"
     fits: dict[tuple[str, str], CollectiveFit] = {}
     for name, points in results[0]["collectives"].items():
-        assert name in COLLECTIVES, name
+        key = (SHM_TIER, name[len("shm:"):]) if name.startswith("shm:") else (tier, name)
+        assert key[1] in COLLECTIVES, name
+        if key[0] == SHM_TIER and tier != "intra_host":
+            continue  # shared memory joins the ranks of one host only
         ab = fit_alpha_beta([p[0] for p in points], [p[1] for p in points])
-        fits[(tier, name)] = CollectiveFit(ab.alpha_s, ab.beta_s_per_byte, 2 if name == "send_recv" else world,
+        fits[key] = CollectiveFit(ab.alpha_s, ab.beta_s_per_byte, 2 if name == "send_recv" else world,
                                            round(ab.rms_rel_error, 4))
     hosts = []
     for h in base.hosts:

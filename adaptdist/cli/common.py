@@ -87,16 +87,26 @@ def check_out_file(path: str | None, flag: str = "--out") -> None:
     _probe_write(parent, flag, f"the directory of {flag} {str(p)!r}")
 
 
-def lowering_options(args):
+def rank_hosts(cluster) -> tuple[str, ...] | None:
+    """The host name of each rank of ``cluster`` (None for no cluster, or one whose ranks are not CPU ranks: the
+    shared-memory kernels move CPU tensors)."""
+    if cluster is None or getattr(cluster, "device_kinds", ("cpu",)) != ("cpu",):
+        return None
+    return tuple(cluster.host_of(r).name for r in range(cluster.world_size))
+
+
+def lowering_options(args, cluster=None):
     """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
-    ``--replicate-fallback``, ``--dump-graphs``).
+    ``--replicate-fallback``, ``--dump-graphs``, ``--comm``, ...); ``cluster`` (the ranks the programs will run on)
+    gives each rank's host, which decides the mesh axes ``--comm auto|shm`` puts on shared memory.
 
     Raises:
         UsageError: a bucket size that is not > 0.
     """
     from ..lowering_options import LoweringOptions
 
-    return LoweringOptions.from_mb(getattr(args, "bucket_mb", None),
+    return LoweringOptions.from_mb(comm=getattr(args, "comm", None) or "auto", hosts=rank_hosts(cluster),
+                                   bucket_mb=getattr(args, "bucket_mb", None),
                                    replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
                                    dump_dir=getattr(args, "dump_graphs", None),
                                    debug=bool(getattr(args, "debug_passes", False)),
@@ -106,6 +116,14 @@ def lowering_options(args):
 
 
 def _cluster(args):
+    """The cluster a command runs or plans for (``--cluster``, ``--nproc``, a saved plan's mesh), its one-host
+    collectives costed as ``--comm`` carries them (:func:`~adaptdist.comm_transport.cluster_for_comm`)."""
+    from ..comm_transport import cluster_for_comm
+
+    return cluster_for_comm(_cluster_of_flags(args), getattr(args, "comm", None) or "gloo")
+
+
+def _cluster_of_flags(args):
     from ..calibrate.local import load_cluster, local_cluster
 
     if args.cluster:

@@ -33,6 +33,9 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument("--replicate-fallback", action="store_true", help="as for train")
     p.add_argument("--data", metavar="FILE|DIR", help="as for plan: the data a model file that sizes its model "
                                                       "from the data (builtin:dlrm) reads")
+    p.add_argument("--comm", choices=("auto", "shm", "gloo"), default="auto",
+                   help="as for train: shm-carried axes are costed with the shared-memory kernels' calibrated "
+                        "alpha and beta (adaptdist cluster profile)")
     p.add_argument("--algorithm", choices=("ring", "tree", "auto"), default="ring",
                    help="collective algorithm of the alpha-beta model (auto: the faster per collective)")
     p.add_argument("--symbolic", action="store_true",
@@ -67,7 +70,10 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     console = report_console()
     spec = ModelSpec.parse(args.model)
     module = spec.module()
-    options = LoweringOptions.from_mb(args.bucket_mb, replicate_fallback=args.replicate_fallback, front_end="cli")
+    from .common import rank_hosts
+
+    options = LoweringOptions.from_mb(args.bucket_mb, replicate_fallback=args.replicate_fallback, front_end="cli",
+                                      comm=args.comm, hosts=rank_hosts(cluster))
     optimizer = args.optimizer.replace("-", "_")
     if args.plan == "auto":
         from .common import resolve_plan

@@ -41,6 +41,14 @@ def _add_common(p: argparse.ArgumentParser, nproc_type=local_ranks, nproc_help: 
                         "where it is predicted faster; off by default: it can double the planning time on 4+ ranks")
 
 
+def _add_comm(p: argparse.ArgumentParser) -> None:
+    """``--comm auto|shm|gloo``: :attr:`~adaptdist.lowering_options.LoweringOptions.comm`."""
+    p.add_argument("--comm", choices=("auto", "shm", "gloo"), default="auto",
+                   help="how collectives travel: shm = adaptdist's shared-memory kernels on every mesh axis whose ranks "
+                        "share a host (an error without the kernels), gloo = gloo everywhere, auto (default) = shm "
+                        "where the kernels are loaded and an axis's ranks share a host")
+
+
 def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
     """The flags that set :class:`~adaptdist.lowering_options.LoweringOptions` (train, plan, compile; estimate has
     its own ``--bucket-mb`` in :mod:`adaptdist.cli.estimate`)."""
@@ -53,6 +61,7 @@ def _add_lowering(p: argparse.ArgumentParser, fallback: bool = True) -> None:
         p.add_argument("--replicate-fallback", action="store_true",
                        help="ops with no sharding rule gather their inputs and run whole on every rank (one warning "
                             "lists them) instead of stopping with UnsupportedOpError; --plan auto plans them so too")
+    _add_comm(p)
     p.add_argument("--rng", choices=("per-rank", "global"), default="per-rank",
                    help="random ops (dropout, rand_like, ...): per-rank draws each rank's own numbers from a seed of "
                         "its own (DDP's); global draws what one process draws on the whole batch (the same numbers on "
@@ -265,7 +274,7 @@ def cmd_plan(args) -> int:
     from .pipeline_flags import compile_pipeline_or_none, print_pipeline_plan
 
     pipeline = compile_pipeline_or_none(args, spec, model, example, loss_fn, cluster.world_size,
-                                        lowering_options(args), cluster, console)
+                                        lowering_options(args, cluster), cluster, console)
     if pipeline is not None:
         return print_pipeline_plan(pipeline, spec, cluster, console, args.out)
     plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console,
@@ -282,7 +291,7 @@ def cmd_plan(args) -> int:
     from ..device_assignment import program_cluster
     from .pipeline_flags import is_pipeline
 
-    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args),
+    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args, cluster),
                              mesh=args.mesh if captured is None else None, captured=captured, cluster=cluster,
                              optimizer=args.optimizer.replace("-", "_"),
                              batch_split=parse_batch_split(getattr(args, "batch_split", None)))
@@ -366,7 +375,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
-                            console=console, options=lowering_options(args),
+                            console=console, options=lowering_options(args, cluster),
                             pipeline=pipeline_request(args), consider_pp=True if args.consider_pp else None,
                             batch_split=parse_batch_split(getattr(args, "batch_split", None)))
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())

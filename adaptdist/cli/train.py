@@ -209,6 +209,8 @@ def write_summary(out: Path, result: dict, wall_s: float, **fields) -> tuple[dic
     summary = {"steps": len(losses), **loss_fields, "wall_s": wall_s, **fields, "losses": losses,
                "restarts": [e for e in events if e["event"] == "restart"],
                "resumes": [e for e in events if e["event"] == "resume"], "complete": True}
+    if result.get("transports") is not None:  # mesh axis -> shm | gloo | none (the collectives' transport)
+        summary["transports"] = result["transports"]
     tmp = out / f"summary.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(out / "summary.json")
@@ -352,7 +354,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     t0 = time.perf_counter()
     from .pipeline_flags import compile_pipeline_or_none
 
-    options = lowering_options(args)
+    options = lowering_options(args, cluster)
     programs = compile_pipeline_or_none(args, spec, model, example, loss_fn, nproc, options, cluster, console)
     if programs is None:
         plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer,

@@ -44,6 +44,16 @@ def program_source(gm: torch.fx.GraphModule, header: str) -> str:
     return f"{head}\nimport torch\nfrom torch import device\n\n\n{body}\n"
 
 
+def rewrite_source(code: str, gm: torch.fx.GraphModule) -> str:
+    """A program's source for ``gm`` after a late pass changed it, keeping ``code``'s header comment."""
+    header = []
+    for line in code.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else "")
+    return program_source(gm, "\n".join(header))
+
+
 def make_rank_program(gm: torch.fx.GraphModule, mesh: Mesh, rank: int, batch_slice: tuple[int, int],
                       batch_size: int, input_fqns: list[str], param_fqns: list[str], num_batch_inputs: int,
                       state: dict[str, torch.Tensor], tied: dict[str, str], global_shapes: dict[str, list[int]],

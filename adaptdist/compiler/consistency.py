@@ -32,14 +32,22 @@ class CollectiveCall:
 
 
 def collective_calls(program: RankProgram) -> list[CollectiveCall]:
-    """The ordered collectives of ``program`` (functional collectives; waits excluded)."""
+    """The ordered collectives of ``program`` (functional collectives, and adaptdist's shared-memory ones under
+    the functional collective's name they carry; waits excluded)."""
+    from ..comm_transport import SHM_OPS, is_shm_collective
+
+    functional_of = {v: k for k, v in SHM_OPS.items()}
     calls = []
     for n in program.graph_module.graph.nodes:
-        if n.op != "call_function" or not compat.is_functional_collective(n.target):
+        if n.op != "call_function":
+            continue
+        shm = is_shm_collective(n.target)
+        if not shm and not compat.is_functional_collective(n.target):
             continue
         x = n.args[0]
         numel = x.meta["val"].numel() if isinstance(x, torch.fx.Node) else sum(a.meta["val"].numel() for a in x)
-        calls.append(CollectiveCall(str(n.target).split(".")[1], str(n.args[-1]), numel, n.name))
+        op = str(n.target).split(".")[1]
+        calls.append(CollectiveCall(functional_of.get(op, op) if shm else op, str(n.args[-1]), numel, n.name))
     return calls
 
 

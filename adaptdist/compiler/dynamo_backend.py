@@ -80,6 +80,9 @@ class AdaptdistBackend:
             the compile checks; see ``adaptdist/passes/global_rng.py``).
         batch_norm: training-mode BatchNorm: ``"local"`` (DDP's statistics per rank) or ``"sync"``
             (SyncBatchNorm's, over the global batch); see :class:`~adaptdist.lowering_options.LoweringOptions`.
+        comm: ``"auto"`` (adaptdist's shared-memory collectives on the mesh axes whose ranks share a host, where
+            the kernels are loaded on every rank), ``"shm"`` (required: ShmUnavailableError without them) or
+            ``"gloo"``; see :mod:`adaptdist.comm_transport`.
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -92,6 +95,7 @@ class AdaptdistBackend:
     replicate_fallback: bool = False
     rng: str = "per-rank"
     batch_norm: str = "local"
+    comm: str = "auto"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
     graph_runs: GraphRuns = field(default_factory=GraphRuns, init=False, repr=False, compare=False)
 
@@ -160,11 +164,20 @@ class AdaptdistBackend:
         if self.batch_norm not in BATCH_NORM_MODES:
             raise UsageError(f"adaptdist.backend(batch_norm={self.batch_norm!r}) takes 'local' (each rank's statistics, "
                              "as DDP) or 'sync' (over the global batch, as SyncBatchNorm)")
+        from ..comm_transport import COMM_MODES
 
-    def lowering_options(self) -> LoweringOptions:
-        """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments."""
+        if self.comm not in COMM_MODES:
+            raise UsageError(f"adaptdist.backend(comm={self.comm!r}) takes one of {', '.join(map(repr, COMM_MODES))}")
+        if self.comm == "shm":
+            from ..kernels import require
+
+            require("adaptdist.backend(comm='shm')")
+
+    def lowering_options(self, hosts: tuple[str, ...] | None = None, comm: str | None = None) -> LoweringOptions:
+        """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments; ``hosts``: each rank's host
+        (:func:`_rank_hosts`), ``comm``: overrides :attr:`comm` (gloo where a rank lacks the kernels)."""
         return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend",
-                                       rng=self.rng, batch_norm=self.batch_norm)
+                                       rng=self.rng, batch_norm=self.batch_norm, comm=comm or self.comm, hosts=hosts)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
@@ -199,7 +212,7 @@ def _refuse_pipeline(plan: Any, mesh: Any) -> None:
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
             optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False,
-            rng: str = "per-rank", batch_norm: str = "local") -> AdaptdistBackend:
+            rng: str = "per-rank", batch_norm: str = "local", comm: str = "auto") -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
@@ -209,7 +222,7 @@ def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, me
     """
     return AdaptdistBackend(cluster=cluster, plan=plan, constraints=constraints, mesh=mesh, optimizer=optimizer,
                             bucket_mb=bucket_mb, replicate_fallback=replicate_fallback, rng=rng,
-                            batch_norm=batch_norm)
+                            batch_norm=batch_norm, comm=comm)
 
 
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
@@ -289,6 +302,23 @@ def _all_gather_text(text: str, group: Any) -> list[str]:
     parts = [torch.zeros_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return [bytes(p[:int(s.item())].tolist()).decode() for p, s in zip(parts, sizes)]
+
+
+def _rank_hosts(comm: str, rank: int, group: Any) -> tuple[tuple[str, ...] | None, str | None]:
+    """(Collective over ``group``) each rank's host name, and the comm mode the lowering takes: ``comm``, or gloo
+    under ``auto`` when some rank cannot load the kernels (every rank must lower alike). ``(None, None)`` under
+    ``gloo``."""
+    if comm == "gloo":
+        return None, None
+    import socket
+
+    from ..kernels import available
+
+    texts = _agree("finding the ranks' hosts", f"{int(available())} {socket.gethostname()}", rank, group)
+    hosts = tuple(t.partition(" ")[2] or "?" for t in texts)
+    if comm == "auto" and not all(t.startswith("1 ") for t in texts):
+        return hosts, "gloo"
+    return hosts, comm
 
 
 def _agree(what: str, value_or_error: str, rank: int, group: Any) -> list[str]:
@@ -387,8 +417,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     plan = _plan(captured, inputs, config, world, rank, control)
     from .lowering import lower, resolve_plan
 
+    hosts, comm = _rank_hosts(config.comm, rank, control) if distributed else (None, None)
     programs = lower(captured, resolve_plan(plan, captured, world, config.mesh if not isinstance(plan, Plan) else None),
-                     config.lowering_options())
+                     config.lowering_options(hosts, comm))
     program = programs[rank]
     io = _rank_io(programs, rank, world)
     step_layouts, expert_rows = _member_layouts(_layouts(program, programs, cap_inputs), experts, inputs, rank)

@@ -333,16 +333,59 @@ def _lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, state:
     plan = dataclasses.replace(plan, lowered=None)
     kwargs = dict(state=state or {}, timings=timings)
     if not plan.node_strategies:
-        return _lower_mesh(captured, plan, options, follow_strategies=False, **kwargs)
+        return _use_transports(_lower_mesh(captured, plan, options, follow_strategies=False, **kwargs), options)
     try:
-        return _lower_mesh(captured, plan, options, follow_strategies=True, **kwargs)
+        programs = _lower_mesh(captured, plan, options, follow_strategies=True, **kwargs)
     except UnsupportedOpError as e:
         # the rules accepted each strategy alone, but not their combination somewhere: keep the planner's
         # parameter placements and let the rules place the activations; one line, recorded in the plan
         d = _departure(e)
         log.warning("plan %r: the lowering departs from the planner's node strategies at %s; it lowers the plan's "
                     "parameter placements with the rules' own activation placements instead", plan.name, d.line())
-        return _lower_mesh(captured, plan, options, follow_strategies=False, departures=(d,), **kwargs)
+        programs = _lower_mesh(captured, plan, options, follow_strategies=False, departures=(d,), **kwargs)
+    return _use_transports(programs, options)
+
+
+def mesh_rank_hosts(plan: Plan, hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The host of each *mesh* rank of ``plan``, from ``hosts`` (the host of each cluster rank): through the plan's
+    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. ``hosts`` of one host fits any number
+    of ranks (a local cluster compiled again at another size, e.g. ``estimate --symbolic``); None when ``hosts`` is
+    None or, naming several hosts, does not fit the mesh."""
+    world = plan.mesh_spec.world_size
+    if hosts is not None and len(hosts) != world and len(set(hosts)) == 1:
+        return (hosts[0],) * world
+    if hosts is None or len(hosts) != world:
+        return None
+    order = plan.devices.rank_to_device if plan.devices is not None else None
+    return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
+
+
+def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) -> dict[int, RankProgram]:
+    """The lowering's last, per-rank pass: collectives of mesh axes on shared memory
+    (:func:`~adaptdist.comm_transport.axis_transports` of ``options.comm`` and ``options.hosts``) become
+    ``torch.ops.adaptdist.shm_*`` (``passes/use_shm_collectives.py``); each changed program's source is written
+    again. Runs after the consistency checks, which see the functional collectives.
+
+    Raises:
+        ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
+    """
+    from ..comm_transport import axis_transports
+    from ..passes.use_shm_collectives import use_shm_collectives
+    from .codegen import rewrite_source
+
+    if not programs or options.comm == "gloo":
+        return programs
+    plan = next(iter(programs.values())).plan
+    mesh = plan.mesh_spec
+    transports = axis_transports(mesh, options.comm, mesh_rank_hosts(plan, options.hosts),
+                                 what="comm='shm' (--comm shm)" if options.front_end == "cli"
+                                 else "adaptdist.backend(comm='shm')")
+    groups = {mesh.group_name(a) for a, t in transports.items() if t == "shm"}
+    for program in programs.values():
+        gm, changed = use_shm_collectives(program.module, groups)
+        if changed:
+            program.code = rewrite_source(program.code, gm)
+    return programs
 
 
 _NODE_IN_MESSAGE = re.compile(r"(?:at node|node) '([^']+)'|While executing %(\w+)")

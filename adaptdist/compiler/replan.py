@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -178,7 +178,10 @@ class ProgramSource:
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
         try:
-            programs = compile_model(model, example, loss_fn, world_size, plan, self.options, captured=captured)
+            from ..cli.common import rank_hosts
+
+            options = replace(self.options, hosts=rank_hosts(cluster))  # this world size's hosts (--comm)
+            programs = compile_model(model, example, loss_fn, world_size, plan, options, captured=captured)
         except PipelineError as e:
             if pipeline is None:
                 raise

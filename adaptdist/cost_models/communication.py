@@ -49,10 +49,28 @@ ALGORITHMS = ("ring", "tree", "auto")
 CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 """Collectives a cluster may hold a calibrated fit for (``adaptdist.cluster.COLLECTIVES``)."""
 
+_SHM_KINDS = {"shm_all_reduce": "all_reduce", "shm_all_gather_into_tensor": "all_gather",
+              "shm_reduce_scatter_tensor": "reduce_scatter", "shm_all_to_all_single": "all_to_all",
+              "shm_broadcast": "broadcast"}
+
+
 def functional_collective_kind(target: Any) -> str | None:
     """The collective a ``_c10d_functional.*`` op issues (``"all_reduce"``, ``"all_gather"``, ...),
-    ``"wait"`` for ``wait_tensor``, None for anything else (by op handle: :mod:`adaptdist._torch_compat`)."""
-    return compat.functional_collective_kind(target)
+    ``"wait"`` for ``wait_tensor``, None for anything else (by op handle: :mod:`adaptdist._torch_compat`).
+    adaptdist's shared-memory ops (``torch.ops.adaptdist.shm_*``: complete on return, no wait) count as the
+    collective they carry (:func:`is_synchronous_collective`)."""
+    kind = compat.functional_collective_kind(target)
+    if kind is None and is_synchronous_collective(target):
+        kind = _SHM_KINDS.get(str(target.name()).split("::")[-1].split(".")[0])
+    return kind
+
+
+def is_synchronous_collective(target: Any) -> bool:
+    """Whether ``target`` is a collective complete on return (adaptdist's shared-memory ops): its cost is waited
+    for at its issue, and a one-host group's ``intra_host`` figures are the kernels' (``--comm``)."""
+    from ..comm_transport import is_shm_collective
+
+    return is_shm_collective(target)
 
 
 def ring_time_s(collective: str, n_bytes, p, alpha_s, beta_s_per_byte):

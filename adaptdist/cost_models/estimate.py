@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import UsageError
-from .communication import LinkCost, collective_time_s, group_members, link_cost
+from .communication import LinkCost, collective_time_s, group_members, is_synchronous_collective, link_cost
 from .compute import NodeCost, dispatches_op, flop_formulas, node_cost, node_time_s, roofline_time_s
 from .hardware import ClusterLike, DeviceLike, as_cost_cluster, op_overhead_s
 from .memory import MemoryEstimate, OptimizerModel, estimate_memory, optimizer_model
@@ -133,7 +133,7 @@ def rank_events(schedule: StepSchedule, device: DeviceLike, collectives: Mapping
             if ovh:
                 events.append(Compute(ovh))
             events.append(Issue(n.index, n.group or "", collectives[n.index].time_s))
-            if not overlap:
+            if not overlap or is_synchronous_collective(n.target):  # shm ops: complete on return
                 events.append(Wait(n.index))
         elif n.kind == "wait" and n.waits_on is not None:
             if overlap:

@@ -172,8 +172,9 @@ def failure_reason(failure: Any) -> str:
 
 
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",
-              "Socket Timeout", "Connection refused", "DistNetworkError", "DistStoreError")
-"""Fragments of the errors a worker raises because a PEER failed (it is not the root cause)."""
+              "Socket Timeout", "Connection refused", "DistNetworkError", "DistStoreError", "adaptdist shm:")
+"""Fragments of the errors a worker raises because a PEER failed (it is not the root cause); ``adaptdist shm:``
+starts every error of a shared-memory collective whose peer died or stalled (``adaptdist.kernels.shm``)."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .. import _torch_compat as compat
+from ..comm_transport import is_shm_collective
 from ..errors import AdaptdistError
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "FB", "optimizer")
@@ -476,6 +477,19 @@ def instrument_collectives(gm: Any, recorder: TraceRecorder, forward_outputs: Se
         if n.op != "call_function":
             continue
         kind = compat.functional_collective_kind(n.target)
+        if kind is None and is_shm_collective(n.target):  # complete on return: issued, then waited on, by one call
+            k = len(recorder._collectives)
+            val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+            recorder._collectives[k] = {"name": n.name, "op": str(n.target.name()).split("::")[-1], "group":
+                                        str(n.args[-1]),
+                                        **({"bytes": int(val.numel() * val.element_size())} if val is not None
+                                           and hasattr(val, "numel") else {})}
+            with graph.inserting_before(n):
+                graph.call_function(point, ("issue", k))
+                graph.call_function(point, ("wait0", k))
+            with graph.inserting_after(n):
+                graph.call_function(point, ("wait1", k))
+            continue
         if kind is None:
             continue
         if kind != "wait":

@@ -165,7 +165,15 @@ class StepRunner:
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
-        outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
+        try:
+            outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
+        except RuntimeError as e:  # a shared-memory collective's peer died or stalled: the typed error naming it
+            from ..kernels.shm import translate_error
+
+            typed = translate_error(e)
+            if typed is None:
+                raise
+            raise typed from e
         self.last_grads = {f: outs[i] for f, i in zip(self.program.param_fqns, self.grad_slots)}
         if self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(self.last_grads, self.program, self.max_grad_norm)
@@ -221,17 +229,38 @@ def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
     return rank, world
 
 
-def register_mesh_groups(program: RankProgram, backend: str):
+def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | None = None):
     """Build torch's DeviceMesh for the program's mesh and register this rank's group of each axis
-    under the name the program's collectives use; returns the DeviceMesh."""
+    under the name the program's collectives use; returns the DeviceMesh. The axes whose collectives the program
+    carries through shared memory (``torch.ops.adaptdist.shm_*``) get their shared-memory group too
+    (:func:`~adaptdist.runtime.shm_groups.setup_shm_groups`, collective timeout ``timeout_s``)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from .shm_groups import setup_shm_groups
 
     names = tuple(program.mesh)
     device = "cuda" if backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, tuple(program.mesh.values()), mesh_dim_names=names)
+
+    def group(axis: str):
+        return mesh.get_group(axis) if len(names) > 1 else dist.group.WORLD
+
     for axis, name in program.group_names.items():
-        compat.register_process_group(name, mesh.get_group(axis) if len(names) > 1 else dist.group.WORLD)
+        compat.register_process_group(name, group(axis))
+    setup_shm_groups(program.code, program.group_names, group, timeout_s)
     return mesh
+
+
+def program_transports(program: Any) -> dict[str, str]:
+    """Mesh axis -> the transport its collectives take in ``program`` (``"shm"``, ``"gloo"``; ``"none"`` for an axis
+    of size 1), from its source (:func:`~adaptdist.comm_transport.transports_of_code`); a pipeline rank's view,
+    which has no one source: gloo on every axis of size > 1 (pipelines do not use the shm kernels)."""
+    from ..comm_transport import transports_of_code
+
+    code, names, mesh = getattr(program, "code", None), getattr(program, "group_names", None), program.mesh
+    if not isinstance(code, str) or not isinstance(names, dict):
+        return {a: "none" if int(n) == 1 else "gloo" for a, n in dict(mesh).items()}
+    return transports_of_code(code, names, mesh)
 
 
 def describe_program(program: RankProgram) -> str:
@@ -384,7 +413,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             program, device_mesh, runner = _pipeline_runner(program_dir, rank, world, cfg)
         else:
             program = load_program(program_dir, rank, world_size=world)
-            device_mesh = register_mesh_groups(program, cfg.backend)
+            device_mesh = register_mesh_groups(program, cfg.backend, cfg.timeout_s)
             runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
         losses: list[float] = []
         found = _broadcast(_newest_checkpoint(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None,
@@ -509,6 +538,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
             "events": events.read(),
             "stop_signal": stop.requested,  # a SIGTERM/SIGINT this rank got after its last step began (noted)
+            "transports": program_transports(program),
         }
         if rank == 0:  # the launcher's copy (an elastic job's ranks are not its children)
             tmp = Path(cfg.out_dir) / "result.json.tmp"

@@ -1,0 +1,126 @@
+"""Which transport each mesh axis's collectives take: gloo, or adaptdist's shared-memory kernels.
+
+``--comm auto|shm|gloo`` (:attr:`~adaptdist.lowering_options.LoweringOptions.comm`, ``adaptdist.backend(comm=...)``)
+chooses; the lowering's last pass (``passes/use_shm_collectives.py``) then swaps an axis's
+``_c10d_functional.X(..., group_name)`` + ``wait_tensor`` for ``torch.ops.adaptdist.shm_X(..., group_name)``
+(:mod:`adaptdist.kernels.shm`). An axis takes shared memory when every group of it (one per setting of the other
+axes, :meth:`~adaptdist.mesh.Mesh.groups`) has all its ranks on one host:
+
+- ``gloo``: never;
+- ``auto`` (default): where the kernels are loaded (:func:`adaptdist.kernels.available`) and the hosts are known;
+- ``shm``: required: :func:`adaptdist.kernels.require` raises ShmUnavailableError without the kernels. An axis
+  whose groups cross hosts stays on gloo either way. Unknown hosts (``hosts`` None) count as one host here;
+  the runtime's group set-up (``init_group``) refuses a group that turns out to span hosts.
+
+Transports per axis: ``"shm"``, ``"gloo"``, or ``"none"`` for an axis of size 1 (no collectives).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+from .errors import UsageError
+from .mesh import Mesh
+
+COMM_MODES = ("auto", "shm", "gloo")
+"""``LoweringOptions.comm``: how collectives are carried (see the module docstring)."""
+TRANSPORTS = ("shm", "gloo", "none")
+
+SHM_OPS = {
+    "all_reduce": "shm_all_reduce",
+    "all_gather_into_tensor": "shm_all_gather_into_tensor",
+    "reduce_scatter_tensor": "shm_reduce_scatter_tensor",
+    "all_to_all_single": "shm_all_to_all_single",
+    "broadcast": "shm_broadcast",
+}
+"""``torch.ops._c10d_functional.<name>`` -> the ``torch.ops.adaptdist.<name>`` that takes the same arguments."""
+
+_SHM_CALL = re.compile(r"torch\.ops\.adaptdist\.(shm_\w+)\.default\(.*?'([^']+)'\)")
+
+
+def axis_transports(mesh: Mesh, comm: str, hosts: Sequence[str] | None, *, kernels_available: bool | None = None,
+                    what: str = "--comm shm") -> dict[str, str]:
+    """The transport of each axis of ``mesh`` under ``comm`` (see the module docstring).
+
+    Args:
+        mesh: the program's mesh; ranks row-major (``Mesh.groups``).
+        comm: one of :data:`COMM_MODES`.
+        hosts: the host name of each mesh rank (index = rank), or None when unknown.
+        kernels_available: whether the shm kernels can run (None: ask :func:`adaptdist.kernels.available`).
+        what: the request named in the error for ``comm="shm"`` without the kernels.
+
+    Raises:
+        UsageError: an unknown ``comm`` or a ``hosts`` of the wrong length.
+        ShmUnavailableError: ``comm == "shm"`` and the kernels are unavailable.
+    """
+    if comm not in COMM_MODES:
+        raise UsageError(f"comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), got {comm!r}")
+    if hosts is not None and len(hosts) != mesh.world_size:
+        raise UsageError(f"comm: {len(hosts)} host names for mesh {mesh} of {mesh.world_size} ranks")
+    if comm == "shm":
+        from .kernels import require
+
+        require(what)
+        usable = True
+    elif comm == "auto":
+        if kernels_available is None:
+            from .kernels import available
+
+            kernels_available = available()
+        usable = kernels_available and hosts is not None
+    else:
+        usable = False
+    out = {}
+    for axis in mesh.names:
+        if mesh.size(axis) == 1:
+            out[axis] = "none"
+        elif usable and (hosts is None or all(len({hosts[r] for r in g}) == 1 for g in mesh.groups(axis))):
+            out[axis] = "shm"
+        else:
+            out[axis] = "gloo"
+    return out
+
+
+def is_shm_collective(target) -> bool:
+    """Whether ``target`` is one of adaptdist's shared-memory collective ops (``torch.ops.adaptdist.shm_*``)."""
+    name = getattr(target, "name", None)
+    try:
+        text = name() if callable(name) else ""
+    except Exception:  # noqa: BLE001 -- not an OpOverload
+        return False
+    return isinstance(text, str) and text.startswith("adaptdist::shm_") and text[len("adaptdist::"):] in \
+        SHM_OPS.values()
+
+
+def cluster_for_comm(cluster, comm: str):
+    """``cluster`` as the cost models and the planner should see it under ``comm``: with ``auto`` (kernels loaded)
+    or ``shm``, its one-host (``intra_host``) collective fits are the shared-memory kernels' measured ones
+    (:meth:`~adaptdist.cluster.Cluster.with_shm_collectives`; an axis whose ranks share a host is exactly one the
+    lowering puts on shared memory); else, or without ``shm`` fits (not profiled with the kernels), ``cluster``."""
+    if cluster is None or comm == "gloo" or not hasattr(cluster, "with_shm_collectives"):
+        return cluster
+    if comm == "auto":
+        from .kernels import available
+
+        if not available():
+            return cluster
+    return cluster.with_shm_collectives()
+
+
+def shm_groups_in_code(code: str) -> list[str]:
+    """The group names that a program's source passes to ``torch.ops.adaptdist.shm_*`` ops, in first-use order
+    (what the runtime must set up with ``init_group`` before the program runs)."""
+    seen: list[str] = []
+    for m in _SHM_CALL.finditer(code):
+        if m.group(2) not in seen:
+            seen.append(m.group(2))
+    return seen
+
+
+def transports_of_code(code: str, group_names: Mapping[str, str], mesh: Mapping[str, int]) -> dict[str, str]:
+    """Each axis's transport as a program's source shows it: ``"shm"`` where its shm ops name the axis's group,
+    ``"none"`` for an axis of size 1, else ``"gloo"`` (what ``summary.json`` records)."""
+    shm = set(shm_groups_in_code(code))
+    return {axis: ("none" if int(mesh.get(axis, 1)) == 1 else "shm" if name in shm else "gloo")
+            for axis, name in group_names.items()}

@@ -1,0 +1,314 @@
+"""Shared-memory collectives among the ranks of one host: groups, and the ops' Python API.
+
+The ops (C++, ``csrc/shm_collectives.cpp``, registered in ``torch.ops.adaptdist``) mirror the signatures of
+``torch.ops._c10d_functional``'s, so lowering a functional collective to shared memory changes the op and
+nothing else; they are functional (out-of-place, return a new contiguous tensor), complete when they
+return (no ``wait_tensor``), have Meta kernels (FakeTensor, torch.compile, make_fx) and appear by name in
+FX graphs and saved rank programs::
+
+    torch.ops.adaptdist.shm_all_reduce(Tensor input, str reduce_op, str group_name) -> Tensor
+        reduce_op: "sum" | "avg" | "max"; float32, bfloat16, float16; output: input's shape
+    torch.ops.adaptdist.shm_all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor
+        output: group ranks' inputs concatenated along dim 0 (shape[0] * group_size; a 0-d input: (group_size,))
+    torch.ops.adaptdist.shm_reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name) -> Tensor
+        input dim 0 divisible by group_size; output: this rank's reduced chunk (shape[0] / group_size)
+    torch.ops.adaptdist.shm_all_to_all_single(Tensor input, SymInt[] output_split_sizes,
+                                              SymInt[] input_split_sizes, str group_name) -> Tensor
+        equal splits only (pass [] or [shape[0] / group_size] * group_size): chunk r of dim 0 goes to rank r,
+        and the output's chunk q comes from rank q; uneven splits raise ValueError (use gloo for those)
+    torch.ops.adaptdist.shm_broadcast(Tensor input, int src, str group_name) -> Tensor
+        src is a *group* rank; every rank returns a copy of src's input
+
+All ranks of a group must call the same ops in the same order with the same dtypes and sizes (a mismatch
+is detected and raised, naming the peer); inputs may be non-contiguous. all_gather, all_to_all and
+broadcast also take float64 and integer/bool tensors (they only move bytes).
+
+Summation order (the results are bitwise equal on every rank, for every size): each element is reduced
+by one rank, over group ranks 0, 1, ..., n-1 in that order, accumulating in float32 (bfloat16/float16
+too) and rounding once to the dtype; "avg" divides the float32 sum by n, then rounds; "max" propagates
+NaN. Results equal gloo's within float rounding (gloo sums in another order, in the tensor's dtype).
+
+Wiring (``--comm auto|shm|gloo``): for each mesh axis's gloo group, ``auto`` uses shm where
+``adaptdist.kernels.available()`` on every rank (agree on it, e.g. all_gather the flag: all ranks of a group
+must pick the same transport) and :func:`group_on_one_host` (a collective: the same answer everywhere);
+``shm`` calls ``adaptdist.kernels.require("--comm shm")`` first (ShmUnavailableError, typed),
+then :func:`init_group` on every rank of the group, after ``init_process_group`` and before the first step,
+with ``timeout_s`` = the run's collective timeout and ``job_key`` = the rendezvous port (the default reads
+``$MASTER_PORT``). Then rewrite ``torch.ops._c10d_functional.{all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single, broadcast}`` to the ``adaptdist.shm_*`` op of the same arguments and
+drop its ``wait_tensor`` (or keep it: ``wait_tensor`` returns a tensor no collective is pending on unchanged). Wrap the step so that a
+``RuntimeError`` goes through :func:`translate_error` (-> ShmPeerError, a CollectiveTimeoutError).
+
+A group (what ``group_name`` names) is set up once per process and group, on every rank of it, by
+:func:`init_group` (a collective over a gloo process group of the same ranks)::
+
+    pg = dist.new_group([0, 1])                  # gloo, ranks on one host
+    g = init_group(pg, timeout_s=120.0)          # g.name == pg.group_name by default
+    y = torch.ops.adaptdist.shm_all_reduce(x, "sum", g.name)   # or g.all_reduce(x, "sum")
+
+Group names are local to a process (the segment's real name comes from the rendezvous), so two groups of
+the same size in one job never collide; within a process each name is used once. Naming the shm group
+after the gloo group it shadows (the default) lets a pass swap ``_c10d_functional.X(..., group_name)`` for
+``adaptdist.shm_X(..., group_name)`` unchanged. Whether a process group's ranks share a host:
+:func:`group_on_one_host` (collective). Whether the kernels are there: ``adaptdist.kernels.available()``,
+``adaptdist.kernels.load_error()``; ``adaptdist.kernels.require()`` raises ShmUnavailableError for an
+explicit request (``--comm shm``) without them.
+
+Failures: a peer that dies, stalls past ``timeout_s`` or issues another collective makes every rank of the
+group raise within the timeout (a dead peer within about 0.1 s: liveness is checked every 50 ms of sleeping): from the op, ``torch.distributed.DistBackendError``
+whose message starts with "adaptdist shm:" and names the peer (group rank, global rank, pid); the
+:class:`ShmGroup` methods raise :class:`adaptdist.errors.ShmPeerError` (a CollectiveTimeoutError) instead, and
+:func:`translate_error` converts one raised from a graph. The group is then unusable (every later op
+raises at once); re-create the process group and this group after a restart.
+
+Segments: ``/dev/shm/adaptdist-<job_key>-<pid>-<nonce>-<name>``, created by group rank 0 and unlinked as soon
+as every rank attached, so the memory is freed by the kernel when the last rank exits, crash or not. A
+segment left by a crash during :func:`init_group` is removed by the next :func:`init_group` with the same
+job key (default: ``$MASTER_PORT``, the rendezvous port) once its creator is dead (:func:`remove_stale_segments`).
+
+Waiting: a bounded spin (``spin_us``, default 20 us, 2 us when the group has more ranks than this host
+has cores), then futex sleeps on the peer's arrival counter, so oversubscribed ranks (4 ranks on 2 cores)
+do not burn the core a peer needs.
+
+Memory: each group maps ``6 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 96 MiB for 4
+ranks, touched as used) plus a header. Payloads larger than a slot move in slot-sized chunks; all_reduce
+pipelines them (each rank reduces its slice of chunk k while chunk k+1 comes in and chunk k-1 goes out, one
+barrier per chunk); payloads up to 32 KiB take one barrier (every rank reduces all of it). Fewer, larger
+chunks beat cache-sized ones on this oversubscribed 2-core machine, where each barrier can cost a
+scheduler wake-up (measured: benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShmPeerError, UsageError
+from . import require
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "adaptdist-"
+DEFAULT_SLOT_BYTES = 4 << 20
+DEFAULT_TIMEOUT_S = 120.0
+_ERROR_TAG = "adaptdist shm:"
+_PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
+_GROUP_RE = re.compile(r"group '([^']*)'")
+
+
+def _sanitize(text: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", str(text))[:limit] or "_"
+
+
+def default_job_key() -> str:
+    """The job key that segment names carry: ``$MASTER_PORT`` (the rendezvous port), else ``local``."""
+    return _sanitize(os.environ.get("MASTER_PORT", "local"), 32)
+
+
+def _host_id() -> str:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] not in "ZX"
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def remove_stale_segments(job_key: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove this job key's segments whose creating process is gone (left by a crash during
+    :func:`init_group`); returns the names removed. Segments of live processes are kept."""
+    job = _sanitize(job_key, 32) if job_key is not None else default_job_key()
+    removed = []
+    prefix = f"{SEGMENT_PREFIX}{job}-"
+    try:
+        entries = list(shm_dir.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        pid_text = entry.name[len(prefix):].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            try:
+                entry.unlink()
+                removed.append(entry.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def translate_error(exc: BaseException) -> ShmPeerError | None:
+    """The typed error for an exception raised by a ``torch.ops.adaptdist.shm_*`` op (None if not one):
+    ``ShmPeerError`` with the peer's group rank, global rank and pid when the message names them."""
+    text = str(exc)
+    if _ERROR_TAG not in text or isinstance(exc, (TypeError, ValueError)):
+        return None
+    peer = _PEER_RE.search(text)
+    group = _GROUP_RE.search(text)
+    ranks = [int(v) for v in peer.groups()] if peer else [None, None, None]
+    return ShmPeerError(text[text.index(_ERROR_TAG):].strip(), group.group(1) if group else None, *ranks)
+
+
+def _ops():
+    import torch
+
+    return torch.ops.adaptdist
+
+
+def _call(fn, *args):
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        typed = translate_error(exc)
+        if typed is None:
+            raise
+        raise typed from exc
+
+
+@dataclass(frozen=True)
+class ShmGroup:
+    """A shared-memory group on this process: ``name`` (what the ops' ``group_name`` takes), this rank's
+    ``group_rank`` of ``group_size``, the ``global_ranks`` in group-rank order, the ``segment`` name (already
+    unlinked), ``timeout_s`` (collective timeout) and ``slot_bytes``. Methods run the ops and raise
+    :class:`ShmPeerError` on a peer's failure."""
+
+    name: str
+    group_rank: int
+    group_size: int
+    global_ranks: tuple[int, ...]
+    segment: str
+    timeout_s: float
+    slot_bytes: int
+
+    def all_reduce(self, tensor, op: str = "sum"):
+        return _call(_ops().shm_all_reduce, tensor, op, self.name)
+
+    def all_gather(self, tensor):
+        return _call(_ops().shm_all_gather_into_tensor, tensor, self.group_size, self.name)
+
+    def reduce_scatter(self, tensor, op: str = "sum"):
+        return _call(_ops().shm_reduce_scatter_tensor, tensor, op, self.group_size, self.name)
+
+    def all_to_all(self, tensor):
+        return _call(_ops().shm_all_to_all_single, tensor, [], [], self.name)
+
+    def broadcast(self, tensor, src: int = 0):
+        """``src`` is a group rank."""
+        return _call(_ops().shm_broadcast, tensor, src, self.name)
+
+    def pids(self) -> list[int]:
+        return list(_ops()._shm_group_pids(self.name))
+
+    def destroy(self) -> None:
+        """Unmap the segment on this rank (idempotent); the name can then be used again."""
+        destroy_group(self.name)
+
+
+def destroy_group(name: str) -> None:
+    """Unmap group ``name`` on this process (no-op if absent)."""
+    _ops()._shm_group_destroy(name)
+
+
+def group_names() -> list[str]:
+    """Names of this process's shared-memory groups."""
+    return list(_ops()._shm_group_names())
+
+
+def _destroy_all() -> None:
+    try:
+        for name in group_names():
+            destroy_group(name)
+    except Exception:  # noqa: BLE001 -- interpreter shutdown: best effort
+        pass
+
+
+def group_on_one_host(process_group: Any = None) -> bool:
+    """Whether every rank of ``process_group`` (default: the world) runs on this host. A collective over it."""
+    import torch.distributed as dist
+
+    hosts: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(hosts, _host_id(), group=process_group)
+    return len(set(hosts)) == 1
+
+
+def init_group(process_group: Any = None, *, name: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+               job_key: str | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
+               spin_us: float | None = None) -> ShmGroup:
+    """Create the shared-memory group of ``process_group``'s ranks (default: the world); call on each of them.
+
+    ``process_group``: an initialised torch.distributed group (gloo) used for the rendezvous only.
+    ``name``: the group's name for the ops (default ``process_group.group_name``); unique in this process.
+    ``timeout_s``: the collective timeout (a stalled peer is named after it). ``job_key``: part of the
+    segment's name (default ``$MASTER_PORT``). ``slot_bytes``: per-rank chunk (multiple of 4096).
+    ``spin_us``: how long a waiting rank spins before it sleeps.
+
+    Raises ShmUnavailableError (kernels not loaded), UsageError (ranks on different hosts, bad
+    arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
+    """
+    require("a shared-memory group (init_group)")
+    import torch.distributed as dist
+
+    pg = process_group if process_group is not None else dist.group.WORLD
+    group_rank = dist.get_rank(pg)
+    group_size = dist.get_world_size(pg)
+    global_ranks = tuple(dist.get_process_group_ranks(pg))
+    name = name if name is not None else pg.group_name
+    if timeout_s <= 0:
+        raise UsageError(f"init_group: timeout_s must be positive, got {timeout_s}")
+    if slot_bytes < 4096 or slot_bytes % 4096:
+        raise UsageError(f"init_group: slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
+    if spin_us is None:
+        spin_us = 20.0 if group_size <= (os.cpu_count() or 1) else 2.0
+    job = _sanitize(job_key, 32) if job_key is not None else default_job_key()
+
+    hosts: list = [None] * group_size
+    dist.all_gather_object(hosts, _host_id(), group=pg)
+    if len(set(hosts)) != 1:
+        by_host: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            by_host.setdefault(h.split("/")[0], []).append(global_ranks[r])
+        raise UsageError(f"shared-memory group '{name}' spans several hosts (global ranks by host: {by_host}); "
+                         "shared memory joins ranks of one host only: use gloo for this group (--comm auto or gloo)")
+
+    ops = _ops()
+    spin_ns = int(spin_us * 1000)
+    message: list = [None]
+    if group_rank == 0:
+        remove_stale_segments(job)
+        segment = f"/{SEGMENT_PREFIX}{job}-{os.getpid()}-{secrets.token_hex(4)}-{_sanitize(name, 64)}"
+        try:
+            ops._shm_group_attach(name, segment, 0, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
+                                  spin_ns, True)
+            message[0] = ("ok", segment)
+        except Exception as exc:  # noqa: BLE001 -- tell the peers, then raise the same everywhere
+            message[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(message, src=global_ranks[0], group=pg)
+    status, payload = message[0]
+    if status != "ok":
+        raise UsageError(f"shared-memory group '{name}': group rank 0 (global rank {global_ranks[0]}) could not "
+                         f"create its segment: {payload}")
+    segment = payload
+    if group_rank != 0:
+        ops._shm_group_attach(name, segment, group_rank, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
+                              spin_ns, False)
+    _call(ops._shm_group_wait_attached, name)
+    atexit.register(_destroy_all)
+    return ShmGroup(name, group_rank, group_size, global_ranks, segment, float(timeout_s), slot_bytes)

@@ -1,0 +1,96 @@
+"""Pass (late, per rank): carry the collectives of shared-memory axes through adaptdist's kernels.
+
+Runs on each rank's localized graph after the lowering and its consistency checks
+(``compiler/lowering.py``), for the groups of the mesh axes that :func:`adaptdist.comm_transport.axis_transports`
+puts on shared memory. Each ``_c10d_functional.X(..., group_name)`` on such a group, with the ``wait_tensor``
+that follows it, becomes ``torch.ops.adaptdist.shm_X(..., group_name)`` with the same arguments (the ops mirror
+the functional collectives' signatures and are complete on return: no wait). Everything before this pass
+(planner, passes, consistency checks, cost model) sees the functional collectives unchanged.
+
+Stays on gloo (left as is): an ``all_to_all_single`` with uneven splits; an ``all_reduce`` /
+``reduce_scatter_tensor`` whose reduce op the kernels lack (only sum, avg, max) or whose dtype they do not
+reduce (only float32, bfloat16, float16); a ``broadcast`` (its ``src`` is a global rank, the kernel's a group
+rank; the lowering issues none); coalesced collectives.
+
+Before/after (a gradient bucket on ``dp``, local shapes)::
+
+    all_reduce = _c10d_functional.all_reduce(cat, 'sum', 'adaptdist:dp')      # f32[2112]
+    wait_tensor = _c10d_functional.wait_tensor(all_reduce)
+    split = aten.split_with_sizes(wait_tensor, [2048, 64])
+    # becomes
+    shm_all_reduce = adaptdist.shm_all_reduce(cat, 'sum', 'adaptdist:dp')    # f32[2112]
+    split = aten.split_with_sizes(shm_all_reduce, [2048, 64])
+"""
+
+from __future__ import annotations
+
+from typing import AbstractSet
+
+import torch
+import torch.fx
+
+from .. import _torch_compat as compat
+from ..comm_transport import SHM_OPS
+
+_REDUCE_OPS = ("sum", "avg", "max")
+_REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _functional_name(target) -> str | None:
+    """``"all_reduce"`` for ``torch.ops._c10d_functional.all_reduce.default`` etc.; None for other targets."""
+    if compat.functional_collective_kind(target) in (None, "wait"):
+        return None
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    return name if name in SHM_OPS else None
+
+
+def _supported(name: str, node: torch.fx.Node) -> bool:
+    """Whether the kernel computes what ``node`` (a functional collective ``name``) computes."""
+    inp = node.args[0]
+    val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    if name in ("all_reduce", "reduce_scatter_tensor"):
+        return str(node.args[1]).lower() in _REDUCE_OPS and val.dtype in _REDUCE_DTYPES
+    if name == "all_to_all_single":
+        out_splits, in_splits = node.args[1], node.args[2]
+        n = len(out_splits) or len(in_splits)
+        if not n or not val.dim():
+            return False
+        if not all(isinstance(s, int) for s in list(out_splits) + list(in_splits)):
+            return False
+        even = val.shape[0] // n
+        return val.shape[0] % n == 0 and all(s == even for s in list(out_splits) + list(in_splits))
+    return name in ("all_gather_into_tensor",)
+
+
+def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: AbstractSet[str]) -> tuple[torch.fx.GraphModule, bool]:
+    """Swap the functional collectives on ``shm_groups`` (group names, e.g. ``{"adaptdist:dp"}``) and their waits
+    for ``torch.ops.adaptdist.shm_*`` (see the module docstring); returns ``(gm, changed)``. The graph is
+    linted and recompiled when it changed; untouched otherwise. Needs the kernels loaded (the ops must exist).
+    """
+    if not shm_groups:
+        return gm, False
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not node.args:
+            continue
+        name = _functional_name(node.target)
+        if name is None or node.args[-1] not in shm_groups or node.kwargs or not _supported(name, node):
+            continue
+        op = getattr(torch.ops.adaptdist, SHM_OPS[name]).default
+        with graph.inserting_before(node):
+            new = graph.call_function(op, tuple(node.args))
+        new.meta = dict(node.meta)
+        for user in list(node.users):
+            if user.op == "call_function" and compat.functional_collective_kind(user.target) == "wait":
+                user.replace_all_uses_with(new)
+                graph.erase_node(user)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm, changed

@@ -1,0 +1,872 @@
+// Shared-memory collectives among the ranks of one host, registered as torch custom ops in the
+// namespace `adaptdist` (torch.ops.adaptdist.*). The Python side (adaptdist/kernels/shm.py) does the
+// rendezvous (one rank creates the segment, the group's gloo process group tells the others its name)
+// and documents the API; this file holds the segment layout, the waiting and the data movement.
+//
+// Segment layout (one POSIX shared-memory object per group):
+//   Header (magic, group size, slot size, abort record, one cache line per rank for its pid / global
+//   rank / attach flag, one cache line per rank for its arrival counter and op signatures)
+//   data: kBuffers buffers x group_size slots x slot_bytes. Most collectives move their payload in "uses"
+//   of at most one slot per rank; use u works in buffer u % 2, so a rank may write use u + 1 while slower
+//   peers still read use u, and every use has a group-wide barrier before its buffer is reused. The large
+//   all_reduce pipelines over buffers 0-2 (inputs) and 3-5 (results), one barrier per chunk.
+//
+// Synchronisation: rank r's arrival counter counts the barriers it has entered. A barrier stores the
+// counter and waits for every peer's counter to reach it: a bounded spin (spin_ns), then sleeps on the
+// peer's counter with futex (FUTEX_WAIT on a shared mapping, so the waker needs no syscall when nobody
+// sleeps: it checks the peer's `waiters`). While sleeping it wakes every <= 50 ms to check the abort
+// record, whether the awaited peer's process is still alive, and the collective timeout.
+//
+// Summation order (all_reduce, reduce_scatter; sum/avg/max): every element is reduced by exactly one
+// rank, in group-rank order 0, 1, ..., n-1, accumulating in float32 (for bfloat16/float16 inputs too)
+// and rounding once to the tensor's dtype; avg divides that float32 sum by n before rounding. So every
+// rank receives bitwise the same result, independent of message size, chunking and timing.
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define ADAPTDIST_PAUSE() _mm_pause()
+#else
+#define ADAPTDIST_PAUSE() ((void)0)
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace adaptdist_shm {
+
+constexpr uint64_t kMagic = 0x31304d4853444441ULL;  // "ADDSHM01"
+constexpr int kMaxRanks = 64;
+constexpr size_t kAlign = 64;
+constexpr int kBuffers = 6;  // slice boundaries on cache lines: no false sharing between owners
+
+struct alignas(64) RankInfo {
+  std::atomic<int32_t> pid;
+  std::atomic<int32_t> global_rank;
+  std::atomic<uint32_t> attached;
+};
+
+struct alignas(64) Counter {
+  std::atomic<uint32_t> seq;      // barriers entered by this rank (futex word)
+  std::atomic<uint32_t> waiters;  // peers sleeping on `seq`
+  std::atomic<uint64_t> sig[2];   // signature of the collective in each half (mismatch check)
+};
+
+struct Header {
+  uint64_t magic;
+  uint32_t group_size;
+  uint32_t reserved;
+  uint64_t slot_bytes;
+  uint64_t data_offset;
+  alignas(64) std::atomic<uint32_t> abort_state;  // 0: fine, 1: being written, 2: set
+  char abort_msg[1536];
+  RankInfo ranks[kMaxRanks];
+  Counter counters[kMaxRanks];
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "signatures must be lock-free");
+
+static double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+static void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected, double timeout_s) {
+  timespec ts;
+  ts.tv_sec = time_t(timeout_s);
+  ts.tv_nsec = long((timeout_s - double(ts.tv_sec)) * 1e9);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+static void futex_wake_all(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+// A process is gone when kill(pid, 0) says so, or when it is a zombie (killed, not yet reaped).
+static bool process_alive(int32_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat) return true;  // no procfs: trust kill()
+  std::string line;
+  std::getline(stat, line);
+  auto close = line.rfind(')');
+  if (close != std::string::npos && close + 2 < line.size()) {
+    char state = line[close + 2];
+    if (state == 'Z' || state == 'X') return false;
+  }
+  return true;
+}
+
+struct Group {
+  std::string name;
+  std::string segment;
+  int rank = 0;
+  int size = 0;
+  int global_rank = 0;
+  double timeout_s = 120.0;
+  int64_t spin_ns = 0;
+  size_t slot_bytes = 0;
+  size_t map_bytes = 0;
+  bool creator = false;
+  bool unlinked = false;
+  Header* hdr = nullptr;
+  char* data = nullptr;
+  uint32_t seq = 0;  // barriers this rank entered (mirrors its counter)
+  uint64_t use = 0;  // uses so far (half = use % 2)
+  std::mutex mu;     // one collective at a time per group in this process
+
+  char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
+  char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
+
+  ~Group() {
+    if (hdr != nullptr) munmap(hdr, map_bytes);
+    if (creator && !unlinked) shm_unlink(segment.c_str());
+  }
+};
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, std::shared_ptr<Group>> groups;
+};
+
+// The process's groups, by name: collectives in FX graphs carry only the group's name.
+static Registry& registry() {
+  static Registry* r = new Registry();  // leaked on purpose: no destructor-order issues at exit
+  return *r;
+}
+
+static std::shared_ptr<Group> find_group(const std::string& name) {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  auto it = reg.groups.find(name);
+  TORCH_CHECK(it != reg.groups.end(), "adaptdist shm: no shared-memory group named '", name,
+              "' on this process (pid ", getpid(), "); create it on every rank of the group first with "
+              "adaptdist.kernels.shm.init_group(process_group, name='", name, "') (pass the same name).");
+  return it->second;
+}
+
+static std::string group_desc(const Group& g) {
+  std::ostringstream os;
+  os << "group '" << g.name << "' (" << g.size << " ranks; this is group rank " << g.rank << ", global rank "
+     << g.global_rank << ", pid " << getpid() << ")";
+  return os.str();
+}
+
+[[noreturn]] static void throw_abort(const Group& g, const char* op) {
+  std::string msg(g.hdr->abort_msg, strnlen(g.hdr->abort_msg, sizeof(g.hdr->abort_msg)));
+  C10_THROW_ERROR(DistBackendError, "adaptdist shm: " + std::string(op) + " on " + group_desc(g) +
+                                         " failed because the group was aborted: " + msg);
+}
+
+// Record why the group failed (first writer wins), wake every sleeper so they see it, and throw.
+[[noreturn]] static void fail_peer(Group& g, const char* op, int peer, const char* what) {
+  const RankInfo& info = g.hdr->ranks[peer];
+  std::ostringstream os;
+  os << "peer group rank " << peer << " (global rank " << info.global_rank.load() << ", pid " << info.pid.load()
+     << ") " << what << " [peer_group_rank=" << peer << " peer_global_rank=" << info.global_rank.load()
+     << " peer_pid=" << info.pid.load() << "]";
+  std::string detail = os.str();
+  uint32_t expected = 0;
+  if (g.hdr->abort_state.compare_exchange_strong(expected, 1)) {
+    std::string rec = detail + " (reported by group rank " + std::to_string(g.rank) + ", pid " +
+                      std::to_string(getpid()) + ", in " + op + ")";
+    size_t n = std::min(rec.size(), sizeof(g.hdr->abort_msg) - 1);
+    memcpy(g.hdr->abort_msg, rec.data(), n);
+    g.hdr->abort_msg[n] = '\0';
+    g.hdr->abort_state.store(2);
+  }
+  for (int r = 0; r < g.size; ++r) {
+    futex_wake_all(&g.hdr->counters[r].seq);
+  }
+  C10_THROW_ERROR(DistBackendError, "adaptdist shm: " + std::string(op) + " on " + group_desc(g) + ": " + detail);
+}
+
+static inline bool reached(uint32_t value, uint32_t target) { return int32_t(value - target) >= 0; }
+
+static void check_abort(const Group& g, const char* op) {
+  if (g.hdr->abort_state.load(std::memory_order_acquire) == 2) throw_abort(g, op);
+}
+
+// Wait until peer's counter reaches target: spin (bounded), then futex sleeps with periodic checks.
+static void wait_peer(Group& g, int peer, uint32_t target, const char* op, double start_s) {
+  std::atomic<uint32_t>& word = g.hdr->counters[peer].seq;
+  if (reached(word.load(std::memory_order_acquire), target)) return;
+  if (g.spin_ns > 0) {
+    int64_t spin_end = now_ns() + g.spin_ns;
+    int i = 0;
+    while (true) {
+      for (int k = 0; k < 32; ++k) {
+        if (reached(word.load(std::memory_order_acquire), target)) return;
+        ADAPTDIST_PAUSE();
+      }
+      if (++i % 8 == 0 && now_ns() > spin_end) break;
+    }
+  }
+  // Sleeping: the abort record every wake-up, the peer's process and the timeout every 50 ms.
+  double next_check_s = 0.0;
+  while (true) {
+    check_abort(g, op);
+    double t = now_s();
+    if (next_check_s == 0.0) {
+      next_check_s = t + 0.05;
+    } else if (t >= next_check_s) {
+      if (!process_alive(g.hdr->ranks[peer].pid.load())) {
+        if (reached(word.load(std::memory_order_acquire), target)) return;
+        fail_peer(g, op, peer, "died (its process is gone)");
+      }
+      if (t - start_s > g.timeout_s) {
+        std::ostringstream os;
+        os << "did not arrive within the collective timeout of " << g.timeout_s << " s (stalled)";
+        fail_peer(g, op, peer, os.str().c_str());
+      }
+      next_check_s = t + 0.05;
+    }
+    g.hdr->counters[peer].waiters.fetch_add(1);
+    uint32_t v = word.load();
+    if (!reached(v, target)) futex_wait(&word, v, 0.05);
+    g.hdr->counters[peer].waiters.fetch_sub(1);
+    if (reached(word.load(std::memory_order_acquire), target)) return;
+  }
+}
+
+// Enter the next barrier and wait for every peer to enter it too.
+static void barrier(Group& g, const char* op, double start_s) {
+  uint32_t target = ++g.seq;
+  Counter& mine = g.hdr->counters[g.rank];
+  mine.seq.store(target);  // seq_cst: pairs with the sleeper's waiters increment + reload
+  if (mine.waiters.load() != 0) futex_wake_all(&mine.seq);
+  for (int k = 1; k < g.size; ++k) {
+    int peer = (g.rank + k) % g.size;
+    wait_peer(g, peer, target, op, start_s);
+  }
+  check_abort(g, op);
+}
+
+// ---------------------------------------------------------------------------------------------
+// element kernels
+
+enum class RedOp { Sum, Avg, Max };
+
+static RedOp parse_op(const std::string& s) {
+  std::string l = s;
+  std::transform(l.begin(), l.end(), l.begin(), ::tolower);
+  if (l == "sum") return RedOp::Sum;
+  if (l == "avg") return RedOp::Avg;
+  if (l == "max") return RedOp::Max;
+  TORCH_CHECK_VALUE(false, "adaptdist shm: reduce_op '", s, "' is not supported: use 'sum', 'avg' or 'max'");
+}
+
+template <typename T>
+static inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+// out1[i] (and out2[i] when given) = reduce over r in 0..n-1 (in that order) of srcs[r][i], in float32.
+template <typename T>
+static void reduce_into(const T* const* srcs, int n, int64_t len, T* out1, T* out2, RedOp op) {
+  constexpr int64_t kTile = 1024;
+  float acc[kTile];
+  const float inv_n = float(n);
+  for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+    const int64_t m = std::min(kTile, len - t0);
+    const T* s0 = srcs[0] + t0;
+    for (int64_t i = 0; i < m; ++i) acc[i] = to_f(s0[i]);
+    for (int r = 1; r < n; ++r) {
+      const T* s = srcs[r] + t0;
+      if (op == RedOp::Max) {
+        for (int64_t i = 0; i < m; ++i) {
+          float v = to_f(s[i]);
+          acc[i] = (v > acc[i] || v != v) ? v : acc[i];
+        }
+      } else {
+        for (int64_t i = 0; i < m; ++i) acc[i] += to_f(s[i]);
+      }
+    }
+    if (op == RedOp::Avg)
+      for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] / inv_n;
+    T* o1 = out1 + t0;
+    for (int64_t i = 0; i < m; ++i) o1[i] = static_cast<T>(acc[i]);
+    if (out2 != nullptr) memcpy(out2 + t0, o1, size_t(m) * sizeof(T));
+  }
+}
+
+static void reduce_dispatch(at::ScalarType dt, const char* const* srcs, int n, int64_t len, char* out1, char* out2,
+                            RedOp op) {
+  switch (dt) {
+    case at::kFloat:
+      reduce_into<float>(reinterpret_cast<const float* const*>(srcs), n, len, reinterpret_cast<float*>(out1),
+                         reinterpret_cast<float*>(out2), op);
+      break;
+    case at::kBFloat16:
+      reduce_into<c10::BFloat16>(reinterpret_cast<const c10::BFloat16* const*>(srcs), n, len,
+                                 reinterpret_cast<c10::BFloat16*>(out1), reinterpret_cast<c10::BFloat16*>(out2), op);
+      break;
+    case at::kHalf:
+      reduce_into<c10::Half>(reinterpret_cast<const c10::Half* const*>(srcs), n, len, reinterpret_cast<c10::Half*>(out1),
+                             reinterpret_cast<c10::Half*>(out2), op);
+      break;
+    default:
+      TORCH_CHECK(false, "unreachable dtype");
+  }
+}
+
+static void check_dtype(const at::Tensor& t, const char* op, bool reduces) {
+  auto dt = t.scalar_type();
+  bool ok = dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf;
+  if (!reduces) ok = ok || dt == at::kDouble || dt == at::kLong || dt == at::kInt || dt == at::kByte ||
+                     dt == at::kChar || dt == at::kBool || dt == at::kShort;
+  TORCH_CHECK_TYPE(ok, "adaptdist shm: ", op, " does not support dtype ", dt,
+                   reduces ? " (reductions take float32, bfloat16 or float16)" : "");
+  TORCH_CHECK(t.device().is_cpu(), "adaptdist shm: ", op, " takes CPU tensors, got one on ", t.device());
+}
+
+// Partition [0, len) elements among n owners on cache-line boundaries; owner r gets [b[r], b[r+1]).
+static void slice_bounds(int64_t len, int n, size_t esize, std::vector<int64_t>& b) {
+  b.assign(n + 1, 0);
+  const int64_t unit = std::max<int64_t>(1, int64_t(kAlign / esize));
+  const int64_t units = (len + unit - 1) / unit;
+  for (int r = 0; r <= n; ++r) b[r] = std::min(len, (units * r / n) * unit);
+  b[n] = len;
+}
+
+static uint64_t signature(uint64_t opcode, at::ScalarType dt, int64_t numel, int64_t extra) {
+  uint64_t h = 1469598103934665603ULL;
+  for (uint64_t v : {opcode, uint64_t(dt), uint64_t(numel), uint64_t(extra)}) {
+    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  }
+  return h;
+}
+
+static const char* op_name(uint64_t code) {
+  switch (code) {
+    case 1: return "all_reduce";
+    case 2: return "all_gather";
+    case 3: return "reduce_scatter";
+    case 4: return "all_to_all";
+    case 5: return "broadcast";
+    default: return "?";
+  }
+}
+
+// Publish this use's signature (before the barrier) and, after it, check every peer issued the same one.
+struct UseGuard {
+  Group& g;
+  int half;
+  uint64_t sig;
+  UseGuard(Group& g_, uint64_t sig_) : g(g_), half(int(g_.use++ & 1)), sig(sig_) {
+    g.hdr->counters[g.rank].sig[half].store(sig, std::memory_order_relaxed);
+  }
+  void check(const char* op, const at::Tensor& t) {
+    for (int r = 0; r < g.size; ++r) {
+      if (r == g.rank) continue;
+      if (g.hdr->counters[r].sig[half].load(std::memory_order_relaxed) != sig) {
+        std::ostringstream os;
+        os << "issued a different collective than this rank's " << op << " of " << t.scalar_type() << " "
+           << t.sizes()
+           << " (op, dtype or size differ: the ranks' programs disagree)";
+        fail_peer(g, op, r, os.str().c_str());
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// collectives (CPU kernels)
+
+static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
+  const char* op = "all_reduce";
+  check_dtype(input, op, true);
+  RedOp rop = parse_op(std::string(reduce_op));
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  std::lock_guard<std::mutex> lock(g.mu);
+  check_abort(g, op);
+  at::Tensor x = input.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t numel = x.numel();
+  if (numel == 0) return out;
+  const size_t es = x.element_size();
+  const at::ScalarType dt = x.scalar_type();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op_ = static_cast<char*>(out.data_ptr());
+  const int n = g.size;
+  const double start = now_s();
+  const uint64_t sig = signature(1, dt, numel, int64_t(rop));
+  std::vector<const char*> srcs(n);
+  if (n == 1) {
+    srcs[0] = xp;
+    reduce_dispatch(dt, srcs.data(), 1, numel, op_, nullptr, rop);
+    return out;
+  }
+  const size_t bytes = size_t(numel) * es;
+  const size_t small_bytes = std::min<size_t>(g.slot_bytes, 32 * 1024);
+  if (bytes <= small_bytes) {
+    // One barrier: everyone publishes all of its input, everyone reduces all of it in rank order.
+    UseGuard use(g, sig);
+    memcpy(g.slot(use.half, g.rank), xp, bytes);
+    barrier(g, op, start);
+    use.check(op, x);
+    for (int r = 0; r < n; ++r) srcs[r] = (r == g.rank) ? xp : g.slot(use.half, r);
+    reduce_dispatch(dt, srcs.data(), n, numel, op_, nullptr, rop);
+    return out;
+  }
+  // Chunks of one slot; rank r reduces slice r of each chunk (reading its own part from its private
+  // input) and publishes the result; a software pipeline over 3 input and 3 result buffers needs one
+  // barrier per chunk: phase j copies chunk j in, reduces chunk j-1, copies chunk j-2's results out.
+  // Buffer hazards: in[j % 3] (rotated by the parity, below) is rewritten in phase j, last read in phase j-2 (reduce of chunk j-3);
+  // res[(j-1) % 3] is rewritten in phase j, last read in phase j-2 (copy-out of chunk j-4); a barrier
+  // separates each pair. Only the final copy-out (of res) is not followed by a barrier; the next
+  // collective writes a res buffer only after its own first barrier, and parity buffers (0, 1) are
+  // in-buffers, read last before this collective's final barrier.
+  const int64_t chunk = int64_t(g.slot_bytes / es);
+  const int64_t nchunks = (numel + chunk - 1) / chunk;
+  std::vector<std::vector<int64_t>> bounds(3);
+  UseGuard use(g, sig);
+  // Chunk 0 goes to the parity buffer that the previous collective left free (peers may still read the
+  // other one), chunks 1, 2 to the next ones: all writes to those come after this collective's barrier 0.
+  auto in_buf = [&](int64_t c) { return int((use.half + c) % 3); };
+  for (int64_t j = 0; j <= nchunks + 1; ++j) {
+    if (j < nchunks) {  // copy chunk j in
+      const int64_t off = j * chunk, len = std::min(chunk, numel - off);
+      auto& b = bounds[j % 3];
+      slice_bounds(len, n, es, b);
+      char* mine = g.slot(in_buf(j), g.rank);
+      for (int r = 0; r < n; ++r) {
+        if (r == g.rank || b[r + 1] == b[r]) continue;
+        memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+      }
+    }
+    if (j >= 1 && j <= nchunks) {  // reduce my slice of chunk j-1 (its inputs are in since barrier j-1)
+      const int64_t c = j - 1, off = c * chunk;
+      auto& b = bounds[c % 3];
+      const int64_t s0 = b[g.rank], s1 = b[g.rank + 1];
+      if (s1 > s0) {
+        for (int r = 0; r < n; ++r)
+          srcs[r] = (r == g.rank ? xp + off * es : g.slot(in_buf(c), r)) + s0 * es;
+        reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, g.slot(3 + int(c % 3), g.rank) + s0 * es,
+                        rop);
+      }
+    }
+    if (j >= 2) {  // copy chunk j-2's other slices out (reduced before barrier j-1)
+      const int64_t c = j - 2, off = c * chunk;
+      auto& b = bounds[c % 3];
+      for (int r = 0; r < n; ++r) {
+        if (r == g.rank || b[r + 1] == b[r]) continue;
+        memcpy(op_ + (off + b[r]) * es, g.slot(3 + int(c % 3), r) + b[r] * es, size_t(b[r + 1] - b[r]) * es);
+      }
+    }
+    if (j <= nchunks) {
+      barrier(g, op, start);
+      if (j == 0) use.check(op, x);
+    }
+  }
+  return out;
+}
+
+static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
+  const char* op = "all_gather";
+  check_dtype(input, op, false);
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  TORCH_CHECK_VALUE(group_size == g.size, "adaptdist shm: all_gather was given group_size ", group_size, " but ",
+                    group_desc(g), " has ", g.size, " ranks");
+  std::lock_guard<std::mutex> lock(g.mu);
+  check_abort(g, op);
+  at::Tensor x = input.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  if (shape.empty()) shape.push_back(1);
+  shape[0] *= g.size;
+  at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t numel = x.numel();
+  if (numel == 0) return out;
+  const size_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op_ = static_cast<char*>(out.data_ptr());
+  const int n = g.size;
+  const double start = now_s();
+  const uint64_t sig = signature(2, x.scalar_type(), numel, 0);
+  const int64_t chunk = int64_t(g.slot_bytes / es);
+  for (int64_t off = 0; off < numel; off += chunk) {
+    const int64_t len = std::min(chunk, numel - off);
+    UseGuard use(g, sig);
+    memcpy(g.slot(use.half, g.rank), xp + off * es, size_t(len) * es);
+    memcpy(op_ + (g.rank * numel + off) * es, xp + off * es, size_t(len) * es);
+    if (n > 1) barrier(g, op, start);
+    if (off == 0) use.check(op, x);
+    for (int r = 0; r < n; ++r) {
+      if (r == g.rank) continue;
+      memcpy(op_ + (r * numel + off) * es, g.slot(use.half, r), size_t(len) * es);
+    }
+  }
+  return out;
+}
+
+static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view reduce_op, int64_t group_size,
+                                     c10::string_view group_name) {
+  const char* op = "reduce_scatter";
+  check_dtype(input, op, true);
+  RedOp rop = parse_op(std::string(reduce_op));
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  TORCH_CHECK_VALUE(group_size == g.size, "adaptdist shm: reduce_scatter was given group_size ", group_size, " but ",
+                    group_desc(g), " has ", g.size, " ranks");
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(0) % g.size == 0, "adaptdist shm: reduce_scatter needs dim 0 (",
+                    input.dim() >= 1 ? input.size(0) : 0, " in shape ", input.sizes(), ") divisible by the ",
+                    g.size, " ranks of ", group_desc(g));
+  std::lock_guard<std::mutex> lock(g.mu);
+  check_abort(g, op);
+  at::Tensor x = input.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[0] /= g.size;
+  at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t M = out.numel();  // elements per rank
+  if (M == 0) return out;
+  const size_t es = x.element_size();
+  const at::ScalarType dt = x.scalar_type();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op_ = static_cast<char*>(out.data_ptr());
+  const int n = g.size;
+  const double start = now_s();
+  const uint64_t sig = signature(3, dt, M, int64_t(rop));
+  std::vector<const char*> srcs(n);
+  const int64_t unit = std::max<int64_t>(1, int64_t(kAlign / es));
+  const int64_t seg = std::max<int64_t>(unit, (int64_t(g.slot_bytes / es) / n) / unit * unit);
+  for (int64_t off = 0; off < M; off += seg) {
+    const int64_t len = std::min(seg, M - off);
+    UseGuard use(g, sig);
+    char* mine = g.slot(use.half, g.rank);
+    for (int r = 0; r < n; ++r) {
+      if (r == g.rank) continue;
+      memcpy(mine + r * seg * es, xp + (r * M + off) * es, size_t(len) * es);
+    }
+    if (n > 1) barrier(g, op, start);
+    if (off == 0) use.check(op, x);
+    for (int q = 0; q < n; ++q)
+      srcs[q] = q == g.rank ? xp + (g.rank * M + off) * es : g.slot(use.half, q) + g.rank * seg * es;
+    reduce_dispatch(dt, srcs.data(), n, len, op_ + off * es, nullptr, rop);
+  }
+  return out;
+}
+
+static at::Tensor all_to_all_cpu(const at::Tensor& input, c10::SymIntArrayRef output_split_sizes,
+                                 c10::SymIntArrayRef input_split_sizes, c10::string_view group_name) {
+  const char* op = "all_to_all";
+  check_dtype(input, op, false);
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  const int n = g.size;
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(0) % n == 0, "adaptdist shm: all_to_all needs dim 0 (",
+                    input.dim() >= 1 ? input.size(0) : 0, " in shape ", input.sizes(), ") divisible by the ", n,
+                    " ranks of ", group_desc(g));
+  const int64_t rows = input.size(0) / n;
+  for (auto splits : {output_split_sizes, input_split_sizes}) {
+    if (splits.empty()) continue;
+    bool equal = int64_t(splits.size()) == n;
+    for (const auto& s : splits) equal = equal && s.guard_int(__FILE__, __LINE__) == rows;
+    TORCH_CHECK_VALUE(equal, "adaptdist shm: all_to_all supports equal splits only (", rows,
+                      " rows to and from each of the ", n, " ranks; pass [] or [", rows, "] * ", n,
+                      "); use the gloo all_to_all_single for uneven splits");
+  }
+  std::lock_guard<std::mutex> lock(g.mu);
+  check_abort(g, op);
+  at::Tensor x = input.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t M = x.numel() / n;  // elements per destination
+  if (M == 0) return out;
+  const size_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op_ = static_cast<char*>(out.data_ptr());
+  const double start = now_s();
+  const uint64_t sig = signature(4, x.scalar_type(), M, 0);
+  const int64_t unit = std::max<int64_t>(1, int64_t(kAlign / es));
+  const int64_t seg = std::max<int64_t>(unit, (int64_t(g.slot_bytes / es) / n) / unit * unit);
+  for (int64_t off = 0; off < M; off += seg) {
+    const int64_t len = std::min(seg, M - off);
+    UseGuard use(g, sig);
+    char* mine = g.slot(use.half, g.rank);
+    for (int r = 0; r < n; ++r) {
+      if (r == g.rank) continue;
+      memcpy(mine + r * seg * es, xp + (r * M + off) * es, size_t(len) * es);
+    }
+    memcpy(op_ + (g.rank * M + off) * es, xp + (g.rank * M + off) * es, size_t(len) * es);
+    if (n > 1) barrier(g, op, start);
+    if (off == 0) use.check(op, x);
+    for (int q = 0; q < n; ++q) {
+      if (q == g.rank) continue;
+      memcpy(op_ + (q * M + off) * es, g.slot(use.half, q) + g.rank * seg * es, size_t(len) * es);
+    }
+  }
+  return out;
+}
+
+static at::Tensor broadcast_cpu(const at::Tensor& input, int64_t src, c10::string_view group_name) {
+  const char* op = "broadcast";
+  check_dtype(input, op, false);
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  TORCH_CHECK_VALUE(src >= 0 && src < g.size, "adaptdist shm: broadcast src ", src, " is not a group rank of ",
+                    group_desc(g), " (0..", g.size - 1, ")");
+  std::lock_guard<std::mutex> lock(g.mu);
+  check_abort(g, op);
+  at::Tensor x = input.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t numel = x.numel();
+  if (numel == 0) return out;
+  const size_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op_ = static_cast<char*>(out.data_ptr());
+  const double start = now_s();
+  const uint64_t sig = signature(5, x.scalar_type(), numel, src);
+  // The source may fill the whole half (every rank's slot): broadcast moves one payload only.
+  const int64_t chunk = int64_t(g.slot_bytes * g.size / es);
+  for (int64_t off = 0; off < numel; off += chunk) {
+    const int64_t len = std::min(chunk, numel - off);
+    UseGuard use(g, sig);
+    if (g.rank == src) {
+      memcpy(g.half_base(use.half), xp + off * es, size_t(len) * es);
+      memcpy(op_ + off * es, xp + off * es, size_t(len) * es);
+    }
+    if (g.size > 1) barrier(g, op, start);
+    if (off == 0) use.check(op, x);
+    if (g.rank != src) memcpy(op_ + off * es, g.half_base(use.half), size_t(len) * es);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Meta kernels (shapes only: FakeTensor, torch.compile, the planner's shape propagation)
+
+static at::Tensor all_reduce_meta(const at::Tensor& input, c10::string_view, c10::string_view) {
+  return at::empty_like(input, at::MemoryFormat::Contiguous);
+}
+
+static at::Tensor all_gather_meta(const at::Tensor& input, int64_t group_size, c10::string_view) {
+  auto shape = input.sym_sizes().vec();
+  if (shape.empty()) shape.push_back(c10::SymInt(1));
+  shape[0] = shape[0] * group_size;
+  return at::empty_symint(shape, input.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+static at::Tensor reduce_scatter_meta(const at::Tensor& input, c10::string_view, int64_t group_size,
+                                      c10::string_view) {
+  auto shape = input.sym_sizes().vec();
+  TORCH_CHECK_VALUE(!shape.empty(), "adaptdist shm: reduce_scatter needs a tensor with dim 0");
+  shape[0] = shape[0] / group_size;
+  return at::empty_symint(shape, input.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+static at::Tensor all_to_all_meta(const at::Tensor& input, c10::SymIntArrayRef, c10::SymIntArrayRef,
+                                  c10::string_view) {
+  return at::empty_like(input, at::MemoryFormat::Contiguous);
+}
+
+static at::Tensor broadcast_meta(const at::Tensor& input, int64_t, c10::string_view) {
+  return at::empty_like(input, at::MemoryFormat::Contiguous);
+}
+
+// ---------------------------------------------------------------------------------------------
+// group management (called by adaptdist/kernels/shm.py)
+
+static void group_attach(c10::string_view group_name, c10::string_view segment, int64_t group_rank, int64_t group_size,
+                         int64_t global_rank, int64_t slot_bytes, double timeout_s, int64_t spin_ns, bool create) {
+  const std::string name(group_name), seg(segment);
+  TORCH_CHECK_VALUE(group_size >= 1 && group_size <= kMaxRanks, "adaptdist shm: group '", name, "' has ", group_size,
+                    " ranks; shared-memory groups take 1..", kMaxRanks);
+  TORCH_CHECK_VALUE(group_rank >= 0 && group_rank < group_size, "adaptdist shm: group rank ", group_rank,
+                    " is outside 0..", group_size - 1);
+  TORCH_CHECK_VALUE(slot_bytes >= 4096 && slot_bytes % 4096 == 0, "adaptdist shm: slot_bytes ", slot_bytes,
+                    " must be a positive multiple of 4096");
+  {
+    auto& reg = registry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    TORCH_CHECK_VALUE(reg.groups.find(name) == reg.groups.end(), "adaptdist shm: a shared-memory group named '", name,
+                      "' already exists on this process; destroy it first or choose another name");
+  }
+  const size_t data_offset = (sizeof(Header) + 4095) / 4096 * 4096;
+  const size_t map_bytes = data_offset + kBuffers * size_t(group_size) * size_t(slot_bytes);
+  int fd = -1;
+  if (create) {
+    fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    TORCH_CHECK(fd >= 0, "adaptdist shm: cannot create shared-memory segment /dev/shm", seg, ": ", strerror(errno));
+    if (ftruncate(fd, off_t(map_bytes)) != 0) {
+      int e = errno;
+      close(fd);
+      shm_unlink(seg.c_str());
+      TORCH_CHECK(false, "adaptdist shm: cannot size /dev/shm", seg, " to ", map_bytes, " bytes: ", strerror(e),
+                  " (is /dev/shm large enough? `df -h /dev/shm`)");
+    }
+  } else {
+    fd = shm_open(seg.c_str(), O_RDWR, 0600);
+    TORCH_CHECK(fd >= 0, "adaptdist shm: cannot open shared-memory segment /dev/shm", seg, " of group '", name,
+                "': ", strerror(errno), " (its creator, group rank 0, may have died or not be on this host)");
+    struct stat st;
+    TORCH_CHECK(fstat(fd, &st) == 0 && size_t(st.st_size) == map_bytes, "adaptdist shm: /dev/shm", seg,
+                " has the wrong size for group '", name, "' (", group_size, " ranks, slot ", slot_bytes, " bytes)");
+  }
+  void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  if (p == MAP_FAILED) {
+    if (create) shm_unlink(seg.c_str());
+    TORCH_CHECK(false, "adaptdist shm: cannot map /dev/shm", seg, ": ", strerror(e));
+  }
+  auto g = std::make_shared<Group>();
+  g->name = name;
+  g->segment = seg;
+  g->rank = int(group_rank);
+  g->size = int(group_size);
+  g->global_rank = int(global_rank);
+  g->timeout_s = timeout_s;
+  g->spin_ns = spin_ns;
+  g->slot_bytes = size_t(slot_bytes);
+  g->map_bytes = map_bytes;
+  g->creator = create;
+  g->hdr = static_cast<Header*>(p);
+  g->data = static_cast<char*>(p) + data_offset;
+  Header* h = g->hdr;
+  if (create) {
+    // ftruncate zero-fills: counters, flags and abort state start at 0.
+    h->group_size = uint32_t(group_size);
+    h->slot_bytes = uint64_t(slot_bytes);
+    h->data_offset = data_offset;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic);
+  } else {
+    TORCH_CHECK(reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load() == kMagic &&
+                    h->group_size == uint32_t(group_size) && h->slot_bytes == uint64_t(slot_bytes),
+                "adaptdist shm: /dev/shm", seg, " is not a segment of group '", name, "' with ", group_size,
+                " ranks (stale or foreign)");
+  }
+  h->ranks[group_rank].pid.store(getpid());
+  h->ranks[group_rank].global_rank.store(int32_t(global_rank));
+  h->ranks[group_rank].attached.store(1);
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.groups[name] = g;
+}
+
+// Wait until every rank attached (named ones that did not, on timeout); the creator then unlinks the
+// name, so the memory is freed by the kernel once the last rank exits, even after a crash.
+static void group_wait_attached(c10::string_view group_name) {
+  auto gp = find_group(std::string(group_name));
+  Group& g = *gp;
+  const double start = now_s();
+  double sleep_s = 1e-4;
+  while (true) {
+    int missing = -1;
+    for (int r = 0; r < g.size; ++r)
+      if (g.hdr->ranks[r].attached.load() == 0) {
+        missing = r;
+        break;
+      }
+    if (missing < 0) break;
+    check_abort(g, "attach");
+    if (now_s() - start > g.timeout_s) {
+      std::ostringstream os;
+      os << "adaptdist shm: group rank " << missing << " of " << group_desc(g) << " did not attach to /dev/shm"
+         << g.segment << " within " << g.timeout_s << " s";
+      C10_THROW_ERROR(DistBackendError, os.str());
+    }
+    usleep(useconds_t(sleep_s * 1e6));
+    sleep_s = std::min(sleep_s * 2, 0.01);
+  }
+  if (g.creator && !g.unlinked) {
+    shm_unlink(g.segment.c_str());
+    g.unlinked = true;
+  }
+}
+
+static void group_destroy(c10::string_view group_name) {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  reg.groups.erase(std::string(group_name));  // unmaps (and unlinks, if still linked) once no op holds it
+}
+
+static std::vector<std::string> group_names_impl() {
+  auto& reg = registry();
+  std::lock_guard<std::mutex> lock(reg.mu);
+  std::vector<std::string> out;
+  for (auto& kv : reg.groups) out.push_back(kv.first);
+  return out;
+}
+
+// Pids of the group's ranks (group-rank order): for diagnostics and tests.
+static std::vector<int64_t> group_pids(c10::string_view group_name) {
+  auto gp = find_group(std::string(group_name));
+  std::vector<int64_t> out;
+  for (int r = 0; r < gp->size; ++r) out.push_back(gp->hdr->ranks[r].pid.load());
+  return out;
+}
+
+static int64_t abi_version() { return 1; }
+
+}  // namespace adaptdist_shm
+
+TORCH_LIBRARY(adaptdist, m) {
+  // Functional (out-of-place) collectives; signatures mirror torch.ops._c10d_functional's, so a graph's
+  // functional collective becomes a shared-memory one by changing the op only. They complete on return
+  // (no wait_tensor needed).
+  m.def("shm_all_reduce(Tensor input, str reduce_op, str group_name) -> Tensor");
+  m.def("shm_all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor");
+  m.def("shm_reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name) -> Tensor");
+  m.def("shm_all_to_all_single(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, "
+        "str group_name) -> Tensor");
+  m.def("shm_broadcast(Tensor input, int src, str group_name) -> Tensor");
+  // Group management (not traced: called by adaptdist.kernels.shm); catch-all kernels.
+  m.def("_shm_group_attach(str group_name, str segment, int group_rank, int group_size, int global_rank, "
+        "int slot_bytes, float timeout_s, int spin_ns, bool create) -> ()",
+        &adaptdist_shm::group_attach);
+  m.def("_shm_group_wait_attached(str group_name) -> ()", &adaptdist_shm::group_wait_attached);
+  m.def("_shm_group_destroy(str group_name) -> ()", &adaptdist_shm::group_destroy);
+  m.def("_shm_group_names() -> str[]", &adaptdist_shm::group_names_impl);
+  m.def("_shm_group_pids(str group_name) -> int[]", &adaptdist_shm::group_pids);
+  m.def("_abi_version() -> int", &adaptdist_shm::abi_version);
+}
+
+TORCH_LIBRARY_IMPL(adaptdist, CPU, m) {
+  m.impl("shm_all_reduce", &adaptdist_shm::all_reduce_cpu);
+  m.impl("shm_all_gather_into_tensor", &adaptdist_shm::all_gather_cpu);
+  m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_cpu);
+  m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_cpu);
+  m.impl("shm_broadcast", &adaptdist_shm::broadcast_cpu);
+}
+
+TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {
+  m.impl("shm_all_reduce", &adaptdist_shm::all_reduce_meta);
+  m.impl("shm_all_gather_into_tensor", &adaptdist_shm::all_gather_meta);
+  m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_meta);
+  m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_meta);
+  m.impl("shm_broadcast", &adaptdist_shm::broadcast_meta);
+}

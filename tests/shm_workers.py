@@ -1,0 +1,263 @@
+"""Multi-process harness and rank functions for the shared-memory collective tests (tests/test_shm_*.py)
+and benchmarks (benchmarks/bench_comm.py, benchmarks/stress_shm.py).
+
+:func:`run_ranks` starts ``world`` spawned processes joined by a gloo process group (a fresh loopback port,
+which is also the segments' job key), runs ``fn(rank, world, *args)`` in each and returns {rank: result};
+a rank that died has no entry; a rank that raised returns ``{"error": text}``. Bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, world: int, port: int, args: tuple, out_dir: str, pg_timeout_s: float) -> None:
+    os.environ["MASTER_PORT"] = str(port)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's deprecated *_tensor names: the reference
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=pg_timeout_s))
+    try:
+        result = fn(rank, world, *args)
+    except BaseException:  # noqa: BLE001 -- reported to the test
+        result = {"error": traceback.format_exc()}
+    torch.save(result, Path(out_dir) / f"{rank}.pt")
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_ranks(fn, world: int, args: tuple = (), timeout_s: float = 240.0, pg_timeout_s: float = 60.0,
+              port: int | None = None) -> dict[int, object]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; {rank: result}. Raises TimeoutError if a rank
+    is still running after ``timeout_s`` (all are killed first)."""
+    ctx = mp.get_context("spawn")
+    port = port or free_port()
+    with tempfile.TemporaryDirectory(prefix="adaptdist-shm-test-") as out_dir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out_dir, pg_timeout_s), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in alive:
+            os.kill(procs[r].pid, signal.SIGKILL)
+            procs[r].join(5)
+        if alive:
+            raise TimeoutError(f"ranks {alive} still running after {timeout_s} s (killed)")
+        out = {}
+        for r in range(world):
+            f = Path(out_dir) / f"{r}.pt"
+            if f.exists():
+                out[r] = torch.load(f, weights_only=False)
+        return out
+
+
+def segments(job_key: int | str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"adaptdist-{job_key}-*"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# correctness
+
+
+def _inputs(seed: int, n_ranks: int, numel: int, dtype, kind: str) -> list[torch.Tensor]:
+    """Every rank's input for one case (all ranks can rebuild all of them): contiguous or a transposed view."""
+    out = []
+    for r in range(n_ranks):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        if kind == "nc":  # non-contiguous: a transposed [cols, rows] view of numel elements
+            rows = max(1, numel // 6) if numel else 0
+            base = torch.randn(6, rows, generator=g).to(dtype)
+            out.append(base.t())
+        else:
+            out.append(torch.randn(numel, generator=g).to(dtype))
+    return out
+
+
+def _reference_reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """The documented order: float32 accumulation over group ranks 0..n-1, one rounding."""
+    acc = xs[0].float().contiguous().clone()
+    for x in xs[1:]:
+        acc = torch.maximum(acc, x.float()) if op == "max" else acc + x.float()
+    if op == "avg":
+        acc = acc / len(xs)
+    return acc.to(xs[0].dtype)
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, xs: list[torch.Tensor]) -> bool:
+    if ours.shape != ref.shape or ours.dtype != ref.dtype:
+        return False
+    if ours.numel() == 0:
+        return True
+    eps = torch.finfo(ours.dtype).eps
+    bound = len(xs) * eps * sum(x.float().abs().reshape(ours.shape) for x in xs) + 1e-6
+    return bool(((ours.float() - ref.float()).abs() <= bound).all())
+
+
+def _check_group(group, pg, seed0: int, sizes, failures: list[str], tag: str) -> int:
+    """Every op x dtype x size x layout on one group against gloo on ``pg``; returns the number of cases."""
+    n, me = group.group_size, group.group_rank
+    cases = 0
+    for di, dtype in enumerate(DTYPES):
+        for si, numel in enumerate(sizes):
+            for kind in ("c", "nc"):
+                if kind == "nc" and numel < 6:
+                    continue
+                seed = seed0 + di * 100 + si * 2 + (kind == "nc")
+                xs = _inputs(seed, n, numel, dtype, kind)
+                x = xs[me]
+                what = f"{tag} {dtype} numel={numel} {kind}"
+                for op in ("sum", "avg", "max"):
+                    ours = group.all_reduce(x, op)
+                    ref = _reference_reduce(xs, op)
+                    if not torch.equal(ours, ref):
+                        failures.append(f"all_reduce {op} {what}: not the documented float32 rank-order result")
+                    g = x.contiguous().clone()
+                    dist.all_reduce(g, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=pg)
+                    if op == "avg":
+                        g = (g.float() / n).to(dtype)
+                    if not _close(ours, g, xs):
+                        failures.append(f"all_reduce {op} {what}: differs from gloo beyond rounding")
+                    cases += 1
+                ours = group.all_gather(x)
+                g = torch.empty_like(ours)
+                dist.all_gather_into_tensor(g, x.contiguous(), group=pg)
+                if not torch.equal(ours, g):
+                    failures.append(f"all_gather {what}: not bitwise gloo's")
+                cases += 1
+                ours = group.broadcast(x, n - 1)
+                g = x.contiguous().clone()
+                dist.broadcast(g, src=group.global_ranks[n - 1], group=pg)
+                if not torch.equal(ours, g):
+                    failures.append(f"broadcast {what}: not bitwise gloo's")
+                cases += 1
+                # reduce_scatter / all_to_all: dim 0 of n * rows
+                xs2 = [torch.cat([t.reshape(-1)] * n).reshape(n, -1) for t in xs]
+                if kind == "nc":
+                    xs2 = [t.t().contiguous().t() for t in xs2]  # same values, non-contiguous
+                x2 = xs2[me]
+                for op in ("sum", "max"):
+                    ours = group.reduce_scatter(x2, op)
+                    ref = _reference_reduce([t[me:me + 1] for t in xs2], op)
+                    if not torch.equal(ours, ref):
+                        failures.append(f"reduce_scatter {op} {what}: not the documented rank-order result")
+                    g = torch.empty_like(ours)
+                    dist.reduce_scatter_tensor(g, x2.contiguous(),
+                                               op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=pg)
+                    if not _close(ours, g, [t[me:me + 1] for t in xs2]):
+                        failures.append(f"reduce_scatter {op} {what}: differs from gloo beyond rounding")
+                    cases += 1
+                ours = group.all_to_all(x2)
+                g = torch.empty_like(x2.contiguous())
+                dist.all_to_all_single(g, x2.contiguous(), group=pg)
+                if not torch.equal(ours, g):
+                    failures.append(f"all_to_all {what}: not bitwise gloo's")
+                cases += 1
+    return cases
+
+
+def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
+    """On 4 ranks: the world (4), ranks [0, 1, 2] (3), and two pairs of size-2 groups at once ({0,1},{2,3}
+    named 'pair'; {0,2},{1,3} named 'pair2', used alternately). Returns failures, case count, segments."""
+    from adaptdist.kernels import shm
+
+    failures: list[str] = []
+    cases = 0
+    world_g = shm.init_group(dist.group.WORLD, name="world", timeout_s=60)
+    pg3 = dist.new_group([0, 1, 2])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs2 = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    # small slots on some groups: every payload path (small, chunked, many chunks) runs on small tensors
+    g3 = shm.init_group(pg3, name="three", timeout_s=60, slot_bytes=8192) if rank < 3 else None
+    my_pair = pairs[rank // 2]
+    my_pair2 = pairs2[rank % 2]
+    gp = shm.init_group(my_pair, name="pair", timeout_s=60, slot_bytes=12288)
+    gp2 = shm.init_group(my_pair2, name="pair2", timeout_s=60)
+    timings = {}
+    t0 = time.monotonic()
+    cases += _check_group(world_g, dist.group.WORLD, 1, sizes, failures, "world(4)")
+    timings["world"] = time.monotonic() - t0
+    if g3 is not None:
+        cases += _check_group(g3, pg3, 2, sizes, failures, "[0,1,2]")
+    dist.barrier()
+    timings["three"] = time.monotonic() - t0
+    # two groups of the same size on one process, interleaved, and the same name on different pairs
+    for i, numel in enumerate(sizes):
+        for grp, pg, tag in ((gp, my_pair, "pair"), (gp2, my_pair2, "pair2")):
+            xs = _inputs(7000 + i, 2, numel, torch.float32, "c")
+            ours = grp.all_reduce(xs[grp.group_rank])
+            if not torch.equal(ours, _reference_reduce(xs, "sum")):
+                failures.append(f"{tag} all_reduce numel={numel}: wrong")
+            ag = grp.all_gather(xs[grp.group_rank] + rank)
+            peer_global = grp.global_ranks[1 - grp.group_rank]
+            expect = torch.cat([xs[0] + grp.global_ranks[0], xs[1] + grp.global_ranks[1]])
+            if not torch.equal(ag, expect):
+                failures.append(f"{tag} all_gather numel={numel}: wrong (peer global rank {peer_global})")
+            cases += 2
+    cases += _check_group(gp, my_pair, 3, sizes, failures, "pair")
+    timings["pairs"] = time.monotonic() - t0
+    return {"failures": failures, "cases": cases, "pids": world_g.pids(), "timings": timings,
+            "segments": segments(os.environ["MASTER_PORT"])}
+
+
+def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
+    """3 ranks. (1) group 'stall' (timeout ``stall_timeout_s``): rank 2 sleeps past it while ranks 0 and 1 wait
+    in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then all_reduce.
+    Returns per rank what each raised and how long it took."""
+    from adaptdist.errors import ShmPeerError
+    from adaptdist.kernels import shm
+
+    out: dict = {"pid": os.getpid()}
+    main = shm.init_group(dist.group.WORLD, name="main", timeout_s=60)
+    stall_pg = dist.new_group([0, 1, 2])
+    stall = shm.init_group(stall_pg, name="stall", timeout_s=stall_timeout_s)
+    main.all_reduce(torch.ones(1000))
+    dist.barrier()
+    x = torch.ones(300_000)
+    if rank == 2:
+        time.sleep(stall_timeout_s + 2.5)
+    t0 = time.monotonic()
+    try:
+        stall.all_reduce(x)
+        out["stall"] = None
+    except ShmPeerError as e:
+        out["stall"] = (str(e), e.peer_group_rank, e.peer_global_rank, e.peer_pid)
+    out["stall_s"] = time.monotonic() - t0
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            main.all_reduce(x)
+        out["killed"] = None
+    except ShmPeerError as e:
+        out["killed"] = (str(e), e.peer_group_rank, e.peer_global_rank, e.peer_pid)
+    out["killed_s"] = time.monotonic() - t0
+    out["segments"] = segments(os.environ["MASTER_PORT"])
+    return out

@@ -1,0 +1,81 @@
+"""Shared-memory collectives in the calibration, the cluster file and the cost models (``--comm``): one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptdist.kernels as kernels
+from adaptdist.calibrate.local import load_cluster, local_cluster
+from adaptdist.calibrate.profile import calibrate
+from adaptdist.cluster import COLLECTIVES, SHM_COLLECTIVES
+from adaptdist.cluster_file import save_cluster
+from adaptdist.comm_transport import cluster_for_comm
+from adaptdist.cost_models.communication import functional_collective_kind, link_cost
+from adaptdist.errors import ClusterSpecError
+
+
+def _results(world=2):
+    gloo = [[1024, 2.0e-4 + 1024e-9], [65536, 2.0e-4 + 65536e-9], [2**20, 2.0e-4 + 2**20 * 1e-9]]
+    shm = [[n, 1.0e-5 + n * 1e-10] for n, _ in gloo]
+    results = {}
+    for r in range(world):
+        coll = {**{n: gloo for n in COLLECTIVES}, **{f"shm:{n}": shm for n in SHM_COLLECTIVES}} if r == 0 else {}
+        results[r] = {"rank": r, "collectives": coll, "peak_flops": {"float32": 4e10}, "failed_dtypes": {},
+                      "memory_bandwidth_bytes_per_s": 5e9, "threads": 1, "device_name": "cpu", "memory_bytes": None}
+    return results
+
+
+def test_profile_files_shm_fits_beside_gloo_and_the_file_keeps_them(tmp_path):
+    c = calibrate(local_cluster(2), _results())
+    ar, shm = c.collective_fit("all_reduce", "intra_host"), c.collective_fit("all_reduce", "shm")
+    assert ar.alpha_s == pytest.approx(2.0e-4, rel=1e-3) and shm.alpha_s == pytest.approx(1.0e-5, rel=1e-3)
+    assert shm.beta_s_per_byte == pytest.approx(1e-10, rel=1e-3) and shm.num_ranks == 2
+    assert c.collective_fit("send_recv", "shm") is None  # the kernels have no send/recv
+    path = tmp_path / "c.yaml"
+    save_cluster(c, path)
+    assert "shm:" in path.read_text()
+    again = load_cluster(path)
+    assert again.collective_fit("reduce_scatter", "shm") == c.collective_fit("reduce_scatter", "shm")
+    with pytest.raises(ClusterSpecError, match="send_recv.*is not a collective"):
+        bad = path.read_text().replace("shm:\n", "shm:\n      send_recv: {alpha_s: 1.0e-5, beta_s_per_byte: 1.0e-10}\n", 1)
+        (tmp_path / "bad.yaml").write_text(bad)
+        load_cluster(tmp_path / "bad.yaml")
+
+
+def test_one_host_groups_cost_the_shm_fits_under_comm(monkeypatch):
+    c = calibrate(local_cluster(2), _results())
+    gloo = link_cost(c, "all_reduce", [0, 1])
+    assert cluster_for_comm(c, "gloo") is c
+    shm_view = cluster_for_comm(c, "shm")
+    shm = link_cost(shm_view, "all_reduce", [0, 1])
+    assert shm.calibrated and shm.alpha_s < gloo.alpha_s / 10 and shm.beta_s_per_byte < gloo.beta_s_per_byte
+    assert shm_view.collective_fit("send_recv", "intra_host") == c.collective_fit("send_recv", "intra_host")
+    assert shm_view.topology_fingerprint() == c.topology_fingerprint()
+    assert local_cluster(2).with_shm_collectives() == local_cluster(2)  # nothing measured: unchanged
+    monkeypatch.setattr(kernels, "load", lambda: kernels.LoadResult(None, "disabled"))
+    assert cluster_for_comm(c, "auto") is c  # auto without the kernels: gloo's figures
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"shm kernels not built: {kernels.load_error()}")
+def test_estimate_costs_shm_programs_with_the_shm_fits():
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.cost_models.estimate import estimate_programs
+    from adaptdist.lowering_options import LoweringOptions
+
+    assert functional_collective_kind(torch.ops.adaptdist.shm_all_reduce.default) == "all_reduce"
+    assert functional_collective_kind(torch.ops.adaptdist.shm_all_gather_into_tensor.default) == "all_gather"
+    c = calibrate(local_cluster(2), _results())
+
+    def lowered(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
+        return compile_model(model, (torch.randn(8, 64), torch.randint(0, 4, (8,))), F.cross_entropy, 2, None,
+                             LoweringOptions(comm=comm, hosts=("h", "h")))
+
+    on_gloo = estimate_programs(lowered("gloo"), c, "sgd")
+    on_shm = estimate_programs(lowered("shm"), cluster_for_comm(c, "shm"), "sgd")
+    g, s = on_gloo.ranks[0].communication_s, on_shm.ranks[0].communication_s
+    assert s > 0 and s < g / 5, (s, g)  # the shm ops are costed, with the shm fits

@@ -1,0 +1,142 @@
+"""adaptdist's C++ kernels in one process: loading and the gloo fallback, the ops' Meta kernels and how they
+trace (make_fx, torch.compile), group argument checks, stale-segment removal, error translation.
+The multi-rank behaviour is in tests/test_shm_collectives.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import pytest
+import torch
+
+import adaptdist.kernels as kernels
+from adaptdist.errors import CollectiveTimeoutError, ShmPeerError
+from adaptdist.kernels import shm
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"C++ kernels not built: {kernels.load_error()}")
+
+
+_FALLBACK_SCRIPT = r"""
+import json, os, sys, warnings
+warnings.simplefilter("always")
+bad = sys.argv[1]
+os.environ["ADAPTDIST_KERNELS"] = bad
+with warnings.catch_warnings(record=True) as caught:
+    import torch, adaptdist, adaptdist._torch_compat   # import must not raise
+    from adaptdist import kernels
+    from adaptdist.errors import ShmUnavailableError
+    from adaptdist.kernels import shm
+    out = {"corrupt_available": kernels.available(), "corrupt_available_again": kernels.available(),
+           "corrupt_error": kernels.load_error()}
+out["corrupt_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+for case, value in (("missing", bad + ".absent"), ("disabled", "0")):
+    os.environ["ADAPTDIST_KERNELS"] = value
+    kernels.load.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        out[case + "_available"] = kernels.available()
+        out[case + "_error"] = kernels.load_error()
+    out[case + "_warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    try:
+        kernels.require("comm='shm'")
+    except ShmUnavailableError as e:
+        out[case + "_require"] = str(e)
+    try:
+        shm.init_group(None)
+    except ShmUnavailableError as e:
+        out[case + "_init_group"] = type(e).__name__
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_unloadable_library_warns_once_and_falls_back(tmp_path):
+    """A fresh process (nothing loaded yet): a corrupt library (at `import adaptdist`), a missing one and
+    ADAPTDIST_KERNELS=0 each leave the kernels unavailable with one warning (none when disabled), never an
+    exception at import; an explicit request raises ShmUnavailableError saying why and what to use."""
+    bad = tmp_path / "_kernels.so"
+    bad.write_bytes(b"\x7fELF this is not a shared library")
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, str(bad)], capture_output=True, text=True,
+                          timeout=180, env={k: v for k, v in os.environ.items() if k != "ADAPTDIST_KERNELS"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["corrupt_available"] is False and out["corrupt_available_again"] is False
+    assert "could not be loaded" in out["corrupt_error"]
+    assert len(out["corrupt_warnings"]) == 1 and "using gloo" in out["corrupt_warnings"][0]
+    assert out["missing_available"] is False and "does not exist" in out["missing_error"]
+    assert len(out["missing_warnings"]) == 1
+    assert out["disabled_available"] is False and "disabled" in out["disabled_error"]
+    assert out["disabled_warnings"] == []
+    for case in ("missing", "disabled"):
+        assert "comm='auto' or comm='gloo'" in out[case + "_require"]
+        assert out[case + "_init_group"] == "ShmUnavailableError"
+
+
+@needs_kernels
+def test_ops_trace_by_name_with_meta_shapes():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        a = torch.ops.adaptdist.shm_all_reduce(x, "sum", "tp")
+        b = torch.ops.adaptdist.shm_all_gather_into_tensor(a, 4, "tp")
+        c = torch.ops.adaptdist.shm_reduce_scatter_tensor(b, "avg", 4, "tp")
+        d = torch.ops.adaptdist.shm_all_to_all_single(c, [], [], "tp")
+        return torch.ops.adaptdist.shm_broadcast(d, 0, "tp")
+
+    x = torch.randn(8, 3)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    code = gm.code
+    for name in ("shm_all_reduce", "shm_all_gather_into_tensor", "shm_reduce_scatter_tensor",
+                 "shm_all_to_all_single", "shm_broadcast"):
+        assert f"torch.ops.adaptdist.{name}.default" in code, code
+    shapes = [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "call_function"]
+    assert shapes == [(8, 3), (32, 3), (8, 3), (8, 3), (8, 3)]
+    meta = torch.ops.adaptdist.shm_all_gather_into_tensor(torch.empty(2, 5, device="meta"), 3, "g")
+    assert meta.shape == (6, 5) and meta.device.type == "meta"
+
+
+@needs_kernels
+def test_torch_compile_traces_the_ops():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return lambda *args: (torch.zeros(4),)  # record only: no group exists in this process
+
+    f = torch.compile(lambda x: torch.ops.adaptdist.shm_all_reduce(x * 2, "sum", "dp") + 1, backend=backend,
+                      fullgraph=True)
+    f(torch.ones(4))
+    assert len(graphs) == 1 and "torch.ops.adaptdist.shm_all_reduce" in graphs[0]
+
+
+@needs_kernels
+def test_op_argument_errors_name_the_problem():
+    with pytest.raises(RuntimeError, match="no shared-memory group named 'nowhere'.*init_group"):
+        torch.ops.adaptdist.shm_all_reduce(torch.ones(3), "sum", "nowhere")
+    with pytest.raises(ValueError, match="reduce_op 'prod' is not supported"):
+        torch.ops.adaptdist.shm_all_reduce(torch.ones(3), "prod", "nowhere")
+    with pytest.raises(TypeError, match="does not support dtype Long"):
+        torch.ops.adaptdist.shm_all_reduce(torch.ones(3, dtype=torch.long), "sum", "nowhere")
+
+
+def test_stale_segments_of_dead_creators_are_removed(tmp_path):
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(done.stdout)
+    stale = tmp_path / f"adaptdist-4242-{dead_pid}-abcd-world"
+    live = tmp_path / f"adaptdist-4242-{os.getpid()}-abcd-world"
+    other_job = tmp_path / f"adaptdist-4243-{dead_pid}-abcd-world"
+    for p in (stale, live, other_job):
+        p.write_bytes(b"x")
+    assert shm.remove_stale_segments("4242", shm_dir=tmp_path) == [stale.name]
+    assert not stale.exists() and live.exists() and other_job.exists()
+
+
+def test_translate_error_names_the_peer():
+    exc = RuntimeError("adaptdist shm: all_reduce on group 'tp' (2 ranks; this is group rank 0, global rank 2, "
+                       "pid 10): peer group rank 1 (global rank 3, pid 11) died (its process is gone) "
+                       "[peer_group_rank=1 peer_global_rank=3 peer_pid=11]")
+    typed = shm.translate_error(exc)
+    assert isinstance(typed, ShmPeerError) and isinstance(typed, CollectiveTimeoutError)
+    assert (typed.group, typed.peer_group_rank, typed.peer_global_rank, typed.peer_pid) == ("tp", 1, 3, 11)
+    assert shm.translate_error(RuntimeError("something else")) is None

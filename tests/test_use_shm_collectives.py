@@ -1,0 +1,136 @@
+"""The late pass that puts shared-memory axes' collectives on adaptdist's kernels, and the choice of axes
+(``--comm auto|shm|gloo``): one process, no collectives run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adaptdist.kernels as kernels
+from adaptdist.comm_transport import axis_transports, is_shm_collective, shm_groups_in_code, transports_of_code
+from adaptdist.errors import ShmUnavailableError, UsageError
+from adaptdist.lowering_options import LoweringOptions
+from adaptdist.mesh import Mesh
+from adaptdist.passes.use_shm_collectives import use_shm_collectives
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"shm kernels not built: {kernels.load_error()}")
+c10d = torch.ops._c10d_functional
+
+
+def _graph(calls):
+    """A graph of one input per call: ``call(input node) -> collective node``; each collective is waited on and
+    the waits returned."""
+    g = torch.fx.Graph()
+    outs = []
+    for i, (shape, dtype, make) in enumerate(calls):
+        x = g.placeholder(f"x{i}")
+        x.meta["val"] = torch.empty(shape, dtype=dtype)
+        c = make(g, x)
+        c.meta["val"] = torch.empty(shape, dtype=dtype)
+        w = g.call_function(c10d.wait_tensor.default, (c,))
+        w.meta["val"] = c.meta["val"]
+        outs.append(w)
+    g.output(tuple(outs))
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@needs_kernels
+def test_swaps_supported_collectives_of_shm_groups_and_drops_their_waits():
+    ar = lambda grp, op="sum": lambda g, x: g.call_function(c10d.all_reduce.default, (x, op, grp))  # noqa: E731
+    gm = _graph([
+        ((8,), torch.float32, ar("adaptdist:dp")),
+        ((8,), torch.float32, ar("adaptdist:tp")),  # another group: stays
+        ((8,), torch.float32, ar("adaptdist:dp", "min")),  # no min kernel: stays
+        ((8,), torch.int64, ar("adaptdist:dp")),  # integers are not reduced by the kernels: stays
+        ((4, 3), torch.float32, lambda g, x: g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "adaptdist:dp"))),
+        ((4, 3), torch.bfloat16,
+         lambda g, x: g.call_function(c10d.reduce_scatter_tensor.default, (x, "avg", 2, "adaptdist:dp"))),
+        ((4, 3), torch.float32,
+         lambda g, x: g.call_function(c10d.all_to_all_single.default, (x, [2, 2], [2, 2], "adaptdist:dp"))),
+        ((4, 3), torch.float32,  # uneven splits: stays on gloo
+         lambda g, x: g.call_function(c10d.all_to_all_single.default, (x, [1, 3], [3, 1], "adaptdist:dp"))),
+    ])
+    gm, changed = use_shm_collectives(gm, {"adaptdist:dp"})
+    assert changed
+    shm = torch.ops.adaptdist
+    assert _targets(gm) == [
+        shm.shm_all_reduce.default,
+        c10d.all_reduce.default, c10d.wait_tensor.default,
+        c10d.all_reduce.default, c10d.wait_tensor.default,
+        c10d.all_reduce.default, c10d.wait_tensor.default,
+        shm.shm_all_gather_into_tensor.default,
+        shm.shm_reduce_scatter_tensor.default,
+        shm.shm_all_to_all_single.default,
+        c10d.all_to_all_single.default, c10d.wait_tensor.default,
+    ]
+    first = next(n for n in gm.graph.nodes if n.target == shm.shm_all_reduce.default)
+    assert first.args[1:] == ("sum", "adaptdist:dp") and first.meta["val"].shape == (8,)
+    assert list(gm.graph.output_node().args[0])[0] is first  # the wait's users now read the shm op
+    assert all(is_shm_collective(t) for t in _targets(gm) if str(t).startswith("adaptdist."))
+    assert shm_groups_in_code(gm.code.replace('"', "'")) == ["adaptdist:dp"]
+
+
+def test_no_shm_group_leaves_the_graph_untouched():
+    gm = _graph([((8,), torch.float32, lambda g, x: g.call_function(c10d.all_reduce.default, (x, "sum", "adaptdist:dp")))])
+    before = gm.code
+    assert use_shm_collectives(gm, set()) == (gm, False)
+    assert use_shm_collectives(gm, {"adaptdist:tp"})[1] is False
+    assert gm.code == before
+
+
+def test_axis_transports_by_mode_and_hosts(monkeypatch):
+    mesh = Mesh.parse("dp=2,tp=2")  # tp groups (0,1), (2,3); dp groups (0,2), (1,3)
+    two_hosts = ("a", "a", "b", "b")
+    assert axis_transports(mesh, "auto", two_hosts, kernels_available=True) == {"dp": "gloo", "tp": "shm"}
+    assert axis_transports(mesh, "auto", ("a",) * 4, kernels_available=True) == {"dp": "shm", "tp": "shm"}
+    assert axis_transports(mesh, "auto", two_hosts, kernels_available=False) == {"dp": "gloo", "tp": "gloo"}
+    assert axis_transports(mesh, "auto", None, kernels_available=True) == {"dp": "gloo", "tp": "gloo"}  # hosts unknown
+    assert axis_transports(mesh, "gloo", ("a",) * 4, kernels_available=True) == {"dp": "gloo", "tp": "gloo"}
+    assert axis_transports(Mesh.parse("dp=1,tp=2"), "gloo", None)["dp"] == "none"
+    with pytest.raises(UsageError, match="3 host names"):
+        axis_transports(mesh, "auto", ("a",) * 3, kernels_available=True)
+    with pytest.raises(UsageError, match="comm must be one of"):
+        axis_transports(mesh, "nccl", None)
+    monkeypatch.setattr(kernels, "load", lambda: kernels.LoadResult(None, "disabled by ADAPTDIST_KERNELS=0"))
+    with pytest.raises(ShmUnavailableError, match="--comm shm.*disabled by ADAPTDIST_KERNELS=0"):
+        axis_transports(mesh, "shm", two_hosts)
+
+
+def test_lowering_options_check_comm():
+    with pytest.raises(UsageError, match="comm must be one of"):
+        LoweringOptions(comm="mpi")
+    with pytest.raises(UsageError, match="hosts must be a tuple"):
+        LoweringOptions(hosts=["a", "a"])
+
+
+def _compile(options, nproc=2):
+    from adaptdist.compiler.lowering import compile_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    return compile_model(model, batch, F.cross_entropy, nproc, None, options)
+
+
+@needs_kernels
+def test_lowering_puts_one_host_axes_on_shm_only():
+    shm = _compile(LoweringOptions(comm="auto", hosts=("h", "h")))
+    gloo = _compile(LoweringOptions(comm="gloo", hosts=("h", "h")))
+    apart = _compile(LoweringOptions(comm="shm", hosts=("h1", "h2")))  # dp crosses hosts: gloo even under shm
+    for r in (0, 1):
+        assert transports_of_code(shm[r].code, shm[r].group_names, shm[r].mesh) == {"dp": "shm"}
+        assert transports_of_code(gloo[r].code, gloo[r].group_names, gloo[r].mesh) == {"dp": "gloo"}
+        assert apart[r].code == gloo[r].code
+        # the same collectives, in the same order and sizes, carried by other ops
+        strip = lambda calls: [c.split("(")[1] for c in calls]  # noqa: E731
+        assert strip(shm[r].collectives()) == strip(gloo[r].collectives()) and shm[r].collectives()
+        assert all(c.startswith("adaptdist.shm_") for c in shm[r].collectives())
+        assert "wait_tensor" not in shm[r].code and "wait_tensor" in gloo[r].code
+    assert _compile(LoweringOptions())[0].code == gloo[0].code  # no hosts: auto keeps gloo
