@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -280,14 +279,12 @@ def test_memory_too_small_for_any_pipeline_names_the_device():
     assert "rank 0 (cpu on h0) holds 64.0 MiB" in str(e.value)
 
 
-def test_planner_time_is_bounded_on_32_layers_and_8_ranks():
+@pytest.mark.timeout(300)  # a hang guard, not a speed target: the search's time is benchmarks/bench_pp_planner.py's
+def test_planner_finishes_on_32_layers_and_8_ranks():
     rng = random.Random(0)
     lg, coster = synthetic([(rng.uniform(1, 2) * 1e-3, 2e-3, 1e-3, 1e6, 1e5) for _ in range(32)], batch_size=64)
-    t0 = time.perf_counter()
     ch = plan_stages(lg, cpu(8), coster, microbatches=[8, 16, 32])
-    elapsed = time.perf_counter() - t0
     assert isinstance(ch, PipelineChoice) and ch.num_stages >= 2
-    assert elapsed < 20.0, f"inter-stage search took {elapsed:.1f} s"  # ~2 s alone on this machine
 
 
 def test_uniform_sub_meshes_give_every_stage_the_same_mesh():
