@@ -29,7 +29,7 @@ RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
             "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng",
-            "microbatches", "schedule", "batch_split")
+            "microbatches", "schedule", "batch_split", "stage_ranks")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")

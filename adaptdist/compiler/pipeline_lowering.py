@@ -355,14 +355,16 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     uniform = all(m == intra for m in group_mesh)
     model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
     if not uniform:
+        want = [(a, n) for a, n in model_axes if n > 1]
         for g, m in enumerate(group_mesh):
             other = [(a, n) for a, n in m.items() if a != batch_axis and n > 1]
-            if other != [(a, n) for a, n in model_axes if n > 1] or (batch_axis is None and m):
+            if other != want:
                 raise PipelineError(
-                    f"pipeline stage {g} runs on sub-mesh {m or '{} (1 rank)'} and the plan's stage mesh is "
+                    f"pipeline stage {g} runs on sub-mesh {m or '{} (1 rank)'} but the plan's stage mesh is "
                     f"{intra or '{} (1 rank)'}: stages on sub-meshes of different sizes may differ only in their "
-                    f"data-parallel size{f' (axis {batch_axis!r})' if batch_axis else ' (axis dp)'}, the other axes "
-                    f"({dict(model_axes) or 'none'}) alike; give every stage the same model-parallel axes")
+                    f"data-parallel size (the plan's batch axis, {batch_axis or 'none here'}), their other axes "
+                    f"({dict(want) or 'none'}) alike; give every stage the same sub-mesh, or --stage-ranks for "
+                    "data-parallel stages of different sizes")
         if spec.stages_per_rank > 1:
             raise PipelineError(f"interleaved stages ({spec.stages_per_rank} per rank group) on sub-meshes of "
                                 f"different sizes {[m or {} for m in group_mesh]} are not supported; use --schedule "

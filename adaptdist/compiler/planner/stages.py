@@ -381,11 +381,12 @@ class StageCoster:
     """
 
     def __init__(self, lg: LayerGraph, cluster: Any, optimizer: str = "adamw", mode: str = "ilp",
-                 time_limit_s: float = ILP_TIME_LIMIT_S, mesh: Any = None) -> None:
+                 time_limit_s: float = ILP_TIME_LIMIT_S, mesh: Any = None, dp_only: bool = False) -> None:
         if mode not in ("ilp", "analytic"):
             raise UsageError(f"stage coster {mode!r} is not one of ilp, analytic")
         self.lg, self.cluster, self.mode, self.time_limit_s = lg, cluster, mode, time_limit_s
         self.mesh = mesh  # a fixed intra-stage MeshCandidate for multi-rank stages (None: search every shape)
+        self.dp_only = dp_only  # multi-rank stages data parallel (stages of different sizes: the lowering's rule)
         self.state_copies = optimizer_model(optimizer).state_copies
         self.cache: dict[tuple, StageEstimate | None] = {}
         self.strategy_cache: dict = {}
@@ -467,6 +468,11 @@ class StageCoster:
         device_bytes = float(min(cl.device(i).memory_bytes for i in range(len(ranks))))
         best = None
         shapes = [self.mesh] if self.mesh is not None else mesh_candidates(len(ranks), sub.batch_size)
+        if self.dp_only:
+            from .search import BATCH_AXIS, MeshCandidate
+            from ...mesh import Mesh
+
+            shapes = [MeshCandidate(Mesh.one_axis(BATCH_AXIS, len(ranks)), BATCH_AXIS)]
         for c in shapes:
             if c.mesh.world_size != len(ranks):
                 return None
@@ -965,7 +971,8 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                   spmd_step_s: float | None = None, microbatches: Sequence[int] | None = None,
                   schedules: Sequence[str] = SCHEDULES, num_stages: int | None = None,
                   time_limit_s: float = ILP_TIME_LIMIT_S, pg: PlanningGraph | None = None,
-                  uniform: bool = False, submesh: Any = None) -> PipelineChoice:
+                  uniform: bool = False, submesh: Any = None, stage_sizes: Sequence[int] | None = None,
+                  uneven_dp: bool = False) -> PipelineChoice:
     """Plan a pipeline for ``captured`` on ``cluster`` (module docstring): layers, stage costs, the DP, the schedule.
 
     Args:
@@ -978,12 +985,22 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
             lowering runs today): one search per shape (``dp=2``, ``tp=2``, ...), the fastest wins.
         submesh: with ``uniform``, the one intra-stage :class:`~adaptdist.mesh.Mesh` to use (``--mesh
             pp=2,dp=2`` gives ``dp=2``; its batch axis is ``dp`` if it has one); None: search.
+        stage_sizes: ``--stage-ranks 2,1``: the ranks of each stage, fixed (data parallel inside each); the DP
+            chooses the layer ranges, microbatches and schedule.
+        uneven_dp: with ``uniform``, also search stages of different sizes, each data parallel (what the
+            lowering runs on sub-meshes of different sizes), and keep the faster.
 
     Raises:
         PlanInfeasibleError, UsageError: see :func:`plan_stages`.
     """
     pg = pg or build_planning_graph(captured, cluster)
     lg = build_layers(pg)
+    if stage_sizes is not None:
+        starts = {sum(stage_sizes[:i]): n for i, n in enumerate(stage_sizes)}
+        sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, dp_only=True)
+        return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules,
+                           num_stages=len(stage_sizes), spmd_step_s=spmd_step_s,
+                           sizes=lambda off, rem: [starts[off]] if starts.get(off, rem + 1) <= rem else [])
     if not uniform:
         sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s)
         return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
@@ -1019,6 +1036,18 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                 best = ch
             if k == 1:
                 break
+    if uneven_dp and submesh is None:
+        sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, dp_only=True)
+        sc.strategy_cache = strategies
+        try:
+            ch = plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
+                             spmd_step_s=spmd_step_s)
+            if best is None or ch.step_s < best.step_s * (1 - TIE_TOLERANCE):
+                best = ch
+        except PlanInfeasibleError as e:
+            last_error = last_error or e
+        finally:
+            costs += sc.misses
     if best is None:
         raise last_error or PlanInfeasibleError(f"no pipeline of equal sub-meshes fits {world} ranks")
     return dataclasses.replace(best, planner_s=time.perf_counter() - t0, stage_costs=costs)
@@ -1130,11 +1159,20 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
         raise UsageError("this adaptdist has no pipeline lowering (adaptdist.compiler.pipeline_lowering); "
                          "plan without stages") from e
     meshes = {tuple(_stage_mesh(s.mesh).items()) for s in choice.stages}
-    if len(meshes) != 1:
-        raise UsageError(f"the pipeline's stages run on different sub-meshes {sorted(meshes)}; the pipeline lowering "
-                         "needs one sub-mesh for every stage (plan_pipeline(..., uniform=True))")
-    sub = dict(meshes.pop())
     spec = to_pipeline_spec(choice)
+    if len(meshes) != 1:
+        if any(set(m) - {"dp"} for m, _ in ((dict(x), 0) for x in meshes)) or spec.stages_per_rank > 1:
+            raise UsageError(f"the pipeline's stages run on different sub-meshes {sorted(meshes)}; the pipeline "
+                             "lowering runs stages of different sizes only data parallel inside each stage and not "
+                             "interleaved (plan_pipeline(..., uniform=True, uneven_dp=True))")
+        if inner is not None and getattr(inner, "name", None) not in ("dp", "pp"):
+            raise UsageError(f"the pipeline's stages run on sub-meshes of different sizes {sorted(meshes)}: data "
+                             f"parallel inside each stage, not plan {inner.name!r}")
+        base = resolve_plan(None, captured, world_size, None, pipeline=PipelineOptions(
+            microbatches=spec.microbatches, schedule=spec.schedule,
+            stage_ranks=tuple(len(s.ranks) for s in choice.stages)))
+        return dataclasses.replace(base, pipeline=spec)
+    sub = dict(meshes.pop())
     text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
     if inner is None:
         inner = ManualPlan.parse(",".join(sub)) if sub else None

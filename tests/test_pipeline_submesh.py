@@ -1,0 +1,163 @@
+"""Pipeline stages on sub-meshes of different sizes (``--stage-ranks 2,1``): the activations and their gradients
+resharded at each stage boundary (batch rows cut and concatenated, replicated values copied, partial gradients
+summed; adaptdist/stage_routes.py). One-process simulation (simulate_pipeline) and the gloo executor equal eager:
+loss, every gradient and the SGD-updated parameters, to 1e-5."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptdist.compiler.lowering import compile_model
+from adaptdist.compiler.pipeline_lowering import PipelineOptions
+from adaptdist.errors import PipelineError, UsageError
+from adaptdist.pipeline_schedules import Action, pipeline_order
+from adaptdist.stage_routes import COPY, SPLIT, SUM, StageRoutes, assemble, boundary_routes, cut, piece_shape
+from test_pipeline_lowering import check_against_eager, deep_mlp, eager, tiny_gpt
+
+
+# --- the routes alone ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dp_a,dp_b", [(2, 1), (1, 2), (3, 1), (1, 3), (3, 2), (2, 3)])
+def test_routes_cut_and_put_together_the_rows(dp_a, dp_b):
+    """A [6, 4, 5] microbatch, batch dim 1 (not 0: the placements say which), split over dp_a senders: each of the
+    dp_b receivers assembles exactly its rows; a replicated value is copied; partial gradients sum to the total."""
+    full = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5)
+    rep = torch.randn(3)
+    mine_a = [full[:, 6 // dp_a * a: 6 // dp_a * (a + 1)] for a in range(dp_a)]
+    senders, receivers = [10 + a for a in range(dp_a)], [20 + b for b in range(dp_b)]
+    send, recv = boundary_routes("forward", ["x", "w"], [mine_a[0].shape, rep.shape],
+                                 [(4, 6 // dp_b, 5), rep.shape], senders, receivers, "test")
+    for b in range(dp_b):
+        got = []
+        for i, spec_shape in enumerate([(4, 6 // dp_b, 5), rep.shape]):
+            parts = []
+            for p in recv[b][i].pieces:
+                a = senders.index(p.peer)
+                (x,) = [t for peer, t in cut([mine_a[a], rep][i], send[a][i]) if peer == receivers[b]]
+                assert tuple(x.shape) == piece_shape(spec_shape, p)
+                parts.append(x)
+            got.append(assemble(parts, recv[b][i], spec_shape, torch.float32))
+        assert torch.equal(got[0], full[:, 6 // dp_b * b: 6 // dp_b * (b + 1)])
+        assert torch.equal(got[1], rep) and recv[b][1].combine == COPY and recv[b][0].combine == SPLIT
+    # backward: partial gradients of the replicated value from dp_b senders to dp_a receivers sum to the total
+    partial = [torch.randn(3) for _ in range(dp_b)]
+    gs, gr = boundary_routes("backward", ["g"], [(3,)], [(3,)], receivers, senders, "test")
+    total = torch.zeros(3)
+    for a in range(dp_a):
+        parts = [[t for peer, t in cut(partial[receivers.index(p.peer)], gs[receivers.index(p.peer)][0])
+                  if peer == senders[a]][0] for p in gr[a][0].pieces]
+        assert gr[a][0].combine == SUM
+        total += assemble(parts, gr[a][0], (3,), torch.float32)
+    torch.testing.assert_close(total, sum(partial))
+    # JSON form
+    r = StageRoutes(send=tuple(send[0]), recv=(), grad_in=tuple(gr[0]), grad_out=())
+    assert StageRoutes.from_doc(json.loads(json.dumps(r.to_doc()))) == r
+
+
+def test_a_value_that_is_no_batch_split_is_refused_naming_it():
+    with pytest.raises(PipelineError, match=r"forward value 'h' is \[4, 3\] on each of the sending stage's 2 .*"
+                                            r"\[4, 5\] on each of the receiving stage's 1"):
+        boundary_routes("forward", ["h"], [(4, 3)], [(4, 5)], [0, 1], [2], "boundary")
+
+
+# --- deadlock freedom with several peers per exchange ------------------------------------------------------------
+
+def _expand(order: dict[int, list[Action]], sizes: list[int]) -> dict[int, list[tuple]]:
+    """Each stage-level send/receive of the schedule as the messages of the replica groups (as the executor posts
+    them: per tensor, then peer; one tensor here), on ranks laid out stage by stage."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    ranks = [list(range(starts[s], starts[s] + sizes[s])) for s in range(len(sizes))]
+    out: dict[int, list[tuple]] = {}
+    for s, acts in order.items():
+        for a_idx, r in enumerate(ranks[s]):
+            lst = []
+            for a in acts:
+                if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                    peer_stage = a.stage + (1 if a.kind in ("SEND_F", "RECV_B") else -1)
+                    tag = (min(a.stage, peer_stage), a.kind.endswith("B"), a.microbatch)
+                    peers = ranks[peer_stage]  # every pair exchanges (the densest routes)
+                    for p in peers:
+                        lst.append(("send" if a.kind.startswith("SEND") else "recv", p, tag))
+            out[r] = lst
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("sizes", [[2, 1], [1, 3], [3, 1], [2, 1, 2]])
+def test_routed_exchanges_terminate_with_rendezvous_sends(schedule, sizes):
+    """Blocking sends and receives (both ends must be there), every sender posting to every receiver of the next
+    stage in rank order: every rank's list finishes (the module docstring's argument, checked)."""
+    M = 4
+    lists = _expand(pipeline_order(schedule, len(sizes), M, 1), sizes)
+    pos = {r: 0 for r in lists}
+    moved = True
+    while moved:
+        moved = False
+        for r in lists:
+            if pos[r] >= len(lists[r]):
+                continue
+            kind, peer, tag = lists[r][pos[r]]
+            if pos[peer] < len(lists[peer]):
+                k2, p2, t2 = lists[peer][pos[peer]]
+                if p2 == r and t2 == tag and {kind, k2} == {"send", "recv"}:
+                    pos[r] += 1
+                    pos[peer] += 1
+                    moved = True
+    stuck = {r: lists[r][pos[r]] for r in lists if pos[r] < len(lists[r])}
+    assert not stuck, stuck
+
+
+# --- lowered programs, simulated -----------------------------------------------------------------------------------
+
+CASES = [("gpt", (2, 1), "1f1b", 2), ("gpt", (1, 3), "gpipe", 2), ("mlp", (3, 1), "1f1b", 4),
+         ("gpt", (3, 1), "zb", 2), ("mlp", (2, 1), "gpipe", 2)]
+
+
+@pytest.mark.parametrize("model,sizes,schedule,microbatches", CASES)
+def test_stages_of_different_sizes_equal_eager(model, sizes, schedule, microbatches):
+    m, batch, loss_fn = tiny_gpt(batch_size=12) if model == "gpt" else deep_mlp(batch_size=12)
+    expected = eager(m, batch, loss_fn)
+    world = sum(sizes)
+    progs = compile_model(m, batch, loss_fn, world, None, pipeline=PipelineOptions(
+        microbatches=microbatches, schedule=schedule, stage_ranks=sizes))
+    assert sorted(progs) == list(range(world))
+    assert [len(progs[0].stage_ranks[s]) for s in range(len(sizes))] == list(sizes)
+    assert progs[0].plan.world_size == world and progs[0].plan.mesh == {"pp": len(sizes), "dp": max(sizes)}
+    for p in progs.values():
+        st = p.stages[0]
+        assert st.routes is not None and p.microbatch_stride == 12 // microbatches
+        # each rank's pieces of each boundary tensor: as many as the overlapping replicas on the other side
+        if not st.is_last:
+            assert all(len(r.pieces) >= 1 for r in st.routes.send)
+    check_against_eager(progs, batch, expected)
+
+
+def test_stage_ranks_are_checked():
+    m, batch, loss_fn = deep_mlp(batch_size=12)
+    with pytest.raises(UsageError, match=r"--stage-ranks 2,2 adds up to 4 ranks, this job has 3"):
+        compile_model(m, batch, loss_fn, 3, None, pipeline=PipelineOptions(microbatches=2, stage_ranks=(2, 2)))
+    with pytest.raises(PipelineError, match=r"does not split evenly over 5 data-parallel replicas|5 replica"):
+        compile_model(m, batch, loss_fn, 6, None, pipeline=PipelineOptions(microbatches=2, stage_ranks=(5, 1)))
+
+
+def test_the_planner_chooses_layer_ranges_for_given_stage_sizes_and_lowers_them():
+    """plan_pipeline(stage_sizes=(2, 1)): the inter-stage DP on fixed data-parallel sub-meshes of different sizes;
+    pipeline_plan lowers its choice; equal eager."""
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner.stages import pipeline_plan, plan_pipeline
+
+    m, batch, loss_fn = tiny_gpt(batch_size=12)
+    expected = eager(m, batch, loss_fn)
+    cg = capture(m, batch, loss_fn)
+    choice = plan_pipeline(cg, local_cluster(3), stage_sizes=(2, 1), coster="analytic", microbatches=[2],
+                           schedules=("1f1b",))
+    assert [list(s.ranks) for s in choice.stages] == [[0, 1], [2]]
+    plan = pipeline_plan(cg, choice, 3)
+    assert [dict(s.mesh) for s in plan.pipeline.stages] == [{"dp": 2}, {}]
+    progs = compile_model(m, batch, loss_fn, 3, plan, captured=cg)
+    check_against_eager(progs, batch, expected)
