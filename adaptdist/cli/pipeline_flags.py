@@ -151,7 +151,12 @@ def is_pipeline(programs: dict) -> bool:
 def pipeline_mesh_text(programs: dict) -> str:
     """``pp=2,dp=2`` of pipeline programs."""
     plan = programs[0].plan
-    return ",".join(f"{a}={n}" for a, n in plan.mesh.items()) if plan is not None else "?"
+    if plan is None:
+        return "?"
+    if plan.pipeline is not None and plan.world_size != plan.mesh_spec.world_size:  # stages of different sizes
+        return f"pp={plan.pipeline.num_stages}, stage sub-meshes " + " | ".join(
+            ",".join(f"{a}={n}" for a, n in st.mesh.items()) or "1 rank" for st in plan.pipeline.stages)
+    return ",".join(f"{a}={n}" for a, n in plan.mesh.items())
 
 
 def describe_stages(programs: dict) -> list[str]:

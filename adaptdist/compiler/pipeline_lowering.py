@@ -286,7 +286,9 @@ def _stage_ranks_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_
         check_microbatches(captured.batch_size, n, microbatches)
     stage_layers = split_layers(pipeline_layers(captured), num_stages)
     meshes = [{"dp": n} if n > 1 else {} for n in sizes]
-    spec = PipelineSpec(tuple(StageSpec(layers, m) for layers, m in zip(stage_layers, meshes)), microbatches,
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    spec = PipelineSpec(tuple(StageSpec(layers, m, tuple(range(a, a + n)))
+                              for layers, m, a, n in zip(stage_layers, meshes, starts, sizes)), microbatches,
                         pipeline.schedule, 1)
     top = max(sizes)
     fqns = [gmeta.get_fqn(p) for p in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(p) != "batch"]
