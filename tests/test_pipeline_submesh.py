@@ -163,6 +163,37 @@ def test_the_planner_chooses_layer_ranges_for_given_stage_sizes_and_lowers_them(
     check_against_eager(progs, batch, expected)
 
 
+def test_the_planners_pp_x_tp_places_parameters_as_the_stage_ilp_chose():
+    """A model without TP_PLAN on pp=2 x tp=2: pipeline_plan takes each stage ILP's parameter placements (here
+    the wide layers sharded over tp), and the lowered pipeline equals eager."""
+    import torch.nn.functional as F
+
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner.stages import pipeline_plan, plan_pipeline
+    from adaptdist.mesh import Mesh
+    from adaptdist.placement import Shard
+    from test_pipeline_lowering import DeepMLP
+
+    torch.manual_seed(0)
+    m = DeepMLP(widths=(16, 2048, 2048, 2048, 5))
+    batch = (torch.randn(8, 16), torch.randint(0, 5, (8,)))
+
+    def loss_fn(o, t):
+        return F.cross_entropy(o, t)
+    expected = eager(m, batch, loss_fn)
+    cg = capture(m, batch, loss_fn)
+    choice = plan_pipeline(cg, local_cluster(4), uniform=True, submesh=Mesh.parse("tp=2"), microbatches=[2],
+                           schedules=("1f1b",))
+    ilp = {f: p for st in choice.stages for f, p in st.param_placements}
+    assert any(isinstance(x, Shard) for p in ilp.values() for x in p), ilp  # the ILP shards the wide layers
+    plan = pipeline_plan(cg, choice, 4)
+    assert plan.mesh == {"pp": 2, "tp": 2} and plan.name == "pp+auto"
+    assert {f: p[1:] for f, p in plan.param_placements.items()} == ilp
+    progs = compile_model(m, batch, loss_fn, 4, plan, captured=cg)
+    check_against_eager(progs, batch, expected)
+
+
 # --- gloo: the executor's routed sends and receives, and `adaptdist train --stage-ranks` ---------------------------
 
 @pytest.mark.slow

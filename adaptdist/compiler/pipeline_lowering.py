@@ -300,7 +300,9 @@ def _stage_ranks_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_
 def mesh_preset(mesh: str | None, model_module: Any) -> Any:
     """The inner plan of ``--plan pp`` (or ``auto``) on ``--mesh pp=...,tp=...``: the preset the mesh's other axes
     name, with the model file's ``TP_PLAN`` (``EP_PLAN``) for a ``tp`` (``ep``) axis; None where those axes need
-    no model file (``dp`` alone, or no other axis: the lowering's own preset).
+    no model file (``dp`` alone, or no other axis: the lowering's own preset), or where the model file has no
+    ``TP_PLAN`` (``EP_PLAN``) for them: the inter-stage planner then places the parameters as each stage's ILP
+    chose (:func:`adaptdist.compiler.planner.stages.pipeline_plan`).
 
     Raises:
         UsageError: as :meth:`ManualPlan.parse` (a model file without ``TP_PLAN`` for a tp axis).
@@ -310,6 +312,9 @@ def mesh_preset(mesh: str | None, model_module: Any) -> Any:
         return None
     from ..annotations import ManualPlan
 
+    if ("tp" in axes and getattr(model_module, "TP_PLAN", None) is None) or \
+            ("ep" in axes and getattr(model_module, "EP_PLAN", None) is None):
+        return None
     key = "dp,tp" if axes == {"dp", "tp"} else ",".join(sorted(axes))
     return ManualPlan.parse(key, model_module)
 

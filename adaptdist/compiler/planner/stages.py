@@ -85,6 +85,8 @@ class StageEstimate:
         activation_bytes: what the backward keeps for the whole batch, per device.
         mesh: the intra-stage mesh ((axis, size), ...). batch_axis: its batch axis or None.
         source: ``ilp``, ``single-rank`` or ``analytic``.
+        param_placements: ``ilp`` only: ``((fqn, placements per mesh axis), ...)`` of the parameters the intra-stage
+            planner shards (others replicated), which :func:`pipeline_plan` lowers.
     """
 
     compute_s: float
@@ -97,6 +99,7 @@ class StageEstimate:
     mesh: tuple[tuple[str, int], ...] = (("dp", 1),)
     batch_axis: str | None = "dp"
     source: str = "analytic"
+    param_placements: tuple = ()
 
     def per_microbatch(self, m: int) -> tuple[float, float, float]:
         """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches."""
@@ -118,6 +121,7 @@ class StageChoice:
         forward_s, backward_s, weight_s: per microbatch, sends included, seconds.
         grad_sync_s: its gradient reduction per step. memory_bytes: peak per device under the schedule;
         capacity_bytes: the smallest memory among its ranks. source: how it was costed.
+        param_placements: the intra-stage planner's sharded parameters (:attr:`StageEstimate.param_placements`).
     """
 
     index: int
@@ -133,6 +137,7 @@ class StageChoice:
     memory_bytes: float
     capacity_bytes: float
     source: str
+    param_placements: tuple = ()
 
     @property
     def time_s(self) -> float:
@@ -513,8 +518,15 @@ class StageCoster:
 
             state = self._state_bytes(sub, divisor)
             split = c.mesh.size(c.batch_axis) if c.batch_axis else 1
+
+            def place(name: str, a: str) -> Any:
+                return _out(chosen[a].get(name), 0)
+
+            pls = tuple((pn.fqn, tuple(place(pn.name, a) for a in c.mesh.names)) for pn in sub.params()
+                        if pn.kind == "param" and getattr(pn, "fqn", None)
+                        and any(isinstance(place(pn.name, a), Shard) for a in c.mesh.names))
             est = StageEstimate(ev.compute_s + comm - sync, fr, ev.overhead_s, of, sync, state, acts / split,
-                                tuple(c.mesh.as_dict().items()), c.batch_axis, "ilp")
+                                tuple(c.mesh.as_dict().items()), c.batch_axis, "ilp", pls)
             total = est.compute_s + est.overhead_s + est.grad_sync_s
             if best is None or total < best[0] * (1 - 1e-9):
                 best = (total, est)
@@ -869,7 +881,7 @@ def _schedule_choices(lg: LayerGraph, res: DPResult, m: int, rule: str, schedule
         stages = tuple(
             StageChoice(i, tuple(lg.names[s.first:s.end]), (s.first, s.end), tuple(range(s.offset, s.offset + s.size)),
                         dict(e.mesh), e.batch_axis, fs[i], bs[i], ws[i], e.grad_sync_s, e.memory_bytes(flight[i], m),
-                        capacity(s), e.source)
+                        capacity(s), e.source, e.param_placements)
             for i, (s, e) in enumerate(zip(res.slots, ests)))
         step = se.step_s + sync
         out.append((step, PipelineChoice(stages, se.schedule, m, step, se.bubble_s, se.bubble_fraction,
@@ -962,7 +974,8 @@ def _interleaved(lg: LayerGraph, res: DPResult, m: int, est, capacity, cluster: 
         names = tuple(nm for a, b in mine for nm in lg.names[a:b])
         e0 = ests[i][0]
         stages.append(StageChoice(i, names, mine[0], tuple(range(s.offset, s.offset + k)), dict(e0.mesh), e0.batch_axis,
-                                  per[i][0], per[i][1], per[i][2], syncs[i], mem[i], caps[i], e0.source))
+                                  per[i][0], per[i][1], per[i][2], syncs[i], mem[i], caps[i], e0.source,
+                                  tuple(x for e in ests[i] for x in e.param_placements)))
     chunks = tuple(tuple(lg.names[a:b]) for a, b in bounds)
     return se, (tuple(stages), chunks, max(syncs))
 
@@ -1145,11 +1158,14 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     then the stages' common sub-mesh; the sub-mesh axes' placements by the preset of their names, as
     ``--mesh pp=2,dp=2`` gives), with ``choice``'s stages, microbatches, schedule and predictions as its
     ``pipeline`` (:func:`to_pipeline_spec`). ``inner``: the plan inside the stages (a ManualPlan such as
-    ``--plan tp``'s) instead of the presets.
+    ``--plan tp``'s) instead of the presets; None with a model-parallel axis (``tp``...) in the sub-mesh and every
+    stage costed by the ILP: the stage ILP's own parameter placements (:func:`_ilp_pipeline_plan`), not a model
+    file's ``TP_PLAN``. Stages of different data-parallel sizes: the ``--stage-ranks`` plan
+    (:func:`~adaptdist.compiler.pipeline_lowering.resolve_pipeline_plan`) with ``choice``'s layer ranges.
 
     Raises:
-        UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes (the lowering
-            runs equal ones: plan with ``uniform=True``).
+        UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes other than
+            data-parallel ones of different sizes.
     """
     try:
         from ...annotations import ManualPlan
@@ -1174,12 +1190,36 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
         return dataclasses.replace(base, pipeline=spec)
     sub = dict(meshes.pop())
     text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
+    if inner is None and set(sub) - {"dp"} and all(s.source == "ilp" for s in choice.stages):
+        return _ilp_pipeline_plan(captured, choice, spec, sub)
     if inner is None:
         inner = ManualPlan.parse(",".join(sub)) if sub else None
     base = resolve_plan(inner, captured, world_size, text if sub else None,
                         pipeline=PipelineOptions(stages=spec.num_stages, microbatches=spec.microbatches,
                                                  schedule=spec.schedule, stages_per_rank=spec.stages_per_rank))
     return dataclasses.replace(base, pipeline=spec)
+
+
+def _ilp_pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, spec: Any, sub: Mapping[str, int]) -> Any:
+    """The pipeline plan whose parameters are placed as each stage's intra-stage ILP chose (not a model file's
+    ``TP_PLAN`` preset): a parameter takes the placements of the first stage holding it, replicated on the
+    batch axis (the pipeline lowering does not shard parameters over it; a stage's ILP may have, for memory)."""
+    from ...placement import Replicate
+    from ...plan import PIPELINE_AXIS, Plan, graph_fingerprint
+
+    batch_axis = "dp" if "dp" in sub else None
+    pls: dict[str, tuple] = {}
+    for st in choice.stages:
+        names = list(st.mesh)
+        for fqn, placements in st.param_placements:
+            if fqn in pls:
+                continue
+            by = dict(zip(names, placements))
+            pls[fqn] = (Replicate(),) + tuple(Replicate() if a == batch_axis or by.get(a) is None else by[a]
+                                              for a in sub)
+    return Plan(mesh={PIPELINE_AXIS: spec.num_groups, **sub}, batch_axis=batch_axis,
+                param_placements={f: p for f, p in pls.items() if any(not isinstance(x, Replicate) for x in p)},
+                graph_fingerprint=graph_fingerprint(captured.gm), name="pp+auto", pipeline=spec)
 
 
 def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimizer: str = "adamw",
