@@ -1049,8 +1049,8 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                 best = ch
             if k == 1:
                 break
-    if uneven_dp and submesh is None:
-        sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, dp_only=True)
+    if uneven_dp and submesh is None:  # data parallel inside the stages: the analytic cost (an ILP per range is slow)
+        sc = StageCoster(lg, cluster, optimizer, "analytic", time_limit_s, dp_only=True)
         sc.strategy_cache = strategies
         try:
             ch = plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
