@@ -29,8 +29,16 @@ Three steps (PIPELINE.md):
    each; the addition of the stages' gradient contributions is cut out of the graph, each stage returns its
    own, and ``grad_groups`` names all holders so the runtime's all-reduce sums them (copies stay equal).
 
-Not done: stages on different sub-meshes (resharding between two stages' placements is refused, naming
-both meshes), mutated buffers (BatchNorm running statistics) in a pipeline.
+4. Stages on sub-meshes of different data-parallel sizes (``--stage-ranks 2,1``): the step is lowered once per
+   size (``mb`` of ``dp_s * M`` coordinates), each stage's programs cut from its own size's lowering (the two
+   lowerings cut the graph at the same values, checked by name). The batch is cut into ``M`` contiguous
+   microbatches first and each over a stage's replicas (``PipelineRankProgram.microbatch_stride``), so every stage
+   sees microbatch ``m`` as the same rows; at a boundary each tensor is resharded by
+   :mod:`adaptdist.stage_routes` (rows cut/concatenated along the dim where the two local shapes differ by the
+   sizes' ratio, replicated values copied, partial gradients added).
+
+Not done: stages of different sizes with model-parallel axes inside or interleaved (refused naming the meshes),
+FSDP inside a stage (refused naming the parameters), mutated buffers (BatchNorm running statistics) in a pipeline.
 """
 
 from __future__ import annotations
