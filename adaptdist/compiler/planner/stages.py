@@ -85,8 +85,9 @@ class StageEstimate:
         activation_bytes: what the backward keeps for the whole batch, per device.
         mesh: the intra-stage mesh ((axis, size), ...). batch_axis: its batch axis or None.
         source: ``ilp``, ``single-rank`` or ``analytic``.
-        param_placements: ``ilp`` only: ``((fqn, placements per mesh axis), ...)`` of the parameters the intra-stage
-            planner shards (others replicated), which :func:`pipeline_plan` lowers.
+        param_placements: ``ilp`` only: ``(((layer offset in the range, index in its param_fqns), placements per
+            mesh axis), ...)`` of the parameters the intra-stage planner shards (others replicated); by position, as
+            like layers share one estimate (:func:`fqn_placements` names them for a range).
     """
 
     compute_s: float
@@ -449,7 +450,7 @@ class StageCoster:
         if self.mode == "analytic":
             return self._analytic(sub, roof, overhead, acts, fr, of, ranks)
         try:
-            return self._ilp(sub, fr, of, ranks, acts)
+            return self._ilp(sub, fr, of, ranks, acts, first, end)
         except Exception as e:  # noqa: BLE001 -- a range the intra-stage planner cannot take is costed analytically
             self.fallbacks.append(f"layers {first}..{end - 1} on ranks {list(ranks)}: {type(e).__name__}: {e}")
             return self._analytic(sub, roof, overhead, acts, fr, of, ranks)
@@ -463,7 +464,8 @@ class StageCoster:
         return StageEstimate(roof / k, fr, overhead, of, sync, self._state_bytes(sub), acts / k, (("dp", k),), "dp",
                              "analytic")
 
-    def _ilp(self, sub: PlanningGraph, fr, of, ranks: tuple[int, ...], acts: float) -> StageEstimate | None:
+    def _ilp(self, sub: PlanningGraph, fr, of, ranks: tuple[int, ...], acts: float, first: int = 0,
+             end: int = 0) -> StageEstimate | None:
         from .ilp import Infeasible
         from .problem import Constraints, _out, factors, reshard_time_s, GRADIENT_BUCKETS, OtherAxis
         from .search import _axis_order, mesh_candidates, solve_candidate
@@ -522,15 +524,22 @@ class StageCoster:
             def place(name: str, a: str) -> Any:
                 return _out(chosen[a].get(name), 0)
 
-            pls = tuple((pn.fqn, tuple(place(pn.name, a) for a in c.mesh.names)) for pn in sub.params()
-                        if pn.kind == "param" and getattr(pn, "fqn", None)
-                        and any(isinstance(place(pn.name, a), Shard) for a in c.mesh.names))
+            pos = {f: (i - first, k) for i in range(first, end) for k, f in enumerate(self.lg.layers[i].param_fqns)}
+            pls = tuple(sorted((pos[pn.fqn], tuple(place(pn.name, a) for a in c.mesh.names)) for pn in sub.params()
+                               if pn.kind == "param" and getattr(pn, "fqn", None) in pos
+                               and any(isinstance(place(pn.name, a), Shard) for a in c.mesh.names)))
             est = StageEstimate(ev.compute_s + comm - sync, fr, ev.overhead_s, of, sync, state, acts / split,
                                 tuple(c.mesh.as_dict().items()), c.batch_axis, "ilp", pls)
             total = est.compute_s + est.overhead_s + est.grad_sync_s
             if best is None or total < best[0] * (1 - 1e-9):
                 best = (total, est)
         return best[1] if best else None
+
+
+def fqn_placements(lg: LayerGraph, first: int, placements: tuple) -> tuple:
+    """A :attr:`StageEstimate.param_placements` (by position) for the range starting at layer ``first``, by fqn:
+    ``((fqn, placements per mesh axis), ...)``."""
+    return tuple((lg.layers[first + i].param_fqns[k], pl) for (i, k), pl in placements)
 
 
 # --- the DP ---------------------------------------------------------------------------------------
@@ -881,7 +890,7 @@ def _schedule_choices(lg: LayerGraph, res: DPResult, m: int, rule: str, schedule
         stages = tuple(
             StageChoice(i, tuple(lg.names[s.first:s.end]), (s.first, s.end), tuple(range(s.offset, s.offset + s.size)),
                         dict(e.mesh), e.batch_axis, fs[i], bs[i], ws[i], e.grad_sync_s, e.memory_bytes(flight[i], m),
-                        capacity(s), e.source, e.param_placements)
+                        capacity(s), e.source, fqn_placements(lg, s.first, e.param_placements))
             for i, (s, e) in enumerate(zip(res.slots, ests)))
         step = se.step_s + sync
         out.append((step, PipelineChoice(stages, se.schedule, m, step, se.bubble_s, se.bubble_fraction,
@@ -975,7 +984,8 @@ def _interleaved(lg: LayerGraph, res: DPResult, m: int, est, capacity, cluster: 
         e0 = ests[i][0]
         stages.append(StageChoice(i, names, mine[0], tuple(range(s.offset, s.offset + k)), dict(e0.mesh), e0.batch_axis,
                                   per[i][0], per[i][1], per[i][2], syncs[i], mem[i], caps[i], e0.source,
-                                  tuple(x for e in ests[i] for x in e.param_placements)))
+                                  tuple(x for (a, _), e in zip(mine, ests[i])
+                                        for x in fqn_placements(lg, a, e.param_placements))))
     chunks = tuple(tuple(lg.names[a:b]) for a, b in bounds)
     return se, (tuple(stages), chunks, max(syncs))
 
