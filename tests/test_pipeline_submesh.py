@@ -154,7 +154,7 @@ def test_the_planner_chooses_layer_ranges_for_given_stage_sizes_and_lowers_them(
     m, batch, loss_fn = tiny_gpt(batch_size=12)
     expected = eager(m, batch, loss_fn)
     cg = capture(m, batch, loss_fn)
-    choice = plan_pipeline(cg, local_cluster(3), stage_sizes=(2, 1), coster="analytic", microbatches=[2],
+    choice = plan_pipeline(cg, local_cluster(3), stage_sizes=(2, 1), microbatches=[2],
                            schedules=("1f1b",))
     assert [list(s.ranks) for s in choice.stages] == [[0, 1], [2]]
     plan = pipeline_plan(cg, choice, 3)
@@ -241,3 +241,36 @@ def test_train_stage_ranks_on_three_ranks_equals_eager(tmp_path):
     assert _losses(out) == pytest.approx(_eager_losses(2), abs=1e-5)
     plan = json.loads((out / "programs" / "plan.json").read_text())
     assert [dict(s["mesh"]) for s in plan["pipeline"]["stages"]] == [{"dp": 2}, {}]
+
+
+def test_the_planner_gives_a_faster_device_a_stage_of_its_own():
+    """3 ranks, ranks 0 and 1 half as fast as rank 2: without --mesh the planner weighs stages of different sizes
+    and puts the two slow ranks on one data-parallel stage and the fast one alone, with as many layers: predicted
+    faster than every equal split into 1-rank stages."""
+    import dataclasses
+    import itertools
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.pipeline_auto import choose_pipeline_plan
+    from adaptdist.compiler.planner.stages import plan_pipeline
+    from adaptdist.cost_models.hardware import FixedCluster
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*itertools.chain.from_iterable((nn.Linear(512, 512), nn.ReLU()) for _ in range(6)))
+    x = torch.randn(512, 512)  # compute well above the stage's gradient all-reduce
+    cg = capture(model, (x, x), F.mse_loss)
+    cl = FixedCluster.uniform([("h0", 3)], op_overhead_s=5e-6)
+    def slow(d):
+        return dataclasses.replace(d, peak_flops={k: v / 2 for k, v in d.peak_flops.items()},
+                                   memory_bandwidth_bytes_per_s=d.memory_bandwidth_bytes_per_s / 2)
+    hetero = dataclasses.replace(cl, devices=(slow(cl.devices[0]), slow(cl.devices[1]), cl.devices[2]))
+    d = choose_pipeline_plan(cg, hetero, 3, schedule="1f1b", microbatches=8)
+    stages = d.plan.pipeline.stages
+    assert [list(s.ranks) for s in stages] == [[0, 1], [2]], [s.ranks for s in stages]
+    assert [dict(s.mesh) for s in stages] == [{"dp": 2}, {}] and d.plan.world_size == 3
+    even = plan_pipeline(cg, hetero, uniform=True, microbatches=[8], schedules=("1f1b",), coster="analytic")
+    assert d.choice.step_s < even.step_s and len(even.stages) == 3
+    assert "mesh dp=2" in "\n".join(d.lines())

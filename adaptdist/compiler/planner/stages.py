@@ -1020,7 +1020,9 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
     lg = build_layers(pg)
     if stage_sizes is not None:
         starts = {sum(stage_sizes[:i]): n for i, n in enumerate(stage_sizes)}
-        sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s, dp_only=True)
+        # data parallel inside the stages, parameters replicated and gradients all-reduced (what the lowering runs
+        # on stages of different sizes): the analytic cost, not an ILP that may shard parameters over dp
+        sc = StageCoster(lg, cluster, optimizer, "analytic", time_limit_s, dp_only=True)
         return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules,
                            num_stages=len(stage_sizes), spmd_step_s=spmd_step_s,
                            sizes=lambda off, rem: [starts[off]] if starts.get(off, rem + 1) <= rem else [])
