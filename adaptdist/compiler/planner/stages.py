@@ -1237,8 +1237,9 @@ def _ilp_pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, spec: An
 def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimizer: str = "adamw",
                   time_limit_s: float = ILP_TIME_LIMIT_S, progress: Callable[[str], None] | None = None) -> Any:
     """``result`` (:func:`.search.plan_auto`'s :class:`~.search.PlannerResult`) with pipeline stages weighed:
-    :func:`plan_pipeline` on equal sub-meshes against ``result``'s predicted step; where the pipeline is predicted
-    faster, its plan (:func:`pipeline_plan`) replaces ``result.plan``. ``result.pipeline`` holds the stage plan
+    :func:`plan_pipeline` on equal sub-meshes (and data-parallel ones of different sizes) against ``result``'s
+    predicted step; where the pipeline is predicted faster, its plan (:func:`pipeline_plan`) replaces
+    ``result.plan``. ``result.pipeline`` holds the stage plan
     either way (with ``chosen`` and, where it is faster but cannot be lowered in this tree, a ``note``), or why
     there is none (a str).
     """
@@ -1252,7 +1253,7 @@ def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimiz
     phases = dict(result.phases_s)
     try:
         choice = plan_pipeline(captured, cluster, optimizer=optimizer, spmd_step_s=result.predicted.step_s,
-                               pg=result.graph, time_limit_s=time_limit_s, uniform=True)
+                               pg=result.graph, time_limit_s=time_limit_s, uniform=True, uneven_dp=True)
     except AdaptdistError as e:
         phases["stages"] = time.perf_counter() - t0
         return dataclasses.replace(result, pipeline=f"no pipeline: {e}", phases_s=phases)
@@ -1286,7 +1287,8 @@ def pipeline_only(captured: CapturedGraph, cluster: Any, spmd_error: Exception, 
     t0 = time.perf_counter()
     pg = build_planning_graph(captured, cluster)
     try:
-        choice = plan_pipeline(captured, cluster, optimizer=optimizer, pg=pg, time_limit_s=time_limit_s, uniform=True)
+        choice = plan_pipeline(captured, cluster, optimizer=optimizer, pg=pg, time_limit_s=time_limit_s, uniform=True,
+                               uneven_dp=True)
         plan = pipeline_plan(captured, choice, cluster.world_size)
     except AdaptdistError as e:
         raise PlanInfeasibleError(f"{spmd_error}\nand with pipeline stages: {e}") from spmd_error
