@@ -274,3 +274,20 @@ def test_the_planner_gives_a_faster_device_a_stage_of_its_own():
     even = plan_pipeline(cg, hetero, uniform=True, microbatches=[8], schedules=("1f1b",), coster="analytic")
     assert d.choice.step_s < even.step_s and len(even.stages) == 3
     assert "mesh dp=2" in "\n".join(d.lines())
+
+
+def test_a_pipeline_manifest_may_hold_the_largest_stage_mesh():
+    """A compile of stages of different sizes records mesh pp=2,dp=2 (the largest sub-mesh) for 3 ranks: accepted
+    for a pipeline manifest, still refused for an SPMD one and where the mesh is smaller than the world."""
+    from pathlib import Path
+
+    from adaptdist.artifact_checks import check_manifest
+    from adaptdist.errors import ProgramLoadError
+
+    base = {"format_version": 1, "torch_version": torch.__version__, "world_size": 3, "files": {},
+            "mesh": {"pp": 2, "dp": 2}}
+    check_manifest({**base, "pipeline": True}, Path("m.json"))
+    with pytest.raises(ProgramLoadError, match=r"multiply to 4, not the world size 3"):
+        check_manifest(base, Path("m.json"))
+    with pytest.raises(ProgramLoadError, match=r"multiply to 2, not the world size 3"):
+        check_manifest({**base, "pipeline": True, "mesh": {"pp": 2}}, Path("m.json"))
