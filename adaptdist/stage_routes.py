@@ -184,3 +184,18 @@ def boundary_routes(kind: str, names: Sequence[str], send_shapes: Sequence[Seque
                     pieces.append(Piece(senders[a], k, lo - b * lb, hi - lo))
             recv[b].append(TensorRoute(tuple(pieces), SPLIT))
     return send, recv
+
+
+def check_routes(program: Any) -> None:
+    """Raise :class:`PipelineError` when a stage of ``program`` (a
+    :class:`~adaptdist.stage_program.PipelineRankProgram`) borders a stage of another size but holds no routes
+    (a program saved in a format that drops them): its whole-tensor sends would not match its peers'."""
+    ranks = program.stage_ranks
+    for st in program.stages:
+        for other in (st.stage - 1, st.stage + 1):
+            if other in ranks and len(ranks[other]) != len(ranks[st.stage]) and st.routes is None:
+                raise PipelineError(
+                    f"rank {program.rank}: pipeline stage {st.stage} ({len(ranks[st.stage])} rank(s)) borders stage "
+                    f"{other} ({len(ranks[other])}) but its program has no routes for the resharding between them "
+                    "(saved in a format that does not keep StageProgram.routes?); compile again")
+

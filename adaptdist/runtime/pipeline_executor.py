@@ -42,7 +42,7 @@ from .. import _torch_compat as compat
 from ..errors import CollectiveTimeoutError, UsageError
 from ..pipeline_schedules import Action, pipeline_order, stage_rank
 from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
-from ..stage_routes import assemble, cut, piece_shape
+from ..stage_routes import assemble, check_routes, cut, piece_shape
 from .trace import TraceRecorder
 
 
@@ -100,6 +100,7 @@ class PipelineStepRunner:
         if max_grad_norm is not None:
             raise UsageError("--max-grad-norm is not supported with a pipeline plan yet (the norm spans the "
                              "stages); drop it or use a plan without pp")
+        check_routes(program)
         self.program = program
         self.groups = groups
         self.timeout = timedelta(seconds=timeout_s)

@@ -20,7 +20,7 @@ import torch.fx
 from ..errors import SimulationError
 from ..mesh import Mesh
 from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
-from ..stage_routes import assemble, cut, piece_shape
+from ..stage_routes import assemble, check_routes, cut, piece_shape
 from .simulate import simulate_ranks
 
 
@@ -87,6 +87,8 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
             collective mismatch inside a stage (see :func:`simulate_ranks`).
     """
     progs = dict(programs)
+    for p in progs.values():
+        check_routes(p)
     any_p = next(iter(progs.values()))
     S = any_p.stages[0].num_stages
     M = any_p.num_microbatches
