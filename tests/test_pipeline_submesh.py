@@ -113,8 +113,9 @@ def test_routed_exchanges_terminate_with_rendezvous_sends(schedule, sizes):
 
 # --- lowered programs, simulated -----------------------------------------------------------------------------------
 
-CASES = [("gpt", (2, 1), "1f1b", 2), ("gpt", (1, 3), "gpipe", 2), ("mlp", (3, 1), "1f1b", 4),
-         ("gpt", (3, 1), "zb", 2), ("mlp", (2, 1), "gpipe", 2)]
+# the simulation runs GPipe's order whatever the schedule (the gloo test below runs the schedules' own orders)
+CASES = [("gpt", (2, 1), "1f1b", 2), ("mlp", (1, 3), "gpipe", 2), ("mlp", (3, 1), "1f1b", 4),
+         ("mlp", (2, 1), "gpipe", 2)]
 
 
 @pytest.mark.parametrize("model,sizes,schedule,microbatches", CASES)
@@ -161,7 +162,7 @@ def test_the_planner_chooses_layer_ranges_for_given_stage_sizes_and_lowers_them(
     from adaptdist.compiler.capture import capture
     from adaptdist.compiler.planner.stages import pipeline_plan, plan_pipeline
 
-    m, batch, loss_fn = tiny_gpt(batch_size=12)
+    m, batch, loss_fn = deep_mlp(batch_size=12)
     expected = eager(m, batch, loss_fn)
     cg = capture(m, batch, loss_fn)
     choice = plan_pipeline(cg, local_cluster(3), stage_sizes=(2, 1), microbatches=[2],
@@ -169,6 +170,7 @@ def test_the_planner_chooses_layer_ranges_for_given_stage_sizes_and_lowers_them(
     assert [list(s.ranks) for s in choice.stages] == [[0, 1], [2]]
     plan = pipeline_plan(cg, choice, 3)
     assert [dict(s.mesh) for s in plan.pipeline.stages] == [{"dp": 2}, {}]
+    assert [s.layers for s in plan.pipeline.stages] == [tuple(s.layers) for s in choice.stages]
     progs = compile_model(m, batch, loss_fn, 3, plan, captured=cg)
     check_against_eager(progs, batch, expected)
 

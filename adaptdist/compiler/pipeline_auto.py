@@ -1,7 +1,8 @@
 """The pipeline plan of ``--plan pp`` / ``--mesh pp=N,...``: what the user sets stays fixed, the rest the planner
 chooses (issue 15, point 1).
 
-The inter-stage planner (:func:`~.planner.stages.plan_pipeline`, equal sub-meshes: what the lowering runs) picks
+The inter-stage planner (:func:`~.planner.stages.plan_pipeline`: equal sub-meshes, and without ``--mesh``
+data-parallel ones of different sizes too; ``--stage-ranks 2,1`` fixes each stage's size) picks
 the layer ranges (uneven where the devices' speeds differ: each stage is costed on its own ranks' devices), the
 number of stages and their sub-mesh (unless ``--mesh pp=N,...`` gives them), the schedule (unless ``--schedule``)
 and the microbatches (unless ``--microbatches``) from the cost model's forward, input-gradient and
