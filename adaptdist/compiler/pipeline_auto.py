@@ -104,7 +104,7 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
     try:
         if mesh and num_stages is None:
             raise AdaptdistError(f"--mesh {mesh} has no {PIPELINE_AXIS!r} axis")  # the even split's error says more
-        if mesh and submesh is None and num_stages is not None and num_stages != world_size:
+        if mesh and submesh is None and num_stages is not None and num_stages != world_size and stage_ranks is None:
             raise AdaptdistError(f"--mesh {mesh} gives {num_stages} stage groups of one rank on {world_size} ranks")
         kw: dict = {"num_stages": num_stages} if num_stages is not None else {}
         if mesh and stage_ranks is None:  # pp=N alone: one rank per stage
@@ -116,7 +116,7 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
         choice = plan_pipeline(captured, cluster, optimizer=optimizer, uniform=True,
                                microbatches=[microbatches] if microbatches is not None else None,
                                schedules=(schedule,) if schedule is not None else SCHEDULES, **kw)
-        if mesh and submesh is None and any(len(s.ranks) != 1 for s in choice.stages):
+        if mesh and submesh is None and stage_ranks is None and any(len(s.ranks) != 1 for s in choice.stages):
             raise AdaptdistError(f"the planner put several ranks on a stage, --mesh {mesh} asks for one")
         plan = pipeline_plan(captured, choice, world_size, inner=inner)
         return PipelineDecision(plan, choice, fixed)
