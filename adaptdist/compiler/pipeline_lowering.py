@@ -467,9 +467,9 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 ra, rb = replicas(ga, key), replicas(gb, key)
                 where = f"pipeline boundary between stage {s} ({len(ra)} replica(s)) and stage {s + 1} ({len(rb)})"
                 _check_boundary(a, b, where)
-                snd, rcv = boundary_routes("forward", _io_names(a.forward, "out", len(a.send_specs),
-                                                                a.is_last), [x.shape for x in a.send_specs],
-                                           [x.shape for x in b.recv_specs], ra, rb, where)
+                snd, rcv = boundary_routes("forward", _io_names(a.forward, len(a.send_specs), a.is_last),
+                                           [x.shape for x in a.send_specs], [x.shape for x in b.recv_specs], ra, rb,
+                                           where)
                 gsnd, grcv = boundary_routes("backward", [f"grad {i}" for i in range(len(b.grad_out_specs))],
                                              [x.shape for x in b.grad_out_specs], [x.shape for x in a.grad_in_specs],
                                              rb, ra, where)
@@ -532,8 +532,8 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     return dict(sorted(programs.items()))
 
 
-def _io_names(gm: torch.fx.GraphModule, which: str, n: int, skip_first: bool = False) -> list[str]:
-    """Names of the first ``n`` outputs (``which="out"``, after the loss when ``skip_first``) of ``gm``."""
+def _io_names(gm: torch.fx.GraphModule, n: int, skip_first: bool = False) -> list[str]:
+    """Names of the first ``n`` outputs of ``gm`` (after the loss when ``skip_first``)."""
     out = list(gm.graph.output_node().args[0])
     out = out[1:] if skip_first else out
     return [getattr(v, "name", str(v)) for v in out[:n]]
@@ -542,7 +542,7 @@ def _io_names(gm: torch.fx.GraphModule, which: str, n: int, skip_first: bool = F
 def _check_boundary(a: StageProgram, b: StageProgram, where: str) -> None:
     """Stage ``a``'s sends are stage ``b``'s receives (from two lowerings of the same graph on different
     data-parallel sizes: the same values, in the same order, only their batch rows differ)."""
-    sent = _io_names(a.forward, "out", len(a.send_specs), a.is_last)
+    sent = _io_names(a.forward, len(a.send_specs), a.is_last)
     phs = [n.name for n in b.forward.graph.find_nodes(op="placeholder")]
     got = phs[len(b.state_names):len(b.state_names) + len(b.recv_specs)]
     if (len(a.send_specs) != len(b.recv_specs) or len(b.grad_out_specs) != len(a.grad_in_specs)

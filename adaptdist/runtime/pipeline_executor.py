@@ -18,8 +18,8 @@ interleaved 1F1B) and the step's layout (module docstring of :mod:`adaptdist.sta
 
 Where adjacent stages run on sub-meshes of different data-parallel sizes, each send or receive action moves every
 tensor's pieces to or from several peers (:attr:`StageProgram.routes`, :mod:`adaptdist.stage_routes`: why that
-stays deadlock-free). Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at once, under the
-collective timeout): the lists are proven to terminate under blocking semantics
+stays deadlock-free). Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at
+once, under the collective timeout): the lists are proven to terminate under blocking semantics
 (:func:`adaptdist.pipeline_schedules.check_deadlock_free`). Every message has its own tag (stage, direction,
 microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls fails the
 wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the microbatch.
