@@ -5,6 +5,7 @@ loss, every gradient and the SGD-updated parameters, to 1e-5."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -136,8 +137,6 @@ def test_stages_of_different_sizes_equal_eager(model, sizes, schedule, microbatc
             assert all(len(r.pieces) >= 1 for r in st.routes.send)
     check_against_eager(progs, batch, expected)
     if model == "mlp" and sizes == (2, 1):  # a format that drops the routes: refused, not wrong numbers
-        import dataclasses
-
         from adaptdist.runtime.simulate_pipeline import simulate_pipeline
 
         bare = {r: dataclasses.replace(p, stages=tuple(dataclasses.replace(st, routes=None) for st in p.stages))
@@ -222,10 +221,12 @@ def test_stages_of_different_sizes_on_gloo_equal_eager(tmp_path):
     model, batch, loss_fn = gpt_of(B)
     batches = [gpt_of(B, seed=10 + s)[1] for s in range(2)]
     cases = [((2, 1), "gpipe", 2), ((2, 1), "1f1b", 2), ((1, 2), "zb", 3)]
-    dirs = []
+    dirs, compiled = [], {}
     for i, (sizes, schedule, m) in enumerate(cases):
-        programs = compile_model(model, batch, loss_fn, 3, None, pipeline=PipelineOptions(
-            microbatches=m, schedule=schedule, stage_ranks=sizes))
+        if (sizes, m) not in compiled:  # the stage programs do not depend on the schedule, only its field does
+            compiled[(sizes, m)] = compile_model(model, batch, loss_fn, 3, None, pipeline=PipelineOptions(
+                microbatches=m, schedule=schedule, stage_ranks=sizes))
+        programs = {r: dataclasses.replace(p, schedule=schedule) for r, p in compiled[(sizes, m)].items()}
         dirs.append(str(save_pipeline_programs(programs, tmp_path / f"case{i}")))
     results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, 2), 3)
     history, final = eager_sgd(model, batches, loss_fn, LR, 2)
@@ -259,7 +260,6 @@ def test_the_planner_gives_a_faster_device_a_stage_of_its_own():
     """3 ranks, ranks 0 and 1 half as fast as rank 2: without --mesh the planner weighs stages of different sizes
     and puts the two slow ranks on one data-parallel stage and the fast one alone, with as many layers: predicted
     faster than every equal split into 1-rank stages."""
-    import dataclasses
     import itertools
 
     import torch.nn as nn
