@@ -303,3 +303,10 @@ def test_a_pipeline_manifest_may_hold_the_largest_stage_mesh():
         check_manifest(base, Path("m.json"))
     with pytest.raises(ProgramLoadError, match=r"multiply to 2, not the world size 3"):
         check_manifest({**base, "pipeline": True, "mesh": {"pp": 2}}, Path("m.json"))
+
+
+def test_a_resumed_run_scales_its_stage_ranks():
+    from adaptdist.cli.train import _stage_ranks_for
+
+    assert _stage_ranks_for((2, 1), 3) == (2, 1) and _stage_ranks_for((2, 1), 6) == (4, 2)
+    assert _stage_ranks_for((2, 1), 2) == (1, 1) and _stage_ranks_for((3, 1), 5) is None

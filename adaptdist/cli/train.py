@@ -94,6 +94,21 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
         args.nproc = tuple(args.nproc)
     if isinstance(getattr(args, "nproc", None), int) and getattr(args, "mesh", None):
         args.mesh = _pipeline_mesh_for(args.mesh, args.nproc)
+    if isinstance(getattr(args, "nproc", None), int) and getattr(args, "stage_ranks", None):
+        args.stage_ranks = _stage_ranks_for(tuple(args.stage_ranks), args.nproc)
+
+
+def _stage_ranks_for(sizes: tuple[int, ...], nproc: int) -> tuple[int, ...] | None:
+    """A resumed ``--stage-ranks`` run on ``nproc`` ranks: the same sizes where they fit, scaled where ``nproc`` is
+    a multiple of their sum (``2,1`` on 6 ranks: ``4,2``), one rank per stage where ``nproc`` is the number of
+    stages; else None (the planner chooses the stages, as ``--plan pp``)."""
+    if sum(sizes) == nproc:
+        return sizes
+    if nproc % sum(sizes) == 0:
+        return tuple(n * (nproc // sum(sizes)) for n in sizes)
+    if nproc == len(sizes):
+        return (1,) * len(sizes)
+    return None
 
 
 def _pipeline_mesh_for(mesh: str, nproc: int) -> str:
