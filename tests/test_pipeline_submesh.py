@@ -305,8 +305,15 @@ def test_a_pipeline_manifest_may_hold_the_largest_stage_mesh():
         check_manifest({**base, "pipeline": True, "mesh": {"pp": 2}}, Path("m.json"))
 
 
-def test_a_resumed_run_scales_its_stage_ranks():
-    from adaptdist.cli.train import _stage_ranks_for
+def test_a_resumed_run_scales_its_stage_ranks(tmp_path):
+    from types import SimpleNamespace
+
+    from adaptdist.cli.train import _restored_args, _stage_ranks_for
+
+    (tmp_path / "run.json").write_text(json.dumps({"settings": {"stage_ranks": [2, 1], "nproc": 3}}))
+    args = SimpleNamespace(resume=str(tmp_path), stage_ranks=(2, 1), steps=5, nproc=None, cluster=None)
+    _restored_args(args, {"stage_ranks": None, "steps": 10}, keys=("stage_ranks",))  # the same value: accepted
+    assert args.stage_ranks == (2, 1) and args.nproc == 3
 
     assert _stage_ranks_for((2, 1), 3) == (2, 1) and _stage_ranks_for((2, 1), 6) == (4, 2)
     assert _stage_ranks_for((2, 1), 2) == (1, 1) and _stage_ranks_for((3, 1), 5) is None

@@ -78,6 +78,8 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
     for key in keys:
         given = getattr(args, key, None)
         recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
+        if key == "stage_ranks" and isinstance(recorded, list):  # JSON's list of the parsed tuple
+            recorded = tuple(recorded)
         if given != defaults.get(key) and given != recorded:
             shown = repr(recorded) if recorded is not None else ("not set (the default, 1f1b)" if key == "schedule"
                                                                   else "not set (its default)")
