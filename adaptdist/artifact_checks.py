@@ -8,6 +8,9 @@
   (a digest of all ranks' code, metadata and state, :func:`compile_id`), so a directory mixed from two
   compiles is refused even when its manifest's hashes were edited to match (it would otherwise hang at its
   first collective until the timeout);
+- pipeline programs (manifest ``kind: pipeline``, :mod:`adaptdist.pipeline_artifact_checks`): every rank's
+  ``program.json`` typed the same way, and the ranks agree with each other: one schedule and stage layout, each
+  stage's sends matching its peer's receives, each gradient group's members holding the parameter;
 - the ranks' ``batch_slice`` rows partition the global batch: distinct slices do not overlap and cover rows
   0..B-1 (B from ``example_batch.safetensors`` when present), and each rank's slice has the rows its
   program's batch inputs have (an edited slice would otherwise train on the wrong rows, silently).
@@ -29,6 +32,8 @@ from .errors import ProgramLoadError
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 RNG_MODES = ("per-rank", "global")
+PIPELINE_KIND = "pipeline"
+"""The manifest's ``kind`` of a directory of pipeline programs (:mod:`adaptdist.stage_program_io`)."""
 
 
 COMPILE_ID_EXCLUDES = ("files", "compile_id", "compile_covers", "model_file")
@@ -157,6 +162,8 @@ def check_manifest(manifest: object, mpath: Path) -> dict:
             f.int(key, 1, limits.MAX_BATCH_DIM)
     if f.has("num_batch_inputs"):
         f.int("num_batch_inputs", 0, 4096)
+    if f.has("kind") and f.need("kind") != PIPELINE_KIND:
+        raise f.fail("kind", f"must be {PIPELINE_KIND!r} (pipeline programs) or absent, got {_short(f.need('kind'))}")
     if f.has("rng") and f.need("rng") not in RNG_MODES:
         raise f.fail("rng", f"must be one of {list(RNG_MODES)}, got {_short(f.need('rng'))}")
     if f.has("cluster_hosts"):
@@ -211,8 +218,18 @@ def check_program_meta(meta: object, path: Path, rank: int, manifest: Mapping[st
                   "lists of placement texts")
     if f.has("global_shapes"):
         f.str_map("global_shapes", _is_int_list, "shapes (lists of integers >= 0)")
+    check_compile_id(meta, path, manifest)
+    return meta  # type: ignore[return-value]
+
+
+def check_compile_id(meta: Mapping[str, Any], path: Path, manifest: Mapping[str, Any]) -> None:
+    """Rank metadata ``meta`` (from ``path``) carries the manifest's ``compile_id``.
+
+    Raises:
+        ProgramLoadError: another compile's; names the file and both ids.
+    """
     want = manifest.get("compile_id")
-    got = meta.get("compile_id")  # type: ignore[union-attr]
+    got = meta.get("compile_id")
     if want is not None or got is not None:
         if got != want:
             raise ProgramLoadError(
@@ -220,7 +237,6 @@ def check_program_meta(meta: object, path: Path, rank: int, manifest: Mapping[st
                 f"{str(got)[:12]}..., the manifest's {str(want)[:12]}...): the directory mixes the ranks of two "
                 "compiles, which would hang at the first collective; copy one compile's whole directory, or "
                 "compile again")
-    return meta  # type: ignore[return-value]
 
 
 def _global_rows(directory: Path, manifest: Mapping[str, Any]) -> int | None:
@@ -251,7 +267,7 @@ def check_batch_partition(metas: Mapping[int, Mapping[str, Any]], directory: Pat
     where = f"the programs in {str(directory)!r}"
     for r, m in sorted(metas.items()):
         off, size = m["batch_slice"]
-        for i, (shape, _) in enumerate(m["batch_specs"]):
+        for i, (shape, _) in enumerate(m.get("batch_specs", ())):  # (pipeline programs: checked per microbatch)
             if shape and shape[0] != size:
                 raise ProgramLoadError(
                     f"{where}: rank {r}'s batch_slice [{off}, {size}] gives {size} rows, but its program takes "
@@ -277,14 +293,24 @@ def check_compile(directory: str | Path, manifest: Mapping[str, Any]) -> dict[in
     the batch partitioned); returns rank -> metadata.
 
     Raises:
-        ProgramLoadError: as :func:`check_program_meta` and :func:`check_batch_partition`; a missing file.
+        ProgramLoadError: as :func:`check_program_meta` (pipeline programs: :mod:`.pipeline_artifact_checks`) and
+            :func:`check_batch_partition`; a missing file.
     """
     d = Path(directory)
+    pipeline = manifest.get("kind") == PIPELINE_KIND
+    if pipeline:  # pipeline programs' program.json (adaptdist.stage_program_io) has fields of its own
+        from .pipeline_artifact_checks import check_pipeline_meta as check_meta, check_pipeline_ranks
+    else:
+        check_meta = check_program_meta
     metas = {}
     for r in range(manifest["world_size"]):
         p = d / f"rank{r}" / "program.json"
         meta = safe_load.load_json_file(p, "program file", ProgramLoadError)
-        metas[r] = check_program_meta(meta, p, r, manifest)
+        metas[r] = check_meta(meta, p, r, manifest)
+    # the ranks' agreement first (its errors name the file), then the compile id over everything
+    if pipeline:
+        check_pipeline_ranks(metas, d, manifest)
+    check_batch_partition(metas, d, manifest)
     if "compile_id" in manifest:  # recomputed: an edit of any covered file, field or rank's metadata shows
         covers = manifest.get("compile_covers")
         if not (isinstance(covers, list) and all(isinstance(c, str) and c in manifest["files"] for c in covers)):
@@ -301,5 +327,4 @@ def check_compile(directory: str | Path, manifest: Mapping[str, Any]) -> dict[in
         if (d / name).exists() and name not in manifest["files"]:
             raise ProgramLoadError(f"{str(d / name)!r} is not listed in {str(d / 'manifest.json')!r} (an edited "
                                    "manifest?), so its sha256 cannot be checked; compile again")
-    check_batch_partition(metas, d, manifest)
     return metas

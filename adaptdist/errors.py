@@ -23,7 +23,7 @@ class ClusterSpecError(AdaptdistError):
 
 
 class DataError(AdaptdistError):
-    """Training data is missing, empty, not text, or too short."""
+    """Training data is missing, empty, not text, too short, or malformed (the message names the file and line)."""
 
 
 class UnsupportedOpError(AdaptdistError):

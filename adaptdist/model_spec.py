@@ -1,9 +1,13 @@
 """Naming a model on the command line: ``FILE.py:FACTORY``.
 
-``FACTORY(batch_size, seq_len)`` returns ``(model, example_batch, loss_fn)``;
-the file may define ``data(batch_size, seq_len, path=None, seed=0)`` yielding
-global batches, and ``sample(model, num_bytes)`` returning text. The default,
-``builtin:gpt``, is adaptdist's own GPT on the embedded corpus.
+``FACTORY(batch_size, seq_len)`` returns ``(model, example_batch, loss_fn)`` (a
+factory that takes ``data_path=`` gets ``--data``, to size the model from the
+data); the file may define ``data(batch_size, seq_len, path=None, seed=0)``
+yielding global batches, ``sample(model, num_bytes)`` returning text, and
+``evaluate(model, path=None, batch_size=None, steps=None)`` returning
+``(fields, line)``: metrics of the trained model for summary.json and the log.
+The default, ``builtin:gpt``, is adaptdist's own GPT on the embedded corpus;
+``builtin:dlrm`` a recommender on movie ratings (:mod:`adaptdist.models.dlrm`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .errors import AdaptdistError, UsageError
 BUILTIN = {
     "builtin:gpt": (Path(__file__).parent / "models" / "gpt.py", "factory"),
     "builtin:llama": (Path(__file__).parent / "models" / "llama.py", "factory"),
+    "builtin:dlrm": (Path(__file__).parent / "models" / "dlrm.py", "factory"),
 }
 
 
@@ -64,18 +69,24 @@ class ModelSpec:
         except Exception as e:
             raise UsageError(f"importing {self.file} failed{_where(e, self.file)}: {type(e).__name__}: {e}") from e
 
-    def build(self, batch_size: int, seq_len: int) -> tuple[nn.Module, tuple, Callable]:
-        """Call the factory and check what it returns.
+    def build(self, batch_size: int, seq_len: int, data_path: str | None = None) -> tuple[nn.Module, tuple, Callable]:
+        """Call the factory (with ``data_path=``, ``--data``, when it takes that argument) and check what it
+        returns.
 
         Raises:
             UsageError: the factory is missing or returns something other than (model, batch, loss_fn).
+            DataError: the factory found the data bad (passed on as it is: it names the file and line).
         """
         mod = self.module()
         fn = getattr(mod, self.factory, None)
         if not callable(fn):
             raise UsageError(f"{self.file} has no function {self.factory!r}")
+        from .errors import DataError
+
         try:
-            out: Any = fn(batch_size, seq_len)
+            out: Any = fn(batch_size, seq_len, **({"data_path": data_path} if _takes(fn, "data_path") else {}))
+        except DataError:
+            raise
         except Exception as e:
             raise UsageError(
                 f"{self.text}({batch_size}, {seq_len}) raised{_where(e, self.file)}: {type(e).__name__}: {e}; "
@@ -88,6 +99,16 @@ class ModelSpec:
                 f"{self.text}: the factory must return (model: nn.Module, example_batch: tuple, loss_fn), got {got}"
             )
         return out
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter called ``name``."""
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _where(e: BaseException, file: Path) -> str:

@@ -184,12 +184,8 @@ def _own_memory(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None,
-                  extra_files: dict[str, str | bytes] | None = None) -> Path:
-    """Write all ranks' programs and a manifest to ``directory``; returns its path. ``extra`` adds manifest
-    fields; ``extra_files`` (relative path -> text or bytes) adds files, hashed in the manifest like the rest."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+def write_extra_files(d: Path, extra_files: Mapping[str, str | bytes] | None) -> dict[str, str]:
+    """Write ``extra_files`` (relative path -> text or bytes) under ``d``; returns relative path -> sha256."""
     files: dict[str, str] = {}
     for rel, content in sorted((extra_files or {}).items()):
         path = d / rel
@@ -199,6 +195,31 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         else:
             path.write_text(content)
         files[rel] = _sha256(path)
+    return files
+
+
+def seal_programs(d: Path, files: dict[str, str], metas: Mapping[int, dict], manifest: dict) -> dict:
+    """Finish a program directory (rank programs or pipeline programs): the compile id over ``files`` (every file
+    written so far), ``manifest``'s fields and every rank's metadata ``metas`` (adaptdist.artifact_checks: a
+    directory mixed from two compiles, or edited, is refused), written into each ``rank{r}/program.json``, then
+    ``manifest.json`` with every file's sha256. Returns the manifest written."""
+    covers = sorted(files)
+    cid = compile_id({f: files[f] for f in covers}, metas, manifest)
+    for r in sorted(metas):
+        (d / f"rank{r}" / "program.json").write_text(json.dumps(dict(metas[r], compile_id=cid), indent=1))
+        files[f"rank{r}/program.json"] = _sha256(d / f"rank{r}" / "program.json")
+    manifest = dict(manifest, compile_id=cid, compile_covers=covers, files=files)
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike, extra: dict | None = None,
+                  extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """Write all ranks' programs and a manifest to ``directory``; returns its path. ``extra`` adds manifest
+    fields; ``extra_files`` (relative path -> text or bytes) adds files, hashed in the manifest like the rest."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    files = write_extra_files(d, extra_files)
     world = {p.world_size for p in programs.values()}
     assert len(world) == 1 and sorted(programs) == list(range(world.pop()))
     for r, prog in sorted(programs.items()):
@@ -224,16 +245,7 @@ def save_programs(programs: dict[int, RankProgram], directory: str | os.PathLike
         "mesh": any_prog.mesh,
         **(extra or {}),
     }
-    # the compile id: a digest of every file so far, the manifest's fields and every rank's metadata, written into
-    # each rank's program.json (adaptdist.artifact_checks: a directory mixed from two compiles, or edited, is refused)
-    metas = {r: prog._meta() for r, prog in programs.items()}
-    covers = sorted(files)
-    cid = compile_id({f: files[f] for f in covers}, metas, manifest)
-    for r in sorted(programs):
-        (d / f"rank{r}" / "program.json").write_text(json.dumps(dict(metas[r], compile_id=cid), indent=1))
-        files[f"rank{r}/program.json"] = _sha256(d / f"rank{r}" / "program.json")
-    manifest.update(compile_id=cid, compile_covers=covers, files=files)
-    (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    seal_programs(d, files, {r: prog._meta() for r, prog in programs.items()}, manifest)
     return d
 
 
@@ -266,14 +278,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return check_manifest(manifest, mpath)  # every field type-checked (adaptdist.artifact_checks)
 
 
-def load_program(directory: str | os.PathLike, rank: int, world_size: int | None = None) -> RankProgram:
-    """Load rank ``rank``'s program after checking the manifest and every file's sha256.
+def read_rank_manifest(d: Path, rank: int, world_size: int | None) -> dict:
+    """:func:`read_manifest`, and rank ``rank`` of a job of ``world_size`` ranks (None: any) can load from it.
 
     Raises:
-        ProgramLoadError: a missing file, a hash mismatch, a format/torch version
-            mismatch, or a world size other than ``world_size``; names the file.
+        ProgramLoadError: as :func:`read_manifest`; another world size; a rank outside it.
     """
-    d = Path(directory)
     manifest = read_manifest(d)
     if world_size is not None and manifest["world_size"] != world_size:
         raise ProgramLoadError(
@@ -282,11 +292,25 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         )
     if not 0 <= rank < manifest["world_size"]:
         raise ProgramLoadError(f"rank {rank} is outside world size {manifest['world_size']} of {str(d)!r}")
-    prefix = f"rank{rank}/"
-    mine = {k: v for k, v in manifest["files"].items() if k.startswith(prefix)}
-    for name in ("program.py", "program.json", "state.safetensors"):
-        if prefix + name not in mine:
-            raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}{name}; recompile the programs")
+    return manifest
+
+
+def check_rank_files(d: Path, manifest: Mapping[str, Any], rank: int | None) -> dict[str, str]:
+    """Check that rank ``rank``'s files (``rank{r}/program.py``, ``program.json``, ``state.safetensors`` listed, and
+    everything under ``rank{r}/`` the manifest lists present and matching its sha256); ``rank`` None: ``plan.json``.
+    Returns the checked files' relative paths -> sha256.
+
+    Raises:
+        ProgramLoadError: a file not listed, missing or changed; names it.
+    """
+    if rank is None:
+        mine = {k: v for k, v in manifest["files"].items() if k == "plan.json"}
+    else:
+        prefix = f"rank{rank}/"
+        mine = {k: v for k, v in manifest["files"].items() if k.startswith(prefix)}
+        for name in ("program.py", "program.json", "state.safetensors"):
+            if prefix + name not in mine:
+                raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}{name}; recompile the programs")
     for rel, digest in sorted(mine.items()):
         p = d / rel
         if not p.is_file():
@@ -295,14 +319,27 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
             raise ProgramLoadError(
                 f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or edited); recompile"
             )
+    return mine
+
+
+def load_program(directory: str | os.PathLike, rank: int, world_size: int | None = None) -> RankProgram:
+    """Load rank ``rank``'s program after checking the manifest and every file's sha256.
+
+    Raises:
+        ProgramLoadError: a missing file, a hash mismatch, a format/torch version
+            mismatch, or a world size other than ``world_size``; names the file.
+    """
+    d = Path(directory)
+    manifest = read_rank_manifest(d, rank, world_size)
+    mine = check_rank_files(d, manifest, rank)
+    prefix = f"rank{rank}/"
     meta_path = d / prefix / "program.json"  # typed, and from the manifest's compile (check_artifacts: all ranks)
     meta = check_program_meta(load_json_file(meta_path, "program file", ProgramLoadError), meta_path, rank, manifest)
     plan = None
     if "plan.json" in manifest["files"]:
         from .plan import Plan
 
-        if _sha256(d / "plan.json") != manifest["files"]["plan.json"]:
-            raise ProgramLoadError(f"{str(d / 'plan.json')!r} does not match the sha256 in the manifest; recompile")
+        check_rank_files(d, manifest, None)
         plan = Plan.load(d / "plan.json")
     code = (d / prefix / "program.py").read_text()
     module = module_from_source(code, str(d / prefix / "program.py"))
@@ -352,19 +389,13 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
         if _sha256(p) != digest:
             raise ProgramLoadError(f"{str(p)!r} does not match its sha256 in {str(d / 'manifest.json')!r} "
                                    "(corrupted or edited); compile again")
-    pickled = manifest.get("pipeline") is True
-    pipeline = pickled or manifest.get("kind") == "pipeline"
-    # pipeline programs have their own per-rank files: a pickled PipelineRankProgram (runtime/pipeline_programs.py,
-    # read after its sha256 matched) or stage_program_io.py's JSON + safetensors; neither has the program.json
-    # fields of check_compile's meaning checks
-    names = ("program.py", "pipeline_program.pt") if pickled else ("program.py", "program.json", "state.safetensors")
     for r in range(manifest["world_size"]):
-        for name in names:
+        for name in ("program.py", "program.json", "state.safetensors"):
             if f"rank{r}/{name}" not in manifest["files"]:
                 raise ProgramLoadError(f"{str(d / 'manifest.json')!r} lists no rank{r}/{name} for world size "
                                        f"{manifest['world_size']}; compile again")
-    if not pipeline:
-        check_compile(d, manifest)  # every rank from one compile, the batch slices a partition (artifact_checks)
+    # every rank from one compile, the batch slices a partition; pipeline programs: the stages' peers agree too
+    check_compile(d, manifest)
     if cluster is not None:
         if cluster.world_size != manifest["world_size"]:
             raise ProgramLoadError(

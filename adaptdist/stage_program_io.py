@@ -1,22 +1,26 @@
 """Pipeline programs on disk: every rank's :class:`~adaptdist.stage_program.PipelineRankProgram`.
 
-The directory follows :mod:`adaptdist.program`'s rules (a manifest with every file's sha256, source code
-executed only after its hash matches, tensors as safetensors, nothing pickled)::
+The one format of pipeline programs (``adaptdist train``'s ``OUT/programs``, ``adaptdist compile``'s artifacts, the
+elastic re-plans' cache). The directory follows :mod:`adaptdist.program`'s rules and uses its helpers (a manifest
+with every file's sha256 and the compile id, source code executed only after its hash matches, tensors as
+safetensors, nothing pickled)::
 
     manifest.json              as program.py's, plus "kind": "pipeline"
     plan.json                  the pipeline plan
     rank{r}/program.py         one class per program: Stage{s}Forward, Stage{s}BackwardInput,
                                Stage{s}BackwardWeight (each of the rank's stages), Prologue
-    rank{r}/program.json       everything else of the PipelineRankProgram (plain JSON)
+    rank{r}/program.json       everything else of the PipelineRankProgram (plain JSON), the compile id and the
+                               sha256 of the rank's other files
     rank{r}/state.safetensors  the rank's state at step 0
     rank{r}/constants.safetensors   tensor constants, as "<Class>.<attribute>" (if any)
 
-``check_artifacts`` (program.py) accepts such a directory: every rank has its ``program.py``.
+``check_artifacts`` (program.py) checks such a directory as it checks rank programs: the hashes, the compile id
+recomputed from the files, and what :mod:`adaptdist.pipeline_artifact_checks` checks of every rank's
+``program.json`` and of the ranks together.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -27,19 +31,21 @@ from safetensors.torch import load_file, save_file
 
 from . import _torch_compat as compat
 from ._version import __version__
+from .artifact_checks import PIPELINE_KIND as KIND
 from .errors import ProgramLoadError
-from .program import FORMAT_VERSION, MANIFEST, _own_memory, _sha256, read_manifest
+from .pipeline_artifact_checks import PARTS, check_pipeline_meta, stage_class
+from .program import (FORMAT_VERSION, MANIFEST, _own_memory, _sha256, check_rank_files,
+                      read_rank_manifest, seal_programs, write_extra_files)
+from .safe_load import load_json_file
 from .stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
-
-KIND = "pipeline"
-_PARTS = (("forward", "Forward"), ("backward_input", "BackwardInput"), ("backward_weight", "BackwardWeight"))
 
 
 def _source(gm: torch.nn.Module, cls: str) -> str:
     if not isinstance(gm, torch.fx.GraphModule):
         raise ProgramLoadError(f"{cls}: only compiled (GraphModule) programs can be saved, got {type(gm).__name__}")
     src = gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
-    return re.sub(r"^class GraphModule\(torch\.nn\.Module\):", f"class {cls}(torch.nn.Module):", src, count=1,
+    # the top-level class is named after the GraphModule's class (GraphModule, or e.g. "<lambda>" from make_fx)
+    return re.sub(r"^class [^\n(]+\(torch\.nn\.Module\):", f"class {cls}(torch.nn.Module):", src, count=1,
                   flags=re.M)
 
 
@@ -63,26 +69,23 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
     manifest fields; ``extra_files`` (relative path -> text or bytes) adds hashed files."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    files: dict[str, str] = {}
-    for rel, content in sorted((extra_files or {}).items()):
-        path = d / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-        files[rel] = _sha256(path)
+    files = write_extra_files(d, extra_files)
+    metas: dict[int, dict] = {}
     world = {p.world_size for p in programs.values()}
     assert len(world) == 1 and sorted(programs) == list(range(world.pop()))
     for r, prog in sorted(programs.items()):
         rd = d / f"rank{r}"
         rd.mkdir(exist_ok=True)
         sources = [f"# adaptdist {__version__} pipeline program, torch {torch.__version__}: rank {r} of "
-                   f"{prog.world_size}, stages {[s.stage for s in prog.stages]} of {prog.stages[0].num_stages}\n"
+                   f"{prog.world_size}, stages {[s.stage for s in prog.stages]} of {prog.stages[0].num_stages}, "
+                   f"schedule {prog.schedule}, {prog.num_microbatches} microbatches of {prog.microbatch_rows} rows\n"
                    "# Generated code: edit the model, not this file.\nimport torch\nfrom torch import device\n"]
         constants: dict[str, torch.Tensor] = {}
         stages = []
         for st in prog.stages:
             classes = {}
-            for attr, suffix in _PARTS:
-                cls = f"Stage{st.stage}{suffix}"
+            for attr, suffix in PARTS:
+                cls = stage_class(st.stage, suffix)
                 sources.append(_source(getattr(st, attr), cls))
                 constants.update(_constants(getattr(st, attr), cls))
                 classes[attr] = cls
@@ -112,32 +115,33 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
             "state_placements": {f: list(p) for f, p in prog.state_placements.items()}, "loss_rank": prog.loss_rank,
         }
         (rd / "program.py").write_text("\n\n".join(sources))
-        (rd / "program.json").write_text(json.dumps(meta, indent=1))
         save_file(_own_memory(dict(prog.state)), str(rd / "state.safetensors"))
-        names = ["program.py", "program.json", "state.safetensors"]
+        names = ["program.py", "state.safetensors"]
         if constants:
             save_file(_own_memory(constants), str(rd / "constants.safetensors"))
             names.append("constants.safetensors")
-        for name in names:
-            files[f"rank{r}/{name}"] = _sha256(rd / name)
+        meta["files"] = {name: _sha256(rd / name) for name in names}  # the rank's files, named if one is swapped
+        files.update({f"rank{r}/{name}": digest for name, digest in meta["files"].items()})
+        metas[r] = meta
     first = programs[0]
     if first.plan is not None:
         (d / "plan.json").write_text(first.plan.to_json())
         files["plan.json"] = _sha256(d / "plan.json")
     manifest = {"format_version": FORMAT_VERSION, "adaptdist_version": __version__, "torch_version": torch.__version__,
-                "world_size": first.world_size, "mesh": dict(first.plan.mesh) if first.plan is not None else {},
-                "kind": KIND, "files": files, **(extra or {})}
-    (d / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+                "world_size": first.world_size, **({"mesh": dict(first.plan.mesh)} if first.plan is not None else {}),
+                "kind": KIND, **(extra or {})}
+    seal_programs(d, files, metas, manifest)
     return d
 
 
 def is_pipeline_directory(directory: str | os.PathLike) -> bool:
     """Whether ``directory``'s manifest says it holds pipeline programs (False: none, or rank programs)."""
     p = Path(directory) / MANIFEST
-    try:
-        return json.loads(p.read_text()).get("kind") == KIND
-    except (OSError, json.JSONDecodeError, AttributeError):
+    try:  # bounded (adaptdist/limits.py); a bad manifest is the loader's to name
+        doc = load_json_file(p, "manifest", ProgramLoadError)
+    except ProgramLoadError:
         return False
+    return isinstance(doc, dict) and doc.get("kind") == KIND
 
 
 def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: int | None = None
@@ -151,28 +155,14 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
             mismatch, or a world size other than ``world_size``; names the file.
     """
     d = Path(directory)
-    manifest = read_manifest(d)
+    manifest = read_rank_manifest(d, rank, world_size)
     if manifest.get("kind") != KIND:
         raise ProgramLoadError(f"{str(d)!r} holds rank programs, not pipeline programs (its manifest has no "
                                f"\"kind\": \"{KIND}\"); load it with adaptdist.program.load_program")
-    if world_size is not None and manifest["world_size"] != world_size:
-        raise ProgramLoadError(f"programs in {str(d)!r} were compiled for world size {manifest['world_size']}, but this "
-                               f"job has {world_size} ranks; recompile for {world_size} ranks")
-    if not 0 <= rank < manifest["world_size"]:
-        raise ProgramLoadError(f"rank {rank} is outside world size {manifest['world_size']} of {str(d)!r}")
+    mine = check_rank_files(d, manifest, rank)
     prefix = f"rank{rank}/"
-    mine = {k: v for k, v in manifest["files"].items() if k.startswith(prefix) or k == "plan.json"}
-    for name in ("program.py", "program.json", "state.safetensors"):
-        if prefix + name not in mine:
-            raise ProgramLoadError(f"{str(d / MANIFEST)!r} lists no {prefix}{name}; recompile the programs")
-    for rel, digest in sorted(mine.items()):
-        p = d / rel
-        if not p.is_file():
-            raise ProgramLoadError(f"{str(p)!r} is listed in the manifest but missing")
-        if _sha256(p) != digest:
-            raise ProgramLoadError(f"{str(p)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or "
-                                   "edited); recompile")
-    meta = json.loads((d / prefix / "program.json").read_text())
+    meta_path = d / prefix / "program.json"  # typed, and from the manifest's compile (check_artifacts: all ranks)
+    meta = check_pipeline_meta(load_json_file(meta_path, "program file", ProgramLoadError), meta_path, rank, manifest)
     namespace = compat.fx_code_globals()
     path = d / prefix / "program.py"
     exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - hash-checked generated code
@@ -203,6 +193,8 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
     plan = None
     if "plan.json" in manifest["files"]:
         from .plan import Plan
+
+        check_rank_files(d, manifest, None)
         plan = Plan.load(d / "plan.json")
     return PipelineRankProgram(
         rank=meta["rank"], world_size=meta["world_size"], stages=stages, prologue=prologue,

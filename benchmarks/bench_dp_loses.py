@@ -91,7 +91,7 @@ def worker(cfg: dict) -> dict:
     from adaptdist import _torch_compat as compat
     from adaptdist.program import load_program
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
-    from adaptdist.runtime.pipeline_programs import load_pipeline_program
+    from adaptdist.stage_program_io import load_pipeline_program
     from adaptdist.runtime.worker import StepRunner, make_optimizer, register_mesh_groups
 
     torch.set_num_threads(cfg["threads"])
@@ -195,7 +195,7 @@ def main() -> int:
     from adaptdist.mesh import Mesh
     from adaptdist.program import save_programs
     from adaptdist.runtime.launch import launch_local
-    from adaptdist.runtime.pipeline_programs import save_pipeline_programs
+    from adaptdist.stage_program_io import save_pipeline_programs
     from adaptdist.stage_program import PipelineRankProgram
 
     load_before = os.getloadavg()

@@ -72,7 +72,7 @@ def worker(cfg: dict) -> dict:
     from safetensors.torch import load_file
 
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
-    from adaptdist.runtime.pipeline_programs import load_pipeline_program
+    from adaptdist.stage_program_io import load_pipeline_program
     from adaptdist.runtime.trace import TraceRecorder
     from adaptdist.runtime.worker import make_optimizer
 
@@ -216,7 +216,7 @@ def main() -> int:
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.pipeline_schedules import stages_per_rank
     from adaptdist.runtime.launch import launch_local
-    from adaptdist.runtime.pipeline_programs import save_pipeline_programs
+    from adaptdist.stage_program_io import save_pipeline_programs
     from adaptdist.runtime.trace import merge_traces
 
     load_before = os.getloadavg()

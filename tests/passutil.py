@@ -211,8 +211,9 @@ def loss_position(gm):
 
 def simulated_sgd(model, batch, loss_fn, world: int, plan: str, lr: float, steps: int, **options):
     """``steps`` SGD steps (``lr``) of ``adaptdist train``'s programs for ``plan`` (``"auto"``: the planner on
-    the local cluster of ``world`` ranks; else a preset) with ``LoweringOptions(**options)``, every rank run in
-    this process, each updating its shards with its gradient outputs and taking its ``buffer:`` outputs.
+    the local cluster of ``world`` ranks; another string: a preset; else a plan already made) with
+    ``LoweringOptions(**options)``, every rank run in this process, each updating its shards with its gradient
+    outputs and taking its ``buffer:`` outputs.
 
     Returns ``(progs, history, params, buffers)``: per step ``(loss, {fqn: full gradient})`` (every rank must
     hold the same loss), the full parameters after the steps, and ``{fqn: [each rank's buffer]}``."""
@@ -224,7 +225,9 @@ def simulated_sgd(model, batch, loss_fn, world: int, plan: str, lr: float, steps
 
     model = copy.deepcopy(model)
     cg = capture(model, batch, loss_fn)
-    if plan == "auto":
+    if not isinstance(plan, str):  # a plan already made (e.g. by plan_auto on a cluster of the test's own)
+        resolved = plan
+    elif plan == "auto":
         from adaptdist.calibrate.local import local_cluster
         from adaptdist.compiler.planner import plan_auto
 

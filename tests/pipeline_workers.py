@@ -119,6 +119,34 @@ def build_programs(pp: int, dp: int, schedule: str, microbatches: int, rows: int
     return out
 
 
+def as_graph_modules(programs: dict[int, PipelineRankProgram]) -> dict[int, PipelineRankProgram]:
+    """``programs`` with every module traced (make_fx on tensors of the programs' shapes) into the GraphModules the
+    lowering produces, so that :func:`adaptdist.stage_program_io.save_pipeline_programs` can write them."""
+    import dataclasses
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def rnd(*shape):
+        return torch.rand(shape) + 0.5
+
+    out = {}
+    for r, prog in programs.items():
+        rows = prog.microbatch_rows
+        stages = []
+        for st in prog.stages:
+            recv = () if st.is_first else (rnd(rows, D),)
+            fwd_in = (rnd(D, D), rnd(D), *recv, rnd(rows, D), rnd(rows, D), rnd())
+            bwd_in = (rnd(rows, D), rnd(rows, D), rnd(D, D), *((rnd(rows, D), rnd()) if st.is_last else (rnd(rows, D),)))
+            stages.append(dataclasses.replace(
+                st, forward=make_fx(st.forward)(*fwd_in), backward_input=make_fx(st.backward_input)(*bwd_in),
+                backward_weight=make_fx(st.backward_weight)(rnd(rows, D), rnd(rows, D))))
+        pro = prog.prologue
+        local = prog.batch_slice[1]
+        pro = dataclasses.replace(pro, module=make_fx(pro.module)(rnd(local, D), rnd(local, D)))
+        out[r] = dataclasses.replace(prog, stages=tuple(stages), prologue=pro)
+    return out
+
+
 def pipeline_sgd_worker(cases: list[tuple], rows: int, batches: list, lr: float, steps: int,
                         timeout_s: float = 30.0) -> list[dict]:
     """For each case ``(pp, dp, schedule, microbatches, per_rank, tied)`` (all of this world size), run ``steps``
@@ -173,29 +201,34 @@ def dead_peer_worker(timeout_s: float = 5.0) -> str:
 
 
 def lowered_pipeline_worker(program_dirs: list[str], batches: list, lr: float, steps: int,
-                            timeout_s: float = 60.0) -> list[dict]:
+                            timeout_s: float = 60.0, max_grad_norms: list | None = None) -> list[dict]:
     """For each directory of saved pipeline programs (pp-core's lowering), run ``steps`` SGD steps of this rank's
-    program in one process group; per directory: losses, grads per step, final params."""
+    program in one process group (gradients clipped to the directory's entry of ``max_grad_norms`` unless None);
+    per directory: losses, grads per step (clipped), final params, the gradient norm of each step."""
     from adaptdist.runtime.pipeline_executor import PipelineStepRunner, setup_pipeline_groups
     from adaptdist.runtime.worker import make_optimizer
-    from adaptdist.runtime.pipeline_programs import _box, load_pipeline_program
+    from adaptdist.runtime.pipeline_programs import _box
+    from adaptdist.stage_program_io import load_pipeline_program
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         rank = int(os.environ["RANK"])
         out = []
-        for d in program_dirs:
+        for i, d in enumerate(program_dirs):
             program = load_pipeline_program(d, rank, dist.get_world_size())
+            max_grad_norm = max_grad_norms[i] if max_grad_norms else None
             runner = PipelineStepRunner(program, "sgd", lr, setup_pipeline_groups(program, timeout_s),
-                                        timeout_s=timeout_s, make_optimizer=make_optimizer)
-            losses, grads = [], []
+                                        timeout_s=timeout_s, make_optimizer=make_optimizer,
+                                        max_grad_norm=max_grad_norm)
+            losses, grads, norms = [], [], []
             for s in range(steps):
                 losses.append(runner.step(batches[s % len(batches)]))
                 grads.append({k: v.clone() for k, v in runner.last_grads.items()})
+                norms.append(runner.last_grad_norm)
             boxes = {f: _box(program, f, tuple(program.global_shapes.get(f, program.state[f].shape)))
                      for f in program.param_fqns}
-            out.append({"losses": losses, "grads": grads, "boxes": boxes,
+            out.append({"losses": losses, "grads": grads, "boxes": boxes, "norms": norms,
                         "params": {f: runner.state[f].clone() for f in program.param_fqns}})
         return out
     finally:

@@ -229,3 +229,26 @@ def test_a_running_runs_directory_is_locked(tmp_path):
         lock_out_dir(tmp_path)
     held.close()
     lock_out_dir(tmp_path).close()  # free again once the holder is gone
+
+
+@pytest.mark.timeout(420)
+def test_an_elastic_pipeline_that_loses_a_rank_replans_its_stages_and_goes_on(reference, tmp_path, monkeypatch):
+    """--plan pp --nproc 2:3: 3 stages; rank 2's agent dies before step 5; ranks 0 and 1 re-form, re-plan a 2-stage
+    pipeline through the elastic door (ProgramSource, cached for 2 ranks), load the step-4 checkpoint (each rank its
+    new stage's layers) and finish: losses and parameters equal the fault-free 2-rank data-parallel run's (itself
+    eager's) to 1e-5."""
+    out = tmp_path / "run"
+    rc = _train(out, "--plan", "pp", "--schedule", "gpipe", "--microbatches", "2", "--nproc", "2:3",
+                "--max-restarts", "1", env={"ADAPTDIST_INJECT_FAULT": "lose-node:2:5"}, monkeypatch=monkeypatch)
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 2 and summary["steps"] == STEPS
+    resume = summary["resumes"][0]
+    assert (resume["saved_world_size"], resume["world_size"], resume["step"]) == (3, 2, 4)
+    assert "rank 2" in summary["restarts"][0]["cause"]
+    assert json.loads((out / "programs" / "manifest.json").read_text())["mesh"] == {"pp": 3}
+    [cached] = list((out / "programs_cache").glob("world2-*/manifest.json"))
+    assert json.loads(cached.read_text())["kind"] == "pipeline" and json.loads(cached.read_text())["mesh"] == {"pp": 2}
+    ref = json.loads((reference / "summary.json").read_text())
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+    _assert_equal_weights(out, reference, atol=1e-5)

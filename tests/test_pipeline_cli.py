@@ -42,7 +42,8 @@ def test_train_pp_then_resume_on_more_ranks_equals_eager(tmp_path):
                  "2", "--steps", "2", "--out", str(out)]) == 0
     eager = _eager_losses(3)
     assert _losses(out) == pytest.approx(eager[:2], abs=1e-5)
-    assert (out / "programs" / "pipeline.json").is_file() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "programs" / "manifest.json").read_text())["kind"] == "pipeline"
+    assert not list((out / "programs").rglob("*.pt")) and (out / "model.safetensors").is_file()  # nothing pickled
     # resumed on 4 ranks: 4 stages instead of 2, each rank loading its new layers from the checkpoint
     assert main(["train", "--resume", str(out), "--nproc", "4", "--steps", "3", "--sample-bytes", "0"]) == 0
     assert _losses(out) == pytest.approx(eager, abs=1e-5)
@@ -60,7 +61,7 @@ def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
     assert main(["compile", f"{model_file}:tiny_gpt", *COMMON, "--plan", "tp", "--mesh", "pp=2,tp=2",
                  "--microbatches", "2", "--schedule", "gpipe", "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
-    assert manifest["pipeline"] and manifest["mesh"] == {"pp": 2, "tp": 2} and "rank3/program.py" in manifest["files"]
+    assert manifest["kind"] == "pipeline" and manifest["mesh"] == {"pp": 2, "tp": 2} and "rank3/program.py" in manifest["files"]
     run = ["run", str(art), "--optimizer", "sgd", "--lr", str(LR), "--out", str(out)]
     assert main([*run, "--steps", "2"]) == 0
     assert main([*run, "--steps", "3", "--resume"]) == 0

@@ -1,6 +1,7 @@
 """pp-core's lowered pipeline programs (a tiny GPT with a tied embedding / head) run by the executor on 2 and 4 gloo
 ranks, every schedule, pp x dp and pp x tp: loss, every gradient and the SGD-updated parameters equal eager (and the first step's loss
-pp-core's one-process simulation) to 1e-5."""
+pp-core's one-process simulation) to 1e-5; two of the 4-rank cases with --max-grad-norm active (the norm over every
+stage, dp peer and tp shard; eager's torch.nn.utils.clip_grad_norm_)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from adaptdist.compiler.lowering import compile_model
 from adaptdist.compiler.pipeline_lowering import PipelineOptions
 from adaptdist.pipeline_schedules import stages_per_rank
 from adaptdist.runtime.launch import launch_local
-from adaptdist.runtime.pipeline_programs import save_pipeline_programs
+from adaptdist.stage_program_io import save_pipeline_programs
 from adaptdist.runtime.simulate_pipeline import simulate_pipeline
 from models import tiny_gpt
 from pipeline_workers import lowered_pipeline_worker
@@ -23,10 +24,11 @@ pytestmark = pytest.mark.slow  # starts ranks
 
 STEPS, LR, TOL, B = 2, 0.5, 1e-5, 8
 
-# world -> [(mesh or None, schedule, microbatches)]
-CASES = {2: [(None, "gpipe", 2), (None, "1f1b", 2), (None, "interleaved-1f1b", 2), (None, "zb", 4)],
-         4: [(None, "1f1b", 4), ("pp=2,dp=2", "zb", 2), ("pp=2,dp=2", "interleaved-1f1b", 2),
-             ("pp=2,tp=2", "1f1b", 2)]}
+# world -> [(mesh or None, schedule, microbatches, clipped)]
+CASES = {2: [(None, "gpipe", 2, False), (None, "1f1b", 2, False), (None, "interleaved-1f1b", 2, False),
+             (None, "zb", 4, False)],
+         4: [(None, "1f1b", 4, False), ("pp=2,dp=2", "zb", 2, True), ("pp=2,dp=2", "interleaved-1f1b", 2, False),
+             ("pp=2,tp=2", "1f1b", 2, True)]}
 
 
 def _batches():
@@ -38,7 +40,10 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
     model, batch, loss_fn = tiny_gpt(B)
     batches = _batches()
     dirs, sims = [], []
-    for i, (mesh, schedule, m) in enumerate(CASES[world]):
+    first, _ = eager_sgd(model, batches, loss_fn, LR, 1)
+    clip = 0.25 * float(torch.cat([g.reshape(-1) for g in first[0][1].values()]).norm())  # active at every step
+    norms = [clip if clipped else None for *_, clipped in CASES[world]]
+    for i, (mesh, schedule, m, _) in enumerate(CASES[world]):
         inner = ManualPlan.parse("tp", gpt_module) if mesh and "tp" in mesh else None  # the GPT's TP_PLAN
         programs = compile_model(model, batch, loss_fn, world, inner, mesh=mesh,
                                  pipeline=PipelineOptions(
@@ -46,10 +51,10 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
                                      schedule=schedule, stages_per_rank=stages_per_rank(schedule)))
         sims.append(simulate_pipeline(programs, batches[0]).loss)
         dirs.append(str(save_pipeline_programs(programs, tmp_path / f"case{i}")))
-    results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, STEPS), world)
-    history, final = eager_sgd(model, batches, loss_fn, LR, STEPS)
-    for i, (mesh, schedule, m) in enumerate(CASES[world]):
-        what = f"{mesh or f'pp={world}'} {schedule} m={m}"
+    results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, STEPS, 60.0, norms), world)
+    for i, (mesh, schedule, m, _) in enumerate(CASES[world]):
+        history, final = eager_sgd(model, batches, loss_fn, LR, STEPS, max_grad_norm=norms[i])
+        what = f"{mesh or f'pp={world}'} {schedule} m={m}{f' clipped to {norms[i]:.4f}' if norms[i] else ''}"
         assert float(sims[i]) == pytest.approx(history[0][0], abs=TOL), what
         held: dict[str, list[int]] = {}
         for r in range(world):
@@ -63,6 +68,9 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
                 for f, g in res["grads"][s].items():
                     torch.testing.assert_close(g, mine(grads[f], f), atol=TOL, rtol=TOL,
                                                msg=f"{what} rank {r} step {s} {f}")
+            if norms[i] is not None:  # every rank computed the same global norm, above the limit at every step
+                assert all(n > norms[i] for n in res["norms"]), what
+                assert res["norms"] == pytest.approx(results[0][i]["norms"], rel=1e-9), what
             for f, p in res["params"].items():
                 torch.testing.assert_close(p, mine(final[f], f), atol=TOL, rtol=TOL, msg=f"{what} rank {r} param {f}")
                 held.setdefault(f, []).append(r)

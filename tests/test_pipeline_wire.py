@@ -97,7 +97,7 @@ def test_stage_action_times_and_the_predicted_pipeline():
 def test_compile_pp_writes_the_report_with_the_stages(tmp_path):
     import hashlib
 
-    from adaptdist.runtime.pipeline_programs import load_pipeline_program
+    from adaptdist.stage_program_io import load_pipeline_program
 
     out = tmp_path / "art"
     assert main(["compile", MODEL, *COMMON, "--plan", "pp", "--nproc", "2", "-o", str(out)]) == 0

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local
-from adaptdist.runtime.pipeline_programs import is_pipeline_dir, load_pipeline_program, save_pipeline_programs
+from adaptdist.stage_program_io import is_pipeline_directory, load_pipeline_program, save_pipeline_programs
 from adaptdist.runtime.worker import DataSpec, TrainConfig, run_worker
-from pipeline_workers import D, Blocks, build_programs, mse
+from pipeline_workers import D, Blocks, as_graph_modules, build_programs, mse
 
 pytestmark = pytest.mark.slow  # starts ranks
 
@@ -31,8 +31,9 @@ def test_pipeline_run_then_resume_under_dp(tmp_path):
     g = torch.Generator().manual_seed(3)
     batch = (torch.randn(ROWS, D, generator=g), torch.randn(ROWS, D, generator=g))
     save_file({"b0": batch[0], "b1": batch[1]}, str(tmp_path / "batch.safetensors"))
-    pp_dir = save_pipeline_programs(build_programs(2, 1, "1f1b", 2, ROWS, False), tmp_path / "pp")
-    assert is_pipeline_dir(pp_dir) and load_pipeline_program(pp_dir, 1, 2).stages[0].stage == 1
+    pp_dir = save_pipeline_programs(as_graph_modules(build_programs(2, 1, "1f1b", 2, ROWS, False)),
+                                    tmp_path / "pp")
+    assert is_pipeline_directory(pp_dir) and load_pipeline_program(pp_dir, 1, 2).stages[0].stage == 1
     out = tmp_path / "out"
     launch_local(run_worker, (_cfg(pp_dir, out, tmp_path / "batch.safetensors", 2),), 2)
     pp_result = json.loads((out / "result.json").read_text())

@@ -31,6 +31,8 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
     p.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="gradient bucket size, MiB (as for train; default: LoweringOptions', 2)")
     p.add_argument("--replicate-fallback", action="store_true", help="as for train")
+    p.add_argument("--data", metavar="FILE|DIR", help="as for plan: the data a model file that sizes its model "
+                                                      "from the data (builtin:dlrm) reads")
     p.add_argument("--algorithm", choices=("ring", "tree", "auto"), default="ring",
                    help="collective algorithm of the alpha-beta model (auto: the faster per collective)")
     p.add_argument("--symbolic", action="store_true",
@@ -71,7 +73,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         from .common import resolve_plan
 
         torch.manual_seed(0)
-        model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+        model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=getattr(args, "data", None))
         auto, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer)
         programs = compile_model(model, example, loss_fn, cluster.world_size, auto, options, captured=captured,
                                  cluster=cluster, optimizer=optimizer)
@@ -82,7 +84,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
 
     def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None, on=None):
         torch.manual_seed(0)
-        model, example, loss_fn = spec.build(batch_size, seq_len)
+        model, example, loss_fn = spec.build(batch_size, seq_len, data_path=getattr(args, "data", None))
         return compile_model(model, example, loss_fn, world_size, plan, options, mesh=mesh, cluster=on,
                              optimizer=optimizer), example
 

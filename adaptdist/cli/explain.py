@@ -22,6 +22,8 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
                                 "name such as blocks.0.fc.weight")
     add_common(p)
     p.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw")
+    p.add_argument("--data", metavar="FILE|DIR", help="as for plan: the data a model file that sizes its model "
+                                                      "from the data (builtin:dlrm) reads")
     return p
 
 
@@ -38,7 +40,7 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     console = report_console()
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
-    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=getattr(args, "data", None))
     t0 = time.perf_counter()
     captured = capture(model, example, loss_fn)
     from ..compiler.planner.explain import find_node

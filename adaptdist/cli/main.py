@@ -132,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_common(t, nproc_range, "; MIN:MAX: an elastic world size, one torchrun agent per rank (started at MAX), "
                                 "re-planned and resharded when ranks leave or join")
-    t.add_argument("--data", metavar="FILE", help="UTF-8 text file to train on")
+    t.add_argument("--data", metavar="FILE|DIR",
+                   help="the data the model file's data() reads: builtin:gpt/llama a UTF-8 text file (default: an "
+                        "embedded corpus); builtin:dlrm a MovieLens folder (default: ../shared/data/movielens-small "
+                        "where present, else a generated data set of its shape)")
     t.add_argument("--plan", default="auto", metavar="auto|dp|fsdp|tp|dp,tp|ep|pp|FILE",
                    help="pp: a pipeline, one stage per rank (--mesh pp=2,dp=2: stages on sub-meshes; --microbatches, "
                         "--schedule); auto: the planner chooses the mesh and every node's placement (an ILP on the cost "
@@ -180,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sizes the optimizer state the automatic plan must fit")
     _add_training_features(p)
     p.add_argument("--out", metavar="FILE", help="also write the plan as JSON here")
+    p.add_argument("--data", metavar="FILE|DIR", help="as for train: the data a model file that sizes its model from "
+                                                      "the data (builtin:dlrm) reads")
     _add_lowering(p)
     add_pipeline_flags(p)
     from .cluster import add_parser as add_cluster_parser
@@ -253,7 +258,7 @@ def cmd_plan(args) -> int:
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
     torch.manual_seed(0)
-    model, example, loss_fn = spec.build(args.batch_size, args.seq_len)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=getattr(args, "data", None))
     from ..compiler.training_features import apply_training_features
 
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)

@@ -249,9 +249,9 @@ def print_decision(console, decision) -> None:
 
 def save_and_describe_pipeline(programs: dict, directory, console, seconds: float, extra: dict | None = None,
                                extra_files: dict | None = None):
-    """Write pipeline ``programs`` to ``directory`` (:func:`~adaptdist.runtime.pipeline_programs.save_pipeline_programs`)
+    """Write pipeline ``programs`` to ``directory`` (:func:`~adaptdist.stage_program_io.save_pipeline_programs`)
     and print what was compiled: mesh, schedule, microbatches, each stage's layers and ranks."""
-    from ..runtime.pipeline_programs import save_pipeline_programs
+    from ..stage_program_io import save_pipeline_programs
 
     d = save_pipeline_programs(programs, directory, extra=extra, extra_files=extra_files)
     p0 = programs[0]

@@ -295,7 +295,8 @@ def cmd_train(args, defaults: dict) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    built = spec.build(args.batch_size, args.seq_len)  # a bad factory fails before the previous run is touched
+    # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
+    built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
     settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
     started = []
@@ -328,7 +329,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     ``(model, example_batch, loss_fn)``, made with ``--seed``. Checks the data, compiles, then calls ``begin()``
     (which replaces the previous run in ``out``) before it writes anything there."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from ..compiler.lowering import compile_model
     from ..compiler.replan import ProgramSource
@@ -387,11 +388,6 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     if pipeline:  # pipeline programs (--plan pp, --mesh pp=..., or a saved pipeline plan)
         from .pipeline_flags import save_and_describe_pipeline
 
-        if elastic:
-            raise UsageError("--nproc MIN:MAX (elastic) with a pipeline plan is not supported yet; pass --nproc N")
-        if args.max_grad_norm is not None:
-            raise UsageError("--max-grad-norm with a pipeline plan is not supported yet (the norm spans the stages); "
-                             "drop it, or use a plan without pp")
         plan = programs[0].plan
         if resume_src is not None:  # (before begin(): a checkpoint of another model leaves --out as it was)
             _check_checkpoint_fits(resume_src, spec.text, None, console, programs=programs)
@@ -400,20 +396,15 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if resume_src is not None:
             _check_checkpoint_fits(resume_src, spec.text, programs[0], console)
     source = None
-    if elastic:
-        source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                               plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
-                               cache_dir=str(out / "programs_cache"), base_world_size=nproc,
-                               base_program_dir=str(out / "programs"), options=options,
-                               compile_wait_s=timeouts.compile_wait_s, **features)
-        source.check_elastic()
-    elif resume_src is not None:
+    if elastic or resume_src is not None:  # one door for every other world size: re-planned, pipelines included
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
                                base_program_dir=str(out / "programs"), options=options,
                                compile_wait_s=timeouts.compile_wait_s, microbatches=getattr(args, "microbatches", None),
-                               schedule=getattr(args, "schedule", None), **features)
+                               schedule=getattr(args, "schedule", None), data_path=args.data, **features)
+        if elastic:
+            source.check_elastic()
     begin()  # everything checked: only now is the previous run in --out replaced
     if not has_data:
         # a copy of each: safetensors refuses tensors that share memory, e.g. (x, x) for an autoencoder
@@ -454,9 +445,15 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if result is None:
             return _ended_early(e, out, console, steps=args.steps)
     wall = time.perf_counter() - t0
+    evaluate = getattr(module, "evaluate", None)
+    evaluation = None
+    if callable(evaluate):  # the model file's metrics of the trained model (builtin:dlrm: the validation RMSE)
+        _load_trained(model, out, programs, pipeline)
+        evaluation = _call_evaluate(evaluate, model, args, console)
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
-                                       threads_per_rank=threads, plan=plan.name)
+                                       threads_per_rank=threads, plan=plan.name,
+                                       **({"evaluation": evaluation[0]} if evaluation else {}))
     if cfg.trace:
         from .trace_outputs import write_run_trace
 
@@ -469,20 +466,57 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         f"{f'; {restarts} restart(s)' if restarts else ''}; "
         f"checkpoints {out / 'checkpoints'}, weights {out / 'model.safetensors'}"
     )
+    if evaluation:
+        console.print(f"evaluation: {evaluation[1]}")
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     if bad is not None:
         console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; "
                       "training diverged: lower --lr[/]")
     sample = getattr(module, "sample", None)
     if args.sample_bytes > 0 and callable(sample):
-        state = load_file(str(out / "model.safetensors"))
-        missing = model.load_state_dict(state, strict=False).missing_keys
-        assert pipeline or all(k in programs[0].tied for k in missing), missing
+        if evaluation is None:
+            _load_trained(model, out, programs, pipeline)
         text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
         console.rule("sample")
         print(text)
         console.rule()
     return 0
+
+
+def _load_trained(model, out: Path, programs: dict, pipeline: bool) -> None:
+    """Load the run's ``OUT/model.safetensors`` into ``model`` (the launcher's copy; tied weights are saved once)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(out / "model.safetensors"))
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert pipeline or all(k in programs[0].tied for k in missing), missing
+
+
+def _call_evaluate(evaluate, model, args, console) -> tuple[dict, str] | None:
+    """The model file's ``evaluate(model, path=--data, batch_size=, steps=)`` (the keywords it takes) ->
+    ``(fields for summary.json, one line for the log)``; None, with a warning, when it fails or returns something
+    else (the run itself has finished: its weights and checkpoint are written, so it is not failed for that)."""
+    import inspect
+
+    params = inspect.signature(evaluate).parameters
+    given = {"path": args.data, "batch_size": args.batch_size, "steps": args.steps}
+    try:
+        out = evaluate(model, **{k: v for k, v in given.items() if k in params})
+    except Exception as e:  # noqa: BLE001 - a user's evaluate(); the trained run stands
+        console.print(f"[yellow]warning: {args.model}: evaluate(model, ...) of the model file raised "
+                      f"{type(e).__name__}: {e}; summary.json has no evaluation[/]")
+        return None
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict) and isinstance(out[1], str)):
+        console.print(f"[yellow]warning: {args.model}: evaluate(model, ...) must return (fields: dict, line: str), "
+                      f"got {type(out).__name__}; summary.json has no evaluation[/]")
+        return None
+    try:
+        json.dumps(out[0])
+    except (TypeError, ValueError) as e:
+        console.print(f"[yellow]warning: {args.model}: evaluate's fields cannot be written as JSON ({e}); "
+                      "summary.json has no evaluation[/]")
+        return None
+    return out
 
 
 def _cpus_of_rank(cluster, plan) -> tuple:

@@ -182,7 +182,7 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
                            plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                            cache_dir=str(out / "programs_cache"), base_world_size=0, base_program_dir="",
                            options=lowering_options(args), ranks_per_host=nproc,
-                           compile_wait_s=timeouts.compile_wait_s)
+                           compile_wait_s=timeouts.compile_wait_s, data_path=args.data)
     source.check_elastic()
     module = spec.module()
     if not callable(getattr(module, "data", None)):
@@ -193,7 +193,7 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    example = spec.build(args.batch_size, args.seq_len)[1]
+    example = spec.build(args.batch_size, args.seq_len, data_path=args.data)[1]
     import dataclasses
 
     from ..runtime.batch_check import batch_shapes

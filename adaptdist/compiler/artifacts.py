@@ -90,7 +90,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     artifact directory (module docstring). With ``pipeline``
     (:class:`~adaptdist.compiler.pipeline_lowering.PipelineOptions`: ``--plan pp``, ``--mesh pp=...``; ``plan_arg``
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
-    pipeline programs instead (:func:`adaptdist.runtime.pipeline_programs.save_pipeline_programs`: the same
+    pipeline programs instead (:func:`adaptdist.stage_program_io.save_pipeline_programs`: the same
     manifest, and report.html with the pipeline section). ``consider_pp``: ``--plan auto`` weighs pipeline
     stages too (None: :data:`~.planner.summary.PIPELINE_IN_AUTO`).
 
@@ -218,7 +218,7 @@ def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any
     from safetensors.torch import save as save_tensors
 
     from ..lowering_options import LoweringOptions
-    from ..runtime.pipeline_programs import save_pipeline_programs
+    from ..stage_program_io import save_pipeline_programs
 
     t = time.perf_counter()
     model_file = Path(spec.file)

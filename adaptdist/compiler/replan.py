@@ -52,6 +52,7 @@ class ProgramSource:
             (:func:`~adaptdist.compiler.training_features.apply_training_features`).
         microbatches, schedule: ``--microbatches`` and ``--schedule`` of a pipeline plan (``plan == "pp"``: one
             stage group per rank at every world size).
+        data_path: ``--data``, for a factory that sizes the model from the data (``factory(..., data_path=)``).
     """
 
     model: str
@@ -71,6 +72,7 @@ class ProgramSource:
     activation_checkpointing: bool = False
     microbatches: int | None = None
     schedule: str | None = None
+    data_path: str | None = None
 
     def cluster_for(self, world_size: int):
         """The cluster a job of ``world_size`` ranks plans for (estimated figures)."""
@@ -145,7 +147,7 @@ class ProgramSource:
 
         spec = ModelSpec.parse(self.model)
         torch.manual_seed(self.seed)
-        model, example, loss_fn = spec.build(self.batch_size, self.seq_len)
+        model, example, loss_fn = spec.build(self.batch_size, self.seq_len, data_path=self.data_path)
         from .training_features import apply_training_features
 
         model, loss_fn = apply_training_features(model, loss_fn, self.precision, self.activation_checkpointing)
@@ -191,7 +193,7 @@ class ProgramSource:
         shutil.rmtree(tmp, ignore_errors=True)
         extra_files = {CACHE_KEY_FILE: json.dumps(key, sort_keys=True, default=str)}
         if pipeline is not None:
-            from ..runtime.pipeline_programs import save_pipeline_programs
+            from ..stage_program_io import save_pipeline_programs
 
             save_pipeline_programs(programs, tmp, extra_files=extra_files)
         else:

@@ -206,35 +206,18 @@ def build_moe_dense(batch_size: int, experts: str):
     return moe.factory(batch_size, 6)
 
 
-class DLRM(nn.Module):
-    """A DLRM-style recommender: ``dense [B, 4]`` through a bottom MLP, ``sparse [B, tables, bag]`` ids
-    through one ``nn.EmbeddingBag`` (mean) per table, pairwise dot products of the features, a top MLP to
-    one logit per row (binary cross entropy)."""
-
-    def __init__(self, tables: int = 3, rows: int = 20, dim: int = 8):
-        super().__init__()
-        self.bottom = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, dim))
-        self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="mean") for _ in range(tables))
-        n = tables + 1
-        self.top = nn.Sequential(nn.Linear(dim + n * (n - 1) // 2, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def forward(self, dense, sparse):
-        feats = [self.bottom(dense)] + [t(sparse[:, i]) for i, t in enumerate(self.tables)]
-        f = torch.stack(feats, dim=1)  # [B, n, dim]
-        dots = torch.bmm(f, f.transpose(1, 2))
-        i, j = torch.triu_indices(f.shape[1], f.shape[1], offset=1)
-        return self.top(torch.cat([feats[0], dots[:, i, j]], dim=1)).squeeze(1)
-
-
 def build_dlrm(batch_size: int):
-    """:class:`DLRM`: dense ``[B, 4]``, sparse ids ``int64[B, 3 tables, 2 per bag]`` (ids < 20) -> click logit,
-    binary cross entropy with logits against ``clicks [B]``."""
+    """:class:`adaptdist.models.dlrm.DLRM` (the one of ``builtin:dlrm``) with a bottom MLP: dense ``[B, 4]`` and 3
+    tables of 20 rows, ids ``int64[B, 2 per bag]`` each -> click logit, binary cross entropy with logits against
+    ``clicks [B]``."""
+    from .dlrm import DLRM
+
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch_size, 4, generator=g)
-    sparse = torch.randint(0, 20, (batch_size, 3, 2), generator=g)
+    ids = [torch.randint(0, 20, (batch_size, 2), generator=g) for _ in range(3)]
     clicks = torch.randint(0, 2, (batch_size,), generator=g).float()
-    return DLRM(), (dense, sparse, clicks), F.binary_cross_entropy_with_logits
+    return DLRM((20, 20, 20), dim=8, dense_in=4), (dense, *ids, clicks), F.binary_cross_entropy_with_logits
 
 
 # --- Hugging Face models from configs (random weights, no download) ------------------------------------

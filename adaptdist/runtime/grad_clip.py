@@ -1,6 +1,15 @@
-"""Gradient-norm clipping over sharded gradients: the global norm across all shards, as eager computes it."""
+"""Gradient-norm clipping over sharded gradients: the global norm across all shards, as eager computes it.
+
+Rank programs (:func:`clip_grad_norm_`) sum squares over the mesh axes a gradient is sharded on. Pipeline programs
+(:func:`shard_owners`, :func:`owned_squares`, :func:`scale_grads_`; the executor adds one world all-reduce) count
+every distinct shard once: of the ranks holding the same shard (data-parallel peers of a stage, tensor-parallel
+ranks holding a replicated parameter, the stages holding a tied weight, whose copies are equal after the gradient
+all-reduce) the lowest rank counts it.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -37,9 +46,44 @@ def clip_grad_norm_(grads: dict[str, torch.Tensor], program: RankProgram, max_no
     """Scale ``grads`` in place so that their global norm is at most ``max_norm``; returns the norm
     before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``: every gradient is multiplied
     by ``min(1, max_norm / (norm + 1e-6))``."""
-    norm = global_grad_norm(grads, program)
-    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    norm = float(global_grad_norm(grads, program))
+    scale_grads_(grads.values(), norm, max_norm)
+    return norm
+
+
+def scale_grads_(grads: Iterable[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Multiply ``grads`` in place by ``min(1, max_norm / (norm + 1e-6))``: ``torch.nn.utils.clip_grad_norm_``'s
+    rule (torch/nn/utils/clip_grad.py), ``norm`` the global 2-norm of all gradients."""
+    coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
-        for g in grads.values():
+        for g in grads:
             g.mul_(coef)
-    return float(norm)
+
+
+def shard_owners(holdings: Mapping[int, Iterable[tuple[str, Any]]]) -> dict[int, set[str]]:
+    """rank -> the parameters whose gradient it counts in the global norm.
+
+    Args:
+        holdings: rank -> ``(fqn, box)`` of each parameter shard it holds (``box``: ``[[start, stop), ...]`` per dim
+            of the global tensor, :func:`adaptdist.runtime.pipeline_programs._box`).
+
+    Returns:
+        For each rank, the fqns of the shards it is the lowest holder of (every distinct shard counted once).
+    """
+    first: dict[tuple, int] = {}
+    for r in sorted(holdings):
+        for f, box in holdings[r]:
+            first.setdefault((f, tuple(map(tuple, box))), r)
+    out: dict[int, set[str]] = {r: set() for r in holdings}
+    for (f, _), r in first.items():
+        out[r].add(f)
+    return out
+
+
+def owned_squares(grads: Mapping[str, torch.Tensor], owned: Iterable[str]) -> torch.Tensor:
+    """The sum of squares (float64 scalar) of the gradients in ``grads`` named by ``owned`` (this rank's part of the
+    squared global norm; summed over every rank it is the squared global norm)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for f in sorted(owned):
+        total = total + grads[f].detach().double().pow(2).sum()
+    return total

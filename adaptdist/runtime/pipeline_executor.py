@@ -87,26 +87,30 @@ class PipelineStepRunner:
             caller, the worker importing this module).
         groups: :func:`setup_pipeline_groups`'s result.
         timeout_s: how long one send, receive or collective waits for its peer (the collective timeout).
-        max_grad_norm: not supported for pipeline plans yet (UsageError when set).
+        max_grad_norm: clip the gradients to this global 2-norm (over every stage and shard, as
+            ``torch.nn.utils.clip_grad_norm_`` over the whole model; :mod:`.grad_clip`) before the optimizer step.
+            Collective when set: every rank passes the same.
 
     Raises:
         UsageError: this rank's stages do not follow the schedule's stage placement (stage ``s`` on pipeline rank
-            ``s % pp``), or ``max_grad_norm`` is set.
+            ``s % pp``).
         PipelineScheduleError: the schedule cannot run these numbers.
     """
 
     def __init__(self, program: PipelineRankProgram, optimizer: str, lr: float, groups: dict,
                  timeout_s: float = 120.0, max_grad_norm: float | None = None, *, make_optimizer):
-        if max_grad_norm is not None:
-            raise UsageError("--max-grad-norm is not supported with a pipeline plan yet (the norm spans the "
-                             "stages); drop it or use a plan without pp")
         check_routes(program)
         self.program = program
         self.groups = groups
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.max_grad_norm = None
+        self.max_grad_norm = max_grad_norm
         self.last_grad_norm = None
+        self.norm_owned: frozenset[str] = frozenset()
+        if max_grad_norm is not None:
+            from .pipeline_programs import norm_owned_params
+
+            self.norm_owned = norm_owned_params(program)
         self.state = {k: v.clone() for k, v in program.state.items()}
         self.params = [self.state[f] for f in program.param_fqns]
         self.opt = make_optimizer(optimizer, self.params, lr)
@@ -346,6 +350,8 @@ class PipelineStepRunner:
             raise UsageError(f"rank {self.program.rank}: the stage programs returned no gradient for "
                              f"{', '.join(missing[:5])}: a bug in the stage cut (its grad_fqns)")
         self.last_grads = {f: grads[f] for f in self.program.param_fqns}
+        if self.max_grad_norm is not None:
+            self._clip(self.last_grads)
         for p, f in zip(self.params, self.program.param_fqns):
             p.grad = grads[f]
         with self.trace.span("optimizer"):
@@ -353,6 +359,18 @@ class PipelineStepRunner:
         for p in self.params:
             p.grad = None
         return self._global_loss(loss)
+
+    def _clip(self, grads: dict[str, torch.Tensor]) -> None:
+        """Scale ``grads`` in place to the global norm ``max_grad_norm`` (one world all-reduce of a scalar)."""
+        from .grad_clip import owned_squares, scale_grads_
+
+        sq = owned_squares(grads, self.norm_owned)
+        if dist.get_world_size() > 1:
+            with self.trace.span("collective", op="all_reduce", what="the gradient norm"):
+                work = dist.all_reduce(sq, async_op=True)
+                self._wait(work, "the gradient norm all_reduce (every rank)", ranks=range(dist.get_world_size()))
+        self.last_grad_norm = float(sq.sqrt())
+        scale_grads_(grads.values(), self.last_grad_norm, self.max_grad_norm)
 
     def optimizer_state_by_fqn(self) -> dict:
         """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""

@@ -1,18 +1,7 @@
-"""Pipeline programs on disk, and the parts of a run that differ for them (checkpoint view, full weights).
+"""The parts of a run that differ for pipeline programs: the checkpoint view, full weights, the log line.
 
-A directory of pipeline programs (``adaptdist train``'s ``OUT/programs``, ``adaptdist compile``'s artifacts)::
-
-    pipeline.json                 {"format", "torch", "world_size", "schedule", "num_stages", "num_microbatches",
-                                   "files": {relative path: sha256}}
-    plan.json                     the pipeline plan (for reading; the programs carry their own copy)
-    rank{r}/pipeline_program.pt   rank r's PipelineRankProgram (torch.save: GraphModules pickle as their code)
-    rank{r}/program.py            the code of its prologue and stage programs (forward, backward_input,
-                                  backward_weight), to read
-    manifest.json                 the artifact manifest of adaptdist.program (format, versions, world size, mesh,
-                                  every file's sha256), so ``adaptdist run`` checks a pipeline's artifacts alike
-
-Trust: ``pipeline_program.pt`` is a pickle, so a program directory is code: load only directories you trust; the
-sha256 of every file is checked before anything is unpickled.
+Pipeline programs on disk are :mod:`adaptdist.stage_program_io`'s (JSON, generated source and safetensors, nothing
+pickled).
 
 Checkpoints: each rank saves its own state under its fqns (:class:`CheckpointView` makes a
 :class:`~adaptdist.stage_program.PipelineRankProgram` look like a RankProgram to :mod:`.train_state`, with every
@@ -22,120 +11,13 @@ identical copies deduplicated) under the same names as any other plan's and load
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ProgramLoadError
 from ..stage_program import PipelineRankProgram
-
-MANIFEST = "pipeline.json"
-FORMAT = 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def is_pipeline_dir(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds pipeline programs (its ``pipeline.json``)."""
-    return (Path(directory) / MANIFEST).is_file()
-
-
-def save_pipeline_programs(programs: Mapping[int, PipelineRankProgram], directory: str | os.PathLike,
-                           extra: dict | None = None, extra_files: dict[str, str | bytes] | None = None) -> Path:
-    """Write every rank's pipeline program, ``pipeline.json`` and an artifact ``manifest.json`` (the format of
-    :func:`adaptdist.program.save_programs`, ``extra`` fields added, every file's sha256 in it, so that
-    ``adaptdist run`` checks these artifacts like any others) into ``directory``; ``extra_files`` (relative path ->
-    text or bytes) are written and hashed too. Returns the directory."""
-    from .. import program as rank_program
-    from .._version import __version__
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    files: dict[str, str] = {}
-    for rel, content in sorted((extra_files or {}).items()):
-        path = d / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-        files[rel] = _sha256(path)
-    world = {p.world_size for p in programs.values()}
-    assert len(world) == 1 and sorted(programs) == list(range(next(iter(world)))), sorted(programs)
-    for r, prog in sorted(programs.items()):
-        rd = d / f"rank{r}"
-        rd.mkdir(exist_ok=True)
-        torch.save(prog, rd / "pipeline_program.pt")
-        files[f"rank{r}/pipeline_program.pt"] = _sha256(rd / "pipeline_program.pt")
-        text = [f"# rank {r} of {prog.world_size}: pipeline stage(s) {[st.stage for st in prog.stages]} of "
-                f"{prog.stages[0].num_stages}, schedule {prog.schedule}, {prog.num_microbatches} microbatches of "
-                f"{prog.microbatch_rows} rows (to read; the rank runs pipeline_program.pt)"]
-        if prog.prologue is not None:
-            text.append(f"# ---- prologue ----\n{getattr(prog.prologue.module, 'code', '')}")
-        for st in prog.stages:
-            text += [f"# ---- stage {st.stage} {part} ----\n{getattr(getattr(st, part), 'code', '')}"
-                     for part in ("forward", "backward_input", "backward_weight")]
-        (rd / "program.py").write_text("\n".join(text))
-        files[f"rank{r}/program.py"] = _sha256(rd / "program.py")
-    any_prog = programs[0]
-    if any_prog.plan is not None and hasattr(any_prog.plan, "to_json"):
-        (d / "plan.json").write_text(any_prog.plan.to_json())
-        files["plan.json"] = _sha256(d / "plan.json")
-    manifest = {"format": FORMAT, "torch": torch.__version__, "world_size": any_prog.world_size,
-                "schedule": any_prog.schedule, "num_stages": any_prog.stages[0].num_stages,
-                "num_microbatches": any_prog.num_microbatches, "files": files}
-    (d / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    files[MANIFEST] = _sha256(d / MANIFEST)
-    plan = any_prog.plan
-    artifact = {"format_version": rank_program.FORMAT_VERSION, "adaptdist_version": __version__,
-                "torch_version": torch.__version__, "world_size": any_prog.world_size,
-                "mesh": dict(plan.mesh) if plan is not None else {}, "pipeline": True, "files": files,
-                **(extra or {})}
-    (d / rank_program.MANIFEST).write_text(json.dumps(artifact, indent=1, sort_keys=True))
-    return d
-
-
-def load_pipeline_program(directory: str | os.PathLike, rank: int,
-                          world_size: int | None = None) -> PipelineRankProgram:
-    """Rank ``rank``'s pipeline program, after checking the manifest and its files' sha256.
-
-    Raises:
-        ProgramLoadError: no or a bad manifest, a missing or changed file, another torch version or format, or a
-            world size other than ``world_size``; names the file.
-    """
-    d = Path(directory)
-    try:
-        manifest = json.loads((d / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise ProgramLoadError(f"{str(d / MANIFEST)!r} cannot be read ({e}); recompile the programs") from None
-    if manifest.get("format") != FORMAT or manifest.get("torch") != torch.__version__:
-        raise ProgramLoadError(f"pipeline programs in {str(d)!r} are format {manifest.get('format')} for torch "
-                               f"{manifest.get('torch')}; this is format {FORMAT}, torch {torch.__version__}: recompile")
-    if world_size is not None and manifest["world_size"] != world_size:
-        raise ProgramLoadError(f"pipeline programs in {str(d)!r} were compiled for world size "
-                               f"{manifest['world_size']}, but this job has {world_size} ranks; recompile for "
-                               f"{world_size} ranks")
-    rel = f"rank{rank}/pipeline_program.pt"
-    digest = manifest["files"].get(rel)
-    path = d / rel
-    if digest is None or not path.is_file():
-        raise ProgramLoadError(f"{str(path)!r} is missing (rank {rank} of {manifest['world_size']}); recompile")
-    if _sha256(path) != digest:
-        raise ProgramLoadError(f"{str(path)!r} does not match the sha256 in {str(d / MANIFEST)!r} (corrupted or "
-                               "edited); recompile")
-    program = torch.load(path, weights_only=False)
-    if not isinstance(program, PipelineRankProgram) or program.rank != rank:
-        raise ProgramLoadError(f"{str(path)!r} is not rank {rank}'s PipelineRankProgram; recompile")
-    return program
 
 
 def describe_pipeline(program: PipelineRankProgram) -> str:
@@ -222,6 +104,18 @@ def _box(program: PipelineRankProgram, fqn: str, shape: tuple[int, ...]) -> list
             b, e = chunk_interval(hi - lo, sub[a], coords[a])
             ranges[p.dim] = [lo + b, lo + e]
     return ranges
+
+
+def norm_owned_params(program: PipelineRankProgram) -> frozenset[str]:
+    """(Collective: one all_gather_object over every rank) the parameters whose gradient this rank counts in the
+    global gradient norm (:func:`~.grad_clip.shard_owners` over every rank's shards and their boxes)."""
+    from .grad_clip import shard_owners
+
+    mine = [(f, _box(program, f, tuple(program.global_shapes.get(f, tuple(program.state[f].shape)))))
+            for f in program.param_fqns]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return frozenset(shard_owners(dict(enumerate(everyone)))[program.rank])
 
 
 def gather_full_weights(program: PipelineRankProgram, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

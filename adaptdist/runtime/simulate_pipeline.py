@@ -6,7 +6,8 @@ are carried out by :func:`~adaptdist.runtime.simulate.simulate_ranks` over the r
 sub-mesh. The runtime's reductions (:mod:`adaptdist.stage_program`) are done here the same way the real
 executor does them: the prologue's normalizers over the batch group, the microbatches' gradient
 contributions added, then summed over each parameter's ``grad_groups``; the loss terms summed over the
-microbatches and the batch group.
+microbatches and the batch group; with ``max_grad_norm``, the gradients clipped to the global norm (every distinct
+shard counted once, :mod:`.grad_clip`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ class PipelineSimulation:
         loss: the step's global loss (0-dim tensor), as every loss rank computed it.
         grads: rank -> fqn -> the gradient of that rank's shard (after the runtime's all-reduces).
         params: rank -> fqn -> the parameter after one SGD step (``lr`` given; else the step-0 values).
+        grad_norm: the global gradient norm before clipping (``max_grad_norm`` given; else None).
     """
 
     loss: torch.Tensor
     grads: dict[int, dict[str, torch.Tensor]]
     params: dict[int, dict[str, torch.Tensor]]
+    grad_norm: float | None = None
 
 
 def _check(vals: Sequence[torch.Tensor], specs: Sequence[TensorSpec], what: str) -> None:
@@ -77,10 +80,11 @@ def _run(mods: list, ins: list, mesh: Mesh | None) -> list:
 
 
 def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[torch.Tensor, ...],
-                      lr: float | None = None) -> PipelineSimulation:
+                      lr: float | None = None, max_grad_norm: float | None = None) -> PipelineSimulation:
     """Run one step of ``programs`` (every rank's, from :func:`~adaptdist.compiler.lowering.lower` of a
     pipeline plan) on the global ``batch``: all microbatches' forwards stage by stage, then their backwards
-    in reverse (GPipe). With ``lr``, each rank's parameters take one SGD step ``p - lr * grad``.
+    in reverse (GPipe). With ``lr``, each rank's parameters take one SGD step ``p - lr * grad``; with
+    ``max_grad_norm``, after the gradients are clipped as ``torch.nn.utils.clip_grad_norm_`` clips the whole model's.
 
     Raises:
         SimulationError: a tensor that does not match its send/recv spec, loss ranks that disagree, or a
@@ -185,6 +189,16 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
         for f in grads[r]:
             group = p.grad_groups.get(f, (r,))
             final[r][f] = torch.stack([grads[x][f] for x in group]).sum(0)
+    norm = None
+    if max_grad_norm is not None:  # as the executor: each distinct shard's squares once, one sum, one scale
+        from .grad_clip import owned_squares, scale_grads_, shard_owners
+        from .pipeline_programs import _box
+
+        owners = shard_owners({r: [(f, _box(p, f, tuple(p.global_shapes.get(f, tuple(p.state[f].shape)))))
+                                   for f in p.param_fqns] for r, p in progs.items()})
+        norm = float(sum(owned_squares(final[r], owners[r]) for r in progs).sqrt())
+        for r in progs:
+            scale_grads_(final[r].values(), norm, max_grad_norm)
     losses = {}
     for r, p in progs.items():
         if p.loss_rank:
@@ -198,4 +212,4 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
     for r, p in progs.items():
         params[r] = {f: (t - lr * final[r][f] if lr is not None and f in final[r] else t)
                      for f, t in p.state.items() if f in p.param_fqns}
-    return PipelineSimulation(first, final, params)
+    return PipelineSimulation(first, final, params, norm)

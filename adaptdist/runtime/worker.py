@@ -245,11 +245,12 @@ def describe_program(program: RankProgram) -> str:
 
 def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"):
     """(Collective) a pipeline rank's (checkpoint view, None, PipelineStepRunner) for ``run_worker``: its program
-    loaded, every process group made, the view of its state gathered (:mod:`.pipeline_programs`)."""
+    loaded, every process group made, the view of its state gathered (:mod:`adaptdist.stage_program_io`, :mod:`.pipeline_programs`)."""
     import dataclasses
 
     from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups
-    from .pipeline_programs import checkpoint_view, describe_pipeline, load_pipeline_program, stage_device_mesh
+    from ..stage_program_io import load_pipeline_program
+    from .pipeline_programs import checkpoint_view, describe_pipeline, stage_device_mesh
 
     program = load_pipeline_program(program_dir, rank, world_size=world)
     groups = setup_pipeline_groups(program, cfg.timeout_s)
@@ -377,9 +378,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             program_dir = cfg.program_source.program_dir(world, rank, lambda p: _publish(p, rank, attempt, wait_s),
                                                          events.note,
                                                          local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        from .pipeline_programs import is_pipeline_dir
+        from ..stage_program_io import is_pipeline_directory
 
-        if is_pipeline_dir(program_dir):  # a pipeline plan: `program` is its checkpoint view, the mesh its stage's
+        if is_pipeline_directory(program_dir):  # a pipeline plan: `program` is its checkpoint view, the mesh its stage's
             program, device_mesh, runner = _pipeline_runner(program_dir, rank, world, cfg)
         else:
             program = load_program(program_dir, rank, world_size=world)
