@@ -212,7 +212,7 @@ def test_stages_of_different_sizes_on_gloo_equal_eager(tmp_path):
     """3 gloo ranks, {2,1} under gpipe and 1f1b and {1,2} under zb, two SGD steps: every rank's loss, gradients and
     parameters equal eager's."""
     from adaptdist.runtime.launch import launch_local
-    from adaptdist.runtime.pipeline_programs import save_pipeline_programs
+    from adaptdist.stage_program_io import save_pipeline_programs
     from models import tiny_gpt as gpt_of
     from pipeline_workers import lowered_pipeline_worker
     from reference import eager_sgd
