@@ -103,9 +103,13 @@ class _Fields:
             raise self.fail(name, f"must map names to {want}, got {_short(v)}")
         return v
 
-    def mesh(self, name: str, world_size: int) -> dict[str, int]:
+    def mesh(self, name: str, world_size: int, pipeline: bool = False) -> dict[str, int]:
+        """``pipeline``: stage groups may run on sub-meshes of different sizes, the mesh then holding the largest
+        (``plan.Plan.world_size``): its size is at least the world size, and its ``pp`` axis at most."""
         m = self.str_map(name, lambda n: isinstance(n, int) and not isinstance(n, bool) and n >= 1,
                          "axis sizes >= 1")
+        if pipeline and m.get("pp", 1) <= world_size <= math.prod(m.values()):
+            return m
         if math.prod(m.values()) != world_size:
             raise self.fail(name, f"is {m}, whose sizes multiply to {math.prod(m.values())}, not the world size "
                                   f"{world_size}")
@@ -145,7 +149,7 @@ def check_manifest(manifest: object, mpath: Path) -> dict:
             raise f.fail("files", f"names {_short(rel)}; the manifest lists only relative paths inside its directory")
         f.str(rel, _HEX64, v=digest, path=f"files[{rel!r}]")
     if f.has("mesh"):
-        f.mesh("mesh", world)
+        f.mesh("mesh", world, pipeline=manifest.get("pipeline") is True or manifest.get("kind") == "pipeline")
     if f.has("compile_id"):
         f.str("compile_id", _HEX64)
     for key in ("cluster_fingerprint", "model", "model_file", "optimizer"):

@@ -154,6 +154,25 @@ def check_pipeline_meta(meta: object, path: Path, rank: int, manifest: Mapping[s
     return meta  # type: ignore[return-value]
 
 
+def _check_routes(r: int, st: Mapping[str, Any], by_rank: Mapping[int, Mapping[int, Any]], fail) -> None:
+    """Rank ``r``'s stage ``st`` (routed: stages of different sizes) and the next stage's ranks agree: every piece
+    ``r`` sends (activations) or receives (gradients) is one its peer receives or sends, of the same length."""
+    from .stage_routes import StageRoutes
+
+    s = st["stage"]
+    mine = StageRoutes.from_doc(st["routes"])
+    for kind, theirs in (("send", "recv"), ("grad_in", "grad_out")):
+        for i, route in enumerate(getattr(mine, kind)):
+            for p in route.pieces:
+                nxt = by_rank.get(p.peer, {}).get(s + 1)
+                other = StageRoutes.from_doc(nxt["routes"]) if nxt is not None and nxt.get("routes") else None
+                back = [x for x in getattr(other, theirs)[i].pieces if x.peer == r] if other is not None and \
+                    i < len(getattr(other, theirs)) else []
+                if len(back) != 1 or back[0].length != p.length or (back[0].dim is None) != (p.dim is None):
+                    raise fail(r, f"stage {s}'s {kind} route of tensor {i} names rank {p.peer}, whose stage {s + 1} "
+                                  f"{theirs} route does not match it", p.peer)
+
+
 def check_pipeline_ranks(metas: Mapping[int, Mapping[str, Any]], directory: Path, manifest: Mapping[str, Any]) -> None:
     """Every rank's pipeline metadata (:func:`check_pipeline_meta`'d) agrees with the others' (module docstring).
 
@@ -175,6 +194,9 @@ def check_pipeline_ranks(metas: Mapping[int, Mapping[str, Any]], directory: Path
         for st in m["stages"]:
             s, q = st["stage"], st["send_to"]
             if q is None:
+                continue
+            if st.get("routes") is not None:  # stages of different sizes: each piece has its counterpart
+                _check_routes(r, st, by_rank, fail)
                 continue
             nxt = by_rank[q].get(s + 1)
             if nxt is None or nxt["recv_from"] != r:

@@ -392,6 +392,16 @@ class Plan:
     def mesh_spec(self) -> Mesh:
         return Mesh(tuple((a, int(n)) for a, n in self.mesh.items()))
 
+    @property
+    def world_size(self) -> int:
+        """The ranks the plan runs on: its mesh's size, or for a pipeline whose stage groups run on sub-meshes of
+        different sizes (``mesh`` then holds the largest), the sum of the groups' sizes."""
+        if self.pipeline is not None:
+            sizes = [math.prod(st.mesh.values()) for st in self.pipeline.stages[:self.pipeline.num_groups]]
+            if len(set(sizes)) > 1:
+                return sum(sizes)
+        return self.mesh_spec.world_size
+
     def axis_placements(self) -> dict[str, dict[str, Placement]]:
         """mesh axis name -> {fqn: Placement} of the decision (placements given as replicated are kept:
         the lowering does not complete them)."""
@@ -610,7 +620,7 @@ def _check_devices(plan: Plan) -> None:
         if len(d.batch_rows) != want:
             raise UsageError(f"plan: devices.batch_rows {list(d.batch_rows)} must give one row count per coordinate of "
                              f"the batch axis {plan.batch_axis!r} ({want}) of mesh {dict(plan.mesh)}")
-    if d.rank_to_device is not None and len(d.rank_to_device) != plan.mesh_spec.world_size:
+    if d.rank_to_device is not None and len(d.rank_to_device) != plan.world_size:
         raise UsageError(f"plan: devices.rank_to_device {list(d.rank_to_device)} must name one device per rank of mesh "
                          f"{dict(plan.mesh)}")
 

@@ -96,6 +96,10 @@ class StageProgram:
         layers: the layers (module names) the stage holds, for reports.
         coords: this rank's coordinates in the stage's sub-mesh (axis -> index).
         submesh: the stage's sub-mesh (axis -> size); ``{}`` for one rank.
+        routes: where the previous or next stage runs on a sub-mesh of another data-parallel size, the
+            :class:`~adaptdist.stage_routes.StageRoutes` of every tensor crossing the boundary (pieces of the
+            batch rows to or from several peers); ``recv_from`` / ``send_to`` then name only the first peer.
+            None: whole tensors to and from ``recv_from`` / ``send_to``.
     """
 
     stage: int
@@ -116,6 +120,7 @@ class StageProgram:
     layers: tuple[str, ...] = ()
     coords: Mapping[str, int] = field(default_factory=dict)
     submesh: Mapping[str, int] = field(default_factory=dict)
+    routes: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -168,6 +173,11 @@ class PipelineRankProgram:
         state_placements: fqn -> placement text per intra-stage mesh axis of sharded state tensors.
         loss_rank: True on the ranks whose last stage computes the loss.
         plan: the pipeline :class:`~adaptdist.plan.Plan` the program was lowered from.
+        microbatch_stride: rows between the starts of two microbatches of this rank; 0: ``microbatch_rows`` (the
+            replica's rows ``batch_slice`` are contiguous). Stages of different data-parallel sizes cut the global
+            batch into ``num_microbatches`` contiguous microbatches of ``stride`` rows first, then each microbatch
+            over the replicas: replica ``d`` of ``D`` reads rows ``[m*stride + d*rows, m*stride + (d+1)*rows)``
+            (``batch_slice = (d*rows, M*rows)``), so every stage sees microbatch ``m`` as the same rows.
     """
 
     rank: int
@@ -190,13 +200,17 @@ class PipelineRankProgram:
     plan: Any = None
     # ModuleList experts held stacked: stacked name -> the user's names (model.safetensors is written under those)
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    microbatch_stride: int = 0
 
     def microbatch(self, batch: tuple[torch.Tensor, ...], m: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``m``'s rows of the GLOBAL batch (every tensor, dim 0)."""
-        off = self.batch_slice[0] + m * self.microbatch_rows
+        off = self.batch_slice[0] + m * (self.microbatch_stride or self.microbatch_rows)
         return tuple(t[off:off + self.microbatch_rows] for t in batch)
 
     def local_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """This replica's rows of the global batch (the prologue's input)."""
+        """This replica's rows of the global batch (the prologue's input): its microbatches in order."""
+        if self.microbatch_stride and self.microbatch_stride != self.microbatch_rows:
+            mbs = [self.microbatch(batch, m) for m in range(self.num_microbatches)]
+            return tuple(torch.cat([mb[i] for mb in mbs]) for i in range(len(batch)))
         off, size = self.batch_slice
         return tuple(t[off:off + size] for t in batch)

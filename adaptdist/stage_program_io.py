@@ -37,6 +37,7 @@ from .pipeline_artifact_checks import PARTS, check_pipeline_meta, stage_class
 from .program import (FORMAT_VERSION, MANIFEST, _own_memory, _sha256, check_rank_files,
                       read_rank_manifest, seal_programs, write_extra_files)
 from .safe_load import load_json_file
+from .stage_routes import StageRoutes
 from .stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
 
 
@@ -96,7 +97,7 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
                 "grad_in_specs": _specs(st.grad_in_specs), "grad_out_specs": _specs(st.grad_out_specs),
                 "recv_from": st.recv_from, "send_to": st.send_to, "num_saved": st.num_saved,
                 "num_saved_w": st.num_saved_w, "layers": list(st.layers), "coords": dict(st.coords),
-                "submesh": dict(st.submesh)})
+                "submesh": dict(st.submesh), "routes": st.routes.to_doc() if st.routes is not None else None})
         prologue = None
         if prog.prologue is not None:
             sources.append(_source(prog.prologue.module, "Prologue"))
@@ -106,7 +107,8 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
         meta = {
             "rank": prog.rank, "world_size": prog.world_size, "stages": stages, "prologue": prologue,
             "num_microbatches": prog.num_microbatches, "microbatch_rows": prog.microbatch_rows,
-            "batch_slice": list(prog.batch_slice), "schedule": prog.schedule,
+            "batch_slice": list(prog.batch_slice), "microbatch_stride": prog.microbatch_stride,
+            "schedule": prog.schedule,
             "stage_ranks": {str(s): list(rs) for s, rs in prog.stage_ranks.items()},
             "batch_group": list(prog.batch_group),
             "grad_groups": {f: list(g) for f, g in prog.grad_groups.items()},
@@ -188,7 +190,8 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
         send_specs=specs(s["send_specs"]), grad_in_specs=specs(s["grad_in_specs"]),
         grad_out_specs=specs(s["grad_out_specs"]), recv_from=s["recv_from"], send_to=s["send_to"],
         num_saved=s["num_saved"], num_saved_w=s["num_saved_w"], layers=tuple(s["layers"]), coords=s["coords"],
-        submesh=s["submesh"]) for s in meta["stages"])
+        submesh=s["submesh"], routes=StageRoutes.from_doc(s["routes"]) if s.get("routes") is not None else None)
+        for s in meta["stages"])
     pro = meta["prologue"]
     prologue = (PrologueProgram(module(pro["class"]), tuple(pro["reduce_ops"]), tuple(pro["names"]))
                 if pro is not None else None)
@@ -201,8 +204,8 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
     return PipelineRankProgram(
         rank=meta["rank"], world_size=meta["world_size"], stages=stages, prologue=prologue,
         num_microbatches=meta["num_microbatches"], microbatch_rows=meta["microbatch_rows"],
-        batch_slice=tuple(meta["batch_slice"]), schedule=meta["schedule"],
-        stage_ranks={int(s): tuple(rs) for s, rs in meta["stage_ranks"].items()},
+        batch_slice=tuple(meta["batch_slice"]), microbatch_stride=int(meta.get("microbatch_stride", 0)),
+        schedule=meta["schedule"], stage_ranks={int(s): tuple(rs) for s, rs in meta["stage_ranks"].items()},
         batch_group=tuple(meta["batch_group"]), grad_groups={f: tuple(g) for f, g in meta["grad_groups"].items()},
         groups={g: tuple(rs) for g, rs in meta["groups"].items()}, state=load_file(str(d / prefix / "state.safetensors")),
         param_fqns=tuple(meta["param_fqns"]), global_shapes={f: tuple(s) for f, s in meta["global_shapes"].items()},

@@ -184,7 +184,8 @@ def test_stage_ranges_and_sub_meshes_are_checked_by_lower():
         lower(cg, bad, LoweringOptions())
     skew = _plan(cg, [StageSpec(("tok_emb", "pos_emb", "blocks.0"), {"dp": 2}), StageSpec(("blocks.1", "ln_f"), {"tp": 2})],
                  mesh={"pp": 2, "dp": 2})
-    with pytest.raises(PipelineError, match=r"stage 1 runs on sub-mesh \{'tp': 2\} but the plan's stage mesh is \{'dp': 2\}"):
+    with pytest.raises(PipelineError, match=r"stage 1 runs on sub-mesh \{'tp': 2\} but the plan's stage mesh is \{'dp': 2\}: stages on "
+                       r"sub-meshes of different sizes may differ only in their data-parallel size"):
         lower(cg, skew, LoweringOptions())
 
 

@@ -152,8 +152,10 @@ def test_mesh_preset_takes_the_model_files_tp_plan():
     assert p.mesh_axes == ("tp",) and dict(p.params) == {"layers.*.weight": ("S(0)",)}
     assert mesh_preset("pp=2,tp=2,dp=2", module).mesh_axes == ("dp", "tp")
     assert mesh_preset("pp=2,dp=2", None) is None and mesh_preset(None, None) is None
+    # no TP_PLAN: no preset; the planner places the parameters as the stage ILP chose (test_pipeline_submesh.py)
+    assert mesh_preset("pp=2,tp=2", SimpleNamespace()) is None
     with pytest.raises(UsageError, match="TP_PLAN"):
-        mesh_preset("pp=2,tp=2", SimpleNamespace())
+        mesh_preset("pp=2,tp=2", SimpleNamespace(TP_PLAN=["not a dict"]))
 
 
 def test_estimate_refuses_pipeline_plans_plainly(capsys):

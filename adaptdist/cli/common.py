@@ -136,7 +136,7 @@ def _cluster_of_flags(args):
     if args.nproc is None and plan_file.suffix == ".json" and plan_file.is_file():
         from ..plan import Plan
 
-        return local_cluster(Plan.load(plan_file).mesh_spec.world_size)  # a saved plan brings its mesh
+        return local_cluster(Plan.load(plan_file).world_size)  # a saved plan brings its mesh
     return local_cluster(2 if args.nproc is None else args.nproc)
 
 

@@ -379,6 +379,10 @@ def cmd_compile(args) -> int:
                             pipeline=pipeline_request(args), consider_pp=True if args.consider_pp else None,
                             batch_split=parse_batch_split(getattr(args, "batch_split", None)))
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
+    if getattr(res, "pipeline", False):
+        from .pipeline_flags import pipeline_mesh_text
+
+        mesh = pipeline_mesh_text(res.programs)
     console.print(f"compiled {spec.text} for {cluster!r} (mesh {mesh}) in {time.perf_counter() - t0:.1f} s: "
                   + ", ".join(f"{k} {v:.2f} s" for k, v in res.phases_s.items()))
     console.print(f"wrote {res.out_dir}: manifest.json, plan.json, rank0..{len(res.programs) - 1}/program.py"

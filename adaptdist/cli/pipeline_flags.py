@@ -4,7 +4,9 @@
 ``--plan pp`` without ``--mesh``: one pipeline over every rank (one rank per stage). ``--mesh pp=2,dp=2``: 2 stage
 groups, each stage on a sub-mesh ``dp=2`` (``--plan`` then names the plan inside the stages: ``pp`` or ``auto`` take
 the mesh's other axes as a preset, ``dp``/``tp``/``dp,tp`` or a plan file give it). ``--schedule interleaved-1f1b``
-puts 2 stages on each stage group. A saved pipeline plan (``programs/plan.json``) is a pipeline without these flags.
+puts 2 stages on each stage group. ``--stage-ranks 2,1``: stages on sub-meshes of different sizes (stage 0 on 2
+ranks, data parallel, stage 1 on 1; the sizes add up to the ranks): a faster device can take a bigger share. A saved
+pipeline plan (``programs/plan.json``) is a pipeline without these flags.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def add_pipeline_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline plans: the schedule (default: the planner chooses from each schedule's predicted "
                         "bubble); interleaved-1f1b holds 2 stages per stage group, zb is ZB-H1 (the backward split into "
                         "input- and weight-gradient parts)")
+    p.add_argument("--stage-ranks", type=_stage_ranks, default=None, metavar="N0,N1,...",
+                   help="pipeline plans: the number of ranks of each stage, data parallel inside it (e.g. 2,1: stage 0 "
+                        "on ranks 0-1, stage 1 on rank 2; the sizes add up to the ranks); the planner chooses the "
+                        "layer ranges. Implies a pipeline; not with --mesh axes other than pp")
+
+
+def _stage_ranks(text: str) -> tuple[int, ...]:
+    parts = [x.strip() for x in text.split(",")]
+    try:
+        sizes = tuple(int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks per stage like 2,1, got {text!r}") from None
+    if len(sizes) < 2 or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected at least 2 stages of >= 1 rank each, like 2,1, got {text!r}")
+    return sizes
 
 
 def _positive_int(text: str) -> int:
@@ -53,7 +70,7 @@ def wants_pipeline(args) -> bool:
     """
     plan = getattr(args, "plan", None)
     mesh = getattr(args, "mesh", None)
-    yes = plan == "pp" or mesh_has_pp(mesh)
+    yes = plan == "pp" or mesh_has_pp(mesh) or getattr(args, "stage_ranks", None) is not None
     given = [f for f, v in (("--microbatches", getattr(args, "microbatches", None)),
                             ("--schedule", getattr(args, "schedule", None))) if v is not None]
     if given and not yes and not _is_pipeline_plan_file(plan):
@@ -105,6 +122,9 @@ def pipeline_options(args, world_size: int) -> Any:
 
     schedule = getattr(args, "schedule", None) or DEFAULT_SCHEDULE
     v = stages_per_rank(schedule)
+    if getattr(args, "stage_ranks", None) is not None:
+        return PipelineOptions(microbatches=getattr(args, "microbatches", None), schedule=schedule,
+                               stage_ranks=tuple(args.stage_ranks))
     return PipelineOptions(stages=None if mesh_has_pp(getattr(args, "mesh", None)) else world_size * v,
                            microbatches=getattr(args, "microbatches", None), schedule=schedule, stages_per_rank=v)
 
@@ -131,7 +151,12 @@ def is_pipeline(programs: dict) -> bool:
 def pipeline_mesh_text(programs: dict) -> str:
     """``pp=2,dp=2`` of pipeline programs."""
     plan = programs[0].plan
-    return ",".join(f"{a}={n}" for a, n in plan.mesh.items()) if plan is not None else "?"
+    if plan is None:
+        return "?"
+    if plan.pipeline is not None and plan.world_size != plan.mesh_spec.world_size:  # stages of different sizes
+        return f"pp={plan.pipeline.num_stages}, stage sub-meshes " + " | ".join(
+            ",".join(f"{a}={n}" for a, n in st.mesh.items()) or "1 rank" for st in plan.pipeline.stages)
+    return ",".join(f"{a}={n}" for a, n in plan.mesh.items())
 
 
 def describe_stages(programs: dict) -> list[str]:
@@ -168,7 +193,9 @@ def pipeline_request(args) -> Any:
         return None
     from ..compiler.pipeline_auto import PipelineRequest
 
-    return PipelineRequest(getattr(args, "microbatches", None), getattr(args, "schedule", None))
+    sr = getattr(args, "stage_ranks", None)
+    return PipelineRequest(getattr(args, "microbatches", None), getattr(args, "schedule", None),
+                           tuple(sr) if sr is not None else None)
 
 
 def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: int, options, cluster=None,
@@ -195,7 +222,8 @@ def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: in
         decision = choose_pipeline_plan(captured, cluster, world_size, mesh=args.mesh,
                                         microbatches=getattr(args, "microbatches", None),
                                         schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec),
-                                        optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"))
+                                        optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"),
+                                        stage_ranks=getattr(args, "stage_ranks", None))
         if console is not None:
             print_decision(console, decision)
         return compile_model(model, example, loss_fn, world_size, decision.plan, options, captured=captured)

@@ -29,7 +29,7 @@ RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
             "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng",
-            "microbatches", "schedule", "batch_split")
+            "microbatches", "schedule", "batch_split", "stage_ranks")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -78,6 +78,8 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
     for key in keys:
         given = getattr(args, key, None)
         recorded = settings.get(key, defaults.get(key))  # a setting newer than the run: its default
+        if key == "stage_ranks" and isinstance(recorded, list):  # JSON's list of the parsed tuple
+            recorded = tuple(recorded)
         if given != defaults.get(key) and given != recorded:
             shown = repr(recorded) if recorded is not None else ("not set (the default, 1f1b)" if key == "schedule"
                                                                   else "not set (its default)")
@@ -94,6 +96,21 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
         args.nproc = tuple(args.nproc)
     if isinstance(getattr(args, "nproc", None), int) and getattr(args, "mesh", None):
         args.mesh = _pipeline_mesh_for(args.mesh, args.nproc)
+    if isinstance(getattr(args, "nproc", None), int) and getattr(args, "stage_ranks", None):
+        args.stage_ranks = _stage_ranks_for(tuple(args.stage_ranks), args.nproc)
+
+
+def _stage_ranks_for(sizes: tuple[int, ...], nproc: int) -> tuple[int, ...] | None:
+    """A resumed ``--stage-ranks`` run on ``nproc`` ranks: the same sizes where they fit, scaled where ``nproc`` is
+    a multiple of their sum (``2,1`` on 6 ranks: ``4,2``), one rank per stage where ``nproc`` is the number of
+    stages; else None (the planner chooses the stages, as ``--plan pp``)."""
+    if sum(sizes) == nproc:
+        return sizes
+    if nproc % sum(sizes) == 0:
+        return tuple(n * (nproc // sum(sizes)) for n in sizes)
+    if nproc == len(sizes):
+        return (1,) * len(sizes)
+    return None
 
 
 def _pipeline_mesh_for(mesh: str, nproc: int) -> str:

@@ -126,7 +126,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
 
         decision = choose_pipeline_plan(
             captured, cluster, cluster.world_size, mesh=mesh, microbatches=pipeline.microbatches,
-            schedule=pipeline.schedule, optimizer=optimizer,
+            schedule=pipeline.schedule, optimizer=optimizer, stage_ranks=getattr(pipeline, "stage_ranks", None),
             inner=mesh_preset(mesh, spec.module()) if plan_arg in ("pp", "auto")
             else ManualPlan.parse(plan_arg, spec.module()))
         if console is not None:

@@ -252,10 +252,10 @@ def resolve_plan(plan: "ManualPlan | Plan | None", captured: CapturedGraph, worl
                                  for p in captured.gm.graph.find_nodes(op="placeholder")  # pass's ValueError
                                  if gmeta.get_role(p) != "batch"})
         m = plan.mesh_spec
-        if m.world_size != world_size:
-            raise UsageError(f"plan {plan.name!r} is for mesh {m} ({m.world_size} ranks), this job has {world_size}; "
-                             f"run it on {m.world_size} ranks (--nproc {m.world_size}, or a cluster of that size; without "
-                             "--nproc and --cluster a saved plan brings its mesh)")
+        if plan.world_size != world_size:
+            raise UsageError(f"plan {plan.name!r} is for mesh {m} ({plan.world_size} ranks), this job has {world_size}; "
+                             f"run it on {plan.world_size} ranks (--nproc {plan.world_size}, or a cluster of that size; "
+                             "without --nproc and --cluster a saved plan brings its mesh)")
         if mesh and Mesh.parse(mesh) != m:
             raise UsageError(f"--mesh {mesh} differs from the mesh {m} of plan {plan.name!r}; drop --mesh")
         return plan

@@ -1,7 +1,8 @@
 """The pipeline plan of ``--plan pp`` / ``--mesh pp=N,...``: what the user sets stays fixed, the rest the planner
 chooses (issue 15, point 1).
 
-The inter-stage planner (:func:`~.planner.stages.plan_pipeline`, equal sub-meshes: what the lowering runs) picks
+The inter-stage planner (:func:`~.planner.stages.plan_pipeline`: equal sub-meshes, and without ``--mesh``
+data-parallel ones of different sizes too; ``--stage-ranks 2,1`` fixes each stage's size) picks
 the layer ranges (uneven where the devices' speeds differ: each stage is costed on its own ranks' devices), the
 number of stages and their sub-mesh (unless ``--mesh pp=N,...`` gives them), the schedule (unless ``--schedule``)
 and the microbatches (unless ``--microbatches``) from the cost model's forward, input-gradient and
@@ -26,6 +27,7 @@ class PipelineRequest:
 
     microbatches: int | None = None
     schedule: str | None = None
+    stage_ranks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class PipelineDecision:
 
 def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: str | None = None,
                          microbatches: int | None = None, schedule: str | None = None, inner: Any = None,
-                         optimizer: str = "adamw") -> PipelineDecision:
+                         optimizer: str = "adamw", stage_ranks: tuple[int, ...] | None = None) -> PipelineDecision:
     """The pipeline plan for ``captured`` on ``cluster`` (``world_size`` ranks; module docstring).
 
     Args:
@@ -68,6 +70,9 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
         inner: the plan inside the stages (a :class:`~adaptdist.annotations.ManualPlan` from ``--plan dp`` etc.),
             None: the sub-mesh axes' presets.
         optimizer: sizes the optimizer state in the stages' memory.
+        stage_ranks: ``--stage-ranks 2,1``: each stage's number of ranks (data parallel inside), fixed; the planner
+            chooses the layer ranges (else they split evenly). Without it and without ``mesh`` the planner weighs
+            stages of different sizes too.
 
     Raises:
         PipelineError, UsageError: from the even-split fallback, where the user's numbers cannot run (names them).
@@ -88,6 +93,9 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
             fixed["stages"] = num_stages
             rest = tuple((a, n) for a, n in m.axes if a != PIPELINE_AXIS and n > 1)
             submesh = Mesh(rest) if rest else None
+    if stage_ranks is not None:
+        fixed["stage ranks"] = ",".join(map(str, stage_ranks))
+        fixed["stages"] = len(stage_ranks)
     if schedule is not None:
         fixed["schedule"] = schedule
     if microbatches is not None:
@@ -96,15 +104,19 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
     try:
         if mesh and num_stages is None:
             raise AdaptdistError(f"--mesh {mesh} has no {PIPELINE_AXIS!r} axis")  # the even split's error says more
-        if mesh and submesh is None and num_stages is not None and num_stages != world_size:
+        if mesh and submesh is None and num_stages is not None and num_stages != world_size and stage_ranks is None:
             raise AdaptdistError(f"--mesh {mesh} gives {num_stages} stage groups of one rank on {world_size} ranks")
         kw: dict = {"num_stages": num_stages} if num_stages is not None else {}
-        if mesh:  # pp=N alone: one rank per stage
+        if mesh and stage_ranks is None:  # pp=N alone: one rank per stage
             kw["submesh"] = submesh if submesh is not None else Mesh.one_axis("dp", 1)
+        if stage_ranks is not None:
+            kw = {"stage_sizes": tuple(stage_ranks)}
+        elif not mesh:
+            kw["uneven_dp"] = True
         choice = plan_pipeline(captured, cluster, optimizer=optimizer, uniform=True,
                                microbatches=[microbatches] if microbatches is not None else None,
                                schedules=(schedule,) if schedule is not None else SCHEDULES, **kw)
-        if mesh and submesh is None and any(len(s.ranks) != 1 for s in choice.stages):
+        if mesh and submesh is None and stage_ranks is None and any(len(s.ranks) != 1 for s in choice.stages):
             raise AdaptdistError(f"the planner put several ranks on a stage, --mesh {mesh} asks for one")
         plan = pipeline_plan(captured, choice, world_size, inner=inner)
         return PipelineDecision(plan, choice, fixed)
@@ -114,6 +126,8 @@ def choose_pipeline_plan(captured: Any, cluster: Any, world_size: int, *, mesh: 
     v = stages_per_rank(sched)
     opts = PipelineOptions(stages=None if mesh else world_size * v, microbatches=microbatches, schedule=sched,
                            stages_per_rank=v)
+    if stage_ranks is not None:
+        opts = PipelineOptions(microbatches=microbatches, schedule=sched, stage_ranks=tuple(stage_ranks))
     plan = resolve_plan(inner, captured, world_size, mesh, pipeline=opts)
     return PipelineDecision(plan, None, fixed, note)
 

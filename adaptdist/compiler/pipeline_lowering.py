@@ -29,8 +29,16 @@ Three steps (PIPELINE.md):
    each; the addition of the stages' gradient contributions is cut out of the graph, each stage returns its
    own, and ``grad_groups`` names all holders so the runtime's all-reduce sums them (copies stay equal).
 
-Not done: stages on different sub-meshes (resharding between two stages' placements is refused, naming
-both meshes), mutated buffers (BatchNorm running statistics) in a pipeline.
+4. Stages on sub-meshes of different data-parallel sizes (``--stage-ranks 2,1``): the step is lowered once per
+   size (``mb`` of ``dp_s * M`` coordinates), each stage's programs cut from its own size's lowering (the two
+   lowerings cut the graph at the same values, checked by name). The batch is cut into ``M`` contiguous
+   microbatches first and each over a stage's replicas (``PipelineRankProgram.microbatch_stride``), so every stage
+   sees microbatch ``m`` as the same rows; at a boundary each tensor is resharded by
+   :mod:`adaptdist.stage_routes` (rows cut/concatenated along the dim where the two local shapes differ by the
+   sizes' ratio, replicated values copied, partial gradients added).
+
+Not done: stages of different sizes with model-parallel axes inside or interleaved (refused naming the meshes),
+FSDP inside a stage (refused naming the parameters), mutated buffers (BatchNorm running statistics) in a pipeline.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import dataclasses
 import math
 import operator
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx
@@ -52,6 +60,7 @@ from ..mesh import Mesh
 from ..placement import Replicate
 from ..plan import PIPELINE_AXIS, SCHEDULES, PipelineSpec, Plan, StageSpec, graph_fingerprint
 from ..stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
+from ..stage_routes import StageRoutes, boundary_routes
 from .capture import CapturedGraph
 
 if TYPE_CHECKING:
@@ -132,12 +141,15 @@ def split_layers(layers: list[str], num_stages: int) -> list[tuple[str, ...]]:
 class PipelineOptions:
     """What ``--plan pp`` / ``--mesh pp=N,...`` ask for: ``stages`` (None: the mesh's ``pp`` size, or every
     rank without a mesh), ``microbatches`` (None: one per stage), ``schedule`` (one of
-    :data:`~adaptdist.plan.SCHEDULES`), ``stages_per_rank`` (interleaved: virtual stages per rank group)."""
+    :data:`~adaptdist.plan.SCHEDULES`), ``stages_per_rank`` (interleaved: virtual stages per rank group),
+    ``stage_ranks`` (``--stage-ranks 2,1``: the number of ranks of each stage, data parallel inside a stage; None:
+    equal sub-meshes)."""
 
     stages: int | None = None
     microbatches: int | None = None
     schedule: str = "gpipe"
     stages_per_rank: int = 1
+    stage_ranks: tuple[int, ...] | None = None
 
 
 def check_schedule(schedule: str, num_stages: int, microbatches: int, stages_per_rank: int = 1,
@@ -201,6 +213,8 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
     from ..annotations import ManualPlan
 
     v = pipeline.stages_per_rank
+    if pipeline.stage_ranks is not None:
+        return _stage_ranks_plan(plan, captured, world_size, mesh, pipeline)
     if mesh:
         m = Mesh.parse(mesh)
         if PIPELINE_AXIS not in m.names:
@@ -244,10 +258,59 @@ def resolve_pipeline_plan(plan: "ManualPlan | None", captured: CapturedGraph, wo
                 graph_fingerprint=graph_fingerprint(captured.gm), name=name, pipeline=spec)
 
 
+def _stage_ranks_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_size: int, mesh: str | None,
+                      pipeline: PipelineOptions) -> Plan:
+    """The plan of ``--stage-ranks n0,n1,...``: stage ``g`` on ``n_g`` ranks (``{"dp": n_g}``, ``{}`` for one), the
+    layers split evenly, parameters replicated; the plan's mesh is ``pp=len, dp=max(n_g)`` (the largest sub-mesh).
+
+    Raises:
+        UsageError: sizes that do not add up to ``world_size``, a size < 1, with a ``--mesh`` of other axes or a
+            plan other than dp inside the stages.
+        PipelineError: as :func:`resolve_pipeline_plan` (layers, schedule, microbatches per stage).
+    """
+    sizes = tuple(pipeline.stage_ranks or ())
+    text = ",".join(map(str, sizes))
+    if not sizes or any(n < 1 for n in sizes):
+        raise UsageError(f"--stage-ranks {text}: every stage needs at least 1 rank")
+    if sum(sizes) != world_size:
+        raise UsageError(f"--stage-ranks {text} adds up to {sum(sizes)} ranks, this job has {world_size}; give sizes "
+                         f"that add up to {world_size}")
+    if mesh and any(part.split("=")[0].strip() != PIPELINE_AXIS for part in mesh.split(",") if part.strip()):
+        raise UsageError(f"--stage-ranks {text} gives each stage its own data-parallel sub-mesh; drop --mesh {mesh} "
+                         "(or use --mesh without --stage-ranks for equal sub-meshes)")
+    if mesh and Mesh.parse(mesh).size(PIPELINE_AXIS) != len(sizes):
+        raise UsageError(f"--stage-ranks {text} gives {len(sizes)} stages, --mesh {mesh} another number")
+    if plan is not None and plan.name not in (PIPELINE_AXIS, "dp"):
+        raise UsageError(f"--stage-ranks runs data parallelism inside each stage; plan {plan.name!r} cannot go with it "
+                         "(use --plan pp)")
+    if pipeline.stages_per_rank > 1:
+        raise PipelineError("--stage-ranks with an interleaved schedule is not supported; use --schedule 1f1b or gpipe")
+    if pipeline.stages is not None and pipeline.stages != len(sizes):
+        raise PipelineError(f"{pipeline.stages} pipeline stages asked, but --stage-ranks {text} gives {len(sizes)}")
+    num_stages = len(sizes)
+    microbatches = pipeline.microbatches or num_stages
+    check_schedule(pipeline.schedule, num_stages, microbatches, 1, rows=captured.batch_size // max(sizes))
+    for n in sizes:
+        check_microbatches(captured.batch_size, n, microbatches)
+    stage_layers = split_layers(pipeline_layers(captured), num_stages)
+    meshes = [{"dp": n} if n > 1 else {} for n in sizes]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    spec = PipelineSpec(tuple(StageSpec(layers, m, tuple(range(a, a + n)))
+                              for layers, m, a, n in zip(stage_layers, meshes, starts, sizes)), microbatches,
+                        pipeline.schedule, 1)
+    top = max(sizes)
+    fqns = [gmeta.get_fqn(p) for p in captured.gm.graph.find_nodes(op="placeholder") if gmeta.get_role(p) != "batch"]
+    return Plan(mesh={PIPELINE_AXIS: num_stages, "dp": top}, batch_axis="dp",
+                param_placements={f: (Replicate(), Replicate()) for f in fqns},
+                graph_fingerprint=graph_fingerprint(captured.gm), name="pp+dp", pipeline=spec)
+
+
 def mesh_preset(mesh: str | None, model_module: Any) -> Any:
     """The inner plan of ``--plan pp`` (or ``auto``) on ``--mesh pp=...,tp=...``: the preset the mesh's other axes
     name, with the model file's ``TP_PLAN`` (``EP_PLAN``) for a ``tp`` (``ep``) axis; None where those axes need
-    no model file (``dp`` alone, or no other axis: the lowering's own preset).
+    no model file (``dp`` alone, or no other axis: the lowering's own preset), or where the model file has no
+    ``TP_PLAN`` (``EP_PLAN``) for them: the inter-stage planner then places the parameters as each stage's ILP
+    chose (:func:`adaptdist.compiler.planner.stages.pipeline_plan`).
 
     Raises:
         UsageError: as :meth:`ManualPlan.parse` (a model file without ``TP_PLAN`` for a tp axis).
@@ -257,6 +320,9 @@ def mesh_preset(mesh: str | None, model_module: Any) -> Any:
         return None
     from ..annotations import ManualPlan
 
+    if ("tp" in axes and getattr(model_module, "TP_PLAN", None) is None) or \
+            ("ep" in axes and getattr(model_module, "EP_PLAN", None) is None):
+        return None
     key = "dp,tp" if axes == {"dp", "tp"} else ",".join(sorted(axes))
     return ManualPlan.parse(key, model_module)
 
@@ -294,112 +360,199 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             + (f"missing layer(s) {missing}; " if missing else "")
             + f"the model's layers are {layers}, the plan's stages hold {[list(s.layers) for s in spec.stages]}")
     intra = {a: n for a, n in plan.mesh.items() if a != PIPELINE_AXIS}
+    batch_axis = plan.batch_axis
+    group_mesh = [dict(spec.stages[g].mesh) for g in range(G)]
     for i, st in enumerate(spec.stages):
-        if dict(st.mesh) != intra:
-            raise PipelineError(
-                f"pipeline stage {i} runs on sub-mesh {dict(st.mesh) or '{} (1 rank)'} but the plan's stage mesh is "
-                f"{intra or '{} (1 rank)'}: stages on different sub-meshes need resharding between stages, which is not "
-                "implemented yet; give every stage the same sub-mesh")
+        if dict(st.mesh) != group_mesh[i % G]:
+            raise PipelineError(f"pipeline stage {i} runs on sub-mesh {dict(st.mesh) or '{} (1 rank)'} but stage "
+                                f"{i % G} of its rank group on {group_mesh[i % G] or '{} (1 rank)'}: the stages of "
+                                "one rank group share its sub-mesh")
+    uniform = all(m == intra for m in group_mesh)
+    model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
+    if not uniform:
+        want = [(a, n) for a, n in model_axes if n > 1]
+        for g, m in enumerate(group_mesh):
+            other = [(a, n) for a, n in m.items() if a != batch_axis and n > 1]
+            if other != want:
+                raise PipelineError(
+                    f"pipeline stage {g} runs on sub-mesh {m or '{} (1 rank)'} but the plan's stage mesh is "
+                    f"{intra or '{} (1 rank)'}: stages on sub-meshes of different sizes may differ only in their "
+                    f"data-parallel size (the plan's batch axis, {batch_axis or 'none here'}), their other axes "
+                    f"({dict(want) or 'none'}) alike; give every stage the same sub-mesh, or --stage-ranks for "
+                    "data-parallel stages of different sizes")
+        if spec.stages_per_rank > 1:
+            raise PipelineError(f"interleaved stages ({spec.stages_per_rank} per rank group) on sub-meshes of "
+                                f"different sizes {[m or {} for m in group_mesh]} are not supported; use --schedule "
+                                "1f1b or gpipe, or equal sub-meshes")
     if captured.mutated_buffer_fqns:
         raise PipelineError(f"{captured.model_name} updates buffers in its step ({', '.join(captured.mutated_buffer_fqns)}"
                             ", e.g. BatchNorm running statistics): not supported in a pipeline yet; use a plan without pp "
                             "or GroupNorm/LayerNorm")
     check_schedule(spec.schedule, S, M, spec.stages_per_rank)
-    batch_axis = plan.batch_axis
-    dp = intra[batch_axis] if batch_axis is not None else 1
-    rows = check_microbatches(captured.batch_size, dp, M)
+    dps = [m.get(batch_axis, 1) if batch_axis is not None else 1 for m in group_mesh]
+    group_rows = [check_microbatches(captured.batch_size, d, M) for d in dps]
 
-    # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering
-    if batch_axis is not None and intra.get(batch_axis, 1) > 1:
+    # 1. intra-stage SPMD + microbatch axis, by the ordinary lowering (once per data-parallel size)
+    if batch_axis is not None and max(dps) > 1:
         k = list(plan.mesh).index(batch_axis)
         sharded = sorted(f for f, pls in plan.param_placements.items() if not isinstance(pls[k], Replicate))
         if sharded:
             raise PipelineError(f"parameters sharded over the batch axis {batch_axis!r} inside a pipeline stage (FSDP: "
                                 f"{', '.join(sharded[:3])}{'...' if len(sharded) > 3 else ''}) are not supported yet; "
                                 f"replicate them on {batch_axis!r} (--plan dp) or shard them over a tp axis")
-    model_axes = [(a, n) for a, n in intra.items() if a != batch_axis]
-    vmesh = dict(model_axes) | {MB_AXIS: dp * M}
     keep = [list(plan.mesh).index(a) for a, _ in model_axes]
-    vplan = Plan(mesh=vmesh, batch_axis=MB_AXIS,
-                 param_placements={f: tuple(pls[k] for k in keep) + (Replicate(),)
-                                   for f, pls in plan.param_placements.items()},
-                 graph_fingerprint=plan.graph_fingerprint, name=plan.name)
     vopts = dataclasses.replace(options, grad_bucket_bytes=1, gather_bucket_bytes=1)
-    vprogs = lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
-    vm = Mesh(tuple(vmesh.items()))
+    vprogs_of: dict[int, dict] = {}
+    vm_of: dict[int, Mesh] = {}
+    for dp in sorted(set(dps)):
+        vmesh = dict(model_axes) | {MB_AXIS: dp * M}
+        vplan = Plan(mesh=vmesh, batch_axis=MB_AXIS,
+                     param_placements={f: tuple(pls[k] for k in keep) + (Replicate(),)
+                                       for f, pls in plan.param_placements.items()},
+                     graph_fingerprint=plan.graph_fingerprint, name=plan.name)
+        vprogs_of[dp] = lower_mesh(captured, vplan, vopts, follow_strategies=False, state=state)
+        vm_of[dp] = Mesh(tuple(vmesh.items()))
 
-    # rank layout: group g's ranks; local index j <-> intra coordinates
-    intra_mesh = Mesh(tuple(intra.items())) if intra else None
-    n_intra = intra_mesh.world_size if intra_mesh else 1
+    # rank layout: group g's ranks; local index j <-> the group's sub-mesh coordinates
+    gmeshes = [Mesh(tuple(m.items())) if m else None for m in group_mesh]
+    n_of = [gm.world_size if gm else 1 for gm in gmeshes]
     group_ranks: list[tuple[int, ...]] = []
+    off = 0
     for g in range(G):
         given_ranks = spec.stages[g].ranks
-        group_ranks.append(tuple(given_ranks) if given_ranks else tuple(range(g * n_intra, (g + 1) * n_intra)))
+        group_ranks.append(tuple(given_ranks) if given_ranks else tuple(range(off, off + n_of[g])))
+        off += n_of[g]
     for s in range(S):
         if spec.stages[s].ranks and tuple(spec.stages[s].ranks) != group_ranks[s % G]:
             raise PipelineError(f"pipeline stage {s} lists ranks {list(spec.stages[s].ranks)}, but its rank group "
                                 f"{s % G} is {list(group_ranks[s % G])}")
-    world = G * n_intra
+    world = sum(n_of)
     if sorted(r for gr in group_ranks for r in gr) != list(range(world)):
         raise PipelineError(f"the pipeline's stage ranks {[list(g) for g in group_ranks]} must use every rank "
                             f"0..{world - 1} once")
 
-    def coords_of(j: int) -> dict[str, int]:
-        return dict(zip(intra_mesh.names, intra_mesh.coords(j))) if intra_mesh else {}
+    def coords_of(g: int, j: int) -> dict[str, int]:
+        return dict(zip(gmeshes[g].names, gmeshes[g].coords(j))) if gmeshes[g] else {}
+
+    def model_key(c: Mapping[str, int]) -> tuple:
+        return tuple(c.get(a, 0) for a, _ in model_axes)
+
+    def replicas(grp: int, key: tuple) -> tuple[int, ...]:  # group grp's ranks at model coordinates key, by dp index
+        js = [jj for jj in range(n_of[grp]) if model_key(coords_of(grp, jj)) == key]
+        js.sort(key=lambda jj: coords_of(grp, jj).get(batch_axis, 0) if batch_axis else 0)
+        return tuple(group_ranks[grp][jj] for jj in js)
 
     stage_of_layer = {layer: s for s, st in enumerate(spec.stages) for layer in st.layers}
     built: dict[tuple, _Built] = {}
+
+    def built_for(g: int, key: tuple) -> _Built:
+        dp, rows = dps[g], group_rows[g]
+        if (dp, key) not in built:
+            vm, vprogs = vm_of[dp], vprogs_of[dp]
+            vr = vm.rank(key + (0,))
+            if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (1,))].graph_module.code:
+                raise PipelineError(_program_difference(vprogs[vr].graph_module,
+                                                        vprogs[vm.rank(key + (1,))].graph_module))
+            built[(dp, key)] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
+        return built[(dp, key)]
+
+    # boundary routes where adjacent stages have different data-parallel sizes
+    routes: dict[tuple[int, int], dict[str, list]] = {}  # (rank, stage) -> kind -> routes per tensor
+    if not uniform:
+        keys = sorted({model_key(coords_of(0, j)) for j in range(n_of[0])})
+        for s in range(S - 1):
+            ga, gb = s % G, (s + 1) % G
+            for key in keys:
+                a, b = built_for(ga, key).stages[s], built_for(gb, key).stages[s + 1]
+                ra, rb = replicas(ga, key), replicas(gb, key)
+                where = f"pipeline boundary between stage {s} ({len(ra)} replica(s)) and stage {s + 1} ({len(rb)})"
+                _check_boundary(a, b, where)
+                snd, rcv = boundary_routes("forward", _io_names(a.forward, len(a.send_specs), a.is_last),
+                                           [x.shape for x in a.send_specs], [x.shape for x in b.recv_specs], ra, rb,
+                                           where)
+                gsnd, grcv = boundary_routes("backward", [f"grad {i}" for i in range(len(b.grad_out_specs))],
+                                             [x.shape for x in b.grad_out_specs], [x.shape for x in a.grad_in_specs],
+                                             rb, ra, where)
+                for i, r in enumerate(ra):
+                    routes.setdefault((r, s), {})["send"] = snd[i]
+                    routes[(r, s)]["grad_in"] = grcv[i]
+                for i, r in enumerate(rb):
+                    routes.setdefault((r, s + 1), {})["recv"] = rcv[i]
+                    routes[(r, s + 1)]["grad_out"] = gsnd[i]
+
     programs: dict[int, PipelineRankProgram] = {}
     for g in range(G):
-        for j in range(n_intra):
-            c = coords_of(j)
+        intra_g, rows = group_mesh[g], group_rows[g]
+        for j in range(n_of[g]):
+            c = coords_of(g, j)
             d = c.get(batch_axis, 0) if batch_axis else 0
-            key = tuple(c.get(a, 0) for a, _ in model_axes)
-            if key not in built:
-                vr = vm.rank(key + (d * M,))
-                if M > 1 and vprogs[vr].graph_module.code != vprogs[vm.rank(key + (d * M + 1,))].graph_module.code:
-                    raise PipelineError(_program_difference(vprogs[vr].graph_module,
-                                                            vprogs[vm.rank(key + (d * M + 1,))].graph_module))
-                built[key] = _build(vprogs[vr], captured, stage_of_layer, S, M, rows)
-            b = built[key]
+            key = model_key(c)
+            b = built_for(g, key)
             rank = group_ranks[g][j]
 
             def peer(stage: int) -> int | None:
                 return group_ranks[stage % G][j] if 0 <= stage < S else None
 
-            def replicas(grp: int) -> tuple[int, ...]:  # this coordinate's data-parallel peers in group grp
-                out = []
-                for jj in range(n_intra):
-                    cc = coords_of(jj)
-                    if all(cc[a] == c[a] for a, _ in model_axes):
-                        out.append(group_ranks[grp][jj])
-                return tuple(out)
-
             stages = []
             for s in range(g, S, G):
                 p = b.stages[s]
-                stages.append(dataclasses.replace(p, recv_from=peer(s - 1), send_to=peer(s + 1), coords=dict(c),
-                                                  submesh=dict(intra)))
+                if uniform:
+                    stages.append(dataclasses.replace(p, recv_from=peer(s - 1), send_to=peer(s + 1), coords=dict(c),
+                                                      submesh=dict(intra_g)))
+                    continue
+                rt = routes.get((rank, s), {})
+                sr = StageRoutes(send=tuple(rt.get("send", ())), recv=tuple(rt.get("recv", ())),
+                                 grad_in=tuple(rt.get("grad_in", ())), grad_out=tuple(rt.get("grad_out", ())))
+                stages.append(dataclasses.replace(
+                    p, recv_from=replicas((s - 1) % G, key)[0] if s > 0 else None,
+                    send_to=replicas((s + 1) % G, key)[0] if s + 1 < S else None, coords=dict(c),
+                    submesh=dict(intra_g), routes=sr))
             mine = {s for s in range(g, S, G)}
-            grad_groups = {f: tuple(sorted({r for h in b.holders[f] for r in replicas(h % G)}))
+            grad_groups = {f: tuple(sorted({r for h in b.holders[f] for r in replicas(h % G, key)}))
                            for f in b.param_fqns if b.holders[f] & mine}
             groups = {}
             for a, _ in model_axes:
-                groups[Mesh.group_name(a)] = tuple(group_ranks[g][x] for x in intra_mesh.group(a, j))
+                if gmeshes[g] is not None and a in gmeshes[g].names:
+                    groups[Mesh.group_name(a)] = tuple(group_ranks[g][x] for x in gmeshes[g].group(a, j))
             names = sorted({f for p in stages for f in p.state_names}, key=b.order.index)
-            placements = {f: tuple("R" if a == batch_axis else pl[vm.index(a)] for a in intra)
+            vm = vm_of[dps[g]]
+            placements = {f: tuple("R" if a == batch_axis else pl[vm.index(a)] for a in intra_g)
                           for f, pl in b.state_placements.items() if f in names}
+            layout = dict(microbatch_rows=rows, batch_slice=(d * M * rows, M * rows)) if uniform else dict(
+                microbatch_rows=rows, batch_slice=(d * rows, M * rows), microbatch_stride=rows * dps[g])
             programs[rank] = PipelineRankProgram(
                 rank=rank, world_size=world, stages=tuple(stages), prologue=b.prologue, num_microbatches=M,
-                microbatch_rows=rows, batch_slice=(d * M * rows, M * rows), schedule=spec.schedule,
-                stage_ranks={s: group_ranks[s % G] for s in range(S)}, batch_group=replicas(g),
-                grad_groups=grad_groups, groups=groups, state={f: b.state[f] for f in names if f in b.state},
+                schedule=spec.schedule, stage_ranks={s: group_ranks[s % G] for s in range(S)},
+                batch_group=replicas(g, key), grad_groups=grad_groups, groups=groups,
+                state={f: b.state[f] for f in names if f in b.state},
                 param_fqns=tuple(f for f in b.param_fqns if f in names),
                 global_shapes={f: tuple(v) for f, v in b.global_shapes.items() if f in names},
                 state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
                 loss_rank=(S - 1) % G == g, plan=plan,
-                stacked={f: tuple(ms) for f, ms in captured.stacked.items()})
+                stacked={f: tuple(ms) for f, ms in captured.stacked.items()}, **layout)
     return dict(sorted(programs.items()))
+
+
+def _io_names(gm: torch.fx.GraphModule, n: int, skip_first: bool = False) -> list[str]:
+    """Names of the first ``n`` outputs of ``gm`` (after the loss when ``skip_first``)."""
+    out = list(gm.graph.output_node().args[0])
+    out = out[1:] if skip_first else out
+    return [getattr(v, "name", str(v)) for v in out[:n]]
+
+
+def _check_boundary(a: StageProgram, b: StageProgram, where: str) -> None:
+    """Stage ``a``'s sends are stage ``b``'s receives (from two lowerings of the same graph on different
+    data-parallel sizes: the same values, in the same order, only their batch rows differ)."""
+    sent = _io_names(a.forward, len(a.send_specs), a.is_last)
+    phs = [n.name for n in b.forward.graph.find_nodes(op="placeholder")]
+    got = phs[len(b.state_names):len(b.state_names) + len(b.recv_specs)]
+    if (len(a.send_specs) != len(b.recv_specs) or len(b.grad_out_specs) != len(a.grad_in_specs)
+            or [re.sub(r"\W", "_", x) for x in sent] != got
+            or any(x.dtype != y.dtype for x, y in zip(a.send_specs, b.recv_specs))
+            or any(x.dtype != y.dtype for x, y in zip(b.grad_out_specs, a.grad_in_specs))):
+        raise PipelineError(f"{where}: the stages' programs do not cut the graph at the same values (sent {sent}, "
+                            f"received {got}): the two data-parallel sizes lowered the step differently; give both "
+                            "stages the same sub-mesh")
 
 
 def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) -> str:

@@ -16,8 +16,10 @@ interleaved 1F1B) and the step's layout (module docstring of :mod:`adaptdist.sta
 4. the loss: the last stage's microbatch terms summed, all-reduced over its ``batch_group`` and handed to every
    rank (one world all-reduce of a scalar, only the lowest loss rank contributing), so rank 0 reports it.
 
-Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at once, under the
-collective timeout): the lists are proven to terminate under blocking semantics
+Where adjacent stages run on sub-meshes of different data-parallel sizes, each send or receive action moves every
+tensor's pieces to or from several peers (:attr:`StageProgram.routes`, :mod:`adaptdist.stage_routes`: why that
+stays deadlock-free). Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at
+once, under the collective timeout): the lists are proven to terminate under blocking semantics
 (:func:`adaptdist.pipeline_schedules.check_deadlock_free`). Every message has its own tag (stage, direction,
 microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls fails the
 wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the microbatch.
@@ -40,6 +42,7 @@ from .. import _torch_compat as compat
 from ..errors import CollectiveTimeoutError, UsageError
 from ..pipeline_schedules import Action, pipeline_order, stage_rank
 from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
+from ..stage_routes import assemble, check_routes, cut, piece_shape
 from .trace import TraceRecorder
 
 
@@ -96,6 +99,7 @@ class PipelineStepRunner:
 
     def __init__(self, program: PipelineRankProgram, optimizer: str, lr: float, groups: dict,
                  timeout_s: float = 120.0, max_grad_norm: float | None = None, *, make_optimizer):
+        check_routes(program)
         self.program = program
         self.groups = groups
         self.timeout = timedelta(seconds=timeout_s)
@@ -175,6 +179,29 @@ class PipelineStepRunner:
                 work = dist.irecv(buf, peer, tag=self._tag(stage, backward, a.microbatch, i))
                 self._wait(work, f"receive {a} (tensor {i})", peer)
                 out.append(buf)
+        return tuple(out)
+
+    def _send_routed(self, tensors: Sequence[torch.Tensor], routes, a: Action, backward: bool) -> None:
+        """Each tensor's pieces to their peers (stages of different sizes, :mod:`adaptdist.stage_routes`), in
+        (tensor, peer) order."""
+        for i, (t, route) in enumerate(zip(tensors, routes)):
+            for peer, piece in cut(t, route):
+                with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):
+                    work = dist.isend(piece, peer, tag=self._tag(a.stage, backward, a.microbatch, i))
+                    self._wait(work, f"send {a} (tensor {i}, piece to rank {peer})", peer)
+
+    def _recv_routed(self, specs: Sequence[TensorSpec], routes, a: Action, backward: bool, stage: int) -> tuple:
+        """Each tensor's pieces from their peers in (tensor, peer) order, assembled (concatenated, or summed)."""
+        out = []
+        for i, (spec, route) in enumerate(zip(specs, routes)):
+            parts = []
+            for p in route.pieces:
+                with self.trace.span("recv", stage=a.stage, microbatch=a.microbatch, peer=p.peer):
+                    buf = torch.empty(piece_shape(spec.shape, p), dtype=spec.dtype)
+                    work = dist.irecv(buf, p.peer, tag=self._tag(stage, backward, a.microbatch, i))
+                    self._wait(work, f"receive {a} (tensor {i}, piece from rank {p.peer})", p.peer)
+                    parts.append(buf)
+            out.append(assemble(parts, route, spec.shape, spec.dtype))
         return tuple(out)
 
     def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
@@ -259,6 +286,17 @@ class PipelineStepRunner:
                     backward_input(st, a.microbatch)
                 elif a.kind == "W":
                     backward_weight(st, a.microbatch)
+                elif st.routes is not None and a.kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
+                    r = st.routes  # stages of different sizes: pieces to / from several peers
+                    if a.kind == "SEND_F":
+                        self._send_routed(fwd_out.pop(key), r.send, a, backward=False)
+                    elif a.kind == "RECV_F":
+                        fwd_in[key] = self._recv_routed(st.recv_specs, r.recv, a, backward=False, stage=a.stage - 1)
+                    elif a.kind == "SEND_B":
+                        self._send_routed(grad_out.pop(key), r.grad_out, a, backward=True)
+                    else:
+                        grad_in[key] = self._recv_routed(st.grad_in_specs, r.grad_in, a, backward=True,
+                                                         stage=a.stage + 1)
                 elif a.kind == "SEND_F":
                     self._send(fwd_out.pop(key), st.send_to, a, backward=False)
                 elif a.kind == "RECV_F":

@@ -20,7 +20,8 @@ import torch.fx
 
 from ..errors import SimulationError
 from ..mesh import Mesh
-from ..stage_program import PipelineRankProgram, TensorSpec
+from ..stage_program import PipelineRankProgram, StageProgram, TensorSpec
+from ..stage_routes import assemble, check_routes, cut, piece_shape
 from .simulate import simulate_ranks
 
 
@@ -50,6 +51,26 @@ def _check(vals: Sequence[torch.Tensor], specs: Sequence[TensorSpec], what: str)
                                   f"{sp.dtype}")
 
 
+def _routed(r: int, recv_routes, specs: Sequence[TensorSpec], out_of: dict, send_routes_of: dict,
+            what: str) -> list[torch.Tensor]:
+    """What rank ``r`` receives along ``recv_routes`` (one per tensor): each piece cut from its sender's tensor
+    (``out_of[peer]``) by the sender's own route (``send_routes_of[peer]``) to ``r``, then assembled."""
+    out = []
+    for i, (route, spec) in enumerate(zip(recv_routes, specs)):
+        parts = []
+        for p in route.pieces:
+            mine = [(peer, t) for peer, t in cut(out_of[p.peer][i], send_routes_of[p.peer][i]) if peer == r]
+            if len(mine) != 1:
+                raise SimulationError(f"{what}: rank {p.peer} sends {len(mine)} pieces of tensor {i} to rank {r}, "
+                                      "its route 1")
+            if tuple(mine[0][1].shape) != piece_shape(spec.shape, p):
+                raise SimulationError(f"{what}: piece of tensor {i} from rank {p.peer} is {tuple(mine[0][1].shape)}, "
+                                      f"the route wants {piece_shape(spec.shape, p)}")
+            parts.append(mine[0][1])
+        out.append(assemble(parts, route, spec.shape, spec.dtype))
+    return out
+
+
 def _run(mods: list, ins: list, mesh: Mesh | None) -> list:
     """Compiled programs through :func:`simulate_ranks`; loaded ones (plain modules, from
     :func:`~adaptdist.stage_program_io.load_pipeline_program`) called one by one: they must not hold collectives."""
@@ -70,6 +91,8 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
             collective mismatch inside a stage (see :func:`simulate_ranks`).
     """
     progs = dict(programs)
+    for p in progs.values():
+        check_routes(p)
     any_p = next(iter(progs.values()))
     S = any_p.stages[0].num_stages
     M = any_p.num_microbatches
@@ -104,7 +127,12 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
             mods, ins = [], []
             for r in ranks:
                 st, p = stage_of[(r, s)], progs[r]
-                recv = sends[(st.recv_from, s - 1, m)] if st.recv_from is not None else []
+                if st.routes is not None and st.recv_from is not None:
+                    prev = {x: stage_of[(x, s - 1)] for x in stage_ranks[s - 1]}
+                    recv = _routed(r, st.routes.recv, st.recv_specs, {x: sends[(x, s - 1, m)] for x in prev},
+                                   {x: prev[x].routes.send for x in prev}, f"stage {s} microbatch {m} recv")
+                else:
+                    recv = sends[(st.recv_from, s - 1, m)] if st.recv_from is not None else []
                 _check(recv, st.recv_specs, f"rank {r} stage {s} microbatch {m} recv")
                 mods.append(st.forward)
                 ins.append([p.state[f] for f in st.state_names] + list(recv) + list(p.microbatch(batch, m))
@@ -130,7 +158,12 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
             mods, ins = [], []
             for r in ranks:
                 st = stage_of[(r, s)]
-                gin = gsend[(st.send_to, s + 1, m)] if st.send_to is not None else []
+                if st.routes is not None and st.send_to is not None:
+                    nxt = {x: stage_of[(x, s + 1)] for x in stage_ranks[s + 1]}
+                    gin = _routed(r, st.routes.grad_in, st.grad_in_specs, {x: gsend[(x, s + 1, m)] for x in nxt},
+                                  {x: nxt[x].routes.grad_out for x in nxt}, f"stage {s} microbatch {m} grad_in")
+                else:
+                    gin = gsend[(st.send_to, s + 1, m)] if st.send_to is not None else []
                 _check(gin, st.grad_in_specs, f"rank {r} stage {s} microbatch {m} grad_in")
                 mods.append(st.backward_input)
                 ins.append(saved.pop((r, s, m)) + list(gin))

@@ -85,6 +85,9 @@ class StageEstimate:
         activation_bytes: what the backward keeps for the whole batch, per device.
         mesh: the intra-stage mesh ((axis, size), ...). batch_axis: its batch axis or None.
         source: ``ilp``, ``single-rank`` or ``analytic``.
+        param_placements: ``ilp`` only: ``(((layer offset in the range, index in its param_fqns), placements per
+            mesh axis), ...)`` of the parameters the intra-stage planner shards (others replicated); by position, as
+            like layers share one estimate (:func:`fqn_placements` names them for a range).
     """
 
     compute_s: float
@@ -97,6 +100,7 @@ class StageEstimate:
     mesh: tuple[tuple[str, int], ...] = (("dp", 1),)
     batch_axis: str | None = "dp"
     source: str = "analytic"
+    param_placements: tuple = ()
 
     def per_microbatch(self, m: int) -> tuple[float, float, float]:
         """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches."""
@@ -118,6 +122,7 @@ class StageChoice:
         forward_s, backward_s, weight_s: per microbatch, sends included, seconds.
         grad_sync_s: its gradient reduction per step. memory_bytes: peak per device under the schedule;
         capacity_bytes: the smallest memory among its ranks. source: how it was costed.
+        param_placements: the intra-stage planner's sharded parameters (:attr:`StageEstimate.param_placements`).
     """
 
     index: int
@@ -133,6 +138,7 @@ class StageChoice:
     memory_bytes: float
     capacity_bytes: float
     source: str
+    param_placements: tuple = ()
 
     @property
     def time_s(self) -> float:
@@ -381,11 +387,12 @@ class StageCoster:
     """
 
     def __init__(self, lg: LayerGraph, cluster: Any, optimizer: str = "adamw", mode: str = "ilp",
-                 time_limit_s: float = ILP_TIME_LIMIT_S, mesh: Any = None) -> None:
+                 time_limit_s: float = ILP_TIME_LIMIT_S, mesh: Any = None, dp_only: bool = False) -> None:
         if mode not in ("ilp", "analytic"):
             raise UsageError(f"stage coster {mode!r} is not one of ilp, analytic")
         self.lg, self.cluster, self.mode, self.time_limit_s = lg, cluster, mode, time_limit_s
         self.mesh = mesh  # a fixed intra-stage MeshCandidate for multi-rank stages (None: search every shape)
+        self.dp_only = dp_only  # multi-rank stages data parallel (stages of different sizes: the lowering's rule)
         self.state_copies = optimizer_model(optimizer).state_copies
         self.cache: dict[tuple, StageEstimate | None] = {}
         self.strategy_cache: dict = {}
@@ -443,7 +450,7 @@ class StageCoster:
         if self.mode == "analytic":
             return self._analytic(sub, roof, overhead, acts, fr, of, ranks)
         try:
-            return self._ilp(sub, fr, of, ranks, acts)
+            return self._ilp(sub, fr, of, ranks, acts, first, end)
         except Exception as e:  # noqa: BLE001 -- a range the intra-stage planner cannot take is costed analytically
             self.fallbacks.append(f"layers {first}..{end - 1} on ranks {list(ranks)}: {type(e).__name__}: {e}")
             return self._analytic(sub, roof, overhead, acts, fr, of, ranks)
@@ -457,7 +464,8 @@ class StageCoster:
         return StageEstimate(roof / k, fr, overhead, of, sync, self._state_bytes(sub), acts / k, (("dp", k),), "dp",
                              "analytic")
 
-    def _ilp(self, sub: PlanningGraph, fr, of, ranks: tuple[int, ...], acts: float) -> StageEstimate | None:
+    def _ilp(self, sub: PlanningGraph, fr, of, ranks: tuple[int, ...], acts: float, first: int = 0,
+             end: int = 0) -> StageEstimate | None:
         from .ilp import Infeasible
         from .problem import Constraints, _out, factors, reshard_time_s, GRADIENT_BUCKETS, OtherAxis
         from .search import _axis_order, mesh_candidates, solve_candidate
@@ -467,6 +475,11 @@ class StageCoster:
         device_bytes = float(min(cl.device(i).memory_bytes for i in range(len(ranks))))
         best = None
         shapes = [self.mesh] if self.mesh is not None else mesh_candidates(len(ranks), sub.batch_size)
+        if self.dp_only:
+            from .search import BATCH_AXIS, MeshCandidate
+            from ...mesh import Mesh
+
+            shapes = [MeshCandidate(Mesh.one_axis(BATCH_AXIS, len(ranks)), BATCH_AXIS)]
         for c in shapes:
             if c.mesh.world_size != len(ranks):
                 return None
@@ -507,12 +520,26 @@ class StageCoster:
 
             state = self._state_bytes(sub, divisor)
             split = c.mesh.size(c.batch_axis) if c.batch_axis else 1
+
+            def place(name: str, a: str) -> Any:
+                return _out(chosen[a].get(name), 0)
+
+            pos = {f: (i - first, k) for i in range(first, end) for k, f in enumerate(self.lg.layers[i].param_fqns)}
+            pls = tuple(sorted((pos[pn.fqn], tuple(place(pn.name, a) for a in c.mesh.names)) for pn in sub.params()
+                               if pn.kind == "param" and getattr(pn, "fqn", None) in pos
+                               and any(isinstance(place(pn.name, a), Shard) for a in c.mesh.names)))
             est = StageEstimate(ev.compute_s + comm - sync, fr, ev.overhead_s, of, sync, state, acts / split,
-                                tuple(c.mesh.as_dict().items()), c.batch_axis, "ilp")
+                                tuple(c.mesh.as_dict().items()), c.batch_axis, "ilp", pls)
             total = est.compute_s + est.overhead_s + est.grad_sync_s
             if best is None or total < best[0] * (1 - 1e-9):
                 best = (total, est)
         return best[1] if best else None
+
+
+def fqn_placements(lg: LayerGraph, first: int, placements: tuple) -> tuple:
+    """A :attr:`StageEstimate.param_placements` (by position) for the range starting at layer ``first``, by fqn:
+    ``((fqn, placements per mesh axis), ...)``."""
+    return tuple((lg.layers[first + i].param_fqns[k], pl) for (i, k), pl in placements)
 
 
 # --- the DP ---------------------------------------------------------------------------------------
@@ -863,7 +890,7 @@ def _schedule_choices(lg: LayerGraph, res: DPResult, m: int, rule: str, schedule
         stages = tuple(
             StageChoice(i, tuple(lg.names[s.first:s.end]), (s.first, s.end), tuple(range(s.offset, s.offset + s.size)),
                         dict(e.mesh), e.batch_axis, fs[i], bs[i], ws[i], e.grad_sync_s, e.memory_bytes(flight[i], m),
-                        capacity(s), e.source)
+                        capacity(s), e.source, fqn_placements(lg, s.first, e.param_placements))
             for i, (s, e) in enumerate(zip(res.slots, ests)))
         step = se.step_s + sync
         out.append((step, PipelineChoice(stages, se.schedule, m, step, se.bubble_s, se.bubble_fraction,
@@ -956,7 +983,9 @@ def _interleaved(lg: LayerGraph, res: DPResult, m: int, est, capacity, cluster: 
         names = tuple(nm for a, b in mine for nm in lg.names[a:b])
         e0 = ests[i][0]
         stages.append(StageChoice(i, names, mine[0], tuple(range(s.offset, s.offset + k)), dict(e0.mesh), e0.batch_axis,
-                                  per[i][0], per[i][1], per[i][2], syncs[i], mem[i], caps[i], e0.source))
+                                  per[i][0], per[i][1], per[i][2], syncs[i], mem[i], caps[i], e0.source,
+                                  tuple(x for (a, _), e in zip(mine, ests[i])
+                                        for x in fqn_placements(lg, a, e.param_placements))))
     chunks = tuple(tuple(lg.names[a:b]) for a, b in bounds)
     return se, (tuple(stages), chunks, max(syncs))
 
@@ -965,7 +994,8 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                   spmd_step_s: float | None = None, microbatches: Sequence[int] | None = None,
                   schedules: Sequence[str] = SCHEDULES, num_stages: int | None = None,
                   time_limit_s: float = ILP_TIME_LIMIT_S, pg: PlanningGraph | None = None,
-                  uniform: bool = False, submesh: Any = None) -> PipelineChoice:
+                  uniform: bool = False, submesh: Any = None, stage_sizes: Sequence[int] | None = None,
+                  uneven_dp: bool = False) -> PipelineChoice:
     """Plan a pipeline for ``captured`` on ``cluster`` (module docstring): layers, stage costs, the DP, the schedule.
 
     Args:
@@ -978,12 +1008,24 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
             lowering runs today): one search per shape (``dp=2``, ``tp=2``, ...), the fastest wins.
         submesh: with ``uniform``, the one intra-stage :class:`~adaptdist.mesh.Mesh` to use (``--mesh
             pp=2,dp=2`` gives ``dp=2``; its batch axis is ``dp`` if it has one); None: search.
+        stage_sizes: ``--stage-ranks 2,1``: the ranks of each stage, fixed (data parallel inside each); the DP
+            chooses the layer ranges, microbatches and schedule.
+        uneven_dp: with ``uniform``, also search stages of different sizes, each data parallel (what the
+            lowering runs on sub-meshes of different sizes), and keep the faster.
 
     Raises:
         PlanInfeasibleError, UsageError: see :func:`plan_stages`.
     """
     pg = pg or build_planning_graph(captured, cluster)
     lg = build_layers(pg)
+    if stage_sizes is not None:
+        starts = {sum(stage_sizes[:i]): n for i, n in enumerate(stage_sizes)}
+        # data parallel inside the stages, parameters replicated and gradients all-reduced (what the lowering runs
+        # on stages of different sizes): the analytic cost, not an ILP that may shard parameters over dp
+        sc = StageCoster(lg, cluster, optimizer, "analytic", time_limit_s, dp_only=True)
+        return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules,
+                           num_stages=len(stage_sizes), spmd_step_s=spmd_step_s,
+                           sizes=lambda off, rem: [starts[off]] if starts.get(off, rem + 1) <= rem else [])
     if not uniform:
         sc = StageCoster(lg, cluster, optimizer, coster, time_limit_s)
         return plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
@@ -1019,6 +1061,18 @@ def plan_pipeline(captured: CapturedGraph, cluster: Any, *, optimizer: str = "ad
                 best = ch
             if k == 1:
                 break
+    if uneven_dp and submesh is None:  # data parallel inside the stages: the analytic cost (an ILP per range is slow)
+        sc = StageCoster(lg, cluster, optimizer, "analytic", time_limit_s, dp_only=True)
+        sc.strategy_cache = strategies
+        try:
+            ch = plan_stages(lg, cluster, sc, microbatches=microbatches, schedules=schedules, num_stages=num_stages,
+                             spmd_step_s=spmd_step_s)
+            if best is None or ch.step_s < best.step_s * (1 - TIE_TOLERANCE):
+                best = ch
+        except PlanInfeasibleError as e:
+            last_error = last_error or e
+        finally:
+            costs += sc.misses
     if best is None:
         raise last_error or PlanInfeasibleError(f"no pipeline of equal sub-meshes fits {world} ranks")
     return dataclasses.replace(best, planner_s=time.perf_counter() - t0, stage_costs=costs)
@@ -1116,11 +1170,14 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     then the stages' common sub-mesh; the sub-mesh axes' placements by the preset of their names, as
     ``--mesh pp=2,dp=2`` gives), with ``choice``'s stages, microbatches, schedule and predictions as its
     ``pipeline`` (:func:`to_pipeline_spec`). ``inner``: the plan inside the stages (a ManualPlan such as
-    ``--plan tp``'s) instead of the presets.
+    ``--plan tp``'s) instead of the presets; None with a model-parallel axis (``tp``...) in the sub-mesh and every
+    stage costed by the ILP: the stage ILP's own parameter placements (:func:`_ilp_pipeline_plan`), not a model
+    file's ``TP_PLAN``. Stages of different data-parallel sizes: the ``--stage-ranks`` plan
+    (:func:`~adaptdist.compiler.pipeline_lowering.resolve_pipeline_plan`) with ``choice``'s layer ranges.
 
     Raises:
-        UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes (the lowering
-            runs equal ones: plan with ``uniform=True``).
+        UsageError: no pipeline lowering in this tree (pp-core's), or stages on different sub-meshes other than
+            data-parallel ones of different sizes.
     """
     try:
         from ...annotations import ManualPlan
@@ -1130,12 +1187,23 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
         raise UsageError("this adaptdist has no pipeline lowering (adaptdist.compiler.pipeline_lowering); "
                          "plan without stages") from e
     meshes = {tuple(_stage_mesh(s.mesh).items()) for s in choice.stages}
-    if len(meshes) != 1:
-        raise UsageError(f"the pipeline's stages run on different sub-meshes {sorted(meshes)}; the pipeline lowering "
-                         "needs one sub-mesh for every stage (plan_pipeline(..., uniform=True))")
-    sub = dict(meshes.pop())
     spec = to_pipeline_spec(choice)
+    if len(meshes) != 1:
+        if any(set(m) - {"dp"} for m, _ in ((dict(x), 0) for x in meshes)) or spec.stages_per_rank > 1:
+            raise UsageError(f"the pipeline's stages run on different sub-meshes {sorted(meshes)}; the pipeline "
+                             "lowering runs stages of different sizes only data parallel inside each stage and not "
+                             "interleaved (plan_pipeline(..., uniform=True, uneven_dp=True))")
+        if inner is not None and getattr(inner, "name", None) not in ("dp", "pp"):
+            raise UsageError(f"the pipeline's stages run on sub-meshes of different sizes {sorted(meshes)}: data "
+                             f"parallel inside each stage, not plan {inner.name!r}")
+        base = resolve_plan(None, captured, world_size, None, pipeline=PipelineOptions(
+            microbatches=spec.microbatches, schedule=spec.schedule,
+            stage_ranks=tuple(len(s.ranks) for s in choice.stages)))
+        return dataclasses.replace(base, pipeline=spec)
+    sub = dict(meshes.pop())
     text = ",".join([f"pp={spec.num_groups}"] + [f"{a}={n}" for a, n in sub.items()])
+    if inner is None and set(sub) - {"dp"} and all(s.source == "ilp" for s in choice.stages):
+        return _ilp_pipeline_plan(captured, choice, spec, sub)
     if inner is None:
         inner = ManualPlan.parse(",".join(sub)) if sub else None
     base = resolve_plan(inner, captured, world_size, text if sub else None,
@@ -1144,11 +1212,34 @@ def pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, world_size: i
     return dataclasses.replace(base, pipeline=spec)
 
 
+def _ilp_pipeline_plan(captured: CapturedGraph, choice: PipelineChoice, spec: Any, sub: Mapping[str, int]) -> Any:
+    """The pipeline plan whose parameters are placed as each stage's intra-stage ILP chose (not a model file's
+    ``TP_PLAN`` preset): a parameter takes the placements of the first stage holding it, replicated on the
+    batch axis (the pipeline lowering does not shard parameters over it; a stage's ILP may have, for memory)."""
+    from ...placement import Replicate
+    from ...plan import PIPELINE_AXIS, Plan, graph_fingerprint
+
+    batch_axis = "dp" if "dp" in sub else None
+    pls: dict[str, tuple] = {}
+    for st in choice.stages:
+        names = list(st.mesh)
+        for fqn, placements in st.param_placements:
+            if fqn in pls:
+                continue
+            by = dict(zip(names, placements))
+            pls[fqn] = (Replicate(),) + tuple(Replicate() if a == batch_axis or by.get(a) is None else by[a]
+                                              for a in sub)
+    return Plan(mesh={PIPELINE_AXIS: spec.num_groups, **sub}, batch_axis=batch_axis,
+                param_placements={f: p for f, p in pls.items() if any(not isinstance(x, Replicate) for x in p)},
+                graph_fingerprint=graph_fingerprint(captured.gm), name="pp+auto", pipeline=spec)
+
+
 def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimizer: str = "adamw",
                   time_limit_s: float = ILP_TIME_LIMIT_S, progress: Callable[[str], None] | None = None) -> Any:
     """``result`` (:func:`.search.plan_auto`'s :class:`~.search.PlannerResult`) with pipeline stages weighed:
-    :func:`plan_pipeline` on equal sub-meshes against ``result``'s predicted step; where the pipeline is predicted
-    faster, its plan (:func:`pipeline_plan`) replaces ``result.plan``. ``result.pipeline`` holds the stage plan
+    :func:`plan_pipeline` on equal sub-meshes (and data-parallel ones of different sizes) against ``result``'s
+    predicted step; where the pipeline is predicted faster, its plan (:func:`pipeline_plan`) replaces
+    ``result.plan``. ``result.pipeline`` holds the stage plan
     either way (with ``chosen`` and, where it is faster but cannot be lowered in this tree, a ``note``), or why
     there is none (a str).
     """
@@ -1162,7 +1253,7 @@ def with_pipeline(result: Any, captured: CapturedGraph, cluster: Any, *, optimiz
     phases = dict(result.phases_s)
     try:
         choice = plan_pipeline(captured, cluster, optimizer=optimizer, spmd_step_s=result.predicted.step_s,
-                               pg=result.graph, time_limit_s=time_limit_s, uniform=True)
+                               pg=result.graph, time_limit_s=time_limit_s, uniform=True, uneven_dp=True)
     except AdaptdistError as e:
         phases["stages"] = time.perf_counter() - t0
         return dataclasses.replace(result, pipeline=f"no pipeline: {e}", phases_s=phases)
@@ -1196,7 +1287,8 @@ def pipeline_only(captured: CapturedGraph, cluster: Any, spmd_error: Exception, 
     t0 = time.perf_counter()
     pg = build_planning_graph(captured, cluster)
     try:
-        choice = plan_pipeline(captured, cluster, optimizer=optimizer, pg=pg, time_limit_s=time_limit_s, uniform=True)
+        choice = plan_pipeline(captured, cluster, optimizer=optimizer, pg=pg, time_limit_s=time_limit_s, uniform=True,
+                               uneven_dp=True)
         plan = pipeline_plan(captured, choice, cluster.world_size)
     except AdaptdistError as e:
         raise PlanInfeasibleError(f"{spmd_error}\nand with pipeline stages: {e}") from spmd_error
