@@ -297,28 +297,27 @@ def check_batch_partition(metas: Mapping[int, Mapping[str, Any]], directory: Pat
                                f"(example_batch.safetensors) has {rows} rows; compile again")
 
 
-def check_compile(directory: str | Path, manifest: Mapping[str, Any]) -> dict[int, dict]:
+def check_compile(directory: str | Path, manifest: Mapping[str, Any], check_meta: Any = None,
+                  check_ranks: Any = None) -> dict[int, dict]:
     """Read and check every rank's ``program.json`` against ``manifest`` (one compile, the same world and mesh,
-    the batch partitioned); returns rank -> metadata.
+    the batch partitioned); returns rank -> metadata. ``check_meta(meta, path, rank, manifest)`` checks one
+    rank's metadata (default :func:`check_program_meta`; pipeline programs pass
+    :mod:`.pipeline_artifact_checks`' own, whose module imports this one), ``check_ranks(metas, directory,
+    manifest)`` their agreement (default: none beyond the batch partition).
 
     Raises:
-        ProgramLoadError: as :func:`check_program_meta` (pipeline programs: :mod:`.pipeline_artifact_checks`) and
-            :func:`check_batch_partition`; a missing file.
+        ProgramLoadError: as ``check_meta``, ``check_ranks`` and :func:`check_batch_partition`; a missing file.
     """
     d = Path(directory)
-    pipeline = manifest.get("kind") == PIPELINE_KIND
-    if pipeline:  # pipeline programs' program.json (adaptdist.stage_program_io) has fields of its own
-        from .pipeline_artifact_checks import check_pipeline_meta as check_meta, check_pipeline_ranks
-    else:
-        check_meta = check_program_meta
+    check_meta = check_meta or check_program_meta
     metas = {}
     for r in range(manifest["world_size"]):
         p = d / f"rank{r}" / "program.json"
         meta = safe_load.load_json_file(p, "program file", ProgramLoadError)
         metas[r] = check_meta(meta, p, r, manifest)
     # the ranks' agreement first (its errors name the file), then the compile id over everything
-    if pipeline:
-        check_pipeline_ranks(metas, d, manifest)
+    if check_ranks is not None:
+        check_ranks(metas, d, manifest)
     check_batch_partition(metas, d, manifest)
     if "compile_id" in manifest:  # recomputed: an edit of any covered file, field or rank's metadata shows
         covers = manifest.get("compile_covers")

@@ -124,3 +124,11 @@ def transports_of_code(code: str, group_names: Mapping[str, str], mesh: Mapping[
     shm = set(shm_groups_in_code(code))
     return {axis: ("none" if int(mesh.get(axis, 1)) == 1 else "shm" if name in shm else "gloo")
             for axis, name in group_names.items()}
+
+
+def rank_hosts(cluster) -> tuple[str, ...] | None:
+    """The host name of each rank of ``cluster`` (None for no cluster, or one whose ranks are not CPU ranks: the
+    shared-memory kernels move CPU tensors)."""
+    if cluster is None or getattr(cluster, "device_kinds", ("cpu",)) != ("cpu",):
+        return None
+    return tuple(cluster.host_of(r).name for r in range(cluster.world_size))

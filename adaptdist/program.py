@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from ._version import __version__
 from . import _torch_compat as compat
-from .artifact_checks import check_compile, check_manifest, check_program_meta, compile_id
+from .artifact_checks import PIPELINE_KIND, check_compile, check_manifest, check_program_meta, compile_id
 from .errors import ProgramLoadError
 from .safe_load import load_json_file
 
@@ -431,7 +431,12 @@ def check_artifacts(directory: str | Path, cluster: Any | None) -> dict:
                                        f"{manifest['world_size']}; compile again")
     check_kernels(manifest, d)  # before any rank starts (adaptdist run)
     # every rank from one compile, the batch slices a partition; pipeline programs: the stages' peers agree too
-    check_compile(d, manifest)
+    if manifest.get("kind") == PIPELINE_KIND:  # pipeline programs' program.json (stage_program_io) has its own fields
+        from .pipeline_artifact_checks import check_pipeline_meta, check_pipeline_ranks
+
+        check_compile(d, manifest, check_pipeline_meta, check_pipeline_ranks)
+    else:
+        check_compile(d, manifest)
     if cluster is not None:
         if cluster.world_size != manifest["world_size"]:
             raise ProgramLoadError(

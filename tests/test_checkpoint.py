@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.artifacts import shard_layout
+from adaptdist.state_layout import shard_layout
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.program import save_programs
 from adaptdist.runtime.launch import launch_local

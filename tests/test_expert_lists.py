@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from adaptdist.annotations import ManualPlan
 from adaptdist.compiler.capture import capture
-from adaptdist.compiler.expert_lists import fold_stack_of_unbind, unstack_state
+from adaptdist.compiler.expert_lists import fold_stack_of_unbind
+from adaptdist.state_layout import unstack_state
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.mesh import lowering_order
 from adaptdist.models import moe

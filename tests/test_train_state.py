@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from adaptdist.annotations import ManualPlan
-from adaptdist.compiler.artifacts import shard_layout
+from adaptdist.state_layout import shard_layout
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.errors import CheckpointError
 from adaptdist.program import save_programs

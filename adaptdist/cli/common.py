@@ -87,14 +87,6 @@ def check_out_file(path: str | None, flag: str = "--out") -> None:
     _probe_write(parent, flag, f"the directory of {flag} {str(p)!r}")
 
 
-def rank_hosts(cluster) -> tuple[str, ...] | None:
-    """The host name of each rank of ``cluster`` (None for no cluster, or one whose ranks are not CPU ranks: the
-    shared-memory kernels move CPU tensors)."""
-    if cluster is None or getattr(cluster, "device_kinds", ("cpu",)) != ("cpu",):
-        return None
-    return tuple(cluster.host_of(r).name for r in range(cluster.world_size))
-
-
 def lowering_options(args, cluster=None):
     """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
     ``--replicate-fallback``, ``--dump-graphs``, ``--comm``, ...); ``cluster`` (the ranks the programs will run on)
@@ -103,6 +95,7 @@ def lowering_options(args, cluster=None):
     Raises:
         UsageError: a bucket size that is not > 0.
     """
+    from ..comm_transport import rank_hosts
     from ..lowering_options import LoweringOptions
 
     return LoweringOptions.from_mb(comm=getattr(args, "comm", None) or "auto", hosts=rank_hosts(cluster),

@@ -70,7 +70,7 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
     console = report_console()
     spec = ModelSpec.parse(args.model)
     module = spec.module()
-    from .common import rank_hosts
+    from ..comm_transport import rank_hosts
 
     options = LoweringOptions.from_mb(args.bucket_mb, replicate_fallback=args.replicate_fallback, front_end="cli",
                                       comm=args.comm, hosts=rank_hosts(cluster))

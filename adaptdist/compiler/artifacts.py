@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import AdaptdistError, UsageError
-from ..placement import Shard, chunk_interval, parse_placement
+from ..state_layout import shard_layout
 
 log = logging.getLogger("adaptdist.compiler")
 
@@ -53,31 +53,6 @@ class CompileResult:
     phases_s: dict[str, float] = field(default_factory=dict)
     planner: Any = None
     pipeline: bool = False
-
-
-def shard_layout(program: Any) -> dict[str, dict[str, Any]]:
-    """Per state tensor of ``program``: global shape, placement per mesh axis, and the ``[start, stop)`` of
-    every dim this rank holds (torch.chunk along the axes in lowering order)."""
-    from ..mesh import Mesh, lowering_order
-
-    mesh = Mesh(tuple(program.mesh.items()))
-    batch_axis = program.plan.batch_axis if program.plan is not None else None
-    order = lowering_order(mesh, batch_axis)
-    coords = dict(zip(mesh.names, mesh.coords(program.rank)))
-    out = {}
-    for f in program.input_fqns:
-        shape = list(program.global_shapes[f] if f in program.global_shapes else program.state[f].shape)
-        pls = program.state_placements.get(f, ["R"] * len(mesh.names))
-        ranges = [[0, n] for n in shape]
-        by_axis = dict(zip(mesh.names, pls))
-        for a in order:
-            p = parse_placement(by_axis[a])
-            if isinstance(p, Shard) and mesh.size(a) > 1:
-                lo, hi = ranges[p.dim]
-                s, e = chunk_interval(hi - lo, mesh.size(a), coords[a])
-                ranges[p.dim] = [lo + s, lo + e]
-        out[f] = {"global_shape": shape, "placements": dict(zip(mesh.names, pls)), "ranges": ranges}
-    return out
 
 
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,

@@ -45,7 +45,8 @@ from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
 from .expert_lists import fold_stack_of_unbind
-from .graphless_calls import GraphRuns, refuse_skipped_rnn_frame
+from ..runtime.eager_parameters import GraphRuns
+from .graphless_calls import refuse_skipped_rnn_frame
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -656,7 +657,7 @@ def _rank_io(programs: Mapping[int, Any], rank: int, world: int) -> RankIO:
 def _layouts(program: Any, programs: Mapping[int, Any], inputs: list[GraphInput]) -> dict[int, ShardLayout]:
     """The layout of every state input the plan shards, by Dynamo input index (with the plan, so a later
     graph that meets an already sharded parameter keeps its layout)."""
-    from .artifacts import shard_layout
+    from ..state_layout import shard_layout
 
     index_of = {i.fqn: k for k, i in enumerate(inputs) if i.kind != "input"}
     if not program.state_placements:

@@ -326,15 +326,3 @@ def expert_lines(stacked: dict[str, list[str]], notes: list[str]) -> list[str]:
 def stack_state(named: dict[str, torch.Tensor], stacked: dict[str, list[str]]) -> dict[str, torch.Tensor]:
     """The stacked values ``{stacked name: torch.stack(members)}`` from a model's ``named`` tensors."""
     return {s: torch.stack([named[m].detach() for m in members]) for s, members in stacked.items()}
-
-
-def unstack_state(state: dict[str, torch.Tensor], stacked: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """``state`` with every full stacked value split into its experts, under the user's names (in place of the
-    stacked name); other entries unchanged."""
-    out = {}
-    for k, v in state.items():
-        if k in stacked:
-            out.update(zip(stacked[k], v.unbind(0)))
-        else:
-            out[k] = v
-    return out

@@ -178,7 +178,7 @@ class ProgramSource:
         else:
             plan = ManualPlan.parse(self.plan, spec.module())
         try:
-            from ..cli.common import rank_hosts
+            from ..comm_transport import rank_hosts
 
             options = replace(self.options, hosts=rank_hosts(cluster))  # this world size's hosts (--comm)
             programs = compile_model(model, example, loss_fn, world_size, plan, options, captured=captured)

@@ -138,7 +138,7 @@ class CompiledStep:
         self.grad_inputs = grad_inputs
         self.rank = rank
         self.calls = 0
-        self.runs = None  # the backend's GraphRuns (compiler/graphless_calls.py): its graphs' parameters
+        self.runs = None  # the backend's GraphRuns (runtime/eager_parameters.py): its graphs' parameters
         self.root_module = None  # weakref to the compiled module, where Dynamo compiled a module's forward
         self.backward_checked = False
         # collective group name -> torch's name of the process group (ProcessGroup.group_name); registered
@@ -407,7 +407,7 @@ class _StepFunction(torch.autograd.Function):
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None
         if not step.backward_checked and step.runs is not None:
-            from ..compiler.graphless_calls import refuse_eager_trained_parameters
+            from .eager_parameters import refuse_eager_trained_parameters
 
             step.backward_checked = True
             refuse_eager_trained_parameters(step.root_module() if step.root_module is not None else None, step.runs)

@@ -74,7 +74,7 @@ def expert_rows(program: RankProgram) -> dict[str, tuple[int, int]]:
     stacked = getattr(program, "stacked", None) or {}
     if not stacked:
         return {}
-    from ..compiler.artifacts import shard_layout
+    from ..state_layout import shard_layout
 
     out = {}
     layout = None

@@ -614,7 +614,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     """
     from safetensors.torch import save_file
 
-    from ..compiler.expert_lists import unstack_state
+    from ..state_layout import unstack_state
     from .checkpoint import as_global, ordered_device_mesh
 
     out = Path(cfg.out_dir)
