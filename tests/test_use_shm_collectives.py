@@ -134,3 +134,27 @@ def test_lowering_puts_one_host_axes_on_shm_only():
         assert all(c.startswith("adaptdist.shm_") for c in shm[r].collectives())
         assert "wait_tensor" not in shm[r].code and "wait_tensor" in gloo[r].code
     assert _compile(LoweringOptions())[0].code == gloo[0].code  # no hosts: auto keeps gloo
+
+
+def test_backend_refuses_graphs_whose_shm_axis_spans_other_ranks(monkeypatch):
+    """The backend's shared-memory groups are one per name in a process: a later graph (another mesh after a graph
+    break, or a second model) whose axis of the same name spans other ranks would re-point the earlier graph's
+    collectives (silently wrong gradients, measured on 4 ranks: dp=2 then dp=4); refused instead. The same ranks
+    again (a graph break on one mesh) pass."""
+    import types
+
+    from adaptdist.compiler import dynamo_backend as db
+    from adaptdist.errors import UsageError
+
+    code = "all_reduce = torch.ops.adaptdist.shm_all_reduce.default(x, 'sum', 'adaptdist:dp')\n"
+    program = types.SimpleNamespace(code=code, group_names={"dp": "adaptdist:dp"})
+    ranks = {"now": (0, 1)}
+    monkeypatch.setattr(db.compat, "resolve_process_group", lambda name: name)
+    monkeypatch.setattr(db.dist, "get_process_group_ranks", lambda group: list(ranks["now"]))
+    config = db.AdaptdistBackend(plan="dp")
+    db._check_shm_group_members(program, config)
+    db._check_shm_group_members(program, config)  # a second graph on the same ranks
+    ranks["now"] = (0, 1, 2, 3)
+    with pytest.raises(UsageError, match=r"mesh axis 'dp' \(ranks \[0, 1, 2, 3\]\).*earlier graph's axis over ranks "
+                                         r"\[0, 1\].*comm='gloo'"):
+        db._check_shm_group_members(program, config)
