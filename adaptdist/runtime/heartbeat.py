@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 from .. import _torch_compat as compat
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, ShmPeerError
 
 _PREFIX = "adaptdist/heartbeat"
 
@@ -128,7 +128,8 @@ def named_timeout(exc: BaseException, heartbeat: Heartbeat, step: int, *, settle
     the age of its last beat; when the store is unreachable its host, rank 0, is named (it is likely dead).
     Never raises itself.
     """
-    if isinstance(exc, CollectiveTimeoutError) or not is_collective_failure(exc):
+    # a shared-memory collective's own error names its peer, but not whether it stalled or died: the heartbeats say
+    if not isinstance(exc, ShmPeerError) and (isinstance(exc, CollectiveTimeoutError) or not is_collective_failure(exc)):
         return exc
     me = heartbeat.rank
     timeout = heartbeat.collective_timeout_s
