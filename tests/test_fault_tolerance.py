@@ -233,7 +233,7 @@ def test_a_running_runs_directory_is_locked(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_an_elastic_pipeline_that_loses_a_rank_replans_its_stages_and_goes_on(reference, tmp_path, monkeypatch):
-    """--plan pp --nproc 2:3: 3 stages; rank 2's agent dies before step 5; ranks 0 and 1 re-form, re-plan a 2-stage
+    """--plan pp --nproc 2:3: the planner's stages over 3 ranks; rank 2's agent dies before step 5; ranks 0 and 1 re-form, re-plan a 2-stage
     pipeline through the elastic door (ProgramSource, cached for 2 ranks), load the step-4 checkpoint (each rank its
     new stage's layers) and finish: losses and parameters equal the fault-free 2-rank data-parallel run's (itself
     eager's) to 1e-5."""
@@ -246,7 +246,9 @@ def test_an_elastic_pipeline_that_loses_a_rank_replans_its_stages_and_goes_on(re
     resume = summary["resumes"][0]
     assert (resume["saved_world_size"], resume["world_size"], resume["step"]) == (3, 2, 4)
     assert "rank 2" in summary["restarts"][0]["cause"]
-    assert json.loads((out / "programs" / "manifest.json").read_text())["mesh"] == {"pp": 3}
+    first = json.loads((out / "programs" / "manifest.json").read_text())
+    # the planner's stages over 3 ranks: {2, 1} (stages of different sizes) or 3 one-rank stages
+    assert first["kind"] == "pipeline" and first["world_size"] == 3 and first["mesh"]["pp"] >= 2, first
     [cached] = list((out / "programs_cache").glob("world2-*/manifest.json"))
     assert json.loads(cached.read_text())["kind"] == "pipeline" and json.loads(cached.read_text())["mesh"] == {"pp": 2}
     ref = json.loads((reference / "summary.json").read_text())
