@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,12 +113,24 @@ def test_sigterm_to_the_launcher_checkpoints_then_resume_with_more_steps(tmp_pat
     cmd = [sys.executable, "-m", "adaptdist.cli", "train", "--steps", "100000", "--out", str(out),
            "--checkpoint-every", "100000", *SMALL]
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 150
-    while not (out / "status" / "attempt0" / "rank1.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)  # some steps
+    # Signal once rank 0 has logged a finished step (its first "step 1/N" line), not after a fixed sleep: on a
+    # loaded machine the first step may take longer than any fixed wait.
+    lines: list[str] = []
+    stepped = threading.Event()
+
+    def read_stderr():
+        for line in p.stderr:
+            lines.append(line)
+            if line.startswith("step ") and not stepped.is_set():
+                stepped.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    assert stepped.wait(timeout=200), "".join(lines)[-3000:]
     p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
+    p.wait(timeout=120)
+    reader.join(timeout=30)
+    err = "".join(lines)
     assert p.returncode == 143, err[-3000:]
     last = [line for line in err.splitlines() if line.strip()][-1]
     assert last.startswith("adaptdist: interrupted (SIGTERM) at step"), err[-3000:]
