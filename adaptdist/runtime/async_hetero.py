@@ -311,7 +311,9 @@ class HeteroConfig:
         threads_per_rank: torch threads where a rank is not pinned.
         cpus_of_rank: per rank the cores to pin it to, or None (``()``: no pinning).
         warmup_steps: steps left out of the throughput (the first ones start the pipeline).
-        fault: ``(rank, step, kind)`` to inject (tests: ``kill`` or ``raise`` before that 1-based step), or None.
+        fault: ``(rank, step, kind)`` to inject before that 1-based step (tests: ``kill``, ``stall`` or ``raise``),
+            or None.
+        record_first_grads: also return the first step's gradients (tests).
     """
 
     model: nn.Module
@@ -335,6 +337,8 @@ def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
 
         if cfg.fault[2] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.fault[2] == "stall":
+            time.sleep(3600)
         raise RuntimeError(f"injected fault: rank {rank} raises before step {step}")
 
 
