@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .pipeline_flags import add_pipeline_flags
 
     add_pipeline_flags(t)
+    from .modes import add_mode_flags
+
+    add_mode_flags(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -196,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "the data (builtin:dlrm) reads")
     _add_lowering(p)
     add_pipeline_flags(p)
+    add_mode_flags(p)
     from .cluster import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
@@ -271,6 +275,16 @@ def cmd_plan(args) -> int:
     from ..compiler.training_features import apply_training_features
 
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
+    from .modes import print_mode, resolve_mode, write_mode_json
+
+    choice = resolve_mode(args, model, example, cluster, console)
+    if choice is not None:
+        print_mode(choice, console)
+        if choice.mode == "async-hetero":  # no compiled programs: the layout is the plan
+            if args.out:
+                write_mode_json(args.out, choice)
+                console.print(f"wrote {args.out}")
+            return 0
     from .pipeline_flags import compile_pipeline_or_none, print_pipeline_plan
 
     pipeline = compile_pipeline_or_none(args, spec, model, example, loss_fn, cluster.world_size,

@@ -300,7 +300,9 @@ def cmd_train(args, defaults: dict) -> int:
     # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
     built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
-    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
+    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
+                    mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
+                    dense_ranks=getattr(args, "dense_ranks", None))
     started = []
 
     def begin() -> None:
@@ -314,7 +316,20 @@ def cmd_train(args, defaults: dict) -> int:
         write_run_file(out, settings, "running")
         started.append(True)
 
+    from .modes import resolve_mode
+
+    choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
+                          resuming=resume_src is not None)
+    args._mode_choice = choice
     try:
+        if choice is not None and choice.mode == "async-hetero":
+            from .modes import train_async
+
+            return train_async(args, spec, built, out, cluster, choice, timeouts, console, begin)
+        if choice is not None:
+            from .modes import print_mode
+
+            print_mode(choice, console)
         return _train(args, spec, built, out, cluster, nproc, elastic, resume_src, settings, timeouts, console,
                       begin=begin)
     except BaseException:
@@ -455,7 +470,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
-                                       **({"evaluation": evaluation[0]} if evaluation else {}))
+                                       **({"evaluation": evaluation[0]} if evaluation else {}),
+                                       **_mode_fields(args, evaluation))
     if cfg.trace:
         from .trace_outputs import write_run_trace
 
@@ -483,6 +499,19 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         print(text)
         console.rule()
     return 0
+
+
+def _mode_fields(args, evaluation) -> dict:
+    """summary.json's ``mode`` fields of a synchronous run of a recommender (``--mode``: issue 17): the mode, why,
+    each rank's role (all ``sync``) and the validation RMSE; nothing for other models."""
+    choice = getattr(args, "_mode_choice", None)
+    if choice is None:
+        return {}
+    fields = {**choice.describe(), "roles": {str(r): "sync" for r in range(len(choice.cost.rank_s))},
+              "max_staleness": None}
+    if evaluation and "validation_rmse" in evaluation[0]:
+        fields["validation_rmse"] = evaluation[0]["validation_rmse"]
+    return fields
 
 
 def _load_trained(model, out: Path, programs: dict, pipeline: bool) -> None:

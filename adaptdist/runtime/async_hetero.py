@@ -302,8 +302,10 @@ class HeteroConfig:
     """What every rank of :func:`run_rank` gets (pickled by the launcher).
 
     Attributes:
-        model: the initial model (every rank takes its part).
-        loss_fn: ``loss_fn(predicted, target)``, a mean over the rows.
+        model: the initial model (every rank takes its part), or None: built from ``spec``.
+        loss_fn: ``loss_fn(predicted, target)``, a mean over the rows (None with ``spec``).
+        spec: ``(model text, batch_size, seq_len, data path)`` of :class:`~adaptdist.model_spec.ModelSpec` for
+            a model that cannot be pickled (a model file's classes): each rank builds it and loads ``initial_state``.
         data: a :class:`~adaptdist.runtime.worker.DataSpec` of the global batches (the same on every rank).
         layout: roles, shards and K.
         steps, optimizer, lr: the training.
@@ -316,8 +318,8 @@ class HeteroConfig:
         record_first_grads: also return the first step's gradients (tests).
     """
 
-    model: nn.Module
-    loss_fn: Callable
+    model: nn.Module | None
+    loss_fn: Callable | None
     data: Any
     layout: HeteroLayout
     steps: int
@@ -329,6 +331,24 @@ class HeteroConfig:
     warmup_steps: int = 5
     fault: tuple | None = None
     record_first_grads: bool = False
+    spec: tuple | None = None
+    initial_state: dict | None = None
+
+    def built(self) -> "HeteroConfig":
+        """This config with ``model`` and ``loss_fn`` (built from ``spec`` and ``initial_state`` when None)."""
+        if self.model is not None:
+            return self
+        import dataclasses
+        import contextlib
+        import io
+
+        from ..model_spec import ModelSpec
+
+        text, batch_size, seq_len, path = self.spec
+        with contextlib.redirect_stderr(io.StringIO()):  # the launcher has said which data it reads
+            model, _, loss_fn = ModelSpec.parse(text).build(batch_size, seq_len, data_path=path)
+        model.load_state_dict(self.initial_state)
+        return dataclasses.replace(self, model=model, loss_fn=loss_fn)
 
 
 def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
@@ -366,6 +386,7 @@ def run_rank(cfg: HeteroConfig) -> dict:
     layout = cfg.layout
     if world != layout.world_size:
         raise UsageError(f"the layout is for {layout.world_size} ranks, the job has {world}")
+    cfg = cfg.built()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
     role = layout.roles[rank]
     dense_group = dist.new_group(list(layout.dense_ranks)) if len(layout.dense_ranks) > 1 else None
