@@ -14,7 +14,7 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
   compiled data-parallel programs hold embedding gradients as dense tensors), and steps the optimizer over all
   of them; the step takes the slowest rank's time (a synchronous step waits for everyone);
 - asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
-  their gradients back (point-to-point, :meth:`~adaptdist.cluster.Link.time_s`); the dense ranks all-reduce the
+  their gradients back (point-to-point, Hockney's ``latency + bytes / bandwidth`` of the pair's link); the dense ranks all-reduce the
   dense gradients only. With ``max_staleness >= 1`` the sides overlap (the pipeline's step is its slowest
   stage's); with 0 they alternate (the step is their sum).
 
@@ -94,6 +94,11 @@ def _op_s(device) -> float:
     return float(v) if v is not None else DEFAULT_OP_OVERHEAD_S.get(str(device.kind), 5e-6)
 
 
+def _p2p_s(link, n_bytes: float) -> float:
+    """One point-to-point message: ``latency_s + n_bytes / bandwidth_bytes_per_s`` (Hockney)."""
+    return float(link.latency_s) + n_bytes / float(link.bandwidth_bytes_per_s)
+
+
 def _dense_s(shape: RecsysShape, device, rows: float) -> float:
     return (roofline_time_s(3 * shape.dense_flops_per_row * rows, 3 * shape.dense_bytes_per_row * rows,
                             peak_flops_per_s(device, "float32"), float(device.memory_bandwidth_bytes_per_s),
@@ -159,12 +164,12 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
                   + len(shard_rows[r]) * SPARSE_OPS_PER_SHARD * _op_s(d)
                   + (_optimizer_s(shape, d, sum(n for _, n in shard_rows[r]) * shape.dim)
                      if shape.optimizer != "sgd" else 0.0))
-        comm[r] = sum(2 * cluster.link(r, x).time_s(msg_bytes) for x in dense)
+        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in dense)
     reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
     for r in dense:
         d = cluster.device(r)
         own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params)
-        comm[r] = sum(2 * cluster.link(r, x).time_s(msg_bytes) for x in sparse) + reduce_s
+        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in sparse) + reduce_s
     if max_staleness >= 1:
         step = max(o + c for o, c in zip(own, comm))
     else:

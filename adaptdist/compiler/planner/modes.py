@@ -73,21 +73,16 @@ def recsys_shape(model: nn.Module, example: Sequence[torch.Tensor], optimizer: s
     counter = _OpCounter()
     with FlopCounterMode(display=False) as flops:
         with counter:
-            out = arch(emb.detach(), dense_in)
-        forward_ops, forward_bytes = counter.ops, counter.bytes
-        with counter:
-            out.float().sum().backward()
+            out = arch(emb.detach().requires_grad_(True), dense_in)
+    forward_flops, forward_bytes = flops.get_total_flops(), counter.bytes
+    with counter:
+        out.float().sum().backward()
     return RecsysShape(
         table_rows=tuple(t.weight.shape[0] for t in tables), dim=dim,
         ids_per_row=tuple(1 if i.dim() == 1 else i.shape[1] for i in ids),
-        dense_flops_per_row=_forward_flops(flops) / B, dense_bytes_per_row=forward_bytes / B,
+        dense_flops_per_row=forward_flops / B, dense_bytes_per_row=forward_bytes / B,
         dense_params=sum(p.numel() for p in arch.parameters()), dense_ops=counter.ops, batch_size=B,
         optimizer=optimizer)
-
-
-def _forward_flops(counter) -> float:
-    """FlopCounterMode counts forward and backward together: a third of the total (backward ~ 2 x forward)."""
-    return counter.get_total_flops() / 3
 
 
 class _OpCounter(compat.torch_dispatch_mode_base()):
