@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptdist.data import movielens as ml
-from adaptdist.errors import CollectiveTimeoutError, RuntimeLaunchError, UsageError
+from adaptdist.errors import RuntimeLaunchError, UsageError
 from adaptdist.hetero_layout import HeteroLayout, TableShard, make_layout, parse_dense_ranks, shard_tables
 from adaptdist.models import dlrm
 from adaptdist.runtime.async_hetero import check_model, dense_slices, simulate

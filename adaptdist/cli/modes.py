@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 from ..errors import UsageError
@@ -93,78 +92,6 @@ def print_mode(choice, console) -> None:
 
     for line in mode_lines(choice):
         console.print(line, highlight=False, markup=False)
-
-
-def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console, begin) -> int:
-    """``adaptdist train --mode async-hetero``: launch the ranks of ``choice.layout``, then write
-    ``model.safetensors`` and ``summary.json`` (mode, each rank's role, the staleness bound, the validation RMSE
-    of a model file with ``evaluate``, samples/s).
-
-    Raises:
-        UsageError: a model file without ``data()``, a batch the dense ranks cannot split.
-        RuntimeLaunchError: a rank failed (CollectiveTimeoutError names a dead or stalled peer).
-    """
-    from safetensors.torch import save_file
-
-    from ..runtime.async_hetero import HeteroConfig, assemble, dense_slices, run_rank
-    from ..runtime.batch_check import batch_shapes
-    from ..runtime.launch import launch_local
-    from ..runtime.worker import DataSpec
-    from .common import check_batch
-    from .train import _call_evaluate, _cpus_of_rank, write_summary
-
-    model, example, loss_fn = built
-    layout = choice.layout
-    module = spec.module()
-    if not callable(getattr(module, "data", None)):
-        raise UsageError(f"--mode async-hetero trains on the model file's data(batch_size, seq_len, path=...); "
-                         f"{spec.file} defines none")
-    dense_slices(args.batch_size, len(layout.dense_ranks))  # UsageError now, not on every rank
-    data = DataSpec(str(spec.file), "data", args.batch_size, args.seq_len, path=args.data, seed=args.seed,
-                    batch_shapes=batch_shapes(example))
-    from ..runtime.worker import global_batches
-
-    check_batch(next(global_batches(data)), example, data)
-    nproc = cluster.world_size
-    threads = args.threads_per_rank or 1
-    # the model is rebuilt on each rank from its spec (a model file's classes do not pickle) and given these weights
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cfg = HeteroConfig(model=None, loss_fn=None, spec=(spec.text, args.batch_size, args.seq_len, args.data),
-                       initial_state=initial, data=data, layout=layout, steps=args.steps,
-                       optimizer=args.optimizer, lr=args.lr, timeout_s=timeouts.collective_s,
-                       threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None))
-    print_mode(choice, console)
-    if args.max_restarts:
-        console.print("[yellow]--mode async-hetero writes no checkpoints yet: --max-restarts is ignored (a failed "
-                      "rank ends the run)[/]")
-    begin()
-    t0 = time.perf_counter()
-    results = launch_local(run_rank, (cfg,), nproc, max_restarts=0, timeouts=timeouts)
-    wall = time.perf_counter() - t0
-    first_dense = results[layout.dense_ranks[0]]
-    assemble(model, layout, {r: results[r]["state"] for r in layout.sparse_ranks}, first_dense["state"])
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
-              str(out / "model.safetensors"))
-    evaluate = getattr(module, "evaluate", None)
-    evaluation = _call_evaluate(evaluate, model, args, console) if callable(evaluate) else None
-    phases = {str(r): {k: v for k, v in results[r].items() if k.endswith("_s") and isinstance(v, float)}
-              for r in range(nproc)}
-    result = {"losses": first_dense["losses"], "events": []}
-    fields = {"samples_per_s": first_dense["items_per_s"], "step_time_s": first_dense["step_time_s"],
-              "ranks": nproc, "threads_per_rank": threads, "plan": "async-hetero", **choice.describe(),
-              "rank_seconds": phases}
-    if evaluation:
-        fields["evaluation"] = evaluation[0]
-        if "validation_rmse" in evaluation[0]:
-            fields["validation_rmse"] = evaluation[0]["validation_rmse"]
-    summary, loss_text = write_summary(out, result, wall, **fields)
-    console.print(f"trained {summary['steps']} steps in --mode async-hetero on {nproc} ranks (sparse "
-                  f"{','.join(map(str, layout.sparse_ranks))}, dense {','.join(map(str, layout.dense_ranks))}, max "
-                  f"staleness {layout.max_staleness}) in {wall:.0f} s: {loss_text}, {first_dense['items_per_s']:,.0f} "
-                  f"samples/s; weights {out / 'model.safetensors'}")
-    if evaluation:
-        console.print(f"evaluation: {evaluation[1]}")
-    return 0
 
 
 def write_mode_json(path: str, choice) -> None:

@@ -395,28 +395,24 @@ def run_rank(cfg: HeteroConfig) -> dict:
     print(f"rank {rank}: {role}" + (f", shards {list(layout.shards_of(rank))}" if role != DENSE else "")
           + (f", pinned to cpus {list(pinned)}" if pinned is not None else ""), file=sys.stderr, flush=True)
     batches = global_batches(cfg.data)
-    step = 0
+    at = [0]  # the step this rank is in (1-based), for the error
+
+    def beat(step: int) -> None:
+        at[0] = step
+        heartbeat.beat(step)
+
     try:
         if role == DENSE:
-            out = _dense_loop(cfg, rank, batches, dense_group, heartbeat)
+            out = _dense_loop(cfg, rank, batches, dense_group, beat)
         else:
-            out = _sparse_loop(cfg, rank, batches, heartbeat)
-        step = cfg.steps
+            out = _sparse_loop(cfg, rank, batches, beat)
         dist.barrier()  # every message matched before any rank tears its group down
     except Exception as e:
-        raise named_timeout(e, heartbeat, max(1, heartbeat_step(heartbeat, rank))) from e
+        raise named_timeout(e, heartbeat, max(1, at[0])) from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return {"rank": rank, "role": role, **out}
-
-
-def heartbeat_step(heartbeat, rank: int) -> int:
-    """This rank's last beaten step (0 when it cannot be read)."""
-    try:
-        return heartbeat.last_beats().get(rank, (0, 0.0))[0]
-    except Exception:  # noqa: BLE001 - the store may be gone with rank 0
-        return 0
 
 
 def _wait(works: Sequence[Any]) -> None:
@@ -424,7 +420,7 @@ def _wait(works: Sequence[Any]) -> None:
         w.wait()
 
 
-def _sparse_loop(cfg: HeteroConfig, rank: int, batches, heartbeat) -> dict:
+def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
     import torch.distributed as dist
 
     layout = cfg.layout
@@ -450,7 +446,7 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, heartbeat) -> dict:
         apply_s += time.perf_counter() - t1
 
     for t in range(cfg.steps):
-        heartbeat.beat(t + 1)
+        beat(t + 1)
         _fire(cfg, rank, t + 1)
         batch = next(batches)
         _, ids, target = split_batch(cfg.model, batch)
@@ -472,7 +468,7 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, heartbeat) -> dict:
     return out
 
 
-def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, heartbeat) -> dict:
+def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dict:
     import torch.distributed as dist
 
     layout = cfg.layout
@@ -501,7 +497,7 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, heartbeat) -
     for t in range(min(K + 1, cfg.steps)):
         post(t)
     for t in range(cfg.steps):
-        heartbeat.beat(t + 1)
+        beat(t + 1)
         _fire(cfg, rank, t + 1)
         _, bufs, works = posted.popleft()
         dense_in, target, share = queue.popleft()
