@@ -530,7 +530,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
 
     check_batch(next(global_batches(data)), example, data)
     nproc = cluster.world_size
-    threads = args.threads_per_rank or 1
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     # the model is rebuilt on each rank from its spec (a model file's classes do not pickle) and given these weights
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = HeteroConfig(model=None, loss_fn=None, spec=(spec.text, args.batch_size, args.seq_len, args.data),
