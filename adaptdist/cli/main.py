@@ -362,6 +362,9 @@ def cmd_train(args) -> int:
     """``adaptdist train``: see :mod:`adaptdist.cli.train` (one host) and :mod:`adaptdist.cli.train_hosts`
     (``--nnodes``: several hosts)."""
     if getattr(args, "nnodes", None) is not None and not args.join:
+        if getattr(args, "mode", "auto") == "async-hetero":
+            raise UsageError("--mode async-hetero runs on one host's local ranks so far; drop --nnodes, or use "
+                             "--mode sync")
         from ..console import report_console
         from .train_hosts import cmd_train_hosts
 

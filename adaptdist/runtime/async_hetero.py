@@ -365,8 +365,8 @@ def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
 def run_rank(cfg: HeteroConfig) -> dict:
     """One rank of ``--mode async-hetero`` (under :func:`~adaptdist.runtime.launch.launch_local`, which sets
     the collective timeout). Returns ``{"role", "rank", "state"}`` (sparse: its shards; dense: ``dense_arch``'s
-    state) and, on dense ranks, ``losses``, ``step_end_s`` (each step's end, ``time.perf_counter``) and
-    ``items_per_s`` over the steps after ``warmup_steps``.
+    state) and, on dense ranks, ``losses``, ``step_time_s`` (the median interval between two step ends after
+    ``warmup_steps``), ``mean_step_time_s`` and ``items_per_s`` (the batch over the median step).
 
     Raises:
         CollectiveTimeoutError: a peer died or stalled: names it (``named_timeout``).
@@ -531,12 +531,18 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dic
         reduce_s += t3 - t2
     while sends_pending:
         _wait(sends_pending.popleft()[0])
+    import statistics
+
     warm = min(cfg.warmup_steps, max(0, len(ends) - 2))
     B = cfg.data.batch_size
-    items_per_s = (len(ends) - 1 - warm) * B / (ends[-1] - ends[warm]) if len(ends) - 1 > warm else float("nan")
-    out = {"state": worker.dense_arch.state_dict(), "losses": losses, "items_per_s": items_per_s,
-           "step_time_s": (ends[-1] - ends[warm]) / max(1, len(ends) - 1 - warm), "wait_s": wait_s,
-           "compute_s": compute_s, "reduce_s": reduce_s}
+    # the pipeline's step: the median interval between step ends (robust to a busy machine's spikes, as the
+    # synchronous worker's median step), and the mean over the whole run
+    intervals = [b - a for a, b in zip(ends[warm:], ends[warm + 1:])] or [float("nan")]
+    step_s = statistics.median(intervals)
+    mean_s = (ends[-1] - ends[warm]) / max(1, len(ends) - 1 - warm)
+    out = {"state": worker.dense_arch.state_dict(), "losses": losses, "items_per_s": B / step_s,
+           "step_time_s": step_s, "mean_step_time_s": mean_s, "wait_s": wait_s, "compute_s": compute_s,
+           "reduce_s": reduce_s}
     if cfg.record_first_grads:
         out["first_grads"] = grads_of_step
     return out
