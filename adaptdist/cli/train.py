@@ -466,7 +466,9 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         _load_trained(model, out, programs, pipeline)
         evaluation = _call_evaluate(evaluate, model, args, console)
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
-                                       step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
+                                       step_time_s=result["step_time_s"],
+                                       mean_step_time_s=result.get("mean_step_time_s"),
+                                       ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
                                        **({"evaluation": evaluation[0]} if evaluation else {}),
                                        **_mode_fields(args, evaluation))
@@ -555,6 +557,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
               for r in range(nproc)}
     result = {"losses": first_dense["losses"], "events": []}
     fields = {"samples_per_s": first_dense["items_per_s"], "step_time_s": first_dense["step_time_s"],
+              "mean_step_time_s": first_dense["mean_step_time_s"],
               "ranks": nproc, "threads_per_rank": threads, "plan": "async-hetero", **choice.describe(),
               "rank_seconds": phases}
     if evaluation:

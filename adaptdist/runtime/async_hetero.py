@@ -365,8 +365,8 @@ def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
 def run_rank(cfg: HeteroConfig) -> dict:
     """One rank of ``--mode async-hetero`` (under :func:`~adaptdist.runtime.launch.launch_local`, which sets
     the collective timeout). Returns ``{"role", "rank", "state"}`` (sparse: its shards; dense: ``dense_arch``'s
-    state) and, on dense ranks, ``losses``, ``step_time_s`` (the median interval between two step ends after
-    ``warmup_steps``), ``mean_step_time_s`` and ``items_per_s`` (the batch over the median step).
+    state) and, on dense ranks, ``losses``, ``mean_step_time_s`` (the mean interval between two step ends after
+    ``warmup_steps``), ``items_per_s`` (the batch over it) and ``step_time_s`` (the median interval).
 
     Raises:
         CollectiveTimeoutError: a peer died or stalled: names it (``named_timeout``).
@@ -455,8 +455,9 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
             apply_oldest()
         t0 = time.perf_counter()
         parts, ctx = worker.lookup(ids, slices)
+        parts = [p.contiguous() for p in parts]
         lookup_s += time.perf_counter() - t0
-        sends = [dist.isend(p.contiguous(), dst=d, tag=t) for p, d in zip(parts, dense_ranks)]
+        sends = [dist.isend(p, dst=d, tag=t) for p, d in zip(parts, dense_ranks)]
         grads = [torch.empty(s.stop - s.start, worker.num_tables, worker.dim) for s in slices]
         recvs = [dist.irecv(g, src=d, tag=t) for g, d in zip(grads, dense_ranks)]
         inflight.append((t, ctx, grads, recvs, sends, parts))  # parts: alive until their sends complete
@@ -535,14 +536,13 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dic
 
     warm = min(cfg.warmup_steps, max(0, len(ends) - 2))
     B = cfg.data.batch_size
-    # the pipeline's step: the median interval between step ends (robust to a busy machine's spikes, as the
-    # synchronous worker's median step), and the mean over the whole run
+    # the pipeline's step: the mean interval between step ends over the run (a queue K deep delivers steps in
+    # bursts, so the median interval flatters it); the median beside it, as the synchronous worker reports
     intervals = [b - a for a, b in zip(ends[warm:], ends[warm + 1:])] or [float("nan")]
-    step_s = statistics.median(intervals)
     mean_s = (ends[-1] - ends[warm]) / max(1, len(ends) - 1 - warm)
-    out = {"state": worker.dense_arch.state_dict(), "losses": losses, "items_per_s": B / step_s,
-           "step_time_s": step_s, "mean_step_time_s": mean_s, "wait_s": wait_s, "compute_s": compute_s,
-           "reduce_s": reduce_s}
+    out = {"state": worker.dense_arch.state_dict(), "losses": losses, "items_per_s": B / mean_s,
+           "step_time_s": statistics.median(intervals), "mean_step_time_s": mean_s, "wait_s": wait_s,
+           "compute_s": compute_s, "reduce_s": reduce_s}
     if cfg.record_first_grads:
         out["first_grads"] = grads_of_step
     return out
