@@ -3,9 +3,10 @@ mode beside the synchronous mode and one CPU process, measured side by side on t
 cores), and the cost model's prediction for this machine and for a cluster file with CPU hosts and GPUs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_recsys.py [--data DIR] [--epochs 2] [--batch-size 256]
-        [--lr 2e-3] [--staleness 0,1,4] [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
+        [--lr 2e-3] [--optimizer adamw|sgd] [--staleness 0,1,4] [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
 
-Runs, one after the other, the same epochs of the same shuffled batches (seed 0, AdamW):
+Runs, one after the other, the same epochs of the same shuffled batches (seed 0, ``--optimizer``, AdamW by
+default):
 
 - ``1 process``: eager PyTorch in this process, pinned to core 0, 1 thread;
 - ``sync``: ``adaptdist train builtin:dlrm --mode sync --plan dp`` on 2 ranks pinned to cores 0 and 1;
@@ -57,7 +58,7 @@ def one_process(args) -> dict:
     model, _, loss_fn = dlrm.factory(args.batch_size, 1, data_path=args.data)
     steps = args.epochs * ml.steps_per_epoch(ml.resolve(args.data).split()[0].numel(), args.batch_size)
     batches = dlrm.data(args.batch_size, 1, path=args.data, seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = (torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD)(model.parameters(), lr=args.lr)
     times = []
     t_start = time.perf_counter()
     for _ in range(steps):
@@ -99,7 +100,8 @@ def train(args, cluster: Path, steps: int, mode_flags: list[str], name: str) -> 
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "adaptdist.cli", "train", "builtin:dlrm", "--cluster", str(cluster),
                "--steps", str(steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed",
-               str(args.seed), "--checkpoint-every", "1000000", "--out", out, "--timeout-s", "120", *mode_flags]
+               str(args.seed), "--optimizer", args.optimizer, "--checkpoint-every", "1000000", "--out", out,
+               "--timeout-s", "120", *mode_flags]
         if args.data:
             cmd += ["--data", args.data]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -129,7 +131,7 @@ def predictions(args, cluster_files: list[tuple[str, str]]) -> list[dict]:
 
     with contextlib.redirect_stderr(io.StringIO()):
         model, example, _ = dlrm.factory(args.batch_size, 1, data_path=args.data)
-    shape = recsys_shape(model, example, "adamw")
+    shape = recsys_shape(model, example, args.optimizer)
     rows = []
     for name, path in cluster_files:
         cluster = load_cluster(path) if path else local_cluster(2)
@@ -155,12 +157,15 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="sgd: the sparse ranks update only the rows a batch touched (AdamW's state is dense)")
     ap.add_argument("--staleness", default="0,1,4")
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"))
     ap.add_argument("--skip-runs", action="store_true", help="only the cost model's predictions")
     args = ap.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
-          f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}", flush=True)
+          f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "
+          f"{args.optimizer} lr {args.lr:g}, batch {args.batch_size}, {args.epochs} epochs", flush=True)
     for row in predictions(args, [("this machine (2 local cpu ranks, uncalibrated)", ""),
                                   (Path(args.cluster).name, args.cluster)]):
         extra = ""
