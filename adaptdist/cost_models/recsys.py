@@ -9,7 +9,7 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
   device's memory bandwidth, plus ``SPARSE_OPS_PER_SHARD`` dispatched ops per table shard;
 - dense work: ``3 x`` the forward FLOPs (forward + backward, Kaplan et al. 2020's rule) of the rank's rows, on
   the roofline (:func:`~adaptdist.cost_models.compute.roofline_time_s`) with its activations' bytes, plus
-  ``dense_ops`` dispatched ops, and the optimizer's pass over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``);
+  ``dense_ops`` dispatched ops, and the optimizer's passes over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``, ``OPTIMIZER_OPS_PER_TENSOR``);
 - synchronous mode: every rank also all-reduces the gradient of every parameter, the tables' included (the
   compiled data-parallel programs hold embedding gradients as dense tensors), and steps the optimizer over all
   of them; the step takes the slowest rank's time (a synchronous step waits for everyone);
@@ -36,9 +36,12 @@ DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 1e-5}
 SPARSE_OPS_PER_SHARD = 12
 """Dispatched ops per table shard per step on a sparse rank (mask, clamp, embedding_bag, unique, index_add, ...:
 adaptdist/runtime/async_hetero.py's SparseWorker)."""
-OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 28}
-"""float32 bytes the optimizer step moves per parameter (SGD: read p and g, write p; AdamW: p, g, m, v read and
-p, m, v written)."""
+OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 84}
+"""float32 bytes the optimizer step moves per parameter: SGD reads p and g and writes p; torch's single-tensor AdamW
+(torch/optim/adamw.py, the CPU default: no foreach) makes 8 passes: p *= 1 - lr*wd (8 B), m.lerp_(g) (12), v *= b2
+(8), v.addcmul_(g, g) (16), sqrt, div, add eps (8 each), p.addcdiv_(m, denom) (16)."""
+OPTIMIZER_OPS_PER_TENSOR = {"sgd": 1, "adamw": 10}
+"""Dispatched ops of the optimizer step per parameter tensor (single-tensor implementations, as above)."""
 BYTES = 4  # float32
 
 
@@ -56,6 +59,7 @@ class RecsysShape:
         dense_ops: dispatched ops of one dense forward + backward (independent of the batch).
         batch_size: the global batch.
         optimizer: ``"sgd"`` or ``"adamw"``.
+        dense_tensors: parameter tensors of the dense part (the optimizer's ops are per tensor).
     """
 
     table_rows: tuple[int, ...]
@@ -67,6 +71,7 @@ class RecsysShape:
     dense_ops: int
     batch_size: int
     optimizer: str = "adamw"
+    dense_tensors: int = 1
 
     @property
     def table_params(self) -> int:
@@ -112,8 +117,9 @@ def _lookup_bytes(shape: RecsysShape, rows: float, share: Sequence[float] | None
     return sum(3 * shape.dim * BYTES * rows * n * s for n, s in zip(shape.ids_per_row, share))
 
 
-def _optimizer_s(shape: RecsysShape, device, params: int) -> float:
-    return params * OPTIMIZER_BYTES_PER_PARAM.get(shape.optimizer, 28) / float(device.memory_bandwidth_bytes_per_s)
+def _optimizer_s(shape: RecsysShape, device, params: int, tensors: int) -> float:
+    return (params * OPTIMIZER_BYTES_PER_PARAM.get(shape.optimizer, 84) / float(device.memory_bandwidth_bytes_per_s)
+            + tensors * OPTIMIZER_OPS_PER_TENSOR.get(shape.optimizer, 10) * _op_s(device))
 
 
 def all_reduce_s(cluster: ClusterLike, members: Sequence[int], n_bytes: float) -> float:
@@ -139,7 +145,8 @@ def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | N
         # the dense embedding gradient: zeroed and accumulated over whole tables each step
         table_grad = 2 * shape.table_params * BYTES / float(d.memory_bandwidth_bytes_per_s)
         own.append(lookups + table_grad + _dense_s(shape, d, rows)
-                   + _optimizer_s(shape, d, shape.dense_params + shape.table_params))
+                   + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
+                                  shape.dense_tensors + len(shape.table_rows)))
     return ModeCost("sync", max(own) + comm, tuple(own), (comm,) * len(ranks), shape.batch_size)
 
 
@@ -162,13 +169,13 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
             share[t] += n / shape.table_rows[t]
         own[r] = (_lookup_bytes(shape, shape.batch_size, share) / float(d.memory_bandwidth_bytes_per_s)
                   + len(shard_rows[r]) * SPARSE_OPS_PER_SHARD * _op_s(d)
-                  + (_optimizer_s(shape, d, sum(n for _, n in shard_rows[r]) * shape.dim)
+                  + (_optimizer_s(shape, d, sum(n for _, n in shard_rows[r]) * shape.dim, len(shard_rows[r]))
                      if shape.optimizer != "sgd" else 0.0))
         comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in dense)
     reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
     for r in dense:
         d = cluster.device(r)
-        own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params)
+        own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
         comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in sparse) + reduce_s
     if max_staleness >= 1:
         step = max(o + c for o, c in zip(own, comm))

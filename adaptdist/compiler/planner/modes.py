@@ -82,7 +82,7 @@ def recsys_shape(model: nn.Module, example: Sequence[torch.Tensor], optimizer: s
         ids_per_row=tuple(1 if i.dim() == 1 else i.shape[1] for i in ids),
         dense_flops_per_row=forward_flops / B, dense_bytes_per_row=forward_bytes / B,
         dense_params=sum(p.numel() for p in arch.parameters()), dense_ops=counter.ops, batch_size=B,
-        optimizer=optimizer)
+        optimizer=optimizer, dense_tensors=sum(1 for _ in arch.parameters()))
 
 
 class _OpCounter(compat.torch_dispatch_mode_base()):
