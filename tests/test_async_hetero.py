@@ -226,9 +226,9 @@ def test_gloo_ranks_at_staleness_2_keep_the_bound(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_stalled_sparse_rank_is_named_not_a_hang(tmp_path):
-    """A sparse rank that stops answering before step 3: the dense rank's receive fails after the collective
-    timeout (5 s) and the error names the stalled rank."""
+    """A sparse rank that stops answering before step 4: the dense rank's receive fails after the collective
+    timeout (10 s) and the error names the stalled rank."""
     with pytest.raises(RuntimeLaunchError) as info:
-        _gloo(tmp_path, lambda m: make_layout(2, (1,), _rows(m), 0), STEPS, fault=(0, 3, "stall"), timeout_s=5.0)
+        _gloo(tmp_path, lambda m: make_layout(2, (1,), _rows(m), 0), STEPS, fault=(0, 4, "stall"), timeout_s=10.0)
     text = str(info.value)
     assert "rank 0" in text and "did not arrive" in text, text

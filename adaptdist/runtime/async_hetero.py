@@ -394,7 +394,12 @@ def run_rank(cfg: HeteroConfig) -> dict:
     heartbeat.beat(0)
     print(f"rank {rank}: {role}" + (f", shards {list(layout.shards_of(rank))}" if role != DENSE else "")
           + (f", pinned to cpus {list(pinned)}" if pinned is not None else ""), file=sys.stderr, flush=True)
+    import itertools
+
     batches = global_batches(cfg.data)
+    # read the data before the first message: a rank still loading it must not time its peers out
+    batches = itertools.chain([next(batches)], batches)
+    dist.barrier()
     at = [0]  # the step this rank is in (1-based), for the error
 
     def beat(step: int) -> None:
