@@ -143,3 +143,12 @@ def test_train_async_hetero_writes_mode_roles_staleness_and_rmse(folder, tmp_pat
     assert dlrm.evaluate(model, str(folder))[0]["validation_rmse"] == pytest.approx(s["validation_rmse"], rel=1e-6)
     assert json.loads((out / "run.json").read_text())["state"] == "complete"
     assert "execution mode: async-hetero" in capsys.readouterr().err
+
+
+def test_auto_stays_sync_where_a_flag_asks_for_the_synchronous_programs(folder, capsys):
+    from adaptdist.cli import main
+
+    rc = main(["plan", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "2", "--plan", "dp"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "execution mode: sync (auto: --plan dp asks for the synchronous programs)" in text
+    assert "plan 'dp'" in text  # and the synchronous plan follows, as before
