@@ -125,21 +125,35 @@ def test_async_hetero_needs_a_recommender(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_async_hetero_writes_mode_roles_staleness_and_rmse(folder, tmp_path, capsys):
+    """3 gloo ranks, 2 sparse ahead of 1 dense by at most 2 batches: summary.json has the mode, the roles, K and
+    the validation RMSE of the weights written, and the losses and weights equal the one-process schedule (which
+    tests/test_async_hetero.py pins to a stale-table reference)."""
+    import copy
+
     from safetensors.torch import load_file
 
     from adaptdist.cli import main
+    from adaptdist.hetero_layout import make_layout
+    from adaptdist.runtime.async_hetero import simulate
 
     out = tmp_path / "run"
-    rc = main(["train", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "2", "--steps", "6",
-               "--mode", "async-hetero", "--max-staleness", "1", "--optimizer", "sgd", "--lr", "0.05",
-               "--out", str(out), "--timeout-s", "60"])
+    rc = main(["train", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "3", "--steps", "8",
+               "--mode", "async-hetero", "--dense-ranks", "2", "--max-staleness", "2", "--optimizer", "sgd",
+               "--lr", "0.05", "--out", str(out), "--timeout-s", "60"])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["mode"] == "async-hetero" and s["max_staleness"] == 1 and s["steps"] == 6
-    assert sorted(s["roles"].values()) == ["dense", "sparse"]
+    assert s["mode"] == "async-hetero" and s["max_staleness"] == 2 and s["steps"] == 8
+    assert s["roles"] == {"0": "sparse", "1": "sparse", "2": "dense"}
     assert all(math.isfinite(v) for v in s["losses"]) and s["samples_per_s"] > 0
-    model, _, _ = dlrm.factory(16, 1, data_path=str(folder))
+    torch.manual_seed(0)
+    model, _, loss_fn = dlrm.factory(16, 1, data_path=str(folder))
+    want = copy.deepcopy(model)
+    lay = make_layout(3, (2,), [t.weight.shape[0] for t in model.sparse_arch.tables], 2)
+    sim = simulate(want, loss_fn, dlrm.data(16, 1, path=str(folder)), lay, 8, "sgd", 0.05)
+    assert s["losses"] == pytest.approx(sim.losses, abs=1e-5)
     model.load_state_dict(load_file(str(out / "model.safetensors")))
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
     assert dlrm.evaluate(model, str(folder))[0]["validation_rmse"] == pytest.approx(s["validation_rmse"], rel=1e-6)
     assert json.loads((out / "run.json").read_text())["state"] == "complete"
     assert "execution mode: async-hetero" in capsys.readouterr().err
