@@ -67,8 +67,6 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
     if mode == "async-hetero" and sync_flags:
         raise UsageError(f"--mode async-hetero does not take {', '.join(sync_flags)} (they belong to the synchronous "
                          "programs); drop them, or use --mode sync")
-    if mode == "async-hetero" and cluster.device_kind != "cpu":
-        raise UsageError(f"{cluster!r}: --mode async-hetero runs cpu (gloo) ranks only so far")
     optimizer = str(getattr(args, "optimizer", "adamw")).replace("-", "_")
     if mode == "auto" and sync_flags:
         mode = "sync"
