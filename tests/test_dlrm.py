@@ -233,3 +233,28 @@ def test_a_model_files_evaluate_that_fails_is_a_warning_not_a_failed_run():
     out = text.getvalue()
     assert "raised TypeError" in out and "must return (fields: dict, line: str), got float" in out
     assert "cannot be written as JSON" in out
+
+
+def test_compile_takes_data_and_run_refuses_data_of_other_table_sizes(tmp_path, capsys):
+    """`adaptdist compile --data A` sizes the tables from A and records it; `adaptdist run DIR --data B` whose ids
+    need other table rows is a UsageError naming the table, both shapes and the command (it was a raw index
+    error inside a rank)."""
+    from adaptdist.cli import main
+    from adaptdist.runtime.run_artifacts import check_data_fits
+
+    small = write_data(tmp_path / "small")
+    other = ml.save(ml.generate(num_users=9, num_movies=12, num_genres=4, num_ratings=60, max_genres=2),
+                    tmp_path / "other")
+    art = tmp_path / "art"
+    assert main(["compile", "builtin:dlrm", "--data", str(small), "--batch-size", "4", "--nproc", "2", "--plan", "dp",
+                 "-o", str(art)]) == 0
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["data"] == str(small) and manifest["param_shapes"]["sparse_arch.tables.0.weight"] == [3, 32]
+    check_data_fits(manifest, art, str(small))  # the compile's own data: fine
+    capsys.readouterr()
+    rc = main(["run", str(art), "--data", str(other), "--steps", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "UsageError" in err
+    assert "sparse_arch.tables.0.weight of shape [9, 32]" in err and "with shape [3, 32]" in err
+    assert f"adaptdist compile builtin:dlrm --data {other}" in err
+    assert not (tmp_path / "run" / "run.json").exists()

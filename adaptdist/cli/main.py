@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .pipeline_flags import add_pipeline_flags
 
     add_pipeline_flags(t)
+    from .modes import add_mode_flags
+
+    add_mode_flags(t)
     t.add_argument("--steps", type=_positive(int), default=800, help="training steps")
     t.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     t.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -196,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "the data (builtin:dlrm) reads")
     _add_lowering(p)
     add_pipeline_flags(p)
+    add_mode_flags(p)
     from .cluster import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)  # adaptdist cluster detect|profile
@@ -215,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "sgd-momentum"), default="adamw",
                    help="sizes the optimizer state for the plan and the report")
     c.add_argument("-o", "--out", metavar="DIR", required=True, help="artifact directory to write")
+    c.add_argument("--data", metavar="FILE|DIR", help="as for train: the data a model file that sizes its model from "
+                                                      "the data (builtin:dlrm's tables) reads; `adaptdist run` then "
+                                                      "defaults to it and refuses data that needs other sizes")
     _add_lowering(c)
     add_pipeline_flags(c)
     r = sub.add_parser("run", help="train with the artifacts of `adaptdist compile` on local ranks",
@@ -222,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("artifacts", metavar="DIR", help="the -o directory of `adaptdist compile`")
     r.add_argument("--cluster", metavar="FILE", help="the cluster to run on (default: the manifest's number of "
                                                      "local ranks); must have the topology compiled for")
-    r.add_argument("--data", metavar="FILE", help="a text file for the model file's data(..., path=FILE)")
+    r.add_argument("--data", metavar="FILE|DIR", help="the data for the model file's data(..., path=...): default the "
+                                                      "compile's --data; data that needs other parameter sizes (e.g. "
+                                                      "another MovieLens folder's table rows) is refused")
     r.add_argument("--steps", type=_positive(int), default=100, help="training steps")
     r.add_argument("--lr", type=_positive(float), default=2e-3, help="learning rate")
     r.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
@@ -271,6 +280,16 @@ def cmd_plan(args) -> int:
     from ..compiler.training_features import apply_training_features
 
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
+    from .modes import print_mode, resolve_mode, write_mode_json
+
+    choice = resolve_mode(args, model, example, cluster, console)
+    if choice is not None:
+        print_mode(choice, console)
+        if choice.mode == "async-hetero":  # no compiled programs: the layout is the plan
+            if args.out:
+                write_mode_json(args.out, choice)
+                console.print(f"wrote {args.out}")
+            return 0
     from .pipeline_flags import compile_pipeline_or_none, print_pipeline_plan
 
     pipeline = compile_pipeline_or_none(args, spec, model, example, loss_fn, cluster.world_size,
@@ -343,6 +362,9 @@ def cmd_train(args) -> int:
     """``adaptdist train``: see :mod:`adaptdist.cli.train` (one host) and :mod:`adaptdist.cli.train_hosts`
     (``--nnodes``: several hosts)."""
     if getattr(args, "nnodes", None) is not None and not args.join:
+        if getattr(args, "mode", "auto") == "async-hetero":
+            raise UsageError("--mode async-hetero runs on one host's local ranks so far; drop --nnodes, or use "
+                             "--mode sync")
         from ..console import report_console
         from .train_hosts import cmd_train_hosts
 
@@ -377,7 +399,8 @@ def cmd_compile(args) -> int:
                             out_dir=args.out, optimizer=args.optimizer.replace("-", "_"), mesh=args.mesh,
                             console=console, options=lowering_options(args, cluster),
                             pipeline=pipeline_request(args), consider_pp=True if args.consider_pp else None,
-                            batch_split=parse_batch_split(getattr(args, "batch_split", None)))
+                            batch_split=parse_batch_split(getattr(args, "batch_split", None)),
+                            data_path=args.data)
     mesh = ",".join(f"{a}={n}" for a, n in res.plan.mesh.items())
     if getattr(res, "pipeline", False):
         from .pipeline_flags import pipeline_mesh_text
@@ -398,7 +421,7 @@ def cmd_run(args) -> int:
     from ..calibrate.local import load_cluster, local_cluster
     from ..program import check_artifacts, check_model_file, read_manifest
     from ..runtime.launch import launch_local
-    from ..runtime.run_artifacts import data_spec
+    from ..runtime.run_artifacts import check_data_fits, data_spec
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import TrainConfig, run_worker
     from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_resumable, lock_out_dir,
@@ -429,6 +452,9 @@ def cmd_run(args) -> int:
         check_resumable(out, args.steps, console)
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
+    if args.data is None:
+        args.data = manifest.get("data")  # the data the artifacts were compiled for
+    check_data_fits(manifest, d, args.data)
     data = data_spec(manifest, d, args.data, args.seed)
     if data.function:
         from ..runtime.worker import global_batches

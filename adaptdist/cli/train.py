@@ -300,7 +300,9 @@ def cmd_train(args, defaults: dict) -> int:
     # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
     built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
     settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
-    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster)
+    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
+                    mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
+                    dense_ranks=getattr(args, "dense_ranks", None))
     started = []
 
     def begin() -> None:
@@ -314,7 +316,18 @@ def cmd_train(args, defaults: dict) -> int:
         write_run_file(out, settings, "running")
         started.append(True)
 
+    from .modes import resolve_mode
+
+    choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
+                          resuming=resume_src is not None)
+    args._mode_choice = choice
     try:
+        if choice is not None and choice.mode == "async-hetero":
+            return train_async(args, spec, built, out, cluster, choice, timeouts, console, begin)
+        if choice is not None:
+            from .modes import print_mode
+
+            print_mode(choice, console)
         return _train(args, spec, built, out, cluster, nproc, elastic, resume_src, settings, timeouts, console,
                       begin=begin)
     except BaseException:
@@ -453,9 +466,12 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         _load_trained(model, out, programs, pipeline)
         evaluation = _call_evaluate(evaluate, model, args, console)
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
-                                       step_time_s=result["step_time_s"], ranks=result.get("world_size", nproc),
+                                       step_time_s=result["step_time_s"],
+                                       mean_step_time_s=result.get("mean_step_time_s"),
+                                       ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
-                                       **({"evaluation": evaluation[0]} if evaluation else {}))
+                                       **({"evaluation": evaluation[0]} if evaluation else {}),
+                                       **_mode_fields(args, evaluation))
     if cfg.trace:
         from .trace_outputs import write_run_trace
 
@@ -483,6 +499,92 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         print(text)
         console.rule()
     return 0
+
+
+def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console, begin) -> int:
+    """``adaptdist train --mode async-hetero``: launch the ranks of ``choice.layout``, then write
+    ``model.safetensors`` and ``summary.json`` (mode, each rank's role, the staleness bound, the validation RMSE
+    of a model file with ``evaluate``, samples/s).
+
+    Raises:
+        UsageError: a model file without ``data()``, a batch the dense ranks cannot split.
+        RuntimeLaunchError: a rank failed (CollectiveTimeoutError names a dead or stalled peer).
+    """
+    from safetensors.torch import save_file
+
+    from ..runtime.async_hetero import HeteroConfig, assemble, dense_slices, run_rank
+    from ..runtime.batch_check import batch_shapes
+    from ..runtime.launch import launch_local
+    from ..runtime.worker import DataSpec
+    from .common import check_batch
+    from .modes import print_mode
+
+    model, example, loss_fn = built
+    layout = choice.layout
+    module = spec.module()
+    if not callable(getattr(module, "data", None)):
+        raise UsageError(f"--mode async-hetero trains on the model file's data(batch_size, seq_len, path=...); "
+                         f"{spec.file} defines none")
+    dense_slices(args.batch_size, len(layout.dense_ranks))  # UsageError now, not on every rank
+    data = DataSpec(str(spec.file), "data", args.batch_size, args.seq_len, path=args.data, seed=args.seed,
+                    batch_shapes=batch_shapes(example))
+    from ..runtime.worker import global_batches
+
+    check_batch(next(global_batches(data)), example, data)
+    nproc = cluster.world_size
+    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    # the model is rebuilt on each rank from its spec (a model file's classes do not pickle) and given these weights
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = HeteroConfig(model=None, loss_fn=None, spec=(spec.text, args.batch_size, args.seq_len, args.data),
+                       initial_state=initial, data=data, layout=layout, steps=args.steps,
+                       optimizer=args.optimizer, lr=args.lr, timeout_s=timeouts.collective_s,
+                       threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None))
+    print_mode(choice, console)
+    if args.max_restarts:
+        console.print("[yellow]--mode async-hetero writes no checkpoints yet: --max-restarts is ignored (a failed "
+                      "rank ends the run)[/]")
+    begin()
+    t0 = time.perf_counter()
+    results = launch_local(run_rank, (cfg,), nproc, max_restarts=0, timeouts=timeouts)
+    wall = time.perf_counter() - t0
+    first_dense = results[layout.dense_ranks[0]]
+    assemble(model, layout, {r: results[r]["state"] for r in layout.sparse_ranks}, first_dense["state"])
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+              str(out / "model.safetensors"))
+    evaluate = getattr(module, "evaluate", None)
+    evaluation = _call_evaluate(evaluate, model, args, console) if callable(evaluate) else None
+    phases = {str(r): {k: v for k, v in results[r].items() if k.endswith("_s") and isinstance(v, float)}
+              for r in range(nproc)}
+    result = {"losses": first_dense["losses"], "events": []}
+    fields = {"samples_per_s": first_dense["items_per_s"], "step_time_s": first_dense["step_time_s"],
+              "mean_step_time_s": first_dense["mean_step_time_s"],
+              "ranks": nproc, "threads_per_rank": threads, "plan": "async-hetero", **choice.describe(),
+              "rank_seconds": phases}
+    if evaluation:
+        fields["evaluation"] = evaluation[0]
+        if "validation_rmse" in evaluation[0]:
+            fields["validation_rmse"] = evaluation[0]["validation_rmse"]
+    summary, loss_text = write_summary(out, result, wall, **fields)
+    console.print(f"trained {summary['steps']} steps in --mode async-hetero on {nproc} ranks (sparse "
+                  f"{','.join(map(str, layout.sparse_ranks))}, dense {','.join(map(str, layout.dense_ranks))}, max "
+                  f"staleness {layout.max_staleness}) in {wall:.0f} s: {loss_text}, {first_dense['items_per_s']:,.0f} "
+                  f"samples/s; weights {out / 'model.safetensors'}")
+    if evaluation:
+        console.print(f"evaluation: {evaluation[1]}")
+    return 0
+
+
+def _mode_fields(args, evaluation) -> dict:
+    """summary.json's ``mode`` fields of a synchronous run of a recommender (``--mode``: issue 17): the mode, why,
+    each rank's role (all ``sync``) and the validation RMSE; nothing for other models."""
+    choice = getattr(args, "_mode_choice", None)
+    if choice is None:
+        return {}
+    fields = {**choice.describe(), "roles": {str(r): "sync" for r in range(len(choice.cost.rank_s))},
+              "max_staleness": None}
+    if evaluation and "validation_rmse" in evaluation[0]:
+        fields["validation_rmse"] = evaluation[0]["validation_rmse"]
+    return fields
 
 
 def _load_trained(model, out: Path, programs: dict, pipeline: bool) -> None:

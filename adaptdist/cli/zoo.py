@@ -399,7 +399,7 @@ def train_case(name: str, plan: str, steps: int, lr: float, world: int, out: Pat
     run_dir = out / "train" / re.sub(r"\W", "_", name) / plan
     cmd = [sys.executable, "-m", "adaptdist.cli", "train", f"{_model_file(out, name)}:factory", "--nproc", str(world),
            "--batch-size", str(ROWS_PER_RANK * world), "--seq-len", str(SEQ_LEN), "--steps", str(steps),
-           "--optimizer", "sgd", "--lr", repr(lr), "--plan", plan, "--out", str(run_dir), "--threads-per-rank", "1",
+           "--optimizer", "sgd", "--lr", repr(lr), "--plan", plan, "--mode", "sync", "--out", str(run_dir), "--threads-per-rank", "1",
            "--sample-bytes", "0", "--timeout-s", "120"]
     for key, value in get(name).options.items():  # backend keywords as train's flags (batch_norm -> --batch-norm)
         cmd += [f"--{key.replace('_', '-')}", str(value)]

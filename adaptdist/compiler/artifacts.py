@@ -58,7 +58,7 @@ class CompileResult:
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
                       options: Any = None, pipeline: Any = None, batch_split: Any = "auto",
-                      consider_pp: bool | None = None) -> CompileResult:
+                      consider_pp: bool | None = None, data_path: str | None = None) -> CompileResult:
     """Capture the model of ``spec``, plan it for ``cluster`` (``plan_arg``: ``auto``, a preset or a file), lower
     it with ``options`` (:class:`~adaptdist.lowering_options.LoweringOptions`; None: the defaults) placed on the
     cluster's devices (``batch_split``: see :func:`~.device_placement.place_on_devices`), and write the
@@ -67,7 +67,9 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     then names the plan inside the stages, ``pp``/``auto`` none), or a saved pipeline plan, the directory holds
     pipeline programs instead (:func:`adaptdist.stage_program_io.save_pipeline_programs`: the same
     manifest, and report.html with the pipeline section). ``consider_pp``: ``--plan auto`` weighs pipeline
-    stages too (None: :data:`~.planner.summary.PIPELINE_IN_AUTO`).
+    stages too (None: :data:`~.planner.summary.PIPELINE_IN_AUTO`). ``data_path``: ``--data``, for a model file
+    whose factory sizes the model from its data (builtin:dlrm's tables); recorded in the manifest with every
+    parameter's shape, so that ``adaptdist run --data`` of other data is refused clearly.
 
     Raises:
         AdaptdistError: a bad model, plan or cluster (from capture, the planner or the lowering); UsageError
@@ -89,7 +91,8 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         raise UsageError(f"-o {str(out)!r} exists and is not a directory; pass a directory path")
     phases: dict[str, float] = {}
     torch.manual_seed(0)
-    model, example, loss_fn = spec.build(batch_size, seq_len)
+    model, example, loss_fn = spec.build(batch_size, seq_len, data_path=data_path)
+    sizes = {"data": data_path, "param_shapes": {k: list(v.shape) for k, v in model.state_dict().items()}}
     t = time.perf_counter()
     captured = capture(model, example, loss_fn)
     phases["capture"] = time.perf_counter() - t
@@ -129,7 +132,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
 
     if isinstance(programs[0], PipelineRankProgram):
         return _write_pipeline_artifacts(programs, out, spec, cluster, example, batch_size, seq_len, optimizer,
-                                         options, phases, render_report)
+                                         options, phases, render_report, sizes=sizes)
     t = time.perf_counter()
     from ..device_assignment import program_cluster
 
@@ -151,7 +154,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         "model": spec.text, "model_file": str(model_file),
         "model_file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
         "batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer,
-        "num_batch_inputs": len(example),
+        "num_batch_inputs": len(example), **sizes,
     }
     extra["rng"] = options.rng  # how the runner seeds its ranks (LoweringOptions.rng)
     d = save_programs(programs, out, extra=extra, extra_files=extra_files)
@@ -185,7 +188,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
 
 def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any, example: tuple, batch_size: int,
                               seq_len: int, optimizer: str, options: Any, phases: dict[str, float],
-                              render_report: Any = None) -> CompileResult:
+                              render_report: Any = None, sizes: dict | None = None) -> CompileResult:
     """:func:`compile_artifacts`'s writing for pipeline programs: the manifest's same fields, the example batch, and
     ``report.html`` with the pipeline section (stages, predicted F/B/W, the predicted timeline of the schedule)."""
     import hashlib
@@ -203,7 +206,7 @@ def _write_pipeline_artifacts(programs: dict, out: Path, spec: Any, cluster: Any
              "model": spec.text, "model_file": str(model_file),
              "model_file_sha256": hashlib.sha256(model_file.read_bytes()).hexdigest(),
              "batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "num_batch_inputs": len(example),
-             "rng": options.rng}
+             "rng": options.rng, **(sizes or {})}
     files = {"example_batch.safetensors": save_tensors({f"b{i}": x.detach().clone(memory_format=torch.contiguous_format)
                                                         for i, x in enumerate(example)})}
     d = save_pipeline_programs(programs, out, extra=extra, extra_files=files)

@@ -326,3 +326,23 @@ def epoch_batches(data: Ratings, rows: torch.Tensor, batch_size: int, seed: int 
         for s in range(step, per_epoch):
             yield data.rows(order[s * batch_size: (s + 1) * batch_size])
         epoch, step = epoch + 1, 0
+
+
+def save(data: Ratings, directory: str | Path) -> Path:
+    """Write ``data`` as a MovieLens folder (``ratings.csv``, ``movies.csv``) that :func:`load` reads back to the
+    same indices, e.g. a :func:`generate`\\ d set for the multi-process tests and benchmarks (never MovieLens'
+    own files: their license forbids copies). Ids are the indices (users + 1, movies + 1). Returns the folder."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / MOVIES_FILE, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(MOVIES_COLUMNS)
+        for m, bag in enumerate(data.movie_genres.tolist()):
+            w.writerow([m + 1, f"movie {m + 1}", "|".join(data.genre_names[g - 1] for g in bag if g)])
+    with open(d / RATINGS_FILE, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(RATINGS_COLUMNS)
+        for u, m, r, t in zip(data.users.tolist(), data.movies.tolist(), data.ratings.tolist(),
+                              data.timestamps.tolist()):
+            w.writerow([u + 1, m + 1, f"{r:g}", t])
+    return d

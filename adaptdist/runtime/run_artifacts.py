@@ -97,5 +97,35 @@ def data_spec(manifest: Mapping[str, Any], directory: Path, data: str | None, se
     return DataSpec(str(model_file), None, B, T, batch_file=str(directory / "example_batch.safetensors"))
 
 
+def check_data_fits(manifest: Mapping[str, Any], directory: Path, data: str | None) -> None:
+    """``adaptdist run --data``: data other than the compile's must give the model the parameter shapes the programs
+    were compiled for (a model file that sizes its model from the data, as builtin:dlrm's tables from the
+    MovieLens ids, would otherwise fail on an index outside a table, deep in a rank).
+
+    Artifacts from before the manifest recorded ``param_shapes`` are not checked.
+
+    Raises:
+        UsageError: a parameter whose shape differs: names it, both shapes, both data and the command to recompile.
+    """
+    shapes = manifest.get("param_shapes")
+    if not shapes or data == manifest.get("data"):
+        return
+    import contextlib
+    import io
+
+    from ..model_spec import ModelSpec
+
+    spec = ModelSpec.parse(str(manifest["model"]))
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, _, _ = spec.build(int(manifest["batch_size"]), int(manifest["seq_len"]), data_path=data)
+    for name, t in model.state_dict().items():
+        if name in shapes and list(t.shape) != list(shapes[name]):
+            was = manifest.get("data") or "the model file's default data"
+            raise UsageError(
+                f"--data {data!r} needs {name} of shape {list(t.shape)}, but the artifacts in {str(directory)!r} were "
+                f"compiled for {was!r} with shape {list(shapes[name])} (the model is sized from its data); compile "
+                f"for this data: adaptdist compile {manifest['model']} --data {data} -o DIR, then adaptdist run DIR")
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -532,6 +532,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "losses": losses,
             "start_step": start,
             "step_time_s": statistics.median(warm),
+            "mean_step_time_s": statistics.fmean(warm),
             "items_per_s": cfg.items_per_step / statistics.median(warm),
             "checkpoint_s": checkpoint_times,
             "peak_bytes": peak.peak_bytes if peak else None,

@@ -1,0 +1,96 @@
+"""``--mode sync|async-hetero|auto``, ``--max-staleness K``, ``--dense-ranks LIST`` (issue 17): the execution mode
+of ``adaptdist train`` and ``adaptdist plan``, and the training loop of ``--mode async-hetero``
+(:mod:`adaptdist.runtime.async_hetero` on local gloo ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..errors import UsageError
+
+
+def add_mode_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("auto", "sync", "async-hetero"), default="auto",
+                   help="sync: the compiled synchronous programs (data parallel, tables sharded where they do not fit); "
+                        "async-hetero: a recommender's embedding lookups and sparse updates on 'sparse' ranks, its dense "
+                        "part on 'dense' ranks, joined by bounded queues (--max-staleness); auto: the planner's choice "
+                        "from the cost model and the cluster (async-hetero only for models with .sparse_arch and "
+                        ".dense_arch, e.g. builtin:dlrm, with --plan auto)")
+    p.add_argument("--max-staleness", type=_staleness, default=1, metavar="K",
+                   help="async-hetero: the sparse side runs at most K batches ahead of the gradients it has applied "
+                        "(the lookups of step t see the table updates of steps up to t-K-1; 0: the synchronous step)")
+    p.add_argument("--dense-ranks", metavar="LIST", default=None,
+                   help="async-hetero: the ranks that run the dense part, e.g. 1 or 2,3 (the others hold the tables); "
+                        "default: the planner's choice (accelerators where the cluster has them)")
+
+
+def _staleness(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if not 0 <= k <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 1000000, got {text!r}")
+    return k
+
+
+def resolve_mode(args, model, example, cluster, console, *, elastic=None, resuming: bool = False):
+    """The :class:`~adaptdist.compiler.planner.modes.ModeChoice` of the flags, or None when the model has no
+    embedding and dense parts and the mode was not forced (other models: the compiled programs, as ever).
+
+    ``--mode auto`` keeps ``sync`` where a flag asks for a synchronous plan (``--plan`` other than auto,
+    ``--mesh``, a pipeline), a resumed or elastic run, or mixed precision.
+
+    Raises:
+        UsageError: ``async-hetero`` with a model, a flag or a cluster it cannot run with.
+    """
+    from ..compiler.planner.modes import choose_mode, has_sparse_and_dense_parts, recsys_shape
+    from ..hetero_layout import parse_dense_ranks
+
+    mode = getattr(args, "mode", "auto")
+    splittable = has_sparse_and_dense_parts(model)
+    if not splittable and mode != "async-hetero":
+        return None
+    dense = parse_dense_ranks(args.dense_ranks) if getattr(args, "dense_ranks", None) else None
+    sync_flags = [f for f, on in (("--plan " + str(getattr(args, "plan", "auto")), getattr(args, "plan", "auto") != "auto"),
+                                   ("--mesh", bool(getattr(args, "mesh", None))),
+                                   ("--microbatches", getattr(args, "microbatches", None) is not None),
+                                   ("--stage-ranks", bool(getattr(args, "stage_ranks", None))),
+                                   ("--nproc MIN:MAX", elastic is not None), ("--resume", resuming),
+                                   ("--precision bf16", getattr(args, "precision", "fp32") != "fp32"),
+                                   ("--activation-checkpointing", bool(getattr(args, "activation_checkpointing", False))),
+                                   ("--trace", bool(getattr(args, "trace", False))),
+                                   ("--max-grad-norm", getattr(args, "max_grad_norm", None) is not None))
+                  if on]
+    if mode == "async-hetero" and sync_flags:
+        raise UsageError(f"--mode async-hetero does not take {', '.join(sync_flags)} (they belong to the synchronous "
+                         "programs); drop them, or use --mode sync")
+    optimizer = str(getattr(args, "optimizer", "adamw")).replace("-", "_")
+    if mode == "auto" and sync_flags:
+        mode = "sync"
+    if dense is not None and mode == "sync":
+        raise UsageError("--dense-ranks names the dense ranks of --mode async-hetero; drop it for --mode sync")
+    shape = recsys_shape(model, example, optimizer if optimizer in ("sgd", "adamw") else "adamw") if splittable \
+        else None
+    if shape is None:  # async-hetero forced on a model without the parts: choose_mode says why
+        from ..cost_models.recsys import RecsysShape
+
+        shape = RecsysShape((1,), 1, (1,), 0.0, 0.0, 0, 0, 1)
+    choice = choose_mode(shape, cluster, mode, args.max_staleness, dense, splittable=splittable)
+    if sync_flags and getattr(args, "mode", "auto") == "auto":
+        choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates,
+                              f"auto: {', '.join(sync_flags)} asks for the synchronous programs")
+    return choice
+
+
+def print_mode(choice, console) -> None:
+    from ..compiler.planner.modes import mode_lines
+
+    for line in mode_lines(choice):
+        console.print(line, highlight=False, markup=False)
+
+
+def write_mode_json(path: str, choice) -> None:
+    Path(path).write_text(json.dumps(choice.describe(), indent=1))

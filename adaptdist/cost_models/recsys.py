@@ -1,0 +1,184 @@
+"""Step time of a DLRM-style recommender in the two execution modes (issue 17): synchronous data parallelism
+over every rank, and the asynchronous heterogeneous pipeline of :mod:`adaptdist.hetero_layout` (sparse ranks
+hold the tables, dense ranks the MLP).
+
+The parts of a step, per rank (figures of :class:`RecsysShape`, devices and links of the cluster):
+
+- embedding work (memory bound): each lookup of a ``dim``-vector reads it once in forward and, in backward,
+  reads and writes it again for the gradient and the update: ``3 * dim * 4`` bytes per looked-up id, at the
+  device's memory bandwidth, plus ``SPARSE_OPS_PER_SHARD`` dispatched ops per table shard;
+- dense work: ``3 x`` the forward FLOPs (forward + backward, Kaplan et al. 2020's rule) of the rank's rows, on
+  the roofline (:func:`~adaptdist.cost_models.compute.roofline_time_s`) with its activations' bytes, plus
+  ``dense_ops`` dispatched ops, and the optimizer's passes over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``, ``OPTIMIZER_OPS_PER_TENSOR``);
+- synchronous mode: every rank also all-reduces the gradient of every parameter, the tables' included (the
+  compiled data-parallel programs hold embedding gradients as dense tensors), and steps the optimizer over all
+  of them; the step takes the slowest rank's time (a synchronous step waits for everyone);
+- asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
+  their gradients back (point-to-point, Hockney's ``latency + bytes / bandwidth`` of the pair's link); the dense ranks all-reduce the
+  dense gradients only. With ``max_staleness >= 1`` the sides overlap (the pipeline's step is its slowest
+  stage's); with 0 they alternate (the step is their sum).
+
+Per-op overhead: the device's ``op_overhead_s`` (measured by ``adaptdist cluster profile``) where given, else
+:data:`DEFAULT_OP_OVERHEAD_S` (a CPU dispatch ~5 µs, as profiled on this project's machines; a CUDA kernel
+launch ~10 µs from the host, NVIDIA's launch-latency figures): tiny recommender MLPs are overhead bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .communication import collective_time_s, link_cost
+from .compute import overlaps_compute_and_memory, peak_flops_per_s, roofline_time_s
+from .hardware import ClusterLike
+
+DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 1e-5}
+SPARSE_OPS_PER_SHARD = 12
+"""Dispatched ops per table shard per step on a sparse rank (mask, clamp, embedding_bag, unique, index_add, ...:
+adaptdist/runtime/async_hetero.py's SparseWorker)."""
+OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 84}
+"""float32 bytes the optimizer step moves per parameter: SGD reads p and g and writes p; torch's single-tensor AdamW
+(torch/optim/adamw.py, the CPU default: no foreach) makes 8 passes: p *= 1 - lr*wd (8 B), m.lerp_(g) (12), v *= b2
+(8), v.addcmul_(g, g) (16), sqrt, div, add eps (8 each), p.addcdiv_(m, denom) (16)."""
+OPTIMIZER_OPS_PER_TENSOR = {"sgd": 1, "adamw": 10}
+"""Dispatched ops of the optimizer step per parameter tensor (single-tensor implementations, as above)."""
+BYTES = 4  # float32
+
+
+@dataclass(frozen=True)
+class RecsysShape:
+    """What the cost model needs of a recommender and its batch.
+
+    Attributes:
+        table_rows: rows of each embedding table.
+        dim: embedding width.
+        ids_per_row: looked-up ids per batch row, per table (a bag's width; 1 for a single id).
+        dense_flops_per_row: forward FLOPs of the dense part per batch row.
+        dense_bytes_per_row: forward activation bytes of the dense part per batch row.
+        dense_params: parameters of the dense part.
+        dense_ops: dispatched ops of one dense forward + backward (independent of the batch).
+        batch_size: the global batch.
+        optimizer: ``"sgd"`` or ``"adamw"``.
+        dense_tensors: parameter tensors of the dense part (the optimizer's ops are per tensor).
+    """
+
+    table_rows: tuple[int, ...]
+    dim: int
+    ids_per_row: tuple[int, ...]
+    dense_flops_per_row: float
+    dense_bytes_per_row: float
+    dense_params: int
+    dense_ops: int
+    batch_size: int
+    optimizer: str = "adamw"
+    dense_tensors: int = 1
+
+    @property
+    def table_params(self) -> int:
+        return sum(self.table_rows) * self.dim
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """A predicted step: ``step_s`` and, per rank, the seconds of its own work (``rank_s``) and of communication
+    (``comm_s``); ``items_per_s`` the samples per second it implies."""
+
+    mode: str
+    step_s: float
+    rank_s: tuple[float, ...]
+    comm_s: tuple[float, ...]
+    batch_size: int
+
+    @property
+    def items_per_s(self) -> float:
+        return self.batch_size / self.step_s if self.step_s > 0 else float("inf")
+
+
+def _op_s(device) -> float:
+    v = getattr(device, "op_overhead_s", None)
+    return float(v) if v is not None else DEFAULT_OP_OVERHEAD_S.get(str(device.kind), 5e-6)
+
+
+def _p2p_s(link, n_bytes: float) -> float:
+    """One point-to-point message: ``latency_s + n_bytes / bandwidth_bytes_per_s`` (Hockney)."""
+    return float(link.latency_s) + n_bytes / float(link.bandwidth_bytes_per_s)
+
+
+def _dense_s(shape: RecsysShape, device, rows: float) -> float:
+    return (roofline_time_s(3 * shape.dense_flops_per_row * rows, 3 * shape.dense_bytes_per_row * rows,
+                            peak_flops_per_s(device, "float32"), float(device.memory_bandwidth_bytes_per_s),
+                            overlap=overlaps_compute_and_memory(device))
+            + shape.dense_ops * _op_s(device))
+
+
+def _lookup_bytes(shape: RecsysShape, rows: float, share: Sequence[float] | None = None) -> float:
+    """Bytes of the lookups and updates of ``rows`` batch rows (``share[t]``: the part of table t's ids held)."""
+    share = share if share is not None else [1.0] * len(shape.table_rows)
+    return sum(3 * shape.dim * BYTES * rows * n * s for n, s in zip(shape.ids_per_row, share))
+
+
+def _optimizer_s(shape: RecsysShape, device, params: int, tensors: int) -> float:
+    return (params * OPTIMIZER_BYTES_PER_PARAM.get(shape.optimizer, 84) / float(device.memory_bandwidth_bytes_per_s)
+            + tensors * OPTIMIZER_OPS_PER_TENSOR.get(shape.optimizer, 10) * _op_s(device))
+
+
+def all_reduce_s(cluster: ClusterLike, members: Sequence[int], n_bytes: float) -> float:
+    """Ring all_reduce of ``n_bytes`` over ``members`` (:func:`~adaptdist.cost_models.communication.link_cost`)."""
+    if len(members) < 2:
+        return 0.0
+    c = link_cost(cluster, "all_reduce", members)
+    return float(collective_time_s("all_reduce", n_bytes, len(members), c.alpha_s, c.beta_s_per_byte))
+
+
+def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | None = None) -> ModeCost:
+    """Synchronous data parallelism over ``ranks`` (default all): each rank the whole step on its
+    :func:`torch.chunk` share of the batch, then one all_reduce of every gradient (tables included) and the
+    optimizer over every parameter."""
+    ranks = list(ranks if ranks is not None else range(cluster.world_size))
+    rows = -(-shape.batch_size // len(ranks))
+    comm = all_reduce_s(cluster, ranks, (shape.dense_params + shape.table_params) * BYTES)
+    own = []
+    for r in ranks:
+        d = cluster.device(r)
+        lookups = (_lookup_bytes(shape, rows) / float(d.memory_bandwidth_bytes_per_s)
+                   + len(shape.table_rows) * SPARSE_OPS_PER_SHARD * _op_s(d))
+        # the dense embedding gradient: zeroed and accumulated over whole tables each step
+        table_grad = 2 * shape.table_params * BYTES / float(d.memory_bandwidth_bytes_per_s)
+        own.append(lookups + table_grad + _dense_s(shape, d, rows)
+                   + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
+                                  shape.dense_tensors + len(shape.table_rows)))
+    return ModeCost("sync", max(own) + comm, tuple(own), (comm,) * len(ranks), shape.batch_size)
+
+
+def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
+               shard_rows: Sequence[Sequence[tuple[int, int]]], max_staleness: int) -> ModeCost:
+    """The asynchronous heterogeneous pipeline: ``roles[r]`` ``"sparse"``/``"dense"``, ``shard_rows[r]`` the
+    ``(table, rows held)`` of sparse rank ``r`` (ids assumed spread evenly over a table's rows).
+
+    Returns per-rank seconds in rank order; ``step_s`` as the module docstring says.
+    """
+    sparse = [r for r, x in enumerate(roles) if x == "sparse"]
+    dense = [r for r, x in enumerate(roles) if x == "dense"]
+    rows_d = -(-shape.batch_size // len(dense))
+    msg_bytes = rows_d * len(shape.table_rows) * shape.dim * BYTES
+    own, comm = [0.0] * len(roles), [0.0] * len(roles)
+    for r in sparse:
+        d = cluster.device(r)
+        share = [0.0] * len(shape.table_rows)
+        for t, n in shard_rows[r]:
+            share[t] += n / shape.table_rows[t]
+        own[r] = (_lookup_bytes(shape, shape.batch_size, share) / float(d.memory_bandwidth_bytes_per_s)
+                  + len(shard_rows[r]) * SPARSE_OPS_PER_SHARD * _op_s(d)
+                  + (_optimizer_s(shape, d, sum(n for _, n in shard_rows[r]) * shape.dim, len(shard_rows[r]))
+                     if shape.optimizer != "sgd" else 0.0))
+        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in dense)
+    reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
+    for r in dense:
+        d = cluster.device(r)
+        own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
+        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in sparse) + reduce_s
+    if max_staleness >= 1:
+        step = max(o + c for o, c in zip(own, comm))
+    else:
+        step = max(own[r] for r in sparse) + max(own[r] + comm[r] for r in dense)
+    return ModeCost("async-hetero", step, tuple(own), tuple(comm), shape.batch_size)

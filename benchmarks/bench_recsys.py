@@ -1,0 +1,210 @@
+"""builtin:dlrm, issue 17 points 3 and 5 on CPU: samples/s and validation RMSE of the asynchronous heterogeneous
+mode beside the synchronous mode and one CPU process, measured side by side on this machine (ranks pinned to
+cores), and the cost model's prediction for this machine and for a cluster file with CPU hosts and GPUs.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_recsys.py [--data DIR] [--epochs 2] [--batch-size 256]
+        [--lr 2e-3] [--optimizer adamw|sgd] [--staleness 0,1,4] [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
+
+Runs, one after the other, the same epochs of the same shuffled batches (seed 0, ``--optimizer``, AdamW by
+default):
+
+- ``1 process``: eager PyTorch in this process, pinned to core 0, 1 thread;
+- ``sync``: ``adaptdist train builtin:dlrm --mode sync --plan dp`` on 2 ranks pinned to cores 0 and 1;
+- ``async-hetero K``: ``adaptdist train builtin:dlrm --mode async-hetero --max-staleness K`` on 2 ranks (rank 0
+  sparse on core 0, rank 1 dense on core 1), for each K of ``--staleness``.
+
+samples/s is the batch over each run's mean step (the synchronous worker's ``summary.json`` ``mean_step_time_s``:
+its steps after the first 2, data loading left out; eager's likewise; the asynchronous mode's: the mean interval
+between two step ends on its first dense rank after 5 steps, the pipeline's throughput, data loading included),
+with the median step beside it (a queue K deep delivers steps in bursts: its median flatters it); the RMSE is on the held-out 20%
+(the latest by timestamp). On 2 CPU cores the dense rank is a CPU standing in for an accelerator: these figures
+test the mode, not the paper's GPU claim (2.1x over GPU-only, 3.3x over CPU-only). Figures: benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def one_process(args) -> dict:
+    """Eager PyTorch on the batches `adaptdist train` draws, pinned to core 0 with 1 thread."""
+    from adaptdist.data import movielens as ml
+    from adaptdist.models import dlrm
+
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    model, _, loss_fn = dlrm.factory(args.batch_size, 1, data_path=args.data)
+    steps = args.epochs * ml.steps_per_epoch(ml.resolve(args.data).split()[0].numel(), args.batch_size)
+    batches = dlrm.data(args.batch_size, 1, path=args.data, seed=args.seed)
+    opt = (torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD)(model.parameters(), lr=args.lr)
+    times = []
+    t_start = time.perf_counter()
+    for _ in range(steps):
+        batch = next(batches)
+        t0 = time.perf_counter()  # the step alone, as the synchronous worker times it
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_start
+    fields, _ = dlrm.evaluate(model, args.data)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return {"run": "1 process (eager, core 0)", "steps": steps,
+            "samples_per_s": args.batch_size / statistics.fmean(times[2:]),
+            "median_samples_per_s": args.batch_size / statistics.median(times[2:]),
+            "loop_samples_per_s": steps * args.batch_size / wall, "validation_rmse": fields["validation_rmse"]}
+
+
+def pinned_cluster(directory: Path) -> Path:
+    """This machine as 2 local cpu ranks pinned to cores 0 and 1 (`adaptdist cluster detect`'s figures)."""
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.cluster import Cluster, Host
+    from adaptdist.cluster_file import save_cluster
+    import dataclasses
+
+    c = local_cluster(2)
+    host = c.hosts[0]
+    devices = tuple(dataclasses.replace(d, cpus=(d.rank,)) for d in host.devices)
+    pinned = dataclasses.replace(c, hosts=(Host(host.name, devices),))
+    assert isinstance(pinned, Cluster)
+    path = directory / "pinned.yaml"
+    save_cluster(pinned, path)
+    return path
+
+
+def train(args, cluster: Path, steps: int, mode_flags: list[str], name: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "adaptdist.cli", "train", "builtin:dlrm", "--cluster", str(cluster),
+               "--steps", str(steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--seed",
+               str(args.seed), "--optimizer", args.optimizer, "--checkpoint-every", "1000000", "--out", out,
+               "--timeout-s", "120", *mode_flags]
+        if args.data:
+            cmd += ["--data", args.data]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        s = json.loads((Path(out) / "summary.json").read_text())
+    B = args.batch_size
+    return {"run": name, "steps": s["steps"], "samples_per_s": B / s["mean_step_time_s"],
+            "median_samples_per_s": B / s["step_time_s"],
+            "validation_rmse": s.get("validation_rmse", s.get("evaluation", {}).get("validation_rmse")),
+            "command_wall_s": time.perf_counter() - t0, "mode": s.get("mode"), "roles": s.get("roles"),
+            "rank_seconds": s.get("rank_seconds")}
+
+
+def predictions(args, cluster_files: list[tuple[str, str]]) -> list[dict]:
+    """The cost model's samples/s of sync, the best async layout and one rank, per cluster."""
+    from adaptdist.calibrate.local import load_cluster, local_cluster
+    from adaptdist.compiler.planner.modes import choose_mode, recsys_shape
+    from adaptdist.cost_models.recsys import sync_cost
+    from adaptdist.models import dlrm
+
+    torch.manual_seed(args.seed)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, example, _ = dlrm.factory(args.batch_size, 1, data_path=args.data)
+    shape = recsys_shape(model, example, args.optimizer)
+    rows = []
+    for name, path in cluster_files:
+        cluster = load_cluster(path) if path else local_cluster(2)
+        for K in (0, 1):
+            choice = choose_mode(shape, cluster, "async-hetero", K)
+            sync = sync_cost(shape, cluster)
+            cpu_ranks = [r for r in range(cluster.world_size) if cluster.device(r).kind == "cpu"]
+            gpu_ranks = [r for r in range(cluster.world_size) if cluster.device(r).kind != "cpu"]
+            row = {"cluster": name, "K": K, "async_samples_per_s": choice.cost.items_per_s,
+                   "dense_ranks": list(choice.layout.dense_ranks), "sync_all_samples_per_s": sync.items_per_s,
+                   "one_cpu_samples_per_s": sync_cost(shape, cluster, cpu_ranks[:1]).items_per_s}
+            if gpu_ranks:
+                row["gpu_only_samples_per_s"] = sync_cost(shape, cluster, gpu_ranks).items_per_s
+                row["cpu_only_samples_per_s"] = sync_cost(shape, cluster, cpu_ranks).items_per_s
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="sgd: the sparse ranks update only the rows a batch touched (AdamW's state is dense)")
+    ap.add_argument("--staleness", default="0,1,4")
+    ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"))
+    ap.add_argument("--skip-runs", action="store_true", help="only the cost model's predictions")
+    args = ap.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
+          f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "
+          f"{args.optimizer} lr {args.lr:g}, batch {args.batch_size}, {args.epochs} epochs", flush=True)
+    for row in predictions(args, [("this machine (2 local cpu ranks, uncalibrated)", ""),
+                                  (Path(args.cluster).name, args.cluster)]):
+        extra = ""
+        if "gpu_only_samples_per_s" in row:
+            extra = (f", GPU-only {row['gpu_only_samples_per_s']:,.0f}, CPU-only {row['cpu_only_samples_per_s']:,.0f}"
+                     f" -> async/GPU-only x{row['async_samples_per_s'] / row['gpu_only_samples_per_s']:.2f}, "
+                     f"async/CPU-only x{row['async_samples_per_s'] / row['cpu_only_samples_per_s']:.2f}")
+        print(f"predicted {row['cluster']} K={row['K']}: async-hetero (dense ranks {row['dense_ranks']}) "
+              f"{row['async_samples_per_s']:,.0f} samples/s, sync on all {row['sync_all_samples_per_s']:,.0f}, one cpu "
+              f"rank {row['one_cpu_samples_per_s']:,.0f}{extra}", flush=True)
+    if args.skip_runs:
+        return
+    from adaptdist.data import movielens as ml
+
+    steps = args.epochs * ml.steps_per_epoch(ml.resolve(args.data).split()[0].numel(), args.batch_size)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = pinned_cluster(Path(tmp))
+        results.append(one_process(args))
+        print(json.dumps(results[-1]), flush=True)
+        results.append(train(args, cluster, steps, ["--mode", "sync", "--plan", "dp", "--threads-per-rank", "1"],
+                             "sync, --plan dp, 2 ranks (cores 0, 1)"))
+        print(json.dumps(results[-1]), flush=True)
+        for K in (int(k) for k in args.staleness.split(",")):
+            results.append(train(args, cluster, steps, ["--mode", "async-hetero", "--max-staleness", str(K),
+                                                        "--dense-ranks", "1", "--threads-per-rank", "1"],
+                                 f"async-hetero K={K}, rank 0 sparse (core 0), rank 1 dense (core 1)"))
+            print(json.dumps(results[-1]), flush=True)
+    base = results[0]["samples_per_s"]
+    sync = results[1]
+    print(f"\n# {args.epochs} epochs ({steps} steps of {args.batch_size}); load average at the end {loadavg()}")
+    print("| run | samples/s (mean step) | x 1 process | x sync | samples/s (median step) | validation RMSE | "
+          "vs sync's RMSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['run']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f} | "
+              f"{r['samples_per_s'] / sync['samples_per_s']:.2f} | {r['median_samples_per_s']:,.0f} | "
+              f"{r['validation_rmse']:.4f} | {100 * (r['validation_rmse'] / sync['validation_rmse'] - 1):+.2f}% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The execution mode of a recommender (issue 17): the cost model of both modes (adaptdist/cost_models/recsys.py),
+the planner's choice (adaptdist/compiler/planner/modes.py) and the commands' flags (adaptdist/cli/modes.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptdist.calibrate.local import load_cluster
+from adaptdist.compiler.planner.modes import choose_mode, recsys_shape
+from adaptdist.cost_models.hardware import FixedCluster
+from adaptdist.cost_models.recsys import RecsysShape, async_cost, sync_cost
+from adaptdist.data import movielens as ml
+from adaptdist.errors import UsageError
+from adaptdist.models import dlrm
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_GPU = ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"
+SHAPE = RecsysShape(table_rows=(610, 9742, 21), dim=32, ids_per_row=(1, 1, 10), dense_flops_per_row=2e4,
+                    dense_bytes_per_row=2e3, dense_params=9000, dense_ops=60, batch_size=256, optimizer="sgd")
+
+
+def test_recsys_shape_of_builtin_dlrm():
+    data = ml.generate(num_users=40, num_movies=60, num_genres=6, num_ratings=300, max_genres=3)
+    torch.manual_seed(0)
+    model = dlrm.rating_model(data.num_users, data.num_movies, data.num_genres, 3.5)
+    batch = data.rows(torch.arange(16))
+    shape = recsys_shape(model, batch, "adamw")
+    assert shape.table_rows == (40, 60, 7) and shape.dim == 32 and shape.ids_per_row == (1, 1, 3)
+    assert shape.dense_params == sum(p.numel() for p in model.dense_arch.parameters())
+    # the top MLP's matmuls, 2 FLOPs per multiply-add: (99*64 + 64*32 + 32) per row at least
+    assert shape.dense_flops_per_row >= 2 * (99 * 64 + 64 * 32 + 32)
+    assert 10 < shape.dense_ops < 500 and shape.batch_size == 16
+
+
+def test_the_cost_model_by_hand():
+    """Two ranks, one sparse (all tables) and one dense, staleness 1: the step is the slower side's."""
+    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
+    shard_rows = [[(0, 610), (1, 9742), (2, 21)], []]
+    cost = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
+    lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * 12 * 1e-5
+    assert cost.rank_s[0] == pytest.approx(lookups)
+    link = c.link(0, 1)
+    msg = link.latency_s + 256 * 3 * 32 * 4 / link.bandwidth_bytes_per_s
+    assert cost.comm_s[0] == pytest.approx(2 * msg)
+    assert cost.step_s == pytest.approx(max(cost.rank_s[0] + cost.comm_s[0], cost.rank_s[1] + cost.comm_s[1]))
+    serial = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 0)
+    assert serial.step_s == pytest.approx(cost.rank_s[0] + cost.rank_s[1] + cost.comm_s[1])
+    assert serial.step_s > cost.step_s
+    sync = sync_cost(SHAPE, c)
+    assert sync.comm_s[0] > 0 and sync.step_s == pytest.approx(max(sync.rank_s) + sync.comm_s[0])
+    assert cost.items_per_s == pytest.approx(256 / cost.step_s)
+
+
+def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():
+    cluster = load_cluster(str(CPU_GPU))
+    choice = choose_mode(SHAPE, cluster, "auto", 1)
+    assert choice.mode == "async-hetero", choice.candidates
+    assert choice.layout.dense_ranks == (4, 5) and choice.layout.sparse_ranks == (0, 1, 2, 3)
+    assert choice.layout.sharding == "row"  # the movies' table alone outweighs the others
+    assert choice.cost.step_s < choice.candidates["sync on 6 ranks"].step_s
+
+
+def test_auto_keeps_sync_where_the_dense_work_dominates():
+    heavy = RecsysShape(table_rows=(50, 50), dim=8, ids_per_row=(1, 1), dense_flops_per_row=5e7,
+                        dense_bytes_per_row=1e4, dense_params=10_000, dense_ops=60, batch_size=256)
+    choice = choose_mode(heavy, FixedCluster.uniform([("h", 4)], "cpu"), "auto", 1)
+    assert choice.mode == "sync" and choice.layout is None and "faster" in choice.reason
+    assert len(choice.candidates) == 4  # sync, and 1..3 dense ranks
+    forced = choose_mode(heavy, FixedCluster.uniform([("h", 4)], "cpu"), "async-hetero", 1, dense_ranks=(1, 3))
+    assert forced.mode == "async-hetero" and forced.layout.roles == ("sparse", "dense", "sparse", "dense")
+    one = choose_mode(SHAPE, FixedCluster.uniform([("h", 1)], "cpu"), "auto", 1)
+    assert one.mode == "sync" and "one rank" in one.reason
+    with pytest.raises(UsageError, match="2 or more ranks"):
+        choose_mode(SHAPE, FixedCluster.uniform([("h", 1)], "cpu"), "async-hetero", 1)
+
+
+# --- the commands -------------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def folder(tmp_path):
+    return ml.save(ml.generate(num_users=40, num_movies=60, num_genres=6, num_ratings=300, max_genres=3),
+                   tmp_path / "ml")
+
+
+def test_plan_shows_the_mode_and_each_ranks_role(folder, tmp_path, capsys):
+    from adaptdist.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "3",
+               "--mode", "async-hetero", "--dense-ranks", "2", "--max-staleness", "4", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "execution mode: async-hetero" in text and "rank 2: dense" in text and "rank 0: sparse: table" in text
+    assert "max staleness 4" in text
+    saved = json.loads(out.read_text())
+    assert saved["roles"] == {"0": "sparse", "1": "sparse", "2": "dense"} and saved["max_staleness"] == 4
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--plan", "dp"], "does not take --plan dp"),
+    (["--dense-ranks", "0,1"], "leaves no sparse rank"),
+    (["--precision", "bf16"], "does not take --precision bf16"),
+])
+def test_train_refuses_what_async_hetero_cannot_run_before_starting_ranks(folder, tmp_path, capsys, flags, match):
+    from adaptdist.cli import main
+
+    rc = main(["train", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "2", "--steps", "1",
+               "--mode", "async-hetero", "--out", str(tmp_path / "run"), *flags])
+    assert rc == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_async_hetero_needs_a_recommender(tmp_path, capsys):
+    from adaptdist.cli import main
+
+    rc = main(["plan", "builtin:gpt", "--batch-size", "2", "--seq-len", "8", "--mode", "async-hetero"])
+    assert rc == 2 and "needs a model with .sparse_arch.tables and .dense_arch" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_async_hetero_writes_mode_roles_staleness_and_rmse(folder, tmp_path, capsys):
+    """3 gloo ranks, 2 sparse ahead of 1 dense by at most 2 batches: summary.json has the mode, the roles, K and
+    the validation RMSE of the weights written, and the losses and weights equal the one-process schedule (which
+    tests/test_async_hetero.py pins to a stale-table reference)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+    from adaptdist.hetero_layout import make_layout
+    from adaptdist.runtime.async_hetero import simulate
+
+    out = tmp_path / "run"
+    rc = main(["train", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "3", "--steps", "8",
+               "--mode", "async-hetero", "--dense-ranks", "2", "--max-staleness", "2", "--optimizer", "sgd",
+               "--lr", "0.05", "--out", str(out), "--timeout-s", "60"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["mode"] == "async-hetero" and s["max_staleness"] == 2 and s["steps"] == 8
+    assert s["roles"] == {"0": "sparse", "1": "sparse", "2": "dense"}
+    assert all(math.isfinite(v) for v in s["losses"]) and s["samples_per_s"] > 0
+    torch.manual_seed(0)
+    model, _, loss_fn = dlrm.factory(16, 1, data_path=str(folder))
+    want = copy.deepcopy(model)
+    lay = make_layout(3, (2,), [t.weight.shape[0] for t in model.sparse_arch.tables], 2)
+    sim = simulate(want, loss_fn, dlrm.data(16, 1, path=str(folder)), lay, 8, "sgd", 0.05)
+    assert s["losses"] == pytest.approx(sim.losses, abs=1e-5)
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    assert dlrm.evaluate(model, str(folder))[0]["validation_rmse"] == pytest.approx(s["validation_rmse"], rel=1e-6)
+    assert json.loads((out / "run.json").read_text())["state"] == "complete"
+    assert "execution mode: async-hetero" in capsys.readouterr().err
+
+
+def test_auto_stays_sync_where_a_flag_asks_for_the_synchronous_programs(folder, capsys):
+    from adaptdist.cli import main
+
+    rc = main(["plan", "builtin:dlrm", "--data", str(folder), "--batch-size", "16", "--nproc", "2", "--plan", "dp"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "execution mode: sync (auto: --plan dp asks for the synchronous programs)" in text
+    assert "plan 'dp'" in text  # and the synchronous plan follows, as before
