@@ -119,9 +119,12 @@ def shm_groups_in_code(code: str) -> list[str]:
 
 
 def transports_of_code(code: str, group_names: Mapping[str, str], mesh: Mapping[str, int]) -> dict[str, str]:
-    """Each axis's transport as a program's source shows it: ``"shm"`` where its shm ops name the axis's group,
-    ``"none"`` for an axis of size 1, else ``"gloo"`` (what ``summary.json`` records)."""
-    shm = set(shm_groups_in_code(code))
+    """Each axis's transport as a program's source shows it: ``"shm"`` where its shm ops name a group of the axis
+    (``adaptdist:dp[0,1]``, :func:`adaptdist.mesh.shm_group_name`), ``"none"`` for an axis of size 1, else
+    ``"gloo"`` (what ``summary.json`` records)."""
+    from .mesh import base_group_name
+
+    shm = {base_group_name(g) for g in shm_groups_in_code(code)}
     return {axis: ("none" if int(mesh.get(axis, 1)) == 1 else "shm" if name in shm else "gloo")
             for axis, name in group_names.items()}
 

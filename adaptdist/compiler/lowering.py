@@ -370,6 +370,7 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
         ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
     """
     from ..comm_transport import axis_transports
+    from ..mesh import shm_group_name
     from ..passes.use_shm_collectives import use_shm_collectives
     from .codegen import rewrite_source
 
@@ -380,8 +381,11 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     transports = axis_transports(mesh, options.comm, mesh_rank_hosts(plan, options.hosts),
                                  what="comm='shm' (--comm shm)" if options.front_end == "cli"
                                  else "adaptdist.backend(comm='shm')")
-    groups = {mesh.group_name(a) for a, t in transports.items() if t == "shm"}
+    axes = [a for a, t in transports.items() if t == "shm"]
     for program in programs.values():
+        # named by this rank's group's ranks (mesh rank = global rank: the runtime's DeviceMesh is row-major)
+        groups = {mesh.group_name(a): shm_group_name(mesh.group_name(a), mesh.group(a, program.rank))
+                  for a in axes}
         gm, changed = use_shm_collectives(program.module, groups)
         if changed:
             program.code = rewrite_source(program.code, gm)

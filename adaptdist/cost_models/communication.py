@@ -155,7 +155,8 @@ def per_step_fit(collective: str, p: int, total_alpha_s: float, total_beta_s_per
 
 
 def group_members(group_name: str, rank: int, mesh: Mapping[str, int]) -> tuple[int, ...]:
-    """The ranks of ``rank``'s process group ``group_name`` (``"adaptdist:<axis>"``), in axis order.
+    """The ranks of ``rank``'s process group ``group_name`` (``"adaptdist:<axis>"``, or a shared-memory group's
+    ``"adaptdist:<axis>[ranks]"``), in axis order.
 
     Ranks are laid out row-major over the mesh axes (outermost first), as
     ``torch.distributed.device_mesh`` lays them out: on ``{"dp": 2, "tp": 2}`` rank 3 is at
@@ -165,7 +166,9 @@ def group_members(group_name: str, rank: int, mesh: Mapping[str, int]) -> tuple[
     Raises:
         UsageError: the name is not ``adaptdist:<axis>`` of an axis of ``mesh``, or ``rank`` is outside it.
     """
-    prefix, _, axis = str(group_name).partition(":")
+    from ..mesh import base_group_name
+
+    prefix, _, axis = base_group_name(group_name).partition(":")  # a shm group's name: its axis's
     if prefix != "adaptdist" or axis not in mesh:
         raise UsageError(f"collective group {group_name!r} is not 'adaptdist:<axis>' for an axis of mesh "
                          f"{dict(mesh)}; the cost model cannot tell which ranks take part")

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 import sympy
 
 from ..errors import AdaptdistError, UsageError
+from ..mesh import base_group_name
 from .communication import group_members, link_cost
 from .compute import flop_formulas
 from .estimate import collective_costs, rank_events
@@ -301,7 +302,7 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
             links[key] = link_cost(cluster, key[1], members)
 
     def group_size(node) -> Any:
-        axis = (node.group or "").partition(":")[2]
+        axis = base_group_name(node.group or "").partition(":")[2]
         if axis not in axis_symbol:
             raise UsageError(f"collective {node.name} runs on group {node.group!r}, not a mesh axis of "
                              f"{list(axis_symbol)}")
