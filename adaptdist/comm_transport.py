@@ -54,32 +54,49 @@ def axis_transports(mesh: Mesh, comm: str, hosts: Sequence[str] | None, *, kerne
         UsageError: an unknown ``comm`` or a ``hosts`` of the wrong length.
         ShmUnavailableError: ``comm == "shm"`` and the kernels are unavailable.
     """
-    if comm not in COMM_MODES:
-        raise UsageError(f"comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), got {comm!r}")
     if hosts is not None and len(hosts) != mesh.world_size:
         raise UsageError(f"comm: {len(hosts)} host names for mesh {mesh} of {mesh.world_size} ranks")
-    if comm == "shm":
-        from .kernels import require
-
-        require(what)
-        usable = True
-    elif comm == "auto":
-        if kernels_available is None:
-            from .kernels import available
-
-            kernels_available = available()
-        usable = kernels_available and hosts is not None
-    else:
-        usable = False
+    usable = shm_usable(comm, hosts, kernels_available=kernels_available, what=what)
     out = {}
     for axis in mesh.names:
         if mesh.size(axis) == 1:
             out[axis] = "none"
-        elif usable and (hosts is None or all(len({hosts[r] for r in g}) == 1 for g in mesh.groups(axis))):
+        elif usable and all(on_one_host(hosts, g) for g in mesh.groups(axis)):
             out[axis] = "shm"
         else:
             out[axis] = "gloo"
     return out
+
+
+def shm_usable(comm: str, hosts: Sequence[str] | None, *, kernels_available: bool | None = None,
+               what: str = "--comm shm") -> bool:
+    """Whether ``comm`` puts one-host groups on shared memory at all (module docstring): ``shm`` (after
+    :func:`adaptdist.kernels.require`), or ``auto`` with the kernels loaded and ``hosts`` known.
+
+    Raises:
+        UsageError: an unknown ``comm``.
+        ShmUnavailableError: ``comm == "shm"`` and the kernels are unavailable.
+    """
+    if comm not in COMM_MODES:
+        raise UsageError(f"comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), got {comm!r}")
+    if comm == "shm":
+        from .kernels import require
+
+        require(what)
+        return True
+    if comm == "auto":
+        if kernels_available is None:
+            from .kernels import available
+
+            kernels_available = available()
+        return bool(kernels_available) and hosts is not None
+    return False
+
+
+def on_one_host(hosts: Sequence[str] | None, ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` share a host by ``hosts`` (each rank's host; None: unknown, counted as one host here, the
+    runtime's ``init_group`` refusing a group that spans hosts)."""
+    return hosts is None or len({hosts[r] for r in ranks}) == 1
 
 
 def is_shm_collective(target) -> bool:

@@ -118,7 +118,7 @@ def check_pipeline_meta(meta: object, path: Path, rank: int, manifest: Mapping[s
         raise f.fail("stages", f"are {[st['stage'] for st in stages]}, but stage_ranks places rank {rank} on {mine}")
     if rank not in _ranks(f, "batch_group", f.need("batch_group"), world):
         raise f.fail("batch_group", f"must include rank {rank}")
-    for key in ("grad_groups", "groups"):
+    for key in ("grad_groups", "groups") + (("shm_groups",) if f.has("shm_groups") else ()):
         groups = f.str_map(key, lambda v: _is_int_list(v) and all(x < world for x in v), f"lists of ranks 0..{world - 1}")
         for name, g in groups.items():
             if rank not in g:
