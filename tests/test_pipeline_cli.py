@@ -94,6 +94,11 @@ def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
                  "--microbatches", "2", "--schedule", "gpipe", "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["kind"] == "pipeline" and manifest["mesh"] == {"pp": 2, "tp": 2} and "rank3/program.py" in manifest["files"]
+    import adaptdist.kernels as kernels
+
+    if kernels.available():  # --comm auto, one host: the stages' tp collectives are the shm kernels' ops
+        assert manifest["transports"] == {"pp": "gloo", "tp": "shm"} and manifest["kernels"] == ["shm"]
+        assert "torch.ops.adaptdist.shm_all_reduce.default(" in (art / "rank0" / "program.py").read_text()
     run = ["run", str(art), "--optimizer", "sgd", "--lr", str(LR), "--out", str(out)]
     assert main([*run, "--steps", "2"]) == 0
     assert main([*run, "--steps", "3", "--resume"]) == 0
