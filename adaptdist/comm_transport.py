@@ -18,10 +18,13 @@ Transports per axis: ``"shm"``, ``"gloo"``, or ``"none"`` for an axis of size 1 
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .errors import UsageError
 from .mesh import Mesh
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 COMM_MODES = ("auto", "shm", "gloo")
 """``LoweringOptions.comm``: how collectives are carried (see the module docstring)."""
@@ -97,6 +100,20 @@ def on_one_host(hosts: Sequence[str] | None, ranks: Sequence[int]) -> bool:
     """Whether ``ranks`` share a host by ``hosts`` (each rank's host; None: unknown, counted as one host here, the
     runtime's ``init_group`` refusing a group that spans hosts)."""
     return hosts is None or len({hosts[r] for r in ranks}) == 1
+
+
+def mesh_rank_hosts(plan: "Plan", hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The host of each *mesh* rank of ``plan``, from ``hosts`` (the host of each cluster rank): through the plan's
+    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. ``hosts`` of one host fits any number
+    of ranks (a local cluster compiled again at another size, e.g. ``estimate --symbolic``); None when ``hosts`` is
+    None or, naming several hosts, does not fit the mesh."""
+    world = plan.mesh_spec.world_size
+    if hosts is not None and len(hosts) != world and len(set(hosts)) == 1:
+        return (hosts[0],) * world
+    if hosts is None or len(hosts) != world:
+        return None
+    order = plan.devices.rank_to_device if plan.devices is not None else None
+    return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
 
 
 def is_shm_collective(target) -> bool:

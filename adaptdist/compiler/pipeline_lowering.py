@@ -545,10 +545,9 @@ def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: Lowe
     Raises:
         ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
     """
-    from ..comm_transport import on_one_host, shm_usable
+    from ..comm_transport import mesh_rank_hosts, on_one_host, shm_usable
     from ..mesh import shm_group_name
     from ..passes.use_shm_collectives import use_shm_collectives
-    from .lowering import mesh_rank_hosts
 
     hosts = mesh_rank_hosts(plan, options.hosts)
     if not programs or not shm_usable(options.comm, hosts, what="comm='shm' (--comm shm)"):
