@@ -175,3 +175,33 @@ def test_each_rank_names_its_own_groups_and_the_cost_model_reads_their_axes():
         for name in want:
             axis = name.split(":")[1].split("[")[0]
             assert group_members(name, r, p.mesh) == mesh.group(axis, r)
+
+
+@needs_kernels
+def test_pipeline_groups_of_one_host_take_shared_memory():
+    """Pipelines (``--comm auto``), pp=2 x tp=2 with each stage on a host of its own: a rank's groups whose ranks
+    share a host are its ``shm_groups`` (the intra-stage tp group: its stage programs' collectives become shm ops
+    naming it, in each rank's own copy of the stage modules); the tied embedding's holders (stage 0 and 1: across
+    hosts) and ``pp`` (sends and receives) stay on gloo. The runtime's data-parallel all-reduces on shm:
+    tests/test_pipeline_cli.py::test_train_pp_dp_on_shared_memory_equals_eager (4 ranks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import adaptdist.models.gpt as gpt_module
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.pipeline_lowering import PipelineOptions
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(8)
+    tp = compile_model(model, batch, loss_fn, 4, ManualPlan.parse("tp", gpt_module),
+                       LoweringOptions(comm="auto", hosts=("a", "a", "b", "b")), mesh="pp=2,tp=2",
+                       pipeline=PipelineOptions(microbatches=2, schedule="1f1b"))
+    for r, p in tp.items():
+        mine = (0, 1) if r < 2 else (2, 3)  # ranks 0,1 run stage 0 (host a), ranks 2,3 stage 1 (host b)
+        name = f"adaptdist:tp[{mine[0]},{mine[1]}]"
+        assert p.shm_groups == {name: mine}, (r, p.shm_groups)
+        assert p.transports() == {"pp": "gloo", "tp": "shm"}
+        code = "".join(m.code for st in p.stages for m in (st.forward, st.backward_input, st.backward_weight))
+        assert set(shm_groups_in_code(code.replace('"', "'"))) == {name} and "_c10d_functional" not in code, r
