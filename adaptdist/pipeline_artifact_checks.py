@@ -213,3 +213,8 @@ def check_pipeline_ranks(metas: Mapping[int, Mapping[str, Any]], directory: Path
                     if other is None or sorted(other) != sorted(g):
                         what = f"{key}[{name!r}]" if name else key
                         raise fail(r, f"{what} is {g}, but rank {q}'s is {_short(other)}", q)
+        for name, g in (m.get("shm_groups") or {}).items():  # a shared-memory group: every member makes it alike
+            for q in g:
+                other = (metas[q].get("shm_groups") or {}).get(name)
+                if other != g:
+                    raise fail(r, f"shm_groups[{name!r}] is {g}, but rank {q}'s is {_short(other)}", q)
