@@ -18,10 +18,13 @@ Transports per axis: ``"shm"``, ``"gloo"``, or ``"none"`` for an axis of size 1 
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .errors import UsageError
 from .mesh import Mesh
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 COMM_MODES = ("auto", "shm", "gloo")
 """``LoweringOptions.comm``: how collectives are carried (see the module docstring)."""
@@ -54,32 +57,63 @@ def axis_transports(mesh: Mesh, comm: str, hosts: Sequence[str] | None, *, kerne
         UsageError: an unknown ``comm`` or a ``hosts`` of the wrong length.
         ShmUnavailableError: ``comm == "shm"`` and the kernels are unavailable.
     """
-    if comm not in COMM_MODES:
-        raise UsageError(f"comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), got {comm!r}")
     if hosts is not None and len(hosts) != mesh.world_size:
         raise UsageError(f"comm: {len(hosts)} host names for mesh {mesh} of {mesh.world_size} ranks")
-    if comm == "shm":
-        from .kernels import require
-
-        require(what)
-        usable = True
-    elif comm == "auto":
-        if kernels_available is None:
-            from .kernels import available
-
-            kernels_available = available()
-        usable = kernels_available and hosts is not None
-    else:
-        usable = False
+    usable = shm_usable(comm, hosts, kernels_available=kernels_available, what=what)
     out = {}
     for axis in mesh.names:
         if mesh.size(axis) == 1:
             out[axis] = "none"
-        elif usable and (hosts is None or all(len({hosts[r] for r in g}) == 1 for g in mesh.groups(axis))):
+        elif usable and all(on_one_host(hosts, g) for g in mesh.groups(axis)):
             out[axis] = "shm"
         else:
             out[axis] = "gloo"
     return out
+
+
+def shm_usable(comm: str, hosts: Sequence[str] | None, *, kernels_available: bool | None = None,
+               what: str = "--comm shm") -> bool:
+    """Whether ``comm`` puts one-host groups on shared memory at all (module docstring): ``shm`` (after
+    :func:`adaptdist.kernels.require`), or ``auto`` with the kernels loaded and ``hosts`` known.
+
+    Raises:
+        UsageError: an unknown ``comm``.
+        ShmUnavailableError: ``comm == "shm"`` and the kernels are unavailable.
+    """
+    if comm not in COMM_MODES:
+        raise UsageError(f"comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), got {comm!r}")
+    if comm == "shm":
+        from .kernels import require
+
+        require(what)
+        return True
+    if comm == "auto":
+        if kernels_available is None:
+            from .kernels import available
+
+            kernels_available = available()
+        return bool(kernels_available) and hosts is not None
+    return False
+
+
+def on_one_host(hosts: Sequence[str] | None, ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` share a host by ``hosts`` (each rank's host; None: unknown, counted as one host here, the
+    runtime's ``init_group`` refusing a group that spans hosts)."""
+    return hosts is None or len({hosts[r] for r in ranks}) == 1
+
+
+def mesh_rank_hosts(plan: "Plan", hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The host of each *mesh* rank of ``plan``, from ``hosts`` (the host of each cluster rank): through the plan's
+    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. ``hosts`` of one host fits any number
+    of ranks (a local cluster compiled again at another size, e.g. ``estimate --symbolic``); None when ``hosts`` is
+    None or, naming several hosts, does not fit the mesh."""
+    world = plan.mesh_spec.world_size
+    if hosts is not None and len(hosts) != world and len(set(hosts)) == 1:
+        return (hosts[0],) * world
+    if hosts is None or len(hosts) != world:
+        return None
+    order = plan.devices.rank_to_device if plan.devices is not None else None
+    return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
 
 
 def is_shm_collective(target) -> bool:
@@ -119,9 +153,12 @@ def shm_groups_in_code(code: str) -> list[str]:
 
 
 def transports_of_code(code: str, group_names: Mapping[str, str], mesh: Mapping[str, int]) -> dict[str, str]:
-    """Each axis's transport as a program's source shows it: ``"shm"`` where its shm ops name the axis's group,
-    ``"none"`` for an axis of size 1, else ``"gloo"`` (what ``summary.json`` records)."""
-    shm = set(shm_groups_in_code(code))
+    """Each axis's transport as a program's source shows it: ``"shm"`` where its shm ops name a group of the axis
+    (``adaptdist:dp[0,1]``, :func:`adaptdist.mesh.shm_group_name`), ``"none"`` for an axis of size 1, else
+    ``"gloo"`` (what ``summary.json`` records)."""
+    from .mesh import base_group_name
+
+    shm = {base_group_name(g) for g in shm_groups_in_code(code)}
     return {axis: ("none" if int(mesh.get(axis, 1)) == 1 else "shm" if name in shm else "gloo")
             for axis, name in group_names.items()}
 

@@ -4,7 +4,9 @@ Ranks are laid out row-major over the axes, as ``torch.distributed.device_mesh``
 does: on ``Mesh.parse("dp=2,tp=2")`` rank 3 sits at coordinates ``(dp=1, tp=1)``,
 and the ``tp`` group of rank 2 is ranks ``(2, 3)``. Each axis has one process
 group per setting of the other axes; collectives name it ``"adaptdist:<axis>"``
-(the runtime registers this rank's group under that name).
+(the runtime registers this rank's group under that name). The shared-memory collectives name the group
+by its ranks too (:func:`shm_group_name`: ``"adaptdist:dp[0,2]"``): their groups cannot be re-pointed
+between runs as gloo's are, so two rank sets never share a name.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 from .errors import UsageError
 
@@ -132,3 +135,25 @@ def lowering_order(mesh: Mesh, batch_axis: str | None) -> list[str]:
     shards. A tensor dim sharded on several axes is chunked in this order (outer first); the runtime's
     checkpoints describe shards in it."""
     return [a for a in mesh.names if a != batch_axis] + ([batch_axis] if batch_axis in mesh.names else [])
+
+
+def shm_group_name(group_name: str, ranks: Sequence[int]) -> str:
+    """The name of the shared-memory group over global ``ranks`` (in group-rank order) that carries the collectives
+    of ``group_name`` (``"adaptdist:<axis>"``): ``"adaptdist:dp[0,2]"``; an arithmetic run of more than 8 ranks is
+    written as a slice, ``"adaptdist:dp[0:64]"``, ``"adaptdist:dp[1:64:2]"`` (stop exclusive). Two different rank
+    sets (or orders) never get the same name, so groups of one name are one group in every graph of a process
+    (the torch.compile backend's graphs on different meshes; a pipeline rank's stages)."""
+    rs = [int(r) for r in ranks]
+    step = rs[1] - rs[0] if len(rs) > 1 else 0
+    if len(rs) > 8 and step > 0 and all(b - a == step for a, b in zip(rs, rs[1:])):
+        text = f"{rs[0]}:{rs[-1] + 1}" + (f":{step}" if step != 1 else "")
+    else:
+        text = ",".join(map(str, rs))
+    return f"{group_name}[{text}]"
+
+
+def base_group_name(name: str) -> str:
+    """The mesh axis's group name (``"adaptdist:<axis>"``) of a collective's group name, whether the axis's
+    (gloo: ``"adaptdist:dp"``) or a shared-memory group's over some of its ranks (``"adaptdist:dp[0,2]"``)."""
+    text = str(name)
+    return text[:text.index("[")] if text.endswith("]") and "[" in text else text

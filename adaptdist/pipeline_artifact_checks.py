@@ -118,7 +118,7 @@ def check_pipeline_meta(meta: object, path: Path, rank: int, manifest: Mapping[s
         raise f.fail("stages", f"are {[st['stage'] for st in stages]}, but stage_ranks places rank {rank} on {mine}")
     if rank not in _ranks(f, "batch_group", f.need("batch_group"), world):
         raise f.fail("batch_group", f"must include rank {rank}")
-    for key in ("grad_groups", "groups"):
+    for key in ("grad_groups", "groups") + (("shm_groups",) if f.has("shm_groups") else ()):
         groups = f.str_map(key, lambda v: _is_int_list(v) and all(x < world for x in v), f"lists of ranks 0..{world - 1}")
         for name, g in groups.items():
             if rank not in g:
@@ -213,3 +213,8 @@ def check_pipeline_ranks(metas: Mapping[int, Mapping[str, Any]], directory: Path
                     if other is None or sorted(other) != sorted(g):
                         what = f"{key}[{name!r}]" if name else key
                         raise fail(r, f"{what} is {g}, but rank {q}'s is {_short(other)}", q)
+        for name, g in (m.get("shm_groups") or {}).items():  # a shared-memory group: every member makes it alike
+            for q in g:
+                other = (metas[q].get("shm_groups") or {}).get(name)
+                if other != g:
+                    raise fail(r, f"shm_groups[{name!r}] is {g}, but rank {q}'s is {_short(other)}", q)

@@ -40,6 +40,14 @@ all ranks of such a group run the same stage on the same microbatch in the same 
 reductions inside a stage (normalizers, gradients, the loss) are NOT in the programs: they are the
 runtime's (prologue, ``grad_groups``, ``batch_group``) as described here.
 
+Shared memory (``--comm auto|shm``): a group whose ranks share a host is listed in
+:attr:`PipelineRankProgram.shm_groups` under its shared-memory name (:func:`adaptdist.mesh.shm_group_name`:
+``adaptdist:tp[0,1]``); the programs' collectives of such an intra-stage group are then
+``torch.ops.adaptdist.shm_*`` ops naming it, and the runtime's all-reduces over such a rank set (the data-parallel
+peers' gradients and normalizers, a tied weight's holders: ``adaptdist:dp[..]``, ``adaptdist:grads[..]``) go
+through the kernels for float32/bfloat16/float16 sums and maxima. Sends and receives between stages, the float64
+loss and integer normalizers stay on gloo.
+
 Prologue (``prologue(*local_batch) -> (*normalizers)``): evaluated once per step, before the schedule,
 on this replica's whole local batch (rows ``batch_slice``, every batch tensor); its outputs are the
 per-replica partial values of the batch-only reductions the forward needs (e.g. the number of valid,
@@ -173,6 +181,8 @@ class PipelineRankProgram:
         state_placements: fqn -> placement text per intra-stage mesh axis of sharded state tensors.
         loss_rank: True on the ranks whose last stage computes the loss.
         plan: the pipeline :class:`~adaptdist.plan.Plan` the program was lowered from.
+        shm_groups: shared-memory group name -> its global ranks (ascending), for every group of this rank carried
+            by adaptdist's shared-memory kernels (module docstring); empty under ``--comm gloo``.
         microbatch_stride: rows between the starts of two microbatches of this rank; 0: ``microbatch_rows`` (the
             replica's rows ``batch_slice`` are contiguous). Stages of different data-parallel sizes cut the global
             batch into ``num_microbatches`` contiguous microbatches of ``stride`` rows first, then each microbatch
@@ -201,6 +211,17 @@ class PipelineRankProgram:
     # ModuleList experts held stacked: stacked name -> the user's names (model.safetensors is written under those)
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     microbatch_stride: int = 0
+    shm_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def transports(self) -> dict[str, str]:
+        """Each axis of the plan's mesh -> how its communication travels on this rank: ``"gloo"`` (``pp``: sends
+        and receives; an axis whose groups cross hosts), ``"shm"`` (an axis with a shared-memory group here),
+        ``"none"`` (size 1). What ``summary.json`` and the artifacts' manifest record."""
+        from .mesh import Mesh, base_group_name
+
+        mesh = dict(self.plan.mesh) if self.plan is not None else {}
+        shm = {base_group_name(n) for n in self.shm_groups}
+        return {a: "none" if int(n) == 1 else "shm" if Mesh.group_name(a) in shm else "gloo" for a, n in mesh.items()}
 
     def microbatch(self, batch: tuple[torch.Tensor, ...], m: int) -> tuple[torch.Tensor, ...]:
         """Microbatch ``m``'s rows of the GLOBAL batch (every tensor, dim 0)."""

@@ -116,6 +116,8 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
             "global_shapes": {f: list(s) for f, s in prog.global_shapes.items()},
             "state_placements": {f: list(p) for f, p in prog.state_placements.items()}, "loss_rank": prog.loss_rank,
         }
+        if prog.shm_groups:  # groups on adaptdist's shared-memory kernels (--comm auto|shm)
+            meta["shm_groups"] = {g: list(rs) for g, rs in prog.shm_groups.items()}
         if prog.stacked:  # ModuleList experts held stacked: their user names (model.safetensors)
             meta["stacked"] = {f: list(ms) for f, ms in prog.stacked.items()}
         (rd / "program.py").write_text("\n\n".join(sources))
@@ -131,9 +133,14 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
     if first.plan is not None:
         (d / "plan.json").write_text(first.plan.to_json())
         files["plan.json"] = _sha256(d / "plan.json")
+    transports: dict[str, str] = {}  # mesh axis -> shm if any rank carries it through shared memory
+    for prog in programs.values():
+        for axis, t in prog.transports().items():
+            transports[axis] = "shm" if t == "shm" or transports.get(axis) == "shm" else t
     manifest = {"format_version": FORMAT_VERSION, "adaptdist_version": __version__, "torch_version": torch.__version__,
                 "world_size": first.world_size, **({"mesh": dict(first.plan.mesh)} if first.plan is not None else {}),
-                "kind": KIND, **(extra or {})}
+                "kind": KIND, **({"transports": transports} if transports else {}),
+                **({"kernels": ["shm"]} if "shm" in transports.values() else {}), **(extra or {})}
     seal_programs(d, files, metas, manifest)
     return d
 
@@ -210,7 +217,8 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
         groups={g: tuple(rs) for g, rs in meta["groups"].items()}, state=load_file(str(d / prefix / "state.safetensors")),
         param_fqns=tuple(meta["param_fqns"]), global_shapes={f: tuple(s) for f, s in meta["global_shapes"].items()},
         state_placements={f: tuple(p) for f, p in meta["state_placements"].items()}, loss_rank=meta["loss_rank"],
-        plan=plan, stacked=_stacked(meta, meta_path))
+        plan=plan, stacked=_stacked(meta, meta_path),
+        shm_groups={g: tuple(rs) for g, rs in (meta.get("shm_groups") or {}).items()})
 
 
 def _stacked(meta: dict, path: Path) -> dict[str, tuple[str, ...]]:

@@ -232,17 +232,20 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
         dist.destroy_process_group()
 
 
-def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
+def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0, comm: str = "auto") -> list[dict]:
     """Two models compiled on different meshes (GPT on dp=2 x tp=2, the MLP on dp=4: both name a ``dp``
-    axis, of different groups), their forwards and backwards interleaved; each model's losses and grads."""
+    axis, of different groups), their forwards and backwards interleaved; each model's losses and grads, its
+    SGD-updated parameters and its graphs' collectives."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
-        runs = []
+        runs, backends = [], []
         for name, plan, mesh in (("gpt", "dp,tp", "dp=2,tp=2"), ("mlp", "dp", None)):
             model, batch, loss_fn = FACTORIES[name](4)
-            compiled = torch.compile(model, backend=adaptdist.backend(plan=make_plan(name, plan), mesh=mesh))
+            be = adaptdist.backend(plan=make_plan(name, plan), mesh=mesh, comm=comm)
+            backends.append(be)
+            compiled = torch.compile(model, backend=be)
             runs.append((model, compiled, [rank_rows(t, rank, world) for t in batch], loss_fn,
                          torch.optim.SGD(model.parameters(), lr=lr)))
         out = [{"losses": [], "grads": []} for _ in runs]
@@ -255,6 +258,9 @@ def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0) -
                 out[k]["grads"].append({n: full_grad(p) for n, p in model.named_parameters()})
                 opt.step()
                 opt.zero_grad()
+        for k, ((_, compiled, _, _, _), be) in enumerate(zip(runs, backends)):
+            out[k]["params"] = adaptdist.full_state_dict(compiled)
+            out[k]["collectives"] = [s.collectives() for s in be.compiled]
         return out
     finally:
         dist.destroy_process_group()

@@ -79,3 +79,39 @@ def test_estimate_costs_shm_programs_with_the_shm_fits():
     on_shm = estimate_programs(lowered("shm"), cluster_for_comm(c, "shm"), "sgd")
     g, s = on_gloo.ranks[0].communication_s, on_shm.ranks[0].communication_s
     assert s > 0 and s < g / 5, (s, g)  # the shm ops are costed, with the shm fits
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"shm kernels not built: {kernels.load_error()}")
+def test_uncalibrated_shm_axes_cost_the_shm_defaults_concretely_and_symbolically():
+    """A cluster without shm fits (not profiled with the kernels): a one-host axis's shm ops are costed at the cost
+    model's shared-memory figures, not gloo's, by the concrete estimate and by ``estimate --symbolic``'s formulas
+    alike (which agree at the base point); a gloo program keeps gloo's figures."""
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.cost_models.estimate import estimate_programs
+    from adaptdist.cost_models.hardware import default_shm_link
+    from adaptdist.cost_models.symbolic import fit_symbolic_estimate
+    from adaptdist.lowering_options import LoweringOptions
+
+    c = local_cluster(2)  # estimated figures: no calibration block at all
+
+    def compile_at(point, comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 4))
+        batch = (torch.randn(point.batch_size, 64), torch.randint(0, 4, (point.batch_size,)))
+        world = point.mesh_dict["dp"]
+        return compile_model(model, batch, F.cross_entropy, world, None, LoweringOptions(comm=comm, hosts=("h",)))
+
+    comm_s = {}
+    for comm in ("shm", "gloo"):
+        from adaptdist.cost_models.symbolic import SamplePoint
+
+        concrete = estimate_programs(compile_at(SamplePoint(8, 1, (("dp", 2),)), comm), c, "sgd")
+        comm_s[comm] = concrete.ranks[0].communication_s
+        if comm == "shm":
+            sym = fit_symbolic_estimate(lambda p: compile_at(p, comm), 8, 1, {"dp": 2}, c, "sgd")
+            assert float(sym.evaluate(8, 1, {"dp": 2})["communication_s"]) == pytest.approx(comm_s[comm], rel=1e-9)
+        tiers = {(x.calibrated, x.tier) for x in concrete.ranks[0].collectives}
+        assert tiers == {(False, "intra_host")}, tiers
+    shm_link, gloo_link = default_shm_link("cpu"), c.link(0, 1)
+    assert shm_link.bandwidth_bytes_per_s > gloo_link.bandwidth_bytes_per_s
+    assert 0 < comm_s["shm"] < comm_s["gloo"] / 5, comm_s

@@ -39,12 +39,12 @@ CASES = {
 # a world size has the same rows per rank (test_symbolic_shapes_are_refused_clearly covers the refusal).
 
 
-def _eager(case: dict, world: int, lr: float = LR):
+def _eager(case: dict, world: int, lr: float = LR, steps: int = STEPS):
     """Per step: each rank's loss on its rows and the gradients of their mean; final parameters."""
     model, (x, y), loss_fn = FACTORIES[case["model"]](case["batch"])
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     history = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         losses = [loss_fn(model(xr), yr) for xr, yr in zip(x.chunk(world), y.chunk(world))]
         (sum(losses) / world).backward()
         if case.get("clip"):
@@ -134,15 +134,27 @@ def test_a_model_returning_its_own_loss_with_python_scalars():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_models_on_different_meshes_interleaved():
-    """Each compiled graph uses its own process groups even when another graph's mesh names the same axis."""
+    """Each compiled graph uses its own process groups even when another graph's mesh names the same axis, under
+    the default comm (auto: the shared-memory kernels where built): the GPT's dp groups (0,2), (1,3) and the MLP's
+    dp group (0,1,2,3) are distinct shm groups (named by their ranks), so each model's losses, gradients and
+    SGD-updated parameters equal eager's."""
     results = launch_local(interleaved_meshes_worker, (2, LR), 4)
     for k, case in enumerate([dict(model="gpt", batch=4), dict(model="mlp", batch=4)]):
-        history, _ = _eager(case, 4)
+        history, params = _eager(case, 4, steps=2)
         for r in range(4):
-            for s, (losses, grads) in enumerate(history[:2]):
+            for s, (losses, grads) in enumerate(history):
                 assert results[r][k]["losses"][s] == pytest.approx(losses[r], abs=TOL), (case, r, s)
                 for n, g in grads.items():
                     torch.testing.assert_close(results[r][k]["grads"][s][n], g, atol=TOL, rtol=0)
+            for n, p in params.items():
+                torch.testing.assert_close(results[r][k]["params"][n], p, atol=TOL, rtol=0, msg=f"{case} {r} {n}")
+            calls = [c for graph in results[r][k]["collectives"] for c in graph]
+            if adaptdist.kernels.available():  # auto puts every axis of one host on the kernels
+                assert calls and all(c.startswith("adaptdist.shm_") for c in calls), calls
+    if adaptdist.kernels.available():
+        gpt = {c.split("(", 1)[1].rsplit(", ", 1)[0] for g in results[0][0]["collectives"] for c in g}
+        mlp = {c.split("(", 1)[1].rsplit(", ", 1)[0] for g in results[0][1]["collectives"] for c in g}
+        assert gpt == {"adaptdist:dp[0,2]", "adaptdist:tp[0,1]"} and mlp == {"adaptdist:dp[0,1,2,3]"}, (gpt, mlp)
 
 
 @pytest.mark.slow

@@ -79,10 +79,8 @@ def test_bad_lowering_arguments_of_the_backend_fail_where_written(kwargs, match)
 
 
 def test_backend_lowering_options_are_the_commands_defaults_unless_given():
-    # One deliberate difference: the backend's comm defaults to gloo (its graphs may use several meshes whose
-    # shm group names could collide, see dynamo_backend._check_shm_group_members); the commands' to auto.
-    assert adaptdist.backend().lowering_options() == LoweringOptions(front_end="backend", comm="gloo")
-    assert LoweringOptions().comm == "auto"
+    assert adaptdist.backend().lowering_options() == LoweringOptions(front_end="backend")
+    assert LoweringOptions().comm == "auto" and adaptdist.backend().comm == "auto"
     opts = adaptdist.backend(bucket_mb=0.5, replicate_fallback=True).lowering_options()
     assert opts.grad_bucket_bytes == 2**19 and opts.replicate_fallback and opts.front_end == "backend"
 

@@ -101,6 +101,7 @@ def test_a_job_over_three_hosts_equals_a_single_host_run(hosts, tmp_path):
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=k)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ranks"] == 3 and summary["steps"] == 6 and summary["restarts"] == []
+    assert summary["transports"] == {"dp": "gloo"}  # one rank per host: dp crosses hosts, shared memory cannot join them
     assert json.loads((out / "run.json").read_text())["state"] == "complete"
     # the workers' store and gloo used the namespaces' addresses: the rendezvous records each host's address
     status = [json.loads(p.read_text()) for p in (out / "status").glob("attempt*/rank*.json")]

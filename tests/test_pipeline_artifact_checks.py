@@ -121,3 +121,14 @@ def test_ranks_that_disagree_are_refused_naming_both_files(compiles, tmp_path):
     p.write_text(json.dumps(meta))
     _fix_hashes(d)
     _refused(d, str(p), "'batch_slice'", "num_microbatches x microbatch_rows")
+
+
+def test_a_shared_memory_group_one_member_lacks_is_refused(compiles, tmp_path):
+    """Rank 1 would set up a shared-memory group with rank 0, which rank 0 never joins (a hang at start)."""
+    d = _copy(compiles["1f1b"], tmp_path / "shm")
+    p = d / "rank1" / "program.json"
+    meta = json.loads(p.read_text())
+    meta["shm_groups"] = {"adaptdist:grads[0,1]": [0, 1]}
+    p.write_text(json.dumps(meta))
+    _fix_hashes(d)
+    _refused(d, str(d / "rank0" / "program.json"), str(p), "shm_groups['adaptdist:grads[0,1]']")

@@ -52,6 +52,38 @@ def test_train_pp_then_resume_on_more_ranks_equals_eager(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_pp_dp_on_shared_memory_equals_eager(tmp_path):
+    """pp=2,dp=2 on one host under --comm auto: the data-parallel peers' gradient all-reduces (and the tied
+    embedding's, over both stages) go through the shared-memory kernels, sends and receives between the stages through
+    gloo; losses and SGD-updated weights equal eager's; summary.json and the programs' manifest say so."""
+    import adaptdist.kernels as kernels
+    from safetensors.torch import load_file
+
+    if not kernels.available():
+        pytest.skip(f"the shm kernels are not built here: {kernels.load_error()}")
+    out = tmp_path / "run"
+    assert main(["train", MODEL, *TRAIN, "--plan", "pp", "--mesh", "pp=2,dp=2", "--nproc", "4", "--schedule", "1f1b",
+                 "--microbatches", "2", "--steps", "2", "--comm", "auto", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["transports"] == {"pp": "gloo", "dp": "shm"}
+    manifest = json.loads((out / "programs" / "manifest.json").read_text())
+    assert manifest["kernels"] == ["shm"] and manifest["transports"] == {"pp": "gloo", "dp": "shm"}
+    rank2 = json.loads((out / "programs" / "rank2" / "program.json").read_text())
+    assert rank2["shm_groups"] == {"adaptdist:dp[2,3]": [2, 3], "adaptdist:grads[0,1,2,3]": [0, 1, 2, 3]}
+    assert summary["losses"] == pytest.approx(_eager_losses(2), abs=1e-5)
+    model, (x, y), loss_fn = tiny_gpt(B, T)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    weights = load_file(str(out / "model.safetensors"))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(weights[n], p.detach(), atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.slow
 def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
     """Tensor parallelism inside the stages: sharded checkpoints resume, the full weights are put together."""
     model_file = tmp_path / "m.py"  # tiny_gpt with the built-in GPT's TP_PLAN
@@ -62,6 +94,11 @@ def test_compile_pp_tp_then_run_and_resume_equals_eager(tmp_path):
                  "--microbatches", "2", "--schedule", "gpipe", "-o", str(art)]) == 0
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["kind"] == "pipeline" and manifest["mesh"] == {"pp": 2, "tp": 2} and "rank3/program.py" in manifest["files"]
+    import adaptdist.kernels as kernels
+
+    if kernels.available():  # --comm auto, one host: the stages' tp collectives are the shm kernels' ops
+        assert manifest["transports"] == {"pp": "gloo", "tp": "shm"} and manifest["kernels"] == ["shm"]
+        assert "torch.ops.adaptdist.shm_all_reduce.default(" in (art / "rank0" / "program.py").read_text()
     run = ["run", str(art), "--optimizer", "sgd", "--lr", str(LR), "--out", str(out)]
     assert main([*run, "--steps", "2"]) == 0
     assert main([*run, "--steps", "3", "--resume"]) == 0

@@ -129,32 +129,79 @@ def test_lowering_puts_one_host_axes_on_shm_only():
         assert transports_of_code(gloo[r].code, gloo[r].group_names, gloo[r].mesh) == {"dp": "gloo"}
         assert apart[r].code == gloo[r].code
         # the same collectives, in the same order and sizes, carried by other ops
-        strip = lambda calls: [c.split("(")[1] for c in calls]  # noqa: E731
+        strip = lambda calls: [c.split("(")[1].replace("adaptdist:dp[0,1]", "adaptdist:dp") for c in calls]  # noqa: E731
         assert strip(shm[r].collectives()) == strip(gloo[r].collectives()) and shm[r].collectives()
+        assert shm_groups_in_code(shm[r].code) == ["adaptdist:dp[0,1]"]  # named by the group's ranks
         assert all(c.startswith("adaptdist.shm_") for c in shm[r].collectives())
         assert "wait_tensor" not in shm[r].code and "wait_tensor" in gloo[r].code
     assert _compile(LoweringOptions())[0].code == gloo[0].code  # no hosts: auto keeps gloo
 
 
-def test_backend_refuses_graphs_whose_shm_axis_spans_other_ranks(monkeypatch):
-    """The backend's shared-memory groups are one per name in a process: a later graph (another mesh after a graph
-    break, or a second model) whose axis of the same name spans other ranks would re-point the earlier graph's
-    collectives (silently wrong gradients, measured on 4 ranks: dp=2 then dp=4); refused instead. The same ranks
-    again (a graph break on one mesh) pass."""
-    import types
+def test_shm_group_names_tell_rank_sets_apart():
+    """Two rank sets never share a name (graphs on different meshes in one process each get their own shm group);
+    the axis's group name is recovered from any of them."""
+    from adaptdist.mesh import base_group_name, shm_group_name
 
-    from adaptdist.compiler import dynamo_backend as db
-    from adaptdist.errors import UsageError
+    names = {shm_group_name("adaptdist:dp", g) for g in [(0, 1), (1, 0), (0, 2), (0, 1, 2, 3), (0, 2, 4, 6),
+                                                          tuple(range(16)), tuple(range(0, 32, 2)), tuple(range(1, 17))]}
+    assert len(names) == 8
+    assert shm_group_name("adaptdist:dp", (0, 2)) == "adaptdist:dp[0,2]"
+    assert shm_group_name("adaptdist:tp", range(1, 64, 2)) == "adaptdist:tp[1:64:2]"
+    assert shm_group_name("adaptdist:tp", range(64)) == "adaptdist:tp[0:64]"
+    assert all(base_group_name(n) == "adaptdist:dp" for n in names) and base_group_name("adaptdist:dp") == "adaptdist:dp"
 
-    code = "all_reduce = torch.ops.adaptdist.shm_all_reduce.default(x, 'sum', 'adaptdist:dp')\n"
-    program = types.SimpleNamespace(code=code, group_names={"dp": "adaptdist:dp"})
-    ranks = {"now": (0, 1)}
-    monkeypatch.setattr(db.compat, "resolve_process_group", lambda name: name)
-    monkeypatch.setattr(db.dist, "get_process_group_ranks", lambda group: list(ranks["now"]))
-    config = db.AdaptdistBackend(plan="dp")
-    db._check_shm_group_members(program, config)
-    db._check_shm_group_members(program, config)  # a second graph on the same ranks
-    ranks["now"] = (0, 1, 2, 3)
-    with pytest.raises(UsageError, match=r"mesh axis 'dp' \(ranks \[0, 1, 2, 3\]\).*earlier graph's axis over ranks "
-                                         r"\[0, 1\].*comm='gloo'"):
-        db._check_shm_group_members(program, config)
+
+@needs_kernels
+def test_each_rank_names_its_own_groups_and_the_cost_model_reads_their_axes():
+    """dp=2,tp=2 on one host: rank r's shm ops name its own dp and tp groups' ranks; the consistency calls, the
+    transports and the cost model see the axes' groups."""
+    from adaptdist.compiler.consistency import collective_calls
+    from adaptdist.cost_models.communication import group_members
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.annotations import ManualPlan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    plan = ManualPlan(name="dp,tp", mesh_axes=("dp", "tp"), batch_axis="dp",
+                      params=(("0.weight", ("R", "S(0)")), ("0.bias", ("R", "S(0)")), ("2.weight", ("R", "S(1)"))))
+    progs = compile_model(model, (torch.randn(8, 8), torch.randint(0, 4, (8,))), F.cross_entropy, 4, plan,
+                          LoweringOptions(comm="auto", hosts=("h",) * 4), mesh="dp=2,tp=2")
+    mesh = Mesh.parse("dp=2,tp=2")
+    for r, p in progs.items():
+        want = {f"adaptdist:{a}[{','.join(map(str, mesh.group(a, r)))}]" for a in ("dp", "tp")}
+        assert set(shm_groups_in_code(p.code)) == want, (r, shm_groups_in_code(p.code))
+        assert transports_of_code(p.code, p.group_names, p.mesh) == {"dp": "shm", "tp": "shm"}
+        assert {c.group for c in collective_calls(p)} == {"adaptdist:dp", "adaptdist:tp"}
+        for name in want:
+            axis = name.split(":")[1].split("[")[0]
+            assert group_members(name, r, p.mesh) == mesh.group(axis, r)
+
+
+@needs_kernels
+def test_pipeline_groups_of_one_host_take_shared_memory():
+    """Pipelines (``--comm auto``), pp=2 x tp=2 with each stage on a host of its own: a rank's groups whose ranks
+    share a host are its ``shm_groups`` (the intra-stage tp group: its stage programs' collectives become shm ops
+    naming it, in each rank's own copy of the stage modules); the tied embedding's holders (stage 0 and 1: across
+    hosts) and ``pp`` (sends and receives) stay on gloo. The runtime's data-parallel all-reduces on shm:
+    tests/test_pipeline_cli.py::test_train_pp_dp_on_shared_memory_equals_eager (4 ranks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import adaptdist.models.gpt as gpt_module
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.pipeline_lowering import PipelineOptions
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(8)
+    tp = compile_model(model, batch, loss_fn, 4, ManualPlan.parse("tp", gpt_module),
+                       LoweringOptions(comm="auto", hosts=("a", "a", "b", "b")), mesh="pp=2,tp=2",
+                       pipeline=PipelineOptions(microbatches=2, schedule="1f1b"))
+    for r, p in tp.items():
+        mine = (0, 1) if r < 2 else (2, 3)  # ranks 0,1 run stage 0 (host a), ranks 2,3 stage 1 (host b)
+        name = f"adaptdist:tp[{mine[0]},{mine[1]}]"
+        assert p.shm_groups == {name: mine}, (r, p.shm_groups)
+        assert p.transports() == {"pp": "gloo", "tp": "shm"}
+        code = "".join(m.code for st in p.stages for m in (st.forward, st.backward_input, st.backward_weight))
+        assert set(shm_groups_in_code(code.replace('"', "'"))) == {name} and "_c10d_functional" not in code, r

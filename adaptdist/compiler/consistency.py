@@ -33,8 +33,9 @@ class CollectiveCall:
 
 def collective_calls(program: RankProgram) -> list[CollectiveCall]:
     """The ordered collectives of ``program`` (functional collectives, and adaptdist's shared-memory ones under
-    the functional collective's name they carry; waits excluded)."""
+    the functional collective's name and the mesh axis's group name they carry; waits excluded)."""
     from ..comm_transport import SHM_OPS, is_shm_collective
+    from ..mesh import base_group_name
 
     functional_of = {v: k for k, v in SHM_OPS.items()}
     calls = []
@@ -47,7 +48,8 @@ def collective_calls(program: RankProgram) -> list[CollectiveCall]:
         x = n.args[0]
         numel = x.meta["val"].numel() if isinstance(x, torch.fx.Node) else sum(a.meta["val"].numel() for a in x)
         op = str(n.target).split(".")[1]
-        calls.append(CollectiveCall(functional_of.get(op, op) if shm else op, str(n.args[-1]), numel, n.name))
+        group = base_group_name(str(n.args[-1])) if shm else str(n.args[-1])  # the axis's, not the shm group's
+        calls.append(CollectiveCall(functional_of.get(op, op) if shm else op, group, numel, n.name))
     return calls
 
 

@@ -81,10 +81,11 @@ class AdaptdistBackend:
             the compile checks; see ``adaptdist/passes/global_rng.py``).
         batch_norm: training-mode BatchNorm: ``"local"`` (DDP's statistics per rank) or ``"sync"``
             (SyncBatchNorm's, over the global batch); see :class:`~adaptdist.lowering_options.LoweringOptions`.
-        comm: ``"gloo"`` (the default), ``"auto"`` (adaptdist's shared-memory collectives on the mesh axes whose
-            ranks share a host, where the kernels are loaded on every rank) or ``"shm"`` (required:
-            ShmUnavailableError without them); see :mod:`adaptdist.comm_transport`. Graphs on different meshes
-            (graph breaks planned apart) cannot share the shared-memory groups yet: a UsageError says so.
+        comm: ``"auto"`` (the default, as the commands': adaptdist's shared-memory collectives on the mesh axes
+            whose ranks share a host, where the kernels are loaded on every rank; gloo elsewhere), ``"shm"``
+            (required: ShmUnavailableError without them) or ``"gloo"``; see :mod:`adaptdist.comm_transport`. Each
+            shared-memory group is named by its ranks, so graphs on different meshes (graph breaks planned apart,
+            several models) each use their own.
         compiled: the graphs compiled so far (one per Dynamo graph: several after graph breaks).
     """
 
@@ -97,10 +98,9 @@ class AdaptdistBackend:
     replicate_fallback: bool = False
     rng: str = "per-rank"
     batch_norm: str = "local"
-    comm: str = "gloo"
+    comm: str = "auto"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
     graph_runs: GraphRuns = field(default_factory=GraphRuns, init=False, repr=False, compare=False)
-    shm_group_ranks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
@@ -215,7 +215,7 @@ def _refuse_pipeline(plan: Any, mesh: Any) -> None:
 
 def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, mesh: str | None = None,
             optimizer: str = "adamw", bucket_mb: float | None = None, replicate_fallback: bool = False,
-            rng: str = "per-rank", batch_norm: str = "local", comm: str = "gloo") -> AdaptdistBackend:
+            rng: str = "per-rank", batch_norm: str = "local", comm: str = "auto") -> AdaptdistBackend:
     """A configured ``adaptdist`` backend for ``torch.compile`` (arguments: see :class:`AdaptdistBackend`).
 
     Raises:
@@ -309,10 +309,12 @@ def _all_gather_text(text: str, group: Any) -> list[str]:
 
 def _rank_hosts(comm: str, rank: int, group: Any) -> tuple[tuple[str, ...] | None, str | None]:
     """(Collective over ``group``) each rank's host name, and the comm mode the lowering takes: ``comm``, or gloo
-    under ``auto`` when some rank cannot load the kernels (every rank must lower alike). ``(None, None)`` under
-    ``gloo``."""
+    under ``auto`` when some rank cannot load the kernels (every rank must lower alike) or the world's backend is
+    not gloo. ``(None, None)`` under ``gloo``."""
     if comm == "gloo":
         return None, None
+    if comm == "auto" and dist.get_backend() != "gloo":  # the kernels move CPU tensors: nccl's stay on nccl
+        return None, "gloo"
     import socket
 
     from ..kernels import available
@@ -452,7 +454,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         register_mesh_groups(program, dist.get_backend())
         # by torch's group name, not the group object (CompiledStep.process_groups says why)
         groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
-        _check_shm_group_members(program, config)
     split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank, cap_inputs, experts,
                           expert_rows)
@@ -463,30 +464,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     if rank == 0:
         _log_compiled(programs, config, world, time.perf_counter() - t0)
     return step
-
-
-def _check_shm_group_members(program: Any, config: "AdaptdistBackend") -> None:
-    """The shared-memory groups are one per name in a process (``adaptdist:<axis>``): a graph whose axis of that
-    name spans other ranks than an earlier graph's replaced the earlier one's group, so the earlier graph's
-    collectives would run over the wrong ranks. Refuse that (the same ranks, as after a graph break on one mesh,
-    are fine). Records each shm name's ranks in ``config.shm_group_ranks``.
-
-    Raises:
-        UsageError: names the axis, both rank sets and what to use instead.
-    """
-    from ..comm_transport import shm_groups_in_code
-
-    used = set(shm_groups_in_code(program.code))
-    for axis, name in program.group_names.items():
-        if name not in used:
-            continue
-        ranks = tuple(dist.get_process_group_ranks(compat.resolve_process_group(name)))
-        before = config.shm_group_ranks.setdefault(name, ranks)
-        if before != ranks:
-            raise UsageError(
-                f"adaptdist.backend(comm={config.comm!r}): this graph's mesh axis {axis!r} (ranks {list(ranks)}) runs "
-                f"its shared-memory collectives under the same group name as an earlier graph's axis over ranks "
-                f"{list(before)}; graphs on different meshes cannot share them yet. Use comm='gloo' for this model")
 
 
 def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: int, compile_s: float) -> None:

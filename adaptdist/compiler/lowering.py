@@ -346,20 +346,6 @@ def _lower(captured: CapturedGraph, plan: Plan, options: LoweringOptions, state:
     return _use_transports(programs, options)
 
 
-def mesh_rank_hosts(plan: Plan, hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """The host of each *mesh* rank of ``plan``, from ``hosts`` (the host of each cluster rank): through the plan's
-    rank-to-device mapping (``plan.devices.rank_to_device``) when it has one. ``hosts`` of one host fits any number
-    of ranks (a local cluster compiled again at another size, e.g. ``estimate --symbolic``); None when ``hosts`` is
-    None or, naming several hosts, does not fit the mesh."""
-    world = plan.mesh_spec.world_size
-    if hosts is not None and len(hosts) != world and len(set(hosts)) == 1:
-        return (hosts[0],) * world
-    if hosts is None or len(hosts) != world:
-        return None
-    order = plan.devices.rank_to_device if plan.devices is not None else None
-    return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
-
-
 def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) -> dict[int, RankProgram]:
     """The lowering's last, per-rank pass: collectives of mesh axes on shared memory
     (:func:`~adaptdist.comm_transport.axis_transports` of ``options.comm`` and ``options.hosts``) become
@@ -369,7 +355,8 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     Raises:
         ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
     """
-    from ..comm_transport import axis_transports
+    from ..comm_transport import axis_transports, mesh_rank_hosts
+    from ..mesh import shm_group_name
     from ..passes.use_shm_collectives import use_shm_collectives
     from .codegen import rewrite_source
 
@@ -380,8 +367,11 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     transports = axis_transports(mesh, options.comm, mesh_rank_hosts(plan, options.hosts),
                                  what="comm='shm' (--comm shm)" if options.front_end == "cli"
                                  else "adaptdist.backend(comm='shm')")
-    groups = {mesh.group_name(a) for a, t in transports.items() if t == "shm"}
+    axes = [a for a, t in transports.items() if t == "shm"]
     for program in programs.values():
+        # named by this rank's group's ranks (mesh rank = global rank: the runtime's DeviceMesh is row-major)
+        groups = {mesh.group_name(a): shm_group_name(mesh.group_name(a), mesh.group(a, program.rank))
+                  for a in axes}
         gm, changed = use_shm_collectives(program.module, groups)
         if changed:
             program.code = rewrite_source(program.code, gm)

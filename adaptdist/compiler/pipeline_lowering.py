@@ -530,7 +530,59 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 state_placements={f: p for f, p in placements.items() if any(x != "R" for x in p)},
                 loss_rank=(S - 1) % G == g, plan=plan,
                 stacked={f: tuple(ms) for f, ms in captured.stacked.items()}, **layout)
-    return dict(sorted(programs.items()))
+    return _use_shm(dict(sorted(programs.items())), plan, options)
+
+
+def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: LoweringOptions
+             ) -> dict[int, PipelineRankProgram]:
+    """Put each rank's groups whose ranks share a host on adaptdist's shared-memory kernels (``--comm auto|shm``,
+    :func:`~adaptdist.comm_transport.shm_usable`): the intra-stage axes' groups (``groups``: the stage programs'
+    collectives become ``torch.ops.adaptdist.shm_*`` on ``adaptdist:<axis>[ranks]``, in copies of the stage
+    modules, which ranks of other groups share) and the runtime's reductions (``batch_group``: the data-parallel
+    peers, ``adaptdist:<batch axis>[ranks]``; a tied weight's ``grad_groups``: ``adaptdist:grads[ranks]``); every
+    such group is listed in ``shm_groups``. Sends and receives between stages stay on gloo.
+
+    Raises:
+        ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
+    """
+    from ..comm_transport import mesh_rank_hosts, on_one_host, shm_usable
+    from ..mesh import shm_group_name
+    from ..passes.use_shm_collectives import use_shm_collectives
+
+    hosts = mesh_rank_hosts(plan, options.hosts)
+    if not programs or not shm_usable(options.comm, hosts, what="comm='shm' (--comm shm)"):
+        return programs
+
+    def shared(ranks) -> tuple[int, ...] | None:
+        key = tuple(sorted(ranks))
+        return key if len(key) > 1 and on_one_host(hosts, key) else None
+
+    def renamed(gm: torch.nn.Module, names: dict[str, str]) -> torch.nn.Module:
+        if not names or not isinstance(gm, torch.fx.GraphModule):
+            return gm
+        copy = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+        copy, changed = use_shm_collectives(copy, names)
+        return copy if changed else gm
+
+    out = {}
+    for r, prog in programs.items():
+        shm: dict[str, tuple[int, ...]] = {}
+        names: dict[str, str] = {}
+        for name, ranks in prog.groups.items():  # ascending ranks: the runtime's gloo group's order
+            key = shared(ranks)
+            if key is not None:
+                names[name] = shm_group_name(name, key)
+                shm[names[name]] = key
+        batch = tuple(sorted(prog.batch_group))
+        for key in sorted({k for k in [shared(prog.batch_group), *map(shared, prog.grad_groups.values())] if k}):
+            base = Mesh.group_name(plan.batch_axis) if key == batch and plan.batch_axis else "adaptdist:grads"
+            shm[shm_group_name(base, key)] = key
+        stages = tuple(dataclasses.replace(st, forward=renamed(st.forward, names),
+                                           backward_input=renamed(st.backward_input, names),
+                                           backward_weight=renamed(st.backward_weight, names))
+                       for st in prog.stages)
+        out[r] = dataclasses.replace(prog, stages=stages, shm_groups=shm)
+    return out
 
 
 def _io_names(gm: torch.fx.GraphModule, n: int, skip_first: bool = False) -> list[str]:

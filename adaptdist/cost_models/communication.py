@@ -155,7 +155,8 @@ def per_step_fit(collective: str, p: int, total_alpha_s: float, total_beta_s_per
 
 
 def group_members(group_name: str, rank: int, mesh: Mapping[str, int]) -> tuple[int, ...]:
-    """The ranks of ``rank``'s process group ``group_name`` (``"adaptdist:<axis>"``), in axis order.
+    """The ranks of ``rank``'s process group ``group_name`` (``"adaptdist:<axis>"``, or a shared-memory group's
+    ``"adaptdist:<axis>[ranks]"``), in axis order.
 
     Ranks are laid out row-major over the mesh axes (outermost first), as
     ``torch.distributed.device_mesh`` lays them out: on ``{"dp": 2, "tp": 2}`` rank 3 is at
@@ -165,7 +166,9 @@ def group_members(group_name: str, rank: int, mesh: Mapping[str, int]) -> tuple[
     Raises:
         UsageError: the name is not ``adaptdist:<axis>`` of an axis of ``mesh``, or ``rank`` is outside it.
     """
-    prefix, _, axis = str(group_name).partition(":")
+    from ..mesh import base_group_name
+
+    prefix, _, axis = base_group_name(group_name).partition(":")  # a shm group's name: its axis's
     if prefix != "adaptdist" or axis not in mesh:
         raise UsageError(f"collective group {group_name!r} is not 'adaptdist:<axis>' for an axis of mesh "
                          f"{dict(mesh)}; the cost model cannot tell which ranks take part")
@@ -201,8 +204,23 @@ class LinkCost:
     calibrated: bool
 
 
-def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int]) -> LinkCost:
+def _shm_fit(cluster: ClusterLike, collective: str) -> Any:
+    """The cluster's measured fit of ``collective`` through the shared-memory kernels (calibration tier ``shm``),
+    or None."""
+    if collective == "send_recv" or collective not in CALIBRATED_COLLECTIVES:
+        return None
+    try:
+        return cluster.collective_fit(collective, "shm")
+    except ClusterSpecError:  # a cluster without that tier
+        return None
+
+
+def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int], shm: bool = False) -> LinkCost:
     """The per-message alpha and per-byte beta a collective over ``members`` runs at.
+
+    ``shm``: the collective is one of adaptdist's shared-memory ops (:func:`is_synchronous_collective`); on one
+    host it runs at the cluster's measured ``shm`` fit (``adaptdist cluster profile`` with the kernels), else at the
+    cost model's estimated shared-memory figures (:func:`~.hardware.default_shm_link`), never at gloo's.
 
     The ring's hops are consecutive members (and last -> first); a ring runs at its slowest hop,
     so the tier is ``inter_host`` when any hop crosses hosts. When the cluster has a calibrated
@@ -221,7 +239,16 @@ def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int]) -> 
         return LinkCost(0.0, 0.0, "intra_host", False)
     hops = [cluster.link(a, b) for a, b in zip(members, list(members[1:]) + [members[0]])]
     tier = "inter_host" if any(h.tier == "inter_host" for h in hops) else "intra_host"
-    fit = cluster.collective_fit(collective, tier) if collective in CALIBRATED_COLLECTIVES else None
+    if shm and tier == "intra_host":
+        fit = _shm_fit(cluster, collective)
+        if fit is None:
+            from .hardware import default_shm_link
+
+            figures = default_shm_link(getattr(cluster.device(members[0]), "kind", ""))
+            if figures is not None:
+                return LinkCost(figures.latency_s, 1.0 / figures.bandwidth_bytes_per_s, tier, False)
+    else:
+        fit = cluster.collective_fit(collective, tier) if collective in CALIBRATED_COLLECTIVES else None
     if fit is not None:
         p_fit = getattr(fit, "num_ranks", None)
         p_fit = p_fit if isinstance(p_fit, int) and p_fit >= 2 else len(members)

@@ -170,7 +170,8 @@ def collective_costs(schedule: StepSchedule, cluster: ClusterLike, algorithm: st
         if n.kind != "collective":
             continue
         members = group_members(n.group or "", schedule.rank, schedule.mesh)
-        link = (links or {}).get((n.group or "", n.collective or "")) or link_cost(cluster, n.collective or "", members)
+        link = (links or {}).get((n.group or "", n.collective or "")) or link_cost(
+            cluster, n.collective or "", members, shm=is_synchronous_collective(n.target))
         p = group_size(n) if group_size else len(members)
         nbytes = collective_bytes(schedule, n)
         t = collective_time_s(n.collective or "", nbytes, p, link.alpha_s, link.beta_s_per_byte, algorithm)

@@ -137,6 +137,20 @@ _DEFAULT_LINK = {
 }
 
 
+# adaptdist's shared-memory collectives (CPU ranks of one host, --comm auto|shm), per message of the ring formulas,
+# used where the cluster has no measured "shm" fit (not profiled with the kernels): 2 GB/s and 20 us, the slow side
+# of benchmarks/RESULTS.md's quiet-machine all_reduce (2 ranks: 4 KiB 8.5 us = 2 alpha, 16 MiB 5.5 ms = 3.1 GB/s;
+# 4 ranks: 4 KiB 62 us = 6 alpha, 16 MiB 11.1 ms = 2.3 GB/s).
+_DEFAULT_SHM_LINK = {"cpu": (2.0e9, 2e-5)}
+
+
+def default_shm_link(kind: str) -> LinkFigures | None:
+    """The estimated per-message figures of adaptdist's shared-memory collectives among ``kind`` ranks of one host
+    (None where the kernels do not apply: they move CPU tensors)."""
+    figures = _DEFAULT_SHM_LINK.get(kind)
+    return LinkFigures("intra_host", *figures) if figures is not None else None
+
+
 @dataclass(frozen=True)
 class FixedCluster:
     """A cluster given as plain numbers (implements :class:`ClusterLike`).

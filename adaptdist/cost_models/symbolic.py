@@ -43,7 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 import sympy
 
 from ..errors import AdaptdistError, UsageError
-from .communication import group_members, link_cost
+from ..mesh import base_group_name
+from .communication import group_members, is_synchronous_collective, link_cost
 from .compute import flop_formulas
 from .estimate import collective_costs, rank_events
 from .hardware import ClusterLike, as_cost_cluster
@@ -298,10 +299,10 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
         key = (n.group or "", n.collective or "")
         if n.kind == "collective" and key not in links:
             members = group_members(key[0], schedule.rank, schedule.mesh)
-            links[key] = link_cost(cluster, key[1], members)
+            links[key] = link_cost(cluster, key[1], members, shm=is_synchronous_collective(n.target))
 
     def group_size(node) -> Any:
-        axis = (node.group or "").partition(":")[2]
+        axis = base_group_name(node.group or "").partition(":")[2]
         if axis not in axis_symbol:
             raise UsageError(f"collective {node.name} runs on group {node.group!r}, not a mesh axis of "
                              f"{list(axis_symbol)}")

@@ -3,8 +3,11 @@
 Runs on each rank's localized graph after the lowering and its consistency checks
 (``compiler/lowering.py``), for the groups of the mesh axes that :func:`adaptdist.comm_transport.axis_transports`
 puts on shared memory. Each ``_c10d_functional.X(..., group_name)`` on such a group, with the ``wait_tensor``
-that follows it, becomes ``torch.ops.adaptdist.shm_X(..., group_name)`` with the same arguments (the ops mirror
-the functional collectives' signatures and are complete on return: no wait). Everything before this pass
+that follows it, becomes ``torch.ops.adaptdist.shm_X(..., shm_name)`` with the same other arguments (the ops
+mirror the functional collectives' signatures and are complete on return: no wait). ``shm_name`` names the
+shared-memory group by this rank's group's ranks (:func:`adaptdist.mesh.shm_group_name`, ``adaptdist:dp[0,1]``):
+a shared-memory group cannot be re-pointed between runs as a gloo group's name is, so graphs over other ranks
+(the torch.compile backend's graphs on different meshes) must name other groups. Everything before this pass
 (planner, passes, consistency checks, cost model) sees the functional collectives unchanged.
 
 Stays on gloo (left as is): an ``all_to_all_single`` with uneven splits; an ``all_reduce`` /
@@ -17,14 +20,14 @@ Before/after (a gradient bucket on ``dp``, local shapes)::
     all_reduce = _c10d_functional.all_reduce(cat, 'sum', 'adaptdist:dp')      # f32[2112]
     wait_tensor = _c10d_functional.wait_tensor(all_reduce)
     split = aten.split_with_sizes(wait_tensor, [2048, 64])
-    # becomes
-    shm_all_reduce = adaptdist.shm_all_reduce(cat, 'sum', 'adaptdist:dp')    # f32[2112]
+    # becomes (rank 0 of dp=2)
+    shm_all_reduce = adaptdist.shm_all_reduce(cat, 'sum', 'adaptdist:dp[0,1]')    # f32[2112]
     split = aten.split_with_sizes(shm_all_reduce, [2048, 64])
 """
 
 from __future__ import annotations
 
-from typing import AbstractSet
+from typing import AbstractSet, Mapping
 
 import torch
 import torch.fx
@@ -64,24 +67,28 @@ def _supported(name: str, node: torch.fx.Node) -> bool:
     return name in ("all_gather_into_tensor",)
 
 
-def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: AbstractSet[str]) -> tuple[torch.fx.GraphModule, bool]:
-    """Swap the functional collectives on ``shm_groups`` (group names, e.g. ``{"adaptdist:dp"}``) and their waits
-    for ``torch.ops.adaptdist.shm_*`` (see the module docstring); returns ``(gm, changed)``. The graph is
-    linted and recompiled when it changed; untouched otherwise. Needs the kernels loaded (the ops must exist).
+def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: Mapping[str, str] | AbstractSet[str]
+                        ) -> tuple[torch.fx.GraphModule, bool]:
+    """Swap the functional collectives on the groups of ``shm_groups`` and their waits for
+    ``torch.ops.adaptdist.shm_*`` (see the module docstring); returns ``(gm, changed)``. ``shm_groups``: functional
+    group name -> the shared-memory group's name the op takes (``{"adaptdist:dp": "adaptdist:dp[0,1]"}``); a set
+    keeps each name. The graph is linted and recompiled when it changed; untouched otherwise. Needs the kernels
+    loaded (the ops must exist).
     """
     if not shm_groups:
         return gm, False
+    names = dict(shm_groups) if isinstance(shm_groups, Mapping) else {g: g for g in shm_groups}
     graph = gm.graph
     changed = False
     for node in list(graph.nodes):
         if node.op != "call_function" or not node.args:
             continue
         name = _functional_name(node.target)
-        if name is None or node.args[-1] not in shm_groups or node.kwargs or not _supported(name, node):
+        if name is None or node.args[-1] not in names or node.kwargs or not _supported(name, node):
             continue
         op = getattr(torch.ops.adaptdist, SHM_OPS[name]).default
         with graph.inserting_before(node):
-            new = graph.call_function(op, tuple(node.args))
+            new = graph.call_function(op, (*node.args[:-1], names[node.args[-1]]))
         new.meta = dict(node.meta)
         for user in list(node.users):
             if user.op == "call_function" and compat.functional_collective_kind(user.target) == "wait":

@@ -25,7 +25,11 @@ microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A 
 wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the microbatch.
 
 Process groups (``torch.distributed.new_group`` is collective over all ranks): :func:`setup_pipeline_groups` gathers
-every rank's group memberships once and creates each distinct group on every rank, in sorted order.
+every rank's group memberships once and creates each distinct group on every rank, in sorted order, then the
+shared-memory groups of :attr:`~adaptdist.stage_program.PipelineRankProgram.shm_groups` (``--comm auto|shm``: groups
+whose ranks share a host) over them. The all-reduces of step 1, 3 and 4 over such a rank set run on adaptdist's
+kernels for float32, bfloat16 and float16 sums and maxima (:meth:`PipelineStepRunner._all_reduce`); sends and
+receives, and other dtypes, stay on gloo.
 """
 
 from __future__ import annotations
@@ -75,6 +79,12 @@ def setup_pipeline_groups(program: PipelineRankProgram, timeout_s: float | None 
     for name, ranks in program.groups.items():
         key = tuple(sorted(ranks))
         compat.register_process_group(name, out[key])
+    if program.shm_groups:  # one global order (ranks, then name): no two ranks wait on each other in a cycle
+        from .shm_groups import make_shm_groups
+
+        order = sorted(program.shm_groups.items(), key=lambda kv: (tuple(kv[1]), kv[0]))
+        make_shm_groups([n for n, _ in order], [(n, out[tuple(sorted(rs))]) for n, rs in order], timeout_s,
+                        lambda unknown: "this rank's groups")
     return out
 
 
@@ -115,6 +125,8 @@ class PipelineStepRunner:
         self.params = [self.state[f] for f in program.param_fqns]
         self.opt = make_optimizer(optimizer, self.params, lr)
         self.last_grads: dict[str, torch.Tensor] = {}
+        # rank set -> its shared-memory group (the runtime's reductions over it take the kernels)
+        self.shm_names = {tuple(sorted(rs)): n for n, rs in sorted(program.shm_groups.items())}
         self.stages = {s.stage: s for s in program.stages}
         self.trace = TraceRecorder(program.rank, enabled=False)
         first = program.stages[0]
@@ -205,7 +217,23 @@ class PipelineStepRunner:
         return tuple(out)
 
     def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
+        """Sum (or max) ``t`` in place over ``ranks``: through shared memory when the program puts that rank set
+        there (``shm_groups``) and the kernels reduce ``t``'s dtype and ``op``, else through gloo."""
         key = tuple(sorted(ranks))
+        name = self.shm_names.get(key)
+        shm_op = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}.get(op)
+        if name is not None and shm_op is not None and t.dtype in _SHM_DTYPES:
+            from ..kernels.shm import translate_error
+
+            with self.trace.span("collective", op="all_reduce", what=what):
+                try:
+                    t.copy_(torch.ops.adaptdist.shm_all_reduce(t, shm_op, name))
+                except RuntimeError as e:  # a peer died or stalled: the typed error naming it
+                    typed = translate_error(e)
+                    if typed is None:
+                        raise
+                    raise typed from e
+            return
         with self.trace.span("collective", op="all_reduce", what=what):
             work = dist.all_reduce(t, op=op, group=self.groups[key], async_op=True)
             self._wait(work, f"all_reduce {what} over ranks {list(key)}", ranks=key)
@@ -379,6 +407,7 @@ class PipelineStepRunner:
 
 
 _NULL = contextlib.nullcontext()  # immutable: safe to share
+_SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels reduce (adaptdist.kernels.shm)
 
 
 def _tuple(x) -> tuple:

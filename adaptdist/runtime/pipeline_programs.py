@@ -46,6 +46,7 @@ class CheckpointView:
     description: str = ""
     mesh: Mapping[str, int] = field(default_factory=dict)
     state_placements: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    transports: Mapping[str, str] = field(default_factory=dict)  # PipelineRankProgram.transports(), for summary.json
 
 
 def checkpoint_view(program: PipelineRankProgram) -> CheckpointView:

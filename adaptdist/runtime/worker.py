@@ -253,10 +253,13 @@ def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | 
 
 def program_transports(program: Any) -> dict[str, str]:
     """Mesh axis -> the transport its collectives take in ``program`` (``"shm"``, ``"gloo"``; ``"none"`` for an axis
-    of size 1), from its source (:func:`~adaptdist.comm_transport.transports_of_code`); a pipeline rank's view,
-    which has no one source: gloo on every axis of size > 1 (pipelines do not use the shm kernels)."""
+    of size 1), from its source (:func:`~adaptdist.comm_transport.transports_of_code`); a pipeline rank's view
+    carries its program's (``CheckpointView.transports``: ``pp`` on gloo, the stage's axes as their groups go);
+    else gloo on every axis of size > 1."""
     from ..comm_transport import transports_of_code
 
+    if getattr(program, "transports", None):
+        return dict(program.transports)
     code, names, mesh = getattr(program, "code", None), getattr(program, "group_names", None), program.mesh
     if not isinstance(code, str) or not isinstance(names, dict):
         return {a: "none" if int(n) == 1 else "gloo" for a, n in dict(mesh).items()}
@@ -285,7 +288,8 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
     groups = setup_pipeline_groups(program, cfg.timeout_s)
     runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
                                 max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
-    view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program))
+    view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program),
+                               transports=program.transports())
     return view, stage_device_mesh(program), runner
 
 
