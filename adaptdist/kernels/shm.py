@@ -70,7 +70,7 @@ Waiting: a bounded spin (``spin_us``, default 20 us, 2 us when the group has mor
 has cores), then futex sleeps on the peer's arrival counter, so oversubscribed ranks (4 ranks on 2 cores)
 do not burn the core a peer needs.
 
-Memory: each group maps ``6 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 96 MiB for 4
+Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
 ranks, touched as used) plus a header. Payloads larger than a slot move in slot-sized chunks; all_reduce
 pipelines them (each rank reduces its slice of chunk k while chunk k+1 comes in and chunk k-1 goes out, one
 barrier per chunk); payloads up to 32 KiB take one barrier (every rank reduces all of it). Fewer, larger
