@@ -23,6 +23,7 @@
 // rank receives bitwise the same result, independent of message size, chunking and timing.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -178,6 +179,14 @@ static bool process_alive(int32_t pid) {
   return true;
 }
 
+// Memory for all_reduce's large outputs, reused once the caller dropped the tensor that used it.
+struct OutputBlock {
+  void* data = nullptr;
+  size_t bytes = 0;
+  std::atomic<bool> in_use{false};
+  ~OutputBlock() { free(data); }
+};
+
 struct Group {
   std::string name;
   std::string segment;
@@ -199,7 +208,7 @@ struct Group {
   // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
   int64_t prof[6] = {0, 0, 0, 0, 0, 0};
   int exp = 0;  // EXPERIMENT bits (ADAPTDIST_SHM_EXP)
-  at::Tensor spare_output;  // all_reduce's last large output, reused once the caller dropped it
+  std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
 
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
   char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
@@ -648,19 +657,30 @@ struct UseGuard {
 // ---------------------------------------------------------------------------------------------
 // collectives (CPU kernels)
 
-// all_reduce's output: a fresh tensor, except that a large one comes from the group's last output of the
-// same shape and dtype when nobody else holds it any more (no tensor, view or storage reference but the
-// group's own). A fresh large buffer costs a page fault per 4 KiB page on every call (glibc returns big
-// blocks to the kernel): measured 100-1400 faults per 16 MiB call, up to a millisecond.
+// all_reduce's output: a fresh tensor, except that a large one lives in the group's output block when
+// the caller dropped the last tensor there (the block's deleter, run when the last reference to that
+// storage goes, marks it free). A fresh large buffer costs a page fault per 4 KiB page on every call
+// (glibc hands big blocks back to the kernel): measured 100-1400 faults per 16 MiB call, up to a ms.
 static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
   const size_t bytes = size_t(x.numel()) * x.element_size();
-  if (bytes < kReuseBytes) return at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor& spare = g.spare_output;
-  if (spare.defined() && spare.use_count() == 1 && spare.storage().use_count() == 1 &&
-      spare.scalar_type() == x.scalar_type() && spare.sizes() == x.sizes())
-    return spare;
-  spare = at::empty_like(x, at::MemoryFormat::Contiguous);
-  return spare;
+  std::shared_ptr<OutputBlock>& blk = g.output_block;
+  if (bytes < kReuseBytes || (blk && blk->in_use.load(std::memory_order_acquire)))
+    return at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (!blk || blk->bytes < bytes) {
+    blk.reset();
+    auto fresh = std::make_shared<OutputBlock>();
+    if (posix_memalign(&fresh->data, 64, bytes) != 0) return at::empty_like(x, at::MemoryFormat::Contiguous);
+    fresh->bytes = bytes;
+    blk = std::move(fresh);
+  }
+  blk->in_use.store(true, std::memory_order_relaxed);
+  std::shared_ptr<OutputBlock> keep = blk;  // the block outlives the group while a tensor uses it
+  return at::for_blob(blk->data, x.sizes())
+      .deleter([keep](void*) { keep->in_use.store(false, std::memory_order_release); })
+      .options(x.options())
+      .resizeable_storage()
+      .allocator(c10::GetCPUAllocator())
+      .make_tensor();
 }
 
 static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
