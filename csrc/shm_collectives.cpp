@@ -67,6 +67,10 @@ constexpr int kBuffers = 5;  // slice boundaries on cache lines: no false sharin
 // Outputs from this size on are written with non-temporal stores (they exceed the caches this data
 // would stay in; glibc's memcpy switches at 3/4 of the L3 share for the same reason).
 constexpr size_t kStreamBytes = size_t(4) << 20;
+// The pipelined all_reduce's chunk (at most a slot): its working set, n x chunk per buffer, stays in the
+// caches between a rank's copy-in and its peers' reads. Measured (benchmarks/RESULTS.md, 2 and 4 ranks,
+// 16 MiB): 1 MiB chunks do the same work in 60-75% of the time 4 MiB chunks take.
+constexpr size_t kAllReduceChunkBytes = size_t(1) << 20;
 constexpr size_t kReuseBytes = size_t(256) << 10;  // all_reduce outputs from this size on are reused
 
 struct alignas(64) RankInfo {
@@ -207,7 +211,6 @@ struct Group {
   // Phase times of the chunked all_reduce (ns, accumulated; read and reset by _shm_group_profile):
   // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
   int64_t prof[6] = {0, 0, 0, 0, 0, 0};
-  int exp = 0;  // EXPERIMENT bits (ADAPTDIST_SHM_EXP)
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
 
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
@@ -731,12 +734,12 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   // c+1 (results), read in phases c+1 and c+2 (copy-out), and rewritten in phase c+3: a barrier separates
   // each pair. Only the last chunk's copy-out follows the final barrier; it reads buffer 2-4 (or the
   // parity buffer if there is one chunk), which the next collective writes only after its first barrier.
-  const int64_t chunk = int64_t(g.slot_bytes / es);
+  const int64_t chunk = int64_t(std::min(g.slot_bytes, kAllReduceChunkBytes) / es);
   const int64_t nchunks = (numel + chunk - 1) / chunk;
   std::vector<std::vector<int64_t>> bounds(3);
   UseGuard use(g, sig);
   auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
-  const bool stream = (g.exp & 4) ? false : bytes >= kStreamBytes;
+  const bool stream = bytes >= kStreamBytes;
   const int64_t t_call = now_ns();
   int64_t t_phase = t_call;
   auto lap = [&](int k) {
@@ -1044,7 +1047,6 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   g->global_rank = int(global_rank);
   g->timeout_s = timeout_s;
   g->spin_ns = spin_ns;
-  if (const char* e = getenv("ADAPTDIST_SHM_EXP")) g->exp = atoi(e);
   g->slot_bytes = size_t(slot_bytes);
   g->map_bytes = map_bytes;
   g->creator = create;
