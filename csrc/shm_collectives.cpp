@@ -11,11 +11,14 @@
 //   peers still read use u, and every use has a group-wide barrier before its buffer is reused. The large
 //   all_reduce pipelines over its parity buffer and buffers 2-4, one barrier per chunk (see there).
 //
-// Synchronisation: rank r's arrival counter counts the barriers it has entered. A barrier stores the
-// counter and waits for every peer's counter to reach it: a bounded spin (spin_ns), then sleeps on the
-// peer's counter with futex (FUTEX_WAIT on a shared mapping, so the waker needs no syscall when nobody
-// sleeps: it checks the peer's `waiters`). While sleeping it wakes every <= 50 ms to check the abort
-// record, whether the awaited peer's process is still alive, and the collective timeout.
+// Synchronisation: rank r's arrival counter counts the barriers it has entered (it names who is missing),
+// and the group's `arrivals` counts every rank's entries: all ranks entered their k-th barrier once it
+// reaches k x n. A barrier stores the rank's counter, adds one arrival, and waits for k x n: a bounded
+// spin (spin_ns), then sleeps on `arrivals` with futex (FUTEX_WAIT on a shared mapping). Only the last
+// arriver wakes the sleepers, and only when `arrival_waiters` says there are any: one wake-up per waiting
+// rank and barrier, not one per peer (4 ranks on 2 cores pay a context switch for each). While sleeping a
+// rank wakes every <= 50 ms to check the abort record, whether the missing peers' processes are alive,
+// and the collective timeout.
 //
 // Summation order (all_reduce, reduce_scatter; sum/avg/max): every element is reduced by exactly one
 // rank, in group-rank order 0, 1, ..., n-1, accumulating in float32 (for bfloat16/float16 inputs too)
@@ -60,7 +63,7 @@
 
 namespace adaptdist_shm {
 
-constexpr uint64_t kMagic = 0x32304d4853444441ULL;  // "ADDSHM02" (02: 5 buffers, results in place)
+constexpr uint64_t kMagic = 0x32304d4853444441ULL;  // "ADDSHM02" (02: 5 buffers, results in place, group arrivals)
 constexpr int kMaxRanks = 64;
 constexpr size_t kAlign = 64;
 constexpr int kBuffers = 5;  // slice boundaries on cache lines: no false sharing between owners
@@ -80,8 +83,8 @@ struct alignas(64) RankInfo {
 };
 
 struct alignas(64) Counter {
-  std::atomic<uint32_t> seq;      // barriers entered by this rank (futex word)
-  std::atomic<uint32_t> waiters;  // peers sleeping on `seq`
+  std::atomic<uint32_t> seq;      // barriers entered by this rank
+  std::atomic<uint32_t> unused;
   std::atomic<uint64_t> sig[2];   // signature of the collective in each half (mismatch check)
 };
 
@@ -95,6 +98,8 @@ struct Header {
   char abort_msg[1536];
   RankInfo ranks[kMaxRanks];
   Counter counters[kMaxRanks];
+  alignas(64) std::atomic<uint32_t> arrivals;  // barrier entries of all ranks (futex word)
+  std::atomic<uint32_t> arrival_waiters;       // ranks sleeping on `arrivals`
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
@@ -273,9 +278,7 @@ static std::string group_desc(const Group& g) {
     g.hdr->abort_msg[n] = '\0';
     g.hdr->abort_state.store(2);
   }
-  for (int r = 0; r < g.size; ++r) {
-    futex_wake_all(&g.hdr->counters[r].seq);
-  }
+  futex_wake_all(&g.hdr->arrivals);
   C10_THROW_ERROR(DistBackendError, "adaptdist shm: " + std::string(op) + " on " + group_desc(g) + ": " + detail);
 }
 
@@ -285,22 +288,30 @@ static void check_abort(const Group& g, const char* op) {
   if (g.hdr->abort_state.load(std::memory_order_acquire) == 2) throw_abort(g, op);
 }
 
-// Wait until peer's counter reaches target: spin (bounded), then futex sleeps with periodic checks.
-static void wait_peer(Group& g, int peer, uint32_t target, const char* op, double start_s) {
-  std::atomic<uint32_t>& word = g.hdr->counters[peer].seq;
-  if (reached(word.load(std::memory_order_acquire), target)) return;
+// The first peer (group-rank order) that has not entered barrier `target`, or -1.
+static int first_missing(const Group& g, uint32_t target) {
+  for (int r = 0; r < g.size; ++r)
+    if (r != g.rank && !reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) return r;
+  return -1;
+}
+
+// Wait until `arrivals` reaches goal (every rank entered barrier `target`): spin (bounded), then futex
+// sleeps with periodic checks of the missing peers.
+static void wait_arrivals(Group& g, uint32_t goal, uint32_t target, const char* op, double start_s) {
+  std::atomic<uint32_t>& word = g.hdr->arrivals;
+  if (reached(word.load(std::memory_order_acquire), goal)) return;
   if (g.spin_ns > 0) {
     int64_t spin_end = now_ns() + g.spin_ns;
     int i = 0;
     while (true) {
       for (int k = 0; k < 32; ++k) {
-        if (reached(word.load(std::memory_order_acquire), target)) return;
+        if (reached(word.load(std::memory_order_acquire), goal)) return;
         ADAPTDIST_PAUSE();
       }
       if (++i % 8 == 0 && now_ns() > spin_end) break;
     }
   }
-  // Sleeping: the abort record every wake-up, the peer's process and the timeout every 50 ms.
+  // Sleeping: the abort record every wake-up; the missing peers' processes and the timeout every 50 ms.
   double next_check_s = 0.0;
   while (true) {
     check_abort(g, op);
@@ -308,34 +319,41 @@ static void wait_peer(Group& g, int peer, uint32_t target, const char* op, doubl
     if (next_check_s == 0.0) {
       next_check_s = t + 0.05;
     } else if (t >= next_check_s) {
-      if (!process_alive(g.hdr->ranks[peer].pid.load())) {
-        if (reached(word.load(std::memory_order_acquire), target)) return;
-        fail_peer(g, op, peer, "died (its process is gone)");
+      for (int r = 0; r < g.size; ++r) {
+        if (r == g.rank || reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) continue;
+        if (!process_alive(g.hdr->ranks[r].pid.load())) {
+          if (reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) continue;
+          fail_peer(g, op, r, "died (its process is gone)");
+        }
       }
       if (t - start_s > g.timeout_s) {
-        std::ostringstream os;
-        os << "did not arrive within the collective timeout of " << g.timeout_s << " s (stalled)";
-        fail_peer(g, op, peer, os.str().c_str());
+        const int missing = first_missing(g, target);
+        if (missing >= 0) {
+          std::ostringstream os;
+          os << "did not arrive within the collective timeout of " << g.timeout_s << " s (stalled)";
+          fail_peer(g, op, missing, os.str().c_str());
+        }
       }
       next_check_s = t + 0.05;
     }
-    g.hdr->counters[peer].waiters.fetch_add(1);
+    g.hdr->arrival_waiters.fetch_add(1);
     uint32_t v = word.load();
-    if (!reached(v, target)) futex_wait(&word, v, 0.05);
-    g.hdr->counters[peer].waiters.fetch_sub(1);
-    if (reached(word.load(std::memory_order_acquire), target)) return;
+    if (!reached(v, goal)) futex_wait(&word, v, 0.05);
+    g.hdr->arrival_waiters.fetch_sub(1);
+    if (reached(word.load(std::memory_order_acquire), goal)) return;
   }
 }
 
 // Enter the next barrier and wait for every peer to enter it too.
 static void barrier(Group& g, const char* op, double start_s) {
-  uint32_t target = ++g.seq;
-  Counter& mine = g.hdr->counters[g.rank];
-  mine.seq.store(target);  // seq_cst: pairs with the sleeper's waiters increment + reload
-  if (mine.waiters.load() != 0) futex_wake_all(&mine.seq);
-  for (int k = 1; k < g.size; ++k) {
-    int peer = (g.rank + k) % g.size;
-    wait_peer(g, peer, target, op, start_s);
+  const uint32_t target = ++g.seq;
+  g.hdr->counters[g.rank].seq.store(target, std::memory_order_release);
+  const uint32_t goal = target * uint32_t(g.size);  // each rank's k-th barrier adds one arrival
+  // seq_cst: pairs with a sleeper's arrival_waiters increment and reload of `arrivals`.
+  if (g.hdr->arrivals.fetch_add(1) + 1 == goal) {
+    if (g.hdr->arrival_waiters.load() != 0) futex_wake_all(&g.hdr->arrivals);
+  } else {
+    wait_arrivals(g, goal, target, op, start_s);
   }
   check_abort(g, op);
 }
