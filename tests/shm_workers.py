@@ -187,7 +187,8 @@ def _check_specials_and_held_outputs(group, failures: list[str], tag: str) -> in
     n, me = group.group_size, group.group_rank
     cases = 0
     for dtype in DTYPES:
-        for numel in (37, (1 << 17) + 5):  # the small path and the chunked one (>= 256 KiB outputs are reused)
+        # the small path, and the chunked one with non-temporal stores (outputs >= 4 MiB) and a tail
+        for numel in (37, (1 << 21) + 5):
             xs = []
             for r in range(n):
                 t = torch.randn(numel, generator=torch.Generator().manual_seed(900 + r))
