@@ -9,13 +9,16 @@
 //   data: kBuffers buffers x group_size slots x slot_bytes. Most collectives move their payload in "uses"
 //   of at most one slot per rank; use u works in buffer u % 2, so a rank may write use u + 1 while slower
 //   peers still read use u, and every use has a group-wide barrier before its buffer is reused. The large
-//   all_reduce pipelines over buffers 0-2 (inputs) and 3-5 (results), one barrier per chunk.
+//   all_reduce pipelines over its parity buffer and buffers 2-4, one barrier per chunk (see there).
 //
-// Synchronisation: rank r's arrival counter counts the barriers it has entered. A barrier stores the
-// counter and waits for every peer's counter to reach it: a bounded spin (spin_ns), then sleeps on the
-// peer's counter with futex (FUTEX_WAIT on a shared mapping, so the waker needs no syscall when nobody
-// sleeps: it checks the peer's `waiters`). While sleeping it wakes every <= 50 ms to check the abort
-// record, whether the awaited peer's process is still alive, and the collective timeout.
+// Synchronisation: rank r's arrival counter counts the barriers it has entered (it names who is missing),
+// and the group's `arrivals` counts every rank's entries: all ranks entered their k-th barrier once it
+// reaches k x n. A barrier stores the rank's counter, adds one arrival, and waits for k x n: a bounded
+// spin (spin_ns), then sleeps on `arrivals` with futex (FUTEX_WAIT on a shared mapping). Only the last
+// arriver wakes the sleepers, and only when `arrival_waiters` says there are any: one wake-up per waiting
+// rank and barrier, not one per peer (4 ranks on 2 cores pay a context switch for each). While sleeping a
+// rank wakes every <= 50 ms to check the abort record, whether the missing peers' processes are alive,
+// and the collective timeout.
 //
 // Summation order (all_reduce, reduce_scatter; sum/avg/max): every element is reduced by exactly one
 // rank, in group-rank order 0, 1, ..., n-1, accumulating in float32 (for bfloat16/float16 inputs too)
@@ -23,6 +26,7 @@
 // rank receives bitwise the same result, independent of message size, chunking and timing.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -54,14 +58,23 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace adaptdist_shm {
 
-constexpr uint64_t kMagic = 0x31304d4853444441ULL;  // "ADDSHM01"
+constexpr uint64_t kMagic = 0x32304d4853444441ULL;  // "ADDSHM02" (02: 5 buffers, results in place, group arrivals)
 constexpr int kMaxRanks = 64;
 constexpr size_t kAlign = 64;
-constexpr int kBuffers = 6;  // slice boundaries on cache lines: no false sharing between owners
+constexpr int kBuffers = 5;  // slice boundaries on cache lines: no false sharing between owners
+// Outputs from this size on are written with non-temporal stores (they exceed the caches this data
+// would stay in; glibc's memcpy switches at 3/4 of the L3 share for the same reason).
+constexpr size_t kStreamBytes = size_t(4) << 20;
+// The pipelined all_reduce's chunk (at most a slot): its working set, n x chunk per buffer, stays in the
+// caches between a rank's copy-in and its peers' reads. Measured (benchmarks/RESULTS.md, 2 and 4 ranks,
+// 16 MiB): 1 MiB chunks do the same work in 60-75% of the time 4 MiB chunks take.
+constexpr size_t kAllReduceChunkBytes = size_t(1) << 20;
+constexpr size_t kReuseBytes = size_t(256) << 10;  // all_reduce outputs from this size on are reused
 
 struct alignas(64) RankInfo {
   std::atomic<int32_t> pid;
@@ -70,9 +83,8 @@ struct alignas(64) RankInfo {
 };
 
 struct alignas(64) Counter {
-  std::atomic<uint32_t> seq;      // barriers entered by this rank (futex word)
-  std::atomic<uint32_t> waiters;  // peers sleeping on `seq`
-  std::atomic<uint64_t> sig[2];   // signature of the collective in each half (mismatch check)
+  std::atomic<uint32_t> seq;     // barriers entered by this rank
+  std::atomic<uint64_t> sig[2];  // signature of the collective in each half (mismatch check)
 };
 
 struct Header {
@@ -85,6 +97,8 @@ struct Header {
   char abort_msg[1536];
   RankInfo ranks[kMaxRanks];
   Counter counters[kMaxRanks];
+  alignas(64) std::atomic<uint32_t> arrivals;  // barrier entries of all ranks (futex word)
+  std::atomic<uint32_t> arrival_waiters;       // ranks sleeping on `arrivals`
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
@@ -100,6 +114,41 @@ static int64_t now_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return int64_t(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+// Copies of large payloads into memory nobody reads soon (the output tensor) bypass the cache with
+// non-temporal stores: they save the read-for-ownership of every line written (measured here: a 16 MiB
+// copy at 16-20 GB/s against memcpy's 11-12). SSE2 is part of the x86-64 baseline: no dispatch needed.
+static void stream_copy(char* dst, const char* src, size_t n, bool fence = true) {
+#if defined(__SSE2__)
+  const size_t head = std::min(n, size_t((16 - (uintptr_t(dst) & 15)) & 15));
+  memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  const size_t body = n & ~size_t(63);
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  memcpy(dst + body, src + body, n - body);
+  if (fence) _mm_sfence();  // order the weakly ordered stores before the barrier's release
+#else
+  memcpy(dst, src, n);
+#endif
+}
+
+static inline void copy_to(char* dst, const char* src, size_t n, bool stream) {
+  if (stream)
+    stream_copy(dst, src, n);
+  else
+    memcpy(dst, src, n);
 }
 
 static void futex_wait(std::atomic<uint32_t>* addr, uint32_t expected, double timeout_s) {
@@ -129,6 +178,14 @@ static bool process_alive(int32_t pid) {
   return true;
 }
 
+// Memory for all_reduce's large outputs, reused once the caller dropped the tensor that used it.
+struct OutputBlock {
+  void* data = nullptr;
+  size_t bytes = 0;
+  std::atomic<bool> in_use{false};
+  ~OutputBlock() { free(data); }
+};
+
 struct Group {
   std::string name;
   std::string segment;
@@ -146,6 +203,10 @@ struct Group {
   uint32_t seq = 0;  // barriers this rank entered (mirrors its counter)
   uint64_t use = 0;  // uses so far (half = use % 2)
   std::mutex mu;     // one collective at a time per group in this process
+  // Phase times of the chunked all_reduce (ns, accumulated; read and reset by _shm_group_profile):
+  // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
+  int64_t prof[6] = {0, 0, 0, 0, 0, 0};
+  std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
 
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
   char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
@@ -207,9 +268,7 @@ static std::string group_desc(const Group& g) {
     g.hdr->abort_msg[n] = '\0';
     g.hdr->abort_state.store(2);
   }
-  for (int r = 0; r < g.size; ++r) {
-    futex_wake_all(&g.hdr->counters[r].seq);
-  }
+  futex_wake_all(&g.hdr->arrivals);
   C10_THROW_ERROR(DistBackendError, "adaptdist shm: " + std::string(op) + " on " + group_desc(g) + ": " + detail);
 }
 
@@ -219,22 +278,30 @@ static void check_abort(const Group& g, const char* op) {
   if (g.hdr->abort_state.load(std::memory_order_acquire) == 2) throw_abort(g, op);
 }
 
-// Wait until peer's counter reaches target: spin (bounded), then futex sleeps with periodic checks.
-static void wait_peer(Group& g, int peer, uint32_t target, const char* op, double start_s) {
-  std::atomic<uint32_t>& word = g.hdr->counters[peer].seq;
-  if (reached(word.load(std::memory_order_acquire), target)) return;
+// The first peer (group-rank order) that has not entered barrier `target`, or -1.
+static int first_missing(const Group& g, uint32_t target) {
+  for (int r = 0; r < g.size; ++r)
+    if (r != g.rank && !reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) return r;
+  return -1;
+}
+
+// Wait until `arrivals` reaches goal (every rank entered barrier `target`): spin (bounded), then futex
+// sleeps with periodic checks of the missing peers.
+static void wait_arrivals(Group& g, uint32_t goal, uint32_t target, const char* op, double start_s) {
+  std::atomic<uint32_t>& word = g.hdr->arrivals;
+  if (reached(word.load(std::memory_order_acquire), goal)) return;
   if (g.spin_ns > 0) {
     int64_t spin_end = now_ns() + g.spin_ns;
     int i = 0;
     while (true) {
       for (int k = 0; k < 32; ++k) {
-        if (reached(word.load(std::memory_order_acquire), target)) return;
+        if (reached(word.load(std::memory_order_acquire), goal)) return;
         ADAPTDIST_PAUSE();
       }
       if (++i % 8 == 0 && now_ns() > spin_end) break;
     }
   }
-  // Sleeping: the abort record every wake-up, the peer's process and the timeout every 50 ms.
+  // Sleeping: the abort record every wake-up; the missing peers' processes and the timeout every 50 ms.
   double next_check_s = 0.0;
   while (true) {
     check_abort(g, op);
@@ -242,34 +309,41 @@ static void wait_peer(Group& g, int peer, uint32_t target, const char* op, doubl
     if (next_check_s == 0.0) {
       next_check_s = t + 0.05;
     } else if (t >= next_check_s) {
-      if (!process_alive(g.hdr->ranks[peer].pid.load())) {
-        if (reached(word.load(std::memory_order_acquire), target)) return;
-        fail_peer(g, op, peer, "died (its process is gone)");
+      for (int r = 0; r < g.size; ++r) {
+        if (r == g.rank || reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) continue;
+        if (!process_alive(g.hdr->ranks[r].pid.load())) {
+          if (reached(g.hdr->counters[r].seq.load(std::memory_order_acquire), target)) continue;
+          fail_peer(g, op, r, "died (its process is gone)");
+        }
       }
       if (t - start_s > g.timeout_s) {
-        std::ostringstream os;
-        os << "did not arrive within the collective timeout of " << g.timeout_s << " s (stalled)";
-        fail_peer(g, op, peer, os.str().c_str());
+        const int missing = first_missing(g, target);
+        if (missing >= 0) {
+          std::ostringstream os;
+          os << "did not arrive within the collective timeout of " << g.timeout_s << " s (stalled)";
+          fail_peer(g, op, missing, os.str().c_str());
+        }
       }
       next_check_s = t + 0.05;
     }
-    g.hdr->counters[peer].waiters.fetch_add(1);
+    g.hdr->arrival_waiters.fetch_add(1);
     uint32_t v = word.load();
-    if (!reached(v, target)) futex_wait(&word, v, 0.05);
-    g.hdr->counters[peer].waiters.fetch_sub(1);
-    if (reached(word.load(std::memory_order_acquire), target)) return;
+    if (!reached(v, goal)) futex_wait(&word, v, 0.05);
+    g.hdr->arrival_waiters.fetch_sub(1);
+    if (reached(word.load(std::memory_order_acquire), goal)) return;
   }
 }
 
 // Enter the next barrier and wait for every peer to enter it too.
 static void barrier(Group& g, const char* op, double start_s) {
-  uint32_t target = ++g.seq;
-  Counter& mine = g.hdr->counters[g.rank];
-  mine.seq.store(target);  // seq_cst: pairs with the sleeper's waiters increment + reload
-  if (mine.waiters.load() != 0) futex_wake_all(&mine.seq);
-  for (int k = 1; k < g.size; ++k) {
-    int peer = (g.rank + k) % g.size;
-    wait_peer(g, peer, target, op, start_s);
+  const uint32_t target = ++g.seq;
+  g.hdr->counters[g.rank].seq.store(target, std::memory_order_release);
+  const uint32_t goal = target * uint32_t(g.size);  // each rank's k-th barrier adds one arrival
+  // seq_cst: pairs with a sleeper's arrival_waiters increment and reload of `arrivals`.
+  if (g.hdr->arrivals.fetch_add(1) + 1 == goal) {
+    if (g.hdr->arrival_waiters.load() != 0) futex_wake_all(&g.hdr->arrivals);
+  } else {
+    wait_arrivals(g, goal, target, op, start_s);
   }
   check_abort(g, op);
 }
@@ -293,11 +367,29 @@ static inline float to_f(T v) {
   return static_cast<float>(v);
 }
 
-// out1[i] (and out2[i] when given) = reduce over r in 0..n-1 (in that order) of srcs[r][i], in float32.
+// out1[i] (and out2[i] when given) = reduce over r in 0..n-1 (in that order) of srcs[r][i], in float32,
+// rounded once to T. out2 may be one of the sources (each element is read before it is written). out1
+// takes non-temporal stores when stream1 (a large output tensor nobody reads soon), out2 (the segment,
+// read by a peer next) ordinary ones. float32 and bfloat16 have one-pass SSE2 loops (x86-64's baseline;
+// measured 3x faster than the tiled loop below, which stored through an L1 tile with a fence per tile); the
+// tiled loop takes float16, and every dtype where SSE2 is missing.
 template <typename T>
-static void reduce_into(const T* const* srcs, int n, int64_t len, T* out1, T* out2, RedOp op) {
+static inline void reduce_scalar(const T* const* srcs, int n, int64_t i, T* out1, T* out2, RedOp op) {
+  float acc = to_f(srcs[0][i]);
+  for (int r = 1; r < n; ++r) {
+    float v = to_f(srcs[r][i]);
+    acc = op == RedOp::Max ? ((v > acc || v != v) ? v : acc) : acc + v;
+  }
+  if (op == RedOp::Avg) acc = acc / float(n);
+  out1[i] = static_cast<T>(acc);
+  if (out2 != nullptr) out2[i] = out1[i];
+}
+
+template <typename T>
+static void reduce_tiled(const T* const* srcs, int n, int64_t len, T* out1, T* out2, RedOp op, bool stream1) {
   constexpr int64_t kTile = 1024;
-  float acc[kTile];
+  alignas(64) float acc[kTile];
+  alignas(64) T res[kTile];
   const float inv_n = float(n);
   for (int64_t t0 = 0; t0 < len; t0 += kTile) {
     const int64_t m = std::min(kTile, len - t0);
@@ -316,26 +408,193 @@ static void reduce_into(const T* const* srcs, int n, int64_t len, T* out1, T* ou
     }
     if (op == RedOp::Avg)
       for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] / inv_n;
-    T* o1 = out1 + t0;
-    for (int64_t i = 0; i < m; ++i) o1[i] = static_cast<T>(acc[i]);
-    if (out2 != nullptr) memcpy(out2 + t0, o1, size_t(m) * sizeof(T));
+    for (int64_t i = 0; i < m; ++i) res[i] = static_cast<T>(acc[i]);
+    const size_t tile_bytes = size_t(m) * sizeof(T);
+    if (stream1)
+      stream_copy(reinterpret_cast<char*>(out1 + t0), reinterpret_cast<const char*>(res), tile_bytes, false);
+    else
+      memcpy(out1 + t0, res, tile_bytes);
+    if (out2 != nullptr) memcpy(out2 + t0, res, tile_bytes);
+  }
+#if defined(__SSE2__)
+  if (stream1) _mm_sfence();
+#endif
+}
+
+#if defined(__SSE2__)
+template <RedOp OP>
+static inline __m128 red4(__m128 acc, __m128 x) {
+  if constexpr (OP == RedOp::Max) {  // x if (x > acc or x is NaN), else acc: the scalar rule, lane-wise
+    const __m128 take = _mm_or_ps(_mm_cmpgt_ps(x, acc), _mm_cmpunord_ps(x, x));
+    return _mm_or_ps(_mm_and_ps(take, x), _mm_andnot_ps(take, acc));
+  } else {
+    return _mm_add_ps(acc, x);
   }
 }
 
+template <RedOp OP>
+static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, float* out1, float* out2, bool stream1) {
+  int64_t i = 0;
+  if (stream1)  // non-temporal stores need 16-byte alignment
+    for (; i < len && (reinterpret_cast<uintptr_t>(out1 + i) & 15) != 0; ++i)
+      reduce_scalar(srcs, n, i, out1, out2, OP);
+  const __m128 nv = _mm_set1_ps(float(n));
+  for (; i + 16 <= len; i += 16) {
+    const float* s0 = srcs[0] + i;
+    __m128 a0 = _mm_loadu_ps(s0), a1 = _mm_loadu_ps(s0 + 4), a2 = _mm_loadu_ps(s0 + 8), a3 = _mm_loadu_ps(s0 + 12);
+    for (int r = 1; r < n; ++r) {
+      const float* s = srcs[r] + i;
+      a0 = red4<OP>(a0, _mm_loadu_ps(s));
+      a1 = red4<OP>(a1, _mm_loadu_ps(s + 4));
+      a2 = red4<OP>(a2, _mm_loadu_ps(s + 8));
+      a3 = red4<OP>(a3, _mm_loadu_ps(s + 12));
+    }
+    if constexpr (OP == RedOp::Avg) {
+      a0 = _mm_div_ps(a0, nv);
+      a1 = _mm_div_ps(a1, nv);
+      a2 = _mm_div_ps(a2, nv);
+      a3 = _mm_div_ps(a3, nv);
+    }
+    if (stream1) {
+      _mm_stream_ps(out1 + i, a0);
+      _mm_stream_ps(out1 + i + 4, a1);
+      _mm_stream_ps(out1 + i + 8, a2);
+      _mm_stream_ps(out1 + i + 12, a3);
+    } else {
+      _mm_storeu_ps(out1 + i, a0);
+      _mm_storeu_ps(out1 + i + 4, a1);
+      _mm_storeu_ps(out1 + i + 8, a2);
+      _mm_storeu_ps(out1 + i + 12, a3);
+    }
+    if (out2 != nullptr) {
+      _mm_storeu_ps(out2 + i, a0);
+      _mm_storeu_ps(out2 + i + 4, a1);
+      _mm_storeu_ps(out2 + i + 8, a2);
+      _mm_storeu_ps(out2 + i + 12, a3);
+    }
+  }
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, out1, out2, OP);
+  if (stream1) _mm_sfence();
+}
+
+// bfloat16 <-> float32 as c10 does it: widening is a 16-bit shift; narrowing rounds to nearest even and
+// makes every NaN 0x7FC0 (c10::detail::round_to_nearest_even).
+static inline void bf16x8_to_f32(__m128i v, __m128& lo, __m128& hi) {
+  const __m128i z = _mm_setzero_si128();
+  lo = _mm_castsi128_ps(_mm_unpacklo_epi16(z, v));
+  hi = _mm_castsi128_ps(_mm_unpackhi_epi16(z, v));
+}
+
+static inline __m128i f32x4_to_bf16_in_u32(__m128 f) {
+  const __m128i u = _mm_castps_si128(f);
+  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  const __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(lsb, _mm_set1_epi32(0x7FFF))), 16);
+  const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(f, f));
+  return _mm_or_si128(_mm_and_si128(nan, _mm_set1_epi32(0x7FC0)), _mm_andnot_si128(nan, r));
+}
+
+static inline __m128i f32x8_to_bf16(__m128 lo, __m128 hi) {
+  // SSE2 packs 32 -> 16 bits with signed saturation only: shift 0..0xFFFF into int16's range and back.
+  const __m128i bias = _mm_set1_epi32(0x8000);
+  const __m128i p = _mm_packs_epi32(_mm_sub_epi32(f32x4_to_bf16_in_u32(lo), bias),
+                                    _mm_sub_epi32(f32x4_to_bf16_in_u32(hi), bias));
+  return _mm_xor_si128(p, _mm_set1_epi16(int16_t(-32768)));
+}
+
+template <RedOp OP>
+static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t len, c10::BFloat16* out1,
+                             c10::BFloat16* out2, bool stream1) {
+  int64_t i = 0;
+  if (stream1)
+    for (; i < len && (reinterpret_cast<uintptr_t>(out1 + i) & 15) != 0; ++i)
+      reduce_scalar(srcs, n, i, out1, out2, OP);
+  const __m128 nv = _mm_set1_ps(float(n));
+  for (; i + 16 <= len; i += 16) {
+    __m128 a0, a1, a2, a3;
+    bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srcs[0] + i)), a0, a1);
+    bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srcs[0] + i + 8)), a2, a3);
+    for (int r = 1; r < n; ++r) {
+      __m128 b0, b1, b2, b3;
+      bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srcs[r] + i)), b0, b1);
+      bf16x8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srcs[r] + i + 8)), b2, b3);
+      a0 = red4<OP>(a0, b0);
+      a1 = red4<OP>(a1, b1);
+      a2 = red4<OP>(a2, b2);
+      a3 = red4<OP>(a3, b3);
+    }
+    if constexpr (OP == RedOp::Avg) {
+      a0 = _mm_div_ps(a0, nv);
+      a1 = _mm_div_ps(a1, nv);
+      a2 = _mm_div_ps(a2, nv);
+      a3 = _mm_div_ps(a3, nv);
+    }
+    const __m128i r0 = f32x8_to_bf16(a0, a1), r1 = f32x8_to_bf16(a2, a3);
+    __m128i* o1 = reinterpret_cast<__m128i*>(out1 + i);
+    if (stream1) {
+      _mm_stream_si128(o1, r0);
+      _mm_stream_si128(o1 + 1, r1);
+    } else {
+      _mm_storeu_si128(o1, r0);
+      _mm_storeu_si128(o1 + 1, r1);
+    }
+    if (out2 != nullptr) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + i), r0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + i + 8), r1);
+    }
+  }
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, out1, out2, OP);
+  if (stream1) _mm_sfence();
+}
+
+template <template <RedOp> class K, typename... A>
+static void with_op(RedOp op, A... a) {
+  if (op == RedOp::Sum)
+    K<RedOp::Sum>::run(a...);
+  else if (op == RedOp::Avg)
+    K<RedOp::Avg>::run(a...);
+  else
+    K<RedOp::Max>::run(a...);
+}
+template <RedOp OP>
+struct F32Kernel {
+  static void run(const float* const* s, int n, int64_t len, float* o1, float* o2, bool st) {
+    reduce_f32_sse2<OP>(s, n, len, o1, o2, st);
+  }
+};
+template <RedOp OP>
+struct BF16Kernel {
+  static void run(const c10::BFloat16* const* s, int n, int64_t len, c10::BFloat16* o1, c10::BFloat16* o2, bool st) {
+    reduce_bf16_sse2<OP>(s, n, len, o1, o2, st);
+  }
+};
+#endif
+
 static void reduce_dispatch(at::ScalarType dt, const char* const* srcs, int n, int64_t len, char* out1, char* out2,
-                            RedOp op) {
+                            RedOp op, bool stream1 = false) {
   switch (dt) {
-    case at::kFloat:
-      reduce_into<float>(reinterpret_cast<const float* const*>(srcs), n, len, reinterpret_cast<float*>(out1),
-                         reinterpret_cast<float*>(out2), op);
+    case at::kFloat: {
+      auto s = reinterpret_cast<const float* const*>(srcs);
+      auto o1 = reinterpret_cast<float*>(out1), o2 = reinterpret_cast<float*>(out2);
+#if defined(__SSE2__)
+      with_op<F32Kernel>(op, s, n, len, o1, o2, stream1);
+#else
+      reduce_tiled<float>(s, n, len, o1, o2, op, stream1);
+#endif
       break;
-    case at::kBFloat16:
-      reduce_into<c10::BFloat16>(reinterpret_cast<const c10::BFloat16* const*>(srcs), n, len,
-                                 reinterpret_cast<c10::BFloat16*>(out1), reinterpret_cast<c10::BFloat16*>(out2), op);
+    }
+    case at::kBFloat16: {
+      auto s = reinterpret_cast<const c10::BFloat16* const*>(srcs);
+      auto o1 = reinterpret_cast<c10::BFloat16*>(out1), o2 = reinterpret_cast<c10::BFloat16*>(out2);
+#if defined(__SSE2__)
+      with_op<BF16Kernel>(op, s, n, len, o1, o2, stream1);
+#else
+      reduce_tiled<c10::BFloat16>(s, n, len, o1, o2, op, stream1);
+#endif
       break;
+    }
     case at::kHalf:
-      reduce_into<c10::Half>(reinterpret_cast<const c10::Half* const*>(srcs), n, len, reinterpret_cast<c10::Half*>(out1),
-                             reinterpret_cast<c10::Half*>(out2), op);
+      reduce_tiled<c10::Half>(reinterpret_cast<const c10::Half* const*>(srcs), n, len, reinterpret_cast<c10::Half*>(out1),
+                              reinterpret_cast<c10::Half*>(out2), op, stream1);
       break;
     default:
       TORCH_CHECK(false, "unreachable dtype");
@@ -405,6 +664,32 @@ struct UseGuard {
 // ---------------------------------------------------------------------------------------------
 // collectives (CPU kernels)
 
+// all_reduce's output: a fresh tensor, except that a large one lives in the group's output block when
+// the caller dropped the last tensor there (the block's deleter, run when the last reference to that
+// storage goes, marks it free). A fresh large buffer costs a page fault per 4 KiB page on every call
+// (glibc hands big blocks back to the kernel): measured 100-1400 faults per 16 MiB call, up to a ms.
+static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
+  const size_t bytes = size_t(x.numel()) * x.element_size();
+  std::shared_ptr<OutputBlock>& blk = g.output_block;
+  if (bytes < kReuseBytes || (blk && blk->in_use.load(std::memory_order_acquire)))
+    return at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (!blk || blk->bytes < bytes) {
+    blk.reset();
+    auto fresh = std::make_shared<OutputBlock>();
+    if (posix_memalign(&fresh->data, 64, bytes) != 0) return at::empty_like(x, at::MemoryFormat::Contiguous);
+    fresh->bytes = bytes;
+    blk = std::move(fresh);
+  }
+  blk->in_use.store(true, std::memory_order_relaxed);
+  std::shared_ptr<OutputBlock> keep = blk;  // the block outlives the group while a tensor uses it
+  return at::for_blob(blk->data, x.sizes())
+      .deleter([keep](void*) { keep->in_use.store(false, std::memory_order_release); })
+      .options(x.options())
+      .resizeable_storage()
+      .allocator(c10::GetCPUAllocator())
+      .make_tensor();
+}
+
 static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
   const char* op = "all_reduce";
   check_dtype(input, op, true);
@@ -414,7 +699,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   std::lock_guard<std::mutex> lock(g.mu);
   check_abort(g, op);
   at::Tensor x = input.contiguous();
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor out = reusable_output(g, x);
   const int64_t numel = x.numel();
   if (numel == 0) return out;
   const size_t es = x.element_size();
@@ -442,21 +727,30 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     reduce_dispatch(dt, srcs.data(), n, numel, op_, nullptr, rop);
     return out;
   }
-  // Chunks of one slot; rank r reduces slice r of each chunk (reading its own part from its private
-  // input) and publishes the result; a software pipeline over 3 input and 3 result buffers needs one
-  // barrier per chunk: phase j copies chunk j in, reduces chunk j-1, copies chunk j-2's results out.
-  // Buffer hazards: in[j % 3] (rotated by the parity, below) is rewritten in phase j, last read in phase j-2 (reduce of chunk j-3);
-  // res[(j-1) % 3] is rewritten in phase j, last read in phase j-2 (copy-out of chunk j-4); a barrier
-  // separates each pair. Only the final copy-out (of res) is not followed by a barrier; the next
-  // collective writes a res buffer only after its own first barrier, and parity buffers (0, 1) are
-  // in-buffers, read last before this collective's final barrier.
-  const int64_t chunk = int64_t(g.slot_bytes / es);
+  // Chunks of one slot. Rank r reduces slice r of every chunk: its own part straight from its input, the
+  // peers' parts from their slots, where they copied them in. It writes the result into its output and
+  // over the part it just read from peer (r+1)%n's slot (lines in its cache: no read-for-ownership miss),
+  // whence every other rank copies it out. A software pipeline needs one barrier per chunk: phase j copies
+  // chunk j in, reduces chunk j-1, copies chunk j-2's results out.
+  // Buffers: chunk 0 goes to the parity buffer (use % 2) that the previous collective left free (slower
+  // peers may still read the other one; every op writes only its parity buffer before its first barrier),
+  // chunks 1, 2, 3, ... rotate over buffers 2, 3, 4. Chunk c's buffer is written in phases c (copy-in) and
+  // c+1 (results), read in phases c+1 and c+2 (copy-out), and rewritten in phase c+3: a barrier separates
+  // each pair. Only the last chunk's copy-out follows the final barrier; it reads buffer 2-4 (or the
+  // parity buffer if there is one chunk), which the next collective writes only after its first barrier.
+  const int64_t chunk = int64_t(std::min(g.slot_bytes, kAllReduceChunkBytes) / es);
   const int64_t nchunks = (numel + chunk - 1) / chunk;
   std::vector<std::vector<int64_t>> bounds(3);
   UseGuard use(g, sig);
-  // Chunk 0 goes to the parity buffer that the previous collective left free (peers may still read the
-  // other one), chunks 1, 2 to the next ones: all writes to those come after this collective's barrier 0.
-  auto in_buf = [&](int64_t c) { return int((use.half + c) % 3); };
+  auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
+  const bool stream = bytes >= kStreamBytes;
+  const int64_t t_call = now_ns();
+  int64_t t_phase = t_call;
+  auto lap = [&](int k) {
+    const int64_t t = now_ns();
+    g.prof[k] += t - t_phase;
+    t_phase = t;
+  };
   for (int64_t j = 0; j <= nchunks + 1; ++j) {
     if (j < nchunks) {  // copy chunk j in
       const int64_t off = j * chunk, len = std::min(chunk, numel - off);
@@ -468,6 +762,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
         memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
       }
     }
+    lap(0);
     if (j >= 1 && j <= nchunks) {  // reduce my slice of chunk j-1 (its inputs are in since barrier j-1)
       const int64_t c = j - 1, off = c * chunk;
       auto& b = bounds[c % 3];
@@ -475,23 +770,29 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
       if (s1 > s0) {
         for (int r = 0; r < n; ++r)
           srcs[r] = (r == g.rank ? xp + off * es : g.slot(in_buf(c), r)) + s0 * es;
-        reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, g.slot(3 + int(c % 3), g.rank) + s0 * es,
-                        rop);
+        reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, const_cast<char*>(srcs[(g.rank + 1) % n]),
+                        rop, stream);
       }
     }
+    lap(1);
     if (j >= 2) {  // copy chunk j-2's other slices out (reduced before barrier j-1)
       const int64_t c = j - 2, off = c * chunk;
       auto& b = bounds[c % 3];
       for (int r = 0; r < n; ++r) {
         if (r == g.rank || b[r + 1] == b[r]) continue;
-        memcpy(op_ + (off + b[r]) * es, g.slot(3 + int(c % 3), r) + b[r] * es, size_t(b[r + 1] - b[r]) * es);
+        copy_to(op_ + (off + b[r]) * es, g.slot(in_buf(c), (r + 1) % n) + b[r] * es, size_t(b[r + 1] - b[r]) * es,
+                stream);
       }
     }
+    lap(2);
     if (j <= nchunks) {
       barrier(g, op, start);
       if (j == 0) use.check(op, x);
     }
+    lap(3);
   }
+  g.prof[4] += now_ns() - t_call;
+  g.prof[5] += 1;
   return out;
 }
 
@@ -830,6 +1131,18 @@ static std::vector<int64_t> group_pids(c10::string_view group_name) {
   return out;
 }
 
+// Phase times (s) of the chunked all_reduce since the last call: copy-in, reduce, copy-out, barrier
+// waits, whole calls, and the number of calls; resets them. For benchmarks/profile_shm.py.
+static std::vector<double> group_profile(c10::string_view group_name) {
+  auto gp = find_group(std::string(group_name));
+  std::lock_guard<std::mutex> lock(gp->mu);
+  std::vector<double> out;
+  for (int k = 0; k < 5; ++k) out.push_back(double(gp->prof[k]) * 1e-9);
+  out.push_back(double(gp->prof[5]));
+  std::fill(std::begin(gp->prof), std::end(gp->prof), 0);
+  return out;
+}
+
 static int64_t abi_version() { return 1; }
 
 }  // namespace adaptdist_shm
@@ -852,6 +1165,7 @@ TORCH_LIBRARY(adaptdist, m) {
   m.def("_shm_group_destroy(str group_name) -> ()", &adaptdist_shm::group_destroy);
   m.def("_shm_group_names() -> str[]", &adaptdist_shm::group_names_impl);
   m.def("_shm_group_pids(str group_name) -> int[]", &adaptdist_shm::group_pids);
+  m.def("_shm_group_profile(str group_name) -> float[]", &adaptdist_shm::group_profile);
   m.def("_abi_version() -> int", &adaptdist_shm::abi_version);
 }
 

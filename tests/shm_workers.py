@@ -180,6 +180,47 @@ def _check_group(group, pg, seed0: int, sizes, failures: list[str], tag: str) ->
     return cases
 
 
+def _check_specials_and_held_outputs(group, failures: list[str], tag: str) -> int:
+    """Special values through the vectorised reductions (NaN, +-inf, -0.0, overflow, bfloat16 rounding ties,
+    an odd length for the scalar tail) equal the documented reference exactly (NaN where it has NaN); and an
+    output the caller still holds, or a view of it, is never overwritten by a later all_reduce."""
+    n, me = group.group_size, group.group_rank
+    cases = 0
+    for dtype in DTYPES:
+        # the small path, and the chunked one with non-temporal stores (outputs >= 4 MiB) and a tail
+        for numel in (37, (1 << 21) + 5):
+            xs = []
+            for r in range(n):
+                t = torch.randn(numel, generator=torch.Generator().manual_seed(900 + r))
+                t[7], t[9] = -0.0, 1e38
+                t[11] = 1.0 if r == 0 else (2.0 ** -8 if r == 1 else 0.0)  # bfloat16 ties: to even
+                t[13] = 1.0078125 if r == 0 else (2.0 ** -8 if r == 1 else 0.0)
+                if r == 1:
+                    t[3] = float("nan")
+                t[5] = float("inf") if r == 0 else (float("-inf") if r == n - 1 else t[5])
+                xs.append(t.to(dtype))
+            for op in ("sum", "avg", "max"):
+                ours = group.all_reduce(xs[me], op)
+                try:
+                    torch.testing.assert_close(ours, _reference_reduce(xs, op), rtol=0, atol=0, equal_nan=True)
+                except AssertionError as e:
+                    failures.append(f"{tag} all_reduce {op} {dtype} numel={numel} special values: {str(e)[:200]}")
+                cases += 1
+    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(950 + me))
+    ref = group.all_reduce(x).clone()
+    y1 = group.all_reduce(x)
+    y2 = group.all_reduce(x * 2)
+    view = y2[:100]
+    del y2
+    y3 = group.all_reduce(x * 4)  # scaling by powers of two is exact: the sums scale exactly
+    checks = {"held output": torch.equal(y1, ref), "view of a dropped output": torch.equal(view, (ref * 2)[:100]),
+              "new output": torch.equal(y3, ref * 4)}
+    for what, ok in checks.items():
+        if not ok:
+            failures.append(f"{tag} all_reduce: {what} wrong (overwritten by a later all_reduce?)")
+    return cases + 1
+
+
 def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
     """On 4 ranks: the world (4), ranks [0, 1, 2] (3), and two pairs of size-2 groups at once ({0,1},{2,3}
     named 'pair'; {0,2},{1,3} named 'pair2', used alternately). Returns failures, case count, segments."""
@@ -220,6 +261,8 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
             cases += 2
     cases += _check_group(gp, my_pair, 3, sizes, failures, "pair")
     timings["pairs"] = time.monotonic() - t0
+    cases += _check_specials_and_held_outputs(world_g, failures, "world(4)")
+    cases += _check_specials_and_held_outputs(gp2, failures, "pair2")
     return {"failures": failures, "cases": cases, "pids": world_g.pids(), "timings": timings,
             "segments": segments(os.environ["MASTER_PORT"])}
 

@@ -1,7 +1,10 @@
 """Shared-memory collectives across real ranks (spawned processes, gloo for the rendezvous and as the
 reference): every op, dtype and payload path against gloo on groups of 4, 3 and 2 ranks (two pairs of
 size-2 groups at once); a stalled and a killed peer named within the timeout; /dev/shm clean afterwards.
-Sizes here are 0, 1, 7, 1001 and 1 MiB (float32); 16/64 MiB run in benchmarks/stress_shm.py and bench_comm.py."""
+Sizes here are 0, 1, 7, 1001 and 1 MiB (float32), and 37 and 2 Mi + 5 elements for special values (NaN, inf,
+-0.0, overflow, bfloat16 rounding ties) through the vectorised reductions and their non-temporal-store path, with a
+check that a later all_reduce never overwrites an output the caller still holds (large outputs are reused);
+16/64 MiB run in benchmarks/stress_shm.py and bench_comm.py."""
 
 from __future__ import annotations
 

@@ -67,15 +67,21 @@ segment left by a crash during :func:`init_group` is removed by the next :func:`
 job key (default: ``$MASTER_PORT``, the rendezvous port) once its creator is dead (:func:`remove_stale_segments`).
 
 Waiting: a bounded spin (``spin_us``, default 20 us, 2 us when the group has more ranks than this host
-has cores), then futex sleeps on the peer's arrival counter, so oversubscribed ranks (4 ranks on 2 cores)
-do not burn the core a peer needs.
+has cores), then futex sleeps on the group's arrival counter, which only the last rank to arrive wakes (one
+wake-up per waiting rank and barrier), so oversubscribed ranks (4 ranks on 2 cores) do not burn the core a
+peer needs.
 
-Memory: each group maps ``6 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 96 MiB for 4
-ranks, touched as used) plus a header. Payloads larger than a slot move in slot-sized chunks; all_reduce
-pipelines them (each rank reduces its slice of chunk k while chunk k+1 comes in and chunk k-1 goes out, one
-barrier per chunk); payloads up to 32 KiB take one barrier (every rank reduces all of it). Fewer, larger
-chunks beat cache-sized ones on this oversubscribed 2-core machine, where each barrier can cost a
-scheduler wake-up (measured: benchmarks/RESULTS.md).
+Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
+ranks, touched as used) plus a header. Payloads larger than a slot move in slot-sized chunks; payloads up to
+32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
+slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
+reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in and chunk k-1
+goes out, writing the result straight into its output and over the peer's slice it has just read, whence
+the others copy it out. Outputs of 4 MiB and more are written with non-temporal stores; an all_reduce output
+of 256 KiB and more lives in a block the group keeps (freed with the group) and reuses once the caller has
+dropped the tensor that used it, so that repeated large calls do not page-fault a fresh buffer each time.
+Where the time goes: ``benchmarks/profile_shm.py`` (the kernel's phase timers, ``_shm_group_profile``);
+figures in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
