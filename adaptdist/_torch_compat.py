@@ -723,6 +723,21 @@ def dynamo_active_backend() -> Any:
     return getattr(inner, "compiler_fn", inner)
 
 
+def dynamo_runs_forward_eagerly(module: torch.nn.Module) -> bool:
+    """Whether Dynamo runs ``module``'s ``forward`` as it is when eager code calls the module during a compiled
+    call (a frame of its own), rather than compiling it: torch.nn's own modules (its trace rules skip torch.nn
+    files as frames; they are only inlined) unless they have forward hooks of their own; a user module's
+    ``forward`` is compiled (``trace_rules.check_verbose``)."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.utils import nnmodule_has_hooks
+
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None or not trace_rules.check(code):
+        return False
+    return not (type(module).__module__.startswith(("torch.nn.", "torch.ao."))
+                and nnmodule_has_hooks(module, check_forward_hooks=True))
+
+
 def install_global_forward_pre_hook(hook: Callable, helpers: tuple[Callable, ...] = ()) -> Any:
     """Register ``hook`` as a forward pre-hook of every module in this process, unless it already is (by
     identity); returns the handle, or None when it was there.
@@ -746,11 +761,21 @@ def install_global_forward_pre_hook(hook: Callable, helpers: tuple[Callable, ...
         return None
     for code in (hook.__code__, dynamo_active_backend.__code__):
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
-    for helper in helpers:
+    for helper in (*helpers, dynamo_runs_forward_eagerly):
         set_code_exec_strategy(helper.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
                             category=UserWarning)
     return nn_module.register_module_forward_pre_hook(hook)
+
+
+def remove_global_forward_pre_hook(hook: Callable) -> int:
+    """Remove every registration of ``hook`` as a global forward pre-hook (by identity); returns how many."""
+    from torch.nn.modules import module as nn_module
+
+    keys = [k for k, h in nn_module._global_forward_pre_hooks.items() if h is hook]
+    for k in keys:
+        del nn_module._global_forward_pre_hooks[k]
+    return len(keys)
 
 
 def raise_at_frame_compile_end(error: BaseException) -> None:

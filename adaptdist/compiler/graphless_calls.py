@@ -63,8 +63,9 @@ def guard_eager_module_calls(_args: Any = None) -> None:
 def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
     """Forward pre-hook of every module (see :func:`guard_eager_module_calls`): a module that owns parameters
     which will receive gradients (or a training-mode BatchNorm, whose running statistics it updates from this
-    rank's rows), called eagerly inside a call compiled by an adaptdist backend on several ranks, is trained by
-    no adaptdist graph: its gradients would never be reduced. Dynamo runs such calls eagerly after a graph
+    rank's rows), called eagerly inside a call compiled by an adaptdist backend on several ranks, whose ``forward``
+    Dynamo runs as it is (torch.nn's modules: a user module's ``forward`` is compiled as a frame of its own), is
+    trained by no adaptdist graph: its gradients would never be reduced. Dynamo runs such calls eagerly after a graph
     break it cannot resume from, e.g. in torch.nn code (``nn.Sequential``'s loop over a BatchNorm with
     ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs one call and one C call per
     module call outside compiled code (measured in the README).
@@ -83,7 +84,7 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
             trains = trains or (p is not None and p.requires_grad)
     updates_statistics = (module.training and isinstance(module, nn.modules.batchnorm._NormBase)
                           and module.track_running_stats)
-    if (trains or updates_statistics) and _world_size() > 1:
+    if (trains or updates_statistics) and _world_size() > 1 and compat.dynamo_runs_forward_eagerly(module):
         raise CaptureError(_eager_call_message(module, trains))
 
 
@@ -103,8 +104,8 @@ def _eager_call_message(module: nn.Module, trains: bool) -> str:
                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None and m.training]
     if cumulative:
         cause = (f"BatchNorm {', '.join(map(repr, cumulative[:3]))} has momentum=None: its forward reads "
-                 "float(self.num_batches_tracked), a graph break inside torch.nn code that Dynamo cannot resume from, "
-                 "so it runs the call eagerly")
+                 "float(self.num_batches_tracked), a graph break inside torch.nn code, so Dynamo runs that module call "
+                 "eagerly (and, inside an nn.Sequential, the whole Sequential)")
         fix = "give the BatchNorm a numeric momentum (momentum=0.1, torch's default)"
     else:
         cause = "a graph break Dynamo could not resume from, or a frame it skips"
