@@ -894,11 +894,18 @@ def pipelining_add_send_recv(compute: dict[int, list[tuple[int, str, int]]],
             for r, acts in lowered.items()}
 
 
+def quiet_fake_tensor_errors():
+    """A context in which FakeTensorMode does not log an op that fails on fake tensors ("failed while attempting
+    to run meta for aten.mm.default" and its traceback, ~17 lines at ERROR per attempt): a capture reports such a
+    failure itself, as one typed error naming the module and the shapes."""
+    return _quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL)
+
+
 @contextlib.contextmanager
-def _quiet_logger(name: str):
+def _quiet_logger(name: str, level_at_least: int = logging.ERROR):
     log = logging.getLogger(name)
     level = log.level
-    log.setLevel(logging.ERROR)
+    log.setLevel(max(level_at_least, level))
     try:
         yield
     finally:
