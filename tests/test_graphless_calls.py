@@ -146,3 +146,14 @@ def test_the_guard_installs_once_and_only_on_several_ranks():
         compat.remove_global_forward_pre_hook(graphless_calls.refuse_eager_module_call)
         dist.destroy_process_group()
     assert count() == 0
+
+
+@pytest.mark.parametrize("by_name", [False, True], ids=["backend-object", "backend-by-name"])
+def test_the_real_backend_is_recognised_object_or_by_name(two_fake_ranks, by_name):
+    """Dynamo runs this call wholly eagerly, so the backend itself never runs: the adaptdist backend (an object, or
+    ``backend="adaptdist"`` through torch's registry) is found behind torch.compile's wrapper all the same."""
+    import adaptdist
+
+    backend = "adaptdist" if by_name else adaptdist.backend(plan="dp")
+    with pytest.raises(CaptureError, match=r"module '0' \(Linear\) eagerly.*BatchNorm '1' has momentum=None"):
+        torch.compile(_sequential(None), backend=backend)(torch.randn(6, 4))
