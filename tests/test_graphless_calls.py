@@ -97,9 +97,15 @@ def test_a_sequential_with_cumulative_batch_norm_is_refused_naming_module_cause_
         assert part in msg, (part, msg)
 
 
-def test_cumulative_batch_norm_inside_a_model_is_refused_naming_it(two_fake_ranks):
-    with pytest.raises(CaptureError, match=r"module 'bn' \(BatchNorm1d\) eagerly.*BatchNorm 'bn' has momentum=None"):
-        torch.compile(WithCumulativeBN(), backend=StubBackend())(torch.randn(6, 4))
+@pytest.mark.parametrize("affine", [True, False])
+def test_cumulative_batch_norm_inside_a_model_is_refused_naming_it(two_fake_ranks, affine):
+    """Without affine parameters the eager BatchNorm still updates its running statistics from this rank's rows."""
+    model = WithCumulativeBN()
+    model.bn = nn.BatchNorm1d(8, momentum=None, affine=affine)
+    state = "parameters' gradients would never be reduced" if affine else "running statistics would come from each rank"
+    with pytest.raises(CaptureError, match=r"module 'bn' \(BatchNorm1d\) eagerly.*BatchNorm 'bn' has momentum=None.*"
+                                           + state):
+        torch.compile(model, backend=StubBackend())(torch.randn(6, 4))
 
 
 @pytest.mark.parametrize("case", ["momentum=0.1", "user-module-break", "eval-no-grad", "other-backend", "eager"])

@@ -110,8 +110,9 @@ def _eager_call_message(module: nn.Module, trains: bool) -> str:
     else:
         cause = "a graph break Dynamo could not resume from, or a frame it skips"
         fix = "remove the graph break (TORCH_LOGS=graph_breaks shows it)"
-    state = "its parameters' gradients" if trains else "its running statistics"
+    state = ("its parameters' gradients would never be reduced across ranks" if trains else
+             "its running statistics would come from each rank's own rows, never combined across ranks")
     return (f"torch.compile ran {what} eagerly, outside every adaptdist graph: {cause}. On "
-            f"{dist.get_world_size()} ranks {state} would never be reduced across ranks (each rank would train its "
-            f"own model), so adaptdist stops. Try: {fix}; or train with `adaptdist train`, which captures the whole "
-            "step; or wrap the model in DistributedDataParallel instead of the adaptdist backend")
+            f"{dist.get_world_size()} ranks {state} (each rank would train its own model), so adaptdist stops. "
+            f"Try: {fix}; or train with `adaptdist train`, which captures the whole step; or wrap the model in "
+            "DistributedDataParallel instead of the adaptdist backend")
