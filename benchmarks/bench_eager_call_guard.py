@@ -10,7 +10,7 @@ side in one process, with and without the hook, alternating (A, B, A, B, ...) so
 4. the Dynamo compile time of that GPT with the ``eager`` backend (tracing ``_call_impl`` of every module instead of
    its ``forward`` while any global hook exists), and the number of graphs.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_eager_call_guard.py [--calls 200000] [--repeats 7]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_eager_call_guard.py [--calls 200000] [--repeats 7] [--compiles 3]
 """
 
 from __future__ import annotations
@@ -79,48 +79,65 @@ def _compile_s(tokens) -> tuple[float, int]:
     return time.perf_counter() - t0, len(graphs)
 
 
+MODES = ("none", "trivial", "guard")  # no global hook; a global hook that does nothing; adaptdist's guard
+
+
+def _set_mode(mode: str, handle: object) -> object:
+    if handle is not None:
+        handle.remove()
+    if mode == "trivial":
+        return torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    if mode == "guard":
+        return _install()
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compiles", type=int, default=3)
     args = ap.parse_args()
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks")
     torch.set_num_threads(1)
+    load = os.getloadavg()
     ident, x = nn.Identity(), torch.zeros(1)
     tokens = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(0))
     model = _gpt()
-    compiled_loop = _under_compile(2000)
-    compiled_loop(x)  # compile (skipped frame) outside the timing
-    res = {k: {"without": [], "with": []} for k in ("eager_ns", "compiled_ns", "gpt_ms", "compile_s")}
-    graphs = {}
+    loop_calls = 2000
+    compiled_loop = _under_compile(loop_calls)
+    compiled_loop(x)  # compiled (a skipped frame) outside the timing
+    res = {k: {m: [] for m in MODES} for k in ("eager_ns", "compiled_ns", "gpt_ms", "compile_s")}
+    graphs: dict[str, int] = {}
     handle = None
-    for rep in range(args.repeats):
-        for mode in ("without", "with"):
-            if mode == "with" and handle is None:
-                handle = _install()
-            if mode == "without" and handle is not None:
-                handle.remove()
-                handle = None
+    for _ in range(args.repeats):
+        for mode in MODES:
+            handle = _set_mode(mode, handle)
             res["eager_ns"][mode].append(_calls_ns(ident, x, args.calls))
             t0 = time.perf_counter()
             compiled_loop(x)
-            res["compiled_ns"][mode].append((time.perf_counter() - t0) / 2000 * 1e9)
+            res["compiled_ns"][mode].append((time.perf_counter() - t0) / loop_calls * 1e9)
             res["gpt_ms"][mode].append(_gpt_step_ms(model, tokens))
-            if rep < 2:
-                s, g = _compile_s(tokens)
-                res["compile_s"][mode].append(s)
-                graphs[mode] = g
-                compiled_loop = _under_compile(2000)
-                compiled_loop(x)
-    if handle is not None:
-        handle.remove()
-    print(f"load average: {' '.join(f'{v:.2f}' for v in __import__('os').getloadavg())}")
-    for key, unit in (("eager_ns", "ns per module call, eager"),
-                      ("compiled_ns", "ns per module call + graph break, in a call compiled with backend='eager'"),
+    for _ in range(args.compiles):
+        for mode in ("none", "guard"):
+            handle = _set_mode(mode, handle)
+            s, g = _compile_s(tokens)
+            res["compile_s"][mode].append(s)
+            graphs[mode] = g
+    _set_mode("none", handle)
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in load)}; at end: "
+          f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    for key, unit in (("eager_ns", "ns per nn.Identity call, eager"),
+                      ("compiled_ns", "ns per nn.Identity call + graph break, in a call compiled with backend='eager'"),
                       ("gpt_ms", "ms per eager GPT forward+backward (2 layers, 8x64 tokens)"),
                       ("compile_s", "s to compile that GPT with a counting backend")):
-        a, b = statistics.median(res[key]["without"]), statistics.median(res[key]["with"])
-        print(f"{unit}: without hook {a:.4g}, with hook {b:.4g} (+{b - a:.4g}, x{b / a:.3f})")
-    print(f"graphs of the GPT: without hook {graphs['without']}, with hook {graphs['with']}")
+        med = {m: statistics.median(v) for m, v in res[key].items() if v}
+        parts = ", ".join(f"{m} {v:.4g} (x{v / med['none']:.2f})" for m, v in med.items())
+        print(f"{unit}: {parts}")
+    print(f"graphs of the GPT: without hook {graphs['none']}, with the guard {graphs['guard']}")
 
 
 if __name__ == "__main__":
