@@ -51,6 +51,11 @@ def refuse_skipped_rnn_frame(_args: Any = None) -> None:
         "`adaptdist train`, which captures RNNs, or set torch._dynamo.config.allow_rnn = True before torch.compile"))
 
 
+# torch.nn's modules that update running statistics from the batch in training mode (track_running_stats)
+_RUNNING_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+                  nn.InstanceNorm3d)
+
+
 def guard_eager_module_calls(_args: Any = None) -> None:
     """Dynamo frame-compile start callback: in a job of several ranks, install :func:`refuse_eager_module_call`
     as a forward pre-hook of every module, once per process (before Dynamo traces the first frame, so no
@@ -67,8 +72,8 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
     Dynamo runs as it is (torch.nn's modules: a user module's ``forward`` is compiled as a frame of its own), is
     trained by no adaptdist graph: its gradients would never be reduced. Dynamo runs such calls eagerly after a graph
     break it cannot resume from, e.g. in torch.nn code (``nn.Sequential``'s loop over a BatchNorm with
-    ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs one call and one C call per
-    module call outside compiled code (measured in the README).
+    ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs ~2 µs per module call in the
+    process, mostly torch's slow path of ``Module.__call__`` under any global hook (benchmarks/RESULTS.md).
 
     Raises:
         CaptureError: names the module (qualified name in the compiled model, class), why and what to try.
@@ -80,10 +85,9 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
         return
     trains = False
     if torch.is_grad_enabled():
-        for p in module._parameters.values():  # a loop, not any(<genexpr>): Dynamo would compile that frame
-            trains = trains or (p is not None and p.requires_grad)
-    updates_statistics = (module.training and isinstance(module, nn.modules.batchnorm._NormBase)
-                          and module.track_running_stats)
+        for p in module.parameters(recurse=False):  # a loop, not any(<genexpr>): Dynamo would compile that frame
+            trains = trains or p.requires_grad
+    updates_statistics = module.training and isinstance(module, _RUNNING_STATS) and module.track_running_stats
     if (trains or updates_statistics) and _world_size() > 1 and compat.dynamo_runs_forward_eagerly(module):
         raise CaptureError(_eager_call_message(module, trains))
 
@@ -101,7 +105,7 @@ def _eager_call_message(module: nn.Module, trains: bool) -> str:
     what = (f"module {name or '(the compiled module)'!r} ({type(module).__name__})" if name is not None
             else f"a {type(module).__name__} module")
     cumulative = [n or "(the compiled module)" for n, m in (root.named_modules() if isinstance(root, nn.Module) else ())
-                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.momentum is None and m.training]
+                  if isinstance(m, _RUNNING_STATS) and m.momentum is None and m.training]
     if cumulative:
         cause = (f"BatchNorm {', '.join(map(repr, cumulative[:3]))} has momentum=None: its forward reads "
                  "float(self.num_batches_tracked), a graph break inside torch.nn code, so Dynamo runs that module call "
