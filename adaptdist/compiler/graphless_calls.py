@@ -72,7 +72,7 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
     Dynamo runs as it is (torch.nn's modules: a user module's ``forward`` is compiled as a frame of its own), is
     trained by no adaptdist graph: its gradients would never be reduced. Dynamo runs such calls eagerly after a graph
     break it cannot resume from, e.g. in torch.nn code (``nn.Sequential``'s loop over a BatchNorm with
-    ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs ~2 µs per module call in the
+    ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs ~2.6 µs per module call in the
     process, mostly torch's slow path of ``Module.__call__`` under any global hook (benchmarks/RESULTS.md).
 
     Raises:
