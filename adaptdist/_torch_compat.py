@@ -18,6 +18,7 @@ import torch
 import torch.fx
 # torch's pytree helpers are private (torch.utils._pytree); everything else reaches them through here
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401 -- re-exported
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as _get_eval_frame_callback
 
 from .kernels import load as _load_kernels
 
@@ -698,6 +699,85 @@ def on_dynamo_frame_compiled(callback) -> None:
         handler.register_end_callback(callback)
 
 
+def on_dynamo_frame_compile_start(callback) -> None:
+    """Run ``callback(args)`` at the start of every Dynamo frame compile in this process, before it traces
+    (``torch._dynamo.callback_handler``); registering the same function twice registers it once."""
+    import torch._dynamo
+
+    handler = torch._dynamo.callback_handler
+    if callback not in handler.start_callbacks:
+        handler.register_start_callback(callback)
+
+
+def dynamo_active_backend() -> Any:
+    """The backend of the ``torch.compile`` call running on this thread (the object passed as ``backend=``, or
+    the one registered under its name), from eager code that call runs; None outside one, or inside a
+    ``torch._dynamo.disable`` region. ``torch.compile`` wraps a backend in ``_TorchCompileWrapper`` (``compiler_fn``)
+    inside Dynamo's frame callback (``_torchdynamo_orig_backend`` chain)."""
+    callback = _get_eval_frame_callback()  # imported once: eager code may ask at every module call
+    if callback is None or isinstance(callback, bool):
+        return None
+    from torch._dynamo.eval_frame import innermost_backend
+
+    inner = innermost_backend(callback)
+    return getattr(inner, "compiler_fn", inner)
+
+
+def dynamo_runs_forward_eagerly(module: torch.nn.Module) -> bool:
+    """Whether Dynamo runs ``module``'s ``forward`` as it is when eager code calls the module during a compiled
+    call (a frame of its own), rather than compiling it: torch.nn's own modules (its trace rules skip torch.nn
+    files as frames; they are only inlined) unless they have forward hooks of their own; a user module's
+    ``forward`` is compiled (``trace_rules.check_verbose``)."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.utils import nnmodule_has_hooks
+
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None or not trace_rules.check(code):
+        return False
+    return not (type(module).__module__.startswith(("torch.nn.", "torch.ao."))
+                and nnmodule_has_hooks(module, check_forward_hooks=True))
+
+
+def install_global_forward_pre_hook(hook: Callable, helpers: tuple[Callable, ...] = ()) -> Any:
+    """Register ``hook`` as a forward pre-hook of every module in this process, unless it already is (by
+    identity); returns the handle, or None when it was there.
+
+    Dynamo must not compile the hook's frame when eager code calls it during a compiled call: it would fold
+    ``torch.compiler.is_compiling()`` to True there. So its code is marked skipped (where Dynamo traces a module
+    call, it still inlines the hook). The frames the hook calls would each be compiled too: ``helpers`` (which
+    must not ask :func:`dynamo_active_backend`: Dynamo's callback is off in them) are skipped with everything
+    they call; the hook must call nothing else of its own (no comprehension: a frame of its own in Python 3.11).
+    torch warns at every call of a ``torch.compile``'d module while any global hook exists ("...this will cause
+    the hooks to fire an extra time for the OptimizedModule"): the hook must ignore the OptimizedModule (its
+    call runs before the compiled frame, outside it, where :func:`dynamo_active_backend` is None), and that
+    warning is filtered."""
+    import warnings
+
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch.nn.modules import module as nn_module
+
+    if any(h is hook for h in nn_module._global_forward_pre_hooks.values()):
+        return None
+    for code in (hook.__code__, dynamo_active_backend.__code__):
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+    for helper in (*helpers, dynamo_runs_forward_eagerly):
+        set_code_exec_strategy(helper.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                            category=UserWarning)
+    return nn_module.register_module_forward_pre_hook(hook)
+
+
+def remove_global_forward_pre_hook(hook: Callable) -> int:
+    """Remove every registration of ``hook`` as a global forward pre-hook (by identity); returns how many."""
+    from torch.nn.modules import module as nn_module
+
+    keys = [k for k, h in nn_module._global_forward_pre_hooks.items() if h is hook]
+    for k in keys:
+        del nn_module._global_forward_pre_hooks[k]
+    return len(keys)
+
+
 def raise_at_frame_compile_end(error: BaseException) -> None:
     """Raise ``error`` from an end callback of :func:`on_dynamo_frame_compiled`, leaving Dynamo able to compile
     (and ``torch._dynamo.reset()``) afterwards: its handler counts pending compiles and decrements the count only
@@ -814,11 +894,18 @@ def pipelining_add_send_recv(compute: dict[int, list[tuple[int, str, int]]],
             for r, acts in lowered.items()}
 
 
+def quiet_fake_tensor_errors():
+    """A context in which FakeTensorMode does not log an op that fails on fake tensors ("failed while attempting
+    to run meta for aten.mm.default" and its traceback, ~17 lines at ERROR per attempt): a capture reports such a
+    failure itself, as one typed error naming the module and the shapes."""
+    return _quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL)
+
+
 @contextlib.contextmanager
-def _quiet_logger(name: str):
+def _quiet_logger(name: str, level_at_least: int = logging.ERROR):
     log = logging.getLogger(name)
     level = log.level
-    log.setLevel(logging.ERROR)
+    log.setLevel(max(level_at_least, level))
     try:
         yield
     finally:

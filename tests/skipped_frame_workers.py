@@ -46,15 +46,25 @@ class CumulativeBatchNorm(torch.nn.Module):
         return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
-def bn_cumulative_worker(batch_norm: str, timeout_s: float = 60.0) -> str:
-    """One step of :class:`CumulativeBatchNorm` through the backend; returns the error text ("" if it trained)."""
+def cumulative_sequential() -> torch.nn.Sequential:
+    """An nn.Sequential MLP whose BatchNorm1d keeps a cumulative average (``momentum=None``), compiled directly:
+    Dynamo runs the whole call eagerly (the break is inside Sequential's loop) and never calls the backend."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=None), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 3))
+
+
+def bn_cumulative_worker(batch_norm: str, sequential: bool = False, timeout_s: float = 60.0) -> str:
+    """One step of :class:`CumulativeBatchNorm` (or :func:`cumulative_sequential`) through the backend; returns the
+    error text ("" if it trained)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         torch.manual_seed(0)
-        compiled = torch.compile(CumulativeBatchNorm(), backend=adaptdist.backend(plan="dp", batch_norm=batch_norm))
+        model, x = ((cumulative_sequential(), torch.randn(4, 4)) if sequential else
+                    (CumulativeBatchNorm(), torch.randn(2, 2, 5, 5)))
+        compiled = torch.compile(model, backend=adaptdist.backend(plan="dp", batch_norm=batch_norm))
         try:
-            compiled(torch.randn(2, 2, 5, 5)).sum().backward()
+            compiled(x).sum().backward()
         except Exception as e:  # noqa: BLE001 - the test reads the message
             return f"{type(e).__name__}: {e}"
         return ""

@@ -156,3 +156,20 @@ def test_one_tensor_registered_as_two_buffers_lowers_like_eager():
         grads = {role.removeprefix("grad:"): v for role, v in zip(prog.output_roles, outs[r]) if role.startswith("grad:")}
         for n, p in model.named_parameters():
             torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=0)
+
+
+def test_a_shape_bug_is_one_error_naming_the_module_without_fake_tensor_logs(capfd, caplog):
+    """A shape bug in the user's model (Linear(16, 32) then Linear(64, 4)): one CaptureError naming the module and
+    both shapes, and none of FakeTensorMode's "failed while attempting to run meta" tracebacks on stderr."""
+    import torch.nn.functional as F
+
+    from adaptdist.errors import CaptureError
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    with pytest.raises(CaptureError) as e, caplog.at_level("ERROR"):
+        capture(model, (torch.randn(8, 16), torch.randint(0, 4, (8,))), F.cross_entropy)
+    msg = str(e.value)
+    assert "in module '2' (Linear(in_features=64, out_features=4" in msg and "[8, 32] X [64, 4]" in msg, msg
+    assert "runs eagerly on this batch" in msg
+    err = capfd.readouterr().err + "".join(r.getMessage() for r in caplog.records)
+    assert "failed while attempting to run meta" not in err and "Traceback" not in err, err

@@ -209,3 +209,41 @@ def test_saved_pipeline_plan_refuses_other_microbatches(tmp_path):
     assert not wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=3, schedule="1f1b"))
     with pytest.raises(UsageError, match=r"--schedule gpipe differs from the saved pipeline plan .*'1f1b'"):
         wants_pipeline(SimpleNamespace(plan=str(f), mesh=None, microbatches=None, schedule="gpipe"))
+
+
+def _rows(B=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 16, generator=g), torch.randint(0, 4, (B,), generator=g)
+
+
+def _sequential_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda o, t: ((o[:, 0] - t.float()) ** 2).mean(),
+    lambda o, t: -o.log_softmax(-1).gather(1, t[:, None]).mean(),
+], ids=["mean-of-squares", "gather-mean"])
+def test_a_hand_written_mean_loss_runs_one_microbatch_program(loss_fn):
+    """A hand-written nn.Sequential MLP with a loss written as ``(...).mean()``: the mean's backward (an expand
+    divided by the row count) has alike rows, so each microbatch takes rows [0, n) of it and the pipeline equals
+    eager (it was refused: "the step's program differs between microbatches")."""
+    model, batch = _sequential_mlp(), _rows()
+    expected = eager(model, batch, loss_fn)
+    progs = compile_model(model, batch, loss_fn, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    check_against_eager(progs, batch, expected)
+
+
+def test_rows_cut_from_a_whole_batch_value_are_named_with_the_fix():
+    """Indexing rows with torch.arange(batch) builds its backward over the whole batch (an index_put), which each
+    microbatch would cut at its own offset: refused, naming that value and what to write instead."""
+    from adaptdist.errors import PipelineError
+
+    with pytest.raises(PipelineError) as e:
+        compile_model(_sequential_mlp(), _rows(), lambda o, t: -o.log_softmax(-1)[torch.arange(o.shape[0]), t].mean(),
+                      2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    msg = str(e.value)
+    for part in ("differs between microbatches 0 and 1", "(index_put)", "over the whole batch", "torch.arange(batch)",
+                 "F.cross_entropy", "--plan dp"):
+        assert part in msg, (part, msg)

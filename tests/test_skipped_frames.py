@@ -35,12 +35,25 @@ def test_one_rank_trains_a_skipped_frame_eagerly():
 @pytest.mark.parametrize("batch_norm", ["local", "sync"])
 def test_batch_norm_broken_by_a_graph_break_is_refused_not_run_eagerly(batch_norm):
     """BatchNorm(momentum=None) breaks the graph at its call, so Dynamo runs the whole BatchNorm eagerly on each
-    rank (its weight's and bias's gradients never reduced): every rank stops at the next graph, naming the eager
-    parameters and the fix."""
+    rank (its weight's and bias's gradients never reduced): every rank stops at that eager call, naming the module,
+    why and the fix."""
     errors = launch_local(bn_cumulative_worker, (batch_norm,), 2)
     for r in range(2):
-        assert re.search(r"(?s)CaptureError: input 0 of a compiled graph .*ran eagerly.* 2 parameter\(s\) \(\[4\], \[4\]\).*"
-                         r"skipped_frame_workers.py:\d+.*numeric momentum", errors[r]), (r, errors[r])
+        assert re.search(r"(?s)CaptureError: torch.compile ran module 'bn' \(BatchNorm2d\) eagerly.*BatchNorm 'bn' has "
+                         r"momentum=None.*On 2 ranks.*never be reduced.*momentum=0.1", errors[r]), (r, errors[r])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sequential_run_eagerly_by_dynamo_is_refused_on_every_rank():
+    """An nn.Sequential compiled directly whose BatchNorm has momentum=None: Dynamo runs the whole call eagerly and
+    calls no backend (no adaptdist code ran: each rank trained its own model); every rank now stops, naming the
+    first module with parameters, the BatchNorm and what to try."""
+    errors = launch_local(bn_cumulative_worker, ("local", True), 2)
+    for r in range(2):
+        assert re.search(r"(?s)CaptureError: torch.compile ran module '0' \(Linear\) eagerly.*BatchNorm '1' has "
+                         r"momentum=None.*float\(self.num_batches_tracked\).*On 2 ranks.*never be reduced.*"
+                         r"momentum=0.1.*adaptdist train.*DistributedDataParallel", errors[r]), (r, errors[r])
 
 
 @pytest.mark.timeout(300)

@@ -180,6 +180,22 @@ def _user_frame(exc: BaseException) -> str:
     return "(no user frame)"
 
 
+def _failing_module(exc: BaseException, step: nn.Module) -> str:
+    """`` in module '2' (Linear(in_features=64, ...))``: the innermost module whose ``forward`` was running when
+    ``exc`` was raised (the user's frame may be torch's: nn.Sequential's loop), named as in the model; "" if none."""
+    names = {id(m): n.removeprefix("model.") for n, m in step.named_modules()}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "forward" and isinstance(owner, nn.Module) and id(owner) in names:
+            found = owner
+        tb = tb.tb_next
+    if found is None or not names[id(found)] or names[id(found)] == "model":
+        return ""
+    return f" in module {names[id(found)]!r} ({found!r})" if len(repr(found)) <= 80 else \
+        f" in module {names[id(found)]!r} ({type(found).__name__})"
+
+
 def _torch_module_hint(exc: BaseException) -> str:
     """Where the data-dependent read is inside torch's own modules, which one and why: "" otherwise."""
     files = [fr.filename.replace("\\", "/") for fr in traceback.extract_tb(exc.__traceback__)]
@@ -257,7 +273,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
         state[n] = _to_fake(mode, b)
     fake_batch = tuple(_to_fake(mode, t) for t in batch)
 
-    with _gc_paused():
+    with _gc_paused(), compat.quiet_fake_tensor_errors():  # a failing op is reported once, by _check_step
         with mode, compat.reparametrize(step, state), compat.compile_session():  # library code traces its graph-safe path
             # Export first; only when that fails, run the step eagerly (on the same fake tensors)
             # to tell a model or loss at fault from a construct the exporter cannot follow. A
@@ -338,9 +354,11 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
                 "decide from something fixed (a Python flag, a parameter's shape), or train with "
                 "torch.compile(model, backend='adaptdist'), where a branch on data is a graph break."
             ) from e
+        frame, module = _user_frame(e), _failing_module(e, step)
+        where = module if module and frame == "(no user frame)" else f" at {frame}{module}"
         raise CaptureError(
-            f"running {name} on the example batch {[list(t.shape) for t in batch]} failed at "
-            f"{_user_frame(e)}: {type(e).__name__}: {e}. Check that the model runs eagerly on this batch."
+            f"running {name} on the example batch {[list(t.shape) for t in batch]} failed{where}: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. Check that the model runs eagerly on this batch."
         ) from e
     _check_loss(loss, name)
 

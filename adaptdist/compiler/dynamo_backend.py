@@ -28,7 +28,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,7 @@ from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check
 from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
 from .expert_lists import fold_stack_of_unbind
 from ..runtime.eager_parameters import GraphRuns
-from .graphless_calls import refuse_skipped_rnn_frame
+from .graphless_calls import guard_eager_module_calls, refuse_skipped_rnn_frame
 from .partition import split_forward_backward
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,9 @@ class AdaptdistBackend:
     comm: str = "auto"
     compiled: list[CompiledStep] = field(default_factory=list, init=False, repr=False)
     graph_runs: GraphRuns = field(default_factory=GraphRuns, init=False, repr=False, compare=False)
+    # a module with trainable parameters that a call compiled by this backend runs eagerly is refused
+    # (graphless_calls.refuse_eager_module_call asks the backend of the running call for this)
+    refuses_eager_module_calls: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
@@ -110,6 +113,7 @@ class AdaptdistBackend:
         """
         compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
         compat.on_dynamo_frame_compiled(refuse_skipped_rnn_frame)
+        compat.on_dynamo_frame_compile_start(guard_eager_module_calls)
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
         from .planner import Constraints

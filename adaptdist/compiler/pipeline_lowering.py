@@ -608,7 +608,9 @@ def _check_boundary(a: StageProgram, b: StageProgram, where: str) -> None:
 
 
 def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) -> str:
-    """The message for microbatch programs that differ: the first node whose code differs, both versions."""
+    """The message for microbatch programs that differ: the first node whose code differs, both versions; where it
+    is a cut of the microbatch's rows out of a value over the whole batch, what builds such a value and what to
+    write instead."""
     a, b = gm0.code.splitlines(), gm1.code.splitlines()
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     x = a[i].strip() if i < len(a) else "(nothing)"
@@ -616,10 +618,28 @@ def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) ->
     name = x.split(" = ")[0] if " = " in x else "?"
     rng = "; ops drawing random numbers per row (--rng global) make such a difference: use --rng per-rank" \
         if any(t in x for t in ("rand", "bernoulli", "dropout")) else ""
-    return (f"the step's program differs between microbatches 0 and 1 at node {name!r}: microbatch 0 runs "
-            f"`{x.split(';')[0]}`, microbatch 1 runs `{y.split(';')[0]}` (a value that depends on the microbatch's "
-            f"rows, not only on its data){rng}; pipeline microbatches run one program: use a plan without pp "
-            "(--plan dp, tp, fsdp)")
+    head = (f"the step's program differs between microbatches 0 and 1 at node {name!r}: microbatch 0 runs "
+            f"`{x.split(';')[0]}`, microbatch 1 runs `{y.split(';')[0]}`")
+    whole = _whole_batch_source(gm0, name)
+    if whole is not None and not rng:
+        return (f"{head}: each microbatch cuts its own rows out of {whole}, a value the step computes over the whole "
+                "batch (e.g. the backward of indexing rows with torch.arange(batch), `out[torch.arange(B), target]`, "
+                "or an index_put/scatter into a batch-sized tensor), and pipeline microbatches run one program. "
+                "Compute it per row instead (torch.gather(out, 1, target[:, None]), F.cross_entropy / F.nll_loss), "
+                "or use a plan without pp (--plan dp, tp, fsdp)")
+    return (f"{head} (a value that depends on the microbatch's rows, not only on its data){rng}; pipeline "
+            "microbatches run one program: use a plan without pp (--plan dp, tp, fsdp)")
+
+
+def _whole_batch_source(gm: torch.fx.GraphModule, name: str) -> str | None:
+    """When node ``name`` of ``gm`` is a rank slice of the batch dim (dim 0: each microbatch's rows of a value
+    every microbatch holds whole), the op that made that value (``index_put``); else None."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None or gmeta.get_rank_slice(node) != 0 or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    src = node.args[0]
+    op = getattr(src.target, "__name__", str(src.target)).split(".")[0]
+    return f"`{src.name}` ({op})"
 
 
 @dataclasses.dataclass

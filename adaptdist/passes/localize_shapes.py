@@ -293,9 +293,15 @@ _FILLS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, 
           aten.scalar_tensor.default}
 
 
+_ELEMENTWISE = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor,
+                aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default}
+
+
 def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
     """Whether every index of ``x`` along ``dim`` holds the same values, from how ``x`` is made: a constant fill,
-    or an expand of a size-1 (or absent) dim (the backward of a sum/mean), through clones and dtype copies. Then
+    or an expand of a size-1 (or absent) dim (the backward of a sum/mean), through clones and dtype copies, and
+    through elementwise arithmetic whose other operands are numbers or broadcast along ``dim`` (the backward of
+    a mean: that expand divided by the row count). Then
     a rank slice of ``x`` along ``dim`` may take rows [0, n) on every rank (the pipeline's microbatches run one
     program: their slices must not depend on the microbatch's offset)."""
     if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
@@ -311,6 +317,17 @@ def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
         return dim < lead or v.shape[dim - lead] == 1 or _rows_alike(src, dim - lead, depth - 1)
     if x.target in (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default):
         return _rows_alike(x.args[0], dim, depth - 1)
+    if x.target in _ELEMENTWISE:
+        out_rank = x.meta["val"].dim()
+        tensors = [a for a in x.args if isinstance(a, torch.fx.Node)]
+        for a in tensors:
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                return False
+            lead = out_rank - v.dim()  # broadcasting aligns trailing dims
+            if not (dim < lead or v.shape[dim - lead] == 1 or _rows_alike(a, dim - lead, depth - 1)):
+                return False
+        return bool(tensors)
     return False
 
 
