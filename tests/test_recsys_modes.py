@@ -105,6 +105,8 @@ def test_plan_shows_the_mode_and_each_ranks_role(folder, tmp_path, capsys):
     (["--plan", "dp"], "does not take --plan dp"),
     (["--dense-ranks", "0,1"], "leaves no sparse rank"),
     (["--precision", "bf16"], "does not take --precision bf16"),
+    (["--max-restarts", "1"], "does not take --max-restarts"),  # no checkpoints yet: it could not restart
+    (["--mode", "sync", "--max-staleness", "3"], "--max-staleness bounds the queues of --mode async-hetero"),
 ])
 def test_train_refuses_what_async_hetero_cannot_run_before_starting_ranks(folder, tmp_path, capsys, flags, match):
     from adaptdist.cli import main
@@ -166,3 +168,18 @@ def test_auto_stays_sync_where_a_flag_asks_for_the_synchronous_programs(folder, 
     text = capsys.readouterr().out
     assert rc == 0 and "execution mode: sync (auto: --plan dp asks for the synchronous programs)" in text
     assert "plan 'dp'" in text  # and the synchronous plan follows, as before
+
+
+def test_auto_stays_sync_when_restarts_are_asked_for(folder):
+    """--max-restarts under --mode auto: sync, which checkpoints and restarts (async-hetero cannot yet)."""
+    import argparse
+
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.cli.modes import resolve_mode
+
+    torch.manual_seed(0)
+    model, example, _ = dlrm.factory(16, 1, data_path=str(folder))
+    args = argparse.Namespace(mode="auto", max_staleness=None, dense_ranks=None, plan="auto", optimizer="sgd",
+                              max_restarts=1)
+    choice = resolve_mode(args, model, example, local_cluster(2), None)
+    assert choice.mode == "sync" and "--max-restarts" in choice.reason

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from ..errors import UsageError
 
+DEFAULT_MAX_STALENESS = 1
+
 
 def add_mode_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("auto", "sync", "async-hetero"), default="auto",
@@ -18,9 +20,10 @@ def add_mode_flags(p: argparse.ArgumentParser) -> None:
                         "part on 'dense' ranks, joined by bounded queues (--max-staleness); auto: the planner's choice "
                         "from the cost model and the cluster (async-hetero only for models with .sparse_arch and "
                         ".dense_arch, e.g. builtin:dlrm, with --plan auto)")
-    p.add_argument("--max-staleness", type=_staleness, default=1, metavar="K",
+    p.add_argument("--max-staleness", type=_staleness, default=None, metavar="K",
                    help="async-hetero: the sparse side runs at most K batches ahead of the gradients it has applied "
-                        "(the lookups of step t see the table updates of steps up to t-K-1; 0: the synchronous step)")
+                        "(the lookups of step t see the table updates of steps up to t-K-1; 0: the synchronous step; "
+                        f"default {DEFAULT_MAX_STALENESS})")
     p.add_argument("--dense-ranks", metavar="LIST", default=None,
                    help="async-hetero: the ranks that run the dense part, e.g. 1 or 2,3 (the others hold the tables); "
                         "default: the planner's choice (accelerators where the cluster has them)")
@@ -62,7 +65,9 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
                                    ("--precision bf16", getattr(args, "precision", "fp32") != "fp32"),
                                    ("--activation-checkpointing", bool(getattr(args, "activation_checkpointing", False))),
                                    ("--trace", bool(getattr(args, "trace", False))),
-                                   ("--max-grad-norm", getattr(args, "max_grad_norm", None) is not None))
+                                   ("--max-grad-norm", getattr(args, "max_grad_norm", None) is not None),
+                                   # async-hetero writes no checkpoints yet, so it cannot restart
+                                   ("--max-restarts", bool(getattr(args, "max_restarts", 0))))
                   if on]
     if mode == "async-hetero" and sync_flags:
         raise UsageError(f"--mode async-hetero does not take {', '.join(sync_flags)} (they belong to the synchronous "
@@ -72,13 +77,16 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
         mode = "sync"
     if dense is not None and mode == "sync":
         raise UsageError("--dense-ranks names the dense ranks of --mode async-hetero; drop it for --mode sync")
+    if getattr(args, "max_staleness", None) is not None and getattr(args, "mode", "auto") == "sync":
+        raise UsageError("--max-staleness bounds the queues of --mode async-hetero; drop it for --mode sync")
+    staleness = DEFAULT_MAX_STALENESS if getattr(args, "max_staleness", None) is None else args.max_staleness
     shape = recsys_shape(model, example, optimizer if optimizer in ("sgd", "adamw") else "adamw") if splittable \
         else None
     if shape is None:  # async-hetero forced on a model without the parts: choose_mode says why
         from ..cost_models.recsys import RecsysShape
 
         shape = RecsysShape((1,), 1, (1,), 0.0, 0.0, 0, 0, 1)
-    choice = choose_mode(shape, cluster, mode, args.max_staleness, dense, splittable=splittable)
+    choice = choose_mode(shape, cluster, mode, staleness, dense, splittable=splittable)
     if sync_flags and getattr(args, "mode", "auto") == "auto":
         choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates,
                               f"auto: {', '.join(sync_flags)} asks for the synchronous programs")

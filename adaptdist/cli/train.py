@@ -540,12 +540,11 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
                        optimizer=args.optimizer, lr=args.lr, timeout_s=timeouts.collective_s,
                        threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None))
     print_mode(choice, console)
-    if args.max_restarts:
-        console.print("[yellow]--mode async-hetero writes no checkpoints yet: --max-restarts is ignored (a failed "
-                      "rank ends the run)[/]")
     begin()
     t0 = time.perf_counter()
-    results = launch_local(run_rank, (cfg,), nproc, max_restarts=0, timeouts=timeouts)
+    results = launch_local(run_rank, (cfg,), nproc, max_restarts=0, timeouts=timeouts,
+                           restart_advice="--mode async-hetero writes no checkpoints yet, so it cannot restart; "
+                                          "--mode sync --max-restarts N can")
     wall = time.perf_counter() - t0
     first_dense = results[layout.dense_ranks[0]]
     assemble(model, layout, {r: results[r]["state"] for r in layout.sparse_ranks}, first_dense["state"])

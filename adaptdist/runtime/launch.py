@@ -224,7 +224,8 @@ def _read_reports(report_dir: str | None) -> dict[int, tuple[str, float]]:
     return {rank: (message, time_s) for attempt, rank, message, time_s in rows if attempt == last}
 
 
-def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = None) -> RuntimeLaunchError:
+def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = None,
+                         restart_advice: str = "--max-restarts raises the limit") -> RuntimeLaunchError:
     """A ChildFailedError of torch's agent as our error: RunInterruptedError when every failed worker stopped
     on the same SIGTERM/SIGINT, else RuntimeLaunchError naming the root failure's rank, why and the restarts."""
     failures = e.failures
@@ -235,8 +236,7 @@ def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = Non
             f"rank(s) {', '.join(map(str, sorted(failures)))} stopped on {signal.Signals(signum).name}", signum)
     root = _root_failure(failures, _read_reports(report_dir))
     restarts = f"after {max_restarts} restart(s), all allowed" if max_restarts else "no restarts allowed"
-    return RuntimeLaunchError(f"rank {root.rank} failed: {root.reason} ({restarts}; "
-                              f"--max-restarts raises the limit)")
+    return RuntimeLaunchError(f"rank {root.rank} failed: {root.reason} ({restarts}; {restart_advice})")
 
 
 FINISHED_AFTER_STOP_EXIT_S = 3.0
@@ -310,7 +310,8 @@ def _launch_config(min_nodes: int, max_nodes: int, nproc_per_node: int, run_id: 
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restarts: int = 0,
-                 timeouts: Timeouts = Timeouts(), monitor_interval_s: float = 0.1) -> dict[int, Any]:
+                 timeouts: Timeouts = Timeouts(), monitor_interval_s: float = 0.1,
+                 restart_advice: str = "--max-restarts raises the limit") -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` local processes under torch's elastic agent; returns {rank: return value
     of the last attempt}.
 
@@ -354,7 +355,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
         with local_run():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
     except ChildFailedError as e:
-        raise _child_failure_error(e, max_restarts, report_dir) from None
+        raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:
         raise RunInterruptedError(
             f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to the {nproc} workers, given "
@@ -726,7 +727,7 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
         with _env(env, override=True), _kept_signal_handlers():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
     except ChildFailedError as e:
-        raise _child_failure_error(e, max_restarts, report_dir) from None
+        raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:
         raise RunInterruptedError(
             f"the launcher got {signal.Signals(e.sigval).name}: it was sent on to this host's {nproc_per_node} "
