@@ -57,3 +57,20 @@ def test_explain_unknown_node_suggests_names(model_file, capsys):
     assert main(["explain", "0.wieght", model_file, "--nproc", "2", "--batch-size", "64"]) == 2
     err = capsys.readouterr().err
     assert "is not a node or parameter" in err and "0.weight" in err
+
+
+def test_a_plan_that_splits_nothing_says_so(tmp_path, capsys):
+    """A model too small to gain from any split: the planner's mesh (named tp=2) shards nothing and replicates the
+    batch; the summary says in words that every rank runs the whole step, instead of leaving it to read as tensor
+    parallelism."""
+    from adaptdist.cli import main
+
+    (tmp_path / "tiny.py").write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "def make(batch_size, seq_len):\n"
+        "    torch.manual_seed(0)\n"
+        "    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+        "    return m, (torch.randn(batch_size, 4), torch.randn(batch_size, 2)), F.mse_loss\n")
+    assert main(["plan", f"{tmp_path / 'tiny.py'}:make", "--batch-size", "8", "--nproc", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "batch replicated" in out and "no split: every rank runs the whole step" in out

@@ -126,6 +126,11 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                       + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"
                          + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
                       + " (adaptdist plan shows the per-layer table)")
+    if not any(any(repr(x) != "R" for x in p) for p in plan.param_placements.values()) \
+            and getattr(result.candidate, "batch_axis", None) is None:
+        # a mesh named tp=2 that shards nothing reads as tensor parallelism; say what it is
+        console.print("(no split: every rank runs the whole step on the whole batch, with no communication; predicted "
+                      "faster here than any split, whose communication would cost more than the compute it saves)")
     if layers:
         t = Table(title="parameter placements (per layer pattern)")
         for col in ("parameters", "placement per mesh axis", "count"):
