@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from adaptdist.data import movielens as ml
+from adaptdist.runtime.faults import Fault
 from adaptdist.errors import RuntimeLaunchError, UsageError
 from adaptdist.hetero_layout import HeteroLayout, TableShard, make_layout, parse_dense_ranks, shard_tables
 from adaptdist.models import dlrm
@@ -212,6 +213,6 @@ def test_a_stalled_sparse_rank_is_named_not_a_hang(tmp_path):
     """A sparse rank that stops answering before step 4: the dense rank's receive fails after the collective
     timeout (10 s) and the error names the stalled rank."""
     with pytest.raises(RuntimeLaunchError) as info:
-        _gloo(tmp_path, lambda m: make_layout(2, (1,), _rows(m), 0), STEPS, fault=(0, 4, "stall"), timeout_s=10.0)
+        _gloo(tmp_path, lambda m: make_layout(2, (1,), _rows(m), 0), STEPS, fault=Fault("stall", 0, 4), timeout_s=10.0)
     text = str(info.value)
     assert "rank 0" in text and "did not arrive" in text, text

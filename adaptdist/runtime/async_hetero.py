@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..hetero_layout import DENSE, HeteroLayout, TableShard
+from .faults import Fault
 
 
 def check_model(model: nn.Module) -> None:
@@ -313,8 +314,7 @@ class HeteroConfig:
         threads_per_rank: torch threads where a rank is not pinned.
         cpus_of_rank: per rank the cores to pin it to, or None (``()``: no pinning).
         warmup_steps: steps left out of the throughput (the first ones start the pipeline).
-        fault: ``(rank, step, kind)`` to inject before that 1-based step (tests: ``kill``, ``stall`` or ``raise``),
-            or None.
+        fault: a :class:`~adaptdist.runtime.faults.Fault` to inject before its 1-based step (tests), or None.
         record_first_grads: also return the first step's gradients (tests).
     """
 
@@ -329,7 +329,7 @@ class HeteroConfig:
     threads_per_rank: int = 1
     cpus_of_rank: tuple = ()
     warmup_steps: int = 5
-    fault: tuple | None = None
+    fault: Fault | None = None
     record_first_grads: bool = False
     spec: tuple | None = None
     initial_state: dict | None = None
@@ -352,14 +352,8 @@ class HeteroConfig:
 
 
 def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
-    if cfg.fault is not None and cfg.fault[0] == rank and cfg.fault[1] == step:
-        import signal
-
-        if cfg.fault[2] == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if cfg.fault[2] == "stall":
-            time.sleep(3600)
-        raise RuntimeError(f"injected fault: rank {rank} raises before step {step}")
+    if cfg.fault is not None:
+        cfg.fault.maybe_fire(rank, step, attempt=0)  # this mode never restarts: one attempt
 
 
 def run_rank(cfg: HeteroConfig) -> dict:
