@@ -14,6 +14,7 @@ DEFAULT_MAX_STALENESS = 1
 
 
 def add_mode_flags(p: argparse.ArgumentParser) -> None:
+    """Add ``--mode``, ``--max-staleness`` and ``--dense-ranks`` to ``p`` (``train`` and ``plan``)."""
     p.add_argument("--mode", choices=("auto", "sync", "async-hetero"), default="auto",
                    help="sync: the compiled synchronous programs (data parallel, tables sharded where they do not fit); "
                         "async-hetero: a recommender's embedding lookups and sparse updates on 'sparse' ranks, its dense "
@@ -94,6 +95,7 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
 
 
 def print_mode(choice, console) -> None:
+    """Print the chosen mode, each candidate's predicted step and each rank's role to ``console``."""
     from ..compiler.planner.modes import mode_lines
 
     for line in mode_lines(choice):
@@ -101,4 +103,5 @@ def print_mode(choice, console) -> None:
 
 
 def write_mode_json(path: str, choice) -> None:
+    """Write ``choice.describe()`` (mode, roles, shards, predictions) as JSON to ``path``."""
     Path(path).write_text(json.dumps(choice.describe(), indent=1))

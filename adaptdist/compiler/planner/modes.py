@@ -44,6 +44,8 @@ class ModeChoice:
 
 
 def has_sparse_and_dense_parts(model: nn.Module) -> bool:
+    """Whether ``model`` has the two parts ``--mode async-hetero`` places apart (``.sparse_arch.tables`` and
+    ``.dense_arch``, as :func:`adaptdist.runtime.async_hetero.check_model` requires); never raises."""
     from ...runtime.async_hetero import check_model
 
     try:
