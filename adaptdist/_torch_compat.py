@@ -10,6 +10,7 @@ import bisect
 import contextlib
 import functools
 import logging
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -723,6 +724,39 @@ def dynamo_active_backend() -> Any:
     return getattr(inner, "compiler_fn", inner)
 
 
+def dynamo_run_only_backend() -> Any:
+    """The backend of the ``torch.compile`` call whose frame Dynamo runs without compiling, from eager code that
+    frame calls; None otherwise. Past ``torch._dynamo.config.recompile_limit`` Dynamo runs a frame and everything
+    it calls with ``FrameAction.RUN_ONLY`` (cached code only): the thread's frame callback is then ``False``, so
+    :func:`dynamo_active_backend` cannot see the backend. It is found on the call stack instead: the compiled
+    call's ``compile_wrapper`` (``_TorchDynamoContext.__call__`` in ``torch/_dynamo/eval_frame.py``) holds its
+    ``callback``. Like :func:`dynamo_active_backend` its frame must run with Dynamo's callback as the caller's
+    (:func:`install_global_forward_pre_hook` marks it so)."""
+    if _get_eval_frame_callback() is not False:
+        return None
+    from torch._dynamo.eval_frame import innermost_backend
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
+            callback = frame.f_locals.get("callback")
+            if callback is not None and not isinstance(callback, bool):
+                inner = innermost_backend(callback)
+                return getattr(inner, "compiler_fn", inner)
+        frame = frame.f_back
+    return None
+
+
+def dynamo_recompile_limit() -> int:
+    """``torch._dynamo.config.recompile_limit``: how many times Dynamo compiles one frame before it runs the frame
+    uncompiled (``cache_size_limit`` before torch 2.6)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
 def dynamo_runs_forward_eagerly(module: torch.nn.Module) -> bool:
     """Whether Dynamo runs ``module``'s ``forward`` as it is when eager code calls the module during a compiled
     call (a frame of its own), rather than compiling it: torch.nn's own modules (its trace rules skip torch.nn
@@ -759,7 +793,7 @@ def install_global_forward_pre_hook(hook: Callable, helpers: tuple[Callable, ...
 
     if any(h is hook for h in nn_module._global_forward_pre_hooks.values()):
         return None
-    for code in (hook.__code__, dynamo_active_backend.__code__):
+    for code in (hook.__code__, dynamo_active_backend.__code__, dynamo_run_only_backend.__code__):
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
     for helper in (*helpers, dynamo_runs_forward_eagerly):
         set_code_exec_strategy(helper.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))

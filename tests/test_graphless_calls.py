@@ -163,3 +163,38 @@ def test_the_real_backend_is_recognised_object_or_by_name(two_fake_ranks, by_nam
     backend = "adaptdist" if by_name else adaptdist.backend(plan="dp")
     with pytest.raises(CaptureError, match=r"module '0' \(Linear\) eagerly.*BatchNorm '1' has momentum=None"):
         torch.compile(_sequential(None), backend=backend)(torch.randn(6, 4))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)))
+
+
+@pytest.mark.parametrize("backend_kind", ["adaptdist", "other"])
+def test_a_frame_past_the_recompile_limit_is_refused(two_fake_ranks, backend_kind):
+    """A new batch size at every call under dynamic=False: past torch._dynamo.config.recompile_limit Dynamo runs the
+    whole frame uncompiled (RUN_ONLY, no backend visible on the thread); on several ranks each rank would then train
+    its own model. Under another backend it runs eagerly, as torch does."""
+    torch.manual_seed(0)
+    model = TwoLayers()
+    backend = StubBackend() if backend_kind == "adaptdist" else OtherBackend()
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for rows in (2, 3):
+            compiled(torch.randn(rows, 4)).sum().backward()
+        assert backend.graphs == 2
+        if backend_kind == "other":
+            compiled(torch.randn(5, 4)).sum().backward()
+            return
+        with pytest.raises(CaptureError) as e:
+            compiled(torch.randn(5, 4))
+    msg = str(e.value)
+    assert backend.graphs == 2
+    for part in ("module 'fc' (Linear) eagerly", "2 times", "recompile_limit", "On 2 ranks", "never be reduced",
+                 "dynamic=None", "mark_dynamic"):
+        assert part in msg, (part, msg)

@@ -72,7 +72,8 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
     Dynamo runs as it is (torch.nn's modules: a user module's ``forward`` is compiled as a frame of its own), is
     trained by no adaptdist graph: its gradients would never be reduced. Dynamo runs such calls eagerly after a graph
     break it cannot resume from, e.g. in torch.nn code (``nn.Sequential``'s loop over a BatchNorm with
-    ``momentum=None``, which reads ``float(self.num_batches_tracked)``). Costs ~2.6 µs per module call in the
+    ``momentum=None``, which reads ``float(self.num_batches_tracked)``), and past its recompile limit, where it runs
+    the frame and every module it calls uncompiled (then any module with trainable parameters is refused). Costs ~2.6 µs per module call in the
     process, mostly torch's slow path of ``Module.__call__`` under any global hook (benchmarks/RESULTS.md).
 
     Raises:
@@ -81,6 +82,10 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
     if torch.compiler.is_compiling():  # traced (inlined) into a graph: nothing to check, and no graph break
         return
     backend = compat.dynamo_active_backend()
+    run_only = False
+    if backend is None:  # past the recompile limit Dynamo runs the frame and its callees uncompiled
+        backend = compat.dynamo_run_only_backend()
+        run_only = backend is not None
     if backend is None or not getattr(backend, "refuses_eager_module_calls", False):
         return
     trains = False
@@ -88,16 +93,17 @@ def refuse_eager_module_call(module: nn.Module, _args: Any) -> None:
         for p in module.parameters(recurse=False):  # a loop, not any(<genexpr>): Dynamo would compile that frame
             trains = trains or p.requires_grad
     updates_statistics = module.training and isinstance(module, _RUNNING_STATS) and module.track_running_stats
-    if (trains or updates_statistics) and _world_size() > 1 and compat.dynamo_runs_forward_eagerly(module):
-        raise CaptureError(_eager_call_message(module, trains))
+    if (trains or updates_statistics) and _world_size() > 1 and (run_only or compat.dynamo_runs_forward_eagerly(module)):
+        raise CaptureError(_eager_call_message(module, trains, run_only))
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _eager_call_message(module: nn.Module, trains: bool) -> str:
-    """The refusal of :func:`refuse_eager_module_call`: the module, why Dynamo ran it eagerly, what to try."""
+def _eager_call_message(module: nn.Module, trains: bool, run_only: bool = False) -> str:
+    """The refusal of :func:`refuse_eager_module_call`: the module, why Dynamo ran it eagerly, what to try
+    (``run_only``: the enclosing frame is past Dynamo's recompile limit)."""
     wrapper = compat.dynamo_compiled_wrapper()
     root = getattr(wrapper, "_orig_mod", None)
     names = {id(m): n for n, m in root.named_modules()} if isinstance(root, nn.Module) else {}
@@ -106,7 +112,15 @@ def _eager_call_message(module: nn.Module, trains: bool) -> str:
             else f"a {type(module).__name__} module")
     cumulative = [n or "(the compiled module)" for n, m in (root.named_modules() if isinstance(root, nn.Module) else ())
                   if isinstance(m, _RUNNING_STATS) and m.momentum is None and m.training]
-    if cumulative:
+    if run_only:
+        cause = (f"Dynamo compiled the frame that calls it {compat.dynamo_recompile_limit()} times "
+                 "(torch._dynamo.config.recompile_limit: its guards failed at each new call, e.g. a new input shape "
+                 "under dynamic=False; TORCH_LOGS=recompiles says why) and now runs that frame, and everything it "
+                 "calls, without compiling")
+        fix = ("keep the input shapes fixed (e.g. drop_last=True, padding to one length) or let them be dynamic "
+               "(torch.compile(dynamic=None), torch._dynamo.mark_dynamic), or raise "
+               "torch._dynamo.config.recompile_limit")
+    elif cumulative:
         cause = (f"BatchNorm {', '.join(map(repr, cumulative[:3]))} has momentum=None: its forward reads "
                  "float(self.num_batches_tracked), a graph break inside torch.nn code, so Dynamo runs that module call "
                  "eagerly (and, inside an nn.Sequential, the whole Sequential)")
