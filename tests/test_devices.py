@@ -63,3 +63,55 @@ def test_exchange_is_cpu_and_contiguous():
     out = to_exchange(t)
     assert out.device.type == "cpu" and out.is_contiguous() and torch.equal(out, t)
     assert from_exchange(out, torch.device("cpu")) is out
+
+
+def test_program_on_device_retargets_code_and_runs(tmp_path):
+    """A rank program captured on cpu, moved to another device ("meta" stands in for cuda:I here): every device
+    argument in its code names that device, and the step runs there with no tensor left behind on cpu."""
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.program import load_program, save_programs
+    from adaptdist.runtime.devices import program_on_device, retarget_code
+    from models import tiny_gpt
+
+    assert retarget_code("a(device = device(type='cuda', index=0))", torch.device("cuda", 3)) == \
+        "a(device = device(type='cuda', index=3))"
+    model, batch, loss_fn = tiny_gpt()
+    save_programs(compile_model(model, batch, loss_fn, 1), tmp_path)
+    program = load_program(tmp_path, 0, world_size=1)
+    assert "device(type='cpu')" in program.code  # the position ids' arange
+    moved = program_on_device(program, torch.device("meta"))
+    assert "device(type='cpu')" not in moved.code and "device(type='meta')" in moved.code
+    outs = moved(*[program.state[f].to("meta") for f in program.input_fqns], *[t.to("meta") for t in batch])
+    assert {o.device.type for o in outs} == {"meta"}
+    # on cpu the copy computes what the program does
+    same = program_on_device(program, torch.device("cpu"))
+    args = [program.state[f] for f in program.input_fqns] + list(batch)
+    for a, b in zip(program(*args), same(*args)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what `train` says on a machine without CUDA")
+def test_train_cuda_cluster_without_cuda_names_the_rank(tmp_path, capsys):
+    from adaptdist.cli import main
+
+    f = tmp_path / "gpu.yaml"
+    f.write_text("schema_version: 1\nhosts:\n  - {name: localhost, device_kind: cuda, num_devices: 1}\n")
+    code = main(["train", "--cluster", str(f), "--steps", "1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "rank 0 (host 'localhost', device cuda:0)" in " ".join(err.split()), err
+
+
+def test_mixed_cluster_devices_and_comm_shm_refused():
+    import argparse
+
+    from adaptdist.cli.common import lowering_options
+    from adaptdist.cli.train import _devices_of_rank
+    from adaptdist.errors import UsageError
+
+    mixed = estimated_cluster((("localhost", "cpu", 2), ("gpu", "cuda", 1)))
+    assert [d.name for d in _devices_of_rank(mixed, None)] == ["cpu", "cpu", "cuda:0"]
+    assert _devices_of_rank(local_cluster(2), None) == ()  # all-cpu: the worker's default, as before
+    with pytest.raises(UsageError, match="--comm shm"):
+        lowering_options(argparse.Namespace(comm="shm"), mixed)
+    assert lowering_options(argparse.Namespace(comm="auto"), mixed).comm == "auto"

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -133,3 +134,32 @@ def to_exchange(t: torch.Tensor) -> torch.Tensor:
 def from_exchange(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor received over gloo (CPU), on this rank's ``device``."""
     return t if t.device == device else t.to(device, non_blocking=True)
+
+
+_DEVICE_LITERAL = re.compile(r"device\(type='(?:cpu|cuda|meta)'(?:, index=\d+)?\)")
+"""A device argument as ``GraphModule.print_readable`` writes it into a rank program (``device(type='cpu')``,
+``device(type='cuda', index=0)``)."""
+
+
+def retarget_code(code: str, device: torch.device) -> str:
+    """Rank-program source with every device argument (``device = device(type='cpu')`` of an ``arange``, ``full``,
+    ...) naming ``device``: the program was captured on one device (cpu, or cuda:0 of the machine that compiled it)
+    and runs on this rank's."""
+    literal = f"device(type='{device.type}'" + (f", index={device.index})" if device.index is not None else ")")
+    return _DEVICE_LITERAL.sub(literal, code)
+
+
+def program_on_device(program, device: torch.device):
+    """A copy of the :class:`~adaptdist.program.RankProgram` ``program`` that runs on ``device``: its code's device
+    arguments retargeted (:func:`retarget_code`, re-executed when they changed) and its constants moved. Its
+    ``state`` stays where it is (the step runner moves its own copy)."""
+    import dataclasses
+
+    from ..program import module_from_source
+
+    code = retarget_code(program.code, device)
+    module = program.module if code == program.code else module_from_source(code, f"<rank {program.rank} on {device}>")
+    constants = {k: v.to(device) for k, v in program.constants.items()}
+    for k, v in constants.items():
+        setattr(module, k, v)
+    return dataclasses.replace(program, code=code, module=module, constants=constants, _traced=None)
