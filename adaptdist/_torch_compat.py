@@ -350,7 +350,11 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
-    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    try:  # single-mesh-dim strategies (and their placeholder) are newer than some torch versions adaptdist runs on
+        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    except ImportError:
+        class _ShardingPlaceholder:  # never an instance: such a torch registers no single-dim strategies
+            dim = 0
 
     prop = DTensor._op_dispatcher.sharding_propagator
 
@@ -366,7 +370,7 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
             return Replicate() if is_input else Partial(p.reduce_op)
         return p
 
-    single = prop.op_single_dim_strategy_funcs.get(op)
+    single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
     try:
         if single is not None:
             rows = single.func(op, tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, args),
@@ -378,7 +382,10 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
         full = prop.op_strategy_funcs.get(op)
         if full is None:
             return None
-        mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+        try:
+            mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+        except TypeError:  # a torch whose DeviceMesh takes no _rank: it asks the default group, absent here
+            mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False)
 
         def offer(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
@@ -816,8 +823,22 @@ def dynamo_unsupported_reasons() -> list[str]:
 def compile_session():
     """A context in which ``torch.compiler.is_compiling()`` is True, as Dynamo holds it while it compiles: library
     code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask
-    after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one."""
-    return torch.compiler._compile_session_context()
+    after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one.
+
+    Where ``torch.compiler._compile_session_context`` is missing (an older torch), the same flag it sets,
+    ``torch.compiler._is_compiling_flag``, is set for the duration."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    return session() if session is not None else _is_compiling_flag_set()
+
+
+@contextlib.contextmanager
+def _is_compiling_flag_set():
+    old = getattr(torch.compiler, "_is_compiling_flag", False)
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def opinfo_db() -> list:
