@@ -1,7 +1,26 @@
 """The one place adaptdist touches torch's private APIs.
 
 A torch upgrade that moves one of these should break this file only.
-Checked against torch 2.13.0.
+Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 59 private names this
+file reaches, 0 missing).
+
+torch 2.11 (the GPU machine of ``benchmarks/device_check.sh``), for the names on the paths that script runs
+(``adaptdist train --plan dp`` on one rank, ``--mode async-hetero``; checked against pytorch's pull requests, the
+stored sources holding no tagged 2.11 tree; device_check_compat.py prints what that machine lacks):
+
+- ``torch.compiler._compile_session_context`` (:func:`compile_session`, every capture): added in pytorch#184614
+  (May 2026), after 2.11: absent there. Fallback: set ``torch.compiler._is_compiling_flag``, what it sets.
+- DTensor's single-mesh-dim strategies (:func:`dtensor_strategies`: ``_ops.single_dim_strategy._ShardingPlaceholder``,
+  ``ShardingPropagator.op_single_dim_strategy_funcs``): infrastructure from pytorch#170359 (Dec 2025), its op
+  registrations through 2026; the registry is read with ``getattr`` and a missing placeholder class is stood in
+  for, so a torch without them uses the full strategy functions. ``DeviceMesh(..., _rank=)``: pytorch#162439
+  (Sep 2025), in 2.11; a ``TypeError`` falls back to the call without it.
+- ``OpSpec`` (renamed from ``PlacementStrategy`` in 2.7), ``aot_export_module``, ``FakeTensorMode``, ``make_fx``,
+  ``flop_counter.flop_registry``/``shape_wrapper``, ``_c10d_functional.*``, ``_register_process_group``,
+  ``_get_default_store``, ``redistribute_cost``, ``utils._pytree``, ``CapturedTraceback``: older than 2.9, unchanged
+  in name.
+- Not on those paths, not checked by hand (the backend's eager-call guard and Dynamo hooks): ``set_code_exec_strategy``,
+  ``FrameExecStrategy``, ``innermost_backend``, ``_is_in_optimized_module``, ``_autocast_supported_devices``.
 """
 
 from __future__ import annotations
