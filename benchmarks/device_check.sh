@@ -19,7 +19,8 @@
 #   DEVICE_CHECK_WHEELS  the wheel folder (default ./device_wheels)
 #   DEVICE_CHECK_SCALE   multiplies every time limit (default 1; a slow dry run may need 4)
 #   DEVICE_CHECK_OUT     where runs write (default a fresh temporary directory)
-#   DEVICE_CHECK_PYTHON  the interpreter whose torch the venv reuses (default python3)
+#   DEVICE_CHECK_PYTHON  the interpreter whose torch the venv reuses (default: the first of python3, python3.12,
+#                        python that imports torch)
 #   DEVICE_CHECK_BLOCK   module names made unimportable in every process (a dry run's stand-in for a machine
 #                        without them, e.g. "ortools matplotlib")
 set -u
@@ -30,7 +31,13 @@ WHEELS=${DEVICE_CHECK_WHEELS:-$ROOT/device_wheels}
 SCALE=${DEVICE_CHECK_SCALE:-1}
 OUTDIR=${DEVICE_CHECK_OUT:-$(mktemp -d /tmp/adaptdist_device_check.XXXXXX)}
 VENV=$OUTDIR/venv
-BASE=${DEVICE_CHECK_PYTHON:-python3}
+BASE=${DEVICE_CHECK_PYTHON:-}
+if [ -z "$BASE" ]; then  # the first interpreter on PATH that has torch
+  for cand in python3 python3.12 python; do
+    if command -v "$cand" >/dev/null && "$cand" -c "import torch" 2>/dev/null; then BASE=$cand; break; fi
+  done
+fi
+BASE=${BASE:-python3}
 export VENV BASE WHEELS
 START=$(date +%s)
 export ADAPTDIST_KERNELS=0 PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -121,6 +128,8 @@ step "train builtin:gpt, 1 rank on $DEV, --plan dp" 75 \
 step "train builtin:dlrm, 1 rank on $DEV, --mode sync --plan dp" 60 \
   "$PY" -m adaptdist.cli train builtin:dlrm --cluster "$OUTDIR/one.yaml" --mode sync --plan dp --steps $DLRM_STEPS \
   --batch-size 256 --checkpoint-every 1000000 --out "$OUTDIR/dlrm"
+step "torch.compile backend, 1 rank on $DEV, vs eager" 60 \
+  "$PY" benchmarks/device_check_backend.py --device "$DEV" --steps 3
 for d in gpt dlrm; do
   [ -f "$OUTDIR/$d/summary.json" ] && "$PY" -c "
 import json, sys; s = json.load(open(sys.argv[1]))
