@@ -94,7 +94,17 @@ setup_venv() {
 }
 step "venv (--system-site-packages) + carried wheels" 60 setup_venv
 PY=$VENV/bin/python
-[ -x "$PY" ] || PY=$BASE
+if ! [ -x "$PY" ] || ! "$PY" -c "import torch, yaml, safetensors, rich" 2>/dev/null; then
+  # no venv (no ensurepip) or no pip: the wheels unpacked into a folder on PYTHONPATH (a wheel is a zip of its files)
+  echo "venv unusable: unpacking the wheels into $OUTDIR/site for $BASE"
+  PY=$BASE
+  "$BASE" -c "
+import sys, zipfile, pathlib
+for w in sorted(pathlib.Path(sys.argv[1]).glob('*.whl')):
+    zipfile.ZipFile(w).extractall(sys.argv[2])" "$WHEELS" "$OUTDIR/site"
+  export PYTHONPATH=$PYTHONPATH:$OUTDIR/site
+  "$PY" -c "import torch, yaml, safetensors, rich; print('imports ok: torch', torch.__version__)" || FAILED+=("imports")
+fi
 export PY
 
 # --- the machine ------------------------------------------------------------------------------------------
