@@ -1,7 +1,26 @@
 """The one place adaptdist touches torch's private APIs.
 
 A torch upgrade that moves one of these should break this file only.
-Checked against torch 2.13.0.
+Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 59 private names this
+file reaches, 0 missing).
+
+torch 2.11 (the GPU machine of ``benchmarks/device_check.sh``), for the names on the paths that script runs
+(``adaptdist train --plan dp`` on one rank, ``--mode async-hetero``; checked against pytorch's pull requests, the
+stored sources holding no tagged 2.11 tree; device_check_compat.py prints what that machine lacks):
+
+- ``torch.compiler._compile_session_context`` (:func:`compile_session`, every capture): added in pytorch#184614
+  (May 2026), after 2.11: absent there. Fallback: set ``torch.compiler._is_compiling_flag``, what it sets.
+- DTensor's single-mesh-dim strategies (:func:`dtensor_strategies`: ``_ops.single_dim_strategy._ShardingPlaceholder``,
+  ``ShardingPropagator.op_single_dim_strategy_funcs``): infrastructure from pytorch#170359 (Dec 2025), its op
+  registrations through 2026; the registry is read with ``getattr`` and a missing placeholder class is stood in
+  for, so a torch without them uses the full strategy functions. ``DeviceMesh(..., _rank=)``: pytorch#162439
+  (Sep 2025), in 2.11; a ``TypeError`` falls back to the call without it.
+- ``OpSpec`` (renamed from ``PlacementStrategy`` in 2.7), ``aot_export_module``, ``FakeTensorMode``, ``make_fx``,
+  ``flop_counter.flop_registry``/``shape_wrapper``, ``_c10d_functional.*``, ``_register_process_group``,
+  ``_get_default_store``, ``redistribute_cost``, ``utils._pytree``, ``CapturedTraceback``: older than 2.9, unchanged
+  in name.
+- Not on those paths, not checked by hand (the backend's eager-call guard and Dynamo hooks): ``set_code_exec_strategy``,
+  ``FrameExecStrategy``, ``innermost_backend``, ``_is_in_optimized_module``, ``_autocast_supported_devices``.
 """
 
 from __future__ import annotations
@@ -351,7 +370,11 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
-    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    try:  # single-mesh-dim strategies (and their placeholder) are newer than some torch versions adaptdist runs on
+        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    except ImportError:
+        class _ShardingPlaceholder:  # never an instance: such a torch registers no single-dim strategies
+            dim = 0
 
     prop = DTensor._op_dispatcher.sharding_propagator
 
@@ -367,7 +390,7 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
             return Replicate() if is_input else Partial(p.reduce_op)
         return p
 
-    single = prop.op_single_dim_strategy_funcs.get(op)
+    single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
     try:
         if single is not None:
             rows = single.func(op, tree_map(lambda a: meta(a) if isinstance(a, torch.Tensor) else a, args),
@@ -379,7 +402,10 @@ def dtensor_strategies(op: Any, args: tuple, kwargs: dict, mesh_size: int = 2
         full = prop.op_strategy_funcs.get(op)
         if full is None:
             return None
-        mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+        try:
+            mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False, _rank=0)
+        except TypeError:  # a torch whose DeviceMesh takes no _rank: it asks the default group, absent here
+            mesh = DeviceMesh("cpu", torch.arange(mesh_size), _init_backend=False)
 
         def offer(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
@@ -850,8 +876,22 @@ def dynamo_unsupported_reasons() -> list[str]:
 def compile_session():
     """A context in which ``torch.compiler.is_compiling()`` is True, as Dynamo holds it while it compiles: library
     code that takes data-dependent shortcuts in eager (Hugging Face's ``masking_utils`` skips the attention mask
-    after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one."""
-    return torch.compiler._compile_session_context()
+    after ``padding_mask.all()``) takes its traceable path instead. ``adaptdist train`` captures in one.
+
+    Where ``torch.compiler._compile_session_context`` is missing (an older torch), the same flag it sets,
+    ``torch.compiler._is_compiling_flag``, is set for the duration."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    return session() if session is not None else _is_compiling_flag_set()
+
+
+@contextlib.contextmanager
+def _is_compiling_flag_set():
+    old = getattr(torch.compiler, "_is_compiling_flag", False)
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def opinfo_db() -> list:

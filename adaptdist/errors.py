@@ -62,6 +62,11 @@ class InternalError(AdaptdistError):
     """A compiler pass failed on a valid input: a bug in adaptdist; the message names the pass."""
 
 
+class DeviceUnavailableError(ClusterSpecError):
+    """A rank's device is not on the machine it runs on: a cuda rank where torch sees no CUDA, or a device index
+    beyond ``torch.cuda.device_count()``; the message names the rank, its host and the device, and what to try."""
+
+
 class PlanInfeasibleError(AdaptdistError):
     """No plan satisfies the constraints: a device's memory cannot hold the step, or user pins contradict
     each other or an op's strategies. The message names the constraints in words."""

@@ -4,6 +4,14 @@ cores), and the cost model's prediction for this machine and for a cluster file 
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_recsys.py [--data DIR] [--epochs 2] [--batch-size 256]
         [--lr 2e-3] [--optimizer adamw|sgd] [--staleness 0,1,4] [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
+    PYTHONPATH=. python benchmarks/bench_recsys.py --device-figures [--device cuda|cpu] [--cpu-ranks 4] [--steps 200]
+
+``--device-figures`` (what ``benchmarks/device_check.sh`` runs on a machine with a GPU): the same batches, the
+same steps, three ``adaptdist train builtin:dlrm`` runs on this machine side by side, samples/s of each and the
+ratios: *GPU-only* (one rank on ``cuda``, ``--mode sync --plan dp``), *CPU-only* (``--cpu-ranks`` cpu ranks, each
+pinned to its share of the cores, ``--mode sync --plan dp``) and *heterogeneous* (those cpu ranks hold the
+embedding tables, the GPU rank the dense part: ``--mode async-hetero --dense-ranks N --max-staleness K``).
+``--device cpu`` puts the "GPU" rank on a cpu rank (a dry run of the plumbing, not a figure).
 
 Runs, one after the other, the same epochs of the same shuffled batches (seed 0, ``--optimizer``, AdamW by
 default):
@@ -106,7 +114,13 @@ def train(args, cluster: Path, steps: int, mode_flags: list[str], name: str) -> 
             cmd += ["--data", args.data]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        try:
+            done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=getattr(args, "run_timeout_s", None))
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")[-3000:]
+            raise SystemExit(f"{' '.join(cmd)} ran past {e.timeout:.0f} s:\n"
+                             f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}") from None
         if done.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
         s = json.loads((Path(out) / "summary.json").read_text())
@@ -116,6 +130,73 @@ def train(args, cluster: Path, steps: int, mode_flags: list[str], name: str) -> 
             "validation_rmse": s.get("validation_rmse", s.get("evaluation", {}).get("validation_rmse")),
             "command_wall_s": time.perf_counter() - t0, "mode": s.get("mode"), "roles": s.get("roles"),
             "rank_seconds": s.get("rank_seconds")}
+
+
+def local_cluster_file(path: Path, cpu_ranks: int, accelerator: str, cores: tuple[int, ...]) -> Path:
+    """One host, ``localhost``: ``cpu_ranks`` cpu ranks pinned to equal shares of ``cores`` (ranks 0..n-1), then
+    (``accelerator`` ``cuda`` or ``cpu``, or none for ``""``) one more rank on ``cuda`` (or a cpu rank on the cores
+    left over, or sharing the last share), written as a cluster file (estimated figures)."""
+    from adaptdist.calibrate.local import default_links, uniform_host
+    from adaptdist.cluster import Cluster, Host
+    from adaptdist.cluster_file import save_cluster
+    import dataclasses
+
+    share = max(1, len(cores) // max(1, cpu_ranks + (accelerator == "cpu")))
+    devices = []
+    if cpu_ranks:
+        for i, d in enumerate(uniform_host("localhost", "cpu", cpu_ranks).devices):
+            devices.append(dataclasses.replace(d, cpus=tuple(cores[i * share:(i + 1) * share]) or (cores[-1],)))
+    if accelerator:
+        extra = uniform_host("localhost", accelerator, 1, first_rank=cpu_ranks).devices[0]
+        if accelerator == "cpu":
+            left = tuple(cores[cpu_ranks * share:(cpu_ranks + 1) * share]) or (cores[-1],)
+            extra = dataclasses.replace(extra, cpus=left)
+        devices.append(extra)
+    hosts = (Host("localhost", tuple(devices)),)
+    save_cluster(Cluster(hosts, default_links(hosts)), path)
+    return path
+
+
+def device_figures(args) -> None:
+    """``--device-figures``: GPU-only, CPU-only and heterogeneous samples/s on this machine (module docstring)."""
+    from adaptdist.runtime.affinity import available_cpus
+
+    cores = available_cpus()
+    n = args.cpu_ranks
+    print(f"# device figures: {args.steps} steps of {args.batch_size}, accelerator {args.device}"
+          + (f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" and torch.cuda.is_available() else "")
+          + f", {n} cpu ranks on {len(cores)} cores, staleness {args.max_staleness}; load average {loadavg()}",
+          flush=True)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plans = [
+            ("GPU-only (1 rank, sync dp)", local_cluster_file(Path(tmp) / "gpu.yaml", 0, args.device, cores),
+             ["--mode", "sync", "--plan", "dp"]),
+            (f"CPU-only ({n} cpu ranks, sync dp)", local_cluster_file(Path(tmp) / "cpu.yaml", n, "", cores),
+             ["--mode", "sync", "--plan", "dp"]),
+            (f"heterogeneous ({n} cpu sparse ranks + 1 {args.device} dense rank, async-hetero K={args.max_staleness})",
+             local_cluster_file(Path(tmp) / "hetero.yaml", n, args.device, cores),
+             ["--mode", "async-hetero", "--dense-ranks", str(n), "--max-staleness", str(args.max_staleness)]),
+        ]
+        for name, cluster, flags in plans:
+            try:
+                runs.append(train(args, cluster, args.steps, flags, name))
+                print(json.dumps(runs[-1]), flush=True)
+            except BaseException as e:  # noqa: BLE001 - print it and go on to the next figure
+                print(f"FAILED {name}: {str(e)[-2000:]}", flush=True)
+                runs.append(None)
+    gpu, cpu, het = runs
+    print("\n| run | samples/s (mean step) | samples/s (median step) | steps | command s |")
+    print("|---|---:|---:|---:|---:|")
+    for r in runs:
+        if r is not None:
+            print(f"| {r['run']} | {r['samples_per_s']:,.0f} | {r['median_samples_per_s']:,.0f} | {r['steps']} | "
+                  f"{r['command_wall_s']:.0f} |")
+    if het is not None:
+        for other, label, paper in ((gpu, "GPU-only", 2.1), (cpu, "CPU-only", 3.3)):
+            if other is not None:
+                print(f"heterogeneous / {label}: x{het['samples_per_s'] / other['samples_per_s']:.2f} "
+                      f"(paper: x{paper}; {'a GPU' if args.device == 'cuda' else 'cpu ranks standing in: not a figure'})")
 
 
 def predictions(args, cluster_files: list[tuple[str, str]]) -> list[dict]:
@@ -162,7 +243,17 @@ def main() -> None:
     ap.add_argument("--staleness", default="0,1,4")
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"))
     ap.add_argument("--skip-runs", action="store_true", help="only the cost model's predictions")
+    ap.add_argument("--device-figures", action="store_true",
+                    help="GPU-only, CPU-only and heterogeneous samples/s on this machine (device_check.sh)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--device-figures: the accelerator rank")
+    ap.add_argument("--cpu-ranks", type=int, default=4, help="--device-figures: cpu ranks (CPU-only; the sparse ranks)")
+    ap.add_argument("--steps", type=int, default=200, help="--device-figures: steps of each run")
+    ap.add_argument("--max-staleness", type=int, default=1, help="--device-figures: the heterogeneous run's K")
+    ap.add_argument("--run-timeout-s", type=float, default=None, help="each `adaptdist train` run's time limit")
     args = ap.parse_args()
+    if args.device_figures:
+        device_figures(args)
+        return
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
           f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "
           f"{args.optimizer} lr {args.lr:g}, batch {args.batch_size}, {args.epochs} epochs", flush=True)

@@ -93,12 +93,17 @@ def lowering_options(args, cluster=None):
     gives each rank's host, which decides the mesh axes ``--comm auto|shm`` puts on shared memory.
 
     Raises:
-        UsageError: a bucket size that is not > 0.
+        UsageError: a bucket size that is not > 0; ``--comm shm`` for a cluster with cuda ranks.
     """
     from ..comm_transport import rank_hosts
+    from ..errors import UsageError
     from ..lowering_options import LoweringOptions
 
-    return LoweringOptions.from_mb(comm=getattr(args, "comm", None) or "auto", hosts=rank_hosts(cluster),
+    comm = getattr(args, "comm", None) or "auto"
+    if comm == "shm" and cluster is not None and "cuda" in getattr(cluster, "device_kinds", ()):
+        raise UsageError(f"--comm shm: adaptdist's shared-memory collectives move CPU tensors, and {cluster!r} has cuda "
+                         "ranks (their collectives take nccl); use --comm auto")
+    return LoweringOptions.from_mb(comm=comm, hosts=rank_hosts(cluster),
                                    bucket_mb=getattr(args, "bucket_mb", None),
                                    replicate_fallback=bool(getattr(args, "replicate_fallback", False)),
                                    dump_dir=getattr(args, "dump_graphs", None),

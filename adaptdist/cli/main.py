@@ -444,7 +444,8 @@ def cmd_run(args) -> int:
                          f"{len(cluster.hosts)} --nproc-per-node N --rdzv-endpoint HOST:PORT -m "
                          f"adaptdist.runtime.run_artifacts {d}`; `adaptdist run` starts local ranks only")
     if cluster.device_kind != "cpu":
-        raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far")
+        raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far (artifacts are compiled on cpu); "
+                         "`adaptdist train --cluster FILE` compiles for and trains on cuda ranks")
     if args.resume:
         _restored_args(args, args._defaults, RUN_RESTORED, str(out), "adaptdist run")
         if Path(json.loads((out / RUN_FILE).read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():

@@ -279,8 +279,7 @@ def cmd_train(args, defaults: dict) -> int:
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
     cluster = _cluster(args)
-    if cluster.device_kind != "cpu":
-        raise UsageError(f"{cluster!r}: `train` runs cpu (gloo) ranks only so far; use device_kind: cpu")
+    check_local_devices(cluster)
     if len(cluster.hosts) > 1 or cluster.hosts[0].name not in ("localhost", "127.0.0.1", socket.gethostname()):
         raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
                          "named localhost")
@@ -321,6 +320,11 @@ def cmd_train(args, defaults: dict) -> int:
     choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
                           resuming=resume_src is not None)
     args._mode_choice = choice
+    if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
+        raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode async-hetero "
+                         "(cpu ranks hold the embedding tables, cuda ranks the dense part, their messages crossing "
+                         "as CPU tensors); synchronous plans need one device kind: describe only the cpu or only "
+                         "the cuda ranks")
     try:
         if choice is not None and choice.mode == "async-hetero":
             return train_async(args, spec, built, out, cluster, choice, timeouts, console, begin)
@@ -385,13 +389,15 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     from .pipeline_flags import compile_pipeline_or_none
 
     options = lowering_options(args, cluster)
-    programs = compile_pipeline_or_none(args, spec, model, example, loss_fn, nproc, options, cluster, console)
+    # captured where the ranks run (a cuda job's graph holds cuda kernels, e.g. its attention); `model` stays on cpu
+    cmodel, cexample = on_capture_device(model, example, cluster)
+    programs = compile_pipeline_or_none(args, spec, cmodel, cexample, loss_fn, nproc, options, cluster, console)
     if programs is None:
-        plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, console, args.optimizer,
+        plan, captured = resolve_plan(args, spec, cmodel, cexample, loss_fn, cluster, console, args.optimizer,
                                       layers=False)
         from ..compiler.device_placement import parse_batch_split, placement_line
 
-        programs = compile_model(model, example, loss_fn, nproc, plan, options,
+        programs = compile_model(cmodel, cexample, loss_fn, nproc, plan, options,
                                  mesh=args.mesh if captured is None else None, captured=captured, cluster=cluster,
                                  optimizer=args.optimizer,
                                  batch_split=parse_batch_split(getattr(args, "batch_split", None)))
@@ -400,6 +406,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     from .pipeline_flags import is_pipeline
 
     pipeline = is_pipeline(programs)
+    if pipeline and cluster.device_kinds != ("cpu",):
+        raise UsageError(f"{cluster!r}: pipeline plans run on cpu ranks only so far; use --plan dp|fsdp|tp on cuda")
     if pipeline:  # pipeline programs (--plan pp, --mesh pp=..., or a saved pipeline plan)
         from .pipeline_flags import save_and_describe_pipeline
 
@@ -439,12 +447,14 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
 
     cfg = TrainConfig(first_attempt=_next_attempt(str(out)), program_dir=str(out / "programs"), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
-                      timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items_per_step,
+                      timeout_s=timeouts.collective_s, backend=_backend(cluster),
+                      items_per_step=items_per_step,
                       unit=unit, max_grad_norm=args.max_grad_norm, checkpoint_every=args.checkpoint_every,
                       keep=args.keep, model_name=spec.text, program_source=source,
                       async_checkpoint=bool(getattr(args, "async_checkpoint", False)),
                       run_meta={"cluster": _cluster_doc(cluster), "config": settings},
-                      cpus_of_rank=_cpus_of_rank(cluster, programs[0].plan))
+                      cpus_of_rank=_cpus_of_rank(cluster, programs[0].plan),
+                      devices_of_rank=_devices_of_rank(cluster, programs[0].plan))
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
     cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
     t0 = time.perf_counter()
@@ -538,7 +548,9 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
     cfg = HeteroConfig(model=None, loss_fn=None, spec=(spec.text, args.batch_size, args.seq_len, args.data),
                        initial_state=initial, data=data, layout=layout, steps=args.steps,
                        optimizer=args.optimizer, lr=args.lr, timeout_s=timeouts.collective_s,
-                       threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None))
+                       threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None),
+                       devices_of_rank=_devices_of_rank(cluster, None),
+                       backend=_backend(cluster))
     print_mode(choice, console)
     begin()
     t0 = time.perf_counter()
@@ -620,6 +632,54 @@ def _call_evaluate(evaluate, model, args, console) -> tuple[dict, str] | None:
                       "summary.json has no evaluation[/]")
         return None
     return out
+
+
+def check_local_devices(cluster) -> None:
+    """Before compiling: every cuda rank of ``cluster`` (whose ranks this machine launches) has its device here.
+
+    Raises:
+        DeviceUnavailableError: names the rank, host and device (:func:`~adaptdist.runtime.devices.check_device`).
+    """
+    if cluster.device_kinds == ("cpu",):
+        return
+    import torch
+
+    from ..runtime.devices import check_device, rank_devices
+
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    for device in rank_devices(cluster):
+        check_device(device, available, count)
+
+
+def on_capture_device(model, example: tuple, cluster) -> tuple:
+    """``(model, example)`` as the compiler captures them for ``cluster``: themselves for cpu ranks; for a job
+    with cuda ranks, copies on ``cuda`` (the current device: cuda:0 of this host), so that the graph holds
+    cuda kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` has no cuda kernel) and the rank programs
+    name cuda devices (each rank retargets them to its own: :func:`~adaptdist.runtime.devices.program_on_device`)."""
+    if "cuda" not in cluster.device_kinds:
+        return model, example
+    import copy
+
+    return copy.deepcopy(model).to("cuda"), tuple(t.to("cuda") for t in example)
+
+
+def _backend(cluster) -> str:
+    """The ranks' ``init_process_group`` backend (:func:`~adaptdist.runtime.devices.process_group_backend`)."""
+    from ..runtime.devices import process_group_backend
+
+    return process_group_backend(cluster.device_kinds)
+
+
+def _devices_of_rank(cluster, plan) -> tuple:
+    """Each rank's :class:`~adaptdist.runtime.devices.RankDevice` (the device the plan's rank mapping puts it on);
+    empty for an all-cpu cluster (every rank on cpu, as before)."""
+    from ..runtime.devices import rank_devices
+
+    if cluster.device_kinds == ("cpu",):
+        return ()
+    devices = plan.devices if plan is not None else None
+    return rank_devices(cluster, devices.rank_to_device if devices is not None else None)
 
 
 def _cpus_of_rank(cluster, plan) -> tuple:

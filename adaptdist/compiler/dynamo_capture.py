@@ -61,6 +61,7 @@ class GraphInput:
     requires_grad: bool
     source: str = ""
     layout: Any = None  # the ShardLayout of a parameter an earlier compiled graph already sharded
+    device: torch.device = torch.device("cpu")  # where the example value is: the capture's fake tensors go there too
 
 
 def source_fqn(source_name: str) -> str | None:
@@ -93,12 +94,13 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
         if isinstance(ex, nn.Parameter):
             layout = getattr(ex, "_adaptdist_layout", None)
             shape = tuple(layout.global_shape) if layout is not None else tuple(ex.shape)
-            out.append(GraphInput("param", fqn or ph.name, shape, ex.dtype, ex.requires_grad, source or "", layout))
+            out.append(GraphInput("param", fqn or ph.name, shape, ex.dtype, ex.requires_grad, source or "", layout,
+                                  ex.device))
         elif fqn is not None and "._buffers[" in (source or ""):
-            out.append(GraphInput("buffer", fqn, tuple(ex.shape), ex.dtype, False, source or ""))
+            out.append(GraphInput("buffer", fqn, tuple(ex.shape), ex.dtype, False, source or "", device=ex.device))
         else:
             out.append(GraphInput("input", source or ph.name, tuple(ex.shape), ex.dtype,
-                                  ex.requires_grad and ex.is_floating_point(), source or ""))
+                                  ex.requires_grad and ex.is_floating_point(), source or "", device=ex.device))
     return out
 
 
@@ -391,12 +393,13 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
     with mode:
         for i in inputs:
             if i.kind in ("param", "buffer"):
-                t = torch.empty(i.global_shape, dtype=i.dtype)
+                t = torch.empty(i.global_shape, dtype=i.dtype, device=i.device)
                 step.state.put(i.fqn, nn.Parameter(t, requires_grad=i.requires_grad) if i.kind == "param" else t,
                                i.kind == "param")
-        batch = [torch.empty((world_size, *i.global_shape), dtype=i.dtype).requires_grad_(i.requires_grad)
-                 for i in inputs if i.kind == "input"]
-        batch += [torch.empty((world_size, *outputs[k].shape), dtype=outputs[k].dtype) for k in tangent_outputs]
+        batch = [torch.empty((world_size, *i.global_shape), dtype=i.dtype, device=i.device)
+                 .requires_grad_(i.requires_grad) for i in inputs if i.kind == "input"]
+        batch += [torch.empty((world_size, *outputs[k].shape), dtype=outputs[k].dtype, device=outputs[k].device)
+                  for k in tangent_outputs]
     with _gc_paused(), mode, compat.sdpa_math_only(), compat.autocast_disabled():
         try:
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
@@ -432,7 +435,8 @@ def _with_explicit_casts(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> 
     autocast state, so a call with autocast off (or another dtype) compiles its own graph."""
     mode = compat.fake_tensor_mode(allow_constants=True)
     with mode:
-        args = [torch.empty(i.global_shape, dtype=i.dtype).requires_grad_(i.requires_grad) for i in inputs]
+        args = [torch.empty(i.global_shape, dtype=i.dtype, device=i.device).requires_grad_(i.requires_grad)
+                for i in inputs]
     with _gc_paused(), mode, compat.sdpa_math_only():
         try:
             return compat.retrace_aten(gm, args)

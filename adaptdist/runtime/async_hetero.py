@@ -172,12 +172,13 @@ class SparseWorker:
 class DenseWorker:
     """A dense rank's replica of ``model.dense_arch`` (a deep copy), its loss and its optimizer."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: str, lr: float):
+    def __init__(self, model: nn.Module, loss_fn: Callable, optimizer: str, lr: float,
+                 device: torch.device | None = None):
         import copy
 
         from .worker import make_optimizer
 
-        self.dense_arch = copy.deepcopy(model.dense_arch)
+        self.dense_arch = copy.deepcopy(model.dense_arch).to(device or torch.device("cpu"))
         self.loss_fn = loss_fn
         self.params = [p for p in self.dense_arch.parameters() if p.requires_grad]
         self.opt = make_optimizer(optimizer, self.params, lr)
@@ -316,6 +317,10 @@ class HeteroConfig:
         warmup_steps: steps left out of the throughput (the first ones start the pipeline).
         fault: a :class:`~adaptdist.runtime.faults.Fault` to inject before its 1-based step (tests), or None.
         record_first_grads: also return the first step's gradients (tests).
+        devices_of_rank: per rank its :class:`~adaptdist.runtime.devices.RankDevice` (a dense rank computes there;
+            sparse ranks keep their tables on cpu); empty: every rank on cpu.
+        backend: the ``init_process_group`` backend (:func:`~adaptdist.runtime.devices.process_group_backend`); the
+            messages between the sparse and the dense ranks are CPU tensors (gloo) whatever it is.
     """
 
     model: nn.Module | None
@@ -333,6 +338,8 @@ class HeteroConfig:
     record_first_grads: bool = False
     spec: tuple | None = None
     initial_state: dict | None = None
+    devices_of_rank: tuple = ()
+    backend: str = "gloo"
 
     def built(self) -> "HeteroConfig":
         """This config with ``model`` and ``loss_fn`` (built from ``spec`` and ``initial_state`` when None)."""
@@ -381,13 +388,19 @@ def run_rank(cfg: HeteroConfig) -> dict:
     if world != layout.world_size:
         raise UsageError(f"the layout is for {layout.world_size} ranks, the job has {world}")
     cfg = cfg.built()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout_s))
+    device = torch.device("cpu")
+    if rank < len(cfg.devices_of_rank):
+        from .devices import bind_device
+
+        device = bind_device(cfg.devices_of_rank[rank])
+    dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
     role = layout.roles[rank]
     dense_group = dist.new_group(list(layout.dense_ranks)) if len(layout.dense_ranks) > 1 else None
     heartbeat = Heartbeat(rank, world, collective_timeout_s=cfg.timeout_s)
     heartbeat.beat(0)
     print(f"rank {rank}: {role}" + (f", shards {list(layout.shards_of(rank))}" if role != DENSE else "")
-          + (f", pinned to cpus {list(pinned)}" if pinned is not None else ""), file=sys.stderr, flush=True)
+          + (f", pinned to cpus {list(pinned)}" if pinned is not None else "")
+          + (f", on {device}" if role == DENSE and device.type != "cpu" else ""), file=sys.stderr, flush=True)
     import itertools
 
     batches = global_batches(cfg.data)
@@ -402,7 +415,7 @@ def run_rank(cfg: HeteroConfig) -> dict:
 
     try:
         if role == DENSE:
-            out = _dense_loop(cfg, rank, batches, dense_group, beat)
+            out = _dense_loop(cfg, rank, batches, dense_group, beat, device)
         else:
             out = _sparse_loop(cfg, rank, batches, beat)
         dist.barrier()  # every message matched before any rank tears its group down
@@ -468,11 +481,16 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
     return out
 
 
-def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dict:
+def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device: torch.device) -> dict:
     import torch.distributed as dist
 
+    from .devices import from_exchange, to_exchange
+
     layout = cfg.layout
-    worker = DenseWorker(cfg.model, cfg.loss_fn, cfg.optimizer, cfg.lr)
+    worker = DenseWorker(cfg.model, cfg.loss_fn, cfg.optimizer, cfg.lr, device=device)
+    # the dense ranks' all_reduce: on their device when all are cuda (nccl), else on cpu (gloo)
+    dense_kinds = {cfg.devices_of_rank[r].kind if r < len(cfg.devices_of_rank) else "cpu" for r in layout.dense_ranks}
+    reduce_device = device if dense_kinds == {"cuda"} else torch.device("cpu")
     sparse_ranks = layout.sparse_ranks
     me = layout.dense_ranks.index(rank)
     num_tables = len(cfg.model.sparse_arch.tables)
@@ -492,7 +510,8 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dic
         bufs = [torch.empty(s.stop - s.start, num_tables, dim) for _ in sparse_ranks]
         works = [dist.irecv(b, src=r, tag=t) for b, r in zip(bufs, sparse_ranks)]
         posted.append((t, bufs, works))
-        queue.append((dense_in[s] if dense_in is not None else None, target[s], (s.stop - s.start) / target.shape[0]))
+        queue.append((from_exchange(dense_in[s], device) if dense_in is not None else None,
+                      from_exchange(target[s], device), (s.stop - s.start) / target.shape[0]))
 
     for t in range(min(K + 1, cfg.steps)):
         post(t)
@@ -504,23 +523,23 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dic
         t0 = time.perf_counter()
         _wait(works)
         t1 = time.perf_counter()
-        emb = sum(bufs[1:], bufs[0])  # in sparse-rank order, as simulate() adds them
+        emb = from_exchange(sum(bufs[1:], bufs[0]), device)  # in sparse-rank order, as simulate() adds them
         worker.zero_grad()
         loss, g = worker.forward_backward(emb, dense_in, target, share)
-        g = g.contiguous()
+        g = to_exchange(g)  # to the sparse ranks over gloo
         sends = [dist.isend(g, dst=r, tag=t) for r in sparse_ranks]
         sends_pending.append((sends, g))
         if t + K + 1 < cfg.steps:
             post(t + K + 1)
         t2 = time.perf_counter()
         if dense_group is not None:
-            flat = torch.cat([worker.flat_grads(), torch.tensor([loss])])
+            flat = torch.cat([worker.flat_grads().to(reduce_device), torch.tensor([loss], device=reduce_device)])
             dist.all_reduce(flat, group=dense_group)
-            worker.set_flat_grads(flat[:-1])
+            worker.set_flat_grads(flat[:-1].to(device))
             loss = float(flat[-1])
         t3 = time.perf_counter()
         if cfg.record_first_grads and t == 0:
-            grads_of_step = {f"dense_arch.{n}": p.grad.clone() for n, p in worker.dense_arch.named_parameters()}
+            grads_of_step = {f"dense_arch.{n}": p.grad.cpu().clone() for n, p in worker.dense_arch.named_parameters()}
         worker.step()
         while len(sends_pending) > K + 1:
             _wait(sends_pending.popleft()[0])
@@ -539,7 +558,7 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat) -> dic
     # bursts, so the median interval flatters it); the median beside it, as the synchronous worker reports
     intervals = [b - a for a, b in zip(ends[warm:], ends[warm + 1:])] or [float("nan")]
     mean_s = (ends[-1] - ends[warm]) / max(1, len(ends) - 1 - warm)
-    out = {"state": worker.dense_arch.state_dict(), "losses": losses, "items_per_s": B / mean_s,
+    out = {"state": {k: v.detach().cpu() for k, v in worker.dense_arch.state_dict().items()}, "losses": losses, "items_per_s": B / mean_s,
            "step_time_s": statistics.median(intervals), "mean_step_time_s": mean_s, "wait_s": wait_s,
            "compute_s": compute_s, "reduce_s": reduce_s}
     if cfg.record_first_grads:

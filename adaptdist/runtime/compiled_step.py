@@ -393,7 +393,7 @@ class _StepFunction(torch.autograd.Function):
         ctx.program_inputs = program_inputs if keep else None
         ctx.saved = saved if keep else None
         ctx.sharded = {i: args[i] for i in step.layouts if step.kinds[i] == "param"}
-        ctx.output_shapes = [(o.shape, o.dtype) for o in outs]
+        ctx.output_shapes = [(o.shape, o.dtype, o.device) for o in outs]
         for k, o in enumerate(outs):
             if k not in step.tangent_outputs:
                 ctx.mark_non_differentiable(o)
@@ -402,7 +402,7 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         step: CompiledStep = ctx.step
-        like = [torch.zeros(s, dtype=d) for s, d in ctx.output_shapes]
+        like = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.output_shapes]
         with compat.autocast_disabled():
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None

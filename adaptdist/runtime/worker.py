@@ -91,6 +91,9 @@ class TrainConfig:
     """Rank r -> the CPU core ids its process is pinned to (the cluster file's ``cpus`` of the device the rank
     mapping puts it on; None: not pinned), applied before torch's threads start, with ``len(cpus)`` threads
     (:mod:`.affinity`); empty: no rank is pinned (``threads_per_rank`` threads each)."""
+    devices_of_rank: tuple = ()
+    """Rank r -> its :class:`~.devices.RankDevice` (:func:`~.devices.rank_devices`): where its state, batch and
+    optimizer live; empty: every rank on cpu."""
 
 
 def global_batches(spec: DataSpec, start_step: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -148,13 +151,19 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
 class StepRunner:
     """Holds one rank's state and optimizer and runs training steps of its program."""
 
-    def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None):
+    def __init__(self, program: RankProgram, optimizer: str, lr: float, max_grad_norm: float | None = None,
+                 device: torch.device | None = None):
+        self.device = torch.device("cpu") if device is None else device
+        if self.device.type != "cpu":  # the program's constants and device arguments on this rank's device
+            from .devices import program_on_device
+
+            program = program_on_device(program, self.device)
         self.program = program
         self.trace = TraceRecorder(program.rank, enabled=False)
         self._run = program
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
-        self.state = {k: v.clone() for k, v in program.state.items()}
+        self.state = {k: v.clone().to(self.device) for k, v in program.state.items()}
         self.inputs = [self.state[f] for f in program.input_fqns]
         self.params = [self.state[f] for f in program.param_fqns]
         self.opt = make_optimizer(optimizer, self.params, lr)
@@ -166,7 +175,12 @@ class StepRunner:
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
         try:
-            outs = self._run(*self.inputs, *self.program.local_batch(global_batch))
+            batch = self.program.local_batch(global_batch)
+            if self.device.type != "cpu":
+                from .devices import to_device
+
+                batch = to_device(batch, self.device)
+            outs = self._run(*self.inputs, *batch)
         except RuntimeError as e:  # a shared-memory collective's peer died or stalled: the typed error naming it
             from ..kernels.shm import translate_error
 
@@ -223,13 +237,28 @@ def _traced_program(program: RankProgram, trace: TraceRecorder):
         return step
 
 
+def rank_device(cfg: TrainConfig, rank: int) -> torch.device:
+    """(In the rank's process, before ``init_process_group``) this rank's device from ``cfg.devices_of_rank``, made
+    the current CUDA device on a cuda rank; cpu where the config names none.
+
+    Raises:
+        DeviceUnavailableError: a cuda rank on a machine without that device (:func:`.devices.bind_device`).
+    """
+    if rank >= len(cfg.devices_of_rank):
+        return torch.device("cpu")
+    from .devices import bind_device
+
+    return bind_device(cfg.devices_of_rank[rank])
+
+
 def _init_distributed(cfg: TrainConfig) -> tuple[int, int]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
     return rank, world
 
 
-def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | None = None):
+def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | None = None,
+                         device_type: str | None = None):
     """Build torch's DeviceMesh for the program's mesh and register this rank's group of each axis
     under the name the program's collectives use; returns the DeviceMesh. The axes whose collectives the program
     carries through shared memory (``torch.ops.adaptdist.shm_*``) get their shared-memory group too
@@ -239,7 +268,7 @@ def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | 
     from .shm_groups import setup_shm_groups
 
     names = tuple(program.mesh)
-    device = "cuda" if backend == "nccl" else "cpu"
+    device = device_type or ("cuda" if backend == "nccl" else "cpu")  # the rank's tensors' device type
     mesh = init_device_mesh(device, tuple(program.mesh.values()), mesh_dim_names=names)
 
     def group(axis: str):
@@ -386,6 +415,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     own = int(os.environ.get("RANK", 0))
     if pin_to_cpus(cfg.cpus_of_rank[own] if own < len(cfg.cpus_of_rank) else None, own) is None:
         torch.set_num_threads(cfg.threads_per_rank)
+    device = rank_device(cfg, own)
     rank, world = _init_distributed(cfg)
     # one attempt number for the whole job (an elastic job's agents count their restarts each on its own)
     attempt = _broadcast(_next_attempt(cfg.out_dir), rank)
@@ -394,6 +424,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     pinned = cfg.cpus_of_rank[rank] if rank < len(cfg.cpus_of_rank) else None
     print(f"rank {rank}: pid {os.getpid()} on {socket.gethostname()}"
           + (f", pinned to cpus {list(pinned)}" if pinned is not None else "")
+          + (f", on {device}" if device.type != "cpu" else "")
           + (f" (restart {attempt - cfg.first_attempt})" if restarted else ""), file=sys.stderr, flush=True)
     fault = Fault.from_env()
     events = _Events(cfg.out_dir, enabled=rank == 0)
@@ -417,8 +448,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             program, device_mesh, runner = _pipeline_runner(program_dir, rank, world, cfg)
         else:
             program = load_program(program_dir, rank, world_size=world)
-            device_mesh = register_mesh_groups(program, cfg.backend, cfg.timeout_s)
-            runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm)
+            device_mesh = register_mesh_groups(program, cfg.backend, cfg.timeout_s, device_type=device.type)
+            runner = StepRunner(program, cfg.optimizer, cfg.lr, cfg.max_grad_norm, device=device)
         losses: list[float] = []
         found = _broadcast(_newest_checkpoint(Path(cfg.out_dir) / "checkpoints", events.note) if rank == 0 else None,
                            rank)
@@ -633,7 +664,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
         if rank == 0:
             full = unstack_state(full, getattr(program, "stacked", {}))
             tmp = out / "model.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+            save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(tmp))
             tmp.replace(out / "model.safetensors")
         return
     ordered = ordered_device_mesh(device_mesh, program)
@@ -645,7 +676,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     full = unstack_state(full, program.stacked)  # ModuleList experts under the user's names (expert_lists.py)
     if rank == 0:
         tmp = out / "model.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+        save_file({k: v.detach().cpu().contiguous() for k, v in full.items()}, str(tmp))
         tmp.replace(out / "model.safetensors")
 
 
