@@ -109,32 +109,38 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_gloo_rank_killed_restarts_from_the_checkpoint(tmp_path):
-    """3 gloo ranks (2 sparse, 1 dense), K = 0, a checkpoint every 2 steps, the dense rank killed at step 4 and
-    the job restarted (--max-restarts 1): it resumes from step 2 and ends with eager's weights and losses."""
-    from adaptdist.runtime.async_hetero import HeteroConfig, assemble, run_rank
-    from adaptdist.runtime.faults import Fault
-    from adaptdist.runtime.launch import launch_local
-    from adaptdist.runtime.timeouts import Timeouts
-    from adaptdist.runtime.worker import DataSpec
+@pytest.mark.timeout(400)
+def test_train_restarts_and_resumes_async_hetero_from_its_checkpoints(tmp_path, monkeypatch):
+    """`adaptdist train --mode async-hetero --max-staleness 0` on 3 gloo ranks (2 sparse, 1 dense), a checkpoint
+    every 2 steps: the dense rank killed before step 3 and the job restarted (--max-restarts 1) from step 2; then
+    `--resume` onto 2 ranks (another layout) to step 6. The losses of all 6 steps and the final weights equal
+    eager PyTorch's (SGD)."""
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+    from adaptdist.runtime.faults import ENV_VAR
     from reference import eager_sgd
 
-    data = ml.generate(**SHAPE)
-    folder = ml.save(data, tmp_path / "ml")
+    folder = ml.save(ml.generate(**SHAPE), tmp_path / "ml")
+    out = tmp_path / "run"
+    monkeypatch.setenv(ENV_VAR, "kill:2:3")
+    rc = main(["train", "builtin:dlrm", "--data", str(folder), "--batch-size", str(B), "--nproc", "3", "--steps", "4",
+               "--mode", "async-hetero", "--dense-ranks", "2", "--max-staleness", "0", "--optimizer", "sgd",
+               "--lr", "0.1", "--checkpoint-every", "2", "--max-restarts", "1", "--out", str(out),
+               "--timeout-s", "60"])
+    assert rc == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert first["start_step"] == 2 and first["checkpoints"] == [4] and len(first["losses"]) == 4
+    monkeypatch.delenv(ENV_VAR)
+    rc = main(["train", "--resume", str(out), "--nproc", "2", "--steps", "6"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["mode"] == "async-hetero" and s["start_step"] == 4 and s["roles"] == {"0": "sparse", "1": "dense"}
     torch.manual_seed(0)
-    model, _, loss_fn = dlrm.factory(B, 1, data_path=str(folder), config=SMALL)
-    spec = DataSpec(dlrm.__file__, "data", B, 1, path=str(folder), seed=0)
-    lay = make_layout(3, (2,), _rows(model), 0, "row")
-    cfg = HeteroConfig(model, loss_fn, spec, lay, STEPS, "sgd", 0.1, timeout_s=60.0, fault=Fault("kill", 2, 4),
-                       checkpoint_root=str(tmp_path / "ckpt"), checkpoint_every=2, model_name="builtin:dlrm")
-    res = launch_local(run_rank, (cfg,), 3, max_restarts=1, timeouts=Timeouts.for_collective(60.0))
-    assert [res[r]["start_step"] for r in range(3)] == [2, 2, 2]
-    assert res[2]["checkpoints"] == [4, 6]
+    model, _, loss_fn = dlrm.factory(B, 1, data_path=str(folder))
     batches = list(itertools.islice(dlrm.data(B, 1, path=str(folder)), STEPS))
     hist, params = eager_sgd(model, batches, loss_fn, 0.1, STEPS)
-    assert res[2]["losses"] == pytest.approx([h[0] for h in hist], abs=1e-5)
-    trained = copy.deepcopy(model)
-    assemble(trained, lay, {0: res[0]["state"], 1: res[1]["state"]}, res[2]["state"])
-    for name, p in trained.named_parameters():
+    assert s["losses"] == pytest.approx([h[0] for h in hist], abs=1e-5)
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    for name, p in model.named_parameters():
         torch.testing.assert_close(p, params[name], atol=1e-5, rtol=0, msg=name)

@@ -105,7 +105,6 @@ def test_plan_shows_the_mode_and_each_ranks_role(folder, tmp_path, capsys):
     (["--plan", "dp"], "does not take --plan dp"),
     (["--dense-ranks", "0,1"], "leaves no sparse rank"),
     (["--precision", "bf16"], "does not take --precision bf16"),
-    (["--max-restarts", "1"], "does not take --max-restarts"),  # no checkpoints yet: it could not restart
     (["--mode", "sync", "--max-staleness", "3"], "--max-staleness bounds the queues of --mode async-hetero"),
 ])
 def test_train_refuses_what_async_hetero_cannot_run_before_starting_ranks(folder, tmp_path, capsys, flags, match):
@@ -170,8 +169,9 @@ def test_auto_stays_sync_where_a_flag_asks_for_the_synchronous_programs(folder, 
     assert "plan 'dp'" in text  # and the synchronous plan follows, as before
 
 
-def test_auto_stays_sync_when_restarts_are_asked_for(folder):
-    """--max-restarts under --mode auto: sync, which checkpoints and restarts (async-hetero cannot yet)."""
+def test_restarts_and_resumes_keep_the_checkpoints_mode(folder):
+    """--max-restarts no longer forces sync (async-hetero checkpoints and restarts); a resumed run keeps the mode of
+    its newest checkpoint, and a mode forced against it is refused."""
     import argparse
 
     from adaptdist.calibrate.local import local_cluster
@@ -179,7 +179,19 @@ def test_auto_stays_sync_when_restarts_are_asked_for(folder):
 
     torch.manual_seed(0)
     model, example, _ = dlrm.factory(16, 1, data_path=str(folder))
-    args = argparse.Namespace(mode="auto", max_staleness=None, dense_ranks=None, plan="auto", optimizer="sgd",
-                              max_restarts=1)
-    choice = resolve_mode(args, model, example, local_cluster(2), None)
-    assert choice.mode == "sync" and "--max-restarts" in choice.reason
+
+    def choose(mode="auto", **kw):
+        args = argparse.Namespace(mode=mode, max_staleness=None, dense_ranks=None, plan="auto", optimizer="sgd",
+                                  max_restarts=1)
+        return resolve_mode(args, model, example, local_cluster(2), None, **kw)
+
+    assert "--max-restarts" not in choose().reason
+    assert choose(mode="async-hetero").mode == "async-hetero"
+    resumed = choose(resuming=True, resume_kind="async-hetero")
+    assert resumed.mode == "async-hetero" and "--resume" in resumed.reason
+    assert choose(resuming=True, resume_kind="sync").mode == "sync"
+    assert choose(resuming=True, resume_kind=None).mode == "sync"
+    with pytest.raises(UsageError, match="async-hetero one; resume it without --mode sync"):
+        choose(mode="sync", resuming=True, resume_kind="async-hetero")
+    with pytest.raises(UsageError, match="--mode sync one"):
+        choose(mode="async-hetero", resuming=True, resume_kind="sync")
