@@ -11,9 +11,13 @@ Parts (batch 256; sync ranks take 128 rows each):
 - ``async sparse: lookup`` / ``apply``: :class:`~adaptdist.runtime.async_hetero.SparseWorker` of the whole tables;
 - ``async dense: fwd+bwd (256 rows)`` / ``optimizer``: :class:`~adaptdist.runtime.async_hetero.DenseWorker`.
 
+- ``data: one global batch``: ``next()`` of builtin:dlrm's ``data()`` (every rank of both modes draws each batch);
+- ``gloo p2p: ...``: two processes pinned to cores 0 and 1: one exchange of the queues' message
+  (``float32[256, 3, 32]``, isend + irecv each way, as one async step sends lookups and gets their gradients back).
+  Sync's one all_reduce (shared memory) is not timed here: benchmarks/bench_comm.py has it.
+
 Each figure is the minimum and the median over ``--reps`` repetitions (the minimum: the part's own cost on a shared
-machine, the median: what a run sees at the load of the moment). The two-process parts (all_reduce, the queues'
-point-to-point messages) are not timed here: ``bench_recsys.py``'s runs report them (``rank_seconds``).
+machine, the median: what a run sees at the load of the moment).
 """
 
 from __future__ import annotations
@@ -44,6 +48,51 @@ def timed(fn, reps: int) -> tuple[float, float]:
     return min(ts), statistics.median(ts)
 
 
+def _pair(rank: int, port: int, reps: int, numel_msg: int, q) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    msg, back = torch.ones(numel_msg), torch.empty(numel_msg)
+
+    def exchange():  # rank 0 sends lookups, rank 1 answers with their gradients
+        if rank == 0:
+            w = [dist.isend(msg, 1, tag=1), dist.irecv(back, 1, tag=2)]
+        else:
+            w = [dist.irecv(back, 0, tag=1)]
+            w[0].wait()
+            w = [dist.isend(msg, 0, tag=2)]
+        for x in w:
+            x.wait()
+
+    out = {"p2p": timed(exchange, reps)}
+    dist.barrier()
+    if rank == 0:
+        q.put(out)
+    dist.destroy_process_group()
+
+
+def two_process(reps: int, numel_msg: int) -> dict:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_pair, args=(r, port, reps, numel_msg, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=None)
@@ -59,6 +108,8 @@ def main() -> None:
     from adaptdist.runtime.async_hetero import DenseWorker, SparseWorker, split_batch
     from adaptdist.runtime.worker import make_optimizer
 
+    cluster = local_cluster(2)  # before pinning: the figures of a 2-rank job on the whole machine
+    dev = cluster.device(0)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
@@ -66,8 +117,6 @@ def main() -> None:
     with contextlib.redirect_stderr(io.StringIO()):
         model, example, loss_fn = dlrm.factory(args.batch_size, 1, data_path=args.data)
     batch = next(dlrm.data(args.batch_size, 1, path=args.data, seed=0))
-    cluster = local_cluster(2)
-    dev = cluster.device(0)
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {load}, torch {torch.__version__}; "
           f"min / median of {args.reps} reps, ms; model: the cost model's figure (this machine, detect's figures: "
@@ -120,6 +169,19 @@ def main() -> None:
         ]
         for name, (lo, med), m in rows_out:
             print(f"| {opt_name} | {name} | {lo * 1e3:.3f} | {med * 1e3:.3f} | {m * 1e3:.3f} |", flush=True)
+    it = dlrm.data(args.batch_size, 1, path=args.data, seed=0)
+    lo, med = timed(lambda: next(it), args.reps)
+    print(f"| both | data: one global batch (every rank, both modes; not modelled: the same in both) | "
+          f"{lo * 1e3:.3f} | {med * 1e3:.3f} | - |")
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    numel_msg = args.batch_size * len(model.sparse_arch.tables) * model.sparse_arch.tables[0].embedding_dim
+    pair = two_process(args.reps, numel_msg)
+    lo, med = pair["p2p"]
+    link = cluster.link(0, 1)
+    model_p2p = 2 * rc._p2p_s(link, numel_msg * 4) + 4 * getattr(rc, "P2P_HOST_S", 0.0)
+    print(f"| both | gloo p2p: lookups there, gradients back ({numel_msg * 4 / 1e3:.0f} kB each way) | "
+          f"{lo * 1e3:.3f} | {med * 1e3:.3f} | {model_p2p * 1e3:.3f} |")
 
 
 if __name__ == "__main__":

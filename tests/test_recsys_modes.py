@@ -38,11 +38,13 @@ def test_recsys_shape_of_builtin_dlrm():
 
 
 def test_the_cost_model_by_hand():
-    """Two ranks, one sparse (all tables) and one dense, staleness 1: the step is the slower side's."""
+    """Two ranks, one sparse (all tables) and one dense, staleness 1: the step is the slower side's; staleness 0 the
+    round trip; sync's all_reduce on shared memory is cheaper than on gloo's link; AdamW's sparse update adds the
+    shard's materialized gradient and its passes."""
     c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
     shard_rows = [[(0, 610), (1, 9742), (2, 21)], []]
     cost = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
-    lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * 12 * 1e-5
+    lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * (12 + 12) * 1e-5  # lookups, then the sparse SGD update
     assert cost.rank_s[0] == pytest.approx(lookups)
     link = c.link(0, 1)
     msg = link.latency_s + 256 * 3 * 32 * 4 / link.bandwidth_bytes_per_s
@@ -51,9 +53,15 @@ def test_the_cost_model_by_hand():
     serial = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 0)
     assert serial.step_s == pytest.approx(cost.rank_s[0] + cost.rank_s[1] + cost.comm_s[1])
     assert serial.step_s > cost.step_s
-    sync = sync_cost(SHAPE, c)
+    sync = sync_cost(SHAPE, c, shm=False)
     assert sync.comm_s[0] > 0 and sync.step_s == pytest.approx(max(sync.rank_s) + sync.comm_s[0])
+    assert sync_cost(SHAPE, c, shm=True).comm_s[0] < sync.comm_s[0]
     assert cost.items_per_s == pytest.approx(256 / cost.step_s)
+    import dataclasses
+
+    adamw = async_cost(dataclasses.replace(SHAPE, optimizer="adamw"), c, ("sparse", "dense"), shard_rows, 1)
+    held = (610 + 9742 + 21) * 32
+    assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 84 / 1e10 + 3 * 10 * 1e-5)
 
 
 def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():

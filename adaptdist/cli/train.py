@@ -474,6 +474,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"],
                                        mean_step_time_s=result.get("mean_step_time_s"),
+                                       mean_interval_s=result.get("mean_interval_s"),
+                                       cpu_step_s=result.get("cpu_step_s"),
                                        ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
                                        **({"evaluation": evaluation[0]} if evaluation else {}),
@@ -564,7 +566,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
               for r in range(nproc)}
     result = {"losses": first_dense["losses"], "events": []}
     fields = {"samples_per_s": first_dense["items_per_s"], "step_time_s": first_dense["step_time_s"],
-              "mean_step_time_s": first_dense["mean_step_time_s"],
+              "mean_step_time_s": first_dense["mean_step_time_s"], "mean_interval_s": first_dense["mean_step_time_s"],
               "ranks": nproc, "threads_per_rank": threads, "plan": "async-hetero", **choice.describe(),
               "rank_seconds": phases, "start_step": first_dense.get("start_step", 0),
               "checkpoints": first_dense.get("checkpoints", [])}
