@@ -178,8 +178,7 @@ def main() -> None:
     numel_msg = args.batch_size * len(model.sparse_arch.tables) * model.sparse_arch.tables[0].embedding_dim
     pair = two_process(args.reps, numel_msg)
     lo, med = pair["p2p"]
-    link = cluster.link(0, 1)
-    model_p2p = 2 * rc._p2p_s(link, numel_msg * 4) + 4 * getattr(rc, "P2P_HOST_S", 0.0)
+    model_p2p = 2 * rc._p2p_s(cluster, 0, 1, numel_msg * 4)
     print(f"| both | gloo p2p: lookups there, gradients back ({numel_msg * 4 / 1e3:.0f} kB each way) | "
           f"{lo * 1e3:.3f} | {med * 1e3:.3f} | {model_p2p * 1e3:.3f} |")
 

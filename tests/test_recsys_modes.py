@@ -64,6 +64,21 @@ def test_the_cost_model_by_hand():
     assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 84 / 1e10 + 3 * 10 * 1e-5)
 
 
+def test_queue_messages_take_the_calibrated_gloo_fit_where_there_is_one():
+    """A profiled cluster's intra-host all_reduce fit (here: 4 ms a call on 2 ranks) sets the queue messages' cost
+    (one ring hop each: alpha/2 per message on 2 ranks), not the link's datasheet latency."""
+    import dataclasses
+
+    from adaptdist.cost_models.hardware import AlphaBeta
+
+    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
+    shard_rows = [[(0, 610), (1, 9742), (2, 21)], []]
+    fitted = dataclasses.replace(c, fits={("all_reduce", "intra_host"): AlphaBeta(4e-3, 0.0, 2)})
+    plain = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
+    cal = async_cost(SHAPE, fitted, ("sparse", "dense"), shard_rows, 1)
+    assert cal.comm_s[0] == pytest.approx(2 * 2e-3) and cal.comm_s[0] != pytest.approx(plain.comm_s[0])
+
+
 def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():
     cluster = load_cluster(str(CPU_GPU))
     choice = choose_mode(SHAPE, cluster, "auto", 1)

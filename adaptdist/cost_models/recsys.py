@@ -109,9 +109,13 @@ def _op_s(device) -> float:
     return float(v) if v is not None else DEFAULT_OP_OVERHEAD_S.get(str(device.kind), 5e-6)
 
 
-def _p2p_s(link, n_bytes: float) -> float:
-    """One point-to-point message: ``latency_s + n_bytes / bandwidth_bytes_per_s`` (Hockney)."""
-    return float(link.latency_s) + n_bytes / float(link.bandwidth_bytes_per_s)
+def _p2p_s(cluster: ClusterLike, a: int, b: int, n_bytes: float) -> float:
+    """One point-to-point message between ranks ``a`` and ``b``: ``alpha_s + n_bytes * beta_s_per_byte`` (Hockney)
+    of one hop of their gloo ring (:func:`~adaptdist.cost_models.communication.link_cost`: the cluster's calibrated
+    ``all_reduce`` fit of that tier where ``adaptdist cluster profile`` measured one, else the link's
+    ``latency_s`` and ``bandwidth_bytes_per_s``)."""
+    c = link_cost(cluster, "all_reduce", [a, b])
+    return float(c.alpha_s) + n_bytes * float(c.beta_s_per_byte)
 
 
 def _dense_s(shape: RecsysShape, device, rows: float) -> float:
@@ -199,12 +203,12 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
                   + ((2 * held * BYTES / float(d.memory_bandwidth_bytes_per_s)
                       + _optimizer_s(shape, d, held, len(shard_rows[r])))
                      if shape.optimizer != "sgd" else 0.0))
-        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in dense)
+        comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in dense)
     reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
     for r in dense:
         d = cluster.device(r)
         own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
-        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in sparse) + reduce_s
+        comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in sparse) + reduce_s
     if max_staleness >= 1:
         step = max(o + c for o, c in zip(own, comm))
     else:
