@@ -79,21 +79,6 @@ def test_queue_messages_take_the_calibrated_gloo_fit_where_there_is_one():
     assert cal.comm_s[0] == pytest.approx(2 * 2e-3) and cal.comm_s[0] != pytest.approx(plain.comm_s[0])
 
 
-def test_auto_takes_async_only_past_the_margin(monkeypatch):
-    """--mode auto: async-hetero when predicted at least ASYNC_MIN_GAIN x sync's samples/s, else sync, saying why."""
-    from adaptdist.compiler.planner import modes
-
-    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
-    forced = choose_mode(SHAPE, c, "async-hetero", 1)
-    gain = forced.candidates["sync on 2 ranks"].step_s / forced.cost.step_s
-    assert gain > 1
-    monkeypatch.setattr(modes, "ASYNC_MIN_GAIN", gain * 1.01)
-    held = choose_mode(SHAPE, c, "auto", 1)
-    assert held.mode == "sync" and f"only {gain:.2f}x sync" in held.reason
-    monkeypatch.setattr(modes, "ASYNC_MIN_GAIN", gain * 0.99)
-    assert choose_mode(SHAPE, c, "auto", 1).mode == "async-hetero"
-
-
 def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():
     cluster = load_cluster(str(CPU_GPU))
     choice = choose_mode(SHAPE, cluster, "auto", 1)

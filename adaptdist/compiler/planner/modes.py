@@ -5,8 +5,8 @@ the cluster description.
 ``--mode auto`` weighs ``sync`` on every rank against ``async-hetero`` with each candidate set of dense ranks:
 on a cluster with accelerators and CPU ranks, the accelerators dense and the CPUs sparse (the paper's split);
 on one kind of device, the ``D`` fastest ranks dense for ``D = 1 .. N-1`` (CPU ranks standing in for
-accelerators). ``async-hetero`` wins when its predicted step is :data:`ASYNC_MIN_GAIN` times faster than
-``sync``'s or more; else ``sync`` (no staleness). A model without the two parts (:func:`adaptdist.runtime.async_hetero.check_model`), or a single rank, is always ``sync``.
+accelerators). The cheapest predicted step wins; a tie goes to ``sync`` (no staleness). A model without the two
+parts (:func:`adaptdist.runtime.async_hetero.check_model`), or a single rank, is always ``sync``.
 """
 
 from __future__ import annotations
@@ -21,14 +21,6 @@ from ... import _torch_compat as compat
 from ...cost_models.recsys import ModeCost, RecsysShape, async_cost, sync_cost
 from ...errors import UsageError
 from ...hetero_layout import HeteroLayout, make_layout
-
-
-ASYNC_MIN_GAIN = 1.15
-"""How much faster than ``sync`` the cost model must predict ``async-hetero`` for ``--mode auto`` to take it. The
-asynchronous mode costs staleness, and its measured advantage is the less certain one: on this project's shared
-2-core machine (benchmarks/RESULTS.md, builtin:dlrm, 2026-12-03, load 12-25) async K=1 over sync measured
-0.27-1.04x under AdamW where the model predicts 1.04x, and 0.23-2.77x under SGD (1.10x predicted): its pipeline
-hands every step across processes twice, and each handoff waits for the other process to be scheduled."""
 
 
 @dataclass(frozen=True)
@@ -162,16 +154,11 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
     if mode == "async-hetero":
         return ModeChoice("async-hetero", best[1], best[0], candidates,
                           "--mode async-hetero" + (" --dense-ranks" if dense_ranks else ", the planner's dense ranks"))
-    gain = sync.step_s / best[0].step_s
-    if gain >= ASYNC_MIN_GAIN:
+    if best[0].step_s < sync.step_s:
         return ModeChoice("async-hetero", best[1], best[0], candidates,
-                          f"auto: predicted {gain:.2f}x the samples/s of sync")
-    if gain > 1:
-        return ModeChoice("sync", None, sync, candidates,
-                          f"auto: the best async layout is predicted only {gain:.2f}x sync, under the "
-                          f"{ASYNC_MIN_GAIN:.2f}x it must gain to pay for its staleness")
+                          f"auto: predicted {sync.step_s / best[0].step_s:.2f}x the samples/s of sync")
     return ModeChoice("sync", None, sync, candidates,
-                      f"auto: sync predicted {1 / gain:.2f}x faster than the best async layout")
+                      f"auto: sync predicted {best[0].step_s / sync.step_s:.2f}x faster than the best async layout")
 
 
 def mode_lines(choice: ModeChoice) -> list[str]:
