@@ -151,8 +151,10 @@ class SparseWorker:
                     rows, inverse = torch.unique(flat, return_inverse=True)
                     grad_rows = torch.zeros(rows.numel(), self.dim).index_add_(0, inverse, contrib)
                     weight.index_add_(0, rows, grad_rows, alpha=-self.lr)
-                else:
+                elif weight.grad is None:
                     weight.grad = torch.zeros_like(weight).index_add_(0, flat, contrib)
+                else:  # the same buffer every step: no fresh allocation of a whole shard's gradient
+                    weight.grad.zero_().index_add_(0, flat, contrib)
         if self.opt is not None:
             self.opt.step()
 
