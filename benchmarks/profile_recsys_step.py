@@ -151,7 +151,9 @@ def main() -> None:
         share = [1.0] * len(shape.table_rows)
         m_lookup = (rc._lookup_bytes(shape, args.batch_size, share) / dev.memory_bandwidth_bytes_per_s
                     + len(shape.table_rows) * rc.SPARSE_OPS_PER_SHARD * rc._op_s(dev))
-        m_apply = (rc._optimizer_s(shape, dev, shape.table_params, len(shape.table_rows)) if opt_name != "sgd" else 0.0)
+        m_apply = len(shape.table_rows) * rc.SPARSE_APPLY_OPS_PER_SHARD * rc._op_s(dev) + (
+            2 * shape.table_params * rc.BYTES / dev.memory_bandwidth_bytes_per_s
+            + rc._optimizer_s(shape, dev, shape.table_params, len(shape.table_rows)) if opt_name != "sgd" else 0.0)
 
         def dense_fb():
             dense.zero_grad()
