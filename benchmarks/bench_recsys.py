@@ -3,7 +3,8 @@ mode beside the synchronous mode and one CPU process, measured side by side on t
 cores), and the cost model's prediction for this machine and for a cluster file with CPU hosts and GPUs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_recsys.py [--data DIR] [--epochs 2] [--batch-size 256]
-        [--lr 2e-3] [--optimizer adamw|sgd] [--staleness 0,1,4] [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
+        [--lr 2e-3] [--sgd-lr 0.05] [--optimizer adamw,sgd] [--staleness 0,1,4]
+        [--cluster benchmarks/clusters/cpu_hosts_and_gpus.yaml] [--skip-runs]
     PYTHONPATH=. python benchmarks/bench_recsys.py --device-figures [--device cuda|cpu] [--cpu-ranks 4] [--steps 200]
 
 ``--device-figures`` (what ``benchmarks/device_check.sh`` runs on a machine with a GPU): the same batches, the
@@ -13,8 +14,8 @@ pinned to its share of the cores, ``--mode sync --plan dp``) and *heterogeneous*
 embedding tables, the GPU rank the dense part: ``--mode async-hetero --dense-ranks N --max-staleness K``).
 ``--device cpu`` puts the "GPU" rank on a cpu rank (a dry run of the plumbing, not a figure).
 
-Runs, one after the other, the same epochs of the same shuffled batches (seed 0, ``--optimizer``, AdamW by
-default):
+For each optimizer of ``--optimizer`` (AdamW and SGD by default), runs, one after the other, the same epochs of
+the same shuffled batches (seed 0):
 
 - ``1 process``: eager PyTorch in this process, pinned to core 0, 1 thread;
 - ``sync``: ``adaptdist train builtin:dlrm --mode sync --plan dp`` on 2 ranks pinned to cores 0 and 1;
@@ -25,7 +26,10 @@ samples/s is the batch over each run's mean step (the synchronous worker's ``sum
 its steps after the first 2, data loading left out; eager's likewise; the asynchronous mode's: the mean interval
 between two step ends on its first dense rank after 5 steps, the pipeline's throughput, data loading included),
 with the median step beside it (a queue K deep delivers steps in bursts: its median flatters it); the RMSE is on the held-out 20%
-(the latest by timestamp). On 2 CPU cores the dense rank is a CPU standing in for an accelerator: these figures
+(the latest by timestamp). Beside them: the mean interval between step ends of both modes (data loading included
+in both: the measure the cost model's ratio is compared with, printed last with what ``--mode auto`` picks) and
+the busiest rank's CPU milliseconds per step (every thread; less sensitive to the load than the wall clock). On 2
+CPU cores the dense rank is a CPU standing in for an accelerator: these figures
 test the mode, not the paper's GPU claim (2.1x over GPU-only, 3.3x over CPU-only). Figures: benchmarks/RESULTS.md.
 """
 
@@ -129,7 +133,20 @@ def train(args, cluster: Path, steps: int, mode_flags: list[str], name: str) -> 
             "median_samples_per_s": B / s["step_time_s"],
             "validation_rmse": s.get("validation_rmse", s.get("evaluation", {}).get("validation_rmse")),
             "command_wall_s": time.perf_counter() - t0, "mode": s.get("mode"), "roles": s.get("roles"),
-            "rank_seconds": s.get("rank_seconds")}
+            "rank_seconds": s.get("rank_seconds"),
+            "interval_samples_per_s": B / s["mean_interval_s"] if s.get("mean_interval_s") else None,
+            "cpu_step_s": _cpu_step_s(s)}
+
+
+def _cpu_step_s(summary: dict) -> float | None:
+    """The busiest rank's CPU seconds per step (every thread of the process; load-independent, unlike the wall
+    clock): the synchronous worker's ``cpu_step_s`` (rank 0; dp ranks do the same work), the asynchronous ranks'
+    ``cpu_s`` over the steps."""
+    if summary.get("cpu_step_s") is not None:
+        return summary["cpu_step_s"]
+    ranks = summary.get("rank_seconds") or {}
+    per = [r["cpu_s"] / summary["steps"] for r in ranks.values() if "cpu_s" in r]
+    return max(per) if per else None
 
 
 def local_cluster_file(path: Path, cpu_ranks: int, accelerator: str, cores: tuple[int, ...]) -> Path:
@@ -231,32 +248,50 @@ def predictions(args, cluster_files: list[tuple[str, str]]) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=None)
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                    help="sgd: the sparse ranks update only the rows a batch touched (AdamW's state is dense)")
-    ap.add_argument("--staleness", default="0,1,4")
-    ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"))
-    ap.add_argument("--skip-runs", action="store_true", help="only the cost model's predictions")
-    ap.add_argument("--device-figures", action="store_true",
-                    help="GPU-only, CPU-only and heterogeneous samples/s on this machine (device_check.sh)")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--device-figures: the accelerator rank")
-    ap.add_argument("--cpu-ranks", type=int, default=4, help="--device-figures: cpu ranks (CPU-only; the sparse ranks)")
-    ap.add_argument("--steps", type=int, default=200, help="--device-figures: steps of each run")
-    ap.add_argument("--max-staleness", type=int, default=1, help="--device-figures: the heterogeneous run's K")
-    ap.add_argument("--run-timeout-s", type=float, default=None, help="each `adaptdist train` run's time limit")
-    args = ap.parse_args()
-    if args.device_figures:
-        device_figures(args)
-        return
-    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
-          f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "
-          f"{args.optimizer} lr {args.lr:g}, batch {args.batch_size}, {args.epochs} epochs", flush=True)
+def measured_ratio(results: list[dict], K: int) -> float | None:
+    """async K's samples/s over sync's, both from the mean interval between step ends (data loading included in
+    both, the same measure); None where a run is missing."""
+    sync = next((r for r in results if r["run"].startswith("sync")), None)
+    run = next((r for r in results if r["run"].startswith(f"async-hetero K={K},")), None)
+    if sync is None or run is None or not sync.get("interval_samples_per_s") or not run.get("interval_samples_per_s"):
+        return None
+    return run["interval_samples_per_s"] / sync["interval_samples_per_s"]
+
+
+def cpu_ratio(results: list[dict], K: int) -> float | None:
+    """sync's busiest-rank CPU seconds per step over async K's: the work ratio, steadier under load than the wall
+    clock (the runs' ``cpu_step_s``); None where a run is missing."""
+    sync = next((r for r in results if r["run"].startswith("sync")), None)
+    run = next((r for r in results if r["run"].startswith(f"async-hetero K={K},")), None)
+    if sync is None or run is None or not sync.get("cpu_step_s") or not run.get("cpu_step_s"):
+        return None
+    return sync["cpu_step_s"] / run["cpu_step_s"]
+
+
+def predicted_auto(args, optimizer: str, K: int) -> tuple[str, float]:
+    """What ``--mode auto`` picks on this machine's 2 local cpu ranks, and the predicted async/sync ratio."""
+    import contextlib
+    import io
+
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.compiler.planner.modes import choose_mode, recsys_shape
+    from adaptdist.cost_models.recsys import sync_cost
+    from adaptdist.models import dlrm
+
+    torch.manual_seed(args.seed)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, example, _ = dlrm.factory(args.batch_size, 1, data_path=args.data)
+    shape = recsys_shape(model, example, optimizer)
+    cluster = local_cluster(2)
+    forced = choose_mode(shape, cluster, "async-hetero", K, dense_ranks=(1,))
+    return choose_mode(shape, cluster, "auto", K).mode, sync_cost(shape, cluster).step_s / forced.cost.step_s
+
+
+def run_optimizer(args, optimizer: str, lr: float) -> list[dict]:
+    """Predictions, then the runs side by side (eager, sync, async K...), then their table, for one optimizer."""
+    args = argparse.Namespace(**{**vars(args), "optimizer": optimizer, "lr": lr})
+    print(f"\n## {optimizer} lr {lr:g}: {time.strftime('%H:%M:%S UTC', time.gmtime())}, load average {loadavg()}",
+          flush=True)
     for row in predictions(args, [("this machine (2 local cpu ranks, uncalibrated)", ""),
                                   (Path(args.cluster).name, args.cluster)]):
         extra = ""
@@ -268,7 +303,7 @@ def main() -> None:
               f"{row['async_samples_per_s']:,.0f} samples/s, sync on all {row['sync_all_samples_per_s']:,.0f}, one cpu "
               f"rank {row['one_cpu_samples_per_s']:,.0f}{extra}", flush=True)
     if args.skip_runs:
-        return
+        return []
     from adaptdist.data import movielens as ml
 
     steps = args.epochs * ml.steps_per_epoch(ml.resolve(args.data).split()[0].numel(), args.batch_size)
@@ -287,14 +322,68 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     base = results[0]["samples_per_s"]
     sync = results[1]
-    print(f"\n# {args.epochs} epochs ({steps} steps of {args.batch_size}); load average at the end {loadavg()}")
-    print("| run | samples/s (mean step) | x 1 process | x sync | samples/s (median step) | validation RMSE | "
-          "vs sync's RMSE |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\n# {optimizer}: {args.epochs} epochs ({steps} steps of {args.batch_size}); load average at the end "
+          f"{loadavg()}")
+    print("| run | samples/s (mean step) | x 1 process | x sync | samples/s (median step) | samples/s (mean interval, "
+          "data included) | busiest rank's CPU ms/step | validation RMSE | vs sync's RMSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
+        interval = r.get("interval_samples_per_s")
+        cpu = r.get("cpu_step_s")
         print(f"| {r['run']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f} | "
               f"{r['samples_per_s'] / sync['samples_per_s']:.2f} | {r['median_samples_per_s']:,.0f} | "
+              f"{f'{interval:,.0f}' if interval else '-'} | {f'{1e3 * cpu:.2f}' if cpu else '-'} | "
               f"{r['validation_rmse']:.4f} | {100 * (r['validation_rmse'] / sync['validation_rmse'] - 1):+.2f}% |")
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate")
+    ap.add_argument("--sgd-lr", type=float, default=0.05, help="SGD's learning rate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimizer", default="adamw,sgd",
+                    help="adamw, sgd or both (comma-separated; sgd: the sparse ranks update only the rows a batch "
+                         "touched, AdamW's state is dense)")
+    ap.add_argument("--staleness", default="0,1,4")
+    ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "clusters" / "cpu_hosts_and_gpus.yaml"))
+    ap.add_argument("--skip-runs", action="store_true", help="only the cost model's predictions")
+    ap.add_argument("--device-figures", action="store_true",
+                    help="GPU-only, CPU-only and heterogeneous samples/s on this machine (device_check.sh)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="--device-figures: the accelerator rank")
+    ap.add_argument("--cpu-ranks", type=int, default=4, help="--device-figures: cpu ranks (CPU-only; the sparse ranks)")
+    ap.add_argument("--steps", type=int, default=200, help="--device-figures: steps of each run")
+    ap.add_argument("--max-staleness", type=int, default=1, help="--device-figures: the heterogeneous run's K")
+    ap.add_argument("--run-timeout-s", type=float, default=None, help="each `adaptdist train` run's time limit")
+    args = ap.parse_args()
+    if args.device_figures:
+        device_figures(argparse.Namespace(**{**vars(args), "optimizer": "adamw"}))
+        return
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
+          f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "
+          f"batch {args.batch_size}, {args.epochs} epochs", flush=True)
+    measured = {}
+    optimizers = [o.strip() for o in args.optimizer.split(",")]
+    for opt in optimizers:
+        if opt not in ("adamw", "sgd"):
+            raise SystemExit(f"--optimizer: adamw or sgd, got {opt!r}")
+        measured[opt] = run_optimizer(args, opt, args.lr if opt == "adamw" else args.sgd_lr)
+    print(f"\n# the cost model against the runs (async K / sync samples/s; measured: mean intervals, data loading "
+          f"included in both); load average at the end {loadavg()}")
+    print("| optimizer | K | predicted async/sync | measured async/sync (wall) | measured sync/async (busiest rank's "
+          "CPU per step) | --mode auto picks | faster by the wall clock | cheaper by CPU |")
+    print("|---|---:|---:|---:|---:|---|---|---|")
+    for opt in optimizers:
+        for K in (int(k) for k in args.staleness.split(",")):
+            pick, predicted = predicted_auto(args, opt, K)
+            got, cpu = measured_ratio(measured[opt], K), cpu_ratio(measured[opt], K)
+            faster = "-" if got is None else ("async-hetero" if got > 1 else "sync")
+            cheaper = "-" if cpu is None else ("async-hetero" if cpu > 1 else "sync")
+            print(f"| {opt} | {K} | {predicted:.2f} | {'-' if got is None else f'{got:.2f}'} | "
+                  f"{'-' if cpu is None else f'{cpu:.2f}'} | {pick} | {faster} | {cheaper} |")
 
 
 if __name__ == "__main__":

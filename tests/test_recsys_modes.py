@@ -38,11 +38,13 @@ def test_recsys_shape_of_builtin_dlrm():
 
 
 def test_the_cost_model_by_hand():
-    """Two ranks, one sparse (all tables) and one dense, staleness 1: the step is the slower side's."""
+    """Two ranks, one sparse (all tables) and one dense, staleness 1: the step is the slower side's; staleness 0 the
+    round trip; sync's all_reduce on shared memory is cheaper than on gloo's link; AdamW's sparse update adds the
+    shard's materialized gradient and its passes."""
     c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
     shard_rows = [[(0, 610), (1, 9742), (2, 21)], []]
     cost = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
-    lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * 12 * 1e-5
+    lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * (12 + 12) * 1e-5  # lookups, then the sparse SGD update
     assert cost.rank_s[0] == pytest.approx(lookups)
     link = c.link(0, 1)
     msg = link.latency_s + 256 * 3 * 32 * 4 / link.bandwidth_bytes_per_s
@@ -51,9 +53,30 @@ def test_the_cost_model_by_hand():
     serial = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 0)
     assert serial.step_s == pytest.approx(cost.rank_s[0] + cost.rank_s[1] + cost.comm_s[1])
     assert serial.step_s > cost.step_s
-    sync = sync_cost(SHAPE, c)
+    sync = sync_cost(SHAPE, c, shm=False)
     assert sync.comm_s[0] > 0 and sync.step_s == pytest.approx(max(sync.rank_s) + sync.comm_s[0])
+    assert sync_cost(SHAPE, c, shm=True).comm_s[0] < sync.comm_s[0]
     assert cost.items_per_s == pytest.approx(256 / cost.step_s)
+    import dataclasses
+
+    adamw = async_cost(dataclasses.replace(SHAPE, optimizer="adamw"), c, ("sparse", "dense"), shard_rows, 1)
+    held = (610 + 9742 + 21) * 32
+    assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 84 / 1e10 + 3 * 10 * 1e-5)
+
+
+def test_queue_messages_take_the_calibrated_gloo_fit_where_there_is_one():
+    """A profiled cluster's intra-host all_reduce fit (here: 4 ms a call on 2 ranks) sets the queue messages' cost
+    (one ring hop each: alpha/2 per message on 2 ranks), not the link's datasheet latency."""
+    import dataclasses
+
+    from adaptdist.cost_models.hardware import AlphaBeta
+
+    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
+    shard_rows = [[(0, 610), (1, 9742), (2, 21)], []]
+    fitted = dataclasses.replace(c, fits={("all_reduce", "intra_host"): AlphaBeta(4e-3, 0.0, 2)})
+    plain = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
+    cal = async_cost(SHAPE, fitted, ("sparse", "dense"), shard_rows, 1)
+    assert cal.comm_s[0] == pytest.approx(2 * 2e-3) and cal.comm_s[0] != pytest.approx(plain.comm_s[0])
 
 
 def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():
@@ -105,7 +128,6 @@ def test_plan_shows_the_mode_and_each_ranks_role(folder, tmp_path, capsys):
     (["--plan", "dp"], "does not take --plan dp"),
     (["--dense-ranks", "0,1"], "leaves no sparse rank"),
     (["--precision", "bf16"], "does not take --precision bf16"),
-    (["--max-restarts", "1"], "does not take --max-restarts"),  # no checkpoints yet: it could not restart
     (["--mode", "sync", "--max-staleness", "3"], "--max-staleness bounds the queues of --mode async-hetero"),
 ])
 def test_train_refuses_what_async_hetero_cannot_run_before_starting_ranks(folder, tmp_path, capsys, flags, match):
@@ -170,8 +192,9 @@ def test_auto_stays_sync_where_a_flag_asks_for_the_synchronous_programs(folder, 
     assert "plan 'dp'" in text  # and the synchronous plan follows, as before
 
 
-def test_auto_stays_sync_when_restarts_are_asked_for(folder):
-    """--max-restarts under --mode auto: sync, which checkpoints and restarts (async-hetero cannot yet)."""
+def test_restarts_and_resumes_keep_the_checkpoints_mode(folder):
+    """--max-restarts no longer forces sync (async-hetero checkpoints and restarts); a resumed run keeps the mode of
+    its newest checkpoint, and a mode forced against it is refused."""
     import argparse
 
     from adaptdist.calibrate.local import local_cluster
@@ -179,7 +202,19 @@ def test_auto_stays_sync_when_restarts_are_asked_for(folder):
 
     torch.manual_seed(0)
     model, example, _ = dlrm.factory(16, 1, data_path=str(folder))
-    args = argparse.Namespace(mode="auto", max_staleness=None, dense_ranks=None, plan="auto", optimizer="sgd",
-                              max_restarts=1)
-    choice = resolve_mode(args, model, example, local_cluster(2), None)
-    assert choice.mode == "sync" and "--max-restarts" in choice.reason
+
+    def choose(mode="auto", **kw):
+        args = argparse.Namespace(mode=mode, max_staleness=None, dense_ranks=None, plan="auto", optimizer="sgd",
+                                  max_restarts=1)
+        return resolve_mode(args, model, example, local_cluster(2), None, **kw)
+
+    assert "--max-restarts" not in choose().reason
+    assert choose(mode="async-hetero").mode == "async-hetero"
+    resumed = choose(resuming=True, resume_kind="async-hetero")
+    assert resumed.mode == "async-hetero" and "--resume" in resumed.reason
+    assert choose(resuming=True, resume_kind="sync").mode == "sync"
+    assert choose(resuming=True, resume_kind=None).mode == "sync"
+    with pytest.raises(UsageError, match="async-hetero one; resume it without --mode sync"):
+        choose(mode="sync", resuming=True, resume_kind="async-hetero")
+    with pytest.raises(UsageError, match="--mode sync one"):
+        choose(mode="async-hetero", resuming=True, resume_kind="sync")

@@ -40,15 +40,19 @@ def _staleness(text: str) -> int:
     return k
 
 
-def resolve_mode(args, model, example, cluster, console, *, elastic=None, resuming: bool = False):
+def resolve_mode(args, model, example, cluster, console, *, elastic=None, resuming: bool = False,
+                 resume_kind: str | None = None):
     """The :class:`~adaptdist.compiler.planner.modes.ModeChoice` of the flags, or None when the model has no
     embedding and dense parts and the mode was not forced (other models: the compiled programs, as ever).
 
     ``--mode auto`` keeps ``sync`` where a flag asks for a synchronous plan (``--plan`` other than auto,
-    ``--mesh``, a pipeline), a resumed or elastic run, or mixed precision.
+    ``--mesh``, a pipeline), an elastic run, or mixed precision. A resumed run (``resuming``) keeps the mode of
+    its checkpoint (``resume_kind``: ``"async-hetero"`` for one of :mod:`adaptdist.runtime.hetero_checkpoint`,
+    else ``"sync"``; None: no checkpoint, ``sync`` under auto).
 
     Raises:
-        UsageError: ``async-hetero`` with a model, a flag or a cluster it cannot run with.
+        UsageError: ``async-hetero`` with a model, a flag or a cluster it cannot run with; a mode forced against
+            the resumed checkpoint's.
     """
     from ..compiler.planner.modes import choose_mode, has_sparse_and_dense_parts, recsys_shape
     from ..hetero_layout import parse_dense_ranks
@@ -62,14 +66,23 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
                                    ("--mesh", bool(getattr(args, "mesh", None))),
                                    ("--microbatches", getattr(args, "microbatches", None) is not None),
                                    ("--stage-ranks", bool(getattr(args, "stage_ranks", None))),
-                                   ("--nproc MIN:MAX", elastic is not None), ("--resume", resuming),
+                                   ("--nproc MIN:MAX", elastic is not None),
                                    ("--precision bf16", getattr(args, "precision", "fp32") != "fp32"),
                                    ("--activation-checkpointing", bool(getattr(args, "activation_checkpointing", False))),
                                    ("--trace", bool(getattr(args, "trace", False))),
-                                   ("--max-grad-norm", getattr(args, "max_grad_norm", None) is not None),
-                                   # async-hetero writes no checkpoints yet, so it cannot restart
-                                   ("--max-restarts", bool(getattr(args, "max_restarts", 0))))
+                                   ("--max-grad-norm", getattr(args, "max_grad_norm", None) is not None))
                   if on]
+    resumed_note = ""
+    if resuming and resume_kind == "async-hetero":  # the checkpoint's mode: its state only fits that mode
+        if mode == "sync":
+            raise UsageError("--resume: the run's newest checkpoint is an --mode async-hetero one; resume it without "
+                             "--mode sync (or start a new run)")
+        mode, resumed_note = "async-hetero", "--resume of an async-hetero run"
+    elif resuming:
+        if mode == "async-hetero":
+            raise UsageError("--resume: the run's newest checkpoint is a --mode sync one (or it has none); resume "
+                             "it with --mode sync, or start a new --out for --mode async-hetero")
+        sync_flags.append("--resume")
     if mode == "async-hetero" and sync_flags:
         raise UsageError(f"--mode async-hetero does not take {', '.join(sync_flags)} (they belong to the synchronous "
                          "programs); drop them, or use --mode sync")
@@ -88,6 +101,8 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
 
         shape = RecsysShape((1,), 1, (1,), 0.0, 0.0, 0, 0, 1)
     choice = choose_mode(shape, cluster, mode, staleness, dense, splittable=splittable)
+    if resumed_note:
+        choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates, resumed_note)
     if sync_flags and getattr(args, "mode", "auto") == "auto":
         choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates,
                               f"auto: {', '.join(sync_flags)} asks for the synchronous programs")

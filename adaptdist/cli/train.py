@@ -29,7 +29,7 @@ RUN_FILE_VERSION = 1
 RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan", "mesh", "data", "checkpoint_every",
             "keep", "max_grad_norm", "bucket_mb", "replicate_fallback", "async_checkpoint", "max_restarts",
             "collective_timeout_s", "batch_norm", "precision", "activation_checkpointing", "rng",
-            "microbatches", "schedule", "batch_split", "stage_ranks")
+            "microbatches", "schedule", "batch_split", "stage_ranks", "mode", "max_staleness")
 """The settings ``--resume`` takes from the run (only ``--steps``, ``--nproc`` / ``--cluster`` and ``--out`` may
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
@@ -290,8 +290,7 @@ def cmd_train(args, defaults: dict) -> int:
     spec = ModelSpec.parse(args.model)
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
-    if resume_src is not None:
-        check_resumable(resume_src, args.steps, console)
+    resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
     resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
     import torch
 
@@ -317,8 +316,15 @@ def cmd_train(args, defaults: dict) -> int:
 
     from .modes import resolve_mode
 
+    resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
     choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
-                          resuming=resume_src is not None)
+                          resuming=resume_src is not None, resume_kind=resume_kind)
+    if resume_kind == "async-hetero":  # refused before anything is changed
+        from ..runtime.hetero_checkpoint import check_meta
+
+        tables = built[0].sparse_arch.tables
+        check_meta(resume_info.meta, resume_info.path, args.optimizer, [t.weight.shape[0] for t in tables],
+                   tables[0].embedding_dim)
     args._mode_choice = choice
     if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
         raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode async-hetero "
@@ -478,6 +484,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     summary, loss_text = write_summary(out, result, wall, **{f"{unit}_per_s": result["items_per_s"]},
                                        step_time_s=result["step_time_s"],
                                        mean_step_time_s=result.get("mean_step_time_s"),
+                                       mean_interval_s=result.get("mean_interval_s"),
+                                       cpu_step_s=result.get("cpu_step_s"),
                                        ranks=result.get("world_size", nproc),
                                        threads_per_rank=threads, plan=plan.name,
                                        **({"evaluation": evaluation[0]} if evaluation else {}),
@@ -523,6 +531,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
     from safetensors.torch import save_file
 
     from ..runtime.async_hetero import HeteroConfig, assemble, dense_slices, run_rank
+    from ..runtime.faults import Fault
     from ..runtime.batch_check import batch_shapes
     from ..runtime.launch import launch_local
     from ..runtime.worker import DataSpec
@@ -550,13 +559,14 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
                        optimizer=args.optimizer, lr=args.lr, timeout_s=timeouts.collective_s,
                        threads_per_rank=threads, cpus_of_rank=_cpus_of_rank(cluster, None),
                        devices_of_rank=_devices_of_rank(cluster, None),
-                       backend=_backend(cluster))
+                       backend=_backend(cluster),
+                       checkpoint_root=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every,
+                       keep=args.keep, model_name=spec.text, fault=Fault.from_env())
     print_mode(choice, console)
     begin()
     t0 = time.perf_counter()
-    results = launch_local(run_rank, (cfg,), nproc, max_restarts=0, timeouts=timeouts,
-                           restart_advice="--mode async-hetero writes no checkpoints yet, so it cannot restart; "
-                                          "--mode sync --max-restarts N can")
+    # a restart (--max-restarts) or --resume starts every rank from the newest good checkpoint, on this layout
+    results = launch_local(run_rank, (cfg,), nproc, max_restarts=args.max_restarts, timeouts=timeouts)
     wall = time.perf_counter() - t0
     first_dense = results[layout.dense_ranks[0]]
     assemble(model, layout, {r: results[r]["state"] for r in layout.sparse_ranks}, first_dense["state"])
@@ -568,18 +578,21 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
               for r in range(nproc)}
     result = {"losses": first_dense["losses"], "events": []}
     fields = {"samples_per_s": first_dense["items_per_s"], "step_time_s": first_dense["step_time_s"],
-              "mean_step_time_s": first_dense["mean_step_time_s"],
+              "mean_step_time_s": first_dense["mean_step_time_s"], "mean_interval_s": first_dense["mean_step_time_s"],
               "ranks": nproc, "threads_per_rank": threads, "plan": "async-hetero", **choice.describe(),
-              "rank_seconds": phases}
+              "rank_seconds": phases, "start_step": first_dense.get("start_step", 0),
+              "checkpoints": first_dense.get("checkpoints", [])}
     if evaluation:
         fields["evaluation"] = evaluation[0]
         if "validation_rmse" in evaluation[0]:
             fields["validation_rmse"] = evaluation[0]["validation_rmse"]
     summary, loss_text = write_summary(out, result, wall, **fields)
+    start = first_dense.get("start_step", 0)
     console.print(f"trained {summary['steps']} steps in --mode async-hetero on {nproc} ranks (sparse "
                   f"{','.join(map(str, layout.sparse_ranks))}, dense {','.join(map(str, layout.dense_ranks))}, max "
                   f"staleness {layout.max_staleness}) in {wall:.0f} s: {loss_text}, {first_dense['items_per_s']:,.0f} "
-                  f"samples/s; weights {out / 'model.safetensors'}")
+                  f"samples/s{f' (resumed at step {start})' if start else ''}; checkpoints {out / 'checkpoints'}, "
+                  f"weights {out / 'model.safetensors'}")
     if evaluation:
         console.print(f"evaluation: {evaluation[1]}")
     return 0

@@ -16,7 +16,13 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
 - asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
   their gradients back (point-to-point, Hockney's ``latency + bytes / bandwidth`` of the pair's link); the dense ranks all-reduce the
   dense gradients only. With ``max_staleness >= 1`` the sides overlap (the pipeline's step is its slowest
-  stage's); with 0 they alternate (the step is their sum).
+  stage's; both sides' messages are charged to each side, so the bound of K + 1 steps in flight never binds);
+  with 0 they alternate (the step is their sum). The sparse rank's update: ``SPARSE_APPLY_OPS_PER_SHARD`` ops per shard and,
+  with AdamW, the shard's dense gradient zeroed and accumulated (``2 x 4`` bytes per held parameter, as sync's
+  table gradients) before the optimizer's passes;
+- sync's all_reduce runs through adaptdist's shared-memory kernels where they are loaded and the ranks share a
+  host (as the compiled programs do under ``--comm auto``: :func:`shm_kernels_loaded`), at the cluster's
+  measured ``shm`` fit or the estimated shared-memory figures, not gloo's.
 
 Per-op overhead: the device's ``op_overhead_s`` (measured by ``adaptdist cluster profile``) where given, else
 :data:`DEFAULT_OP_OVERHEAD_S` (a CPU dispatch ~5 µs, as profiled on this project's machines; a CUDA kernel
@@ -34,8 +40,12 @@ from .hardware import ClusterLike
 
 DEFAULT_OP_OVERHEAD_S = {"cpu": 5e-6, "cuda": 1e-5}
 SPARSE_OPS_PER_SHARD = 12
-"""Dispatched ops per table shard per step on a sparse rank (mask, clamp, embedding_bag, unique, index_add, ...:
-adaptdist/runtime/async_hetero.py's SparseWorker)."""
+"""Dispatched ops per table shard per step of the lookups (mask, clamp, embedding_bag, ...: adaptdist/runtime/
+async_hetero.py's SparseWorker.lookup)."""
+SPARSE_APPLY_OPS_PER_SHARD = 12
+"""Dispatched ops per table shard per step of the update (mul, reshape, unique, zeros, index_add, index_add_, ...:
+SparseWorker.apply). Measured (benchmarks/profile_recsys_step.py, 2026-12-03): SGD's apply of builtin:dlrm's 3
+shards takes 0.19 ms, which the model before this term put at 0."""
 OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 84}
 """float32 bytes the optimizer step moves per parameter: SGD reads p and g and writes p; torch's single-tensor AdamW
 (torch/optim/adamw.py, the CPU default: no foreach) makes 8 passes: p *= 1 - lr*wd (8 B), m.lerp_(g) (12), v *= b2
@@ -99,9 +109,13 @@ def _op_s(device) -> float:
     return float(v) if v is not None else DEFAULT_OP_OVERHEAD_S.get(str(device.kind), 5e-6)
 
 
-def _p2p_s(link, n_bytes: float) -> float:
-    """One point-to-point message: ``latency_s + n_bytes / bandwidth_bytes_per_s`` (Hockney)."""
-    return float(link.latency_s) + n_bytes / float(link.bandwidth_bytes_per_s)
+def _p2p_s(cluster: ClusterLike, a: int, b: int, n_bytes: float) -> float:
+    """One point-to-point message between ranks ``a`` and ``b``: ``alpha_s + n_bytes * beta_s_per_byte`` (Hockney)
+    of one hop of their gloo ring (:func:`~adaptdist.cost_models.communication.link_cost`: the cluster's calibrated
+    ``all_reduce`` fit of that tier where ``adaptdist cluster profile`` measured one, else the link's
+    ``latency_s`` and ``bandwidth_bytes_per_s``)."""
+    c = link_cost(cluster, "all_reduce", [a, b])
+    return float(c.alpha_s) + n_bytes * float(c.beta_s_per_byte)
 
 
 def _dense_s(shape: RecsysShape, device, rows: float) -> float:
@@ -122,21 +136,36 @@ def _optimizer_s(shape: RecsysShape, device, params: int, tensors: int) -> float
             + tensors * OPTIMIZER_OPS_PER_TENSOR.get(shape.optimizer, 10) * _op_s(device))
 
 
-def all_reduce_s(cluster: ClusterLike, members: Sequence[int], n_bytes: float) -> float:
-    """Ring all_reduce of ``n_bytes`` over ``members`` (:func:`~adaptdist.cost_models.communication.link_cost`)."""
+def all_reduce_s(cluster: ClusterLike, members: Sequence[int], n_bytes: float, shm: bool = False) -> float:
+    """Ring all_reduce of ``n_bytes`` over ``members`` (:func:`~adaptdist.cost_models.communication.link_cost`;
+    ``shm``: through adaptdist's shared-memory kernels where the members share a host, as the compiled
+    synchronous programs run it)."""
     if len(members) < 2:
         return 0.0
-    c = link_cost(cluster, "all_reduce", members)
+    c = link_cost(cluster, "all_reduce", members, shm=shm)
     return float(collective_time_s("all_reduce", n_bytes, len(members), c.alpha_s, c.beta_s_per_byte))
 
 
-def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | None = None) -> ModeCost:
+def shm_kernels_loaded() -> bool:
+    """Whether adaptdist's shared-memory collectives can run here (``adaptdist.kernels``): then the compiled
+    synchronous programs carry a one-host all_reduce through them (``--comm auto``), not through gloo."""
+    try:
+        from ..kernels import available
+    except ImportError:
+        return False
+    return bool(available())
+
+
+def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | None = None,
+              shm: bool | None = None) -> ModeCost:
     """Synchronous data parallelism over ``ranks`` (default all): each rank the whole step on its
     :func:`torch.chunk` share of the batch, then one all_reduce of every gradient (tables included) and the
-    optimizer over every parameter."""
+    optimizer over every parameter. ``shm``: the all_reduce runs on the shared-memory kernels where the ranks share
+    a host (None: where :func:`shm_kernels_loaded`, as ``--comm auto`` lowers it)."""
     ranks = list(ranks if ranks is not None else range(cluster.world_size))
     rows = -(-shape.batch_size // len(ranks))
-    comm = all_reduce_s(cluster, ranks, (shape.dense_params + shape.table_params) * BYTES)
+    shm = shm_kernels_loaded() if shm is None else shm
+    comm = all_reduce_s(cluster, ranks, (shape.dense_params + shape.table_params) * BYTES, shm=shm)
     own = []
     for r in ranks:
         d = cluster.device(r)
@@ -167,16 +196,19 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
         share = [0.0] * len(shape.table_rows)
         for t, n in shard_rows[r]:
             share[t] += n / shape.table_rows[t]
+        held = sum(n for _, n in shard_rows[r]) * shape.dim
         own[r] = (_lookup_bytes(shape, shape.batch_size, share) / float(d.memory_bandwidth_bytes_per_s)
-                  + len(shard_rows[r]) * SPARSE_OPS_PER_SHARD * _op_s(d)
-                  + (_optimizer_s(shape, d, sum(n for _, n in shard_rows[r]) * shape.dim, len(shard_rows[r]))
+                  + len(shard_rows[r]) * (SPARSE_OPS_PER_SHARD + SPARSE_APPLY_OPS_PER_SHARD) * _op_s(d)
+                  # AdamW's state is dense: the shard's gradient is materialized (zeroed, accumulated) and stepped
+                  + ((2 * held * BYTES / float(d.memory_bandwidth_bytes_per_s)
+                      + _optimizer_s(shape, d, held, len(shard_rows[r])))
                      if shape.optimizer != "sgd" else 0.0))
-        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in dense)
+        comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in dense)
     reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
     for r in dense:
         d = cluster.device(r)
         own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
-        comm[r] = sum(2 * _p2p_s(cluster.link(r, x), msg_bytes) for x in sparse) + reduce_s
+        comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in sparse) + reduce_s
     if max_staleness >= 1:
         step = max(o + c for o, c in zip(own, comm))
     else:

@@ -36,13 +36,14 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import UsageError
+from ..errors import CheckpointError, UsageError
 from ..hetero_layout import DENSE, HeteroLayout, TableShard
 from .faults import Fault
 
@@ -150,8 +151,10 @@ class SparseWorker:
                     rows, inverse = torch.unique(flat, return_inverse=True)
                     grad_rows = torch.zeros(rows.numel(), self.dim).index_add_(0, inverse, contrib)
                     weight.index_add_(0, rows, grad_rows, alpha=-self.lr)
-                else:
+                elif weight.grad is None:
                     weight.grad = torch.zeros_like(weight).index_add_(0, flat, contrib)
+                else:  # the same buffer every step: no fresh allocation of a whole shard's gradient
+                    weight.grad.zero_().index_add_(0, flat, contrib)
         if self.opt is not None:
             self.opt.step()
 
@@ -235,21 +238,54 @@ class SimulationResult:
 
 
 def simulate(model: nn.Module, loss_fn: Callable, batches: Iterator[Sequence[torch.Tensor]], layout: HeteroLayout,
-             steps: int, optimizer: str = "sgd", lr: float = 1e-3, record_grads: bool = False) -> SimulationResult:
-    """Run ``steps`` steps of the schedule in one process, in the order the ranks keep it (the module docstring),
-    and write the trained weights back into ``model``. Every rank's result of :func:`run_rank` equals this up to
-    the order of the dense ranks' all_reduce sum.
+             steps: int, optimizer: str = "sgd", lr: float = 1e-3, record_grads: bool = False,
+             checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
+             resume_from: str | os.PathLike | None = None, start_step: int = 0) -> SimulationResult:
+    """Run steps ``start_step .. steps-1`` of the schedule in one process, in the order the ranks keep it (the module
+    docstring), and write the trained weights back into ``model``. Every rank's result of :func:`run_rank` equals
+    this up to the order of the dense ranks' all_reduce sum.
+
+    With ``checkpoint_dir``, the queues are drained and a checkpoint (:mod:`.hetero_checkpoint`, in
+    ``checkpoint_dir/step-XXXXXXXX``) written every ``checkpoint_every`` steps and after the last, as
+    :func:`run_rank` does; ``resume_from`` (such a directory, any layout) starts from it (``batches`` must then
+    begin at ``start_step``, the checkpoint's step).
 
     Raises:
         UsageError: the model lacks the parts (:func:`check_model`) or the batch does not split over the dense ranks.
+        CheckpointError: ``resume_from`` does not fit the model or ``layout``.
     """
+    from . import checkpoint_store
+    from .hetero_checkpoint import load_dense, load_sparse, meta, write_dense, write_sparse
+
     check_model(model)
     sparse = {r: SparseWorker(model, layout.shards_of(r), optimizer, lr) for r in layout.sparse_ranks}
     dense = DenseWorker(model, loss_fn, optimizer, lr)  # the replicas are equal: one holds them all
+    if resume_from is not None:
+        for w in sparse.values():
+            load_sparse(Path(resume_from), w)
+        load_dense(Path(resume_from), dense)
     pending: deque = deque()
     out = SimulationResult([])
     K = layout.max_staleness
-    for t in range(steps):
+    tables = model.sparse_arch.tables
+
+    def drain_and_save(done: int) -> None:
+        while pending:
+            _, ctxs, grads = pending.popleft()
+            for r, w in sparse.items():
+                w.apply(ctxs[r], grads)
+        if checkpoint_dir is None:
+            return
+        tmp = checkpoint_store.prepare(Path(checkpoint_dir), done)
+        for r, w in sparse.items():
+            write_sparse(tmp, r, w)
+        write_dense(tmp, dense)
+        checkpoint_store.commit(tmp, meta(done, layout, optimizer, [t.weight.shape[0] for t in tables],
+                                          tables[0].embedding_dim, "", out.losses))
+
+    for t in range(start_step, steps):
+        if checkpoint_dir is not None and checkpoint_every and t > start_step and t % checkpoint_every == 0:
+            drain_and_save(t)
         batch = next(batches)
         dense_in, ids, target = split_batch(model, batch)
         B = target.shape[0]
@@ -278,10 +314,7 @@ def simulate(model: nn.Module, loss_fn: Callable, batches: Iterator[Sequence[tor
             out.grads.append(grads)
         dense.step()
         pending.append((t, {r: parts[r][1] for r in sparse}, emb_grads))
-    while pending:
-        _, ctxs, grads = pending.popleft()
-        for r, w in sparse.items():
-            w.apply(ctxs[r], grads)
+    drain_and_save(steps)
     assemble(model, layout, {r: w.state() for r, w in sparse.items()}, dense.dense_arch.state_dict())
     return out
 
@@ -321,6 +354,11 @@ class HeteroConfig:
             sparse ranks keep their tables on cpu); empty: every rank on cpu.
         backend: the ``init_process_group`` backend (:func:`~adaptdist.runtime.devices.process_group_backend`); the
             messages between the sparse and the dense ranks are CPU tensors (gloo) whatever it is.
+        checkpoint_root: write checkpoints under this directory (:mod:`.hetero_checkpoint`) and start from its
+            newest good one, if any (a restart, ``--resume``); None: no checkpoints.
+        checkpoint_every: steps between two checkpoints (the last step always gets one), or None: the last only.
+        keep: checkpoints kept (None: all).
+        model_name: the model's text (``builtin:dlrm``), for the checkpoint's meta.
     """
 
     model: nn.Module | None
@@ -340,6 +378,10 @@ class HeteroConfig:
     initial_state: dict | None = None
     devices_of_rank: tuple = ()
     backend: str = "gloo"
+    checkpoint_root: str | None = None
+    checkpoint_every: int | None = None
+    keep: int | None = None
+    model_name: str = ""
 
     def built(self) -> "HeteroConfig":
         """This config with ``model`` and ``loss_fn`` (built from ``spec`` and ``initial_state`` when None)."""
@@ -358,9 +400,85 @@ class HeteroConfig:
         return dataclasses.replace(self, model=model, loss_fn=loss_fn)
 
 
-def _fire(cfg: HeteroConfig, rank: int, step: int) -> None:
+def _fire(cfg: HeteroConfig, rank: int, step: int, attempt: int = 0) -> None:
     if cfg.fault is not None:
-        cfg.fault.maybe_fire(rank, step, attempt=0)  # this mode never restarts: one attempt
+        cfg.fault.maybe_fire(rank, step, attempt=attempt)
+
+
+def _attempt() -> int:
+    """The launcher's restart count (0 for the first start): a fault fires in the first attempt only."""
+    from .launch import restart_count
+
+    return restart_count()
+
+
+class _Checkpointer:
+    """Writes this rank's part of an async-hetero checkpoint at step boundaries (every rank calls :meth:`save`
+    at the same steps; the first dense rank prepares and commits, :mod:`.checkpoint_store`'s protocol)."""
+
+    def __init__(self, cfg: HeteroConfig, rank: int, group):
+        self.cfg, self.rank, self.group = cfg, rank, group
+        self.writer = cfg.layout.dense_ranks[0]
+        self.saved: list[int] = []
+
+    def due(self, done: int) -> bool:
+        """Whether a checkpoint follows ``done`` steps."""
+        cfg = self.cfg
+        if cfg.checkpoint_root is None or done == 0:
+            return False
+        return done == cfg.steps or (cfg.checkpoint_every is not None and done % cfg.checkpoint_every == 0)
+
+    def save(self, done: int, write, losses: Sequence[float] = ()) -> None:
+        import torch.distributed as dist
+
+        from . import checkpoint_store
+        from .hetero_checkpoint import meta
+
+        cfg = self.cfg
+        root = Path(cfg.checkpoint_root)
+        tmp = [checkpoint_store.prepare(root, done) if self.rank == self.writer else None]
+        dist.broadcast_object_list(tmp, src=self.writer, group=self.group)
+        write(Path(tmp[0]))
+        dist.barrier(group=self.group)
+        if self.rank == self.writer:
+            tables = cfg.model.sparse_arch.tables
+            checkpoint_store.commit(Path(tmp[0]), meta(done, cfg.layout, cfg.optimizer,
+                                                      [t.weight.shape[0] for t in tables], tables[0].embedding_dim,
+                                                      cfg.model_name, losses), keep=cfg.keep)
+        dist.barrier(group=self.group)  # committed before any rank goes on (a failure after it resumes from it)
+        self.saved.append(done)
+
+
+def _resume_point(cfg: HeteroConfig, rank: int, group) -> tuple[str | None, int, list[float]]:
+    """``(checkpoint directory or None, steps done, losses so far)``: the newest good checkpoint under
+    ``cfg.checkpoint_root``, found by the first dense rank and told to every rank.
+
+    Raises:
+        CheckpointError: it is not an async-hetero checkpoint of this model and optimizer.
+    """
+    import torch.distributed as dist
+
+    from . import checkpoint_store
+    from .hetero_checkpoint import check_meta
+
+    if cfg.checkpoint_root is None:
+        return None, 0, []
+    found: list = [None]
+    if rank == cfg.layout.dense_ranks[0]:
+        try:
+            info = checkpoint_store.latest_good(Path(cfg.checkpoint_root),
+                                                lambda m: print(f"rank {rank}: {m}", file=sys.stderr, flush=True))
+            if info is not None:
+                tables = cfg.model.sparse_arch.tables
+                check_meta(info.meta, info.path, cfg.optimizer, [t.weight.shape[0] for t in tables],
+                           tables[0].embedding_dim)
+                found[0] = (str(info.path), info.step, list(info.meta.get("losses", [])))
+        except CheckpointError as e:  # told to every rank: all fail alike, none waits for the others
+            found[0] = str(e)
+    dist.broadcast_object_list(found, src=cfg.layout.dense_ranks[0], group=group)
+    if isinstance(found[0], str):
+        raise CheckpointError(found[0])
+    return found[0] if found[0] is not None else (None, 0, [])
 
 
 def run_rank(cfg: HeteroConfig) -> dict:
@@ -378,7 +496,7 @@ def run_rank(cfg: HeteroConfig) -> dict:
 
     from .affinity import pin_to_cpus
     from .heartbeat import Heartbeat, named_timeout
-    from .worker import global_batches
+    from .worker import positioned_batches
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pinned = cfg.cpus_of_rank[rank] if rank < len(cfg.cpus_of_rank) else None
@@ -396,6 +514,12 @@ def run_rank(cfg: HeteroConfig) -> dict:
     dist.init_process_group(cfg.backend, timeout=timedelta(seconds=cfg.timeout_s))
     role = layout.roles[rank]
     dense_group = dist.new_group(list(layout.dense_ranks)) if len(layout.dense_ranks) > 1 else None
+    # checkpoints coordinate on a group of their own: its collectives never meet the queues' tagged messages
+    ckpt_group = dist.new_group(list(range(world))) if cfg.checkpoint_root is not None else None
+    resume_dir, start, prior_losses = _resume_point(cfg, rank, ckpt_group)
+    if resume_dir is not None:
+        print(f"rank {rank}: resuming from {resume_dir} (step {start})", file=sys.stderr, flush=True)
+    ckpt = _Checkpointer(cfg, rank, ckpt_group)
     heartbeat = Heartbeat(rank, world, collective_timeout_s=cfg.timeout_s)
     heartbeat.beat(0)
     print(f"rank {rank}: {role}" + (f", shards {list(layout.shards_of(rank))}" if role != DENSE else "")
@@ -403,7 +527,7 @@ def run_rank(cfg: HeteroConfig) -> dict:
           + (f", on {device}" if role == DENSE and device.type != "cpu" else ""), file=sys.stderr, flush=True)
     import itertools
 
-    batches = global_batches(cfg.data)
+    batches = positioned_batches(cfg.data, start, lambda m: print(f"rank {rank}: {m}", file=sys.stderr, flush=True))
     # read the data before the first message: a rank still loading it must not time its peers out
     batches = itertools.chain([next(batches)], batches)
     dist.barrier()
@@ -414,17 +538,18 @@ def run_rank(cfg: HeteroConfig) -> dict:
         heartbeat.beat(step)
 
     try:
+        at[0] = start
         if role == DENSE:
-            out = _dense_loop(cfg, rank, batches, dense_group, beat, device)
+            out = _dense_loop(cfg, rank, batches, dense_group, beat, device, start, resume_dir, prior_losses, ckpt)
         else:
-            out = _sparse_loop(cfg, rank, batches, beat)
+            out = _sparse_loop(cfg, rank, batches, beat, start, resume_dir, ckpt)
         dist.barrier()  # every message matched before any rank tears its group down
     except Exception as e:
         raise named_timeout(e, heartbeat, max(1, at[0])) from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return {"rank": rank, "role": role, **out}
+    return {"rank": rank, "role": role, "start_step": start, "checkpoints": ckpt.saved, **out}
 
 
 def _wait(works: Sequence[Any]) -> None:
@@ -432,16 +557,22 @@ def _wait(works: Sequence[Any]) -> None:
         w.wait()
 
 
-def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
+def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat, start: int = 0, resume_dir: str | None = None,
+                 ckpt: _Checkpointer | None = None) -> dict:
     import torch.distributed as dist
+
+    from .hetero_checkpoint import load_sparse, write_sparse
 
     layout = cfg.layout
     worker = SparseWorker(cfg.model, layout.shards_of(rank), cfg.optimizer, cfg.lr)
+    if resume_dir is not None:
+        load_sparse(Path(resume_dir), worker)
     dense_ranks = layout.dense_ranks
     K = layout.max_staleness
     inflight: deque = deque()  # (step, ctx, grad buffers, recv works, send works, sent tensors)
-    wait_s = lookup_s = apply_s = 0.0
+    wait_s = lookup_s = apply_s = post_s = 0.0
     first_grads = None
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     def apply_oldest() -> None:
         nonlocal wait_s, apply_s, first_grads
@@ -457,9 +588,13 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
         wait_s += t1 - t0
         apply_s += time.perf_counter() - t1
 
-    for t in range(cfg.steps):
+    for t in range(start, cfg.steps):
+        if ckpt is not None and t > start and ckpt.due(t):  # drained first: every step < t applied
+            while inflight:
+                apply_oldest()
+            ckpt.save(t, lambda d: write_sparse(d, rank, worker))
         beat(t + 1)
-        _fire(cfg, rank, t + 1)
+        _fire(cfg, rank, t + 1, _attempt())
         batch = next(batches)
         _, ids, target = split_batch(cfg.model, batch)
         slices = dense_slices(target.shape[0], len(dense_ranks))
@@ -468,26 +603,38 @@ def _sparse_loop(cfg: HeteroConfig, rank: int, batches, beat) -> dict:
         t0 = time.perf_counter()
         parts, ctx = worker.lookup(ids, slices)
         parts = [p.contiguous() for p in parts]
-        lookup_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        lookup_s += t1 - t0
         sends = [dist.isend(p, dst=d, tag=t) for p, d in zip(parts, dense_ranks)]
         grads = [torch.empty(s.stop - s.start, worker.num_tables, worker.dim) for s in slices]
         recvs = [dist.irecv(g, src=d, tag=t) for g, d in zip(grads, dense_ranks)]
+        post_s += time.perf_counter() - t1
         inflight.append((t, ctx, grads, recvs, sends, parts))  # parts: alive until their sends complete
     while inflight:
         apply_oldest()
-    out = {"state": worker.state(), "wait_s": wait_s, "lookup_s": lookup_s, "apply_s": apply_s}
+    if ckpt is not None and cfg.steps > start and ckpt.due(cfg.steps):
+        ckpt.save(cfg.steps, lambda d: write_sparse(d, rank, worker))
+    # loop_s: the loop's wall time; cpu_s: this process's CPU time in it (gloo's threads included), the work
+    # a quiet core would need
+    out = {"state": worker.state(), "wait_s": wait_s, "lookup_s": lookup_s, "apply_s": apply_s, "post_s": post_s,
+           "loop_s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0}
     if first_grads is not None:
         out["first_grads"] = first_grads
     return out
 
 
-def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device: torch.device) -> dict:
+def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device: torch.device, start: int = 0,
+                resume_dir: str | None = None, prior_losses: Sequence[float] = (),
+                ckpt: _Checkpointer | None = None) -> dict:
     import torch.distributed as dist
 
     from .devices import from_exchange, to_exchange
+    from .hetero_checkpoint import load_dense, write_dense
 
     layout = cfg.layout
     worker = DenseWorker(cfg.model, cfg.loss_fn, cfg.optimizer, cfg.lr, device=device)
+    if resume_dir is not None:
+        load_dense(Path(resume_dir), worker)
     # the dense ranks' all_reduce: on their device when all are cuda (nccl), else on cpu (gloo)
     dense_kinds = {cfg.devices_of_rank[r].kind if r < len(cfg.devices_of_rank) else "cpu" for r in layout.dense_ranks}
     reduce_device = device if dense_kinds == {"cuda"} else torch.device("cpu")
@@ -497,14 +644,19 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device
     dim = cfg.model.sparse_arch.tables[0].embedding_dim
     K = layout.max_staleness
     posted: deque = deque()  # (step, buffers, recv works): at most K + 1 steps ahead
-    losses, ends = [], []
+    losses, ends = list(prior_losses), []
     wait_s = compute_s = reduce_s = 0.0
     grads_of_step: list = []
     sends_pending: deque = deque()
     queue: deque = deque()  # the batches of the posted steps
+    post_s = data_s = 0.0
+    wall0, cpu0 = time.perf_counter(), time.process_time()
 
     def post(t: int) -> None:
+        nonlocal data_s
+        t0 = time.perf_counter()
         batch = next(batches)
+        data_s += time.perf_counter() - t0
         dense_in, _, target = split_batch(cfg.model, batch)
         s = dense_slices(target.shape[0], len(layout.dense_ranks))[me]
         bufs = [torch.empty(s.stop - s.start, num_tables, dim) for _ in sparse_ranks]
@@ -513,11 +665,11 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device
         queue.append((from_exchange(dense_in[s], device) if dense_in is not None else None,
                       from_exchange(target[s], device), (s.stop - s.start) / target.shape[0]))
 
-    for t in range(min(K + 1, cfg.steps)):
+    for t in range(start, min(start + K + 1, cfg.steps)):
         post(t)
-    for t in range(cfg.steps):
+    for t in range(start, cfg.steps):
         beat(t + 1)
-        _fire(cfg, rank, t + 1)
+        _fire(cfg, rank, t + 1, _attempt())
         _, bufs, works = posted.popleft()
         dense_in, target, share = queue.popleft()
         t0 = time.perf_counter()
@@ -527,18 +679,20 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device
         worker.zero_grad()
         loss, g = worker.forward_backward(emb, dense_in, target, share)
         g = to_exchange(g)  # to the sparse ranks over gloo
+        tp = time.perf_counter()
         sends = [dist.isend(g, dst=r, tag=t) for r in sparse_ranks]
         sends_pending.append((sends, g))
         if t + K + 1 < cfg.steps:
             post(t + K + 1)
         t2 = time.perf_counter()
+        post_s += t2 - tp
         if dense_group is not None:
             flat = torch.cat([worker.flat_grads().to(reduce_device), torch.tensor([loss], device=reduce_device)])
             dist.all_reduce(flat, group=dense_group)
             worker.set_flat_grads(flat[:-1].to(device))
             loss = float(flat[-1])
         t3 = time.perf_counter()
-        if cfg.record_first_grads and t == 0:
+        if cfg.record_first_grads and t == start:
             grads_of_step = {f"dense_arch.{n}": p.grad.cpu().clone() for n, p in worker.dense_arch.named_parameters()}
         worker.step()
         while len(sends_pending) > K + 1:
@@ -546,7 +700,11 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device
         losses.append(loss)
         ends.append(time.perf_counter())
         wait_s += t1 - t0
-        compute_s += (t2 - t1) + (ends[-1] - t3)
+        compute_s += (tp - t1) + (ends[-1] - t3)
+        if ckpt is not None and ckpt.due(t + 1):  # this step's gradients sent before the state is saved
+            while sends_pending:
+                _wait(sends_pending.popleft()[0])
+            ckpt.save(t + 1, lambda d: write_dense(d, worker) if rank == ckpt.writer else None, losses)
         reduce_s += t3 - t2
     while sends_pending:
         _wait(sends_pending.popleft()[0])
@@ -560,7 +718,8 @@ def _dense_loop(cfg: HeteroConfig, rank: int, batches, dense_group, beat, device
     mean_s = (ends[-1] - ends[warm]) / max(1, len(ends) - 1 - warm)
     out = {"state": {k: v.detach().cpu() for k, v in worker.dense_arch.state_dict().items()}, "losses": losses, "items_per_s": B / mean_s,
            "step_time_s": statistics.median(intervals), "mean_step_time_s": mean_s, "wait_s": wait_s,
-           "compute_s": compute_s, "reduce_s": reduce_s}
+           "compute_s": compute_s, "reduce_s": reduce_s, "post_s": post_s - data_s, "data_s": data_s,
+           "loop_s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0}
     if cfg.record_first_grads:
         out["first_grads"] = grads_of_step
     return out

@@ -490,6 +490,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
         checkpoint_times: list[float] = []
+        ends: list[float] = []  # each step's end, for the interval between steps (data loading included)
+        cpu_in_steps_s = 0.0  # this process's CPU seconds inside the steps (every thread's)
         pending = None  # an asynchronous checkpoint not committed yet
         async_group = None
         if cfg.async_checkpoint and cfg.checkpoint:
@@ -512,6 +514,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 if fault is not None:
                     fault.maybe_fire(rank, step + 1, attempt - cfg.first_attempt, cfg.out_dir)
                 t0 = time.perf_counter()
+                cpu0 = time.process_time()
                 try:
                     with trace.step(step):
                         if cfg.measure_memory_step == step:
@@ -527,6 +530,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                         raise
                     raise named from e
                 dt = time.perf_counter() - t0
+                cpu_in_steps_s += time.process_time() - cpu0
+                ends.append(time.perf_counter())
                 losses.append(loss)
                 times.append(dt)
                 done = step + 1
@@ -569,6 +574,11 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "step_time_s": statistics.median(warm),
             "mean_step_time_s": statistics.fmean(warm),
             "items_per_s": cfg.items_per_step / statistics.median(warm),
+            # the mean interval between two step ends after 5 steps (data loading included: the measure of
+            # --mode async-hetero's pipeline), and the CPU seconds per step of this process (load-independent)
+            "mean_interval_s": ((ends[-1] - ends[min(5, len(ends) - 2)]) / (len(ends) - 1 - min(5, len(ends) - 2))
+                                if len(ends) >= 2 else float("nan")),
+            "cpu_step_s": cpu_in_steps_s / max(1, len(ends)),
             "checkpoint_s": checkpoint_times,
             "peak_bytes": peak.peak_bytes if peak else None,
             "rss_peak_bytes": peak.rss_peak_bytes if peak else None,
