@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _torch_compat as compat
+from . import graph_agreement
 from ..program import SplitProgram
 from .sharded_params import ShardedStateWarning, accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
@@ -152,6 +153,10 @@ class CompiledStep:
         # called once after this graph's first backward (or at its second call, without one): the end of the
         # first step, when every graph of the step is compiled (the backend reports graph breaks there)
         self.after_first_step: Any = None
+        # which graph this is, the same on every rank that compiled it (graph_agreement.graph_id), and in words
+        # (its frame and lines): every forward and backward starts by checking all ranks enter the same graph
+        self.graph_id = 0
+        self.description = "a compiled graph"
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -162,6 +167,9 @@ class CompiledStep:
         return self.program.collectives()
 
     def __call__(self, *args: torch.Tensor):
+        # before any collective of this graph (the broadcast of the first call included): every rank runs it
+        graph_agreement.announce(graph_agreement.FORWARD, self.graph_id,
+                                 lambda: graph_agreement.unit_text(graph_agreement.FORWARD, self.description))
         if self.calls == 0:
             if self.world_size > 1 and torch.is_grad_enabled():
                 _refuse_eager_parameters(args)
@@ -403,6 +411,8 @@ class _StepFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         step: CompiledStep = ctx.step
         like = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.output_shapes]
+        graph_agreement.announce(graph_agreement.BACKWARD, step.graph_id,
+                                 lambda: graph_agreement.unit_text(graph_agreement.BACKWARD, step.description))
         with compat.autocast_disabled():
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None
