@@ -1794,14 +1794,18 @@ RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES}
 # extrema (all_reduce_extrema), gathers/scatters by global row (localize_indices), statistics (globalize_statistics)
 
 
+_WHOLE_EXTREMA = (aten.max.default, aten.min.default, aten.all.default, aten.any.default)  # over every dim
+
+
 def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims): over the sharded dim each rank reduces its
-    own rows and the output is replicated once the ``all_reduce_extrema`` pass all-reduces it (max/min) right
-    after the op; otherwise as :func:`reduction` (a Partial input is reduced first)."""
+    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims), all/any(x[, dims, keepdim]) (a min/max of
+    bools): over the sharded dim each rank reduces its own rows and the output is replicated once the
+    ``all_reduce_extrema`` pass all-reduces it (max/min) right after the op; otherwise as :func:`reduction` (a
+    Partial input is reduced first)."""
     x = node.args[0]
     p = pl(x)
     nd = len(shape(x))
-    whole = node.target in (aten.max.default, aten.min.default)
+    whole = node.target in _WHOLE_EXTREMA
     dims = list(range(nd)) if whole else _norm_dims(_arg(node, 1, "dim", None), nd)
     if isinstance(p, Shard) and p.dim in dims:
         return RuleResult(R)
@@ -1867,6 +1871,13 @@ RULES.update({
     aten.amin.default: extremum,
     aten.max.default: extremum,
     aten.min.default: extremum,
+    # all/any (one_hot's check of its labels, `assert (y >= 0).all()`): a min/max of bools (issue 14)
+    aten.all.default: extremum,
+    aten.all.dim: extremum,
+    aten.all.dims: extremum,
+    aten.any.default: extremum,
+    aten.any.dim: extremum,
+    aten.any.dims: extremum,
 })
 
 

@@ -11,14 +11,17 @@ waits until the collective timeout.
 
 The protocol. A **unit** is a sequence of collectives that is the same on every rank that enters it
 with the same id: the compile of a graph (:data:`COMPILE`), the forward of a compiled graph
-(:data:`FORWARD`) and its backward (:data:`BACKWARD`). Every unit starts with :func:`announce`: one
-``all_gather`` of ``int64[2] = (kind, graph id)`` over the world group, the same collective on every
-rank whatever the unit. Since every collective adaptdist issues belongs to a unit, the ranks' collective
-streams are equal up to the first unit whose announcements differ (by induction over units), and at
-that unit every rank is inside the same announce collective: each rank sees all announcements, so all
-of them stop together, with one :class:`~adaptdist.errors.RankDivergenceError` naming each rank's
-graph, after one more exchange of descriptions (every rank takes that error path, so the exchange
-matches too). No rank is left inside a collective of the old graph: it never started one.
+(:data:`FORWARD`) and its backward (:data:`BACKWARD`). Every unit that issues a collective starts with
+:func:`announce`: one ``all_gather`` of ``int64[2] = (kind, graph id)`` over the world group, the same
+collective on every rank whatever the unit. Every collective adaptdist issues belongs to a unit, so the
+ranks' collective streams are equal up to the first communicating unit whose announcements differ (by
+induction over units: a unit that issues no collective, such as the forward of a data-parallel graph,
+adds nothing to a rank's stream and needs no announcement), and at that unit every rank is inside the
+same announce collective: each rank sees all announcements, so all of them stop together, with one
+:class:`~adaptdist.errors.RankDivergenceError` naming each rank's graph, after one more exchange of
+descriptions (every rank takes that error path, so the exchange matches too). No rank is left inside a
+collective of the old graph: it never started one. A rank that skipped a silent forward meets the
+compiling rank at its next announcement (the backward, or the next graph's forward).
 
 The other option, letting the rank that does not recompile block in the old graph's collective until the
 collective timeout and then explain the timeout, is not sound on gloo: the two collectives usually meet
@@ -29,9 +32,9 @@ DDP's per-rank computation), so its compile announces nothing either (ranks may 
 under DDP); and the user's own collectives, which adaptdist cannot order: divergent Python code that
 calls ``dist.all_reduce`` itself can still meet an announcement.
 
-Cost: two ``all_gather`` of 16 bytes per compiled graph per training step (forward and backward), on
-gloo about 0.1-0.5 ms each on 2 ranks (``benchmarks/bench_graph_agreement.py``; figures in
-``benchmarks/RESULTS.md``). The graph id is the hash of the graph signature the ranks agreed on at
+Cost: one ``all_gather`` of 16 bytes per compiled graph per training step under a data-parallel plan (before the
+backward: the forward communicates only at the first call), two under plans whose forward communicates (fsdp,
+tp); a gloo round trip each (``benchmarks/bench_graph_agreement.py``; figures in ``benchmarks/RESULTS.md``). The graph id is the hash of the graph signature the ranks agreed on at
 compile (:func:`graph_id`), so it is equal on every rank that compiled the same graph.
 """
 
