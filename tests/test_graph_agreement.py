@@ -30,7 +30,7 @@ def test_message_names_each_group_of_ranks_its_unit_and_the_fix():
     assert "ranks [0, 2]: about to run the forward of graph G of frame f (a.py:3)" in text
     assert "rank 1: about to compile a new graph for frame g (a.py:9)" in text
     assert "rank 3: about to run the backward of graph G" in text
-    assert "rank 1 compile a graph the other ranks do not" in text and "(this is rank 2)" in text
+    assert "rank 1 compiles a graph the other ranks do not" in text and "(this is rank 2)" in text
     assert "torch.where(cond, a, b)" in text and "drop_last=True" in text
     # no rank compiles: the ranks run different compiled graphs
     other = ga.divergence_message([(ga.FORWARD, 7), (ga.FORWARD, 8)], ["run the forward of A", "run the forward of B"], 0)

@@ -123,7 +123,8 @@ def divergence_message(rows: list[tuple[int, int]], texts: list[str], rank: int)
         groups.setdefault(row, []).append(r)
     parts = [f"{_ranks(rs)}: about to {texts[rs[0]]}" for rs in groups.values()]
     compiling = [r for r, (k, _) in enumerate(rows) if k == COMPILE]
-    why = (_ranks(compiling) + " compile a graph the other ranks do not: the ranks took different paths "
+    why = (_ranks(compiling) + (" compiles" if len(compiling) == 1 else " compile") + " a graph the other ranks do "
+           "not: the ranks took different paths "
            "through the Python code (a branch on data taken differently, after a graph break), or a guard failed on "
            "some ranks only (an input of another shape, a Python value that differs) and Dynamo recompiles there"
            if compiling else "the ranks took different paths through the Python code (a branch on data taken "
