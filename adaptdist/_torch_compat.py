@@ -670,6 +670,31 @@ def dynamo_frame_is_resume() -> bool:
     return code is not None and "resume_in" in code.co_name
 
 
+def dynamo_frame() -> tuple[str, str, int] | None:
+    """The frame Dynamo is compiling, from a backend: (function name, file, first line); a resume function after a
+    graph break is named ``torch_dynamo_resume_in_<function>_at_<line>``. None outside a compile."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        code = getattr(InstructionTranslator.current_tx(), "f_code", None)
+    except AttributeError:
+        return None
+    return None if code is None else (code.co_name, code.co_filename, code.co_firstlineno)
+
+
+def dynamo_recompile_reason() -> str | None:
+    """Why Dynamo is compiling this frame again (the first failed guard of its cached graphs, as
+    ``TORCH_LOGS=recompiles`` prints it), from a backend; None at a frame's first compile or where this torch
+    does not record it (``torch._dynamo.utils.get_metrics_context``)."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:
+        return None
+    return reason if isinstance(reason, str) else None
+
+
 def in_compiled_module_call() -> bool:
     """Whether a ``torch.compile``d module's call is in progress (so a module's forward hook runs for the
     compiled model, not for an eager call of the original module)."""

@@ -58,6 +58,12 @@ class PlanMismatchError(AdaptdistError):
     """A plan was made for another graph (model, batch shape or torch version)."""
 
 
+class RankDivergenceError(PlanMismatchError):
+    """Under the torch.compile backend, the ranks reached different compiled graphs at the same point of a step
+    (a branch on data taken differently, a recompile on some ranks only); raised on every rank before any of
+    that graph's collectives. The message names the ranks, each one's graph and frame, and what to do."""
+
+
 class InternalError(AdaptdistError):
     """A compiler pass failed on a valid input: a bug in adaptdist; the message names the pass."""
 

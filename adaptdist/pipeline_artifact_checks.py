@@ -139,8 +139,8 @@ def check_pipeline_meta(meta: object, path: Path, rank: int, manifest: Mapping[s
         pf = _Fields(pro, f"{f.source} prologue")
         if pf.need("class") != "Prologue":
             raise pf.fail("class", f"must be 'Prologue', got {_short(pro['class'])}")
-        if not (isinstance(pf.need("reduce_ops"), list) and all(o in ("sum", "max") for o in pro["reduce_ops"])):
-            raise pf.fail("reduce_ops", f"must list 'sum' or 'max' per output, got {_short(pro['reduce_ops'])}")
+        if not (isinstance(pf.need("reduce_ops"), list) and all(o in ("sum", "max", "min") for o in pro["reduce_ops"])):
+            raise pf.fail("reduce_ops", f"must list 'sum', 'max' or 'min' per output, got {_short(pro['reduce_ops'])}")
         pf.str_list("names")
     recorded = f.str_map("files", lambda v: isinstance(v, str), "sha256 digests")
     listed = {k.split("/", 1)[1]: v for k, v in manifest["files"].items()

@@ -52,7 +52,7 @@ Prologue (``prologue(*local_batch) -> (*normalizers)``): evaluated once per step
 on this replica's whole local batch (rows ``batch_slice``, every batch tensor); its outputs are the
 per-replica partial values of the batch-only reductions the forward needs (e.g. the number of valid,
 non-ignored tokens of a cross-entropy over all microbatches). The runtime all-reduces output ``i`` with
-op :attr:`PrologueProgram.reduce_ops` ``[i]`` (``"sum"`` or ``"max"``) over
+op :attr:`PrologueProgram.reduce_ops` ``[i]`` (``"sum"``, ``"max"`` or ``"min"``) over
 :attr:`PipelineRankProgram.batch_group`, then passes them to every ``forward``.
 
 Sends and receives: stage ``s`` of this rank receives from :attr:`StageProgram.recv_from` and sends to
@@ -145,7 +145,7 @@ class PrologueProgram:
 
     Attributes:
         module: the GraphModule.
-        reduce_ops: per output, how the batch group combines it: ``"sum"`` or ``"max"``.
+        reduce_ops: per output, how the batch group combines it: ``"sum"``, ``"max"`` or ``"min"``.
         names: per output, the joint-graph node it replaces (for messages and reports).
     """
 

@@ -454,3 +454,66 @@ def hf_retrace_worker(name: str, plan: str, lr: float, timeout_s: float = 180.0)
         return out
     finally:
         dist.destroy_process_group()
+
+
+class _BranchOnData(torch.nn.Module):
+    """A data-dependent ``if`` between two layers (a graph break, then one resume function per side)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        if x.mean() > 0:
+            h = h * 2
+        else:
+            h = h - 1
+        return self.out(h)
+
+
+def divergence_worker(timeout_s: float = 60.0) -> dict:
+    """Ranks that agree at step 0 and diverge at step 1, two ways, in one process group (the first error leaves
+    every rank at the same point, so the second case runs after it):
+
+    - ``branch``: the ranks take the same side of a branch on data at step 0, different sides at step 1 (rank 1
+      compiles the other side's resume function alone);
+    - ``shape``: rank 1's batch at step 1 has 3 rows instead of 4 (Dynamo recompiles on rank 1 only).
+
+    Per case: the error each rank stopped with (type and text, or "no error"), the steps it completed and the
+    seconds from the divergent step's start to the error."""
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    rank = dist.get_rank()
+    out = {}
+    try:
+        for case in ("branch", "shape"):
+            torch._dynamo.reset()
+            model = _BranchOnData() if case == "branch" else mlp(4, seed=0)[0]
+            compiled = torch.compile(model, backend=adaptdist.backend(plan="dp"), dynamic=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            done, error, t0 = 0, "no error", 0.0
+            for step in range(3):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                if case == "branch":
+                    x = torch.randn(4, 16, generator=g) + (1.0 if step == 0 or rank == 0 else -1.0)
+                    y = torch.randint(0, 3, (4,), generator=g)
+                else:
+                    rows = 3 if step == 1 and rank == 1 else 4
+                    x, y = torch.randn(rows, 12, generator=g), torch.randint(0, 5, (rows,), generator=g)
+                t0 = time.perf_counter()
+                try:
+                    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+                except Exception as e:  # Dynamo wraps the backend's error on the rank that compiles
+                    error = f"{type(e).__name__}: {e}"
+                    break
+                opt.step()
+                opt.zero_grad()
+                done += 1
+            out[case] = (error, done, time.perf_counter() - t0)
+        return out
+    finally:
+        dist.destroy_process_group()

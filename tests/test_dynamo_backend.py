@@ -18,8 +18,8 @@ import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
-from backend_workers import (FACTORIES, backend_sgd_worker, interleaved_meshes_worker, mismatch_worker,
-                             sequential_mlp, sequential_worker, sharded_memory_worker, sharded_usage_worker,
+from backend_workers import (FACTORIES, backend_sgd_worker, divergence_worker, interleaved_meshes_worker,
+                             mismatch_worker, sequential_mlp, sequential_worker, sharded_memory_worker, sharded_usage_worker,
                              teardown_worker)
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
@@ -567,3 +567,25 @@ def test_backend_with_shared_memory_collectives_equals_eager():
     for k in range(len(cases)):
         calls = results[0][k]["collectives"][0]
         assert calls and all(c.startswith("adaptdist.shm_") for c in calls), calls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_that_diverge_after_the_first_step_stop_with_a_typed_error():
+    """Issue 14: a branch on data taken alike at step 0 and differently at step 1 (only rank 1 compiles the other
+    side), and a smaller batch on rank 1 at step 1 (only rank 1 recompiles): every rank stops at step 1 with a
+    RankDivergenceError naming the ranks, the frame and the fix, at once (no SIGABRT, no wait for the timeout)."""
+    results = launch_local(divergence_worker, (60.0,), 2)
+    for r in (0, 1):
+        for case, (error, done, seconds) in results[r].items():
+            assert done == 1 and "RankDivergenceError" in error, (r, case, error)
+            assert seconds < 30, (r, case, seconds)  # well within the 60 s collective timeout
+            assert "rank 1: about to compile a new graph for frame" in error, (r, case, error)
+            # dp's forward communicates nowhere, so rank 0 meets rank 1 at its backward's announcement
+            assert "rank 0: about to run the backward of graph" in error, (r, case, error)
+            assert f"(this is rank {r})" in error and "torch.where(cond, a, b)" in error, (r, case, error)
+        branch = results[r]["branch"][0]
+        assert "torch_dynamo_resume_in_forward_at_" in branch and "after its graph break at line" in branch, branch
+        shape = results[r]["shape"][0]
+        assert "Dynamo compiles this frame again" in shape and "drop_last=True" in shape, shape
+        assert "float32[3, 12]" in shape and "float32[4, 12]" in shape, shape

@@ -68,6 +68,23 @@ class _Diagonals(nn.Module):
         return out
 
 
+class _Bools(nn.Module):
+    """all/any over the split rows (a min/max of bools; ``F.one_hot`` checks its labels so): the ``all`` is False
+    only from row 3's first column and the ``any`` True only from row 0's second, which lie on different ranks;
+    per column (all.dim, any.dim with keepdim) and over a list of dims (all.dims)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        ok, some = (x[:, 0] > -1.5).all(), (x[:, 1] > 1.0).any()
+        cols = (x > 0).all(0).float().sum() + (x > 0).any(dim=0, keepdim=True).float().sum()
+        return (h.pow(2).sum() * torch.where(ok, 2.0, 3.0) + h.sum() * torch.where(some, 1.0, -1.0) + cols
+                + h.mean() * (x > -3).all(dim=(0, 1)).float())
+
+
 def _loss(out, target):
     return out + 0.0 * target.sum()
 
@@ -83,6 +100,12 @@ def _diagonals_case(seed=0):
     return _Diagonals(), (torch.randn(4, 3, generator=g), torch.zeros(4)), _loss
 
 
+def _bools_case(seed=0):
+    x = torch.tensor([[0.5, 2.0, 0.1], [0.2, 0.3, -0.4], [1.0, -0.1, 0.3], [-2.0, 0.4, 0.2]])
+    torch.manual_seed(seed)
+    return _Bools(), (x, torch.zeros(4)), _loss
+
+
 def _ties_case(seed=0):
     x = torch.tensor([[1.0, 1, 1, 0, 0, 0], [0.1, 0.2, 0.3, 0, 0, 0], [0, 0, 0, 1, 1, 1], [0.3, 0.2, 0.1, 0, 0, 0]])
     torch.manual_seed(seed)
@@ -90,7 +113,7 @@ def _ties_case(seed=0):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("case", [_stats_case, _ties_case, _diagonals_case])
+@pytest.mark.parametrize("case", [_stats_case, _ties_case, _diagonals_case, _bools_case])
 def test_equal_eager_without_gathering_the_batch(case, world):
     model, batch, loss_fn = case()
     progs, hist, params, _ = simulated_sgd(model, batch, loss_fn, world, "dp", LR, STEPS)

@@ -124,6 +124,24 @@ def test_pipeline_equals_eager(model, stages, microbatches, mesh):
                 assert not [n for n in st.backward_input.graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.parametrize("mesh", [None, "pp=2,dp=2"])
+def test_mse_against_one_hot_labels_lowers_without_gathering_the_batch(mesh):
+    """``F.mse_loss(out, F.one_hot(y, C).float())`` (issue 14): one_hot checks its labels with all(y >= 0) and
+    all(y < C) over the batch, all-reduced with min, which the pipeline computes in its prologue over every
+    microbatch (as a cross-entropy's valid-token count); equal to eager."""
+    m, batch, _ = deep_mlp(batch_size=8)
+
+    def loss_fn(out, t):
+        return F.mse_loss(out, F.one_hot(t, 5).float())
+
+    expected = eager(m, batch, loss_fn)
+    progs = compile_model(m, batch, loss_fn, 4 if mesh else 2, None, mesh=mesh,
+                          pipeline=PipelineOptions(stages=2, microbatches=2))
+    for p in progs.values():
+        assert p.prologue is not None and set(p.prologue.reduce_ops) == {"min"}, p.prologue
+    check_against_eager(progs, batch, expected)
+
+
 def test_loss_is_the_global_sum_over_the_global_valid_token_count():
     """Two microbatches holding 11 and 101 valid tokens: the loss is the sum over all 112, not a mean of means."""
     m, (tokens, targets), loss_fn = tiny_gpt(batch_size=4, seq_len=64)

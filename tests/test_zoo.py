@@ -138,3 +138,22 @@ def test_table_and_grid_of_every_outcome(tmp_path):
     text = cap.get()
     assert "plan: UnsupportedOpError: x" in text and "differs" in text
     assert zoo_cli.counts(records)[:2] == (1, 4)
+
+
+def test_hugging_face_swin_under_a_batch_split_equals_eager_without_gathering():
+    """HF Swin (issue 14: "as_strided: no rule" under dp): its pooler's as_strided is folded into reshapes at
+    capture, so dp lowers it on 2 simulated ranks with no gather of the batch, equal to eager after 2 SGD steps."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    from passutil import collective_nodes, simulated_sgd
+    from reference import eager_sgd
+
+    model, batch, loss_fn = zoo.get("hf-swin").build(4)
+    progs, hist, params, _ = simulated_sgd(model, batch, loss_fn, 2, "dp", 0.1, 2)
+    assert all(not collective_nodes(p.graph_module, "all_gather") for p in progs.values())
+    want_hist, want_params = eager_sgd(model, [batch], loss_fn, 0.1, 2)
+    for (loss, grads), (want_loss, want_grads) in zip(hist, want_hist):
+        assert loss == pytest.approx(want_loss, abs=1e-5)
+        for f, g in want_grads.items():
+            torch.testing.assert_close(grads[f], g, atol=1e-5, rtol=0, msg=f)
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=1e-5, rtol=0, msg=f)

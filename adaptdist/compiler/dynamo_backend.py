@@ -35,11 +35,13 @@ import torch.distributed as dist
 import torch.fx
 
 from .. import _torch_compat as compat
-from ..errors import AdaptdistError, CaptureError, PlanMismatchError, UsageError
+from ..errors import (AdaptdistError, CaptureError, CollectiveTimeoutError, PlanMismatchError, RankDivergenceError,
+                      UsageError)
 from ..lowering_options import LoweringOptions, advice_fitting
 from ..mesh import Mesh
 from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
+from ..runtime import graph_agreement
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
 from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
@@ -299,16 +301,7 @@ def _control_group() -> Any:
 
 def _all_gather_text(text: str, group: Any) -> list[str]:
     """Every rank's ``text`` (a collective: every rank calls it)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    parts = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [bytes(p[:int(s.item())].tolist()).decode() for p, s in zip(parts, sizes)]
+    return graph_agreement.all_gather_text(text, group)
 
 
 def _rank_hosts(comm: str, rank: int, group: Any) -> tuple[tuple[str, ...] | None, str | None]:
@@ -368,11 +361,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     _note_graph_breaks(gm)
     inputs, captured, tangent_outputs, error, as_is = [], None, [], "", False
     cap_inputs, experts = [], StackedExperts()
-    control = _control_group() if distributed else None
+    frame = compat.dynamo_frame()
+    # the frame as every rank names it (not its file: paths may differ between hosts)
+    frame_key = f"{frame[0]}:{frame[2]}" if frame else ""
+    announced, control, signature = False, None, ""
     try:
         inputs = classify_inputs(gm, example_inputs)
         check_batch_norm(gm, config.batch_norm)
         as_is = _runs_as_is(gm, inputs)
+        if distributed and not as_is:  # before any collective of this compile (graph_agreement says why)
+            _announce_compile(gm, inputs, frame)
+            announced = True
         if not as_is:
             # ModuleList experts: one stacked [E, ...] input per parameter name (issue 14, ep)
             cap_gm, cap_inputs, experts = stack_dynamo_experts(gm, inputs)
@@ -395,6 +394,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 fold_stack_of_unbind(captured.gm)
             for note in experts.notes:
                 log.info("adaptdist: %s", note)
+    except (RankDivergenceError, CollectiveTimeoutError):  # raised on every rank already
+        raise
     except Exception as e:  # every failure is told to every rank, so none waits in a collective
         hint = _data_dependent_hint()
         if not distributed:
@@ -402,10 +403,16 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 raise CaptureError(f"{e}{hint}") from e
             raise
         error = f"error: {type(e).__name__}: {e}{hint}"
+    if as_is and not error:
+        # nothing crosses ranks (DDP's per-rank computation): no agreement, so ranks may differ here as under DDP;
+        # a rank that captured a graph instead announces it, and this rank's next compiled graph meets that
+        log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
+        return gm
     if distributed:
-        # ranks agree also on running a graph as it is: a rank that captured instead would wait in collectives
-        signature = (f"as-is:{_structure(gm)} [{_input_shapes(inputs)}]" if as_is and not error else
-                     error or _signature(captured, inputs))
+        if not announced:
+            _announce_compile(gm, inputs, frame)
+        control = _control_group()
+        signature = error or _signature(captured, inputs)
         texts = _agree("capturing the compiled graph", signature, rank, control)
         if len(set(texts)) > 1:
             groups: dict[str, list[int]] = {}
@@ -418,9 +425,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                     for text, rs in groups.items())
                 + "); every rank must run the same model on inputs of the same shapes and dtypes"
                 + (_data_dependent_hint() or shapes_hint or _divergent_branch_hint()))
-    if as_is:
-        log.debug("adaptdist: a compiled graph with nothing to split runs as it is on each rank")
-        return gm
     if distributed and config.rng == "global":
         _check_same_rng_state(rank, control)
     plan = _plan(captured, inputs, config, world, rank, control)
@@ -462,12 +466,60 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank, cap_inputs, experts,
                           expert_rows)
     step.process_groups = groups
+    step.graph_id = graph_agreement.graph_id(f"{signature}|{frame_key}") if distributed else 0
+    step.description = _graph_text(signature, frame, gm)
     step.root_module = weakref.ref(root) if root is not None else None
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
     if rank == 0:
         _log_compiled(programs, config, world, time.perf_counter() - t0)
     return step
+
+
+def _frame_text(frame: tuple[str, str, int] | None) -> str:
+    return f"frame {frame[0]} ({frame[1]}:{frame[2]})" if frame else "a frame"
+
+
+def _user_lines(gm: torch.fx.GraphModule) -> str:
+    """The user code a Dynamo graph holds, as ``file:first-last`` of its nodes' stack traces ("" if none)."""
+    sites = [(m.group(1), int(m.group(2))) for n in gm.graph.nodes if n.meta.get("stack_trace")
+             for m in [list(_FRAME.finditer(n.meta["stack_trace"]))[-1]]]
+    if not sites:
+        return ""
+    lines = [line for f, line in sites if f == sites[0][0]]
+    return f"{sites[0][0]}:{min(lines)}" + (f"-{max(lines)}" if max(lines) != min(lines) else "")
+
+
+def _announce_compile(gm: torch.fx.GraphModule, inputs: list[GraphInput], frame: tuple[str, str, int] | None) -> None:
+    """Tell the other ranks this rank compiles a graph (:func:`graph_agreement.announce`): they must be
+    compiling too, else every rank stops with a RankDivergenceError naming this frame, Dynamo's reason to
+    recompile it and the graph's code lines."""
+    def describe() -> str:
+        reason = compat.dynamo_recompile_reason()
+        lines = _user_lines(gm)
+        return graph_agreement.unit_text(
+            graph_agreement.COMPILE,
+            _frame_text(frame) + (f", code {lines}" if lines else "") + f", inputs [{_input_shapes(inputs)}]"
+            + (f" (Dynamo compiles this frame again: {reason})" if reason else _first_graph_text(frame)))
+    graph_agreement.announce(graph_agreement.COMPILE, 0, describe)
+
+
+def _first_graph_text(frame: tuple[str, str, int] | None) -> str:
+    """Why a frame compiled for the first time on one rank may be new to it: a resume function is the code after
+    a graph break, reached by this rank only when the break is a branch it took differently."""
+    m = re.match(r"torch_dynamo_resume_in_(.+)_at_(\d+)$", frame[0]) if frame else None
+    if m:
+        return (f" (the frame's first graph: the code of {m.group(1)} after its graph break at line {m.group(2)}, "
+                "which this rank reaches for the first time)")
+    return " (the frame's first graph)"
+
+
+def _graph_text(signature: str, frame: tuple[str, str, int] | None, gm: torch.fx.GraphModule) -> str:
+    """A compiled graph in words, for a RankDivergenceError: its fingerprint, frame and code lines."""
+    lines = _user_lines(gm)
+    inputs = signature.partition(" ")[2]
+    return (f"graph {signature[:12] or '(one rank)'} compiled earlier for {_frame_text(frame)}"
+            + (f", code {lines}" if lines else "") + (f", inputs {inputs}" if inputs else ""))
 
 
 def _log_compiled(programs: Mapping[int, Any], config: AdaptdistBackend, world: int, compile_s: float) -> None:
@@ -567,20 +619,6 @@ def _input_shapes(inputs: list[GraphInput]) -> str:
 def _signature(captured: Any, inputs: list[GraphInput]) -> str:
     """What ranks must agree on: the captured graph's fingerprint, then the user inputs' shapes and dtypes."""
     return f"{graph_fingerprint(captured.gm)} [{_input_shapes(inputs)}]"
-
-
-def _structure(gm: torch.fx.GraphModule) -> str:
-    """A short hash of a Dynamo graph's ops and their output shapes (its arguments' text can hold addresses,
-    which differ between ranks)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for n in gm.graph.nodes:
-        v = n.meta.get("example_value")
-        shape = f"{list(v.shape)}{v.dtype}" if isinstance(v, torch.Tensor) else ""
-        target = getattr(n.target, "__name__", n.target) if n.op == "call_function" else n.target
-        h.update(f"{n.op}|{target if n.op != 'placeholder' else ''}|{shape}\n".encode())
-    return h.hexdigest()[:12]
 
 
 def _runs_as_is(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> bool:

@@ -1011,8 +1011,13 @@ def _batch_only(x: torch.fx.Node):
     return None
 
 
+# how the prologue combines the microbatches' values of a normalizer all-reduced with this op (else: added)
+_PROLOGUE_COMBINE = {"max": aten.maximum.default, "min": aten.minimum.default}
+
+
 def _prologue(gm: torch.fx.GraphModule, batch_phs: list, normalizers: list, M: int, rows: int) -> PrologueProgram:
-    """``prologue(*local_batch)``: each normalizer's value summed (or max-ed) over the M microbatches."""
+    """``prologue(*local_batch)``: each normalizer's value summed (or max-ed, min-ed: an all/any of the labels, such
+    as ``F.one_hot``'s check) over the M microbatches."""
     graph = torch.fx.Graph()
     inputs = [graph.placeholder(f"batch_{i}") for i in range(len(batch_phs))]
     totals = [None] * len(normalizers)
@@ -1039,12 +1044,11 @@ def _prologue(gm: torch.fx.GraphModule, batch_phs: list, normalizers: list, M: i
             if totals[k] is None:
                 totals[k] = val
             else:
-                totals[k] = graph.call_function(aten.maximum.default if op == "max" else aten.add.Tensor,
-                                                (totals[k], val))
+                totals[k] = graph.call_function(_PROLOGUE_COMBINE.get(op, aten.add.Tensor), (totals[k], val))
     graph.output(tuple(totals))
     ops = tuple(op for _, _, op in normalizers)
     for op in ops:
-        if op not in ("sum", "max"):
+        if op not in ("sum", *_PROLOGUE_COMBINE):
             raise PipelineError(f"a normalizer reduced with {op!r} over the batch is not supported in a pipeline")
     return PrologueProgram(torch.fx.GraphModule(gm, graph), ops,
                            tuple(node.name for _, (_, node), _ in normalizers))

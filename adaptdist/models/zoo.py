@@ -343,6 +343,29 @@ def build_hf_vit(batch_size: int):
     return HFViT(), _rows(batch_size, 3, 3, 8, 8), F.cross_entropy
 
 
+class HFSwin(nn.Module):
+    """Swin for image classification: ``pixels [B, 3, 16, 16] -> logits [B, 3]`` (patches of 2, windows of 2x2
+    patches, shifted windows in the second block of each stage, a patch merging between the two stages)."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers as tr
+
+        self.swin = tr.SwinForImageClassification(tr.SwinConfig(
+            image_size=16, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1], num_heads=[2, 2], window_size=2,
+            mlp_ratio=2.0, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            drop_path_rate=0.0))
+
+    def forward(self, pixels):
+        return self.swin(pixel_values=pixels).logits
+
+
+def build_hf_swin(batch_size: int):
+    """:class:`HFSwin`: images ``[B, 3, 16, 16]`` -> 3 classes, cross entropy."""
+    torch.manual_seed(0)
+    return HFSwin(), _rows(batch_size, 3, 3, 16, 16), F.cross_entropy
+
+
 _NO_DROPOUT_ENC = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 ZOO: dict[str, ZooModel] = {m.name: m for m in (
@@ -389,6 +412,8 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in (
     ZooModel("hf-t5", build_hf_t5, 4, "HF T5 encoder-decoder with labels (its own loss, shared embedding)",
              requires="transformers"),
     ZooModel("hf-vit", build_hf_vit, 4, "HF ViT image classifier (class token, position embeddings)",
+             requires="transformers"),
+    ZooModel("hf-swin", build_hf_swin, 4, "HF Swin image classifier (shifted windows, patch merging)",
              requires="transformers"),
     ZooModel("hf-roberta", _encoder_classifier("RobertaConfig", "RobertaForSequenceClassification", vocab=31,
                                                hidden_size=16, intermediate_size=32, num_hidden_layers=1,

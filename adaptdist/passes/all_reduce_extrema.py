@@ -1,6 +1,7 @@
 """Pass: a max or min over a sharded dim, as this rank's extremum all-reduced (issue 14 point 1, "opinfo90").
 
-``amax``/``amin``/``max``/``min`` (no dim) over the sharded dim: the rule
+``amax``/``amin``/``max``/``min`` (no dim), and ``all``/``any`` (a min/max of bools: ``F.one_hot`` checks its
+labels with them) over the sharded dim: the rule
 (``sharding_rules.extremum``) leaves the input sharded and calls the output replicated; here
 each rank's extremum is all-reduced with ``max``/``min`` (gloo and the simulator support both)
 right after the op, so every consumer sees the global one. A rank that may hold no rows of
@@ -35,13 +36,16 @@ from .infra import placement_of
 
 aten = torch.ops.aten
 R = Replicate()
-EXTREMA = {aten.amax.default: "max", aten.max.default: "max", aten.amin.default: "min", aten.min.default: "min"}
+EXTREMA = {aten.amax.default: "max", aten.max.default: "max", aten.amin.default: "min", aten.min.default: "min",
+           # a bool's all is its min, any its max (gloo reduces bools with both)
+           aten.all.default: "min", aten.all.dim: "min", aten.all.dims: "min",
+           aten.any.default: "max", aten.any.dim: "max", aten.any.dims: "max"}
 
 
 def reduced_dims(node: torch.fx.Node) -> list[int]:
     """The dims ``node`` (one of :data:`EXTREMA`) reduces over."""
     nd = node.args[0].meta["val"].dim()
-    if node.target in (aten.max.default, aten.min.default):
+    if node.target in (aten.max.default, aten.min.default, aten.all.default, aten.any.default):
         return list(range(nd))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
     if isinstance(dims, int):

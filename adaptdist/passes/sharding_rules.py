@@ -1794,14 +1794,39 @@ RULES.update({op: rule for op, rule in _OPINFO_RULES.items() if op not in RULES}
 # extrema (all_reduce_extrema), gathers/scatters by global row (localize_indices), statistics (globalize_statistics)
 
 
+def as_strided(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """as_strided(x, size, stride, offset) / as_strided_scatter / as_strided_copy: they address the input's memory
+    with explicit strides, which mean nothing on a shard. Capture rewrites the ones that are reshapes (a contiguous
+    input read row-major: ``compiler/strided_views.py``); what is left runs only on replicated inputs (None:
+    every rank computes the same value).
+
+    Raises:
+        UnsupportedOpError: a sharded or partial input; names the op, its size and strides and what to write."""
+    if all(isinstance(pl(a), Replicate) for _, a in tensor_args(node)):
+        return None
+    names = ("size", "stride", "storage_offset") if node.target is not aten.as_strided_scatter.default else (
+        "", "size", "stride", "storage_offset")
+    view = ", ".join(f"{n} {_arg(node, i + 1, n)}" for i, n in enumerate(names) if n)
+    err = unsupported(node, pl, f"it reads its input's memory with explicit strides ({view}), which mean nothing on "
+                      "a shard; adaptdist turns it into a reshape only where it is one (a contiguous input read in "
+                      "row-major order), and this one is not. Write the view with view/reshape/permute/transpose/"
+                      "unfold/narrow, which keep the batch rows apart")
+    err.no_strategy = True  # the replicate fallback may run it whole
+    raise err
+
+
+_WHOLE_EXTREMA = (aten.max.default, aten.min.default, aten.all.default, aten.any.default)  # over every dim
+
+
 def extremum(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims): over the sharded dim each rank reduces its
-    own rows and the output is replicated once the ``all_reduce_extrema`` pass all-reduces it (max/min) right
-    after the op; otherwise as :func:`reduction` (a Partial input is reduced first)."""
+    """(opinfo90) amax/amin(x, dims, keepdim), max/min(x) (all dims), all/any(x[, dims, keepdim]) (a min/max of
+    bools): over the sharded dim each rank reduces its own rows and the output is replicated once the
+    ``all_reduce_extrema`` pass all-reduces it (max/min) right after the op; otherwise as :func:`reduction` (a
+    Partial input is reduced first)."""
     x = node.args[0]
     p = pl(x)
     nd = len(shape(x))
-    whole = node.target in (aten.max.default, aten.min.default)
+    whole = node.target in _WHOLE_EXTREMA
     dims = list(range(nd)) if whole else _norm_dims(_arg(node, 1, "dim", None), nd)
     if isinstance(p, Shard) and p.dim in dims:
         return RuleResult(R)
@@ -1867,6 +1892,16 @@ RULES.update({
     aten.amin.default: extremum,
     aten.max.default: extremum,
     aten.min.default: extremum,
+    aten.as_strided.default: as_strided,
+    aten.as_strided_scatter.default: as_strided,
+    aten.as_strided_copy.default: as_strided,
+    # all/any (one_hot's check of its labels, `assert (y >= 0).all()`): a min/max of bools (issue 14)
+    aten.all.default: extremum,
+    aten.all.dim: extremum,
+    aten.all.dims: extremum,
+    aten.any.default: extremum,
+    aten.any.dim: extremum,
+    aten.any.dims: extremum,
 })
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _torch_compat as compat
+from . import graph_agreement
 from ..program import SplitProgram
 from .sharded_params import ShardedStateWarning, accumulate_grad, layout_of, shard_parameter
 from ..errors import AdaptdistError
@@ -152,6 +153,14 @@ class CompiledStep:
         # called once after this graph's first backward (or at its second call, without one): the end of the
         # first step, when every graph of the step is compiled (the backend reports graph breaks there)
         self.after_first_step: Any = None
+        # which graph this is, the same on every rank that compiled it (graph_agreement.graph_id), and in words
+        # (its frame and lines): a forward or backward that communicates starts by checking that every rank enters
+        # this graph; one that does not (a dp forward) needs no check (graph_agreement's docstring says why)
+        self.graph_id = 0
+        self.description = "a compiled graph"
+        gathers = io.group_name is not None
+        self.forward_communicates = gathers or _has_collective(split.forward)
+        self.backward_communicates = gathers or _has_collective(split.backward)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -162,6 +171,9 @@ class CompiledStep:
         return self.program.collectives()
 
     def __call__(self, *args: torch.Tensor):
+        if self.forward_communicates or self.calls == 0:  # the first call broadcasts the state: a collective too
+            graph_agreement.announce(graph_agreement.FORWARD, self.graph_id,
+                                     lambda: graph_agreement.unit_text(graph_agreement.FORWARD, self.description))
         if self.calls == 0:
             if self.world_size > 1 and torch.is_grad_enabled():
                 _refuse_eager_parameters(args)
@@ -337,6 +349,14 @@ class CompiledStep:
         return out
 
 
+def _has_collective(gm: Any) -> bool:
+    """Whether a program part issues a collective (a functional collective or an adaptdist shared-memory one)."""
+    from ..comm_transport import is_shm_collective
+
+    return any(n.op == "call_function" and (compat.is_functional_collective(n.target) or is_shm_collective(n.target))
+               for n in getattr(getattr(gm, "graph", None), "nodes", ()))
+
+
 def _flat(entries: list[Any]) -> list[int]:
     """Dynamo input indices, a stacked entry's members in its place."""
     return [m for i in entries for m in (i if isinstance(i, list) else [i])]
@@ -403,6 +423,9 @@ class _StepFunction(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         step: CompiledStep = ctx.step
         like = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.output_shapes]
+        if step.backward_communicates:
+            graph_agreement.announce(graph_agreement.BACKWARD, step.graph_id,
+                                     lambda: graph_agreement.unit_text(graph_agreement.BACKWARD, step.description))
         with compat.autocast_disabled():
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None

@@ -250,7 +250,8 @@ class PipelineStepRunner:
             outs = tuple(o.clone() for o in outs)
             for i, (o, op) in enumerate(zip(outs, pro.reduce_ops)):
                 name = pro.names[i] if i < len(pro.names) else f"normalizer {i}"
-                self._all_reduce(o, group, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, name)
+                reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+                self._all_reduce(o, group, reduce_op, name)
         return outs
 
     @torch.no_grad()

@@ -115,7 +115,7 @@ def simulate_pipeline(programs: Mapping[int, PipelineRankProgram], batch: tuple[
         out = []
         for k, op in enumerate(p.prologue.reduce_ops):
             vals = torch.stack([norms[m][k] for m in p.batch_group])
-            out.append(vals.amax(0) if op == "max" else vals.sum(0))
+            out.append(vals.amax(0) if op == "max" else vals.amin(0) if op == "min" else vals.sum(0))
         reduced[r] = out
 
     sends: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (rank, stage, mb) -> send
