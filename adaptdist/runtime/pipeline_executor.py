@@ -30,11 +30,12 @@ bytes), and torch's ``_add_send_recv`` places a receive at its point of one glob
 before its use (1F1B's last rank receives ``F(i+1)``'s activations before ``B(i)``; interleaved and zero bubble
 receive before an independent ``F``), so blocking sends and receives made each rank wait for its peer's whole
 compute action: on WideMLP (benchmarks/RESULTS.md, "bench_pp_bubble: posted sends and receives") the idle fraction
-was 1.5-4x the schedule's. Still deadlock-free: the lists are proven to terminate under blocking (rendezvous)
-semantics (:func:`adaptdist.pipeline_schedules.check_deadlock_free`), and every wait here needs less than the
-blocking one at the same point (a receive: the peer has posted the send, which it did before the rendezvous; a send,
-at the step's end: the peer has posted the receive, which it did before finishing its list), so no rank can wait
-longer than under blocking semantics, for any schedule and any routes. Every message has its own tag (stage,
+was 1.5-8x the formula's, and posting brought 1F1B's down to it. Still deadlock-free: the lists are proven to
+terminate under blocking (rendezvous) semantics (:func:`adaptdist.pipeline_schedules.check_deadlock_free`), and
+every wait here needs less than the blocking one at the same point of the list (a receive: the peer has posted the
+send, which it had done before the rendezvous; a send, at the step's end: the peer has posted the receive, which it
+had done before finishing its list), so every point the blocking run reaches this one reaches too: the lists
+terminate, for any schedule and any routes. Every message has its own tag (stage,
 direction, microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls
 fails the wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the
 microbatch. A sent tensor stays referenced until the step's end (at most one boundary activation or gradient per
@@ -234,10 +235,7 @@ class PipelineStepRunner:
                 works.append((work, f"receive {a} (tensor {i}{'' if routes is None else f', piece from rank {p}'})",
                               p))
             parts.append(bufs)
-        if routes is None:
-            values = tuple(b[0] for b in parts)
-        else:
-            values = None
+        values = tuple(b[0] for b in parts) if routes is None else None  # routed: assembled once received
         return _PostedRecv(a, works, parts, routes, specs, values, handle)
 
     def _take(self, store: dict, key: tuple[int, int]) -> tuple:
