@@ -1,6 +1,7 @@
 """The executor posts sends and receives and waits only where it must (one process, a scripted peer instead of gloo):
 a receive blocks only the compute action that uses its values, sends are waited for at the step's end; the last
-stage's loss and the gradients it sends equal autograd's."""
+stage's loss and the gradients it sends equal autograd's; and those semantics, simulated on every schedule's lists,
+let every rank finish."""
 
 from __future__ import annotations
 
@@ -110,3 +111,66 @@ def test_receives_waited_at_their_place_in_the_list_would_stall_on_that_peer(mon
     runner, _, _, target = _last_stage(monkeypatch, _BlockingReceives)
     with pytest.raises(CollectiveTimeoutError, match=r"receive 1RECV_F1 .*with rank 0"):
         runner.step((torch.zeros(ROWS, D), target))
+
+
+def _run_posted(order: dict, pp: int) -> tuple[dict, set]:
+    """Every rank's list under the executor's semantics: sends and receives are posted and never block; a compute
+    action blocks until the message it uses was posted by both ends; at the end each send waits for its receive.
+    Returns each rank's position when nothing can move (its list's length when it finished) and the sends whose
+    receive was never posted."""
+    from adaptdist.pipeline_schedules import stage_rank
+
+    posted: set[tuple] = set()  # (kind, stage, microbatch) of every posted send and receive, all ranks
+    pos = {r: 0 for r in order}
+
+    def needs(a) -> list[tuple]:
+        """The (send, receive) pair compute action ``a`` waits for, if its input comes from another rank."""
+        if a.kind == "F" and a.stage > 0 and stage_rank(a.stage - 1, pp) != stage_rank(a.stage, pp):
+            return [("SEND_F", a.stage - 1, a.microbatch), ("RECV_F", a.stage, a.microbatch)]
+        if a.kind in ("B", "I") and ("RECV_B", a.stage, a.microbatch) in wanted:
+            return [("SEND_B", a.stage + 1, a.microbatch), ("RECV_B", a.stage, a.microbatch)]
+        return []
+
+    wanted = {(a.kind, a.stage, a.microbatch) for acts in order.values() for a in acts if a.kind == "RECV_B"}
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in order.items():
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                    posted.add((a.kind, a.stage, a.microbatch))
+                elif not all(n in posted for n in needs(a)):
+                    break
+                pos[r] += 1
+                moved = True
+    sends = {(k, s, mb) for acts in order.values() for a in acts for k, s, mb in [(a.kind, a.stage, a.microbatch)]
+             if k.startswith("SEND")}
+    unmatched = {(k, s, mb) for k, s, mb in sends  # the step's end: every send waits for its receive
+                 if (k.replace("SEND", "RECV"), s + (1 if k == "SEND_F" else -1), mb) not in posted}
+    return pos, unmatched
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb"])
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)])
+def test_every_schedule_finishes_with_posted_sends_and_receives(schedule, pp, m):
+    """The executor's semantics (posted, waited at use and at the end) on every schedule's lists: every rank
+    reaches the end of its list (the module docstring's argument, checked)."""
+    from adaptdist.pipeline_schedules import pipeline_order, stages_per_rank
+
+    order = pipeline_order(schedule, pp, m, stages_per_rank(schedule))
+    pos, unmatched = _run_posted(order, pp)
+    assert all(pos[r] == len(order[r]) for r in order), {r: (pos[r], len(order[r])) for r in order}
+    assert not unmatched
+
+
+def test_a_receive_placed_after_its_use_is_caught():
+    """The control: a list whose receive comes after the forward that needs it does not finish."""
+    from adaptdist.pipeline_schedules import pipeline_order
+
+    order = pipeline_order("1f1b", 2, 2, 1)
+    acts = list(order[1])
+    i = next(k for k, a in enumerate(acts) if a.kind == "RECV_F")
+    acts[i], acts[i + 1] = acts[i + 1], acts[i]  # 1F0 before 1RECV_F0
+    pos, unmatched = _run_posted({0: order[0], 1: acts}, 2)
+    assert pos[1] == i < len(acts) and unmatched
