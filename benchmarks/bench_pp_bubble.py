@@ -266,6 +266,8 @@ def main() -> int:
         model, batch, loss_fn = build(args.rows, args.width, args.layers)
         dirs, meta, modes = {}, {}, {}
         p2p = args.p2p.split(",")
+        if not p2p or set(p2p) - {"posted", "blocking"}:
+            ap.error(f"--p2p takes posted and/or blocking, got {args.p2p!r}")
         for m in mbs:
             for s in scheds:
                 v = stages_per_rank(s)
