@@ -31,8 +31,10 @@ tensor, its receive on the peer at the same point of one global order of all ran
 list in that global order matches each send with its receive as a pair, so the lists terminate even when a send
 blocks until the peer receives (rendezvous semantics, the strictest); :func:`check_deadlock_free` proves it for given
 numbers by simulating every rank with such blocking sends and receives. The runtime (``runtime/pipeline_executor.py``)
-runs the lists as given with ``torch.distributed`` point-to-point ops; torch's own schedule classes are not used to
-run our stages because they drive ``PipelineStage`` objects through autograd (``stage.backward_one_chunk``), while a
+runs the lists as given with ``torch.distributed`` point-to-point ops, posted (``isend``/``irecv``; a receive waited
+for right before its use, which needs less than the rendezvous here: its module docstring); torch's own schedule
+classes are not used to run our stages because they drive ``PipelineStage`` objects through autograd
+(``stage.backward_one_chunk``), while a
 :class:`~adaptdist.stage_program.StageProgram` has its backward as an explicit graph (``backward_input`` /
 ``backward_weight``) and its gradients arrive as outputs, not in ``.grad``.
 

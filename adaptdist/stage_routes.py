@@ -18,7 +18,7 @@ Deadlock freedom: the schedules' lists are proven to terminate with one blocking
 stages' replica groups, all posted in the same action of the list; each sender posts its pieces in (tensor,
 receiver rank) order and each receiver in (tensor, sender rank) order, so the pending message that is least in
 (tensor, sender, receiver) order is always the next one of both its ends: the exchange completes with rendezvous
-semantics too.
+semantics too. The executor posts them (``isend``/``irecv``, waited later), which needs less than that.
 
 Data model (pure, no process group): :class:`Piece`, :class:`TensorRoute`, :class:`StageRoutes`, their JSON forms,
 and the functions that cut (:func:`cut`) and assemble (:func:`assemble`) tensors; the lowering builds them

@@ -17,12 +17,20 @@ configuration are dropped. Printed per configuration and rank:
   times of each rank (medians over the measured steps): ``1 - m t_r / T``;
 - ``sim``: ``pipeline_schedules.simulate_timeline`` of the schedule's real action lists with the same times
   (equal stages: the median over ranks; messages free): ``1 - busy_r / T``;
-- ``ideal``: the formula with F = I = W on equal stages (``(p-1)/(m+p-1)`` for GPipe/1F1B).
+- ``ideal``: the formula with F = I = W on equal stages (``(p-1)/(m+p-1)`` for GPipe/1F1B);
+- ``p2p wait ms``: per step, the time the rank was blocked waiting for a send or a receive (the executor's ``wait``
+  spans); ``idle ms``: ``measured`` times the step.
+
+``--p2p posted,blocking`` runs every configuration twice in the same process group, blocks alternating: with the
+executor's posted sends and receives (``isend``/``irecv``, receives waited for right before their use, sends at the
+step's end) and with each send and receive waited for at its place in the list (the executor before that change):
+a before/after under the same machine load.
 
 Outside CI::
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_pp_bubble.py [--nproc 2] [--microbatches 4,8] [--width 1024]
-        [--layers 8] [--rows 256] [--steps 4] [--reps 2] [--warmup 1] [--json FILE]
+        [--layers 8] [--rows 256] [--steps 4] [--reps 2] [--warmup 1] [--p2p posted,blocking]
+        [--json FILE] [--save-traces DIR]
 """
 
 from __future__ import annotations
@@ -68,6 +76,24 @@ def build(rows: int, width: int, layers: int):
 
 # --------------------------------------------------------------------------- worker (one per rank)
 
+def blocking_runner_class():
+    """``PipelineStepRunner`` with the point-to-point semantics it had before posted sends and receives (up to
+    commit b091288): each send and each receive waited for at its own place in the action list (the "before" of
+    ``--p2p posted,blocking``, measured in the same process group as the "after")."""
+    from adaptdist.runtime.pipeline_executor import PipelineStepRunner
+
+    class BlockingP2PStepRunner(PipelineStepRunner):
+        def _post_sends(self, tensors, routes, peer, a, backward, pending):
+            mine: list = []
+            super()._post_sends(tensors, routes, peer, a, backward, mine)
+            self._wait_sends(mine)
+
+        def _post_recvs(self, specs, routes, peer, a, backward, stage):
+            return self._take({0: super()._post_recvs(specs, routes, peer, a, backward, stage)}, 0)
+
+    return BlockingP2PStepRunner
+
+
 def worker(cfg: dict) -> dict:
     from safetensors.torch import load_file
 
@@ -86,8 +112,9 @@ def worker(cfg: dict) -> dict:
         for name, d in cfg["dirs"].items():
             program = load_pipeline_program(d, rank, world_size=world)
             groups = setup_pipeline_groups(program, cfg["timeout_s"])
-            runners[name] = PipelineStepRunner(program, "sgd", 1e-3, groups, timeout_s=cfg["timeout_s"],
-                                               make_optimizer=make_optimizer)
+            cls = blocking_runner_class() if cfg["p2p"][name] == "blocking" else PipelineStepRunner
+            runners[name] = cls(program, "sgd", 1e-3, groups, timeout_s=cfg["timeout_s"],
+                                make_optimizer=make_optimizer)
             recs[name] = TraceRecorder(rank)
             runners[name].use_trace(recs[name])
             recs[name].align_clocks()
@@ -182,13 +209,18 @@ def analyse(trace, schedule: str, p: int, m: int, v: int) -> dict:
     ideal = schedule_estimate(schedule, [1.0] * p, [1.0] * p if schedule == "zb" else [2.0] * p,
                               [1.0 if schedule == "zb" else 0.0] * p, m)
     wall = statistics.median(s.duration_s for s in trace.steps if s.rank == 0)
-    comm = {r: sum(s.duration_s for s in trace.spans if s.rank == r and s.kind in ("send", "recv"))
-            / len(steps) for r in trace.ranks}
+    # time blocked on point-to-point messages: the executor's wait spans (a send or receive waited for), and, for
+    # traces of the executor before posted sends/receives, its send/recv spans (each a blocking wait)
+    comm = {r: sum(s.duration_s for s in trace.spans if s.rank == r and (
+        (s.kind == "wait" and s.args.get("on") in ("send", "recv"))
+        or (s.kind in ("send", "recv") and not s.args.get("posted")))) / len(steps) for r in trace.ranks}
+    idle_ms = {r: 1e3 * measured[r] * statistics.mean(s.duration_s for s in trace.steps if s.rank == r)
+               for r in trace.ranks}
     return {"measured": measured, "sched": sched, "formula": formula, "formula_bubble_fraction": est.bubble_fraction,
             "sim": sim, "sim_bubble_fraction": tl.bubble_fraction, "ideal": ideal.bubble_fraction,
             "times_ms": {r: {k: 1e3 * x for k, x in d.items()} for r, d in per.items()},
             "step_ms": 1e3 * wall, "predicted_step_ms_from_measured_times": 1e3 * est.step_s,
-            "send_recv_ms_per_step": {r: 1e3 * c for r, c in comm.items()}}
+            "p2p_wait_ms_per_step": {r: 1e3 * c for r, c in comm.items()}, "idle_ms_per_step": idle_ms}
 
 
 # --------------------------------------------------------------------------- driver
@@ -204,9 +236,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per block")
     ap.add_argument("--reps", type=int, default=2, help="blocks of each configuration (alternating order)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--p2p", default="posted", help="comma-separated point-to-point semantics to run side by side: "
+                    "posted (the executor's isend/irecv, waited at use and at the step's end) and/or blocking (each "
+                    "send and receive waited for at its place in the list, as before)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--save-traces", metavar="DIR", help="write each configuration's per-rank trace records (JSON, "
+                    "the format of TraceRecorder.save) under DIR/<schedule>_m<M>/rank<R>.json")
     args = ap.parse_args()
 
     from safetensors.torch import save_file
@@ -227,21 +264,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-pp-bubble-") as tmp:
         tmp = Path(tmp)
         model, batch, loss_fn = build(args.rows, args.width, args.layers)
-        dirs, meta = {}, {}
+        dirs, meta, modes = {}, {}, {}
+        p2p = args.p2p.split(",")
+        if not p2p or set(p2p) - {"posted", "blocking"}:
+            ap.error(f"--p2p takes posted and/or blocking, got {args.p2p!r}")
         for m in mbs:
             for s in scheds:
                 v = stages_per_rank(s)
-                name = f"{s} m={m}"
+                base = f"{s} m={m}"
                 programs = compile_model(model, batch, loss_fn, p, None, LoweringOptions(),
                                          pipeline=PipelineOptions(stages=p * v, microbatches=m, schedule=s,
                                                                   stages_per_rank=v))
-                dirs[name] = str(save_pipeline_programs(programs, tmp / name.replace(" ", "_").replace("=", "")))
-                meta[name] = (s, m, v)
+                d = str(save_pipeline_programs(programs, tmp / base.replace(" ", "_").replace("=", "")))
+                for mode in p2p:
+                    name = base if mode == "posted" else f"{base} {mode}"
+                    dirs[name], meta[name], modes[name] = d, (s, m, v), mode
         compile_s = time.perf_counter() - t_start
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         cfg = dict(dirs=dirs, batch_file=str(tmp / "batch.safetensors"), warmup=args.warmup, steps=args.steps,
                    reps=args.reps, threads=args.threads, timeout_s=args.timeout_s, microbatches=mbs,
-                   rows=args.rows, width=args.width)
+                   rows=args.rows, width=args.width, p2p=modes)
         t0 = time.perf_counter()
         res = launch_local(worker, (cfg,), p)
         run_s = time.perf_counter() - t0
@@ -253,22 +295,30 @@ def main() -> int:
     print(f"{out['model']}; {p} gloo ranks, {args.threads} thread(s) each; {len(measured_steps)} measured steps per "
           f"configuration (first {args.warmup} dropped)")
     hdr = (f"{'schedule':18} {'m':>2} {'rank':>4} {'measured':>8} {'sched':>6} {'formula':>7} {'sim':>6} {'ideal':>6}"
-           f"  {'F ms':>6} {'B ms':>6} {'I ms':>6} {'W ms':>6} {'send+recv ms':>12} {'step ms':>8}")
+           f"  {'F ms':>6} {'B ms':>6} {'I ms':>6} {'W ms':>6} {'p2p wait ms':>11} {'idle ms':>7} {'step ms':>8}"
+           f"  p2p")
     print(hdr)
     for name, (s, m, v) in meta.items():
         trace = merge_traces([res[r]["traces"][name] for r in range(p)]).window(measured_steps)
         a = analyse(trace, s, p, m, v)
-        out["configs"][name] = a
+        out["configs"][name] = {**a, "p2p": modes[name]}
         for r in trace.ranks:
             t = a["times_ms"][r]
             print(f"{s:18} {m:2d} {r:4d} {a['measured'][r]:8.3f} {a['sched'][r]:6.3f} {a['formula'][r]:7.3f} "
                   f"{a['sim'][r]:6.3f} {a['ideal']:6.3f}  {t['F']:6.1f} {t['B']:6.1f} {t['I']:6.1f} {t['W']:6.1f} "
-                  f"{a['send_recv_ms_per_step'][r]:12.1f} {a['step_ms']:8.1f}")
+                  f"{a['p2p_wait_ms_per_step'][r]:11.1f} {a['idle_ms_per_step'][r]:7.1f} {a['step_ms']:8.1f}  "
+                  f"{modes[name]}")
     out["one_way_message_ms"] = {m: 1e3 * x for m, x in res[0]["one_way_s"].items()}
     print("one activation message alone (rows/m x width float32, rank 0 -> 1, blocking): "
           + ", ".join(f"m={m}: {1e3 * x:.2f} ms" for m, x in res[0]["one_way_s"].items()))
     print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores; compile "
           f"{compile_s:.0f} s, run {run_s:.0f} s")
+    if args.save_traces:
+        for name in meta:
+            d = Path(args.save_traces) / name.replace(" ", "_").replace("=", "")
+            d.mkdir(parents=True, exist_ok=True)
+            for r in range(p):
+                (d / f"rank{r}.json").write_text(json.dumps(res[r]["traces"][name]))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0

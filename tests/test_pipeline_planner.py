@@ -152,8 +152,11 @@ def test_zero_bubble_is_chosen_where_its_bubble_is_lower():
     lg0, coster0 = synthetic([(1e-3, 2e-3, 0.0, 1e6, 1e5)] * 4)
     ch0 = plan_stages(lg0, cl, coster0, microbatches=[4], schedules=("gpipe", "1f1b", "zb"))
     assert ch0.schedule == "1f1b"
-    # free sends: interleaving halves the bubble
-    assert plan_stages(lg0, cl, coster0, microbatches=[4]).schedule == "interleaved-1f1b"
+    # free sends, stages far longer than the executor's host time per chunk and microbatch: interleaving halves the
+    # bubble (at 1 ms layers the host time of twice the chunks outweighs it)
+    lg1, coster1 = synthetic([(1e-2, 2e-2, 0.0, 1e6, 1e5)] * 4)
+    assert plan_stages(lg1, cl, coster1, microbatches=[4]).schedule == "interleaved-1f1b"
+    assert plan_stages(lg0, cl, coster0, microbatches=[4]).schedule == "1f1b"
     lines = "\n".join(stage_plan_lines(ch))
     assert "schedule zb" in lines and "stage 1" in lines and "why zb" in lines and "1f1b" in lines
 

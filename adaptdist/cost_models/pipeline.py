@@ -38,6 +38,15 @@ less memory; the split backward and the interleaving only where they are predict
 INTERLEAVE_CHUNKS = 2
 """Model chunks per device the planner predicts interleaved 1F1B with."""
 
+EXECUTOR_MICROBATCH_HOST_S = 0.25e-3
+"""Host seconds the pipeline executor (``runtime/pipeline_executor.py``) spends per microbatch and stage (model
+chunk) beyond the stage programs' own op dispatch: slicing the microbatch's rows, posting its sends and receives,
+the action loop's bookkeeping. Measured by ``benchmarks/bench_pp_overhead.py`` (main-thread CPU time, so
+descheduling does not count): 0.21-0.40 ms with the trace on, about 0.2 ms without, on 2 gloo ranks of 1 thread
+each, every schedule, m = 4 and 8 (benchmarks/RESULTS.md, "bench_pp_bubble: posted sends and receives").
+The planner adds half to a stage's forward and half to its input-gradient time
+(:meth:`adaptdist.compiler.planner.stages.StageEstimate.per_microbatch`)."""
+
 
 @dataclass(frozen=True)
 class ScheduleEstimate:

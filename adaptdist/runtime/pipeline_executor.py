@@ -18,11 +18,28 @@ interleaved 1F1B) and the step's layout (module docstring of :mod:`adaptdist.sta
 
 Where adjacent stages run on sub-meshes of different data-parallel sizes, each send or receive action moves every
 tensor's pieces to or from several peers (:attr:`StageProgram.routes`, :mod:`adaptdist.stage_routes`: why that
-stays deadlock-free). Sends and receives run in the list's order, each blocking (``isend``/``irecv`` waited at
-once, under the collective timeout): the lists are proven to terminate under blocking semantics
-(:func:`adaptdist.pipeline_schedules.check_deadlock_free`). Every message has its own tag (stage, direction,
-microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls fails the
-wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the microbatch.
+stays deadlock-free).
+
+Sends and receives are posted, not run to completion, at their place in the list: ``SEND_*`` posts ``isend`` and
+moves on (the works, holding their tensors, are waited for at the step's end); ``RECV_*`` posts ``irecv`` into
+buffers allocated from the program's specs, and the rank waits for them only right before the compute action that
+uses them (outside its span: the wait is idle time in the trace, a ``wait`` span). torch.distributed.pipelining runs
+its lists the same way (batched ``isend``/``irecv``, receives waited before use, sends at the step's end). Why not
+blocking: gloo's send completes only once the peer has posted the matching receive (a rendezvous, even for 64
+bytes), and torch's ``_add_send_recv`` places a receive at its point of one global order, often several actions
+before its use (1F1B's last rank receives ``F(i+1)``'s activations before ``B(i)``; interleaved and zero bubble
+receive before an independent ``F``), so blocking sends and receives made each rank wait for its peer's whole
+compute action: on WideMLP (benchmarks/RESULTS.md, "bench_pp_bubble: posted sends and receives") the idle fraction
+was 1.5-8x the formula's, and posting brought 1F1B's down to it. Still deadlock-free: the lists are proven to
+terminate under blocking (rendezvous) semantics (:func:`adaptdist.pipeline_schedules.check_deadlock_free`), and
+every wait here needs less than the blocking one at the same point of the list (a receive: the peer has posted the
+send, which it had done before the rendezvous; a send, at the step's end: the peer has posted the receive, which it
+had done before finishing its list), so every point the blocking run reaches this one reaches too: the lists
+terminate, for any schedule and any routes. Every message has its own tag (stage,
+direction, microbatch, tensor), so a misordered pair fails instead of mixing up tensors. A peer that dies or stalls
+fails the wait: :class:`~adaptdist.errors.CollectiveTimeoutError` names the peer rank, the action and the
+microbatch. A sent tensor stays referenced until the step's end (at most one boundary activation or gradient per
+microbatch and stage: GPipe's footprint at the boundary, small beside the stage's saved activations).
 
 Process groups (``torch.distributed.new_group`` is collective over all ranks): :func:`setup_pipeline_groups` gathers
 every rank's group memberships once and creates each distinct group on every rank, in sorted order, then the
@@ -35,6 +52,7 @@ receives, and other dtypes, stay on gloo.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from datetime import timedelta
 import time
 from typing import Any, Sequence
@@ -177,44 +195,63 @@ class PipelineStepRunner:
                 f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} {how} ({text})"
                 f": {why} (pipeline schedule {self.program.schedule}); {fix}") from e
 
-    def _send(self, tensors: Sequence[torch.Tensor], peer: int, a: Action, backward: bool) -> None:
-        with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):
-            for i, t in enumerate(tensors):
-                work = dist.isend(t.contiguous(), peer, tag=self._tag(a.stage, backward, a.microbatch, i))
-                self._wait(work, f"send {a} (tensor {i})", peer)
+    def _post_sends(self, tensors: Sequence[torch.Tensor], routes, peer: int | None, a: Action, backward: bool,
+                    pending: list) -> None:
+        """Post ``isend`` for each tensor (or, with ``routes``, each tensor's pieces to their peers in (tensor, peer)
+        order; :mod:`adaptdist.stage_routes`) and return at once: the works go on ``pending``, holding their
+        tensors alive until :meth:`_wait_sends` at the step's end."""
+        h = self.trace.begin("send", stage=a.stage, microbatch=a.microbatch, peer=peer, posted=True)
+        for i, t in enumerate(tensors):
+            pieces = [(peer, t.contiguous())] if routes is None else cut(t, routes[i])
+            for p, piece in pieces:
+                work = dist.isend(piece, p, tag=self._tag(a.stage, backward, a.microbatch, i))
+                what = f"send {a} (tensor {i}{'' if routes is None else f', piece to rank {p}'})"
+                pending.append((work, piece, what, p))
+        self.trace.end(h)
 
-    def _recv(self, specs: Sequence[TensorSpec], peer: int, a: Action, backward: bool, stage: int) -> tuple:
-        out = []
-        with self.trace.span("recv", stage=a.stage, microbatch=a.microbatch, peer=peer):
-            for i, spec in enumerate(specs):
-                buf = spec.empty()
-                work = dist.irecv(buf, peer, tag=self._tag(stage, backward, a.microbatch, i))
-                self._wait(work, f"receive {a} (tensor {i})", peer)
-                out.append(buf)
-        return tuple(out)
+    def _wait_sends(self, pending: list) -> None:
+        """Wait for every posted send (the receivers have each posted theirs: gloo's send completes only then)."""
+        if not pending:
+            return
+        with self.trace.span("wait", on="send", messages=len(pending)):
+            for work, _, what, peer in pending:
+                self._wait(work, what, peer)
+        pending.clear()
 
-    def _send_routed(self, tensors: Sequence[torch.Tensor], routes, a: Action, backward: bool) -> None:
-        """Each tensor's pieces to their peers (stages of different sizes, :mod:`adaptdist.stage_routes`), in
-        (tensor, peer) order."""
-        for i, (t, route) in enumerate(zip(tensors, routes)):
-            for peer, piece in cut(t, route):
-                with self.trace.span("send", stage=a.stage, microbatch=a.microbatch, peer=peer):
-                    work = dist.isend(piece, peer, tag=self._tag(a.stage, backward, a.microbatch, i))
-                    self._wait(work, f"send {a} (tensor {i}, piece to rank {peer})", peer)
+    def _post_recvs(self, specs: Sequence[TensorSpec], routes, peer: int | None, a: Action, backward: bool,
+                    stage: int) -> "_PostedRecv":
+        """Post ``irecv`` for each tensor (or its pieces from their peers, in (tensor, peer) order) into buffers
+        allocated from ``specs``; returns at once. :meth:`_take` waits for them when the values are needed."""
+        handle = self.trace.begin("recv", stage=a.stage, microbatch=a.microbatch, peer=peer, posted=True)
+        works, parts = [], []
+        for i, spec in enumerate(specs):
+            if routes is None:
+                bufs, peers = [spec.empty()], [peer]
+            else:
+                bufs = [torch.empty(piece_shape(spec.shape, p), dtype=spec.dtype) for p in routes[i].pieces]
+                peers = [p.peer for p in routes[i].pieces]
+            for buf, p in zip(bufs, peers):
+                work = dist.irecv(buf, p, tag=self._tag(stage, backward, a.microbatch, i))
+                works.append((work, f"receive {a} (tensor {i}{'' if routes is None else f', piece from rank {p}'})",
+                              p))
+            parts.append(bufs)
+        values = tuple(b[0] for b in parts) if routes is None else None  # routed: assembled once received
+        return _PostedRecv(a, works, parts, routes, specs, values, handle)
 
-    def _recv_routed(self, specs: Sequence[TensorSpec], routes, a: Action, backward: bool, stage: int) -> tuple:
-        """Each tensor's pieces from their peers in (tensor, peer) order, assembled (concatenated, or summed)."""
-        out = []
-        for i, (spec, route) in enumerate(zip(specs, routes)):
-            parts = []
-            for p in route.pieces:
-                with self.trace.span("recv", stage=a.stage, microbatch=a.microbatch, peer=p.peer):
-                    buf = torch.empty(piece_shape(spec.shape, p), dtype=spec.dtype)
-                    work = dist.irecv(buf, p.peer, tag=self._tag(stage, backward, a.microbatch, i))
-                    self._wait(work, f"receive {a} (tensor {i}, piece from rank {p.peer})", p.peer)
-                    parts.append(buf)
-            out.append(assemble(parts, route, spec.shape, spec.dtype))
-        return tuple(out)
+    def _take(self, store: dict, key: tuple[int, int]) -> tuple:
+        """``store[key]``'s values (popped): a locally computed tuple as it is; posted receives waited for (the
+        rank idles here, outside any compute span) and, for routed pieces, assembled."""
+        v = store.pop(key)
+        if not isinstance(v, _PostedRecv):
+            return v
+        with self.trace.span("wait", stage=v.action.stage, microbatch=v.action.microbatch, on="recv"):
+            for work, what, peer in v.works:
+                self._wait(work, what, peer)
+        self.trace.end(v.trace_handle)
+        if v.values is not None:
+            return v.values
+        return tuple(assemble(bufs, route, spec.shape, spec.dtype)
+                     for bufs, route, spec in zip(v.parts, v.routes, v.specs))
 
     def _all_reduce(self, t: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM, what: str = "") -> None:
         """Sum (or max) ``t`` in place over ``ranks``: through shared memory when the program puts that rank set
@@ -289,9 +326,15 @@ class PipelineStepRunner:
                 else:
                     grads[f] = g.clone()  # owned: later microbatches add into it
 
+        sends: list = []  # posted sends, waited at the end (gloo's send completes when the peer receives)
         for a in self.actions:
             st = self.stages[a.stage]
             key = (a.stage, a.microbatch)
+            # wait for this action's received inputs before its span: the wait is idle, not compute
+            if a.kind == "F" and not st.is_first:
+                fwd_in[key] = self._take(fwd_in, key)
+            elif a.kind in ("B", "I") and not st.is_last:
+                grad_in[key] = self._take(grad_in, key)
             compute = a.kind in ("F", "B", "I", "W")  # sends/receives record their own spans
             with self.trace.span(a.kind, stage=a.stage, microbatch=a.microbatch) if compute else _NULL:
                 if a.kind == "F":
@@ -315,25 +358,21 @@ class PipelineStepRunner:
                     backward_input(st, a.microbatch)
                 elif a.kind == "W":
                     backward_weight(st, a.microbatch)
-                elif st.routes is not None and a.kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
-                    r = st.routes  # stages of different sizes: pieces to / from several peers
+                else:
+                    r = st.routes  # None, or stages of different sizes: pieces to / from several peers
                     if a.kind == "SEND_F":
-                        self._send_routed(fwd_out.pop(key), r.send, a, backward=False)
+                        self._post_sends(fwd_out.pop(key), r and r.send, st.send_to, a, False, sends)
                     elif a.kind == "RECV_F":
-                        fwd_in[key] = self._recv_routed(st.recv_specs, r.recv, a, backward=False, stage=a.stage - 1)
+                        fwd_in[key] = self._post_recvs(st.recv_specs, r and r.recv, st.recv_from, a, False,
+                                                       stage=a.stage - 1)
                     elif a.kind == "SEND_B":
-                        self._send_routed(grad_out.pop(key), r.grad_out, a, backward=True)
+                        self._post_sends(grad_out.pop(key), r and r.grad_out, st.recv_from, a, True, sends)
+                    elif a.kind == "RECV_B":
+                        grad_in[key] = self._post_recvs(st.grad_in_specs, r and r.grad_in, st.send_to, a, True,
+                                                        stage=a.stage + 1)
                     else:
-                        grad_in[key] = self._recv_routed(st.grad_in_specs, r.grad_in, a, backward=True,
-                                                         stage=a.stage + 1)
-                elif a.kind == "SEND_F":
-                    self._send(fwd_out.pop(key), st.send_to, a, backward=False)
-                elif a.kind == "RECV_F":
-                    fwd_in[key] = self._recv(st.recv_specs, st.recv_from, a, backward=False, stage=a.stage - 1)
-                elif a.kind == "SEND_B":
-                    self._send(grad_out.pop(key), st.recv_from, a, backward=True)
-                elif a.kind == "RECV_B":
-                    grad_in[key] = self._recv(st.grad_in_specs, st.send_to, a, backward=True, stage=a.stage + 1)
+                        raise AssertionError(f"unknown pipeline action {a}")
+        self._wait_sends(sends)
         assert not (fwd_in or fwd_out or grad_in or grad_out or saved or saved_w), "schedule left values behind"
         return loss, grads
 
@@ -409,6 +448,21 @@ class PipelineStepRunner:
 
 _NULL = contextlib.nullcontext()  # immutable: safe to share
 _SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels reduce (adaptdist.kernels.shm)
+
+
+@dataclass
+class _PostedRecv:
+    """The ``irecv`` works of one ``RECV_*`` action, posted and not yet waited for (:meth:`PipelineStepRunner._take`):
+    ``works`` ``(work, what, peer)``; ``parts`` per tensor its buffers (one, or a routed tensor's pieces, with
+    ``routes`` and ``specs`` to assemble them); ``values`` the tensors when no assembly is needed."""
+
+    action: Action
+    works: list
+    parts: list
+    routes: Any
+    specs: Sequence[TensorSpec]
+    values: tuple | None
+    trace_handle: Any
 
 
 def _tuple(x) -> tuple:

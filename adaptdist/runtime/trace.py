@@ -5,7 +5,8 @@ A :class:`TraceRecorder` belongs to one rank's step runner (no module-level stat
 
 - ``compute``: ``F`` (forward), ``B`` (backward, whole), ``I`` and ``W`` (its input- and weight-gradient parts, when
   split: zero bubble), ``FB`` (forward and backward in one span, when they cannot be told apart), ``optimizer``, and
-  ``wait`` (the compute stream blocked on a collective, nested inside the span that waited);
+  ``wait`` (the compute stream blocked on a collective, nested inside the span that waited; in a pipeline, between
+  actions, blocked on a posted receive or, at the step's end, the posted sends: ``args`` ``on="recv"|"send"``);
 - ``comm``: ``send``, ``recv``, ``collective`` (from its issue to the end of its last wait).
 
 ``idle`` spans are not recorded but derived (:meth:`TraceRecorder.idle_spans`): the gaps of a step's window

@@ -23,8 +23,10 @@ a pipeline of ``p`` stages gives stage ``i`` a contiguous layer range and a cont
    that puts layers ``a..L-1`` on the last ``d`` ranks in ``s`` stages, each at most ``t_max`` and within
    its ranks' memory; the pipeline latency is ``min_s F(s, 0, D) + (m - 1) max_i t_i`` (Alpa's eq. 2), and
    the search stops once ``(m - 1) t_max`` alone exceeds the best. A stage's per-microbatch latency is
-   ``F + B + W`` plus its sends (activations forward, gradients backward, over the link to the next/previous
-   stage's first/last rank, the bytes split over its ranks) plus its gradient reduction amortized over the
+   ``F + B + W`` (with the executor's host time per microbatch,
+   :data:`~adaptdist.cost_models.pipeline.EXECUTOR_MICROBATCH_HOST_S`) plus its sends (activations forward,
+   gradients backward, over the link to the next/previous stage's first/last rank, the bytes split over its
+   ranks) plus its gradient reduction amortized over the
    ``m`` microbatches. Memory: state + the activations of the microbatches the schedule keeps in flight
    (GPipe ``m``; 1F1B and ZB-H1 ``min(m, s)`` for the stage with ``s`` stages from it to the end).
 4. **Schedule and microbatches**: for each ``m`` dividing the batch (``m >= p``; a stage whose batch axis has
@@ -52,8 +54,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...cost_models.communication import collective_time_s, link_cost
 from ...cost_models.memory import optimizer_model
-from ...cost_models.pipeline import (INTERLEAVE_CHUNKS, SCHEDULES, ScheduleEstimate, in_flight_microbatches,
-                                      schedule_estimate)
+from ...cost_models.pipeline import (EXECUTOR_MICROBATCH_HOST_S, INTERLEAVE_CHUNKS, SCHEDULES, ScheduleEstimate,
+                                      in_flight_microbatches, schedule_estimate)
 from ...errors import PlanInfeasibleError, UsageError
 from ..capture import CapturedGraph
 from .graph import PlanningGraph, build_planning_graph
@@ -103,9 +105,13 @@ class StageEstimate:
     param_placements: tuple = ()
 
     def per_microbatch(self, m: int) -> tuple[float, float, float]:
-        """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches."""
-        return tuple(self.compute_s * f / m + self.overhead_s * o  # type: ignore[return-value]
-                     for f, o in zip(self.fractions, self.overhead_fractions))
+        """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches: the compute's share,
+        the op dispatch, and the pipeline executor's host time per microbatch
+        (:data:`~adaptdist.cost_models.pipeline.EXECUTOR_MICROBATCH_HOST_S`, half on the forward, half on the
+        input gradient)."""
+        host = (EXECUTOR_MICROBATCH_HOST_S / 2, EXECUTOR_MICROBATCH_HOST_S / 2, 0.0)
+        return tuple(self.compute_s * f / m + self.overhead_s * o + h  # type: ignore[return-value]
+                     for f, o, h in zip(self.fractions, self.overhead_fractions, host))
 
     def memory_bytes(self, in_flight: float, m: int) -> float:
         """Peak bytes per device with ``in_flight`` of ``m`` microbatches' activations held."""
