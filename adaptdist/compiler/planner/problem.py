@@ -15,8 +15,8 @@ holding strategies ``s_b``:
   on every axis ``b`` where it is ``Shard``). Each collective kind runs at its own figures
   (:func:`axis_links`): on a calibrated cluster the measured fit of that kind (gloo's all_reduce of 1 MiB
   on 2 ranks costs less than its all_gather plus its reduce_scatter, which the ring formulas on one shared
-  fit would call equal). Gradient reductions (all_reduce, reduce_scatter) and parameter all_gathers are bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``:
-  many tensors per message), so they are charged bandwidth only, without the per-message latency; a
+  fit would call equal). Gradient reductions (all_reduce, reduce_scatter) and parameter all_gathers are
+  bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``: many tensors per message), so they are charged bandwidth only, without the per-message latency; a
   parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward).
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
