@@ -20,13 +20,14 @@ takes a saved one instead). Plans, each lowered to programs in this process:
 - ``--plan-file NAME=FILE`` (repeatable): a saved plan JSON of this model (``Plan.to_json``, e.g. another
   version's planner's), side by side with the rest; not counted as hand-written.
 
-Every plan's programs run in ONE process group, blocks of ``--steps`` steps alternating (A B C ..., then reversed),
-after ``--warmup`` steps each; per step, rank 0's wall time between two barriers. ``--plans`` runs a subset (dp
-and the ``--plan-file`` plans always). Printed: each plan's median step, its ratio to the best hand-written plan
-and to dp, the same ratio paired (the median over the ``--reps`` rounds of each round's ratio of block medians:
-on a loaded machine, blocks next to each other in time share the load), and its predicted step (SPMD: ``estimate_programs`` on the
-measured cluster; pipelines: the inter-stage planner's ``step_s`` for that stage count, schedule and microbatches).
-Also measured alone: the 64 MiB gradient all_reduce, and one ``rows x width`` activation send.
+Every plan's programs run in ONE process group, blocks of ``--steps`` steps alternating (A B C ..., then
+reversed), after ``--warmup`` steps each; per step, rank 0's wall time between two barriers. ``--plans`` runs a
+subset (dp and the ``--plan-file`` plans always). Printed: each plan's median step, its ratio to the best
+hand-written plan and to dp, the same ratio paired (the median over the ``--reps`` rounds of each round's ratio of
+block medians: on a loaded machine, blocks next to each other in time share the load), and its predicted step
+(SPMD: ``estimate_programs`` on the measured cluster; pipelines: the inter-stage planner's ``step_s`` for that
+stage count, schedule and microbatches). Also measured alone: the 64 MiB gradient all_reduce, and one ``rows x
+width`` activation send.
 
 Outside CI::
 

@@ -10,14 +10,15 @@ holding strategies ``s_b``:
 - compute: ``roof(v) / (F_c(v) * (n if splits(s) else 1))``, with ``F_c(v) = prod_b n_b`` over the
   axes whose strategy splits ``v``'s work. A strategy *splits* the work when any input or output is
   ``Shard`` or an output is ``Partial`` (each rank does ``1/n`` of the arithmetic).
-- an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs,
-  ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
-  on every axis ``b`` where it is ``Shard``). Each collective kind runs at its own figures
-  (:func:`axis_links`): on a calibrated cluster the measured fit of that kind (gloo's all_reduce of 1 MiB
-  on 2 ranks costs less than its all_gather plus its reduce_scatter, which the ring formulas on one shared
-  fit would call equal). Gradient reductions (all_reduce, reduce_scatter) and parameter all_gathers are
-  bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``: many tensors per message), so they are charged bandwidth only, without the per-message latency; a
-  parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward).
+- an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs, ``q``:
+  :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b`` on every axis ``b``
+  where it is ``Shard``). Each collective kind runs at its own figures (:func:`axis_links`): on a calibrated
+  cluster the measured fit of that kind (gloo's all_reduce of 1 MiB on 2 ranks costs less than its all_gather plus
+  its reduce_scatter, which the ring formulas on one shared fit would call equal). Gradient reductions
+  (all_reduce, reduce_scatter) and parameter all_gathers are bucketed by the lowering (``bucket_grad_*``,
+  ``bucket_param_allgather``: many tensors per message), so they are charged bandwidth only, without the
+  per-message latency; a parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for
+  backward).
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
   parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
