@@ -16,18 +16,24 @@ takes a saved one instead). Plans, each lowered to programs in this process:
 - ``auto+pp``: ``run_planner(..., pipeline=True)``: the SPMD plan or the inter-stage planner's pipeline, whichever
   is predicted faster (what the planner's plan is when stages are weighed);
 - ``planner-pp``: the inter-stage planner's pipeline itself (``plan_pipeline(uniform=True)``: its stages,
-  schedule and microbatches), lowered whether or not it is chosen.
+  schedule and microbatches), lowered whether or not it is chosen;
+- ``--plan-file NAME=FILE`` (repeatable): a saved plan JSON of this model (``Plan.to_json``, e.g. another
+  version's planner's), side by side with the rest; not counted as hand-written.
 
-Every plan's programs run in ONE process group, blocks of ``--steps`` steps alternating (A B C ..., then reversed),
-after ``--warmup`` steps each; per step, rank 0's wall time between two barriers. Printed: each plan's median step,
-its ratio to the best hand-written plan and to dp, and its predicted step (SPMD: ``estimate_programs`` on the
-measured cluster; pipelines: the inter-stage planner's ``step_s`` for that stage count, schedule and microbatches).
-Also measured alone: the 64 MiB gradient all_reduce, and one ``rows x width`` activation send.
+Every plan's programs run in ONE process group, blocks of ``--steps`` steps alternating (A B C ..., then
+reversed), after ``--warmup`` steps each; per step, rank 0's wall time between two barriers. ``--plans`` runs a
+subset (dp and the ``--plan-file`` plans always). Printed: each plan's median step, its ratio to the best
+hand-written plan and to dp, the same ratio paired (the median over the ``--reps`` rounds of each round's ratio of
+block medians: on a loaded machine, blocks next to each other in time share the load), and its predicted step
+(SPMD: ``estimate_programs`` on the measured cluster; pipelines: the inter-stage planner's ``step_s`` for that
+stage count, schedule and microbatches). Also measured alone: the 64 MiB gradient all_reduce, and one ``rows x
+width`` activation send.
 
 Outside CI::
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dp_loses.py [--width 2048] [--layers 4] [--rows 128]
-        [--steps 4] [--reps 2] [--warmup 1] [--cluster FILE] [--json FILE]
+        [--steps 4] [--reps 2] [--warmup 1] [--cluster FILE] [--plans dp,tp,auto] [--plan-file NAME=FILE]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -81,6 +87,13 @@ def tp_plan(layers: int) -> dict[str, str]:
         elif i % 2 == 1:
             out[f"layers.{i}.weight"] = "S(1)"
     return out
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, ref: str, steps: int, reps: int) -> float:
+    """Median over the rounds of (``name``'s block median / ``ref``'s block median) in that round."""
+    def block(k: str, r: int) -> float:
+        return statistics.median(times[k][r * steps:(r + 1) * steps])
+    return statistics.median(block(name, r) / block(ref, r) for r in range(reps))
 
 
 # --------------------------------------------------------------------------- worker (one per rank)
@@ -178,6 +191,9 @@ def main() -> int:
                     "default: measure now")
     ap.add_argument("--save-cluster", metavar="FILE", help="write the measured cluster here (for --cluster FILE)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--plans", default=None, help="comma-separated plan names to run (dp always), default all")
+    ap.add_argument("--plan-file", action="append", default=[], metavar="NAME=FILE",
+                    help="also run this saved plan JSON under NAME (repeatable)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
 
@@ -193,6 +209,7 @@ def main() -> int:
     from adaptdist.cost_models.estimate import estimate_programs
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.mesh import Mesh
+    from adaptdist.plan import Plan
     from adaptdist.program import save_programs
     from adaptdist.runtime.launch import launch_local
     from adaptdist.stage_program_io import save_pipeline_programs
@@ -236,6 +253,13 @@ def main() -> int:
         "auto+pp": (auto_pp.plan, None, auto_pp.predicted.step_s if auto_pp.plan.pipeline is None else choice.step_s),
     }
     not_lowered = {}
+    saved = {}
+    for spec in args.plan_file:
+        name, sep, file = spec.partition("=")
+        if not sep or not name or name in plans:
+            raise SystemExit(f"--plan-file {spec!r}: give NAME=FILE with a NAME not among {list(plans)}")
+        saved[name] = (Plan.load(file), None, None)
+    plans.update(saved)
     try:
         plans["planner-pp"] = (pipeline_plan(cg, choice, n), None, choice.step_s)
     except Exception as e:  # noqa: BLE001 -- a benchmark row says why it has no pipeline
@@ -247,7 +271,14 @@ def main() -> int:
         plans["pp=2,tp=2"] = (ManualPlan.parse("tp", module), PipelineOptions(stages=None, microbatches=2,
                                                                               schedule="1f1b"), None)
         meshes = {"dp,tp": "dp=2,tp=2", "pp=2,dp=2": "pp=2,dp=2", "pp=2,tp=2": "pp=2,tp=2"}
-    hand_written = [k for k in plans if k not in ("auto", "auto+pp", "planner-pp")]
+    if args.plans:
+        keep = {"dp", *saved} | {k.strip() for k in args.plans.split(",")}
+        unknown = keep - set(plans) - set(not_lowered)
+        if unknown:
+            raise SystemExit(f"--plans: no plan named {sorted(unknown)}; the plans: {list(plans)}")
+        plans = {k: v for k, v in plans.items() if k in keep}
+        not_lowered = {k: v for k, v in not_lowered.items() if k in keep}
+    hand_written = [k for k in plans if k not in ("auto", "auto+pp", "planner-pp") and k not in saved]
     for k, why in not_lowered.items():
         print(f"{k}: not lowered ({why[:300]})")
     described = {"auto": f"{auto.candidate}", "auto+pp": "pipeline" if auto_pp.plan.pipeline is not None
@@ -255,6 +286,7 @@ def main() -> int:
                  "planner-pp": f"{choice.num_stages} stages {[len(s.layers) for s in choice.stages]} "
                                f"{choice.schedule} m={choice.microbatches}"}
     predicted: dict[str, float] = {}
+    codes: dict[str, list[str]] = {}  # SPMD plan -> each rank's program text without comments (to spot twins)
     with tempfile.TemporaryDirectory(prefix="bench-dp-loses-") as tmp:
         tmp = Path(tmp)
         dirs = {}
@@ -275,6 +307,8 @@ def main() -> int:
                 described.setdefault(name, f"{p0.stages[0].num_stages} stages {p0.schedule} m={p0.num_microbatches}")
             else:
                 dirs[name] = ("spmd", str(save_programs(programs, d)))
+                codes[name] = ["\n".join(x for x in programs[r].code.splitlines() if not x.lstrip().startswith("#"))
+                               for r in sorted(programs)]
                 pred = estimate_programs(programs, cluster, "sgd").step_s
                 described.setdefault(name, ",".join(f"{a}={k}" for a, k in programs[0].mesh.items()))
             predicted[name] = pred
@@ -290,31 +324,40 @@ def main() -> int:
     r0 = res[0]
     med = {k: statistics.median(v) for k, v in r0["times"].items()}
     best_hand = min(hand_written, key=lambda k: med[k])
+    paired = {k: paired_ratio(r0["times"], k, best_hand, args.steps, args.reps) for k in med}
+    twins = {k: [h for h in hand_written if h in codes and codes[h] == codes[k]]
+             for k in ("auto", "auto+pp", "planner-pp", *saved) if k in codes}
     out = {"model": f"WideMLP: {args.layers} x Linear({args.width}, {args.width}) + ReLU, {cfg['num_params']:,} "
                     f"parameters, {args.rows} rows, MSE, SGD",
            "nproc": n, "cluster": repr(cluster), "described": described,
            "measured_step_ms": {k: 1e3 * v for k, v in med.items()},
            "measured_quartiles_ms": {k: [1e3 * q for q in statistics.quantiles(v, n=4)] for k, v in r0["times"].items()},
            "predicted_step_ms": {k: 1e3 * v for k, v in predicted.items()},
-           "best_hand_written": best_hand, "not_lowered": not_lowered,
+           "best_hand_written": best_hand, "not_lowered": not_lowered, "paired_ratio_to_best_hand": paired,
+           "same_programs_as": twins,
            "planner_own_predicted_ms": {"auto": 1e3 * auto.predicted.step_s, "auto+pp": 1e3 * auto_pp.predicted.step_s},
            "grad_all_reduce_ms": 1e3 * r0["all_reduce_s"], "activation_send_ms": 1e3 * r0["send_s"],
            "planner_schedules": {e.schedule: 1e3 * e.step_s for e in choice.schedules if e.microbatches == choice.microbatches},
            "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
            "profile_s": profile_s, "planner_s": planner_s, "compile_s": compile_s, "run_s": run_s}
     print(f"{out['model']}; {n} gloo ranks, {args.threads} thread(s) each; {cluster!r}")
-    print(f"{'plan':11} {'what':34} {'measured ms':>11} {'q1-q3':>13} {'/best hand':>10} {'/dp':>6} {'predicted ms':>12}")
+    print(f"{'plan':11} {'what':34} {'measured ms':>11} {'q1-q3':>13} {'/best hand':>10} {'paired':>7} {'/dp':>6} "
+          f"{'predicted ms':>12}")
     for k in plans:
         q = out["measured_quartiles_ms"][k]
         print(f"{k:11} {described[k][:34]:34} {1e3 * med[k]:11.1f} {q[0]:6.0f}-{q[2]:<6.0f} {med[k] / med[best_hand]:10.3f} "
-              f"{med[k] / med['dp']:6.3f} {1e3 * predicted[k]:12.1f}")
+              f"{paired[k]:7.3f} {med[k] / med['dp']:6.3f} {1e3 * predicted[k]:12.1f}")
     print(f"best hand-written: {best_hand}; the {4 * cfg['num_params'] / 2**20:.0f} MiB gradient all_reduce alone {out['grad_all_reduce_ms']:.1f} ms, "
           f"one {args.rows}x{args.width} activation send {out['activation_send_ms']:.2f} ms")
     print("the planner's own predicted step (PlannerResult.predicted): "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in out["planner_own_predicted_ms"].items()))
+    for k, same in twins.items():
+        if same:
+            print(f"{k}'s rank programs are the same code as {', '.join(same)}'s")
     for k in [k for k in ("auto", "auto+pp", "planner-pp") if k in med]:
         print(f"target {k}: {med[k] / med[best_hand]:.3f}x the best hand-written ({'met' if med[k] <= 1.05 * med[best_hand] else 'MISSED'}"
-              f", <= 1.05), {med[k] / med['dp']:.3f}x dp ({'faster' if med[k] < med['dp'] else 'NOT faster'})")
+              f", <= 1.05; paired {paired[k]:.3f}x), {med[k] / med['dp']:.3f}x dp "
+              f"({'faster' if med[k] < med['dp'] else 'NOT faster'})")
     print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores; profile {profile_s:.0f} s, "
           f"planner {planner_s:.0f} s, compile {compile_s:.0f} s, run {run_s:.0f} s")
     if args.json:

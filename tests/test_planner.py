@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.planner import Constraints, plan_auto
 from adaptdist.compiler.planner.ilp import brute_force, solve
-from adaptdist.compiler.planner.problem import AxisProblem, ClassVar, EdgeVar
-from adaptdist.cost_models.hardware import DeviceFigures, FixedCluster, LinkFigures
+from adaptdist.compiler.planner.problem import AxisProblem, ClassVar, EdgeVar, axis_links, reshard_time_s
+from adaptdist.cost_models.hardware import AlphaBeta, DeviceFigures, FixedCluster, LinkFigures
 from adaptdist.errors import PlanInfeasibleError
 from adaptdist.mesh import Mesh
 from adaptdist.placement import Partial, Replicate, Shard
@@ -96,6 +96,53 @@ def test_wide_layers_with_a_small_batch_on_fast_links_are_tensor_parallel():
         assert w[f"layers.{i}.0.weight"] == (Shard(0),) and w[f"layers.{i}.2.weight"] == (Shard(1),), w
 
 
+class LinearStack(nn.Module):
+    """``depth`` x (Linear(d, d) + ReLU), no residual: every layer is like every other."""
+
+    def __init__(self, d: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return x
+
+
+def test_a_stack_of_identical_linears_alternates_column_and_row_parallel():
+    """Identical layers share their decisions, but not across layer parity: Megatron's pairs (even layers
+    column-parallel, odd layers row-parallel: one all_reduce per pair) stay reachable, and beat every layer
+    column-parallel (an all_gather per layer forward, a reduce_scatter per layer backward)."""
+    with torch.device("meta"):
+        model = LinearStack(8192, 4)
+    x = torch.zeros(8, 8192, device="meta")
+    step = capture(model, (x, x), F.mse_loss)
+    result = plan_auto(step, gpus(1, 2))
+    assert dict(result.plan.mesh) == {"tp": 2}
+    assert weights(result.plan) == {f"layers.{i}.weight": (Shard(i % 2),) for i in range(4)}
+    columns = plan_auto(step, gpus(1, 2), mesh=Mesh.parse("tp=2"),
+                        constraints=Constraints(pins={"layers.*.weight": {"tp": "S(0)"}}))
+    assert result.predicted.step_s < columns.predicted.step_s
+
+
+def test_each_collective_is_priced_at_its_own_calibrated_fit():
+    """On a calibrated cluster a reshard costs what its own collective measured (a whole-collective fit
+    ``alpha + beta * bytes`` on 2 ranks), not the all_gather's fit through the ring formulas: there gloo's
+    all_reduce of a tensor is cheaper than its all_gather plus its reduce_scatter."""
+    fits = {("all_reduce", "intra_host"): AlphaBeta(1.4e-3, 1.1e-9, 2),
+            ("all_gather", "intra_host"): AlphaBeta(0.9e-3, 0.8e-9, 2),
+            ("reduce_scatter", "intra_host"): AlphaBeta(1.4e-3, 1.4e-9, 2)}
+    links = axis_links(dataclasses.replace(gpus(1, 2), fits=fits), [0, 1])
+    n = 2**20
+    r, s, p = Replicate(), Shard(1), Partial()
+    assert reshard_time_s(p, r, n, 2, 0.0, 0.0, links=links) == pytest.approx(1.4e-3 + 1.1e-9 * n)
+    assert reshard_time_s(s, r, n, 2, 0.0, 0.0, links=links) == pytest.approx(0.9e-3 + 0.8e-9 * n)
+    assert reshard_time_s(p, s, n, 2, 0.0, 0.0, links=links) == pytest.approx(1.4e-3 + 1.4e-9 * n)
+    assert reshard_time_s(p, r, n, 2, 0.0, 0.0, frozenset({"all_reduce"}), links) == pytest.approx(1.1e-9 * n)
+    plain = axis_links(gpus(1, 2), [0, 1])  # uncalibrated: every kind at the link's latency and bandwidth
+    assert not plain["all_reduce"].calibrated and plain["all_reduce"].alpha_s == plain["all_gather"].alpha_s
+
+
 def test_plan_is_deterministic():
     step = mlp_step(256, 1024, 2, 64)
     a = plan_auto(step, gpus(1, 4)).plan.to_json()
@@ -104,10 +151,11 @@ def test_plan_is_deterministic():
 
 
 def test_repeated_layers_share_decisions():
-    """The ILP has as many decisions for 12 layers as for 6: identical blocks share them (only the
-    first and last layers, whose neighbourhoods differ, have classes of their own)."""
-    small = plan_auto(mlp_step(64, 256, 6, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
-    deep = plan_auto(mlp_step(64, 256, 12, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
+    """The ILP has as many decisions for 16 layers as for 8: identical blocks share them (only the
+    first and last layers, whose neighbourhoods differ, have classes of their own; a class is split
+    once, by the parity of its layer, so consecutive layers may alternate)."""
+    small = plan_auto(mlp_step(64, 256, 8, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
+    deep = plan_auto(mlp_step(64, 256, 16, 512), gpus(1, 2), mesh=Mesh.parse("dp=2"))
     n_small = len(small.axes["dp"].problem.vars)
     n_deep = len(deep.axes["dp"].problem.vars)
     assert len(deep.graph.nodes) > 1.8 * len(small.graph.nodes)

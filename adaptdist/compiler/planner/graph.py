@@ -19,7 +19,12 @@ Built once per captured graph, independent of the mesh:
 - **layer classes**: nodes that play the same part in repeated layers share one class (and so one
   decision): a Weisfeiler-Lehman refinement (Shervashidze et al., JMLR 12, 2011) of each node's
   signature (op, shapes, dtypes, constant arguments; a parameter's name with its layer index
-  replaced by ``#``) over its inputs and users, :data:`WL_ROUNDS` rounds.
+  replaced by ``#``) over its inputs and users, :data:`WL_ROUNDS` rounds; then split by the parity of the
+  node's layer (:func:`~.layers.build_layers`), so that consecutive repeated layers may alternate. A stack
+  of identical ``Linear`` layers is one class to the refinement, and one decision for all of them cannot
+  express Megatron's column-parallel / row-parallel pairs (layer ``2i`` ``S(0)``, layer ``2i+1`` ``S(1)``:
+  one all_reduce per pair instead of an all_gather per layer and a reduce_scatter per layer in backward);
+  two decisions (even, odd) can, and the number of decisions still does not grow with the depth.
 """
 
 from __future__ import annotations
@@ -290,7 +295,22 @@ def build_planning_graph(captured: CapturedGraph, cluster: Any, pins: Mapping[st
     pg = PlanningGraph(gm, nodes, order, edges, aliases, loss, replicated, grad_of, [], captured.batch_size, fx_nodes,
                        per_rank)
     pg.peak_steps = _peak_steps(pg)
+    _split_classes_by_layer_parity(pg)
     return pg
+
+
+def _split_classes_by_layer_parity(pg: PlanningGraph) -> None:
+    """Append the parity of each node's layer to its class (module docstring): members of one class in even
+    and in odd layers get separate decisions. Nodes without a layer (the batch), and graphs without a loss
+    (nothing to tell forward from backward by), keep their classes."""
+    if pg.loss is None:
+        return
+    from .layers import build_layers  # layers builds on this module
+
+    layer_of = build_layers(pg).layer_of
+    for name, pn in pg.nodes.items():
+        if name in layer_of:
+            pn.layer_class = f"{pn.layer_class}|{layer_of[name] % 2}"
 
 
 def _liveness(gm: torch.fx.GraphModule, nodes: dict[str, PNode], aliases: dict[str, tuple[str, int]],

@@ -5,7 +5,7 @@ decisions, memory rows ``j`` -- with every cost in integer units of :data:`OBJEC
 (:func:`to_units` is the only place seconds become units). A decision is one node's strategy after
 two reductions made by :func:`~.problem.build_axis_problem`: chains of single-input ops (elementwise,
 views, reductions) are coarsened into their producer's decision, and the nodes that play the same part
-in repeated layers share one decision (:func:`~.graph.layer_classes`).
+in repeated layers of one parity (even or odd layers) share one decision (:func:`~.graph.layer_classes`).
 
 ================  ===============================================================  ==================
 name              constraint                                                       built by

@@ -10,12 +10,15 @@ holding strategies ``s_b``:
 - compute: ``roof(v) / (F_c(v) * (n if splits(s) else 1))``, with ``F_c(v) = prod_b n_b`` over the
   axes whose strategy splits ``v``'s work. A strategy *splits* the work when any input or output is
   ``Shard`` or an output is ``Partial`` (each rank does ``1/n`` of the arithmetic).
-- an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs,
-  ``q``: :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b``
-  on every axis ``b`` where it is ``Shard``). Gradient reductions (all_reduce, reduce_scatter) and
-  parameter all_gathers are bucketed by the lowering (``bucket_grad_*``, ``bucket_param_allgather``:
-  many tensors per message), so they are charged bandwidth only, without the per-message latency; a
-  parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward).
+- an edge ``u -> v`` whose producer placement ``p`` differs from what the consumer's strategy needs, ``q``:
+  :func:`reshard_time_s` of the tensor's bytes as the other axes leave it (divided by ``n_b`` on every axis ``b``
+  where it is ``Shard``). Each collective kind runs at its own figures (:func:`axis_links`): on a calibrated
+  cluster the measured fit of that kind (gloo's all_reduce of 1 MiB on 2 ranks costs less than its all_gather plus
+  its reduce_scatter, which the ring formulas on one shared fit would call equal). Gradient reductions
+  (all_reduce, reduce_scatter) and parameter all_gathers are bucketed by the lowering (``bucket_grad_*``,
+  ``bucket_param_allgather``: many tensors per message), so they are charged bandwidth only, without the
+  per-message latency; a parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for
+  backward).
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
   parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
@@ -33,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ... import graph_meta as gmeta
-from ...cost_models.communication import collective_time_s, link_cost
+from ...cost_models.communication import LinkCost, collective_time_s, link_cost
 from ...errors import PlanInfeasibleError, UnsupportedOpError
 from ...mesh import Mesh
 from ...passes.context import PassContext
@@ -66,19 +69,42 @@ def reshard_collective(src: Placement | None, dst: Placement | None) -> str | No
 
 
 def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, n: int, alpha_s: float,
-                   beta_s_per_byte: float, bucketed: frozenset[str] = frozenset()) -> float:
+                   beta_s_per_byte: float, bucketed: frozenset[str] = frozenset(),
+                   links: Mapping[str, LinkCost] | None = None) -> float:
     """Seconds to turn a tensor of ``nbytes`` (its full size on this axis) from ``src`` into ``dst`` over
     ``n`` ranks: the collective of :func:`reshard_collective` by the α-β formulas of
     :func:`adaptdist.cost_models.communication.collective_time_s`, the faster of ring and tree
     (``algorithm="auto"``, as NCCL picks per message size); all_to_all moves each rank's ``nbytes / n``.
+    ``links`` (collective kind -> its figures, :func:`axis_links`) replaces ``alpha_s`` / ``beta_s_per_byte``
+    for the kinds it holds; a calibrated one is read with the ring formula, the one its fit was converted by
+    (so the measured fit comes back, as :func:`adaptdist.cost_models.estimate.collective_costs` reads it).
     A collective whose kind is in ``bucketed`` shares its message with others (the lowering's buckets):
     it pays bandwidth only, no latency."""
     kind = reshard_collective(src, dst)
     if kind is None or n < 2:
         return 0.0
     size = nbytes / n if kind == "all_to_all" else nbytes
+    link = (links or {}).get(kind)
+    algorithm = "ring" if link is not None and link.calibrated else "auto"
+    if link is not None:
+        alpha_s, beta_s_per_byte = link.alpha_s, link.beta_s_per_byte
     alpha = 0.0 if kind in bucketed else alpha_s
-    return float(collective_time_s(kind, size, n, alpha, beta_s_per_byte, "auto"))
+    return float(collective_time_s(kind, size, n, alpha, beta_s_per_byte, algorithm))
+
+
+RESHARD_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""The collectives a reshard on one axis issues (:func:`reshard_collective`)."""
+
+
+def axis_links(cluster: Any, members: Sequence[int]) -> dict[str, LinkCost]:
+    """Each of :data:`RESHARD_KINDS` -> the figures it runs at over ``members``
+    (:func:`adaptdist.cost_models.communication.link_cost`: the cluster's measured fit of that kind where it has
+    one, else the links' latency and bandwidth).
+
+    Raises:
+        ClusterSpecError: a member outside the cluster, or a link without positive bandwidth.
+    """
+    return {k: link_cost(cluster, k, members) for k in RESHARD_KINDS}
 
 
 GRADIENT_BUCKETS = frozenset({"all_reduce", "reduce_scatter"})
@@ -144,6 +170,7 @@ class AxisProblem:
     alpha_s: float
     beta_s_per_byte: float
     strat_of: dict[str, list[Strategy]] = field(default_factory=dict)
+    links: dict[str, LinkCost] = field(default_factory=dict)  # collective kind -> its figures (axis_links)
 
     def objective_s(self, choice: Sequence[int]) -> float:
         """Predicted seconds of this axis's part of the step for ``choice`` (strategy index per var)."""
@@ -314,6 +341,7 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
     n = mesh.size(axis)
     members = mesh.group(axis, 0)
     lc = link_cost(cluster, "all_gather", members)
+    links = axis_links(cluster, members)
     fc, fb, fm = factors(pg, others)
     var_of: dict[str, int] = {}
     strat_of: dict[str, list[Strategy]] = {}  # each node's strategy under each strategy index of its var
@@ -373,7 +401,7 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         mkey = (tuple(src_places), tuple(dst_places), nbytes, bucketed, repeats)
         cost = cost_memo.get(mkey)
         if cost is None:
-            cost = [[repeats * reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte, bucketed)
+            cost = [[repeats * reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte, bucketed, links)
                      for q in dst_places]
                     for p in src_places]
             cost_memo[mkey] = cost
@@ -416,7 +444,8 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         sv = var_of[src]
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
         for k, st in enumerate(strat_of[src]):
-            vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte)
+            vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte,
+                                                     links=links)
     batch_layout = Shard(0) if batch_axis == axis and pg.batch_size > 1 else R
     for src, idx in pg.per_rank_outputs:
         if src not in var_of:
@@ -425,10 +454,10 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)]
         for k, st in enumerate(strat_of[src]):
             vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), batch_layout, nbytes, n, lc.alpha_s,
-                                                     lc.beta_s_per_byte)
+                                                     lc.beta_s_per_byte, links=links)
     fixed = [0.0 for _ in steps]
     return AxisProblem(axis, n, vars_, list(edge_map.values()), capacity_bytes, fixed, list(steps), var_of,
-                       lc.alpha_s, lc.beta_s_per_byte, strat_of)
+                       lc.alpha_s, lc.beta_s_per_byte, strat_of, links)
 
 
 def _follow(m: str, pn, ins: list, strategies: Mapping[str, list[Strategy]], var_of: Mapping[str, int],

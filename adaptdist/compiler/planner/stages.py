@@ -512,7 +512,7 @@ class StageCoster:
                     g, q = _out(chosen[a].get(src), idx), _out(chosen[a].get(p), 0)
                     nbytes = sub.nodes[src].out_bytes[idx] / fb[(src, idx)]
                     t += reshard_time_s(g, q, nbytes, c.mesh.size(a), prob.alpha_s, prob.beta_s_per_byte,
-                                        GRADIENT_BUCKETS)
+                                        GRADIENT_BUCKETS, prob.links)
                 sync += t + (prob.alpha_s if t > 0 else 0.0)
             comm = sum(ev.communication_s.values())
             sync = min(sync, comm)
