@@ -36,7 +36,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .graph import PlanningGraph
 
 _INDEX = re.compile(r"^\d+$")
 
@@ -102,7 +101,7 @@ class LayerGraph:
         loss_layer: the layer that computes the loss.
     """
 
-    pg: PlanningGraph
+    pg: Any  # a .graph.PlanningGraph, not imported: graph.py builds layers for its layer-parity split
     layers: list[Layer]
     layer_of: dict[str, int]
     forward_bytes: list[int]
@@ -126,8 +125,8 @@ def _module_key(fx: Any) -> str | None:
     return layer_key(path + ".x") if path else None
 
 
-def build_layers(pg: PlanningGraph) -> LayerGraph:
-    """Group ``pg``'s nodes into layers (module docstring).
+def build_layers(pg: Any) -> LayerGraph:
+    """Group ``pg``'s nodes (a :class:`.graph.PlanningGraph`) into layers (module docstring).
 
     Raises:
         InternalError: the graph has no loss (cannot tell forward from backward).
