@@ -134,10 +134,16 @@ def test_planner_prices_one_host_axes_with_the_transport_the_lowering_takes():
     model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 8))
     captured = capture(model, (torch.randn(16, 256), torch.randint(0, 8, (16,))), F.cross_entropy)
     c = local_cluster(2)
-    comm = {}
+    comm, plans = {}, {}
     for mode, cluster in (("gloo", cluster_for_comm(c, "gloo")), ("shm", cluster_for_comm(c, "shm"))):
         result = plan_auto(captured, cluster, mesh=Mesh.parse("dp=2"), optimizer="sgd")
         comm[mode] = result.predicted.communication_s["dp"]
+        plans[mode] = dict(result.plan.param_placements)
+    if kernels.available():  # the torch.compile backend plans on the same view (adaptdist.backend(comm=...))
+        from adaptdist.compiler import dynamo_backend
+
+        config = dynamo_backend.AdaptdistBackend(comm="shm", mesh="dp=2", optimizer="sgd")
+        assert dict(dynamo_backend._auto_plan(captured, config, 2).param_placements) == plans["shm"]
     shm_link, gloo_link = default_shm_link("cpu"), c.link(0, 1)
     ratio = shm_link.bandwidth_bytes_per_s / gloo_link.bandwidth_bytes_per_s
     # the same plan would cost at most 1/ratio of gloo's (cheaper alpha too); the planner may pick a better one for it
