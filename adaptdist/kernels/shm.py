@@ -271,7 +271,8 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     ``spin_us``: how long a waiting rank spins before it sleeps. ``comm_thread``: run this rank's collectives of
     the group on a thread of its own while the caller sleeps, as gloo does (default: when the host is busier than
     its cores as the group is made: 1-minute load average >= cores, or more ranks than cores; on such a host it
-    made bench_tp's step 2x faster, and on a quiet one the hand-over would add two thread wake-ups per call).
+    made bench_tp's step 2x faster, and on a quiet one the hand-over would add two thread wake-ups per call;
+    ``$ADAPTDIST_SHM_COMM_THREAD`` = 1 or 0 overrides that default).
 
     Raises ShmUnavailableError (kernels not loaded), UsageError (ranks on different hosts, bad
     arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
@@ -323,6 +324,8 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
         ops._shm_group_attach(name, segment, group_rank, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
                               spin_ns, False)
     _call(ops._shm_group_wait_attached, name)
+    if comm_thread is None and os.environ.get("ADAPTDIST_SHM_COMM_THREAD") in ("0", "1"):
+        comm_thread = os.environ["ADAPTDIST_SHM_COMM_THREAD"] == "1"  # for side-by-side measurements
     if comm_thread is None:
         cores = os.cpu_count() or 1
         comm_thread = group_size > cores or os.getloadavg()[0] >= cores
