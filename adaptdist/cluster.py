@@ -329,6 +329,9 @@ class Cluster:
     devices) are described fully; a runtime that launches one backend refuses them through
     :attr:`backend`.
 
+    ``shm_collectives``: the one-host groups' collectives take adaptdist's shared-memory kernels (a costing view,
+    :meth:`with_shm_collectives`; not part of the cluster file or the topology fingerprint).
+
     Raises:
         ClusterSpecError: no hosts, duplicate host names or ranks, ranks not 0..N-1, a link
             naming a rank that does not exist or with the wrong tier, a tier with no link.
@@ -337,6 +340,7 @@ class Cluster:
     hosts: tuple[Host, ...]
     links: tuple[Link, ...] = ()
     calibration: Calibration | None = None
+    shm_collectives: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", tuple(self.hosts))
@@ -528,18 +532,22 @@ class Cluster:
     # --- construction --------------------------------------------------------------------------
 
     def with_shm_collectives(self) -> "Cluster":
-        """A copy whose ``intra_host`` collective fits are the shared-memory kernels' (the ``shm`` fits, where
-        measured): what the cost models and the planner see when a one-host group's collectives take shared
-        memory (``--comm auto|shm``; :func:`adaptdist.comm_transport.cluster_for_comm`). Itself when there are
-        no ``shm`` fits."""
+        """A copy marked ``shm_collectives`` (its one-host collectives take adaptdist's shared-memory kernels), whose
+        ``intra_host`` collective fits are the kernels' (the ``shm`` fits, where measured): what the cost models and
+        the planner see when a one-host group's collectives take shared memory (``--comm auto|shm``;
+        :func:`adaptdist.comm_transport.cluster_for_comm`). Without ``shm`` fits (not profiled with the kernels) the
+        mark alone makes :func:`adaptdist.cost_models.communication.link_cost` price one-host collectives at the
+        estimated shared-memory figures (:func:`adaptdist.cost_models.hardware.default_shm_link`), not at gloo's
+        link or fits; send/recv (which stays on gloo) keeps gloo's."""
+        marked = dataclasses.replace(self, shm_collectives=True)
         cal = self.calibration
         if cal is None or not any(t == SHM_TIER for t, _ in cal.collectives):
-            return self
+            return marked
         fits = dict(cal.collectives)
         for (tier, name), fit in cal.collectives.items():
             if tier == SHM_TIER:
                 fits[("intra_host", name)] = fit
-        return self.with_calibration(dataclasses.replace(cal, collectives=FrozenMap(fits)))
+        return marked.with_calibration(dataclasses.replace(cal, collectives=FrozenMap(fits)))
 
     def with_calibration(self, calibration: Calibration | None) -> "Cluster":
         """A copy with another calibration block."""

@@ -129,9 +129,11 @@ def is_shm_collective(target) -> bool:
 
 def cluster_for_comm(cluster, comm: str):
     """``cluster`` as the cost models and the planner should see it under ``comm``: with ``auto`` (kernels loaded)
-    or ``shm``, its one-host (``intra_host``) collective fits are the shared-memory kernels' measured ones
-    (:meth:`~adaptdist.cluster.Cluster.with_shm_collectives`; an axis whose ranks share a host is exactly one the
-    lowering puts on shared memory); else, or without ``shm`` fits (not profiled with the kernels), ``cluster``."""
+    or ``shm``, its one-host (``intra_host``) collectives are priced as the shared-memory kernels' (an axis whose
+    ranks share a host is exactly one the lowering puts on shared memory): at their measured ``shm`` fits, or,
+    without them (not profiled with the kernels), at the estimated figures of
+    :func:`~adaptdist.cost_models.hardware.default_shm_link` (:meth:`~adaptdist.cluster.Cluster.with_shm_collectives`);
+    send/recv keeps gloo's. Else ``cluster`` itself."""
     if cluster is None or comm == "gloo" or not hasattr(cluster, "with_shm_collectives"):
         return cluster
     if comm == "auto":

@@ -22,6 +22,9 @@ the process's max RSS beside it.
 (``LoweringOptions.comm``), beside DDP, and a ``no-comm`` side (each rank's DDP step on its rows without DDP:
 the compute alone), so that DDP's exposed communication (DDP - no-comm) is measured too.
 
+``--interleave`` runs every side in the same processes instead, one step of each in turn (``interleave.py``): on
+a machine whose load changes between launches, its per-round speedups are the figures to quote.
+
 The workers live in this module; the ``__main__`` block re-imports this file as
 the module ``bench_dp`` (its directory is put on ``sys.path`` and ``PYTHONPATH``)
 so that the spawned ranks can unpickle them by name.
@@ -103,27 +106,38 @@ def adaptdist_shm_worker(cfg: dict) -> dict:
     return adaptdist_worker(dict(cfg, program_dir=cfg["program_dirs"]["shm"]))
 
 
-def no_comm_worker(cfg: dict) -> dict:
-    """DDP's per-rank work without DDP: each rank's forward, backward and AdamW on its rows, no collectives (what
-    DDP's step would cost with free communication)."""
+def build_no_comm(cfg: dict, rank: int, world: int):
+    """DDP's per-rank work without DDP (:func:`no_comm_worker`): ``(step, model, opt)``."""
     from adaptdist.models.gpt import factory
     from adaptdist.runtime.worker import make_optimizer
 
+    torch.manual_seed(cfg["seed"])
+    model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+    opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+
+    def step(global_batch):
+        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, model, opt
+
+
+def no_comm_step(cfg: dict, rank: int, world: int):
+    """The no-comm side's step (an ``interleave`` builder)."""
+    return build_no_comm(cfg, rank, world)[0]
+
+
+def no_comm_worker(cfg: dict) -> dict:
+    """DDP's per-rank work without DDP: each rank's forward, backward and AdamW on its rows, no collectives (what
+    DDP's step would cost with free communication)."""
     rank, world = _setup(cfg)
     try:
-        torch.manual_seed(cfg["seed"])
-        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
-        opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+        step, model, opt = build_no_comm(cfg, rank, world)
         batch = _load_batch(cfg)
-
-        def step(global_batch):
-            x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()
-
         return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
@@ -163,29 +177,40 @@ def adaptdist_sides(program_dirs: dict[str, str]) -> dict:
     return {"adaptdist/shm": bench_dp.adaptdist_shm_worker, "adaptdist/gloo": bench_dp.adaptdist_gloo_worker}
 
 
-def ddp_worker(cfg: dict) -> dict:
-    """One rank of torch DDP: same model and seed, standard loop on this rank's torch.chunk of the batch."""
+def build_ddp(cfg: dict, rank: int, world: int):
+    """torch DDP's step (:func:`ddp_worker`): ``(step, model, opt)``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from adaptdist.models.gpt import factory
     from adaptdist.runtime.worker import make_optimizer
 
+    torch.manual_seed(cfg["seed"])
+    model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+    ddp = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
+    opt = make_optimizer("adamw", list(ddp.parameters()), cfg["lr"])
+
+    def step(global_batch):
+        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # this rank's loss; the parent averages over ranks
+
+    return step, model, opt
+
+
+def ddp_step(cfg: dict, rank: int, world: int):
+    """The DDP side's step (an ``interleave`` builder)."""
+    return build_ddp(cfg, rank, world)[0]
+
+
+def ddp_worker(cfg: dict) -> dict:
+    """One rank of torch DDP: same model and seed, standard loop on this rank's torch.chunk of the batch."""
     rank, world = _setup(cfg)
     try:
-        torch.manual_seed(cfg["seed"])
-        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
-        ddp = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
-        opt = make_optimizer("adamw", list(ddp.parameters()), cfg["lr"])
+        step, model, opt = build_ddp(cfg, rank, world)
         batch = _load_batch(cfg)
-
-        def step(global_batch):
-            x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()  # this rank's loss; the parent averages over ranks
-
         return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
@@ -224,6 +249,9 @@ def add_common_args(ap: argparse.ArgumentParser, *, steps: int, batch_help: str,
     ap.add_argument("--json", default=None, help="also write the raw per-rank, per-step times here")
     ap.add_argument("--comm", choices=("gloo", "shm", "both"), default="both",
                     help="adaptdist's transport: gloo, the shared-memory kernels, or both side by side")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run every side in the same processes, one step of each in turn (benchmarks/interleave.py: "
+                         "robust to a changing load; reports per-round speedups; no memory figures)")
 
 
 # --------------------------------------------------------------------------- parent
@@ -254,10 +282,19 @@ def _summarize(results_per_rep: list[dict[int, dict]], warmup: int, tokens: int)
         "median_s": med, "min_rep_s": min(rep_medians), "max_rep_s": max(rep_medians),
         "tokens_per_s": tokens / med, "n_steps": len(all_steps),
         "first_loss": first_losses[-1], "last_loss": last_losses[-1],
-        "peak_bytes": {r: last[r]["peak_bytes"] for r in sorted(last)},
-        "start_bytes": {r: last[r]["start_bytes"] for r in sorted(last)},
-        "rss_bytes": {r: last[r]["rss_peak_bytes"] for r in sorted(last)},
+        "peak_bytes": {r: last[r].get("peak_bytes") for r in sorted(last)},  # None: not measured (--interleave)
+        "start_bytes": {r: last[r].get("start_bytes") for r in sorted(last)},
+        "rss_bytes": {r: last[r].get("rss_peak_bytes") for r in sorted(last)},
     }
+
+
+def _write_json(args, load_before, load_after, results: dict[str, list]) -> None:
+    import json
+
+    raw = {side: [{r: {"times": res[r]["times"], "losses": res[r]["losses"]} for r in res} for res in reps]
+           for side, reps in results.items()}
+    Path(args.json).write_text(json.dumps({"args": vars(args), "load_before": load_before,
+                                           "load_after": load_after, "raw": raw}))
 
 
 def prelude(args, batch_note: str = ""):
@@ -325,6 +362,18 @@ def main(argv=None) -> int:
                "steps": args.steps, "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len}
         import bench_dp  # this file as an importable module, so spawn can unpickle the workers
 
+        if args.interleave:
+            from interleave import adaptdist_builders, report, run_interleaved
+
+            builders = {**adaptdist_builders(program_dirs), "DDP": "bench_dp:ddp_step",
+                        "no-comm": "bench_dp:no_comm_step"}
+            results, load_before, load_after, wall = run_interleaved(con, builders, cfg, args.nproc, args.reps)
+            con.print(f"all launches: {wall:.0f} s; load average (1/5/15 min) before "
+                      f"{'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load_after)}")
+            report(con, results, args, tokens, "DDP", _summarize, sides_table)
+            if args.json:
+                _write_json(args, load_before, load_after, results)
+            return 0
         sides = {**adaptdist_sides(program_dirs), "DDP": bench_dp.ddp_worker, "no-comm": bench_dp.no_comm_worker}
         results: dict[str, list] = {side: [] for side in sides}
         t_all = time.perf_counter()
@@ -345,12 +394,7 @@ def main(argv=None) -> int:
                   f"(this benchmark itself keeps ~{args.nproc * args.threads_per_rank} cores busy; more means other "
                   f"work on the machine)")
         if args.json:
-            import json
-
-            raw = {side: [{r: {"times": res[r]["times"], "losses": res[r]["losses"]} for r in res} for res in reps]
-                   for side, reps in results.items()}
-            Path(args.json).write_text(json.dumps({"args": vars(args), "load_before": load_before,
-                                                   "load_after": load_after, "raw": raw}))
+            _write_json(args, load_before, load_after, results)
 
     summaries = {side: _summarize(res, args.warmup, tokens) for side, res in results.items()}
     sides_table(con, f"all sides — {args.nproc} ranks x {args.threads_per_rank} thread(s), global batch "

@@ -197,34 +197,45 @@ def compile_and_save(plan_text: str, world: int, batch_size: int, seq_len: int, 
 
 # --------------------------------------------------------------------------- workers (one per rank)
 
-def fsdp2_worker(cfg: dict) -> dict:
-    """One rank of torch FSDP2: same model and seed, fully_shard per block then root, rank's torch.chunk."""
+def build_fsdp2(cfg: dict, rank: int, world: int):
+    """torch FSDP2's step (:func:`fsdp2_worker`): ``(step, model, opt)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from adaptdist.models.gpt import factory
     from adaptdist.runtime.worker import make_optimizer
 
+    torch.manual_seed(cfg["seed"])
+    model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+
+    def step(global_batch):
+        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # this rank's loss; the parent averages over ranks
+
+    return step, model, opt
+
+
+def fsdp2_step(cfg: dict, rank: int, world: int):
+    """The FSDP2 side's step (an ``interleave`` builder)."""
+    return build_fsdp2(cfg, rank, world)[0]
+
+
+def fsdp2_worker(cfg: dict) -> dict:
+    """One rank of torch FSDP2: same model and seed, fully_shard per block then root, rank's torch.chunk."""
     rank, world = _setup(cfg)
     try:
         dtensor_aware_peak_memory()
-        torch.manual_seed(cfg["seed"])
-        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+        step, model, opt = build_fsdp2(cfg, rank, world)
         batch = _load_batch(cfg)
-
-        def step(global_batch):
-            x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()  # this rank's loss; the parent averages over ranks
-
         return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
@@ -307,6 +318,16 @@ def main(argv=None) -> int:
         import bench_dp
         import bench_fsdp  # this file as an importable module, so spawn can unpickle the workers
 
+        if args.interleave:
+            from interleave import adaptdist_builders, report, run_interleaved
+
+            results, load_before, load_after, wall = run_interleaved(
+                con, {**adaptdist_builders(program_dirs), "FSDP2": "bench_fsdp:fsdp2_step"}, cfg, args.nproc, args.reps)
+            print_load(con, load_before, load_after, wall, args)
+            report(con, results, args, tokens, "FSDP2", _summarize, sides_table)
+            if args.json:
+                write_json(args.json, args, load_before, load_after, results)
+            return 0
         sides = {**adaptdist_sides(program_dirs), "FSDP2": bench_fsdp.fsdp2_worker}
         results, load_before, load_after, wall = run_alternating(con, sides, cfg, args)
         print_load(con, load_before, load_after, wall, args)

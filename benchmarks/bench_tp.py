@@ -115,32 +115,43 @@ def scalar(loss) -> float:
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
 
-def dtensor_tp_worker(cfg: dict) -> dict:
-    """One rank of DTensor TP: same model and seed, Colwise fc / Rowwise fc_out, whole batch on every rank."""
+def build_dtensor_tp(cfg: dict, rank: int, world: int):
+    """DTensor TP's step (:func:`dtensor_tp_worker`): ``(step, model, opt)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from adaptdist.models.gpt import factory
     from adaptdist.runtime.worker import make_optimizer
 
+    torch.manual_seed(cfg["seed"])
+    model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
+    mesh = init_device_mesh("cpu", (world,))
+    loss_ctx = apply_megatron_tp(model, mesh, cfg["mlp_only"], cfg["adaptdist_sharded"])
+    opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+
+    def step(global_batch):
+        x, y = global_batch
+        opt.zero_grad(set_to_none=True)
+        with loss_ctx():
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        opt.step()
+        return scalar(loss)  # the same global loss on every rank
+
+    return step, model, opt
+
+
+def dtensor_tp_step(cfg: dict, rank: int, world: int):
+    """The DTensor side's step (an ``interleave`` builder)."""
+    return build_dtensor_tp(cfg, rank, world)[0]
+
+
+def dtensor_tp_worker(cfg: dict) -> dict:
+    """One rank of DTensor TP: same model and seed, Colwise fc / Rowwise fc_out, whole batch on every rank."""
     rank, world = _setup(cfg)
     try:
         dtensor_aware_peak_memory()
-        torch.manual_seed(cfg["seed"])
-        model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
-        mesh = init_device_mesh("cpu", (world,))
-        loss_ctx = apply_megatron_tp(model, mesh, cfg["mlp_only"], cfg["adaptdist_sharded"])
-        opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
+        step, model, opt = build_dtensor_tp(cfg, rank, world)
         batch = _load_batch(cfg)
-
-        def step(global_batch):
-            x, y = global_batch
-            opt.zero_grad(set_to_none=True)
-            with loss_ctx():
-                loss = loss_fn(model(x), y)
-                loss.backward()
-            opt.step()
-            return scalar(loss)  # the same global loss on every rank
-
         return measure_torch_side(step, batch, cfg, model.parameters(), model, opt)
     finally:
         dist.destroy_process_group()
@@ -196,6 +207,17 @@ def main(argv=None) -> int:
         import bench_dp
         import bench_tp  # this file as an importable module, so spawn can unpickle the workers
 
+        if args.interleave:
+            from interleave import adaptdist_builders, report, run_interleaved
+
+            results, load_before, load_after, wall = run_interleaved(
+                con, {**adaptdist_builders(program_dirs), "DTensor": "bench_tp:dtensor_tp_step"}, cfg, args.nproc,
+                args.reps)
+            print_load(con, load_before, load_after, wall, args)
+            report(con, results, args, tokens, "DTensor", _summarize, sides_table)
+            if args.json:
+                write_json(args.json, args, load_before, load_after, results)
+            return 0
         sides = {**adaptdist_sides(program_dirs), "DTensor": bench_tp.dtensor_tp_worker}
         results, load_before, load_after, wall = run_alternating(con, sides, cfg, args)
         print_load(con, load_before, load_after, wall, args)

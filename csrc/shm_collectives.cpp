@@ -49,6 +49,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <thread>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -186,6 +190,54 @@ struct OutputBlock {
   ~OutputBlock() { free(data); }
 };
 
+// A thread of the group's own that runs its collectives while the calling thread sleeps (as gloo runs its
+// collectives on a worker thread). On a host busier than its cores this matters: a step whose collectives ran
+// on its own (computing) thread took 0.55x gloo's time-equivalent (bench_tp, 22 all_reduces a step), the same
+// step with each collective handed to such a thread 1.18-1.27x (benchmarks/RESULTS.md, 2026-12-03 17:5x): the
+// thread that waits in the barriers then is not the one whose computing the scheduler has charged.
+struct CommThread {
+  std::mutex m;
+  std::condition_variable cv;
+  std::function<void()> job;
+  bool has_job = false, done = false, stop = false;
+  std::thread th;
+  CommThread() : th([this] { loop(); }) {}
+  void loop() {
+    std::unique_lock<std::mutex> l(m);
+    while (true) {
+      cv.wait(l, [&] { return has_job || stop; });
+      if (!has_job) return;
+      std::function<void()> j = std::move(job);
+      has_job = false;
+      l.unlock();
+      j();
+      l.lock();
+      done = true;
+      cv.notify_all();
+    }
+  }
+  // Run f on the thread and wait for it; f must not throw (callers catch into an exception_ptr).
+  void run(std::function<void()> f) {
+    std::unique_lock<std::mutex> l(m);
+    job = std::move(f);
+    has_job = true;
+    done = false;
+    cv.notify_all();
+    cv.wait(l, [&] { return done; });
+  }
+  ~CommThread() {
+    {
+      std::lock_guard<std::mutex> l(m);
+      stop = true;
+    }
+    cv.notify_all();
+    if (th.get_id() == std::this_thread::get_id())
+      th.detach();  // the last reference went on this thread itself
+    else if (th.joinable())
+      th.join();
+  }
+};
+
 struct Group {
   std::string name;
   std::string segment;
@@ -207,11 +259,13 @@ struct Group {
   // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
   int64_t prof[6] = {0, 0, 0, 0, 0, 0};
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
+  std::unique_ptr<CommThread> comm;  // when set (_shm_group_set_comm_thread), the collectives run on it
 
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
   char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
 
   ~Group() {
+    comm.reset();
     if (hdr != nullptr) munmap(hdr, map_bytes);
     if (creator && !unlinked) shm_unlink(segment.c_str());
   }
@@ -1143,7 +1197,59 @@ static std::vector<double> group_profile(c10::string_view group_name) {
   return out;
 }
 
-static int64_t abi_version() { return 1; }
+// Run the group's collectives on a thread of its own (on) or on the calling thread (off); see CommThread.
+static void group_set_comm_thread(c10::string_view group_name, bool on) {
+  auto gp = find_group(std::string(group_name));
+  std::lock_guard<std::mutex> lock(gp->mu);
+  if (on && !gp->comm) gp->comm = std::make_unique<CommThread>();
+  if (!on) gp->comm.reset();
+}
+
+// A CPU kernel's entry: f() on the group's comm thread when it has one, else here; its exception rethrown here.
+template <class F>
+static at::Tensor on_comm_thread(c10::string_view group_name, F f) {
+  std::shared_ptr<Group> gp;
+  {
+    auto& reg = registry();
+    std::lock_guard<std::mutex> lock(reg.mu);
+    auto it = reg.groups.find(std::string(group_name));
+    if (it != reg.groups.end()) gp = it->second;
+  }
+  CommThread* t = gp ? gp->comm.get() : nullptr;
+  if (t == nullptr) return f();  // also: no such group, which f reports
+  at::Tensor out;
+  std::exception_ptr err;
+  t->run([&] {
+    try {
+      out = f();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  });
+  if (err) std::rethrow_exception(err);
+  return out;
+}
+
+static at::Tensor all_reduce_entry(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
+  return on_comm_thread(group_name, [&] { return all_reduce_cpu(input, reduce_op, group_name); });
+}
+static at::Tensor all_gather_entry(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
+  return on_comm_thread(group_name, [&] { return all_gather_cpu(input, group_size, group_name); });
+}
+static at::Tensor reduce_scatter_entry(const at::Tensor& input, c10::string_view reduce_op, int64_t group_size,
+                                       c10::string_view group_name) {
+  return on_comm_thread(group_name, [&] { return reduce_scatter_cpu(input, reduce_op, group_size, group_name); });
+}
+static at::Tensor all_to_all_entry(const at::Tensor& input, c10::SymIntArrayRef output_split_sizes,
+                                   c10::SymIntArrayRef input_split_sizes, c10::string_view group_name) {
+  return on_comm_thread(group_name,
+                        [&] { return all_to_all_cpu(input, output_split_sizes, input_split_sizes, group_name); });
+}
+static at::Tensor broadcast_entry(const at::Tensor& input, int64_t src, c10::string_view group_name) {
+  return on_comm_thread(group_name, [&] { return broadcast_cpu(input, src, group_name); });
+}
+
+static int64_t abi_version() { return 2; }  // adaptdist/kernels/__init__.py ABI_VERSION
 
 }  // namespace adaptdist_shm
 
@@ -1166,15 +1272,16 @@ TORCH_LIBRARY(adaptdist, m) {
   m.def("_shm_group_names() -> str[]", &adaptdist_shm::group_names_impl);
   m.def("_shm_group_pids(str group_name) -> int[]", &adaptdist_shm::group_pids);
   m.def("_shm_group_profile(str group_name) -> float[]", &adaptdist_shm::group_profile);
+  m.def("_shm_group_set_comm_thread(str group_name, bool on) -> ()", &adaptdist_shm::group_set_comm_thread);
   m.def("_abi_version() -> int", &adaptdist_shm::abi_version);
 }
 
 TORCH_LIBRARY_IMPL(adaptdist, CPU, m) {
-  m.impl("shm_all_reduce", &adaptdist_shm::all_reduce_cpu);
-  m.impl("shm_all_gather_into_tensor", &adaptdist_shm::all_gather_cpu);
-  m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_cpu);
-  m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_cpu);
-  m.impl("shm_broadcast", &adaptdist_shm::broadcast_cpu);
+  m.impl("shm_all_reduce", &adaptdist_shm::all_reduce_entry);
+  m.impl("shm_all_gather_into_tensor", &adaptdist_shm::all_gather_entry);
+  m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_entry);
+  m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_entry);
+  m.impl("shm_broadcast", &adaptdist_shm::broadcast_entry);
 }
 
 TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {

@@ -54,7 +54,9 @@ def test_one_host_groups_cost_the_shm_fits_under_comm(monkeypatch):
     assert shm.calibrated and shm.alpha_s < gloo.alpha_s / 10 and shm.beta_s_per_byte < gloo.beta_s_per_byte
     assert shm_view.collective_fit("send_recv", "intra_host") == c.collective_fit("send_recv", "intra_host")
     assert shm_view.topology_fingerprint() == c.topology_fingerprint()
-    assert local_cluster(2).with_shm_collectives() == local_cluster(2)  # nothing measured: unchanged
+    plain = local_cluster(2)
+    marked = plain.with_shm_collectives()  # nothing measured: same figures, marked for the estimated shm costs
+    assert marked.shm_collectives and not plain.shm_collectives and marked.calibration == plain.calibration
     monkeypatch.setattr(kernels, "load", lambda: kernels.LoadResult(None, "disabled"))
     assert cluster_for_comm(c, "auto") is c  # auto without the kernels: gloo's figures
 
@@ -115,3 +117,39 @@ def test_uncalibrated_shm_axes_cost_the_shm_defaults_concretely_and_symbolically
     shm_link, gloo_link = default_shm_link("cpu"), c.link(0, 1)
     assert shm_link.bandwidth_bytes_per_s > gloo_link.bandwidth_bytes_per_s
     assert 0 < comm_s["shm"] < comm_s["gloo"] / 5, comm_s
+
+
+def test_planner_prices_one_host_axes_with_the_transport_the_lowering_takes():
+    """An uncalibrated cluster (no shm fits): under ``--comm shm`` the planner's ILP prices a one-host axis's
+    collectives at the estimated shared-memory figures (``default_shm_link``), not gloo's, so the plan's predicted
+    communication drops by at least their bandwidth ratio; send/recv (pipelines' sends, on gloo) keeps gloo's link;
+    a two-host axis keeps gloo's link either way."""
+    from adaptdist.calibrate.local import estimated_cluster
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner import plan_auto
+    from adaptdist.cost_models.hardware import default_shm_link
+    from adaptdist.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 8))
+    captured = capture(model, (torch.randn(16, 256), torch.randint(0, 8, (16,))), F.cross_entropy)
+    c = local_cluster(2)
+    comm, plans = {}, {}
+    for mode, cluster in (("gloo", cluster_for_comm(c, "gloo")), ("shm", cluster_for_comm(c, "shm"))):
+        result = plan_auto(captured, cluster, mesh=Mesh.parse("dp=2"), optimizer="sgd")
+        comm[mode] = result.predicted.communication_s["dp"]
+        plans[mode] = dict(result.plan.param_placements)
+    if kernels.available():  # the torch.compile backend plans on the same view (adaptdist.backend(comm=...))
+        from adaptdist.compiler import dynamo_backend
+
+        config = dynamo_backend.AdaptdistBackend(comm="shm", mesh="dp=2", optimizer="sgd")
+        assert dict(dynamo_backend._auto_plan(captured, config, 2).param_placements) == plans["shm"]
+    shm_link, gloo_link = default_shm_link("cpu"), c.link(0, 1)
+    ratio = shm_link.bandwidth_bytes_per_s / gloo_link.bandwidth_bytes_per_s
+    # the same plan would cost at most 1/ratio of gloo's (cheaper alpha too); the planner may pick a better one for it
+    assert comm["gloo"] > 0 and 0 < comm["shm"] <= comm["gloo"] / ratio, (comm, ratio)
+    shm_view = cluster_for_comm(c, "shm")
+    assert link_cost(shm_view, "send_recv", [0, 1]) == link_cost(c, "send_recv", [0, 1])
+    two_hosts = estimated_cluster((("a", "cpu", 1), ("b", "cpu", 1)))
+    assert link_cost(cluster_for_comm(two_hosts, "shm"), "all_reduce", [0, 1]) == link_cost(two_hosts, "all_reduce",
+                                                                                            [0, 1])

@@ -140,3 +140,25 @@ def test_translate_error_names_the_peer():
     assert isinstance(typed, ShmPeerError) and isinstance(typed, CollectiveTimeoutError)
     assert (typed.group, typed.peer_group_rank, typed.peer_global_rank, typed.peer_pid) == ("tp", 1, 3, 11)
     assert shm.translate_error(RuntimeError("something else")) is None
+
+
+@needs_kernels
+def test_comm_thread_runs_the_ops_and_reraises_their_errors(tmp_path, monkeypatch):
+    """``init_group(comm_thread=True)``: the ops run on the group's own thread, results and errors as on the caller's
+    (a one-rank group: the reduction, the output and the error path all cross the hand-over)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_PORT", "0")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for on in (True, False):
+            g = shm.init_group(name=f"ct{int(on)}", comm_thread=on, timeout_s=10.0)
+            x = torch.arange(10, dtype=torch.float32)[::2]  # non-contiguous
+            assert torch.equal(torch.ops.adaptdist.shm_all_reduce(x, "avg", g.name), x)
+            assert torch.equal(torch.ops.adaptdist.shm_all_gather_into_tensor(x, 1, g.name), x)
+            with pytest.raises(ValueError, match="reduce_op .min. is not supported"):  # the same type as unthreaded
+                torch.ops.adaptdist.shm_all_reduce(x, "min", g.name)
+            assert torch.equal(torch.ops.adaptdist.shm_broadcast(x, 0, g.name), x)  # usable after the error
+            shm.destroy_group(g.name)
+    finally:
+        dist.destroy_process_group()

@@ -670,7 +670,9 @@ def _cluster_of(config: AdaptdistBackend, world: int) -> Any:
 def _auto_plan(captured: Any, config: AdaptdistBackend, world: int) -> Plan:
     from .planner import plan_auto
 
-    cluster = _cluster_of(config, world)
+    from ..comm_transport import cluster_for_comm
+
+    cluster = cluster_for_comm(_cluster_of(config, world), config.comm)  # priced as the lowering will carry it
     if cluster.world_size != world:
         raise UsageError(f"the cluster has {cluster.world_size} ranks but this job has {world}; pass a cluster of "
                          f"{world} devices (or none: the local machine)")

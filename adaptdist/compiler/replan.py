@@ -75,15 +75,18 @@ class ProgramSource:
     data_path: str | None = None
 
     def cluster_for(self, world_size: int):
-        """The cluster a job of ``world_size`` ranks plans for (estimated figures)."""
+        """The cluster a job of ``world_size`` ranks plans for (estimated figures), its one-host collectives priced
+        as ``options.comm`` carries them (:func:`~adaptdist.comm_transport.cluster_for_comm`)."""
         from ..calibrate.local import estimated_cluster, local_cluster
+        from ..comm_transport import cluster_for_comm
 
         if self.ranks_per_host is None:
-            return local_cluster(world_size)
+            return cluster_for_comm(local_cluster(world_size), self.options.comm)
         if world_size % self.ranks_per_host:
             raise UsageError(f"{world_size} ranks are not whole hosts of {self.ranks_per_host} (--nproc) ranks")
-        return estimated_cluster(tuple((f"host{h}", "cpu", self.ranks_per_host)
-                                       for h in range(world_size // self.ranks_per_host)))
+        return cluster_for_comm(estimated_cluster(tuple((f"host{h}", "cpu", self.ranks_per_host)
+                                                        for h in range(world_size // self.ranks_per_host))),
+                                self.options.comm)
 
     def check_elastic(self) -> None:
         """Refuse settings that cannot follow a changing world size.

@@ -218,8 +218,9 @@ def _shm_fit(cluster: ClusterLike, collective: str) -> Any:
 def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int], shm: bool = False) -> LinkCost:
     """The per-message alpha and per-byte beta a collective over ``members`` runs at.
 
-    ``shm``: the collective is one of adaptdist's shared-memory ops (:func:`is_synchronous_collective`); on one
-    host it runs at the cluster's measured ``shm`` fit (``adaptdist cluster profile`` with the kernels), else at the
+    ``shm``: the collective is one of adaptdist's shared-memory ops (:func:`is_synchronous_collective`), or the
+    cluster is marked ``shm_collectives`` (the ``--comm auto|shm`` view the planner prices with) and the collective
+    is not send_recv; on one host it runs at the cluster's measured ``shm`` fit (``adaptdist cluster profile`` with the kernels), else at the
     cost model's estimated shared-memory figures (:func:`~.hardware.default_shm_link`), never at gloo's.
 
     The ring's hops are consecutive members (and last -> first); a ring runs at its slowest hop,
@@ -237,18 +238,20 @@ def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int], shm
     """
     if len(members) < 2:
         return LinkCost(0.0, 0.0, "intra_host", False)
+    # a cluster viewed under --comm auto|shm (Cluster.with_shm_collectives): its one-host collectives are the
+    # kernels', even before lowering names the shm ops (the planner prices functional collectives); send/recv stays gloo
+    shm = shm or (collective != "send_recv" and bool(getattr(cluster, "shm_collectives", False)))
     hops = [cluster.link(a, b) for a, b in zip(members, list(members[1:]) + [members[0]])]
     tier = "inter_host" if any(h.tier == "inter_host" for h in hops) else "intra_host"
-    if shm and tier == "intra_host":
-        fit = _shm_fit(cluster, collective)
-        if fit is None:
-            from .hardware import default_shm_link
+    fit = _shm_fit(cluster, collective) if shm and tier == "intra_host" else None
+    if shm and tier == "intra_host" and fit is None:
+        from .hardware import default_shm_link
 
-            figures = default_shm_link(getattr(cluster.device(members[0]), "kind", ""))
-            if figures is not None:
-                return LinkCost(figures.latency_s, 1.0 / figures.bandwidth_bytes_per_s, tier, False)
-    else:
-        fit = cluster.collective_fit(collective, tier) if collective in CALIBRATED_COLLECTIVES else None
+        figures = default_shm_link(getattr(cluster.device(members[0]), "kind", ""))
+        if figures is not None:
+            return LinkCost(figures.latency_s, 1.0 / figures.bandwidth_bytes_per_s, tier, False)
+    if fit is None and collective in CALIBRATED_COLLECTIVES:  # gloo's (or, where the kernels do not apply, nccl's)
+        fit = cluster.collective_fit(collective, tier)
     if fit is not None:
         p_fit = getattr(fit, "num_ranks", None)
         p_fit = p_fit if isinstance(p_fit, int) and p_fit >= 2 else len(members)

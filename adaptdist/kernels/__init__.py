@@ -33,8 +33,9 @@ from ..errors import ShmUnavailableError
 
 LIBRARY_NAME = "_kernels.so"
 ENV_VAR = "ADAPTDIST_KERNELS"
-ABI_VERSION = 1
-"""What ``torch.ops.adaptdist._abi_version()`` must return: bumped when an op's schema changes."""
+ABI_VERSION = 2
+"""What ``torch.ops.adaptdist._abi_version()`` must return: bumped when an op's schema changes or an op is added
+(2: ``_shm_group_set_comm_thread``)."""
 
 
 @dataclass(frozen=True)

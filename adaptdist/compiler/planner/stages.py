@@ -212,6 +212,7 @@ class SubCluster:
         self._cluster = cluster
         self._ranks = tuple(ranks)
         self.calibrated = bool(getattr(cluster, "calibrated", True))
+        self.shm_collectives = bool(getattr(cluster, "shm_collectives", False))  # --comm's costing view
 
     @property
     def world_size(self) -> int:
