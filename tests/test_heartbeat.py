@@ -46,6 +46,32 @@ def test_named_timeout_names_the_rank_that_did_not_wait():
     assert "--collective-timeout-s 3" in msg and "rank 2" not in msg.split(";")[0]
 
 
+def test_a_peer_the_shm_kernels_saw_die_is_named_dead_and_the_restart_blames_it(tmp_path):
+    """The shm kernels notice a dead peer at once (its pid is gone): the error says it died, not that this rank
+    waited out the timeout, and the restart line blames the dead rank (silent in its record), not the rank that
+    noticed."""
+    from adaptdist.errors import ShmPeerError
+    from adaptdist.runtime.rank_status import RankStatus, failure_of
+
+    hbs = [Heartbeat(r, 2, _store(), collective_timeout_s=120) for r in range(2)]
+    hbs[0].beat(17)
+    hbs[1].beat(17)
+    shm = ShmPeerError("adaptdist shm: all_reduce on group 'adaptdist:dp[0,1]': peer group rank 1 (global rank 1, "
+                       "pid 23971) died (its process is gone)", "adaptdist:dp[0,1]", 1, 1, 23971)
+    err = named_timeout(shm, hbs[0], 17, settle_s=0.3)
+    msg = str(err)
+    assert isinstance(err, CollectiveTimeoutError)
+    assert msg.startswith("rank 1 died at the collective of step 17 (its process is gone)"), msg
+    assert "rank 0 noticed at once" in msg and "waited" not in msg
+    # rank 1 was SIGKILLed mid-step (its record still says running); rank 0 recorded the error above
+    RankStatus(tmp_path, 1, 0).update(step=17)
+    RankStatus(tmp_path, 0, 0).update(state="failed", step=17, error=f"{type(err).__name__}: {err}",
+                                      error_type=type(err).__name__)
+    cause = failure_of(tmp_path, 0)
+    assert cause is not None and cause.startswith("rank 1 (pid"), cause
+    assert "died without a word after step 17" in cause
+
+
 def test_named_timeout_leaves_other_errors_alone():
     hb = Heartbeat(0, 2, _store(), collective_timeout_s=3)
     e = ValueError("shape mismatch")

@@ -117,6 +117,10 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(frag in str(exc) for frag in _COLLECTIVE_FAILURES)
 
 
+PEER_GONE = "its process is gone"
+"""The shared-memory kernels' words for a peer whose process ended (csrc/shm_collectives.cpp)."""
+
+
 def named_timeout(exc: BaseException, heartbeat: Heartbeat, step: int, *, settle_s: float = 2.0
                   ) -> BaseException:
     """``exc`` as a CollectiveTimeoutError naming the rank(s) that did not arrive at the collective of ``step``
@@ -166,6 +170,12 @@ def named_timeout(exc: BaseException, heartbeat: Heartbeat, step: int, *, settle
             f"ranks likely issued different collectives, or the network between them failed.")
     lags = [Laggard(r, *((beats[r][0], now - beats[r][1]) if r in beats else (None, None))) for r in missing]
     names = ", ".join(lag.describe() for lag in lags)
+    if isinstance(exc, ShmPeerError) and PEER_GONE in str(exc) and missing == [exc.peer_global_rank]:
+        # the shm kernel saw the peer's process end: it died, and this rank did not wait out the timeout
+        return CollectiveTimeoutError(
+            f"rank {missing[0]} died at the collective of step {step} ({PEER_GONE}): {names}; rank {me} noticed "
+            f"at once ({first}). Check rank {missing[0]}'s log (an out-of-memory kill shows in dmesg); "
+            f"--max-restarts restarts the job from its last checkpoint.")
     return CollectiveTimeoutError(
         f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))} did not arrive at the "
         f"collective of step {step}: {names}; rank {me} waited {flag} ({first}). A rank that stalls (a slow "
