@@ -405,13 +405,17 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         try:
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
-            msg = str(e).split("\n")[0]
+            msg = str(e).split("\n")[0].rstrip(".")
             low = msg.lower()
             hint = ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running "
                     "statistics, which the backend updates) cannot be updated per rank: update it outside the "
                     "compiled code, or use adaptdist train."
                     if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var",
                                               "doesn't match the broadcast shape")) else
+                    "torch.vmap, which captures every rank's call at once, has no batching rule for this RNN op: "
+                    "train RNNs (nn.RNN/GRU/LSTM) with `adaptdist train`, which captures them, or with "
+                    "DistributedDataParallel."
+                    if "batching rule not implemented" in low and any(f"aten::{op}" in low for op in RNN_OPS) else
                     "Check that the model runs eagerly and under torch.vmap.")
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
@@ -419,6 +423,10 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
     recompute_regions(joint, [by_name[n] for n in list(sig.user_outputs[1:]) + list(sig.buffers_to_mutate)
                               if n in by_name], by_name[sig.user_outputs[0]])
     return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
+
+
+RNN_OPS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
+"""ATen's fused recurrent ops (nn.RNN/GRU/LSTM), which torch.vmap cannot batch."""
 
 
 def _with_explicit_casts(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> torch.fx.GraphModule:

@@ -48,7 +48,9 @@ def refuse_skipped_rnn_frame(_args: Any = None) -> None:
         "torch.compile runs a frame that calls nn.RNN/GRU/LSTM eagerly, without any adaptdist graph (Dynamo: "
         f"{str(error).splitlines()[0]}): on {dist.get_world_size()} ranks the gradients of its parameters would "
         "never be reduced across ranks (each rank would train its own model), so adaptdist stops. Train it with "
-        "`adaptdist train`, which captures RNNs, or set torch._dynamo.config.allow_rnn = True before torch.compile"))
+        "`adaptdist train`, which captures RNNs, or with DistributedDataParallel (with "
+        "torch._dynamo.config.allow_rnn = True Dynamo traces the RNN, but the backend's all-ranks capture, "
+        "torch.vmap, has no batching rule for its fused op)"))
 
 
 # torch.nn's modules that update running statistics from the batch in training mode (track_running_stats)

@@ -127,7 +127,7 @@ def split_layers(layers: list[str], num_stages: int) -> list[tuple[str, ...]]:
         raise PipelineError(f"a pipeline needs at least 1 stage, got {num_stages}")
     if num_stages > len(layers):
         raise PipelineError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers; the model has "
-                            f"{len(layers)} ({', '.join(layers)}); use at most {len(layers)} stages")
+                            f"{len(layers)} ({', '.join(layers)}); use at most {len(layers)} stage{'s' if len(layers) != 1 else ''}")
     base, extra = divmod(len(layers), num_stages)
     out, i = [], 0
     for s in range(num_stages):
@@ -349,7 +349,7 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
     layers = pipeline_layers(captured)
     if S > len(layers):
         raise PipelineError(f"a pipeline of {S} stages needs at least {S} layers; the model has {len(layers)} "
-                            f"({', '.join(layers)}); use at most {len(layers)} stages")
+                            f"({', '.join(layers)}); use at most {len(layers)} stage{'s' if len(layers) != 1 else ''}")
     given = [layer for st in spec.stages for layer in st.layers]
     if given != layers:
         unknown = [x for x in given if x not in layers]
