@@ -152,37 +152,47 @@ def load_worker(cases: list[dict], timeout_s: float = 120.0) -> list[dict]:
     ``save_to``, save there at ``steps``."""
     rank, world = _init(timeout_s)
     try:
-        out = []
-        for case in cases:
-            kind, rows = case.get("model", "small"), case.get("rows", GLOBAL_BATCH)
-            model = make_model(1, kind)
-            opt = make_optimizer(model, case["opt"])
-            compiled = torch.compile(model, backend=backend_for(case), fullgraph=True)
-            if case["order"] == "after":
-                x, y = batch(0, kind, rows)
-                loss_of(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-                opt.zero_grad(set_to_none=True)
-            step, extra = adaptdist.load_checkpoint(case["root"], compiled, opt)
-            loaded = snapshot(compiled, opt)
-            for s in range(step, case["steps"]):
-                train_step(compiled, opt, s, rank, world, kind, rows)
-            if case.get("save_to"):  # saved again from this world's shards (empty ones included)
-                adaptdist.save_checkpoint(case["save_to"], compiled, opt, step=case["steps"])
-            out.append({"step": step, "extra": extra, "loaded": loaded, "final": snapshot(compiled, opt)})
-        return out
+        return _load_cases(cases, rank, world)
     finally:
         dist.destroy_process_group()
 
 
-def other_model_worker(root: str, timeout_s: float = 60.0) -> str:
-    """Load a checkpoint of Small into a model of another shape: the error every rank raises."""
+def _load_cases(cases: list[dict], rank: int, world: int) -> list[dict]:
+    """The body of :func:`load_worker`, in a process group already started."""
+    out = []
+    for case in cases:
+        kind, rows = case.get("model", "small"), case.get("rows", GLOBAL_BATCH)
+        model = make_model(1, kind)
+        opt = make_optimizer(model, case["opt"])
+        compiled = torch.compile(model, backend=backend_for(case), fullgraph=True)
+        if case["order"] == "after":
+            x, y = batch(0, kind, rows)
+            loss_of(compiled(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.zero_grad(set_to_none=True)
+        step, extra = adaptdist.load_checkpoint(case["root"], compiled, opt)
+        loaded = snapshot(compiled, opt)
+        for s in range(step, case["steps"]):
+            train_step(compiled, opt, s, rank, world, kind, rows)
+        if case.get("save_to"):  # saved again from this world's shards (empty ones included)
+            adaptdist.save_checkpoint(case["save_to"], compiled, opt, step=case["steps"])
+        out.append({"step": step, "extra": extra, "loaded": loaded, "final": snapshot(compiled, opt)})
+    return out
+
+
+def _other_model_error(root: str) -> str:
+    model = nn.Sequential(nn.Linear(12, 5))
+    try:
+        adaptdist.load_checkpoint(root, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def load_then_other_model_worker(cases: list[dict], root: str, timeout_s: float = 120.0) -> tuple[list[dict], str]:
+    """:func:`load_worker`'s cases, then :func:`other_model_worker` on ``root``, in one process group (one
+    launch for two tests' checks)."""
     rank, world = _init(timeout_s)
     try:
-        model = nn.Sequential(nn.Linear(12, 5))
-        try:
-            adaptdist.load_checkpoint(root, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
-        return "no error"
+        return _load_cases(cases, rank, world), _other_model_error(root)
     finally:
         dist.destroy_process_group()

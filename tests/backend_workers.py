@@ -109,6 +109,43 @@ def rank_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
+def _join_group(timeout_s: float) -> bool:
+    """Start this rank's gloo process group unless :func:`suite_worker` already did; True if this call started
+    it (then the caller destroys it)."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def _leave_group(owned: bool) -> None:
+    if owned:
+        dist.destroy_process_group()
+
+
+def suite_worker(parts: list[tuple[str, str, tuple]], timeout_s: float = 180.0) -> dict:
+    """Several of this module's workers in one launch (one process group, started once): ``parts`` is
+    [(key, worker name, args)]; returns {key: ("ok", result) or ("error", traceback)}. Dynamo's caches are
+    reset before each part, so each compiles as in a fresh process (no automatic dynamic shapes carried
+    over from an earlier part's model). A part that fails is recorded and the next one runs; put
+    ``teardown_worker`` last (it destroys the group)."""
+    import traceback
+
+    torch.set_num_threads(1)
+    owned = _join_group(timeout_s)
+    out: dict = {}
+    try:
+        for key, name, args in parts:
+            torch._dynamo.reset()
+            try:
+                out[key] = ("ok", globals()[name](*args))
+            except Exception:
+                out[key] = ("error", traceback.format_exc())
+        return out
+    finally:
+        _leave_group(owned and dist.is_initialized())
+
+
 class _BreakAfterFirst(torch.nn.Module):
     """``model`` with a graph break before it (a logging call in Hugging Face's GPT-2 does the same)."""
 
@@ -125,7 +162,7 @@ def mismatch_worker(timeout_s: float = 60.0, graph_break: bool = False) -> str:
     """Rank 1 passes inputs of another shape than rank 0: every rank must refuse with the same error (with
     ``graph_break``, after a graph break in the model)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank = int(os.environ["RANK"])
         model, (x, y), loss_fn = mlp(6, seed=0)
@@ -138,7 +175,7 @@ def mismatch_worker(timeout_s: float = 60.0, graph_break: bool = False) -> str:
             return f"{type(e).__name__}: {e}"
         return "no error"
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def full_grad(p: torch.Tensor) -> torch.Tensor:
@@ -156,7 +193,7 @@ def sharded_memory_worker(plan: str, timeout_s: float = 120.0) -> dict:
     from adaptdist.runtime.memory import PeakMemory
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
         model, batch, loss_fn = tiny_gpt(8, 8, seed=0, num_heads=4)
@@ -190,14 +227,14 @@ def sharded_memory_worker(plan: str, timeout_s: float = 120.0) -> dict:
                 "state_numel": sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
                 "peak_bytes": max(peaks), "full": {k: v.shape for k, v in adaptdist.full_state_dict(compiled).items()}}
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: float = 120.0) -> list[dict]:
     """Run each case (model, plan, mesh, global batch size) for ``steps`` SGD steps through
     ``torch.compile(model, backend=adaptdist.backend(...))``; one process group for all cases."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
         out = []
@@ -229,7 +266,7 @@ def backend_sgd_worker(cases: list[dict], steps: int, lr: float, timeout_s: floa
                         "collectives": [s.collectives() for s in be.compiled]})
         return out
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0, comm: str = "auto") -> list[dict]:
@@ -237,7 +274,7 @@ def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0, c
     axis, of different groups), their forwards and backwards interleaved; each model's losses and grads, its
     SGD-updated parameters and its graphs' collectives."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
         runs, backends = [], []
@@ -263,7 +300,7 @@ def interleaved_meshes_worker(steps: int, lr: float, timeout_s: float = 120.0, c
             out[k]["collectives"] = [s.collectives() for s in be.compiled]
         return out
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def sharded_usage_worker(timeout_s: float = 120.0) -> dict:
@@ -276,7 +313,7 @@ def sharded_usage_worker(timeout_s: float = 120.0) -> dict:
     from adaptdist.runtime.sharded_params import ShardedStateWarning
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
         model, (x, y), loss_fn = mlp(12, seed=0)
@@ -306,7 +343,7 @@ def sharded_usage_worker(timeout_s: float = 120.0) -> dict:
             out["direct_call"] = f"{type(e).__name__}: {e}"
         return out
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def sequential_mlp(seed: int = 0) -> torch.nn.Sequential:
@@ -335,7 +372,7 @@ def sequential_worker(steps: int, lr: float, timeout_s: float = 120.0) -> dict:
     from adaptdist.runtime.sharded_params import ShardedStateWarning
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     records = _Records()
     logger = logging.getLogger("adaptdist")
     logger.addHandler(records)
@@ -384,14 +421,14 @@ def sequential_worker(steps: int, lr: float, timeout_s: float = 120.0) -> dict:
         return out
     finally:
         logger.removeHandler(records)
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def teardown_worker(timeout_s: float = 120.0) -> list[str]:
     """A training step through the backend (fsdp), then destroy_process_group(): the names of this process's
     threads left (/proc/self/task). torch.compile first runs after init_process_group here, as in a script."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    _join_group(timeout_s)
     rank, world = int(os.environ["RANK"]), dist.get_world_size()
     model, (x, y), loss_fn = mlp(4, seed=0)
     compiled = torch.compile(model, backend=adaptdist.backend(plan="fsdp"), dynamic=False)
@@ -432,7 +469,7 @@ def hf_retrace_worker(name: str, plan: str, lr: float, timeout_s: float = 180.0)
     re-trace), an SGD step on 2 rows per rank (a re-trace at a new shape). Records each loss, the full
     gradients of both steps and the final full state dict."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     try:
         rank = int(os.environ["RANK"])
         model = hf_causal_lm(name)
@@ -453,7 +490,7 @@ def hf_retrace_worker(name: str, plan: str, lr: float, timeout_s: float = 180.0)
         out["state"] = adaptdist.full_state_dict(compiled)
         return out
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 class _BranchOnData(torch.nn.Module):

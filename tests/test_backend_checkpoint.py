@@ -26,8 +26,8 @@ import torch.nn as nn
 import adaptdist
 from adaptdist.errors import CheckpointError
 from adaptdist.runtime.launch import launch_local
-from backend_checkpoint_workers import (load_worker, make_model, make_optimizer, other_model_worker, save_worker,
-                                        snapshot, train_step)
+from backend_checkpoint_workers import (load_then_other_model_worker, load_worker, make_model, make_optimizer,
+                                        save_worker, snapshot, train_step)
 
 SAVE_AT, STEPS = 3, 6
 REPO = Path(__file__).resolve().parent.parent
@@ -126,15 +126,45 @@ def test_checkpoint_of_another_model_is_refused_naming_both(tmp_path):
 
 
 # --- gloo ranks --------------------------------------------------------------------------------------------
+# Every checkpoint the slow tests load is saved by one 2-rank launch (module-scoped: starting ranks costs
+# seconds); the loads on 2 ranks and the refusal of another model share one more.
+
+SUITE_TIMEOUT_S = 1500  # the first test to use the fixtures waits for their launches too
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("backend_checkpoints")
+    return {k: str(base / k) for k in ("adamw_fsdp", "sgd_fsdp", "sgd_dp", "ep", "gpt_tp")}
+
+
+def _saves(roots: dict[str, str]) -> list[dict]:
+    return [dict(root=roots["adamw_fsdp"], plan="fsdp", opt="adamw", save_at=SAVE_AT, steps=STEPS),
+            dict(root=roots["sgd_fsdp"], plan="fsdp", opt="sgd", save_at=SAVE_AT, steps=STEPS),
+            dict(root=roots["sgd_dp"], plan="dp", opt="sgd", save_at=SAVE_AT, steps=STEPS),
+            dict(root=roots["ep"], plan="ep", opt="sgd", save_at=2, steps=3, model="moe-list"),
+            dict(root=roots["gpt_tp"], model="gpt", plan="tp", opt="sgd", save_at=2, steps=4, rows=4)]
+
+
+@pytest.fixture(scope="module")
+def saved_on_2(roots) -> dict:
+    """{rank: save_worker's result per case of :func:`_saves`}."""
+    return launch_local(save_worker, (_saves(roots),), 2)
+
+
+@pytest.fixture(scope="module")
+def loaded_on_2(roots, saved_on_2) -> dict:
+    """{rank: (load_worker's result per ep case, the error of loading sgd_fsdp into another model)}."""
+    ep = _saves(roots)[3]
+    return launch_local(load_then_other_model_worker, ([dict(ep, order="after"), dict(ep, plan="dp", order="after")],
+                                                       roots["sgd_fsdp"]), 2)
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
-    roots = {k: str(tmp_path / k) for k in ("adamw_fsdp", "sgd_fsdp", "sgd_dp")}
-    saves = [dict(root=roots["adamw_fsdp"], plan="fsdp", opt="adamw", save_at=SAVE_AT, steps=STEPS),
-             dict(root=roots["sgd_fsdp"], plan="fsdp", opt="sgd", save_at=SAVE_AT, steps=STEPS),
-             dict(root=roots["sgd_dp"], plan="dp", opt="sgd", save_at=SAVE_AT, steps=STEPS)]
-    saved = launch_local(save_worker, (saves,), 2)
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path, roots, saved_on_2, loaded_on_2):
+    saves = _saves(roots)[:3]
+    saved = {r: res[:3] for r, res in saved_on_2.items()}
     for k in range(len(saves)):  # both ranks saw the same full model
         _assert_equal_snapshots(saved[1][k]["saved"], saved[0][k]["saved"], f"save case {k}")
     assert saved[0][0]["saved"]["layouts"]["fc1.weight"] == [[[0, 4], [0, 12]], [[4, 7], [0, 12]]]  # uneven
@@ -175,26 +205,27 @@ def test_save_on_2_ranks_load_on_3_and_1_under_other_plans(tmp_path):
     assert adaptdist.load_checkpoint(resaved, model, opt)[0] == STEPS
     _assert_equal_snapshots(snapshot(model, opt), loaded[0][0]["final"], "saved on 3 ranks, loaded on 1")
 
-    errors = launch_local(other_model_worker, (roots["sgd_fsdp"],), 2)
+    errors = {r: res[1] for r, res in loaded_on_2.items()}
     for r in range(2):
         assert "CheckpointError" in errors[r] and "'Small'" in errors[r] and "'Sequential'" in errors[r], errors[r]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_module_list_experts_under_ep_save_under_their_names_and_load_under_ep_dp_and_uncompiled(tmp_path):
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_module_list_experts_under_ep_save_under_their_names_and_load_under_ep_dp_and_uncompiled(roots, saved_on_2,
+                                                                                                  loaded_on_2):
     """ModuleList experts under ``ep`` (each rank holds 2 of 4 experts whole, the others empty): the checkpoint has
     each expert once under its own name (``moe.experts.3.fc.weight``), from the rank holding it; loaded on 2 ranks
     under ep and dp (after the first compiled call) and into an uncompiled model in this process, the parameters
     and momentum equal the saved ones bitwise, and training on equals the uninterrupted run."""
-    root = str(tmp_path / "ep")
-    case = dict(root=root, plan="ep", opt="sgd", save_at=2, steps=3, model="moe-list")
-    saved = launch_local(save_worker, ([case],), 2)
+    root = roots["ep"]
+    case = _saves(roots)[3]
+    saved = {r: res[3:4] for r, res in saved_on_2.items()}
     layouts = saved[0][0]["saved"]["layouts"]
     assert layouts["moe.experts.0.fc.weight"] == [[[0, 32], [0, 16]], [[0, 0], [0, 16]]], layouts
     assert layouts["moe.experts.3.fc.bias"] == [[[0, 0]], [[0, 32]]], layouts
     loads = [dict(case, order="after"), dict(case, plan="dp", order="after")]
-    loaded = launch_local(load_worker, (loads,), 2)
+    loaded = {r: res[0] for r, res in loaded_on_2.items()}
     for k, load in enumerate(loads):
         for r in range(2):
             _assert_equal_snapshots(loaded[r][k]["loaded"], saved[0][0]["saved"], f"{load['plan']} rank {r}")
@@ -211,14 +242,13 @@ def test_module_list_experts_under_ep_save_under_their_names_and_load_under_ep_d
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_tensor_parallel_checkpoint_loads_on_a_2d_mesh_and_under_the_automatic_plan(tmp_path):
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_tensor_parallel_checkpoint_loads_on_a_2d_mesh_and_under_the_automatic_plan(roots, saved_on_2):
     """The GPT saved tensor-parallel on 2 ranks (attention and MLP weights sharded by heads / features), loaded
     on 4 ranks into a dp=2,tp=2 mesh (after the first call: shards of a 2-D layout) and under the automatic
     plan (before the first call), SGD with momentum: bitwise after the load, equal to the 2-rank run after."""
-    root = str(tmp_path / "gpt_tp")
-    save = dict(root=root, model="gpt", plan="tp", opt="sgd", save_at=2, steps=4, rows=4)
-    saved = launch_local(save_worker, ([save],), 2)[0][0]
+    root = roots["gpt_tp"]
+    saved = saved_on_2[0][4]
     assert saved["saved"]["layouts"]["blocks.0.attn.q.weight"] == [[[0, 16], [0, 32]], [[16, 32], [0, 32]]]
     loads = [dict(root=root, model="gpt", plan="dp,tp", mesh="dp=2,tp=2", opt="sgd", order="after", steps=4, rows=4),
              dict(root=root, model="gpt", plan="auto", opt="sgd", order="before", steps=4, rows=4)]

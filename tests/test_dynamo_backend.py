@@ -7,6 +7,7 @@ PyTorch, and the parameters after the steps equal eager's, all to 1e-5. In-proce
 breaks, fullgraph=True, the entry point.
 """
 
+import importlib.util
 import re
 import warnings
 
@@ -18,9 +19,7 @@ import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
-from backend_workers import (FACTORIES, backend_sgd_worker, divergence_worker, interleaved_meshes_worker,
-                             mismatch_worker, sequential_mlp, sequential_worker, sharded_memory_worker, sharded_usage_worker,
-                             teardown_worker)
+from backend_workers import FACTORIES, divergence_worker, sequential_mlp, suite_worker
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
@@ -32,6 +31,60 @@ CASES = {
     4: [dict(model="gpt", plan="dp", batch=4), dict(model="gpt", plan="tp", batch=4),
         dict(model="gpt", plan="dp,tp", mesh="dp=2,tp=2", batch=4, clip=0.05)],  # one local shape: see below
 }
+
+
+HF_GPT2_CASES = [dict(model="hf_gpt2", plan="dp", batch=4), dict(model="hf_gpt2", plan="auto", batch=4)]
+HF_BERT_CASES = [dict(model="hf_bert", plan="dp", batch=4), dict(model="hf_bert", plan="fsdp", batch=4)]
+SCALAR_CASES = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="scalar_loss", plan="dp", batch=6)]
+SHM_CASES = [dict(model="mlp", plan="dp", batch=6, comm="shm"), dict(model="mlp", plan="fsdp", batch=6, comm="shm")]
+SCALAR_LR = 0.05
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+SUITE_TIMEOUT_S = 1800  # the first test to use a launch fixture waits for all of its parts (13 on 2 ranks)
+
+
+# The slow tests of one world size share one launch (starting ranks costs seconds each): module-scoped
+# fixtures run every check's worker in one process group (backend_workers.suite_worker, Dynamo reset between
+# them) and each test reads its part. A part that raised fails only its own test, with the rank's traceback.
+def _suite_parts(world: int) -> list[tuple[str, str, tuple]]:
+    if world == 4:
+        return [("sgd", "backend_sgd_worker", (CASES[4], STEPS, LR)),
+                ("interleaved", "interleaved_meshes_worker", (2, LR)),
+                ("memory", "sharded_memory_worker", ("fsdp",))]
+    parts = [("sgd", "backend_sgd_worker", (CASES[2], STEPS, LR)),
+             ("scalar", "backend_sgd_worker", (SCALAR_CASES, STEPS, SCALAR_LR)),
+             ("memory", "sharded_memory_worker", ("fsdp",)),
+             ("usage", "sharded_usage_worker", ()),
+             ("sequential", "sequential_worker", (STEPS, LR)),
+             ("mismatch", "mismatch_worker", (60.0, False)),
+             ("mismatch_break", "mismatch_worker", (60.0, True))]
+    if adaptdist.kernels.available():
+        parts.append(("shm", "backend_sgd_worker", (SHM_CASES, STEPS, LR)))
+    if HAS_TRANSFORMERS:
+        parts += [("hf_gpt2", "backend_sgd_worker", (HF_GPT2_CASES, STEPS, LR)),
+                  ("hf_bert", "backend_sgd_worker", (HF_BERT_CASES, STEPS, LR)),
+                  ("retrace_llama", "hf_retrace_worker", ("llama", "fsdp", LR)),
+                  ("retrace_gpt2", "hf_retrace_worker", ("gpt2", "dp", LR))]
+    return parts + [("teardown", "teardown_worker", ())]  # last: it destroys the process group
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    return launch_local(suite_worker, (_suite_parts(2),), 2)
+
+
+@pytest.fixture(scope="module")
+def ranks4():
+    return launch_local(suite_worker, (_suite_parts(4),), 4)
+
+
+def _part(suite: dict, key: str) -> dict:
+    """{rank: what part ``key``'s worker returned on that rank}; fails the test with a rank's traceback if it
+    raised there."""
+    for r, parts in sorted(suite.items()):
+        status, value = parts[key]
+        if status != "ok":
+            pytest.fail(f"rank {r}, part {key!r} raised:\n{value}")
+    return {r: parts[key][1] for r, parts in suite.items()}
 
 
 # The cases of a world size share one process, and Dynamo makes the batch size symbolic when the same
@@ -74,10 +127,10 @@ def _assert_cases_equal_eager(cases: list[dict], results: dict, world: int, lr: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
 @pytest.mark.parametrize("world", [2, 4])
-def test_backend_sgd_equals_eager(world):
-    results = launch_local(backend_sgd_worker, (CASES[world], STEPS, LR), world)
+def test_backend_sgd_equals_eager(world, request):
+    results = _part(request.getfixturevalue(f"ranks{world}"), "sgd")
     finals = _assert_cases_equal_eager(CASES[world], results, world)
     for k, case in enumerate(CASES[world]):
         params = finals[k]
@@ -101,44 +154,38 @@ def test_backend_sgd_equals_eager(world):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_hugging_face_gpt2_through_the_backend():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_hugging_face_gpt2_through_the_backend(ranks2):
     """A Hugging Face GPT-2 (its own attention, masks, a ModelOutput) on 2 ranks, dp and the automatic plan."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    cases = [dict(model="hf_gpt2", plan="dp", batch=4), dict(model="hf_gpt2", plan="auto", batch=4)]
-    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
-    _assert_cases_equal_eager(cases, results, 2)
+    _assert_cases_equal_eager(HF_GPT2_CASES, _part(ranks2, "hf_gpt2"), 2)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_hugging_face_padding_masks_under_dp():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_hugging_face_padding_masks_under_dp(ranks2):
     """BERT's padding mask (``mask[batch_idx, kv_idx]``: aten.index with the batch sharded) once had no rule
     under dp; propagation now takes DTensor's strategy, as the planner does. 2 ranks equal eager."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    cases = [dict(model="hf_bert", plan="dp", batch=4), dict(model="hf_bert", plan="fsdp", batch=4)]
-    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
-    _assert_cases_equal_eager(cases, results, 2)
+    _assert_cases_equal_eager(HF_BERT_CASES, _part(ranks2, "hf_bert"), 2)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_model_returning_its_own_loss_with_python_scalars():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_a_model_returning_its_own_loss_with_python_scalars(ranks2):
     """``return torch.sqrt((y * y).sum() + 1e-3) * 0.1 + 0.5``: the scalars become ``_to_copy(0.1)`` nodes without
     tensor inputs (once an InternalError in propagate_placements); under auto and dp, 2 ranks equal eager."""
-    cases = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="scalar_loss", plan="dp", batch=6)]
-    results = launch_local(backend_sgd_worker, (cases, STEPS, 0.05), 2)
-    _assert_cases_equal_eager(cases, results, 2, lr=0.05)
+    _assert_cases_equal_eager(SCALAR_CASES, _part(ranks2, "scalar"), 2, lr=SCALAR_LR)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_models_on_different_meshes_interleaved():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_two_models_on_different_meshes_interleaved(ranks4):
     """Each compiled graph uses its own process groups even when another graph's mesh names the same axis, under
     the default comm (auto: the shared-memory kernels where built): the GPT's dp groups (0,2), (1,3) and the MLP's
     dp group (0,1,2,3) are distinct shm groups (named by their ranks), so each model's losses, gradients and
     SGD-updated parameters equal eager's."""
-    results = launch_local(interleaved_meshes_worker, (2, LR), 4)
+    results = _part(ranks4, "interleaved")
     for k, case in enumerate([dict(model="gpt", batch=4), dict(model="mlp", batch=4)]):
         history, params = _eager(case, 4, steps=2)
         for r in range(4):
@@ -158,11 +205,11 @@ def test_two_models_on_different_meshes_interleaved():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sharded_plan_memory_falls_with_world_size():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_sharded_plan_memory_falls_with_world_size(ranks2, ranks4):
     """FSDP-like plan, AdamW built before torch.compile: parameters and optimizer state hold 1/W of the
     model on each rank, and the peak-memory metric per rank falls from 2 to 4 ranks."""
-    by_world = {w: launch_local(sharded_memory_worker, ("fsdp",), w) for w in (2, 4)}
+    by_world = {2: _part(ranks2, "memory"), 4: _part(ranks4, "memory")}
     model, _, _ = FACTORIES["gpt"](8)
     full = sum(p.numel() for p in model.parameters())
     for w, res in by_world.items():
@@ -176,11 +223,11 @@ def test_sharded_plan_memory_falls_with_world_size():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_training_loop_habits_with_sharded_parameters():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_training_loop_habits_with_sharded_parameters(ranks2):
     """Accumulating gradients over micro-batches of two shapes, zero_grad(set_to_none=False) then eval,
     state_dict/load_state_dict, and a direct call of the original module, on FSDP-sharded parameters."""
-    results = launch_local(sharded_usage_worker, (), 2)
+    results = _part(ranks2, "usage")
     model, (x, y), loss_fn = FACTORIES["mlp"](12)
     for rows in ((0, 8), (8, 12)):
         xs, ys = x[rows[0]:rows[1]], y[rows[0]:rows[1]]
@@ -204,14 +251,14 @@ def test_training_loop_habits_with_sharded_parameters():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_top_level_sequential_under_a_sharded_plan():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_top_level_sequential_under_a_sharded_plan(ranks2):
     """nn.Sequential (compiled by Dynamo through another frame than a module's forward) gets the placeholder
     hooks: SGD steps, a no_grad re-trace, a re-trace at a new batch size, the state_dict warning and
     load_state_dict of full tensors all work on its sharded parameters, with eager's numbers."""
     from models import mlp
 
-    results = launch_local(sequential_worker, (STEPS, LR), 2)
+    results = _part(ranks2, "sequential")
     model = sequential_mlp()
     _, (x, y), loss_fn = mlp(12, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -253,24 +300,25 @@ def test_top_level_sequential_under_a_sharded_plan():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_destroy_process_group_stops_the_gloo_threads():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_destroy_process_group_stops_the_gloo_threads(ranks2):
     """After destroy_process_group() no gloo worker thread is left: nothing the backend (or torch's
     torch.distributed.nn.functional, imported by the first torch.compile) holds keeps a group alive into
     interpreter finalization, where such a thread aborted the process ("terminate called without an active
-    exception")."""
-    results = launch_local(teardown_worker, (), 2)
+    exception"). (Here the rank has run every other check of the 2-rank launch before, each with its own
+    backend and groups: destroy_process_group() must stop the threads of all of them.)"""
+    results = _part(ranks2, "teardown")
     for r in range(2):
         assert not any("gloo" in name for name in results[r]), results[r]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
 @pytest.mark.parametrize("graph_break", [False, True])
-def test_ranks_with_different_graphs_are_refused(graph_break):
+def test_ranks_with_different_graphs_are_refused(graph_break, ranks2):
     """Uneven per-rank batches (2 + 3 rows): the refusal names the input and both shapes and says what to do;
     after a graph break it must not blame a branch on data (fix-lower)."""
-    results = launch_local(mismatch_worker, (60.0, graph_break), 2)
+    results = _part(ranks2, "mismatch_break" if graph_break else "mismatch")
     for r in (0, 1):
         assert "PlanMismatchError" in results[r] and "compiled different graphs" in results[r], results[r]
         assert "inputs differ: L['x'] is float32[2, 12] on rank 0 but float32[3, 12] on rank 1" in results[r], results[r]
@@ -519,15 +567,16 @@ def test_graph_break_summary_counts_agree_with_the_total():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
 @pytest.mark.parametrize("name,plan", [("llama", "fsdp"), ("gpt2", "dp")])
-def test_hugging_face_models_retrace_for_eval_and_new_shapes(name, plan):
+def test_hugging_face_models_retrace_for_eval_and_new_shapes(name, plan, ranks2):
     """Hugging Face LLaMA under fsdp (its forward is a decorator's frame: the placeholder swaps must still run
     around it) and GPT-2 under dp (its loss graph after a break has no parameter: under no_grad it runs as it
     is): an SGD step, an evaluation under no_grad, an SGD step at a new batch size, all equal to eager."""
-    from backend_workers import hf_causal_lm, hf_retrace_batch, hf_retrace_worker
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    from backend_workers import hf_causal_lm, hf_retrace_batch
 
-    results = launch_local(hf_retrace_worker, (name, plan, LR), 2)
+    results = _part(ranks2, f"retrace_{name}")
     model = hf_causal_lm(name)
     x = hf_retrace_batch()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -555,16 +604,15 @@ def test_hugging_face_models_retrace_for_eval_and_new_shapes(name, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_backend_with_shared_memory_collectives_equals_eager():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_backend_with_shared_memory_collectives_equals_eager(ranks2):
     """adaptdist.backend(comm="shm"): the programs' collectives run on the shm kernels (dp, fsdp), and each rank's
     losses, gradients and SGD-updated parameters equal eager's."""
     if not adaptdist.kernels.available():
         pytest.skip(f"the shm kernels are not built here: {adaptdist.kernels.load_error()}")
-    cases = [dict(model="mlp", plan="dp", batch=6, comm="shm"), dict(model="mlp", plan="fsdp", batch=6, comm="shm")]
-    results = launch_local(backend_sgd_worker, (cases, STEPS, LR), 2)
-    _assert_cases_equal_eager(cases, results, 2)
-    for k in range(len(cases)):
+    results = _part(ranks2, "shm")
+    _assert_cases_equal_eager(SHM_CASES, results, 2)
+    for k in range(len(SHM_CASES)):
         calls = results[0][k]["collectives"][0]
         assert calls and all(c.startswith("adaptdist.shm_") for c in calls), calls
 

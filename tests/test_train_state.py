@@ -136,16 +136,34 @@ def _check_exact(progs: dict, res: dict, i: int, src: dict, with_adam: bool = Tr
             assert torch.equal(got["rng"], src["rng"][r]), r
 
 
+RESHARD_ON_3 = [("fsdp", None, ("fsdp", "adamw"), True), ("dp", None, ("fsdp", "adamw"), False),
+                ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False),
+                ("fsdp", None, ("nested", "adamw"), False), ("fsdp", None, ("fsdp", "adamw-async"), False)]
+
+
+@pytest.fixture(scope="module")
+def loaded_on_3(tmp_path_factory, saved) -> dict:
+    """One 3-rank launch (starting ranks costs seconds) for both tests that load on 3 ranks: the cases of
+    RESHARD_ON_3 (case 1's replica corrupted after its check), then the two SGD cases of
+    test_sgd_resumed_on_another_world_size_equals_uninterrupted. {"reshard": (results, programs), "sgd": (results,
+    programs, weights)}, results as {rank: [case results]}."""
+    tmp = tmp_path_factory.mktemp("on_3")
+    cases, progs = _cases(tmp, saved, 3, RESHARD_ON_3, corrupt=(1, 1))
+    sgd_cases, sgd_progs, weights = _sgd_resume_cases(tmp, saved)
+    res = launch_local(_train_state_workers().load_worker, (cases + sgd_cases,), 3)
+    n = len(cases)
+    return {"reshard": ({r: v[:n] for r, v in res.items()}, progs),
+            "sgd": ({r: v[n:] for r, v in res.items()}, sgd_progs, weights)}
+
+
 @pytest.mark.slow
-def test_fsdp_on_4_loads_resharded_on_3_exactly(tmp_path, saved):
+def test_fsdp_on_4_loads_resharded_on_3_exactly(saved, loaded_on_3):
     """4 -> 3 ranks: fsdp -> fsdp (optimizer already holding state, fc2.bias's included), fsdp -> dp,
     dp -> fsdp, dp=2,tp=2 -> tp=3, fc1 sharded on both axes of dp=2,tp=2 (lowering-order mesh) -> fsdp, the
     async save (what was staged at the call, not the state of the step taken while it was written) -> fsdp. Then
     one replica of fc2.bias off by one ulp under dp: every rank refuses, naming the state and the ranks."""
-    specs = [("fsdp", None, ("fsdp", "adamw"), True), ("dp", None, ("fsdp", "adamw"), False),
-             ("fsdp", None, ("dp", "adamw"), False), ("tp", None, ("dp,tp", "adamw"), False),
-             ("fsdp", None, ("nested", "adamw"), False), ("fsdp", None, ("fsdp", "adamw-async"), False)]
-    res = _load_and_check(tmp_path, saved, 3, specs, corrupt=(1, 1))
+    res, progs = loaded_on_3["reshard"]
+    _check_cases(res, RESHARD_ON_3, progs, saved, corrupt=(1, 1))
     for r in res:
         assert res[r][1]["refused"] is not None, r
         assert "CheckpointError: replicas are not identical" in res[r][1]["refused"]
@@ -165,6 +183,14 @@ def test_fsdp_on_4_loads_resharded_on_6_and_1_exactly(tmp_path, saved):
 def _load_and_check(tmp_path, saved, world: int, specs: list, corrupt: tuple[int, int] | None = None) -> dict:
     """Load each spec (plan, mesh, source checkpoint key, prefill) on ``world`` ranks and check it exactly;
     ``corrupt``: (case, rank) whose replica of fc2.bias is perturbed after the check."""
+    cases, progs = _cases(tmp_path, saved, world, specs, corrupt)
+    res = launch_local(_train_state_workers().load_worker, (cases,), world)
+    _check_cases(res, specs, progs, saved, corrupt)
+    return res
+
+
+def _cases(tmp_path, saved, world: int, specs: list, corrupt: tuple[int, int] | None = None) -> tuple[list, list]:
+    """load_worker's cases of ``specs`` (programs compiled for ``world`` ranks) and the programs."""
     cases, progs = [], []
     for plan, mesh, src, prefill in specs:
         d, p = _compile(tmp_path, world, plan, mesh)
@@ -173,18 +199,19 @@ def _load_and_check(tmp_path, saved, world: int, specs: list, corrupt: tuple[int
                       "prefill": prefill, "batches": _batches(), "name": "MLP6"})
     if corrupt is not None:
         cases[corrupt[0]]["corrupt_rank"] = corrupt[1]
-    res = launch_local(_train_state_workers().load_worker, (cases,), world)
+    return cases, progs
+
+
+def _check_cases(res: dict, specs: list, progs: list, saved, corrupt: tuple[int, int] | None = None) -> None:
     for i, (spec, p) in enumerate(zip(specs, progs)):
         _check_exact(p, res, i, saved[spec[2]])
         if corrupt is None or corrupt[0] != i:
             assert all(res[r][i]["refused"] is None for r in res)
-    return res
 
 
-@pytest.mark.slow
-def test_sgd_resumed_on_another_world_size_equals_uninterrupted(tmp_path, saved):
-    """3 SGD steps on 4 ranks (fsdp), saved, loaded on 3 ranks (dp), 3 more steps: equal (1e-6) to 3 steps on
-    3 ranks from the saved state, and to single-process eager SGD from it; the loss curve has no jump."""
+def _sgd_resume_cases(tmp_path, saved) -> tuple[list, list, dict]:
+    """Resumed: the 4-rank fsdp SGD checkpoint loaded under dp on 3 ranks, 3 more steps; fresh: 3 steps on 3
+    ranks from the saved weights, no load. (cases, the resumed case's programs, the saved weights)"""
     src = saved[("fsdp", "sgd")]
     weights = {k[len("model/"):]: v for k, v in src["full"].items() if k.startswith("model/")}
     d, progs = _compile(tmp_path, 3, "dp")
@@ -194,7 +221,16 @@ def test_sgd_resumed_on_another_world_size_equals_uninterrupted(tmp_path, saved)
               "steps": 3, "name": "MLP6"},
              {"program_dir": ref_dir, "optimizer": "sgd", "lr": LR, "checkpoint": None, "batches": batches,
               "steps": 3, "name": "MLP6"}]
-    res = launch_local(_train_state_workers().load_worker, (cases,), 3)
+    return cases, progs, weights
+
+
+@pytest.mark.slow
+def test_sgd_resumed_on_another_world_size_equals_uninterrupted(saved, loaded_on_3):
+    """3 SGD steps on 4 ranks (fsdp), saved, loaded on 3 ranks (dp), 3 more steps: equal (1e-6) to 3 steps on
+    3 ranks from the saved state, and to single-process eager SGD from it; the loss curve has no jump."""
+    src = saved[("fsdp", "sgd")]
+    res, progs, weights = loaded_on_3["sgd"]
+    batches = _batches()
     _check_exact(progs, res, 0, src, with_adam=False)
     model = MLP6()
     with torch.no_grad():
