@@ -115,15 +115,9 @@ def build_no_comm(cfg: dict, rank: int, world: int):
     model, _, loss_fn = factory(cfg["batch_size"], cfg["seq_len"])
     opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
 
-    def step(global_batch):
-        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
+    from interleave import chunked_step
 
-    return step, model, opt
+    return chunked_step(model, opt, loss_fn, rank, world), model, opt
 
 
 def no_comm_step(cfg: dict, rank: int, world: int):
@@ -189,15 +183,9 @@ def build_ddp(cfg: dict, rank: int, world: int):
     ddp = DDP(model, bucket_cap_mb=cfg["bucket_mb"])
     opt = make_optimizer("adamw", list(ddp.parameters()), cfg["lr"])
 
-    def step(global_batch):
-        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()  # this rank's loss; the parent averages over ranks
+    from interleave import chunked_step
 
-    return step, model, opt
+    return chunked_step(ddp, opt, loss_fn, rank, world), model, opt
 
 
 def ddp_step(cfg: dict, rank: int, world: int):

@@ -213,15 +213,9 @@ def build_fsdp2(cfg: dict, rank: int, world: int):
     fully_shard(model, mesh=mesh)
     opt = make_optimizer("adamw", list(model.parameters()), cfg["lr"])
 
-    def step(global_batch):
-        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()  # this rank's loss; the parent averages over ranks
+    from interleave import chunked_step
 
-    return step, model, opt
+    return chunked_step(model, opt, loss_fn, rank, world), model, opt
 
 
 def fsdp2_step(cfg: dict, rank: int, world: int):

@@ -27,6 +27,23 @@ import time
 from typing import Callable
 
 
+def chunked_step(module, opt, loss_fn: Callable, rank: int, world: int) -> Callable:
+    """A torch side's step (bench_dp's no-comm and DDP sides, bench_fsdp's FSDP2 side): this rank's
+    ``torch.chunk`` of the global batch ``(x, y)`` (rows on dim 0), forward, backward, optimizer step; returns this
+    rank's loss (the parent averages over ranks)."""
+    import torch
+
+    def step(global_batch):
+        x, y = (torch.chunk(t, world)[rank] for t in global_batch)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(module(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
 def adaptdist_builder(comm: str) -> Callable[[dict, int, int], Callable]:
     """A builder of adaptdist's step on the programs lowered with ``comm`` (``cfg["program_dirs"][comm]``): load the
     rank's program, register its groups (and the shared-memory ones its ops name), a StepRunner with AdamW."""
