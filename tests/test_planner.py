@@ -232,6 +232,53 @@ def test_ilp_objective_equals_brute_force_on_toy_problems(seed):
     assert result.objective_s == pytest.approx(best, abs=2e-9 * len(problem.vars))
 
 
+def _tie(split_saves_s: float, gather_s: float, gather_bytes: float) -> AxisProblem:
+    """Two decisions: a layer that runs whole (strategy 0) or column-parallel (strategy 1, saving ``split_saves_s``
+    of compute), and its consumer, which needs the output whole: the split pays an all_gather of ``gather_s``
+    seconds moving ``gather_bytes``; the unsplit layer's output needs nothing."""
+    whole, cols = Strategy((), (Replicate(),), "adaptdist"), Strategy((), (Shard(1),), "adaptdist")
+    layer = ClassVar("fc", ["fc"], [whole, cols], [2e-6, 2e-6 - split_saves_s], [[0.0, 0.0]], [0, 1])
+    use = ClassVar("relu", ["relu"], [Strategy((Replicate(),), (Replicate(),), "adaptdist")], [1e-6], [[0.0]], [0])
+    use2 = ClassVar("out", ["out"], [Strategy((Replicate(),), (Replicate(),), "adaptdist"),
+                                     Strategy((Shard(1),), (Shard(1),), "adaptdist")], [1e-6, 1e-6], [[0.0, 0.0]],
+                    [0, 1])
+    # the edge fc -> out with both ends free (an edge variable), and fc -> relu with relu decided (a unary cost)
+    edge = EdgeVar(0, 2, [Replicate(), Shard(1)], [Replicate(), Shard(1)], [0, 1], [0, 1],
+                   [[0.0, 0.0], [gather_s, 0.0]], ["fc->out"], [[0.0, 0.0], [gather_bytes, 0.0]])
+    unary = EdgeVar(0, 1, [Replicate(), Shard(1)], [Replicate()], [0, 1], [0],
+                    [[0.0], [gather_s]], ["fc->relu"], [[0.0], [gather_bytes]])
+    use2.reshard_s = [0.0, 5e-9]  # out sharded pays a reshard into the loss: out stays whole
+    return AxisProblem("tp", 2, [layer, use, use2], [edge, unary], capacity_bytes=1.0, fixed_bytes=[0.0],
+                       peak_steps=[0], var_of={"fc": 0, "relu": 1, "out": 2}, alpha_s=0.0, beta_s_per_byte=0.0)
+
+
+def test_ilp_breaks_a_tie_toward_less_communication():
+    """Equal predicted time (the split's saved compute pays exactly for its two gathers, as a tiny column-parallel
+    layer's all_gather under the shared-memory estimate prices at about 0): the choice that moves no bytes wins,
+    whatever the order of the strategies; brute force agrees."""
+    problem = _tie(split_saves_s=2e-9, gather_s=1e-9, gather_bytes=256.0)
+    assert problem.objective_s((0, 0, 0)) == pytest.approx(problem.objective_s((1, 0, 0)), abs=1e-15)
+    assert problem.communication_bytes((1, 0, 0)) == 512.0 and problem.communication_bytes((0, 0, 0)) == 0.0
+    assert solve(problem).choice == (0, 0, 0)
+    assert brute_force(problem)[0] == (0, 0, 0)
+    # the same with the strategies listed the other way round: the tie-break, not the order, decides
+    swapped = _tie(split_saves_s=2e-9, gather_s=1e-9, gather_bytes=256.0)
+    v = swapped.vars[0]
+    v.strategies.reverse(), v.compute_s.reverse(), v.memory_bytes[0].reverse()
+    for e in swapped.edges:
+        e.src_of = [1, 0]
+    assert solve(swapped).choice == (1, 0, 0)  # index 1 is now the unsplit layer
+
+
+def test_ilp_tie_break_never_outweighs_a_real_time_difference():
+    """One objective unit (1 ns) faster wins even when it moves a terabyte and the other choice nothing: the
+    tie-break's whole term stays under half a unit (ilp.TIE_BREAK_UNITS)."""
+    problem = _tie(split_saves_s=3e-9, gather_s=1e-9, gather_bytes=1e12)
+    assert problem.objective_s((1, 0, 0)) < problem.objective_s((0, 0, 0))
+    assert solve(problem).choice == (1, 0, 0)
+    assert brute_force(problem)[0] == (1, 0, 0)
+
+
 def test_warm_start_from_a_previous_plan_gives_the_same_plan():
     step = mlp_step(8192, 32768, 2, 8)
     first = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"))
