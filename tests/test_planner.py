@@ -279,6 +279,35 @@ def test_ilp_tie_break_never_outweighs_a_real_time_difference():
     assert brute_force(problem)[0] == (1, 0, 0)
 
 
+def _bucketed(saves_s: float, layers: int) -> AxisProblem:
+    """``layers`` parameters that may each be sharded (strategy 1, saving ``saves_s`` of optimizer-like compute) at the
+    price of a bucketed all_gather (no per-tensor latency) into its whole-weight user; the bucket's latency is 10 ns."""
+    R, S = Replicate(), Shard(0)
+    vars_, edges = [], []
+    for i in range(layers):
+        vars_.append(ClassVar(f"w{i}", [f"w{i}"], [Strategy((), (R,), "adaptdist"), Strategy((), (S,), "adaptdist")],
+                              [10e-9, 10e-9 - saves_s], [[0.0, 0.0]], [0, 1]))
+        vars_.append(ClassVar(f"mm{i}", [f"mm{i}"], [Strategy((R,), (R,), "adaptdist"), Strategy((S,), (S,), "adaptdist")],
+                              [5e-9, 5e-9], [[0.0, 0.0]], [0, 1], reshard_s=[0.0, 100e-9]))
+        edges.append(EdgeVar(2 * i, 2 * i + 1, [R, S], [R, S], [0, 1], [0, 1], [[0.0, 0.0], [1e-9, 0.0]],
+                             [f"w{i}->mm{i}"], [[0.0, 0.0], [64.0, 0.0]], [["", ""], ["all_gather", ""]]))
+    return AxisProblem("tp", 2, vars_, edges, capacity_bytes=1.0, fixed_bytes=[0.0], peak_steps=[0],
+                       var_of={v.key: i for i, v in enumerate(vars_)}, alpha_s=0.0, beta_s_per_byte=0.0,
+                       bucket_latency_s={"all_gather": 10e-9})
+
+
+def test_ilp_pays_a_buckets_latency_once_for_all_its_tensors():
+    """Bucketed collectives share one message: sharding one parameter (saves 7 ns, gathers for 1 ns + the bucket's
+    10 ns) does not pay, sharding both does (14 ns saved, 2 ns + one 10 ns latency); brute force agrees."""
+    one = _bucketed(7e-9, 1)
+    assert solve(one).choice == (0, 0) and brute_force(one)[0] == (0, 0)
+    two = _bucketed(7e-9, 2)
+    best = (1, 0, 1, 0)
+    assert solve(two).choice == best and brute_force(two)[0] == best
+    assert two.communication_s(best) == pytest.approx(12e-9) and two.buckets(best) == {"all_gather"}
+    assert two.objective_s(best) < two.objective_s((0, 0, 0, 0)) < two.objective_s((1, 0, 0, 0))
+
+
 def test_warm_start_from_a_previous_plan_gives_the_same_plan():
     step = mlp_step(8192, 32768, 2, 8)
     first = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"))
