@@ -73,8 +73,9 @@ class Layer:
             as the compute model counts bytes (each distinct tensor argument read once, each output written once,
             views nothing: :mod:`adaptdist.cost_models.compute`): the arguments computed without the batch
             (parameters, buffers, their views and casts) and the outputs that hold a parameter's gradient (traced
-            back from the gradient output through ops whose output has the parameter's size: the weight-gradient
-            matmul, a tied weight's sum). The whole batch moves them once, each of ``m`` microbatches again.
+            back from the gradient output through views and sums of the parameter's size to the ops computing it:
+            the weight-gradient matmul, a tied weight's parts). The whole batch moves them once, each of ``m``
+            microbatches again.
     """
 
     name: str
@@ -367,7 +368,11 @@ def _fixed_bytes(pg: Any, layers: Sequence[Layer], inputs: dict[str, list[str]],
                     or sum(pg.nodes[n].out_bytes) != size:
                 continue
             grads.add(n)
-            todo.extend(inputs.get(n, []))
+            node = pg.fx_nodes[n]
+            # back through views and sums of gradient parts (a tied weight) to the ops that computed them, no further:
+            # an activation may happen to have the weight's size
+            if _is_view(node) or getattr(node.target, "__name__", "") == "add.Tensor":
+                todo.extend(inputs.get(n, []))
     base = {n: a[0] for n, a in pg.aliases.items()}
     for L in layers:
         out = [0, 0, 0]
