@@ -353,10 +353,14 @@ def _fixed_bytes(pg: Any, layers: Sequence[Layer], inputs: dict[str, list[str]],
                  batch_dep: set[str]) -> None:
     """Fill each layer's :attr:`Layer.fixed_bytes` (its docstring): per op (not views), the bytes of its arguments
     computed without the batch plus those of its outputs that are a parameter's gradient."""
+    import operator
+
     import torch
 
     from ...passes.sharding_rules import tensor_args
-    from .graph import _is_view
+
+    def _is_view(node: Any) -> bool:  # graph.py's test (graph imports this module, so not from there)
+        return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
 
     grads: set[str] = set()
     for p, (src, _) in pg.grad_of.items():
