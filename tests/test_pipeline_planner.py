@@ -245,8 +245,9 @@ def test_pipeline_beats_data_parallel_where_gradients_dwarf_activations():
     grads = sum(L.trainable_bytes for L in lg.layers)
     assert grads > 500 * max(lg.forward_bytes)  # 67 MB of gradients, 128 KiB of activations
     ch = plan_pipeline(None, cl, spmd_step_s=dp_s, pg=pg)
-    assert ch.chosen and ch.step_s < 0.5 * dp_s
-    assert ch.num_stages == 2 and all(len(s.ranks) == 1 for s in ch.stages)
+    # 0.77x: each microbatch reads the 16 MiB weights and writes and adds up their gradients (microbatch_times)
+    assert ch.chosen and ch.step_s < 0.8 * dp_s
+    assert ch.num_stages == 2 and all(len(s.ranks) == 1 for s in ch.stages) and ch.microbatches == 2
     assert any("pipeline is chosen" in line for line in stage_plan_lines(ch))
 
 
@@ -405,3 +406,53 @@ def test_a_given_sub_mesh_is_kept():
     ch = plan_pipeline(None, cl, pg=pg, microbatches=[4], schedules=("1f1b",), uniform=True,
                        submesh=Mesh.parse("dp=2"))
     assert [dict(s.mesh) for s in ch.stages] == [{"dp": 2}, {"dp": 2}] and ch.stages[1].ranks == (2, 3)
+
+
+# --- one microbatch's time: the weight traffic every microbatch pays --------------------------------------------
+
+def test_microbatch_times_pay_the_weight_traffic_in_every_microbatch():
+    """Summed over the m microbatches of a step, a stage's F, B and W are the whole batch's compute plus (m - 1) more
+    passes of the traffic that does not shrink with the microbatch, and W adds the executor's gradient sums (2 passes
+    for the first microbatch's copy, 3 for each later add_); without such traffic, the whole batch's share over m."""
+    from adaptdist.cost_models.pipeline import EXECUTOR_MICROBATCH_HOST_S as h, microbatch_times
+
+    c, fr, x, g = 1.0, (0.25, 0.5, 0.25), (0.01, 0.02, 0.03), 0.004
+    for m in (1, 2, 4, 8):
+        f, b, w = microbatch_times(c, fr, 0.0, (1 / 3,) * 3, m, x, g)
+        assert m * f == pytest.approx(0.25 + 0.01 * (m - 1) + m * h / 2)
+        assert m * b == pytest.approx(0.5 + 0.02 * (m - 1) + m * h / 2)
+        assert m * w == pytest.approx(0.25 + 0.03 * (m - 1) + (3 * m - 1) * g)
+        assert microbatch_times(c, fr, 0.0, (1 / 3,) * 3, m) == pytest.approx((0.25 / m + h / 2, 0.5 / m + h / 2,
+                                                                              0.25 / m))
+        # a GPU overlaps the two: a microbatch is as slow as the slower of its share and its weight traffic
+        f, _, _ = microbatch_times(c, fr, 0.0, (1 / 3,) * 3, m, x, g, overlapped=True)
+        assert f == pytest.approx(max(0.25 / m, 0.01) + h / 2)
+        # over 2 batch-axis replicas the whole-batch compute held the traffic once per replica's half
+        f, _, _ = microbatch_times(c, fr, 0.0, (1 / 3,) * 3, m, x, 0.0, replicas=2)
+        assert m * f == pytest.approx(0.25 + 0.01 * (m - 0.5) + m * h / 2)
+
+
+def test_the_layers_weight_traffic_is_their_weights_and_gradients():
+    """A Linear layer's forward reads its weight and bias, its input gradient the weight (not in the first layer:
+    its input needs no gradient), its weight-gradient work writes both gradients: whatever the batch."""
+    width = 64
+    for batch in (16, 64):
+        lg = build_layers(build_planning_graph(wide_mlp(width, 3, batch), cpu(2)))
+        w, bias = width * width * 4, width * 4
+        assert [L.fixed_bytes for L in lg.layers] == [(w + bias, 0, w + bias)] + [(w + bias, w, w + bias)] * 2
+
+
+def test_a_stage_pays_its_weight_traffic_per_microbatch():
+    """The stage estimate carries the layers' traffic at the device's memory bandwidth; with more microbatches its
+    step's compute grows by that traffic, so a weight-heavy stage is not predicted faster for more microbatches."""
+    cl = FixedCluster.uniform([("h0", 2)], memory_bandwidth_bytes_per_s=1e10)
+    pg = build_planning_graph(wide_mlp(2048, 4, 16), cl)
+    lg = build_layers(pg)
+    e = StageCoster(lg, cl, "sgd", "analytic")(0, 2, (0,))
+    fixed = [sum(L.fixed_bytes[k] for L in lg.layers[:2]) for k in range(3)]
+    assert e.fixed_s == pytest.approx(tuple(b / 1e10 for b in fixed))
+    assert e.grad_add_s == pytest.approx(sum(L.trainable_bytes for L in lg.layers[:2]) / 1e10)
+    step = {m: m * sum(e.per_microbatch(m)) for m in (2, 4, 8)}
+    assert step[4] - step[2] == pytest.approx(2 * (sum(e.fixed_s) + 3 * e.grad_add_s) + 2 * 2.5e-4 + e.overhead_s * 2,
+                                              rel=1e-6)
+    assert step[2] < step[4] < step[8]

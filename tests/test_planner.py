@@ -232,6 +232,82 @@ def test_ilp_objective_equals_brute_force_on_toy_problems(seed):
     assert result.objective_s == pytest.approx(best, abs=2e-9 * len(problem.vars))
 
 
+def _tie(split_saves_s: float, gather_s: float, gather_bytes: float) -> AxisProblem:
+    """Two decisions: a layer that runs whole (strategy 0) or column-parallel (strategy 1, saving ``split_saves_s``
+    of compute), and its consumer, which needs the output whole: the split pays an all_gather of ``gather_s``
+    seconds moving ``gather_bytes``; the unsplit layer's output needs nothing."""
+    whole, cols = Strategy((), (Replicate(),), "adaptdist"), Strategy((), (Shard(1),), "adaptdist")
+    layer = ClassVar("fc", ["fc"], [whole, cols], [2e-6, 2e-6 - split_saves_s], [[0.0, 0.0]], [0, 1])
+    use = ClassVar("relu", ["relu"], [Strategy((Replicate(),), (Replicate(),), "adaptdist")], [1e-6], [[0.0]], [0])
+    use2 = ClassVar("out", ["out"], [Strategy((Replicate(),), (Replicate(),), "adaptdist"),
+                                     Strategy((Shard(1),), (Shard(1),), "adaptdist")], [1e-6, 1e-6], [[0.0, 0.0]],
+                    [0, 1])
+    # the edge fc -> out with both ends free (an edge variable), and fc -> relu with relu decided (a unary cost)
+    edge = EdgeVar(0, 2, [Replicate(), Shard(1)], [Replicate(), Shard(1)], [0, 1], [0, 1],
+                   [[0.0, 0.0], [gather_s, 0.0]], ["fc->out"], [[0.0, 0.0], [gather_bytes, 0.0]])
+    unary = EdgeVar(0, 1, [Replicate(), Shard(1)], [Replicate()], [0, 1], [0],
+                    [[0.0], [gather_s]], ["fc->relu"], [[0.0], [gather_bytes]])
+    use2.reshard_s = [0.0, 5e-9]  # out sharded pays a reshard into the loss: out stays whole
+    return AxisProblem("tp", 2, [layer, use, use2], [edge, unary], capacity_bytes=1.0, fixed_bytes=[0.0],
+                       peak_steps=[0], var_of={"fc": 0, "relu": 1, "out": 2}, alpha_s=0.0, beta_s_per_byte=0.0)
+
+
+def test_ilp_breaks_a_tie_toward_less_communication():
+    """Equal predicted time (the split's saved compute pays exactly for its two gathers, as a tiny column-parallel
+    layer's all_gather under the shared-memory estimate prices at about 0): the choice that moves no bytes wins,
+    whatever the order of the strategies; brute force agrees."""
+    problem = _tie(split_saves_s=2e-9, gather_s=1e-9, gather_bytes=256.0)
+    assert problem.objective_s((0, 0, 0)) == pytest.approx(problem.objective_s((1, 0, 0)), abs=1e-15)
+    assert problem.communication_bytes((1, 0, 0)) == 512.0 and problem.communication_bytes((0, 0, 0)) == 0.0
+    assert solve(problem).choice == (0, 0, 0)
+    assert brute_force(problem)[0] == (0, 0, 0)
+    # the same with the strategies listed the other way round: the tie-break, not the order, decides
+    swapped = _tie(split_saves_s=2e-9, gather_s=1e-9, gather_bytes=256.0)
+    v = swapped.vars[0]
+    v.strategies.reverse(), v.compute_s.reverse(), v.memory_bytes[0].reverse()
+    for e in swapped.edges:
+        e.src_of = [1, 0]
+    assert solve(swapped).choice == (1, 0, 0)  # index 1 is now the unsplit layer
+
+
+def test_ilp_tie_break_never_outweighs_a_real_time_difference():
+    """One objective unit (1 ns) faster wins even when it moves a terabyte and the other choice nothing: the
+    tie-break's whole term stays under half a unit (ilp.TIE_BREAK_UNITS)."""
+    problem = _tie(split_saves_s=3e-9, gather_s=1e-9, gather_bytes=1e12)
+    assert problem.objective_s((1, 0, 0)) < problem.objective_s((0, 0, 0))
+    assert solve(problem).choice == (1, 0, 0)
+    assert brute_force(problem)[0] == (1, 0, 0)
+
+
+def _bucketed(saves_s: float, layers: int) -> AxisProblem:
+    """``layers`` parameters that may each be sharded (strategy 1, saving ``saves_s`` of optimizer-like compute) at the
+    price of a bucketed all_gather (no per-tensor latency) into its whole-weight user; the bucket's latency is 10 ns."""
+    R, S = Replicate(), Shard(0)
+    vars_, edges = [], []
+    for i in range(layers):
+        vars_.append(ClassVar(f"w{i}", [f"w{i}"], [Strategy((), (R,), "adaptdist"), Strategy((), (S,), "adaptdist")],
+                              [10e-9, 10e-9 - saves_s], [[0.0, 0.0]], [0, 1]))
+        vars_.append(ClassVar(f"mm{i}", [f"mm{i}"], [Strategy((R,), (R,), "adaptdist"), Strategy((S,), (S,), "adaptdist")],
+                              [5e-9, 5e-9], [[0.0, 0.0]], [0, 1], reshard_s=[0.0, 100e-9]))
+        edges.append(EdgeVar(2 * i, 2 * i + 1, [R, S], [R, S], [0, 1], [0, 1], [[0.0, 0.0], [1e-9, 0.0]],
+                             [f"w{i}->mm{i}"], [[0.0, 0.0], [64.0, 0.0]], [["", ""], ["all_gather", ""]]))
+    return AxisProblem("tp", 2, vars_, edges, capacity_bytes=1.0, fixed_bytes=[0.0], peak_steps=[0],
+                       var_of={v.key: i for i, v in enumerate(vars_)}, alpha_s=0.0, beta_s_per_byte=0.0,
+                       bucket_latency_s={"all_gather": 10e-9})
+
+
+def test_ilp_pays_a_buckets_latency_once_for_all_its_tensors():
+    """Bucketed collectives share one message: sharding one parameter (saves 7 ns, gathers for 1 ns + the bucket's
+    10 ns) does not pay, sharding both does (14 ns saved, 2 ns + one 10 ns latency); brute force agrees."""
+    one = _bucketed(7e-9, 1)
+    assert solve(one).choice == (0, 0) and brute_force(one)[0] == (0, 0)
+    two = _bucketed(7e-9, 2)
+    best = (1, 0, 1, 0)
+    assert solve(two).choice == best and brute_force(two)[0] == best
+    assert two.communication_s(best) == pytest.approx(12e-9) and two.buckets(best) == {"all_gather"}
+    assert two.objective_s(best) < two.objective_s((0, 0, 0, 0)) < two.objective_s((1, 0, 0, 0))
+
+
 def test_warm_start_from_a_previous_plan_gives_the_same_plan():
     step = mlp_step(8192, 32768, 2, 8)
     first = plan_auto(step, gpus(1, 8), mesh=Mesh.parse("tp=8"))

@@ -22,6 +22,26 @@ the forward, ``B_i`` on the input-gradient part of the backward and ``W_i`` on t
   it is 1F1B.
 
 All functions take per-stage sequences of equal length ``p >= 1``; a one-stage pipeline has no bubble.
+
+**One microbatch's F, B and W** (:func:`microbatch_times`): not the whole batch's time over ``m``. A stage's
+compute for the whole batch (``C``, split ``C_F, C_B, C_W``) counts every op's memory traffic once; but part of that
+traffic does not shrink with the microbatch (``X_F, X_B, X_W`` seconds at the device's memory bandwidth): a
+microbatch of any size reads the whole weight in its forward and its input gradient and writes the whole weight
+gradient, and the pipeline executor then adds that gradient into the step's (``runtime/pipeline_executor.py``:
+the first microbatch's ``clone``, 2 passes over the gradient bytes ``G``; each later one's ``add_``, 3 passes: an
+elementwise op's traffic, inputs read once and the output written once). So on a CPU, where a node's time is the
+sum of its arithmetic and its traffic (:mod:`.compute`)::
+
+    F = C_F / m + X_F (1 - 1/m) + ovh_F + h/2      B = C_B / m + X_B (1 - 1/m) + ovh_B + h/2
+    W = C_W / m + X_W (1 - 1/m) + ovh_W + (3 - 1/m) G            (``G`` in seconds: bytes / bandwidth)
+
+and on a device that overlaps the two (a GPU's roofline max), ``max(C_x / m, X_x)`` instead of the first two terms.
+``ovh`` is the op dispatch of one microbatch, ``h`` :data:`EXECUTOR_MICROBATCH_HOST_S`. Measured
+(benchmarks/RESULTS.md, "the pipelines' per-microbatch traffic"): on WideMLP 8 x Linear(1024, 1024), 2 stages,
+512 rows, the forward of one stage took 15.7 ms per microbatch at m = 4 and 9.0 ms at m = 8, i.e.
+``53.6 ms / m + 2.3 ms``, the backward ``100 ms / m + 8 ms``: the per-microbatch intercepts are the weight traffic
+(16 MiB of weights read by F; read by B, written as the gradient and added up by W) at the profiled memory
+bandwidth, which ``C / m`` alone leaves out.
 """
 
 from __future__ import annotations
@@ -44,8 +64,45 @@ chunk) beyond the stage programs' own op dispatch: slicing the microbatch's rows
 the action loop's bookkeeping. Measured by ``benchmarks/bench_pp_overhead.py`` (main-thread CPU time, so
 descheduling does not count): 0.21-0.40 ms with the trace on, about 0.2 ms without, on 2 gloo ranks of 1 thread
 each, every schedule, m = 4 and 8 (benchmarks/RESULTS.md, "bench_pp_bubble: posted sends and receives").
-The planner adds half to a stage's forward and half to its input-gradient time
-(:meth:`adaptdist.compiler.planner.stages.StageEstimate.per_microbatch`)."""
+The planner adds half to a stage's forward and half to its input-gradient time (:func:`microbatch_times`)."""
+
+GRAD_ADD_PASSES = 3
+"""Passes over a stage's gradient bytes per microbatch when the pipeline executor adds a microbatch's gradients into
+the step's (``grads[f].add_(g)`` in ``runtime/pipeline_executor.py``: two tensors read, one written; the first
+microbatch's ``clone`` makes 2, hence ``3 - 1/m`` on average): an elementwise op's traffic as the compute model
+counts it (:mod:`.compute`), priced at the profiled elementwise-add bandwidth (``memory_bandwidth_bytes_per_s``,
+``adaptdist cluster profile``)."""
+
+
+def microbatch_times(compute_s: float, fractions: Sequence[float], overhead_s: float,
+                     overhead_fractions: Sequence[float], microbatches: int,
+                     fixed_s: Sequence[float] = (0.0, 0.0, 0.0), grad_add_s: float = 0.0,
+                     overlapped: bool = False, replicas: int = 1) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one of ``microbatches`` microbatches on one stage (module docstring).
+
+    Args:
+        compute_s: the stage's compute for the whole batch, seconds; ``fractions`` its F/B/W shares.
+        overhead_s: op dispatch of one microbatch, seconds; ``overhead_fractions`` its F/B/W shares.
+        fixed_s: F/B/W seconds per device of the traffic a microbatch pays whole (``X_x``).
+        grad_add_s: one pass over the stage's gradient bytes per device at memory bandwidth (``G``), seconds.
+        overlapped: arithmetic and traffic overlap (a GPU): ``max(C_x / m, X_x)``, else ``C_x / m + X_x (1 - 1/m)``.
+        replicas: the ways ``compute_s`` was split over the stage's batch axis, each replica still reading the whole
+            weights: ``compute_s`` then holds ``X_x / replicas``, and the sum form is ``C_x / m + X_x (1 - 1/(r m))``.
+
+    Raises:
+        UsageError: fewer than 1 microbatch.
+    """
+    m = microbatches
+    if m < 1:
+        raise UsageError(f"a pipeline needs at least 1 microbatch, got {m}")
+    host = (EXECUTOR_MICROBATCH_HOST_S / 2, EXECUTOR_MICROBATCH_HOST_S / 2, 0.0)
+    add = (0.0, 0.0, (GRAD_ADD_PASSES - 1.0 / m) * grad_add_s)
+    out = []
+    for f, o, x, h, a in zip(fractions, overhead_fractions, fixed_s, host, add):
+        share = compute_s * f / m
+        work = max(share, x) if overlapped else share + x * (1.0 - 1.0 / (m * max(1, replicas)))
+        out.append(work + overhead_s * o + h + a)
+    return out[0], out[1], out[2]
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,22 @@ one_strategy[i]   sum_k x[i,k] = 1,  x[i,k] in {0, 1}, k over the strategies pin
 edge_src[e,p]     sum_q y[e,p,q] = sum_{k: out_k = p} x[src(e),k]                   :func:`_edges`
 edge_dst[e,q]     sum_p y[e,p,q] = sum_{k: in_k = q} x[dst(e),k],  0 <= y <= 1      :func:`_edges`
 memory[j]         sum_{i,k} mem[j][i,k] x[i,k] <= capacity - fixed[j]               :func:`_memory`
+bucket[b]         bucket[b] >= sum of the x (or y) of one decision (edge) whose      :func:`_buckets`
+                  choices issue a bucketed collective of kind ``b``, 0 <= bucket <= 1
 ================  ===============================================================  ==================
 
 objective: ``min sum_{i,k} compute[i,k] x[i,k] + sum_{e,p,q} reshard[e,p,q] y[e,p,q]`` -- the axis's
-predicted compute plus resharding time (:mod:`.problem` gives both).
+predicted compute plus resharding time (:mod:`.problem` gives both), plus ``sum_b latency[b] bucket[b]``: the
+latency of each bucketed collective kind (gradient reductions, parameter gathers) once per step where any choice
+issues one (:attr:`~.problem.AxisProblem.bucket_latency_s`; ``bucket[b]`` may stay continuous: minimized, it is
+the largest of 0/1 indicators) -- plus a tie-break: ``w`` times the bytes
+the reshards move per rank (``moved[i,k]``, ``moved[e,p,q]``: :func:`~.problem.reshard_bytes`), so of two
+choices of equal predicted time the one that communicates less wins (a column-parallel layer whose tiny
+all_gather the model prices at 0 ns does not tie with no split). ``w`` (:func:`tie_break_weight`) is
+:data:`TIE_BREAK_UNITS` divided by the most bytes any choice could move (the sum over every decision and edge of
+its largest entry), so the whole tie-break term of any choice stays below half an objective unit: every time
+coefficient is a whole number of units (:func:`to_units`), so two choices whose predicted times differ at all
+differ by at least one unit, which the tie-break can never outweigh; it only orders choices of equal time.
 
 The edge variables are indexed by the *placements* at each end (``p`` the producer's output
 placement, ``q`` what the consumer needs), not by strategy pairs: strategies that agree on a
@@ -54,6 +66,9 @@ OBJECTIVE_UNIT_S = 1e-9
 
 SOLVERS = ("HIGHS", "SCIP", "CBC")
 RELATIVE_GAP = 1e-4
+TIE_BREAK_UNITS = 0.5
+"""The most the communication tie-break may add to any choice's objective, in objective units (module docstring):
+below the one unit by which two different predicted times must differ, so it decides ties only."""
 
 
 def to_units(seconds: float) -> float:
@@ -91,6 +106,14 @@ def _new_solver():
     raise InternalError(f"OR-Tools offers none of the MIP solvers {SOLVERS}; reinstall ortools")
 
 
+def tie_break_weight(problem: AxisProblem) -> float:
+    """Objective units per byte moved (module docstring): :data:`TIE_BREAK_UNITS` over the most bytes any choice
+    could move, 0 when no reshard moves anything."""
+    most = sum(max((v.reshard_bytes[k] for k in v.allowed), default=0.0) for v in problem.vars)
+    most += sum(max((b for row in e.bytes_moved for b in row), default=0.0) for e in problem.edges)
+    return TIE_BREAK_UNITS / most if most > 0 else 0.0
+
+
 def _row(solver, lb: float, ub: float, name: str, terms) -> None:
     """One linear row ``lb <= sum(coef * var) <= ub`` through the low-level API (the natural
     ``solver.Add(expr)`` spends most of the model-building time in Python)."""
@@ -110,20 +133,30 @@ def _strategies(solver, problem: AxisProblem) -> list[dict[int, object]]:
     return x
 
 
-def _edges(solver, problem: AxisProblem, x: list[dict[int, object]], unary: list[dict[int, float]]) -> list:
+def _edges(solver, problem: AxisProblem, x: list[dict[int, object]], unary: list[dict[int, float]],
+           unary_bytes: list[dict[int, float]], per_byte: float,
+           bucket_rows: list[tuple[str, list]]) -> list:
     terms = []
     for ei, e in enumerate(problem.edges):
         sa, da = problem.vars[e.src].allowed, problem.vars[e.dst].allowed
+        moved = e.bytes_moved or [[0.0] * len(e.dst_places) for _ in e.src_places]
+        bucket = e.buckets or [[""] * len(e.dst_places) for _ in e.src_places]
         if len(da) == 1 or len(sa) == 1:
             # one end is decided: the edge is a cost of the other end's strategies
             if len(da) == 1:
                 q = e.dst_of[da[0]]
                 for k in sa:
                     unary[e.src][k] += e.cost_s[e.src_of[k]][q]
+                    unary_bytes[e.src][k] += moved[e.src_of[k]][q]
+                picks = [(bucket[e.src_of[k]][q], x[e.src][k]) for k in sa]
             else:
                 p = e.src_of[sa[0]]
                 for k in da:
                     unary[e.dst][k] += e.cost_s[p][e.dst_of[k]]
+                    unary_bytes[e.dst][k] += moved[p][e.dst_of[k]]
+                picks = [(bucket[p][e.dst_of[k]], x[e.dst][k]) for k in da]
+            for b in sorted({b for b, _ in picks if b}):
+                bucket_rows.append((b, [var for c, var in picks if c == b]))
             continue
         ps = sorted({e.src_of[k] for k in sa})
         qs = sorted({e.dst_of[k] for k in da})
@@ -134,8 +167,24 @@ def _edges(solver, problem: AxisProblem, x: list[dict[int, object]], unary: list
         for q in qs:
             _row(solver, 0.0, 0.0, f"edge_dst[{ei},{q}]",
                  [(1.0, y[p, q]) for p in ps] + [(-1.0, x[e.dst][k]) for k in da if e.dst_of[k] == q])
-        terms.extend((to_units(e.cost_s[p][q]), y[p, q]) for p in ps for q in qs if e.cost_s[p][q] > 0)
+        terms.extend((to_units(e.cost_s[p][q]) + per_byte * moved[p][q], y[p, q]) for p in ps for q in qs
+                     if e.cost_s[p][q] > 0 or moved[p][q] > 0)
+        for b in sorted({bucket[p][q] for p in ps for q in qs if bucket[p][q]}):
+            bucket_rows.append((b, [y[p, q] for p in ps for q in qs if bucket[p][q] == b]))
     return terms
+
+
+def _buckets(solver, problem: AxisProblem, x: list[dict[int, object]], bucket_rows: list[tuple[str, list]]) -> list:
+    """``bucket[kind] >= sum`` of the indicators of the choices that issue a bucketed ``kind`` collective, one row per
+    decision or edge (its indicators sum to at most 1); the objective pays the kind's latency once
+    (:attr:`~.problem.AxisProblem.bucket_latency_s`)."""
+    for i, v in enumerate(problem.vars):
+        for b in sorted({b for k in v.allowed for b in v.buckets[k]}):
+            bucket_rows.append((b, [x[i][k] for k in v.allowed if b in v.buckets[k]]))
+    z = {b: solver.NumVar(0.0, 1.0, f"bucket[{b}]") for b in sorted({b for b, _ in bucket_rows})}
+    for j, (b, vars_) in enumerate(bucket_rows):
+        _row(solver, -solver.infinity(), 0.0, f"bucket[{b},{j}]", [(1.0, v) for v in vars_] + [(-1.0, z[b])])
+    return [(to_units(problem.bucket_latency_s.get(b, 0.0)), z[b]) for b in z]
 
 
 def _memory(solver, problem: AxisProblem, x: list[dict[int, object]]) -> None:
@@ -164,13 +213,17 @@ def solve(problem: AxisProblem, time_limit_s: float = 30.0, hint: Sequence[int] 
         solver.SetSolverSpecificParametersAsString("output_flag=false")
     x = _strategies(solver, problem)
     unary = [{k: v.compute_s[k] + v.reshard_s[k] for k in v.allowed} for v in problem.vars]
-    terms = _edges(solver, problem, x, unary)
+    unary_bytes = [{k: v.reshard_bytes[k] for k in v.allowed} for v in problem.vars]
+    per_byte = tie_break_weight(problem)
+    bucket_rows: list[tuple[str, list]] = []
+    terms = _edges(solver, problem, x, unary, unary_bytes, per_byte, bucket_rows)
+    terms += _buckets(solver, problem, x, bucket_rows)
     if memory:
         _memory(solver, problem, x)
     objective = solver.Objective()
     for i, xi in enumerate(x):
         for k, var in xi.items():
-            objective.SetCoefficient(var, to_units(unary[i][k]))
+            objective.SetCoefficient(var, to_units(unary[i][k]) + per_byte * unary_bytes[i][k])
     for c, var in terms:
         objective.SetCoefficient(var, c)
     objective.SetMinimization()
@@ -186,25 +239,27 @@ def solve(problem: AxisProblem, time_limit_s: float = 30.0, hint: Sequence[int] 
         raise Infeasible(f"the solver {name} returned status {status} within {time_limit_s:.0f} s")
     choice = tuple(max(xi, key=lambda k: xi[k].solution_value()) for xi in x)
     obj = problem.objective_s(choice)
-    bound = objective.BestBound() * OBJECTIVE_UNIT_S
+    bound = objective.BestBound() * OBJECTIVE_UNIT_S  # with the tie-break's < 0.5 units: capped at the objective
     gap = 0.0 if obj <= 0 else max(0.0, (obj - bound) / obj)
     return ILPResult(choice, obj, min(bound, obj), gap, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
                      time.perf_counter() - t0, solver.NumVariables(), solver.NumConstraints(), name)
 
 
 def brute_force(problem: AxisProblem, memory: bool = True) -> tuple[tuple[int, ...], float]:
-    """The optimum by enumerating every choice (tests, toy problems only).
+    """The optimum by enumerating every choice (tests, toy problems only); among choices of equal time (to the
+    objective's resolution, :data:`OBJECTIVE_UNIT_S`), the one that moves the fewest bytes (the ILP's tie-break).
 
     Raises:
         Infeasible: no choice fits the memory rows.
     """
-    best: tuple[float, tuple[int, ...]] | None = None
+    best: tuple[float, tuple[int, ...], tuple[int, float]] | None = None
     for choice in itertools.product(*[v.allowed for v in problem.vars]):
         if memory and not problem.memory_ok(choice):
             continue
         t = problem.objective_s(choice)
-        if best is None or t < best[0] - 1e-15:
-            best = (t, tuple(choice))
+        key = (round(t / OBJECTIVE_UNIT_S), problem.communication_bytes(choice))
+        if best is None or key < best[2]:
+            best = (t, tuple(choice), key)
     if best is None:
         raise Infeasible("memory")
     return best[1], best[0]

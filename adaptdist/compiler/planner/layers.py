@@ -22,7 +22,9 @@ module stack) a forward node gets its layer from the parameters it consumes and 
   **weight-gradient** work (``W``, what ZB-H1 defers; Qi et al. 2023, s.2).
 
 Per layer: forward/backward/weight-gradient compute seconds (the planning graph's unsharded roofline
-times, :mod:`.graph`), op counts (each pays the device's op overhead per microbatch), parameter bytes
+times, :mod:`.graph`), op counts (each pays the device's op overhead per microbatch), the bytes of F, B and W
+work that do not shrink with the microbatch (:attr:`Layer.fixed_bytes`: a microbatch of any size reads the
+whole weight and writes its whole gradient), parameter bytes
 (trainable ones marked), the bytes of forward values it keeps for the backward, and per boundary the
 bytes crossing it forward (activations computed from the batch: a value computed from parameters alone, a
 rotary table's slice, is recomputed by the stage that needs it) and backward (gradients; a tied weight's
@@ -67,6 +69,13 @@ class Layer:
         saved_bytes: forward values of this layer that the backward reads (kept per microbatch in flight).
         signature: a digest of its nodes' signatures: repeated blocks share it (and their stage costs).
         reads: parameters its forward consumes directly (of this layer or, tied, of another).
+        fixed_bytes: (forward, input-gradient, weight-gradient) bytes its ops move that do not scale with the batch,
+            as the compute model counts bytes (each distinct tensor argument read once, each output written once,
+            views nothing: :mod:`adaptdist.cost_models.compute`): the arguments computed without the batch
+            (parameters, buffers, their views and casts) and the outputs that hold a parameter's gradient (traced
+            back from the gradient output through views and sums of the parameter's size to the ops computing it:
+            the weight-gradient matmul, a tied weight's parts). The whole batch moves them once, each of ``m``
+            microbatches again.
     """
 
     name: str
@@ -84,6 +93,7 @@ class Layer:
     saved_bytes: int = 0
     signature: str = ""
     reads: set[str] = field(default_factory=set)
+    fixed_bytes: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def compute_s(self) -> float:
@@ -333,6 +343,56 @@ def build_layers(pg: Any) -> LayerGraph:
             lc = min(uses, default=lp)
             for b in range(lc, lp):
                 bwd_cross[b] += nbytes
+    _fixed_bytes(pg, layers, inputs, forward, batch_dep)
     for i, L in enumerate(layers):
         L.signature = _digest(sorted(sigs[i]))
     return LayerGraph(pg, layers, layer_of, fwd_cross, bwd_cross, layer[pg.loss[0]] or 0)
+
+
+def _fixed_bytes(pg: Any, layers: Sequence[Layer], inputs: dict[str, list[str]], forward: set[str],
+                 batch_dep: set[str]) -> None:
+    """Fill each layer's :attr:`Layer.fixed_bytes` (its docstring): per op (not views), the bytes of its arguments
+    computed without the batch plus those of its outputs that are a parameter's gradient."""
+    import operator
+
+    import torch
+
+    from ...passes.sharding_rules import tensor_args
+
+    def _is_view(node: Any) -> bool:  # graph.py's test (graph imports this module, so not from there)
+        return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
+
+    grads: set[str] = set()
+    for p, (src, _) in pg.grad_of.items():
+        size = sum(pg.nodes[p].out_bytes)
+        todo = [src]
+        while todo:
+            n = todo.pop()
+            if n in grads or n in forward or n not in pg.nodes or pg.nodes[n].kind != "op" \
+                    or sum(pg.nodes[n].out_bytes) != size:
+                continue
+            grads.add(n)
+            node = pg.fx_nodes[n]
+            # back through views and sums of gradient parts (a tied weight) to the ops that computed them, no further:
+            # an activation may happen to have the weight's size
+            if _is_view(node) or getattr(node.target, "__name__", "") == "add.Tensor":
+                todo.extend(inputs.get(n, []))
+    base = {n: a[0] for n, a in pg.aliases.items()}
+    for L in layers:
+        out = [0, 0, 0]
+        for phase, names in enumerate((L.forward, L.backward, L.weight)):
+            for n in names:
+                node = pg.fx_nodes[n]
+                if _is_view(node):
+                    continue
+                seen: set[str] = set()
+                for _, a in tensor_args(node):
+                    v = a.meta.get("val")
+                    if a.name in seen or not isinstance(v, torch.Tensor):
+                        continue
+                    seen.add(a.name)
+                    if base.get(a.name, a.name) not in batch_dep:
+                        out[phase] += int(v.numel() * v.element_size())
+                if n in grads or n not in batch_dep:
+                    out[phase] += sum(pg.nodes[n].out_bytes)
+        L.fixed_bytes = (out[0], out[1], out[2])

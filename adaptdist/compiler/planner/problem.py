@@ -16,9 +16,11 @@ holding strategies ``s_b``:
   cluster the measured fit of that kind (gloo's all_reduce of 1 MiB on 2 ranks costs less than its all_gather plus
   its reduce_scatter, which the ring formulas on one shared fit would call equal). Gradient reductions
   (all_reduce, reduce_scatter) and parameter all_gathers are bucketed by the lowering (``bucket_grad_*``,
-  ``bucket_param_allgather``: many tensors per message), so they are charged bandwidth only, without the
-  per-message latency; a parameter's edges count :data:`PARAM_GATHERS` times (gathered for forward and again for
-  backward).
+  ``bucket_param_allgather``: many tensors per message), so each tensor is charged bandwidth only, and the
+  per-message latency once per step for each such kind any choice uses (:attr:`AxisProblem.bucket_latency_s`: a
+  bucket is at least one collective, whatever shares it; the ILP's ``bucket[kind]`` indicator); a parameter's
+  edges count :data:`PARAM_GATHERS` times (gathered for forward and again for backward), and so does the
+  latency of its gathers' buckets.
 - memory at each of the graph's peak steps: every live tensor's bytes over ``n`` when ``Shard`` on
   this axis (and over ``n_b`` per other sharded axis), whole when ``Replicate`` or ``Partial``; a
   parameter counts itself, its gradient (which ends in the parameter's placement) and its optimizer
@@ -92,6 +94,32 @@ def reshard_time_s(src: Placement | None, dst: Placement | None, nbytes: float, 
     return float(collective_time_s(kind, size, n, alpha, beta_s_per_byte, algorithm))
 
 
+def reshard_bytes(src: Placement | None, dst: Placement | None, nbytes: float, n: int) -> float:
+    """Bytes each rank sends to turn a tensor of ``nbytes`` (its full size on this axis) from ``src`` into ``dst``
+    over ``n`` ranks: the ring volume of :func:`reshard_collective`'s collective (all_reduce ``2 (n-1)/n nbytes``,
+    all_gather / reduce_scatter ``(n-1)/n nbytes``, all_to_all ``(n-1)/n nbytes / n``: the beta terms of
+    :func:`adaptdist.cost_models.communication.ring_time_s` at one second per byte), 0 when nothing moves. The
+    ILP's tie-break (:data:`.ilp.TIE_BREAK_UNITS`) reads it; it is not a time."""
+    kind = reshard_collective(src, dst)
+    if kind is None or n < 2:
+        return 0.0
+    size = nbytes / n if kind == "all_to_all" else nbytes
+    return float(collective_time_s(kind, size, n, 0.0, 1.0, "ring"))
+
+
+def bucket_latency_s(kind: str, n: int, alpha_s: float, beta_s_per_byte: float,
+                     links: Mapping[str, LinkCost] | None = None) -> float:
+    """Seconds of one bucketed ``kind`` collective's latency over ``n`` ranks: :func:`reshard_time_s`'s formula at
+    0 bytes (its alpha terms), at ``links``' figures for ``kind`` where it has them."""
+    if n < 2:
+        return 0.0
+    link = (links or {}).get(kind)
+    algorithm = "ring" if link is not None and link.calibrated else "auto"
+    if link is not None:
+        alpha_s, beta_s_per_byte = link.alpha_s, link.beta_s_per_byte
+    return float(collective_time_s(kind, 0.0, n, alpha_s, beta_s_per_byte, algorithm))
+
+
 RESHARD_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """The collectives a reshard on one axis issues (:func:`reshard_collective`)."""
 
@@ -132,17 +160,25 @@ class ClassVar:
     why_restricted: list[str] = field(default_factory=list)
     reshard_s: list[float] = field(default_factory=list)
     followers: list[str] = field(default_factory=list)
+    reshard_bytes: list[float] = field(default_factory=list)
+    buckets: list[frozenset[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.reshard_s:
             self.reshard_s = [0.0] * len(self.strategies)
+        if not self.reshard_bytes:
+            self.reshard_bytes = [0.0] * len(self.strategies)
+        if not self.buckets:
+            self.buckets = [frozenset()] * len(self.strategies)
 
 
 @dataclass
 class EdgeVar:
     """Resharding between two classes: ``cost_s[p][q]`` when the source's strategy puts its output in
     ``src_places[p]`` and the destination's strategy needs ``dst_places[q]``; ``src_of[k]`` /
-    ``dst_of[k]`` map each strategy index to its place index."""
+    ``dst_of[k]`` map each strategy index to its place index; ``bytes_moved[p][q]`` the bytes per rank the
+    reshard moves (:func:`reshard_bytes`; empty: none known, the ILP's tie-break then reads 0); ``buckets[p][q]`` the
+    bucketed collective kind it issues, ``""`` for none (:attr:`AxisProblem.bucket_latency_s`; empty: none)."""
 
     src: int
     dst: int
@@ -152,12 +188,15 @@ class EdgeVar:
     dst_of: list[int]
     cost_s: list[list[float]]
     what: list[str] = field(default_factory=list)
+    bytes_moved: list[list[float]] = field(default_factory=list)
+    buckets: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
 class AxisProblem:
     """See the module docstring: ``vars``, ``edges``, memory rows (``capacity_bytes - fixed_bytes[j]`` is
-    what the choices may use at peak step ``j``)."""
+    what the choices may use at peak step ``j``); ``bucket_latency_s``: each bucketed collective kind (module
+    docstring) -> the latency it adds once per step when any choice issues it."""
 
     axis: str
     size: int
@@ -171,6 +210,19 @@ class AxisProblem:
     beta_s_per_byte: float
     strat_of: dict[str, list[Strategy]] = field(default_factory=dict)
     links: dict[str, LinkCost] = field(default_factory=dict)  # collective kind -> its figures (axis_links)
+    bucket_latency_s: dict[str, float] = field(default_factory=dict)  # bucketed kind -> its latency once per step
+
+    def buckets(self, choice: Sequence[int]) -> set[str]:
+        """The bucketed collective kinds ``choice`` issues on this axis (each pays its latency once)."""
+        out: set[str] = set()
+        for i, v in enumerate(self.vars):
+            out |= v.buckets[choice[i]]
+        for e in self.edges:
+            if e.buckets:
+                b = e.buckets[e.src_of[choice[e.src]]][e.dst_of[choice[e.dst]]]
+                if b:
+                    out.add(b)
+        return out
 
     def objective_s(self, choice: Sequence[int]) -> float:
         """Predicted seconds of this axis's part of the step for ``choice`` (strategy index per var)."""
@@ -183,7 +235,15 @@ class AxisProblem:
         t = sum(v.reshard_s[choice[i]] for i, v in enumerate(self.vars))
         for e in self.edges:
             t += e.cost_s[e.src_of[choice[e.src]]][e.dst_of[choice[e.dst]]]
-        return t
+        return t + sum(self.bucket_latency_s.get(b, 0.0) for b in self.buckets(choice))
+
+    def communication_bytes(self, choice: Sequence[int]) -> float:
+        """Bytes per rank the reshards of ``choice`` move (:func:`reshard_bytes`): the ILP's tie-break."""
+        b = sum(v.reshard_bytes[choice[i]] for i, v in enumerate(self.vars))
+        for e in self.edges:
+            if e.bytes_moved:
+                b += e.bytes_moved[e.src_of[choice[e.src]]][e.dst_of[choice[e.dst]]]
+        return b
 
     def memory_bytes(self, choice: Sequence[int]) -> float:
         """The most bytes any peak step holds under ``choice``."""
@@ -389,7 +449,8 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
             v.key = f"{v.members[0]} (+{len(v.members) - 1} alike)"
     _apply_constraints(pg, vars_, var_of, axis, n, constraints)
     edge_map: dict[tuple, EdgeVar] = {}
-    cost_memo: dict[tuple, list[list[float]]] = {}  # repeated layers repeat the same matrices
+    cost_memo: dict[tuple, tuple] = {}  # repeated layers repeat the same matrices
+    latency: dict[str, float] = {}  # bucketed collective kind -> its latency once per step
 
     def add_edge(src: str, idx: int, dst_var: int, dst_place_of: list[Placement | None], what: str,
                  bucketed: frozenset[str] = frozenset(), repeats: int = 1) -> None:
@@ -399,13 +460,19 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         dst_places = list(dict.fromkeys(dst_place_of))
         nbytes = pg.nodes[src].out_bytes[idx] / fb[(src, idx)] if idx < len(pg.nodes[src].out_bytes) else 0
         mkey = (tuple(src_places), tuple(dst_places), nbytes, bucketed, repeats)
-        cost = cost_memo.get(mkey)
-        if cost is None:
-            cost = [[repeats * reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte, bucketed, links)
-                     for q in dst_places]
-                    for p in src_places]
-            cost_memo[mkey] = cost
-        if not any(c > 0 for row in cost for c in row):
+        memo = cost_memo.get(mkey)
+        if memo is None:
+            memo = ([[repeats * reshard_time_s(p, q, nbytes, n, lc.alpha_s, lc.beta_s_per_byte, bucketed, links)
+                      for q in dst_places] for p in src_places],
+                    [[repeats * reshard_bytes(p, q, nbytes, n) for q in dst_places] for p in src_places],
+                    [[_bucket_of(p, q, n, bucketed) for q in dst_places] for p in src_places])
+            cost_memo[mkey] = memo
+        cost, moved, bucket = memo
+        for row in bucket:
+            for b in row:
+                if b and b not in latency:
+                    latency[b] = repeats * bucket_latency_s(b, n, lc.alpha_s, lc.beta_s_per_byte, links)
+        if not any(c > 0 for row in cost for c in row) and not any(b > 0 for row in moved for b in row):
             return
         sp, dp = {p: i for i, p in enumerate(src_places)}, {q: i for i, q in enumerate(dst_places)}
         src_of = [sp[p] for p in src_places_all]
@@ -413,14 +480,20 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         if sv == dst_var:  # both ends are one decision: the cost lands on that decision's strategies
             for k in range(len(src_of)):
                 vars_[sv].reshard_s[k] += cost[src_of[k]][dst_of[k]]
+                vars_[sv].reshard_bytes[k] += moved[src_of[k]][dst_of[k]]
+                b = bucket[src_of[k]][dst_of[k]]
+                if b:
+                    vars_[sv].buckets[k] = vars_[sv].buckets[k] | {b}
             return
         key = (sv, dst_var, tuple(src_of), tuple(dst_of))
         e = edge_map.get(key)
         if e is None:
             edge_map[key] = EdgeVar(sv, dst_var, src_places, dst_places, src_of, dst_of, [list(r) for r in cost],
-                                    [what])
+                                    [what], [list(r) for r in moved], [list(r) for r in bucket])
         else:
             e.cost_s = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(e.cost_s, cost)]
+            e.bytes_moved = [[a + b for a, b in zip(r1, r2)] for r1, r2 in zip(e.bytes_moved, moved)]
+            e.buckets = [[b1 or b2 for b1, b2 in zip(r1, r2)] for r1, r2 in zip(e.buckets, bucket)]  # (p, q): one kind
             if len(e.what) < 4:
                 e.what.append(what)
 
@@ -446,6 +519,7 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         for k, st in enumerate(strat_of[src]):
             vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), R, nbytes, n, lc.alpha_s, lc.beta_s_per_byte,
                                                      links=links)
+            vars_[sv].reshard_bytes[k] += reshard_bytes(_out(st, idx), R, nbytes, n)
     batch_layout = Shard(0) if batch_axis == axis and pg.batch_size > 1 else R
     for src, idx in pg.per_rank_outputs:
         if src not in var_of:
@@ -455,9 +529,16 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
         for k, st in enumerate(strat_of[src]):
             vars_[sv].reshard_s[k] += reshard_time_s(_out(st, idx), batch_layout, nbytes, n, lc.alpha_s,
                                                      lc.beta_s_per_byte, links=links)
+            vars_[sv].reshard_bytes[k] += reshard_bytes(_out(st, idx), batch_layout, nbytes, n)
     fixed = [0.0 for _ in steps]
     return AxisProblem(axis, n, vars_, list(edge_map.values()), capacity_bytes, fixed, list(steps), var_of,
-                       lc.alpha_s, lc.beta_s_per_byte, strat_of, links)
+                       lc.alpha_s, lc.beta_s_per_byte, strat_of, links, latency)
+
+
+def _bucket_of(src: Placement | None, dst: Placement | None, n: int, bucketed: frozenset[str]) -> str:
+    """The bucketed collective kind the reshard ``src -> dst`` issues, ``""`` for none (module docstring)."""
+    kind = reshard_collective(src, dst)
+    return kind if kind is not None and kind in bucketed and n >= 2 else ""
 
 
 def _follow(m: str, pn, ins: list, strategies: Mapping[str, list[Strategy]], var_of: Mapping[str, int],

@@ -54,8 +54,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...cost_models.communication import collective_time_s, link_cost
 from ...cost_models.memory import optimizer_model
-from ...cost_models.pipeline import (EXECUTOR_MICROBATCH_HOST_S, INTERLEAVE_CHUNKS, SCHEDULES, ScheduleEstimate,
-                                      in_flight_microbatches, schedule_estimate)
+from ...cost_models.pipeline import (INTERLEAVE_CHUNKS, SCHEDULES, ScheduleEstimate, in_flight_microbatches,
+                                      microbatch_times, schedule_estimate)
 from ...errors import PlanInfeasibleError, UsageError
 from ..capture import CapturedGraph
 from .graph import PlanningGraph, build_planning_graph
@@ -90,6 +90,16 @@ class StageEstimate:
         param_placements: ``ilp`` only: ``(((layer offset in the range, index in its param_fqns), placements per
             mesh axis), ...)`` of the parameters the intra-stage planner shards (others replicated); by position, as
             like layers share one estimate (:func:`fqn_placements` names them for a range).
+        fixed_s: (forward, input-gradient, weight-gradient) seconds per device of the memory traffic that does not
+            shrink with the microbatch (:attr:`.layers.Layer.fixed_bytes` of the range over the slowest device's
+            memory bandwidth, times the share of the weights each device computes with: split by the model axes
+            that shard them, whole on the batch axis); ``compute_s`` counts it once per step (over the batch axis's
+            replicas), each microbatch pays it whole.
+        grad_add_s: one pass over the gradients each device computes (the same share of the range's trainable
+            bytes) at that bandwidth: the executor adds each microbatch's gradients into the step's
+            (:func:`~adaptdist.cost_models.pipeline.microbatch_times`).
+        overlapped: the device overlaps arithmetic and memory traffic (a GPU: the roofline's max, else the sum;
+            :func:`adaptdist.cost_models.compute.overlaps_compute_and_memory`).
     """
 
     compute_s: float
@@ -103,15 +113,20 @@ class StageEstimate:
     batch_axis: str | None = "dp"
     source: str = "analytic"
     param_placements: tuple = ()
+    fixed_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    grad_add_s: float = 0.0
+    overlapped: bool = False
 
     def per_microbatch(self, m: int) -> tuple[float, float, float]:
-        """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches: the compute's share,
+        """(forward, input-gradient, weight-gradient) seconds of one of ``m`` microbatches
+        (:func:`~adaptdist.cost_models.pipeline.microbatch_times`): the compute's share, the traffic that does not
+        shrink with the microbatch (:attr:`fixed_s`), the executor's gradient accumulation (:attr:`grad_add_s`),
         the op dispatch, and the pipeline executor's host time per microbatch
         (:data:`~adaptdist.cost_models.pipeline.EXECUTOR_MICROBATCH_HOST_S`, half on the forward, half on the
         input gradient)."""
-        host = (EXECUTOR_MICROBATCH_HOST_S / 2, EXECUTOR_MICROBATCH_HOST_S / 2, 0.0)
-        return tuple(self.compute_s * f / m + self.overhead_s * o + h  # type: ignore[return-value]
-                     for f, o, h in zip(self.fractions, self.overhead_fractions, host))
+        replicas = dict(self.mesh).get(self.batch_axis, 1) if self.batch_axis else 1
+        return microbatch_times(self.compute_s, self.fractions, self.overhead_s, self.overhead_fractions, m,
+                                self.fixed_s, self.grad_add_s, self.overlapped, replicas)
 
     def memory_bytes(self, in_flight: float, m: int) -> float:
         """Peak bytes per device with ``in_flight`` of ``m`` microbatches' activations held."""
@@ -445,6 +460,35 @@ class StageCoster:
         return self.times_cache[key]
 
     def _compute(self, first: int, end: int, ranks: tuple[int, ...]) -> StageEstimate | None:
+        est = self._estimate(first, end, ranks)
+        return None if est is None else self._with_traffic(est, first, end, ranks)
+
+    def _with_traffic(self, est: StageEstimate, first: int, end: int, ranks: tuple[int, ...]) -> StageEstimate:
+        """``est`` with its per-microbatch traffic (:attr:`StageEstimate.fixed_s`, ``grad_add_s``, ``overlapped``)
+        on the slowest memory among ``ranks``."""
+        from ...cost_models.compute import overlaps_compute_and_memory
+        from ...placement import Shard
+
+        dev = min((self.cluster.device(r) for r in ranks), key=lambda d: d.memory_bandwidth_bytes_per_s)
+        bw = float(dev.memory_bandwidth_bytes_per_s)
+        layers = self.lg.layers[first:end]
+        trainable = {p.fqn: float(sum(p.out_bytes)) for p in self.lg.pg.params()
+                     if p.name in self.lg.pg.grad_of and p.fqn is not None}
+        mine = {f: trainable[f] for L in layers for f in L.param_fqns if f in trainable}
+        total = sum(mine.values())
+        held = total
+        for fqn, pls in fqn_placements(self.lg, first, est.param_placements):
+            if fqn in mine:  # split by the model axes that shard it (the batch axis's shards are gathered to use)
+                d = math.prod(k for (a, k), p in zip(est.mesh, pls) if a != est.batch_axis and isinstance(p, Shard))
+                held -= mine[fqn] * (1.0 - 1.0 / d)
+        share = held / total if total > 0 else 1.0
+        if bw <= 0:
+            return est
+        fixed = tuple(share * sum(L.fixed_bytes[x] for L in layers) / bw for x in range(3))
+        return dataclasses.replace(est, fixed_s=fixed, grad_add_s=held / bw,  # type: ignore[arg-type]
+                                   overlapped=overlaps_compute_and_memory(dev))
+
+    def _estimate(self, first: int, end: int, ranks: tuple[int, ...]) -> StageEstimate | None:
         fr, of = _split(self.lg, first, end)
         sub = sub_planning_graph(self.lg, first, end, self._times(ranks))
         ops = [pn for pn in sub.nodes.values() if pn.kind == "op"]
