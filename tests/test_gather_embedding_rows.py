@@ -74,3 +74,30 @@ def test_a_batch_larger_than_the_table_keeps_the_all_reduce():
     batch = _batch(1500)
     progs, *_ = simulated_sgd(model, batch, F.mse_loss, 2, "dp", LR, 1)
     assert not any("all_gather" in c for c in progs[0].collectives())
+
+
+class Tied(nn.Module):
+    """A table tied to the output head: its gradient is the lookup's plus the head's, so it stays all-reduced."""
+
+    def __init__(self, vocab: int = 1200, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_a_tied_table_keeps_the_all_reduce_and_equals_eager():
+    torch.manual_seed(0)
+    model = Tied()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 1200, (8,), generator=g), torch.randint(0, 1200, (8,), generator=g))
+    progs, hist, params, _ = simulated_sgd(model, batch, F.cross_entropy, 2, "dp", LR, STEPS)
+    assert not any("all_gather" in c for c in progs[0].collectives())
+    want_hist, want_params = eager_sgd(model, [batch], F.cross_entropy, LR, STEPS)
+    for (gl, _), (wl, _) in zip(hist, want_hist):
+        assert abs(gl - wl) < 1e-5
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=1e-5, rtol=1e-5)

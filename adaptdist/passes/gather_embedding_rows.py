@@ -9,8 +9,9 @@ gathers them: the batch's rows, ``(n-1)/n`` of ``numel(grad) * 4 + numel(indices
 the whole gradient on every rank (``Replicate``, out of the gradient bucket); the same sum, in another order.
 Propagation then re-annotates the graph.
 
-A node is rewritten when its ``grad`` and ``indices`` are both split on the batch (``Shard(0)``), it does not
-``scale_grad_by_freq``, the table's gradient is at least :data:`MIN_TABLE_BYTES`, and the gathered bytes are at
+A node is rewritten when its ``grad`` and ``indices`` are both split on the batch (``Shard(0)``), its value goes
+only to the graph's output (not summed with another gradient first, as a table tied to an output head is), it
+does not ``scale_grad_by_freq``, the table's gradient is at least :data:`MIN_TABLE_BYTES`, and the gathered bytes are at
 most the table's (an all_reduce moves ``2 (n-1)/n`` of the table per rank, the gather ``(n-1)/n`` of the rows: at
 least a 2x saving). Below :data:`MIN_TABLE_BYTES` the table's share of the bucketed all_reduce costs less than the
 two extra gathers' latency (``alpha`` of 10-20 us each on the shared-memory kernels, 2 GB/s: 64 KiB is 32 us).
@@ -51,6 +52,21 @@ def gathered_bytes(node: torch.fx.Node) -> tuple[int, int]:
     return rows, math.prod(out.shape) * out.element_size()
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def only_a_gradient(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches nothing but the graph's output (directly or through views): a table's whole
+    gradient. A gradient summed with another one first (a table tied to an output head) stays Partial, so that the
+    sum is all-reduced once, as before."""
+    for u in node.users:
+        if u.op == "output":
+            continue
+        if not (u.op == "call_function" and u.target in _VIEWS and only_a_gradient(u)):
+            return False
+    return True
+
+
 def worth_gathering(node: torch.fx.Node) -> bool:
     """Whether ``node`` (an ``embedding_dense_backward`` with batch-split inputs) is cheaper built from gathered
     rows (the module docstring's rule)."""
@@ -72,7 +88,8 @@ def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[t
         g, idx = node.args[0], node.args[1]
         if not (isinstance(g, torch.fx.Node) and isinstance(idx, torch.fx.Node)):
             continue
-        if placement_of(g) == Shard(0) and placement_of(idx) == Shard(0) and worth_gathering(node):
+        if (placement_of(g) == Shard(0) and placement_of(idx) == Shard(0) and only_a_gradient(node)
+                and worth_gathering(node)):
             gmeta.mark_gather_rows(node)
             marked = True
     if not marked:
