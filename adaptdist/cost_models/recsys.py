@@ -62,9 +62,10 @@ OPTIMIZER_OPS_PER_TENSOR = {"sgd": 1, "adamw": 10}
 LOCAL_GLOO_P2P_ALPHA_S = 46e-6
 LOCAL_GLOO_P2P_BETA_S_PER_BYTE = 0.38e-9
 """One gloo message between two processes of one host (blocking send + recv, each pinned to its core, 1 thread):
-measured 2026-12-03 20:00 UTC on this project's 2-core machine (load 15), the minimum of 300 round trips
-(``benchmarks/profile_recsys_step.py --p2p-sizes``): 93 us for 4 B, 168 us for 98 KB (the queues' message of
-builtin:dlrm), 387 us for 393 KB each way -> 46 us + 0.38 ns/B (2.6 GB/s) per message. Used for an uncalibrated
+measured on this project's 2-core machine, round trips of two processes on cores 0 and 1 (minimum of 300,
+2026-12-03 20:00 UTC, load 15: 93 us for 4 B, 168 us for 98 KB -- the queues' message of builtin:dlrm -- and 387 us
+for 393 KB each way; again with ``benchmarks/profile_recsys_step.py --reps 100`` (``--p2p-sizes``' default), 20:28
+UTC, load 19: 91, 177, 406 us) -> 46 us + 0.38 ns/B (2.6 GB/s) per message (benchmarks/RESULTS.md). Used for an uncalibrated
 cluster's intra-host pair (its link's estimated 0.5 ms latency is a TCP figure, ~10x the loopback's)."""
 BYTES = 4  # float32
 INDEX_BYTES = 8  # int64 ids
