@@ -78,6 +78,7 @@ RANK_SLICE_ALIGN = "adaptdist.rank_slice_align"  # global RNG (passes/global_rng
 GLOBAL_RNG = "adaptdist.global_rng"  # a random op that draws what one process draws (LoweringOptions.rng="global")
 RANK_DIM = "adaptdist.rank_dim"
 RANK0_FLAG = "adaptdist.rank0_flag"
+GATHER_ROWS = "adaptdist.gather_rows"  # an embedding gradient built from gathered rows (passes/gather_embedding_rows.py)
 
 Layout = tuple[Placement, ...]
 
@@ -196,6 +197,17 @@ def mark_global_rng(node: torch.fx.Node) -> None:
 
 def is_global_rng(node: torch.fx.Node) -> bool:
     return bool(node.meta.get(GLOBAL_RNG))
+
+
+def mark_gather_rows(node: torch.fx.Node) -> None:
+    """Mark an ``embedding_dense_backward`` whose batch-split gradient rows and indices are gathered, so every rank
+    builds the whole (replicated) table gradient instead of all-reducing a partial one
+    (passes/gather_embedding_rows.py)."""
+    node.meta[GATHER_ROWS] = True
+
+
+def gathers_rows(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get(GATHER_ROWS))
 
 
 def module_of(node: torch.fx.Node) -> str:

@@ -48,7 +48,7 @@ def timed(fn, reps: int) -> tuple[float, float]:
     return min(ts), statistics.median(ts)
 
 
-def _pair(rank: int, port: int, reps: int, numel_msg: int, q) -> None:
+def _pair(rank: int, port: int, reps: int, numel_msg: int, q, sizes: tuple[int, ...] = ()) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,13 +69,25 @@ def _pair(rank: int, port: int, reps: int, numel_msg: int, q) -> None:
             x.wait()
 
     out = {"p2p": timed(exchange, reps)}
+    for n_bytes in sizes:  # blocking round trips of n_bytes each way: the fit behind recsys.LOCAL_GLOO_P2P_*
+        a, b = torch.ones(max(1, n_bytes // 4)), torch.empty(max(1, n_bytes // 4))
+
+        def round_trip(a=a, b=b):
+            if rank == 0:
+                dist.send(a, 1)
+                dist.recv(b, 1)
+            else:
+                dist.recv(b, 0)
+                dist.send(a, 0)
+
+        out[n_bytes] = timed(round_trip, reps)
     dist.barrier()
     if rank == 0:
         q.put(out)
     dist.destroy_process_group()
 
 
-def two_process(reps: int, numel_msg: int) -> dict:
+def two_process(reps: int, numel_msg: int, sizes: tuple[int, ...] = ()) -> dict:
     import multiprocessing as mp
     import socket
 
@@ -84,7 +96,7 @@ def two_process(reps: int, numel_msg: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_pair, args=(r, port, reps, numel_msg, q)) for r in range(2)]
+    procs = [ctx.Process(target=_pair, args=(r, port, reps, numel_msg, q, sizes)) for r in range(2)]
     for p in procs:
         p.start()
     out = q.get(timeout=300)
@@ -99,6 +111,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--optimizer", default="adamw,sgd")
+    ap.add_argument("--p2p-sizes", default="4,98304,393216",
+                    help="bytes each way of the blocking gloo round trips timed beside the queue message (the figures "
+                         "behind adaptdist/cost_models/recsys.py's LOCAL_GLOO_P2P_*: alpha = half the smallest, beta "
+                         "from the slope)")
     args = ap.parse_args()
     from adaptdist.calibrate.local import local_cluster
     from adaptdist.compiler.planner.modes import recsys_shape
@@ -178,11 +194,16 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     numel_msg = args.batch_size * len(model.sparse_arch.tables) * model.sparse_arch.tables[0].embedding_dim
-    pair = two_process(args.reps, numel_msg)
+    sizes = tuple(int(x) for x in args.p2p_sizes.split(",") if x.strip())
+    pair = two_process(args.reps, numel_msg, sizes)
     lo, med = pair["p2p"]
     model_p2p = 2 * rc._p2p_s(cluster, 0, 1, numel_msg * 4)
     print(f"| both | gloo p2p: lookups there, gradients back ({numel_msg * 4 / 1e3:.0f} kB each way) | "
           f"{lo * 1e3:.3f} | {med * 1e3:.3f} | {model_p2p * 1e3:.3f} |")
+    for n_bytes in sizes:
+        lo, med = pair[n_bytes]
+        print(f"| both | gloo blocking round trip, {n_bytes:,} B each way | {lo * 1e3:.3f} | {med * 1e3:.3f} | "
+              f"{2 * rc._p2p_s(cluster, 0, 1, n_bytes) * 1e3:.3f} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import torch
 from adaptdist.calibrate.local import load_cluster
 from adaptdist.compiler.planner.modes import choose_mode, recsys_shape
 from adaptdist.cost_models.hardware import FixedCluster
-from adaptdist.cost_models.recsys import RecsysShape, async_cost, sync_cost
+from adaptdist.cost_models.recsys import (LOCAL_GLOO_P2P_ALPHA_S, LOCAL_GLOO_P2P_BETA_S_PER_BYTE, RecsysShape,
+                                         async_cost, gathered_tables, sync_comm_s, sync_cost)
 from adaptdist.data import movielens as ml
 from adaptdist.errors import UsageError
 from adaptdist.models import dlrm
@@ -46,12 +47,14 @@ def test_the_cost_model_by_hand():
     cost = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 1)
     lookups = 3 * 32 * 4 * 256 * (1 + 1 + 10) / 1e10 + 3 * (12 + 12) * 1e-5  # lookups, then the sparse SGD update
     assert cost.rank_s[0] == pytest.approx(lookups)
-    link = c.link(0, 1)
-    msg = link.latency_s + 256 * 3 * 32 * 4 / link.bandwidth_bytes_per_s
+    # an uncalibrated pair of one host: the measured loopback gloo figures, not the link's estimated latency
+    msg = LOCAL_GLOO_P2P_ALPHA_S + 256 * 3 * 32 * 4 * LOCAL_GLOO_P2P_BETA_S_PER_BYTE
     assert cost.comm_s[0] == pytest.approx(2 * msg)
     assert cost.step_s == pytest.approx(max(cost.rank_s[0] + cost.comm_s[0], cost.rank_s[1] + cost.comm_s[1]))
     serial = async_cost(SHAPE, c, ("sparse", "dense"), shard_rows, 0)
-    assert serial.step_s == pytest.approx(cost.rank_s[0] + cost.rank_s[1] + cost.comm_s[1])
+    # K=0: the sparse side, then the dense forward + backward and the messages; the dense optimizer step overlaps
+    dense_opt = SHAPE.dense_params * 12 / 1e10 + 1 * 1e-5
+    assert serial.step_s == pytest.approx(cost.rank_s[0] + cost.rank_s[1] - dense_opt + cost.comm_s[1])
     assert serial.step_s > cost.step_s
     sync = sync_cost(SHAPE, c, shm=False)
     assert sync.comm_s[0] > 0 and sync.step_s == pytest.approx(max(sync.rank_s) + sync.comm_s[0])
@@ -62,6 +65,49 @@ def test_the_cost_model_by_hand():
     adamw = async_cost(dataclasses.replace(SHAPE, optimizer="adamw"), c, ("sparse", "dense"), shard_rows, 1)
     held = (610 + 9742 + 21) * 32
     assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 84 / 1e10 + 3 * 10 * 1e-5)
+
+
+def test_sync_gathers_the_big_tables_rows_and_all_reduces_the_rest():
+    """As passes/gather_embedding_rows.py lowers builtin:dlrm: users (610 x 32) and movies (9,742 x 32) are built from
+    the batch's gathered rows, the genres' 21-row table (below 64 KiB) stays in the all_reduce bucket; one rank
+    gathers nothing. The comm is the loss's and the bucket's all_reduces plus 2 all_gathers per gathered table."""
+    from adaptdist.cost_models.communication import collective_time_s, link_cost
+    from adaptdist.cost_models.recsys import all_reduce_s
+
+    assert gathered_tables(SHAPE, 2) == (True, True, False)
+    assert gathered_tables(SHAPE, 1) == (False, False, False)
+    big_batch = RecsysShape(**{**SHAPE.__dict__, "batch_size": 100_000})  # more rows than the tables: all-reduced
+    assert gathered_tables(big_batch, 2) == (False, False, False)
+    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
+    ag = link_cost(c, "all_gather", [0, 1])
+    gathers = sum(collective_time_s("all_gather", b, 2, ag.alpha_s, ag.beta_s_per_byte)
+                  for b in (256 * 32 * 4, 256 * 8) for _ in range(2))
+    want = all_reduce_s(c, [0, 1], 4) + all_reduce_s(c, [0, 1], (9000 + 21 * 32) * 4) + gathers
+    assert sync_comm_s(SHAPE, c, [0, 1], shm=False) == pytest.approx(want)
+    dense_all = all_reduce_s(c, [0, 1], (9000 + SHAPE.table_params) * 4)
+    assert sync_comm_s(SHAPE, c, [0, 1], shm=False) < dense_all  # the old price: the whole tables on gloo
+    dense_shm = all_reduce_s(c, [0, 1], (9000 + SHAPE.table_params) * 4, shm=True)
+    assert sync_comm_s(SHAPE, c, [0, 1], shm=True) < dense_shm / 3  # on the shared-memory kernels
+    assert sync_cost(SHAPE, c, [0]).comm_s == (0.0,)
+
+
+def test_one_rank_is_reported_never_chosen():
+    """A shape so small that no collective pays: one rank alone is predicted faster than both modes; auto still
+    picks among the modes on the job's ranks and mode_lines says one rank would be faster."""
+    from adaptdist.compiler.planner.modes import mode_lines
+
+    tiny = RecsysShape(table_rows=(8, 8), dim=4, ids_per_row=(1, 1), dense_flops_per_row=10.0, dense_bytes_per_row=10.0,
+                       dense_params=50, dense_ops=5, batch_size=8, optimizer="sgd")
+    c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
+    choice = choose_mode(tiny, c, "auto", 1)
+    assert choice.mode in ("sync", "async-hetero") and choice.one_rank is not None
+    assert choice.one_rank_faster and choice.one_rank.step_s < min(x.step_s for x in choice.candidates.values())
+    assert any("one rank alone" in line and "gains nothing from 2 ranks" in line for line in mode_lines(choice))
+    assert choice.describe()["one_rank"]["faster_than_chosen"] is True
+    # the recommender of the other tests on the same cluster: the modes beat one rank, and the line says so
+    real = choose_mode(SHAPE, c, "auto", 1)
+    assert not real.one_rank_faster
+    assert any("slower than the chosen mode" in line for line in mode_lines(real))
 
 
 def test_queue_messages_take_the_calibrated_gloo_fit_where_there_is_one():

@@ -5,6 +5,7 @@ of ``adaptdist train`` and ``adaptdist plan``, and the training loop of ``--mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -102,10 +103,9 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
         shape = RecsysShape((1,), 1, (1,), 0.0, 0.0, 0, 0, 1)
     choice = choose_mode(shape, cluster, mode, staleness, dense, splittable=splittable)
     if resumed_note:
-        choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates, resumed_note)
+        choice = dataclasses.replace(choice, reason=resumed_note)
     if sync_flags and getattr(args, "mode", "auto") == "auto":
-        choice = type(choice)(choice.mode, choice.layout, choice.cost, choice.candidates,
-                              f"auto: {', '.join(sync_flags)} asks for the synchronous programs")
+        choice = dataclasses.replace(choice, reason=f"auto: {', '.join(sync_flags)} asks for the synchronous programs")
     return choice
 
 

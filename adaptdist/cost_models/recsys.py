@@ -10,14 +10,21 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
 - dense work: ``3 x`` the forward FLOPs (forward + backward, Kaplan et al. 2020's rule) of the rank's rows, on
   the roofline (:func:`~adaptdist.cost_models.compute.roofline_time_s`) with its activations' bytes, plus
   ``dense_ops`` dispatched ops, and the optimizer's passes over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``, ``OPTIMIZER_OPS_PER_TENSOR``);
-- synchronous mode: every rank also all-reduces the gradient of every parameter, the tables' included (the
-  compiled data-parallel programs hold embedding gradients as dense tensors), and steps the optimizer over all
-  of them; the step takes the slowest rank's time (a synchronous step waits for everyone);
+- synchronous mode (:func:`sync_cost`), as the compiled data-parallel programs run it: the loss's all_reduce, one
+  bucketed all_reduce of the dense parameters' gradients and of the small tables', whose whole ``[rows, dim]``
+  gradients are copied into the bucket and out (``2 x 4`` bytes per element); a large table's gradient is built on
+  every rank from the batch's gathered gradient rows and ids (two all_gathers, :data:`GATHER_OPS` ops:
+  ``passes/gather_embedding_rows.py``, :func:`gathered_tables`) instead of all-reduced whole; every table's
+  gradient is dense (zeroed and accumulated, ``2 x 4`` bytes per element) and the optimizer steps every
+  parameter on every rank; the step takes the slowest rank's time (a synchronous step waits for everyone);
 - asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
-  their gradients back (point-to-point, Hockney's ``latency + bytes / bandwidth`` of the pair's link); the dense ranks all-reduce the
+  their gradients back (point-to-point, Hockney's ``latency + bytes / bandwidth``: :func:`_p2p_s`, measured
+  figures for two ranks of one host: :data:`LOCAL_GLOO_P2P_ALPHA_S`); the dense ranks all-reduce the
   dense gradients only. With ``max_staleness >= 1`` the sides overlap (the pipeline's step is its slowest
   stage's; both sides' messages are charged to each side, so the bound of K + 1 steps in flight never binds);
-  with 0 they alternate (the step is their sum). The sparse rank's update: ``SPARSE_APPLY_OPS_PER_SHARD`` ops per shard and,
+  with 0 they alternate: the step is the sparse side's work, then the dense forward + backward and the two
+  messages, while the dense all_reduce and optimizer step overlap the sparse side's next update and lookups (the
+  dense loop sends the gradients first), or the dense side's whole cycle where that is longer. The sparse rank's update: ``SPARSE_APPLY_OPS_PER_SHARD`` ops per shard and,
   with AdamW, the shard's dense gradient zeroed and accumulated (``2 x 4`` bytes per held parameter, as sync's
   table gradients) before the optimizer's passes;
 - sync's all_reduce runs through adaptdist's shared-memory kernels where they are loaded and the ranks share a
@@ -52,7 +59,19 @@ OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 84}
 (8), v.addcmul_(g, g) (16), sqrt, div, add eps (8 each), p.addcdiv_(m, denom) (16)."""
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 1, "adamw": 10}
 """Dispatched ops of the optimizer step per parameter tensor (single-tensor implementations, as above)."""
+LOCAL_GLOO_P2P_ALPHA_S = 46e-6
+LOCAL_GLOO_P2P_BETA_S_PER_BYTE = 0.38e-9
+"""One gloo message between two processes of one host (blocking send + recv, each pinned to its core, 1 thread):
+measured on this project's 2-core machine, round trips of two processes on cores 0 and 1 (minimum of 300,
+2026-12-03 20:00 UTC, load 15: 93 us for 4 B, 168 us for 98 KB -- the queues' message of builtin:dlrm -- and 387 us
+for 393 KB each way; again with ``benchmarks/profile_recsys_step.py --reps 100`` (``--p2p-sizes``' default), 20:28
+UTC, load 19: 91, 177, 406 us) -> 46 us + 0.38 ns/B (2.6 GB/s) per message (benchmarks/RESULTS.md). Used for an uncalibrated
+cluster's intra-host pair (its link's estimated 0.5 ms latency is a TCP figure, ~10x the loopback's)."""
 BYTES = 4  # float32
+INDEX_BYTES = 8  # int64 ids
+GATHER_OPS = 6
+"""Dispatched ops per table whose gradient rows the synchronous programs gather (constant_pad_nd, the gather,
+slice; for the rows and for the indices: the compiled rank program of ``adaptdist train builtin:dlrm --plan dp``)."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +131,12 @@ def _op_s(device) -> float:
 def _p2p_s(cluster: ClusterLike, a: int, b: int, n_bytes: float) -> float:
     """One point-to-point message between ranks ``a`` and ``b``: ``alpha_s + n_bytes * beta_s_per_byte`` (Hockney)
     of one hop of their gloo ring (:func:`~adaptdist.cost_models.communication.link_cost`: the cluster's calibrated
-    ``all_reduce`` fit of that tier where ``adaptdist cluster profile`` measured one, else the link's
-    ``latency_s`` and ``bandwidth_bytes_per_s``)."""
+    ``all_reduce`` fit of that tier where ``adaptdist cluster profile`` measured one, else, for two ranks of one
+    host, :data:`LOCAL_GLOO_P2P_ALPHA_S` and :data:`LOCAL_GLOO_P2P_BETA_S_PER_BYTE`, else the link's ``latency_s``
+    and ``bandwidth_bytes_per_s``)."""
     c = link_cost(cluster, "all_reduce", [a, b])
+    if not c.calibrated and c.tier == "intra_host":
+        return LOCAL_GLOO_P2P_ALPHA_S + n_bytes * LOCAL_GLOO_P2P_BETA_S_PER_BYTE
     return float(c.alpha_s) + n_bytes * float(c.beta_s_per_byte)
 
 
@@ -156,23 +178,65 @@ def shm_kernels_loaded() -> bool:
     return bool(available())
 
 
+def gathered_tables(shape: RecsysShape, world: int) -> tuple[bool, ...]:
+    """Per table, whether the compiled synchronous programs on ``world`` ranks build its gradient from the batch's
+    gathered rows (``passes/gather_embedding_rows.py``'s rule, on the global batch: the table's gradient at least
+    ``MIN_TABLE_BYTES`` and no smaller than the rows + indices gathered) rather than all-reducing it whole."""
+    from ..passes.gather_embedding_rows import MIN_TABLE_BYTES
+
+    out = []
+    for rows, n in zip(shape.table_rows, shape.ids_per_row):
+        table = rows * shape.dim * BYTES
+        gathered = shape.batch_size * n * (shape.dim * BYTES + INDEX_BYTES)
+        out.append(world > 1 and table >= MIN_TABLE_BYTES and gathered <= table)
+    return tuple(out)
+
+
+def sync_comm_s(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int], shm: bool) -> float:
+    """The collectives of one synchronous step over ``ranks``, as the compiled programs issue them: the loss's
+    all_reduce (a scalar), one bucketed all_reduce of the dense parameters' and the all-reduced tables'
+    gradients, and two all_gathers (gradient rows ``float32[B, ids, dim]``, indices ``int64[B, ids]``) per table
+    of :func:`gathered_tables`."""
+    if len(ranks) < 2:
+        return 0.0
+    gathered = gathered_tables(shape, len(ranks))
+    bucket = shape.dense_params + sum(r * shape.dim for r, g in zip(shape.table_rows, gathered) if not g)
+    comm = all_reduce_s(cluster, ranks, BYTES, shm=shm) + all_reduce_s(cluster, ranks, bucket * BYTES, shm=shm)
+    c = link_cost(cluster, "all_gather", ranks, shm=shm)
+    for n, g in zip(shape.ids_per_row, gathered):
+        if g:
+            for n_bytes in (shape.batch_size * n * shape.dim * BYTES, shape.batch_size * n * INDEX_BYTES):
+                comm += float(collective_time_s("all_gather", n_bytes, len(ranks), c.alpha_s, c.beta_s_per_byte))
+    return comm
+
+
 def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | None = None,
               shm: bool | None = None) -> ModeCost:
     """Synchronous data parallelism over ``ranks`` (default all): each rank the whole step on its
-    :func:`torch.chunk` share of the batch, then one all_reduce of every gradient (tables included) and the
-    optimizer over every parameter. ``shm``: the all_reduce runs on the shared-memory kernels where the ranks share
-    a host (None: where :func:`shm_kernels_loaded`, as ``--comm auto`` lowers it)."""
+    :func:`torch.chunk` share of the batch, the collectives of :func:`sync_comm_s`, and the optimizer over every
+    parameter (the tables' gradients are dense: zeroed and accumulated whole each step, as in eager). ``shm``: the
+    collectives run on the shared-memory kernels where the ranks share a host (None: where
+    :func:`shm_kernels_loaded`, as ``--comm auto`` lowers them). On one rank: no collective, and the step of
+    ``adaptdist train`` on one rank (eager's work)."""
     ranks = list(ranks if ranks is not None else range(cluster.world_size))
     rows = -(-shape.batch_size // len(ranks))
     shm = shm_kernels_loaded() if shm is None else shm
-    comm = all_reduce_s(cluster, ranks, (shape.dense_params + shape.table_params) * BYTES, shm=shm)
+    comm = sync_comm_s(shape, cluster, ranks, shm)
+    gathered = gathered_tables(shape, len(ranks))
+    bucket = shape.dense_params + sum(r * shape.dim for r, g in zip(shape.table_rows, gathered) if not g)
     own = []
     for r in ranks:
         d = cluster.device(r)
-        lookups = (_lookup_bytes(shape, rows) / float(d.memory_bandwidth_bytes_per_s)
-                   + len(shape.table_rows) * SPARSE_OPS_PER_SHARD * _op_s(d))
+        bw = float(d.memory_bandwidth_bytes_per_s)
+        lookups = (_lookup_bytes(shape, rows) / bw + len(shape.table_rows) * SPARSE_OPS_PER_SHARD * _op_s(d))
         # the dense embedding gradient: zeroed and accumulated over whole tables each step
-        table_grad = 2 * shape.table_params * BYTES / float(d.memory_bandwidth_bytes_per_s)
+        table_grad = 2 * shape.table_params * BYTES / bw
+        if len(ranks) > 1:
+            # the bucket's gradients copied in (cat) and out of the all_reduce; per gathered table, pad + gather +
+            # slice of rows and indices, and the other ranks' rows accumulated too
+            table_grad += 2 * bucket * BYTES / bw + sum(
+                GATHER_OPS * _op_s(d) + (shape.batch_size - rows) * n * 2 * shape.dim * BYTES / bw
+                for n, g in zip(shape.ids_per_row, gathered) if g)
         own.append(lookups + table_grad + _dense_s(shape, d, rows)
                    + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
                                   shape.dense_tensors + len(shape.table_rows)))
@@ -205,12 +269,18 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
                      if shape.optimizer != "sgd" else 0.0))
         comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in dense)
     reduce_s = all_reduce_s(cluster, dense, (shape.dense_params + 1) * BYTES)
+    chain = {}  # a dense rank's part of a K=0 step's critical path: its forward + backward and the messages
     for r in dense:
         d = cluster.device(r)
-        own[r] = _dense_s(shape, d, rows_d) + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
-        comm[r] = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in sparse) + reduce_s
+        fb = _dense_s(shape, d, rows_d)
+        p2p = sum(2 * _p2p_s(cluster, r, x, msg_bytes) for x in sparse)
+        own[r] = fb + _optimizer_s(shape, d, shape.dense_params, shape.dense_tensors)
+        comm[r] = p2p + reduce_s
+        chain[r] = fb + p2p
     if max_staleness >= 1:
         step = max(o + c for o, c in zip(own, comm))
     else:
-        step = max(own[r] for r in sparse) + max(own[r] + comm[r] for r in dense)
+        # the dense ranks send the gradients before their all_reduce and optimizer step (runtime/async_hetero.py's
+        # dense loop), which overlap the sparse ranks' update and next lookups
+        step = max(max(own[r] for r in sparse) + max(chain.values()), max(own[r] + comm[r] for r in dense))
     return ModeCost("async-hetero", step, tuple(own), tuple(comm), shape.batch_size)

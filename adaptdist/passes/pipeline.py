@@ -12,6 +12,7 @@ from .bucket_param_allgather import bucket_param_allgather
 from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
 from .embedding_bag import decompose_embedding_bag
+from .gather_embedding_rows import gather_embedding_rows
 from .global_rng import global_rng
 from .global_statistics import globalize_statistics
 from .globalize_reductions import globalize_reductions
@@ -35,6 +36,7 @@ PASSES: tuple[Pass, ...] = (
     globalize_reductions,
     globalize_statistics,
     propagate_placements,
+    gather_embedding_rows,
     global_rng,
     insert_redistributes,
     all_reduce_extrema,
@@ -52,7 +54,7 @@ PASSES: tuple[Pass, ...] = (
 
 SKIPPABLE: frozenset[str] = frozenset({
     "combine_partial_sums", "regather_in_backward", "bucket_param_allgather", "bucket_grad_reduce_scatter",
-    "bucket_grad_allreduce", "relax_views",
+    "bucket_grad_allreduce", "relax_views", "gather_embedding_rows",
 })
 """The passes ``disabled_passes`` may name: they change speed or memory, not the numbers (``relax_views``: a
 stride error instead). Every other pass is what some sharding rule relies on to mean the single-process

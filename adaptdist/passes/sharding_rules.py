@@ -625,7 +625,8 @@ def vocab_parallel_lookup(idx: torch.fx.Node, pl: PlacementOf) -> torch.fx.Node 
 
 
 def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """embedding_dense_backward(grad [..., C], indices [...]) -> [V, C]: sharded rows sum to Partial;
+    """embedding_dense_backward(grad [..., C], indices [...]) -> [V, C]: sharded rows sum to Partial (or, marked by
+    ``passes/gather_embedding_rows.py``, the rows and indices are gathered and the gradient is replicated);
     for a vocabulary-parallel lookup each rank computes its own rows (``S(0)``); a gradient sharded
     on its last dim gives the table's gradient sharded on dim 1."""
     g, idx = node.args[0], node.args[1]
@@ -634,6 +635,9 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult(Shard(0), {(0,): R} if isinstance(pg, Partial) else {})
     if isinstance(pg, Replicate) and isinstance(pi, Replicate):
         return RuleResult(R)
+    if gmeta.gathers_rows(node) and isinstance(pg, Shard) and pg == pi and pg.dim == 0:
+        # passes/gather_embedding_rows.py: the batch's rows gathered, the whole gradient on every rank
+        return RuleResult(R, {(0,): R, (1,): R})
     if _arg(node, 4, "scale_grad_by_freq", False):
         return gather_all(node, pl, "scale_grad_by_freq counts words over the whole batch")
     if isinstance(pg, Shard) and isinstance(pi, Shard) and pg.dim == pi.dim:

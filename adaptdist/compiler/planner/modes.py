@@ -7,6 +7,10 @@ on a cluster with accelerators and CPU ranks, the accelerators dense and the CPU
 on one kind of device, the ``D`` fastest ranks dense for ``D = 1 .. N-1`` (CPU ranks standing in for
 accelerators). The cheapest predicted step wins; a tie goes to ``sync`` (no staleness). A model without the two
 parts (:func:`adaptdist.runtime.async_hetero.check_model`), or a single rank, is always ``sync``.
+
+Beside them the prediction for *one rank* (the fastest device alone, no collective): where it beats the chosen mode,
+:func:`mode_lines` says so (a model this small gains nothing from more ranks), but the choice never changes the
+job's world size, which is the user's (``--nproc`` / the cluster file).
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class ModeChoice:
     cost: ModeCost
     candidates: dict = field(default_factory=dict)
     reason: str = ""
+    one_rank: ModeCost | None = None
+
+    @property
+    def one_rank_faster(self) -> bool:
+        """Whether one rank alone is predicted faster than the chosen mode on every rank."""
+        return self.one_rank is not None and self.one_rank.step_s < self.cost.step_s
 
     def describe(self) -> dict:
         """JSON fields for ``summary.json`` / ``adaptdist plan --out``."""
@@ -40,6 +50,8 @@ class ModeChoice:
                 "predicted_samples_per_s": self.cost.items_per_s,
                 "candidates": {k: {"step_s": c.step_s, "samples_per_s": c.items_per_s}
                                for k, c in self.candidates.items()},
+                **({"one_rank": {"step_s": self.one_rank.step_s, "samples_per_s": self.one_rank.items_per_s,
+                                 "faster_than_chosen": self.one_rank_faster}} if self.one_rank is not None else {}),
                 **(self.layout.describe() if self.layout is not None else {})}
 
 
@@ -131,9 +143,10 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
     """
     world = cluster.world_size
     sync = sync_cost(shape, cluster)
+    one = one_rank_cost(shape, cluster) if world > 1 else None
     candidates = {f"sync on {world} rank{'s' if world > 1 else ''}": sync}
     if mode == "sync":
-        return ModeChoice("sync", None, sync, candidates, "--mode sync")
+        return ModeChoice("sync", None, sync, candidates, "--mode sync", one)
     if not splittable or world < 2:
         if mode == "async-hetero":
             raise UsageError("--mode async-hetero needs a model with .sparse_arch and .dense_arch (as builtin:dlrm) and "
@@ -141,7 +154,7 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
                              "--mode async-hetero needs a model with .sparse_arch.tables and .dense_arch (as "
                              "builtin:dlrm's DLRM); use --mode sync")
         why = "one rank" if world < 2 else "the model has no separate embedding and dense parts"
-        return ModeChoice("sync", None, sync, candidates, f"auto: {why}")
+        return ModeChoice("sync", None, sync, candidates, f"auto: {why}", one)
     best: tuple[ModeCost, HeteroLayout] | None = None
     for dense in ([tuple(dense_ranks)] if dense_ranks else _dense_candidates(cluster, world)):
         layout = make_layout(world, dense, shape.table_rows, max_staleness, sharding)
@@ -153,12 +166,21 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
     assert best is not None
     if mode == "async-hetero":
         return ModeChoice("async-hetero", best[1], best[0], candidates,
-                          "--mode async-hetero" + (" --dense-ranks" if dense_ranks else ", the planner's dense ranks"))
+                          "--mode async-hetero" + (" --dense-ranks" if dense_ranks else ", the planner's dense ranks"),
+                          one)
     if best[0].step_s < sync.step_s:
         return ModeChoice("async-hetero", best[1], best[0], candidates,
-                          f"auto: predicted {sync.step_s / best[0].step_s:.2f}x the samples/s of sync")
+                          f"auto: predicted {sync.step_s / best[0].step_s:.2f}x the samples/s of sync", one)
     return ModeChoice("sync", None, sync, candidates,
-                      f"auto: sync predicted {best[0].step_s / sync.step_s:.2f}x faster than the best async layout")
+                      f"auto: sync predicted {best[0].step_s / sync.step_s:.2f}x faster than the best async layout", one)
+
+
+def one_rank_cost(shape: RecsysShape, cluster) -> ModeCost:
+    """The predicted step of the whole job on the cluster's fastest rank alone (the highest float32 peak, then the
+    widest memory bandwidth): :func:`~adaptdist.cost_models.recsys.sync_cost` on that rank, no collective."""
+    best = max(range(cluster.world_size), key=lambda r: (cluster.device(r).peak_flops["float32"],
+                                                         float(cluster.device(r).memory_bandwidth_bytes_per_s), -r))
+    return sync_cost(shape, cluster, [best])
 
 
 def mode_lines(choice: ModeChoice) -> list[str]:
@@ -166,6 +188,12 @@ def mode_lines(choice: ModeChoice) -> list[str]:
     lines = [f"execution mode: {choice.mode} ({choice.reason})"]
     for name, c in sorted(choice.candidates.items(), key=lambda kv: kv[1].step_s):
         lines.append(f"  predicted {name}: {1e3 * c.step_s:.3f} ms per step, {c.items_per_s:,.0f} samples/s")
+    if choice.one_rank is not None:
+        o = choice.one_rank
+        lines.append(f"  predicted one rank alone: {1e3 * o.step_s:.3f} ms per step, {o.items_per_s:,.0f} samples/s"
+                     + (f" -- {o.items_per_s / choice.cost.items_per_s:.2f}x the chosen mode: this model gains nothing "
+                        f"from {len(choice.cost.rank_s)} ranks; run it on one (--nproc 1 or a 1-rank cluster) unless "
+                        "you need the ranks' memory" if choice.one_rank_faster else " (slower than the chosen mode)"))
     if choice.layout is not None:
         lay = choice.layout
         lines.append(f"  max staleness {lay.max_staleness} (lookups of step t see the table updates of steps up to "

@@ -1,0 +1,103 @@
+"""passes/gather_embedding_rows.py: under dp a large table's gradient is built from the batch's gathered rows
+(replicated, out of the gradient bucket) instead of an all_reduce of the whole partial table; equal to eager
+(loss, every gradient, the SGD-updated parameters) on simulated ranks, an uneven batch included; small tables,
+or tables smaller than the batch's rows, keep the all_reduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from adaptdist.passes.gather_embedding_rows import MIN_TABLE_BYTES
+from passutil import simulated_sgd
+from reference import eager_sgd
+
+LR, STEPS = 0.5, 2
+
+
+class TwoTables(nn.Module):
+    """A big table (above MIN_TABLE_BYTES: rows gathered), a small one (all-reduced) and a bag over the big one."""
+
+    def __init__(self, big_rows: int = 1200, dim: int = 16):
+        super().__init__()
+        self.big = nn.Embedding(big_rows, dim)
+        self.small = nn.Embedding(10, dim)
+        self.fc = nn.Linear(2 * dim, 1)
+
+    def forward(self, a, b):
+        return self.fc(torch.cat([self.big(a), self.small(b)], dim=1)).squeeze(1)
+
+
+def _batch(batch_size: int, big_rows: int = 1200):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, big_rows, (batch_size,), generator=g), torch.randint(0, 10, (batch_size,), generator=g),
+            torch.randn(batch_size, generator=g))
+
+
+@pytest.mark.parametrize("batch_size,world", [(8, 2), (7, 3)])
+def test_big_table_gathers_rows_and_equals_eager(batch_size, world):
+    torch.manual_seed(0)
+    model = TwoTables()
+    assert model.big.weight.numel() * 4 >= MIN_TABLE_BYTES > model.small.weight.numel() * 4
+    batch = _batch(batch_size)
+    progs, hist, params, _ = simulated_sgd(model, batch, F.mse_loss, world, "dp", LR, STEPS)
+    want_hist, want_params = eager_sgd(model, [batch], F.mse_loss, LR, STEPS)
+    for (gl, gg), (wl, wg) in zip(hist, want_hist):
+        assert abs(gl - wl) < 1e-5
+        for f in wg:
+            torch.testing.assert_close(gg[f], wg[f], atol=1e-5, rtol=1e-5)
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=1e-5, rtol=1e-5)
+    colls = progs[0].collectives()
+    gathers = [c for c in colls if "all_gather" in c]
+    assert len(gathers) == 2, colls  # the big table's gradient rows and its indices
+    reduced = sum(int(c.rsplit(", ", 1)[1].rstrip(")")) for c in colls if "all_reduce" in c)
+    assert reduced < model.big.weight.numel(), colls  # the big table is not in any all_reduce
+
+
+def test_pass_off_keeps_the_dense_all_reduce():
+    torch.manual_seed(0)
+    model = TwoTables()
+    batch = _batch(8)
+    progs, *_ = simulated_sgd(model, batch, F.mse_loss, 2, "dp", LR, 1, disabled_passes=("gather_embedding_rows",))
+    colls = progs[0].collectives()
+    assert not any("all_gather" in c for c in colls)
+    assert sum(int(c.rsplit(", ", 1)[1].rstrip(")")) for c in colls) > model.big.weight.numel()
+
+
+def test_a_batch_larger_than_the_table_keeps_the_all_reduce():
+    """1200 rows x 16, batch 1500 ids: gathering the rows would move more than the table."""
+    torch.manual_seed(0)
+    model = TwoTables()
+    batch = _batch(1500)
+    progs, *_ = simulated_sgd(model, batch, F.mse_loss, 2, "dp", LR, 1)
+    assert not any("all_gather" in c for c in progs[0].collectives())
+
+
+class Tied(nn.Module):
+    """A table tied to the output head: its gradient is the lookup's plus the head's, so it stays all-reduced."""
+
+    def __init__(self, vocab: int = 1200, dim: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_a_tied_table_keeps_the_all_reduce_and_equals_eager():
+    torch.manual_seed(0)
+    model = Tied()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 1200, (8,), generator=g), torch.randint(0, 1200, (8,), generator=g))
+    progs, hist, params, _ = simulated_sgd(model, batch, F.cross_entropy, 2, "dp", LR, STEPS)
+    assert not any("all_gather" in c for c in progs[0].collectives())
+    want_hist, want_params = eager_sgd(model, [batch], F.cross_entropy, LR, STEPS)
+    for (gl, _), (wl, _) in zip(hist, want_hist):
+        assert abs(gl - wl) < 1e-5
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=1e-5, rtol=1e-5)
