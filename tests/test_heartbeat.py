@@ -103,3 +103,24 @@ def test_stalled_rank_is_named_within_the_timeout_plus_a_few_seconds():
     assert "--collective-timeout-s 3" in r0["error"]
     print(f"rank 0 named rank 1 {r0['after_s']:.1f} s after entering the collective")
     assert 3.0 <= r0["after_s"] < 3.0 + 4.0, r0["after_s"]
+
+
+def test_rank_status_notes_steps_at_most_every_interval(tmp_path, monkeypatch):
+    """A running rank's record follows its steps (throttled), so a SIGKILLed rank is named at its last step,
+    not at its last checkpoint."""
+    import json
+
+    from adaptdist.runtime import rank_status
+    from adaptdist.runtime.rank_status import RankStatus, failure_of
+
+    now = [1000.0]
+    monkeypatch.setattr(rank_status.time, "time", lambda: now[0])
+    st = RankStatus(tmp_path, 1, 0)
+    assert not st.note_step(1)  # written at start, not yet a second old
+    now[0] += rank_status.STATUS_EVERY_S
+    assert st.note_step(2)
+    assert not st.note_step(3)
+    now[0] += 5.0
+    assert st.note_step(59)
+    assert json.loads(st.path.read_text())["step"] == 59
+    assert "died without a word after step 59" in failure_of(tmp_path, 0)

@@ -1,11 +1,11 @@
 """Each rank's record of its attempts, so a restarted job can say which rank failed and why.
 
-Every rank writes ``OUT/status/attempt{A}/rank{R}.json`` when it starts (pid, host), as it checkpoints, and
-when it ends (finished, stopped by a signal, or failed with the error's text). A rank killed without a word
-(SIGKILL, the out-of-memory killer, a lost machine) leaves its record at ``running``: after a restart,
-:func:`failure_of` reads the previous attempt's records and names the cause: a peer's collective timeout naming
-the rank that did not arrive (a stall; a lost connection is not one), else the rank killed without a word, else
-the first error.
+Every rank writes ``OUT/status/attempt{A}/rank{R}.json`` when it starts (pid, host), as it checkpoints, after a
+step at most every :data:`STATUS_EVERY_S` seconds, and when it ends (finished, stopped by a signal, or failed with
+the error's text). A rank killed without a word (SIGKILL, the out-of-memory killer, a lost machine) leaves its
+record at ``running``: after a restart, :func:`failure_of` reads the previous attempt's records and names the
+cause: a peer's collective timeout naming the rank that did not arrive (a stall; a lost connection is not one),
+else the rank killed without a word, else the first error.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import os
 import socket
 import time
 from pathlib import Path
+
+# Seconds between two step records of a running rank: the step named for a rank killed without a word is at most
+# this old, for one small file write a second.
+STATUS_EVERY_S = 1.0
 
 
 class RankStatus:
@@ -31,6 +35,14 @@ class RankStatus:
         """Set ``fields`` (state, step, error) and rewrite the record."""
         self.record.update(fields, time_s=time.time())
         self._write()
+
+    def note_step(self, step: int, every_s: float = STATUS_EVERY_S) -> bool:
+        """Record ``step`` (steps done) if the record is at least ``every_s`` seconds old; returns whether it
+        wrote."""
+        if time.time() - self.record["time_s"] < every_s:
+            return False
+        self.update(step=step)
+        return True
 
     def _write(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -550,6 +550,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     status.update(step=done)
                     bar.checkpoint(done, path)
                 bar.update(done, loss, cfg.items_per_step / dt)
+                status.note_step(done)  # a rank killed without a word is then named at its last step
                 if done == start + 1 and (start or restarted):
                     events.add("resumed_step", step=done, quiet=True)
                 if signum and done == cfg.steps:  # every step trained: finish the run (its weights, its result)
