@@ -194,7 +194,8 @@ class ManualPlan:
                              "write a plan file (see `adaptdist train --help`)")
         p = Path(text)
         if not p.is_file():
-            raise UsageError(f"--plan {text!r} is neither auto, dp, fsdp, tp, dp,tp, ep nor an existing plan file")
+            raise UsageError(f"--plan {text!r} is neither auto, dp, fsdp, tp, dp,tp, ep nor an existing plan file "
+                             "(`adaptdist train` and `compile` also take pp, a pipeline)")
         if p.suffix == ".json":
             from .plan import Plan
 

@@ -88,3 +88,19 @@ def test_calls_that_run_no_adaptdist_graph_stop_and_a_step_counter_buffer_trains
         assert got["n"].item() == 3.0
         for k in ("fc.weight", "fc.bias"):
             torch.testing.assert_close(got[k], ref.state_dict()[k], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("msg, expected", [
+    ("You tried to vmap over ApplyTemplate, but it does not have vmap support. Please override and implement the "
+     "vmap staticmethod or set generate_vmap_rule=True", "custom torch.autograd.Function"),
+    ("level > batched_level INTERNAL ASSERT FAILED at BatchedTensorImpl.cpp:177", "inside PyTorch"),
+    ("Batching rule not implemented for aten::gru.input", "RNN"),
+    ("something else entirely", "runs eagerly and under torch.vmap"),
+])
+def test_all_ranks_capture_failures_say_what_to_try(msg, expected):
+    """Each kind of torch.vmap failure of the all-ranks capture gets its own advice, and every one names the
+    front ends that capture one rank's program instead."""
+    from adaptdist.compiler.dynamo_capture import _vmap_capture_hint
+
+    hint = _vmap_capture_hint(msg.lower())
+    assert expected in hint and "adaptdist train" in hint, hint

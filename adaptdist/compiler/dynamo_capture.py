@@ -406,17 +406,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
             msg = str(e).split("\n")[0].rstrip(".")
-            low = msg.lower()
-            hint = ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running "
-                    "statistics, which the backend updates) cannot be updated per rank: update it outside the "
-                    "compiled code, or use adaptdist train."
-                    if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var",
-                                              "doesn't match the broadcast shape")) else
-                    "torch.vmap, which captures every rank's call at once, has no batching rule for this RNN op: "
-                    "train RNNs (nn.RNN/GRU/LSTM) with `adaptdist train`, which captures them, or with "
-                    "DistributedDataParallel."
-                    if "batching rule not implemented" in low and any(f"aten::{op}" in low for op in RNN_OPS) else
-                    "Check that the model runs eagerly and under torch.vmap.")
+            hint = _vmap_capture_hint(msg.lower())
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
     by_name = {n.name: n for n in joint.graph.output_node().args[0] if isinstance(n, torch.fx.Node)}
@@ -427,6 +417,28 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
 
 RNN_OPS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
 """ATen's fused recurrent ops (nn.RNN/GRU/LSTM), which torch.vmap cannot batch."""
+
+_OTHER_FRONT_ENDS = "`adaptdist train` (or `compile` + `run`), which captures one rank's program, or DistributedDataParallel"
+
+
+def _vmap_capture_hint(low: str) -> str:
+    """What to try when capturing every rank's call at once under torch.vmap failed with message ``low``
+    (lower-cased)."""
+    if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var",
+                              "doesn't match the broadcast shape")):
+        return ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running statistics, "
+                f"which the backend updates) cannot be updated per rank: update it outside the compiled code, or use "
+                f"{_OTHER_FRONT_ENDS}.")
+    if "batching rule not implemented" in low and any(f"aten::{op}" in low for op in RNN_OPS):
+        return (f"torch.vmap, which captures every rank's call at once, has no batching rule for this RNN op: train "
+                f"RNNs (nn.RNN/GRU/LSTM) with {_OTHER_FRONT_ENDS}.")
+    if "applytemplate" in low or "generate_vmap_rule" in low or "autograd.function" in low:
+        return ("A custom torch.autograd.Function cannot be captured for every rank at once here, whatever its "
+                "generate_vmap_rule or vmap staticmethod (torch's advice above does not apply inside this capture): "
+                f"write it with plain torch ops, or train the model with {_OTHER_FRONT_ENDS}.")
+    if "internal assert" in low:
+        return (f"torch.vmap failed inside PyTorch on this model: train it with {_OTHER_FRONT_ENDS}.")
+    return f"Check that the model runs eagerly and under torch.vmap; else use {_OTHER_FRONT_ENDS}."
 
 
 def _with_explicit_casts(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> torch.fx.GraphModule:
