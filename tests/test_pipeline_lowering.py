@@ -280,3 +280,30 @@ def test_plan_pp_without_a_mesh_is_one_pipeline_over_every_rank():
     plan = resolve_plan(None, cg, 4, None, pipeline=PipelineOptions())
     assert plan.mesh == {"pp": 4} and plan.pipeline.microbatches == 4 and plan.pipeline.schedule == "gpipe"
     assert [s.layers for s in plan.pipeline.stages] == [("tok_emb", "pos_emb"), ("blocks.0",), ("blocks.1",), ("ln_f",)]
+
+
+class _SharedScale(nn.Module):
+    """One nn.Parameter registered under two names (``scale`` and ``other.scale``), used before and after a cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 32))
+        self.other = nn.Module()
+        self.other.scale = self.scale
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) * self.other.scale
+        return self.c(torch.tanh(self.b(h)) * self.scale)
+
+
+def test_a_parameter_of_the_model_itself_registered_twice_is_not_a_layer_and_pipelines_equal_eager():
+    """Found by a new user: the tied target ``scale`` (the model's own tensor) was taken for a layer, so the
+    planner's stages (which leave it out) failed the stage check."""
+    torch.manual_seed(0)
+    m = _SharedScale()
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    cg = capture(copy.deepcopy(m), batch, F.mse_loss)
+    assert pipeline_layers(cg) == ["a", "b", "c"]
+    progs = compile_model(m, batch, F.mse_loss, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    check_against_eager(progs, batch, eager(m, batch, F.mse_loss))

@@ -101,7 +101,10 @@ def pipeline_layers(captured: CapturedGraph) -> list[str]:
     units of a pipeline plan's stage ranges. A tied alias (GPT's ``head.weight``, the token embedding's) is
     not a layer of its own: its ops go with the stage of their inputs; neither are the model's own tensors
     (:func:`shared_tensors`)."""
-    shared = shared_tensors(captured) - set(captured.tied.values())
+    tied_targets = set(captured.tied.values())
+    has_submodules = any("." in f for f in captured.input_fqns)
+    # a tied target of a submodule is its layer's (GPT's token embedding); one of the model itself is not a layer
+    shared = {f for f in shared_tensors(captured) if f not in tied_targets or (has_submodules and "." not in f)}
     out: list[str] = []
     for n in captured.gm.graph.nodes:
         if n.op == "placeholder":
