@@ -107,3 +107,14 @@ def test_plan_auto_honours_replicate_fallback(monkeypatch):
         plan_auto(cg, local_cluster(2))
     plan = plan_auto(cg, local_cluster(2), replicate_fallback=True).plan
     assert lower(cg, plan, LoweringOptions(replicate_fallback=True))
+
+
+def test_the_backend_is_quoted_by_the_options_the_user_set():
+    """Dynamo quotes the backend in every compile error: only what the user set, a manual plan by its name."""
+    import adaptdist
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.models import gpt
+
+    assert repr(adaptdist.backend()) == "AdaptdistBackend()"
+    assert repr(adaptdist.backend(plan="fsdp", optimizer="sgd")) == "AdaptdistBackend(plan='fsdp', optimizer='sgd')"
+    assert repr(adaptdist.backend(plan=ManualPlan.parse("tp", gpt))) == "AdaptdistBackend(plan='tp')"

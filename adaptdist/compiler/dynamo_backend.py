@@ -21,6 +21,7 @@ how many breaks there are, where and why.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import re
 import time
@@ -106,6 +107,17 @@ class AdaptdistBackend:
     # a module with trainable parameters that a call compiled by this backend runs eagerly is refused
     # (graphless_calls.refuse_eager_module_call asks the backend of the running call for this)
     refuses_eager_module_calls: ClassVar[bool] = True
+
+    def __repr__(self) -> str:
+        """Only the options set away from their defaults (Dynamo quotes the backend in every compile error), a
+        manual plan by its name: ``AdaptdistBackend(plan='fsdp', comm='shm')``."""
+        parts = []
+        for f in dataclasses.fields(self):
+            if not f.repr or getattr(self, f.name) == f.default:
+                continue
+            v = getattr(self, f.name)
+            parts.append(f"{f.name}={getattr(v, 'name', v)!r}" if f.name == "plan" else f"{f.name}={v!r}")
+        return f"AdaptdistBackend({', '.join(parts)})"
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
