@@ -24,6 +24,10 @@ names that entry point's flags or arguments."""
 BATCH_NORM_MODES = ("local", "sync")
 """``LoweringOptions.batch_norm``: how training-mode BatchNorm computes its statistics over a split batch."""
 
+PRECISIONS = ("fp32", "bf16")
+"""``--precision`` values (:mod:`adaptdist.compiler.training_features`): ``fp32`` (no autocast), ``bf16``
+(``torch.autocast("cpu", torch.bfloat16)``); here, with no torch import, so that ``adaptdist --help`` needs none."""
+
 RNG_MODES = ("per-rank", "global")
 """How random ops (dropout, ``rand_like`` ...) draw on a split batch: ``per-rank`` (DDP's: each rank draws its own
 shard from its own generator) or ``global`` (every rank draws what one process draws on the whole batch and keeps

@@ -326,7 +326,7 @@ def test_ranks_with_different_graphs_are_refused(graph_break, ranks2):
 
 
 def test_input_shape_mismatch_hint_names_the_input_and_the_shapes():
-    from adaptdist.compiler.rank_input_shapes import input_shape_mismatch_hint
+    from adaptdist.runtime.rank_input_shapes import input_shape_mismatch_hint
 
     same = [("L['input_ids']", "int64", (3, 8))]
     assert input_shape_mismatch_hint([same, same]) == ""

@@ -382,7 +382,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
         console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
     else:
-        check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
+        check_batch(next(global_batches(data)), example, data, model, loss_fn, spec.text)  # fail here, on bad data
 
     n_params = sum(p.numel() for p in model.parameters())
     x0 = example[0]
@@ -549,7 +549,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
                     batch_shapes=batch_shapes(example))
     from ..runtime.worker import global_batches
 
-    check_batch(next(global_batches(data)), example, data)
+    check_batch(next(global_batches(data)), example, data, model, loss_fn, spec.text)
     nproc = cluster.world_size
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     # the model is rebuilt on each rank from its spec (a model file's classes do not pickle) and given these weights

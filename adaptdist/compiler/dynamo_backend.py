@@ -43,9 +43,11 @@ from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime import graph_agreement
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
+from ..runtime.rank_input_shapes import input_shapes_text
 from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
+from .failed_compiles import announce_failed_compile
 from .expert_lists import fold_stack_of_unbind
 from ..runtime.eager_parameters import GraphRuns
 from .graphless_calls import guard_eager_module_calls, refuse_skipped_rnn_frame
@@ -106,6 +108,8 @@ class AdaptdistBackend:
     # a module with trainable parameters that a call compiled by this backend runs eagerly is refused
     # (graphless_calls.refuse_eager_module_call asks the backend of the running call for this)
     refuses_eager_module_calls: ClassVar[bool] = True
+    # a compile of this backend that fails before reaching it is announced to the other ranks (failed_compiles)
+    announces_failed_compiles: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         """Check every argument now, in the user's script, rather than at the first compiled call.
@@ -115,6 +119,7 @@ class AdaptdistBackend:
         """
         compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
         compat.on_dynamo_frame_compiled(refuse_skipped_rnn_frame)
+        compat.on_dynamo_frame_compiled(announce_failed_compile)
         compat.on_dynamo_frame_compile_start(guard_eager_module_calls)
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
@@ -237,6 +242,9 @@ def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, me
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
     """``backend="adaptdist"``: the automatic plan on the local cluster of the world size."""
     return compile_graph(gm, example_inputs, AdaptdistBackend())
+
+
+adaptdist_backend.announces_failed_compiles = True  # type: ignore[attr-defined]  # as AdaptdistBackend's
 
 
 def __getattr__(name: str) -> Any:
@@ -468,6 +476,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     step.process_groups = groups
     step.graph_id = graph_agreement.graph_id(f"{signature}|{frame_key}") if distributed else 0
     step.description = _graph_text(signature, frame, gm)
+    step.input_shapes = input_shapes_text(inputs)
     step.root_module = weakref.ref(root) if root is not None else None
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
@@ -501,7 +510,7 @@ def _announce_compile(gm: torch.fx.GraphModule, inputs: list[GraphInput], frame:
             graph_agreement.COMPILE,
             _frame_text(frame) + (f", code {lines}" if lines else "") + f", inputs [{_input_shapes(inputs)}]"
             + (f" (Dynamo compiles this frame again: {reason})" if reason else _first_graph_text(frame)))
-    graph_agreement.announce(graph_agreement.COMPILE, 0, describe)
+    graph_agreement.announce(graph_agreement.COMPILE, 0, describe, lambda: input_shapes_text(inputs))
 
 
 def _first_graph_text(frame: tuple[str, str, int] | None) -> str:
@@ -806,7 +815,7 @@ def _data_dependent_hint() -> str:
 def _input_shapes_hint(inputs: list[GraphInput], control: Any) -> str:
     """For a mismatch: the advice naming a user input whose shape differs between ranks (uneven per-rank
     batches), or "" (a collective over ``control``: every rank in the mismatch calls it)."""
-    from .rank_input_shapes import input_shape_mismatch_hint, input_shapes_text, parse_input_shapes
+    from ..runtime.rank_input_shapes import input_shape_mismatch_hint, parse_input_shapes
 
     return input_shape_mismatch_hint([parse_input_shapes(t) for t in _all_gather_text(input_shapes_text(inputs), control)])
 
