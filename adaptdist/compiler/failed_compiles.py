@@ -76,11 +76,15 @@ def announce_failed_compile(_args: Any = None) -> None:
 
 
 def _cause_text(error: BaseException) -> str:
-    """``Type: first line`` of the innermost cause of ``error`` (Dynamo's TorchRuntimeError wraps the fake tensor's
-    RuntimeError, whose text names the shapes: ``a and b must have same reduction dim, but got [4, 11] X [12, 24]``)."""
+    """``Type: first line`` of the innermost cause of ``error``: Dynamo's TorchRuntimeError is raised ``from None``
+    while it handles the fake tensor's RuntimeError, whose text names the shapes (``a and b must have same reduction
+    dim, but got [4, 11] X [12, 24]``): its cause, else its context, up to 5 deep."""
     inner = error
-    while inner.__cause__ is not None and inner.__cause__ is not inner:
-        inner = inner.__cause__
+    for _ in range(5):
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
     return f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0][:300]}"
 
 
