@@ -138,6 +138,17 @@ def _cluster_of_flags(args):
     return local_cluster(2 if args.nproc is None else args.nproc)
 
 
+def check_first_batch(data, example, model, loss_fn, factory: str) -> None:
+    """:func:`check_batch` on the first batch of ``data`` (a :class:`~adaptdist.runtime.worker.DataSpec` with a
+    ``data()`` function), drawn unchecked so that a mismatch can name the batch the model does not take."""
+    import dataclasses
+
+    from ..runtime.worker import global_batches
+
+    check_batch(next(global_batches(dataclasses.replace(data, batch_shapes=None))), example, data, model, loss_fn,
+                factory)
+
+
 def check_batch(batch, example, data, model=None, loss_fn=None, factory: str = "the factory") -> None:
     """The data's first batch must look like the factory's example batch (count, shapes, dtypes); the ranks check
     every later one alike (:mod:`adaptdist.runtime.batch_check`, one message for both). Given ``model`` and
