@@ -133,7 +133,7 @@ _BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"\(--comm auto\|gloo\)"), "(adaptdist.backend(comm='auto') or comm='gloo')"),
     (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
     (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
-    (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),
+    (re.compile(r"--plan ([\w./-]*\w(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),  # a preset or a plan file
     (re.compile(r"run with -v for the traceback"),
      "set logging.getLogger('adaptdist').setLevel(logging.DEBUG) for the traceback"),
     (re.compile(r"\(--nproc/--cluster\)"), "(the torchrun job)"),
