@@ -408,9 +408,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         hint = _data_dependent_hint()
         if not distributed:
             if hint:
-                raise CaptureError(f"{e}{hint}") from e
+                raise CaptureError(_cause_first(hint, e)) from e
             raise
-        error = f"error: {type(e).__name__}: {e}{hint}"
+        error = f"error: CaptureError: {_cause_first(hint, e)}" if hint else f"error: {type(e).__name__}: {e}"
     if as_is and not error:
         # nothing crosses ranks (DDP's per-rank computation): no agreement, so ranks may differ here as under DDP;
         # a rank that captured a graph instead announces it, and this rank's next compiled graph meets that
@@ -812,6 +812,15 @@ def _data_dependent_hint() -> str:
     from .capture import data_dependent_message
 
     return ". " + data_dependent_message("The compiled model", f"(a graph break on a dynamic-shape operator, {sites[0]})")
+
+
+def _cause_first(hint: str, error: BaseException) -> str:
+    """A failure after a data-dependent graph break: the cause (``hint``, :func:`_data_dependent_hint`) first, then
+    what failed because of it (often an unclear consequence: a loss that "does not require gradients")."""
+    first = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+    return f"{hint.removeprefix('. ')} (the capture failed because of it: {type(error).__name__}: {first})"
+
+
 def _input_shapes_hint(inputs: list[GraphInput], control: Any) -> str:
     """For a mismatch: the advice naming a user input whose shape differs between ranks (uneven per-rank
     batches), or "" (a collective over ``control``: every rank in the mismatch calls it)."""
