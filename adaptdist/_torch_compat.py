@@ -761,6 +761,42 @@ def on_dynamo_frame_compile_start(callback) -> None:
         handler.register_start_callback(callback)
 
 
+def dynamo_failed_compile() -> tuple[Any, Any, dict, BaseException] | None:
+    """From an end callback of :func:`on_dynamo_frame_compiled`: the frame compile that is ending with an error that
+    will reach the caller of the compiled code, as (its backend as passed to ``torch.compile``, the frame's code,
+    its locals at entry, the error); None when the compile succeeds, or fails in a way Dynamo handles itself (a
+    graph break's ``Unsupported`` or ``UserError``: the frame then runs eagerly) or that the backend raised
+    (``BackendCompilerFailed``: the backend's own error). The compile is ``_compile`` in
+    ``torch/_dynamo/convert_frame.py``, found on the call stack: its ``compile_inner`` runs the end callbacks as
+    the error leaves it (``callback.py``'s ``install_callbacks``), so the error in flight must have passed through
+    that frame (not an error the caller's own ``except`` block is handling)."""
+    from torch._dynamo.eval_frame import innermost_backend
+    from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
+
+    error = sys.exc_info()[1]
+    if not isinstance(error, Exception) or isinstance(error, (BackendCompilerFailed, Unsupported, UserError)):
+        return None
+    source = os.path.join("_dynamo", "convert_frame.py")
+    inner = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(source):
+            if code.co_name == "compile_inner":
+                inner = frame
+            elif code.co_name == "_compile" and inner is not None:
+                tb = error.__traceback__
+                while tb is not None and tb.tb_frame is not inner:
+                    tb = tb.tb_next
+                if tb is None:
+                    return None
+                backend = innermost_backend(frame.f_locals.get("compiler_fn"))
+                return (getattr(backend, "compiler_fn", backend), frame.f_locals.get("code"),
+                        dict(frame.f_locals.get("locals") or {}), error)
+        frame = frame.f_back
+    return None
+
+
 def dynamo_active_backend() -> Any:
     """The backend of the ``torch.compile`` call running on this thread (the object passed as ``backend=``, or
     the one registered under its name), from eager code that call runs; None outside one, or inside a

@@ -64,6 +64,13 @@ class RankDivergenceError(PlanMismatchError):
     that graph's collectives. The message names the ranks, each one's graph and frame, and what to do."""
 
 
+class RankInputMismatchError(RankDivergenceError):
+    """Under the torch.compile backend, a rank called the compiled model with inputs of other shapes or dtypes than
+    the other ranks' and could not compile them (Dynamo's trace failed there: a feature dim the model does not take)
+    or compiled a graph of its own; raised on every rank at once, naming the input, each rank's shape and what to
+    do."""
+
+
 class InternalError(AdaptdistError):
     """A compiler pass failed on a valid input: a bug in adaptdist; the message names the pass."""
 

@@ -24,6 +24,10 @@ names that entry point's flags or arguments."""
 BATCH_NORM_MODES = ("local", "sync")
 """``LoweringOptions.batch_norm``: how training-mode BatchNorm computes its statistics over a split batch."""
 
+PRECISIONS = ("fp32", "bf16")
+"""``--precision`` values (:mod:`adaptdist.compiler.training_features`): ``fp32`` (no autocast), ``bf16``
+(``torch.autocast("cpu", torch.bfloat16)``); here, with no torch import, so that ``adaptdist --help`` needs none."""
+
 RNG_MODES = ("per-rank", "global")
 """How random ops (dropout, ``rand_like`` ...) draw on a split batch: ``per-rank`` (DDP's: each rank draws its own
 shard from its own generator) or ``global`` (every rank draws what one process draws on the whole batch and keeps
@@ -129,7 +133,7 @@ _BACKEND_ADVICE: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"\(--comm auto\|gloo\)"), "(adaptdist.backend(comm='auto') or comm='gloo')"),
     (re.compile(r"--mesh '?(\w+=\w+(?:,\w+=\w+)*)'?"), r"adaptdist.backend(mesh='\1')"),
     (re.compile(r"--mesh\b"), "adaptdist.backend(mesh=...)"),
-    (re.compile(r"--plan (\w+(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),
+    (re.compile(r"--plan ([\w./-]*\w(?:,\w+)*)"), r"adaptdist.backend(plan='\1')"),  # a preset or a plan file
     (re.compile(r"run with -v for the traceback"),
      "set logging.getLogger('adaptdist').setLevel(logging.DEBUG) for the traceback"),
     (re.compile(r"\(--nproc/--cluster\)"), "(the torchrun job)"),

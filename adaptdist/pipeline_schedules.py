@@ -45,7 +45,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _torch_compat as compat
 from .errors import PipelineScheduleError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb")
@@ -137,6 +136,8 @@ def compute_order(schedule: str, pp_size: int, num_microbatches: int,
     if schedule == "1f1b":
         return {r: _one_f_one_b(r, pp_size, num_microbatches) for r in range(pp_size)}
     kind = {"gpipe": "gpipe", "interleaved-1f1b": "interleaved", "zb": "zero-bubble"}[schedule]
+    from . import _torch_compat as compat  # here: the CLI's parser reads SCHEDULES without importing torch
+
     try:
         order = compat.pipelining_compute_order(kind, pp_size, num_microbatches, v)
     except ValueError as e:  # torch's own refusal, should check_schedule have missed one
@@ -169,6 +170,8 @@ def pipeline_order(schedule: str, pp_size: int, num_microbatches: int,
     if pp_size == 1:
         order = compute
     else:
+        from . import _torch_compat as compat  # here: the CLI's parser reads SCHEDULES without importing torch
+
         lowered = compat.pipelining_add_send_recv(
             {r: [(a.stage, a.kind, a.microbatch) for a in acts] for r, acts in compute.items()}, num_stages)
         order = {r: [Action(*a) for a in acts] for r, acts in lowered.items()}

@@ -554,3 +554,60 @@ def divergence_worker(timeout_s: float = 60.0) -> dict:
         return out
     finally:
         dist.destroy_process_group()
+
+
+def wrong_shape_worker(timeout_s: float = 60.0) -> dict:
+    """Rank 1 calls the compiled model with an input the model cannot take (a feature dim of another size), so
+    Dynamo's trace fails on rank 1 only, while rank 0 compiles or runs the graph (issue 14). Cases, in one process
+    group (each error leaves every rank at the same point, so the next case runs after it):
+
+    - ``mlp_step0``: an MLP (12 features), rank 1's batch with 11 features at the first step (rank 0 compiles);
+    - ``mlp_step1``: the same at the second step (rank 0 runs the compiled graph, and meets rank 1 at its backward);
+    - ``hf_gpt2``: Hugging Face GPT-2 from a config (width 32) called with ``inputs_embeds``, rank 1's 31 wide.
+
+    Per case: the error each rank stopped with (type and text, or "no error"), the steps it completed and the
+    seconds from the failing step's start to the error."""
+    import time
+
+    torch.set_num_threads(1)
+    owned = _join_group(timeout_s)
+    rank = dist.get_rank()
+    out = {}
+    try:
+        import importlib.util
+
+        cases = ("mlp_step0", "mlp_step1") + (("hf_gpt2",) if importlib.util.find_spec("transformers") else ())
+        for case in cases:
+            torch._dynamo.reset()
+            if case == "hf_gpt2":
+                from transformers import GPT2Config, GPT2LMHeadModel
+
+                torch.manual_seed(0)
+                model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=31, n_positions=16)).eval()
+            else:
+                model = mlp(4, seed=0)[0]
+            compiled = torch.compile(model, backend=adaptdist.backend(plan="dp"), dynamic=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            done, error, t0 = 0, "no error", 0.0
+            for step in range(2):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                wrong = rank == 1 and step == (1 if case == "mlp_step1" else 0)
+                t0 = time.perf_counter()
+                try:
+                    if case == "hf_gpt2":
+                        embeds = torch.randn(4, 6, 31 if wrong else 32, generator=g)
+                        loss = compiled(inputs_embeds=embeds).logits.float().pow(2).mean()
+                    else:
+                        x, y = torch.randn(4, 11 if wrong else 12, generator=g), torch.randint(0, 5, (4,), generator=g)
+                        loss = torch.nn.functional.cross_entropy(compiled(x), y)
+                    loss.backward()
+                except Exception as e:  # Dynamo wraps the error (BackendCompilerFailed, InternalTorchDynamoError)
+                    error = f"{type(e).__name__}: {e}"
+                    break
+                opt.step()
+                opt.zero_grad()
+                done += 1
+            out[case] = (error, done, time.perf_counter() - t0)
+        return out
+    finally:
+        _leave_group(owned)

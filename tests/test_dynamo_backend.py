@@ -56,7 +56,8 @@ def _suite_parts(world: int) -> list[tuple[str, str, tuple]]:
              ("usage", "sharded_usage_worker", ()),
              ("sequential", "sequential_worker", (STEPS, LR)),
              ("mismatch", "mismatch_worker", (60.0, False)),
-             ("mismatch_break", "mismatch_worker", (60.0, True))]
+             ("mismatch_break", "mismatch_worker", (60.0, True)),
+             ("wrong_shape", "wrong_shape_worker", (60.0,))]
     if adaptdist.kernels.available():
         parts.append(("shm", "backend_sgd_worker", (SHM_CASES, STEPS, LR)))
     if HAS_TRANSFORMERS:
@@ -325,8 +326,34 @@ def test_ranks_with_different_graphs_are_refused(graph_break, ranks2):
         assert "drop_last=True" in results[r] and "if t.sum() > 0" not in results[r], results[r]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_a_rank_whose_trace_fails_on_its_input_shape_stops_every_rank_at_once(ranks2):
+    """Issue 14: rank 1 passes an input the model cannot take (11 features for an MLP of 12; a 31-wide
+    inputs_embeds for Hugging Face GPT-2 of width 32), so Dynamo's trace fails on rank 1 only, at the first step
+    (rank 0 compiles) or the second (rank 0 runs the graph and meets rank 1 at its backward). Every rank stops at
+    once with a RankInputMismatchError naming the input and both shapes (was: Dynamo's fake-tensor error on rank 1,
+    a CollectiveTimeoutError on rank 0 after the timeout), and the ranks stay in step (each case runs after the
+    last one's error in the same process group)."""
+    results = _part(ranks2, "wrong_shape")
+    expected = {"mlp_step0": ("L['x']", "float32[4, 12]", "float32[4, 11]", 0),
+                "mlp_step1": ("L['x']", "float32[4, 12]", "float32[4, 11]", 1)}
+    if HAS_TRANSFORMERS:
+        expected["hf_gpt2"] = ("L['kwargs']['inputs_embeds']", "float32[4, 6, 32]", "float32[4, 6, 31]", 0)
+    for r in (0, 1):
+        assert set(results[r]) == set(expected), results[r]
+        for case, (name, shape0, shape1, done) in expected.items():
+            error, steps, seconds = results[r][case]
+            assert steps == done and "RankInputMismatchError" in error, (r, case, error)
+            assert f"{name} is {shape0} on rank 0 but {shape1} on rank 1" in error, (r, case, error)
+            assert "rank 1 could not compile the model" in error and f"(this is rank {r})" in error, (r, case, error)
+            assert seconds < 30, (r, case, seconds)  # the collective timeout is 180 s
+        assert "a and b must have same reduction dim" in results[r]["mlp_step0"][0]  # the model's own error
+        assert "rank 0: about to run the backward of graph" in results[r]["mlp_step1"][0]
+
+
 def test_input_shape_mismatch_hint_names_the_input_and_the_shapes():
-    from adaptdist.compiler.rank_input_shapes import input_shape_mismatch_hint
+    from adaptdist.runtime.rank_input_shapes import input_shape_mismatch_hint
 
     same = [("L['input_ids']", "int64", (3, 8))]
     assert input_shape_mismatch_hint([same, same]) == ""
@@ -622,18 +649,21 @@ def test_backend_with_shared_memory_collectives_equals_eager(ranks2):
 def test_ranks_that_diverge_after_the_first_step_stop_with_a_typed_error():
     """Issue 14: a branch on data taken alike at step 0 and differently at step 1 (only rank 1 compiles the other
     side), and a smaller batch on rank 1 at step 1 (only rank 1 recompiles): every rank stops at step 1 with a
-    RankDivergenceError naming the ranks, the frame and the fix, at once (no SIGABRT, no wait for the timeout)."""
+    RankDivergenceError naming the ranks, the frame and the fix, at once (no SIGABRT, no wait for the timeout); the
+    smaller batch, a RankInputMismatchError (a RankDivergenceError) naming the input and both shapes."""
     results = launch_local(divergence_worker, (60.0,), 2)
     for r in (0, 1):
         for case, (error, done, seconds) in results[r].items():
-            assert done == 1 and "RankDivergenceError" in error, (r, case, error)
+            kind = "RankDivergenceError" if case == "branch" else "RankInputMismatchError"
+            assert done == 1 and kind in error, (r, case, error)
             assert seconds < 30, (r, case, seconds)  # well within the 60 s collective timeout
             assert "rank 1: about to compile a new graph for frame" in error, (r, case, error)
             # dp's forward communicates nowhere, so rank 0 meets rank 1 at its backward's announcement
             assert "rank 0: about to run the backward of graph" in error, (r, case, error)
-            assert f"(this is rank {r})" in error and "torch.where(cond, a, b)" in error, (r, case, error)
+            assert f"(this is rank {r})" in error, (r, case, error)
         branch = results[r]["branch"][0]
         assert "torch_dynamo_resume_in_forward_at_" in branch and "after its graph break at line" in branch, branch
+        assert "torch.where(cond, a, b)" in branch, branch
         shape = results[r]["shape"][0]
         assert "Dynamo compiles this frame again" in shape and "drop_last=True" in shape, shape
-        assert "float32[3, 12]" in shape and "float32[4, 12]" in shape, shape
+        assert "L['x'] is float32[4, 12] on rank 0 but float32[3, 12] on rank 1" in shape, shape

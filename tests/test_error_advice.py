@@ -118,3 +118,13 @@ def test_the_backend_is_quoted_by_the_options_the_user_set():
     assert repr(adaptdist.backend()) == "AdaptdistBackend()"
     assert repr(adaptdist.backend(plan="fsdp", optimizer="sgd")) == "AdaptdistBackend(plan='fsdp', optimizer='sgd')"
     assert repr(adaptdist.backend(plan=ManualPlan.parse("tp", gpt))) == "AdaptdistBackend(plan='tp')"
+
+def test_plan_file_advice_is_rewritten_whole_for_the_backend():
+    """``--plan FILE.yaml`` (the ep advice for a model file without EP_PLAN) becomes plan='FILE.yaml', not
+    ``plan='FILE').yaml`` (issue 14, found with Hugging Face's Mixtral block under plan='ep')."""
+    from adaptdist.lowering_options import advice_for
+
+    text = advice_for("defines none: add one, or pass --plan FILE.yaml with a mesh axis ep", "backend")
+    assert text.endswith("pass adaptdist.backend(plan='FILE.yaml') with a mesh axis ep"), text
+    assert advice_for("or --plan dp,tp", "backend") == "or adaptdist.backend(plan='dp,tp')"
+    assert advice_for("train with --plan fsdp.", "backend") == "train with adaptdist.backend(plan='fsdp')."

@@ -164,3 +164,29 @@ def test_each_layer_imports_only_the_layers_below_it(edges):
     bad = sorted((m, t) for m, ts in edges.items() for t in ts
                  if layer(m) is not None and layer(t) is not None and rank[layer(t)] > rank[layer(m)])
     assert bad == []
+
+
+HELP_CHECK = """
+import contextlib, io, sys
+from adaptdist.cli import main
+for argv in ([], *([c] for c in sys.argv[1:])):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main([*argv, "--help"])
+        except SystemExit as e:
+            assert e.code == 0, (argv, e.code)
+    assert "torch" not in sys.modules, f"adaptdist {' '.join(argv)} --help imported torch"
+print("ok")
+"""
+
+
+def test_help_imports_no_torch():
+    """``adaptdist --help`` and ``adaptdist COMMAND --help`` answer without importing torch (seconds, tens of
+    seconds on a loaded machine): every command's parser is built from torch-free modules (issue 14)."""
+    import subprocess
+    import sys
+
+    commands = ["train", "plan", "compile", "run", "estimate", "explain", "cluster", "launch", "zoo"]
+    done = subprocess.run([sys.executable, "-c", HELP_CHECK, *commands], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT.parent)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

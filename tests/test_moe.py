@@ -366,3 +366,14 @@ def test_scatter_add_rule_sums_partials_into_zeros():
     assert apply_rule(n, lambda a: pl[a]).out == P
     pl = {z: Shard(0), i: Shard(0), src: Shard(0)}  # tokens split, experts (dim 1) whole
     assert apply_rule(n, lambda a: pl[a]).out == Shard(0)
+
+
+def test_a_hugging_face_data_dependent_moe_is_told_its_static_experts_setting():
+    """Hugging Face's Mixtral block built from a config runs its experts as a per-expert torch.where loop (the
+    backend refuses it); its experts_implementation='batched_mm' has static shapes and lowers equal to eager under
+    auto, dp, fsdp and ep (issue 14): the refusal says so for a graph break in transformers' code only."""
+    from adaptdist.compiler.capture import data_dependent_message
+
+    hf = data_dependent_message("The compiled model", "(after .../transformers/models/mixtral/modeling_mixtral.py:109)")
+    assert "experts_implementation='batched_mm'" in hf and "dense dispatch" in hf
+    assert "batched_mm" not in data_dependent_message("The compiled model", "(after model.py:12)")

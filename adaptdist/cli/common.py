@@ -138,15 +138,37 @@ def _cluster_of_flags(args):
     return local_cluster(2 if args.nproc is None else args.nproc)
 
 
-def check_batch(batch, example, data) -> None:
+def check_first_batch(data, example, model, loss_fn, factory: str) -> None:
+    """:func:`check_batch` on the first batch of ``data`` (a :class:`~adaptdist.runtime.worker.DataSpec` with a
+    ``data()`` function), drawn unchecked so that a mismatch can name the batch the model does not take."""
+    import dataclasses
+
+    from ..runtime.worker import global_batches
+
+    check_batch(next(global_batches(dataclasses.replace(data, batch_shapes=None))), example, data, model, loss_fn,
+                factory)
+
+
+def check_batch(batch, example, data, model=None, loss_fn=None, factory: str = "the factory") -> None:
     """The data's first batch must look like the factory's example batch (count, shapes, dtypes); the ranks check
-    every later one alike (:mod:`adaptdist.runtime.batch_check`, one message for both).
+    every later one alike (:mod:`adaptdist.runtime.batch_check`, one message for both). Given ``model`` and
+    ``loss_fn``, a mismatch names the batch the model does not take (:func:`adaptdist.cli.batch_fit.blame`).
 
     Raises:
         DataError: names the step, the element and what differs.
+        UsageError: the model does not take the example batch of ``factory`` (``FILE.py:FACTORY``): names it,
+            both batches' shapes and the model's error.
     """
+    from ..errors import DataError
     from ..runtime.batch_check import batch_shapes, check_batch as check
 
     src = f"{data.module_file}:{data.function}" if data.function else "the example batch"
-    check(batch, batch_shapes(example), src, step=1, compiled="the factory's example batch",
-          sizes=f"--batch-size {data.batch_size} --seq-len {data.seq_len}")
+    try:
+        check(batch, batch_shapes(example), src, step=1, compiled=f"the example batch of {factory}",
+              sizes=f"--batch-size {data.batch_size} --seq-len {data.seq_len}")
+    except DataError as e:
+        if model is None or loss_fn is None or not isinstance(batch, (tuple, list)):
+            raise
+        from .batch_fit import blame
+
+        raise blame(e, batch, example, model, loss_fn, factory, f"{src}()") from None

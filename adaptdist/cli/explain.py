@@ -7,9 +7,6 @@ import argparse
 import time
 from typing import Any, Callable
 
-from ..compiler.planner.explain import explain
-from ..compiler.planner.summary import print_summary, run_planner
-
 MAX_LOWERED_RANKS = 16
 """``explain`` lowers the plan to show what the lowering did with the node only up to this many ranks."""
 
@@ -34,6 +31,8 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
 
     from ..model_spec import ModelSpec
     from ..compiler.capture import capture
+    from ..compiler.planner.explain import explain
+    from ..compiler.planner.summary import print_summary, run_planner
 
     from ..console import report_console
 

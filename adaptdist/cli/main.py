@@ -121,7 +121,7 @@ def _add_fault_tolerance(p: argparse.ArgumentParser) -> None:
 
 def _add_training_features(p: argparse.ArgumentParser) -> None:
     """``--precision`` and ``--activation-checkpointing`` (:mod:`adaptdist.compiler.training_features`)."""
-    from ..compiler.training_features import PRECISIONS
+    from ..lowering_options import PRECISIONS  # not training_features: --help imports no torch
 
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: forward and loss under torch.autocast('cpu', torch.bfloat16) (mixed precision: "

@@ -361,8 +361,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     from ..program import save_programs
     from ..runtime.launch import launch_local
     from ..runtime.preflight import check_host_memory
-    from ..runtime.worker import DataSpec, TrainConfig, global_batches, run_worker
-    from .common import check_batch, lowering_options, resolve_plan
+    from ..runtime.worker import DataSpec, TrainConfig, run_worker
+    from .common import check_first_batch, lowering_options, resolve_plan
 
     model, example, loss_fn = built
     from ..compiler.training_features import apply_training_features
@@ -382,7 +382,7 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         data = DataSpec(str(spec.file), None, args.batch_size, args.seq_len, batch_file=str(out / "example_batch.safetensors"))
         console.print(f"[yellow]{spec.file.name} defines no data() function: training on its example batch repeated[/]")
     else:
-        check_batch(next(global_batches(data)), example, data)  # fail here, clearly, on bad data
+        check_first_batch(data, example, model, loss_fn, spec.text)  # fail here, clearly, on bad data
 
     n_params = sum(p.numel() for p in model.parameters())
     x0 = example[0]
@@ -535,7 +535,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
     from ..runtime.batch_check import batch_shapes
     from ..runtime.launch import launch_local
     from ..runtime.worker import DataSpec
-    from .common import check_batch
+    from .common import check_first_batch
     from .modes import print_mode
 
     model, example, loss_fn = built
@@ -547,9 +547,7 @@ def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console
     dense_slices(args.batch_size, len(layout.dense_ranks))  # UsageError now, not on every rank
     data = DataSpec(str(spec.file), "data", args.batch_size, args.seq_len, path=args.data, seed=args.seed,
                     batch_shapes=batch_shapes(example))
-    from ..runtime.worker import global_batches
-
-    check_batch(next(global_batches(data)), example, data)
+    check_first_batch(data, example, model, loss_fn, spec.text)
     nproc = cluster.world_size
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     # the model is rebuilt on each rank from its spec (a model file's classes do not pickle) and given these weights

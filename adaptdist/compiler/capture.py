@@ -335,7 +335,19 @@ def data_dependent_message(name: str, where: str) -> str:
             "static shapes only, so it cannot compile data-dependent token counts (e.g. an MoE that picks each "
             "expert's tokens with torch.where / nonzero, then index_add_). Write it with static shapes: dense "
             "dispatch (every expert on every token, weighted by the router's zero-masked weights; see "
-            "adaptdist/models/moe.py), or a fixed capacity per expert")
+            "adaptdist/models/moe.py), or a fixed capacity per expert" + _hf_experts_hint(where))
+
+
+def _hf_experts_hint(where: str) -> str:
+    """For a Hugging Face MoE (the op in ``transformers/``): its ``experts_implementation`` setting picks the
+    experts' code; ``batched_mm`` runs every expert on every token with static shapes, which the backend lowers
+    under auto, dp, fsdp and ep equal to eager (issue 14, checked on Mixtral's block; the default of a model built
+    from a config, ``grouped_mm``, calls an op with no sharding rule, and the eager loop is the per-expert
+    ``torch.where`` this message is about)."""
+    if "transformers" not in where:
+        return ""
+    return ("; a Hugging Face model: build it with experts_implementation='batched_mm' in its config (static shapes: "
+            "every expert on every token)")
 
 
 def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> None:

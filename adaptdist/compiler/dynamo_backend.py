@@ -44,9 +44,11 @@ from ..placement import parse_placement
 from ..plan import Plan, graph_fingerprint
 from ..runtime import graph_agreement
 from ..runtime.compiled_step import CompiledStep, RankIO, ShardLayout
+from ..runtime.rank_input_shapes import input_shapes_text
 from ..runtime.sharded_params import install_hooks
 from .dynamo_capture import GraphInput, _graph_outputs, capture_all_ranks, check_batch_norm, classify_inputs
 from .dynamo_expert_lists import StackedExperts, stack_dynamo_experts
+from .failed_compiles import announce_failed_compile
 from .expert_lists import fold_stack_of_unbind
 from ..runtime.eager_parameters import GraphRuns
 from .graphless_calls import guard_eager_module_calls, refuse_skipped_rnn_frame
@@ -107,6 +109,8 @@ class AdaptdistBackend:
     # a module with trainable parameters that a call compiled by this backend runs eagerly is refused
     # (graphless_calls.refuse_eager_module_call asks the backend of the running call for this)
     refuses_eager_module_calls: ClassVar[bool] = True
+    # a compile of this backend that fails before reaching it is announced to the other ranks (failed_compiles)
+    announces_failed_compiles: ClassVar[bool] = True
 
     def __repr__(self) -> str:
         """Only the options set away from their defaults (Dynamo quotes the backend in every compile error), a
@@ -127,6 +131,7 @@ class AdaptdistBackend:
         """
         compat.on_dynamo_frame_compiled(refuse_skipped_frames)  # before Dynamo sees the model's first frame
         compat.on_dynamo_frame_compiled(refuse_skipped_rnn_frame)
+        compat.on_dynamo_frame_compiled(announce_failed_compile)
         compat.on_dynamo_frame_compile_start(guard_eager_module_calls)
         from ..annotations import ManualPlan
         from ..cost_models.memory import OPTIMIZERS
@@ -249,6 +254,9 @@ def backend(cluster: Any = None, plan: Any = "auto", constraints: Any = None, me
 def adaptdist_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledStep:
     """``backend="adaptdist"``: the automatic plan on the local cluster of the world size."""
     return compile_graph(gm, example_inputs, AdaptdistBackend())
+
+
+adaptdist_backend.announces_failed_compiles = True  # type: ignore[attr-defined]  # as AdaptdistBackend's
 
 
 def __getattr__(name: str) -> Any:
@@ -412,9 +420,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         hint = _data_dependent_hint()
         if not distributed:
             if hint:
-                raise CaptureError(f"{e}{hint}") from e
+                raise CaptureError(_cause_first(hint, e)) from e
             raise
-        error = f"error: {type(e).__name__}: {e}{hint}"
+        error = f"error: CaptureError: {_cause_first(hint, e)}" if hint else f"error: {type(e).__name__}: {e}"
     if as_is and not error:
         # nothing crosses ranks (DDP's per-rank computation): no agreement, so ranks may differ here as under DDP;
         # a rank that captured a graph instead announces it, and this rank's next compiled graph meets that
@@ -480,6 +488,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     step.process_groups = groups
     step.graph_id = graph_agreement.graph_id(f"{signature}|{frame_key}") if distributed else 0
     step.description = _graph_text(signature, frame, gm)
+    step.input_shapes = input_shapes_text(inputs)
     step.root_module = weakref.ref(root) if root is not None else None
     if not compat.dynamo_frame_is_resume():  # the step's first graph: the others are compiled by its end
         step.after_first_step = report_graph_breaks
@@ -513,7 +522,7 @@ def _announce_compile(gm: torch.fx.GraphModule, inputs: list[GraphInput], frame:
             graph_agreement.COMPILE,
             _frame_text(frame) + (f", code {lines}" if lines else "") + f", inputs [{_input_shapes(inputs)}]"
             + (f" (Dynamo compiles this frame again: {reason})" if reason else _first_graph_text(frame)))
-    graph_agreement.announce(graph_agreement.COMPILE, 0, describe)
+    graph_agreement.announce(graph_agreement.COMPILE, 0, describe, lambda: input_shapes_text(inputs))
 
 
 def _first_graph_text(frame: tuple[str, str, int] | None) -> str:
@@ -815,10 +824,19 @@ def _data_dependent_hint() -> str:
     from .capture import data_dependent_message
 
     return ". " + data_dependent_message("The compiled model", f"(a graph break on a dynamic-shape operator, {sites[0]})")
+
+
+def _cause_first(hint: str, error: BaseException) -> str:
+    """A failure after a data-dependent graph break: the cause (``hint``, :func:`_data_dependent_hint`) first, then
+    what failed because of it (often an unclear consequence: a loss that "does not require gradients")."""
+    first = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+    return f"{hint.removeprefix('. ')} (the capture failed because of it: {type(error).__name__}: {first})"
+
+
 def _input_shapes_hint(inputs: list[GraphInput], control: Any) -> str:
     """For a mismatch: the advice naming a user input whose shape differs between ranks (uneven per-rank
     batches), or "" (a collective over ``control``: every rank in the mismatch calls it)."""
-    from .rank_input_shapes import input_shape_mismatch_hint, input_shapes_text, parse_input_shapes
+    from ..runtime.rank_input_shapes import input_shape_mismatch_hint, parse_input_shapes
 
     return input_shape_mismatch_hint([parse_input_shapes(t) for t in _all_gather_text(input_shapes_text(inputs), control)])
 

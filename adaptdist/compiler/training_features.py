@@ -27,9 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UsageError
-
-PRECISIONS = ("fp32", "bf16")
-"""``--precision`` values: ``fp32`` (no autocast), ``bf16`` (``torch.autocast("cpu", torch.bfloat16)``)."""
+from ..lowering_options import PRECISIONS  # noqa: F401 -- re-exported: the --precision values
 
 
 def with_precision(model: nn.Module, loss_fn: Callable, precision: str) -> tuple[nn.Module, Callable]:

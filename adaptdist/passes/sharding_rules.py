@@ -74,7 +74,8 @@ def shape(n: Any) -> tuple[int, ...]:
 
 def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOpError:
     """The UnsupportedOpError for ``node``, naming op, node, module, input shapes and placements."""
-    args = ", ".join(f"{a.name}: {gmeta.shape_str(a)} {pl(a)!r}" for _, a in tensor_args(node))
+    args = ", ".join(f"{a.name}: {gmeta.shape_str(a)} {pl(a)!r}" for _, a in tensor_args(node)
+                     if "val" in a.meta or a.op != "get_attr")  # not torch.cond's branches (subgraphs)
     where = gmeta.module_of(node)
     return UnsupportedOpError(
         f"op {node.target} at node {node.name!r}{' in ' + where if where else ''} has no sharding rule for "
@@ -1933,6 +1934,8 @@ def dtensor_node_strategies(node: torch.fx.Node, mesh_size: int) -> list[Strateg
     def v(a):
         return a.meta["val"] if isinstance(a, torch.fx.Node) else a
 
+    if any("val" not in a.meta for _, a in tensor_args(node)):
+        return None  # a subgraph argument (torch.cond's branches): not DTensor's (control_flow is the rule)
     args = torch.fx.node.map_arg(node.args, v)
     kwargs = torch.fx.node.map_arg(node.kwargs, v)
     rows = compat.dtensor_strategies(node.target, args, kwargs, mesh_size)
@@ -2058,3 +2061,31 @@ def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> Rule
     err = unsupported(node, pl, "no sharding rule is registered for this op, and DTensor has no strategy for it")
     err.no_strategy = True  # (opinfo2) a rule of ours that leaves this form to DTensor: the replicate fallback may run it
     raise err
+
+
+def control_flow(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``torch.cond`` (and the other control-flow higher-order ops: ``while_loop``, ``scan``, ``map``): their bodies
+    are subgraphs (``get_attr`` nodes) that adaptdist does not shard inside. With every tensor input replicated
+    (a predicate and operands computed from parameters alone) every rank runs the op as one process does; with a
+    sharded or partial input the op is refused, and the replicate fallback (``err.no_strategy``) gathers its inputs
+    (the predicate as well: every rank then takes the branch one process would take on the whole batch) and runs it
+    whole on every rank.
+
+    Raises:
+        UnsupportedOpError: some tensor input is sharded or partial; names the op and what to do.
+    """
+    ins = [pl(a) for _, a in tensor_args(node) if a.op != "get_attr"]
+    if all(isinstance(p, Replicate) for p in ins):
+        v = gmeta.val(node)
+        return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
+    name = getattr(node.target, "__name__", str(node.target))
+    err = unsupported(node, pl, f"torch.{name} runs subgraphs (its branches or body), which adaptdist does not shard "
+                                "inside, on inputs split over the ranks. Compute both branches and select with "
+                                "torch.where(pred, a, b) so that every op gets its own rule (as one process would "
+                                "compute it)")
+    err.no_strategy = True  # the replicate fallback may run it whole
+    raise err
+
+
+RULES.update({op: control_flow for op in (getattr(torch.ops.higher_order, n, None)
+                                           for n in ("cond", "while_loop", "scan", "map_impl")) if op is not None})

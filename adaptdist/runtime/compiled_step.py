@@ -158,6 +158,7 @@ class CompiledStep:
         # this graph; one that does not (a dp forward) needs no check (graph_agreement's docstring says why)
         self.graph_id = 0
         self.description = "a compiled graph"
+        self.input_shapes = ""  # its user inputs (rank_input_shapes.input_shapes_text), told on a divergence
         gathers = io.group_name is not None
         self.forward_communicates = gathers or _has_collective(split.forward)
         self.backward_communicates = gathers or _has_collective(split.backward)
@@ -173,7 +174,8 @@ class CompiledStep:
     def __call__(self, *args: torch.Tensor):
         if self.forward_communicates or self.calls == 0:  # the first call broadcasts the state: a collective too
             graph_agreement.announce(graph_agreement.FORWARD, self.graph_id,
-                                     lambda: graph_agreement.unit_text(graph_agreement.FORWARD, self.description))
+                                     lambda: graph_agreement.unit_text(graph_agreement.FORWARD, self.description),
+                                     lambda: self.input_shapes)
         if self.calls == 0:
             if self.world_size > 1 and torch.is_grad_enabled():
                 _refuse_eager_parameters(args)
@@ -425,7 +427,8 @@ class _StepFunction(torch.autograd.Function):
         like = [torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.output_shapes]
         if step.backward_communicates:
             graph_agreement.announce(graph_agreement.BACKWARD, step.graph_id,
-                                     lambda: graph_agreement.unit_text(graph_agreement.BACKWARD, step.description))
+                                     lambda: graph_agreement.unit_text(graph_agreement.BACKWARD, step.description),
+                                     lambda: step.input_shapes)
         with compat.autocast_disabled():
             param_grads, input_grads = step.run_backward(ctx.program_inputs, ctx.saved, grads, like)
         ctx.saved = ctx.program_inputs = None

@@ -32,6 +32,14 @@ DDP's per-rank computation), so its compile announces nothing either (ranks may 
 under DDP); and the user's own collectives, which adaptdist cannot order: divergent Python code that
 calls ``dist.all_reduce`` itself can still meet an announcement.
 
+A rank whose compile fails before it reaches the backend (Dynamo's own trace raised: an input of a shape the
+model does not take, on this rank only) still announces, :data:`FAILED` with a digest of its inputs' shapes (from
+an end-of-compile callback, :mod:`adaptdist.compiler.failed_compiles`), so the other ranks stop at their next
+announcement at once instead of waiting out the collective timeout. The exchange after a mismatch carries each
+rank's user input shapes too, and where they differ every rank raises
+:class:`~adaptdist.errors.RankInputMismatchError` naming the input and each rank's shape. When every rank failed
+alike (the same shapes: the model's own bug), no rank raises here and each raises Dynamo's error as one process would.
+
 Cost: one ``all_gather`` of 16 bytes per compiled graph per training step under a data-parallel plan (before the
 backward: the forward communicates only at the first call), two under plans whose forward communicates (fsdp,
 tp); a gloo round trip each (``benchmarks/bench_graph_agreement.py``; figures in ``benchmarks/RESULTS.md``). The graph id is the hash of the graph signature the ranks agreed on at
@@ -41,14 +49,16 @@ compile (:func:`graph_id`), so it is equal on every rank that compiled the same 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveTimeoutError, RankDivergenceError
+from ..errors import CollectiveTimeoutError, RankDivergenceError, RankInputMismatchError
+from .rank_input_shapes import InputShape, input_shape_mismatch_hint, parse_input_shapes
 
-COMPILE, FORWARD, BACKWARD = 1, 2, 3
+COMPILE, FORWARD, BACKWARD, FAILED = 1, 2, 3, 4
 
 
 def graph_id(signature: str) -> int:
@@ -79,17 +89,23 @@ def all_gather_text(text: str, group: Any = None, device: torch.device | None = 
     return [bytes(p[:int(s.item())].tolist()).decode() for p, s in zip(parts, sizes)]
 
 
-def announce(kind: int, gid: int, describe: Callable[[], str]) -> None:
+def announce(kind: int, gid: int, describe: Callable[[], str], inputs: Callable[[], str] | None = None) -> None:
     """Start a unit (module docstring): tell every rank which unit this rank enters, and stop unless every
     rank enters the same one. Ranks that all compile (each a graph of its own, maybe) pass: the compile's
     own agreement compares their graphs. A collective over the world group; a no-op in a world of one.
 
     Args:
-        kind: :data:`COMPILE`, :data:`FORWARD` or :data:`BACKWARD`.
-        gid: the graph's :func:`graph_id` (0 for a compile: the graph is not known yet).
+        kind: :data:`COMPILE`, :data:`FORWARD`, :data:`BACKWARD`, or :data:`FAILED` (this rank's compile failed
+            before the backend: it announces so that no rank waits for it, then raises).
+        gid: the graph's :func:`graph_id` (0 for a compile: the graph is not known yet; for :data:`FAILED`, the
+            :func:`graph_id` of its inputs' shapes, so that ranks that failed alike agree).
         describe: this rank's unit in words (the graph, its frame and lines), called only on a mismatch.
+        inputs: this rank's user inputs as :func:`~adaptdist.runtime.rank_input_shapes.input_shapes_text` (JSON),
+            called only on a mismatch; None: not known.
 
     Raises:
+        RankInputMismatchError: on every rank, when the ranks announced different units and their user inputs
+            differ in shape or dtype: names the input, each rank's shape and dtype, and what to do.
         RankDivergenceError: on every rank, when the ranks announced different units: names the ranks of
             each unit, its graph and frame, and what to do.
         CollectiveTimeoutError: a rank did not announce within the collective timeout, or left (names this
@@ -111,8 +127,46 @@ def announce(kind: int, gid: int, describe: Callable[[], str]) -> None:
     rows = [tuple(p.tolist()) for p in parts]
     if len(set(rows)) == 1 or all(k == COMPILE for k, _ in rows):
         return
-    texts = all_gather_text(describe(), device=device)  # every rank saw the same rows: every rank is here
-    raise RankDivergenceError(divergence_message(rows, texts, dist.get_rank()))
+    # every rank saw the same rows: every rank is here, and exchanges its description and its inputs' shapes
+    texts = all_gather_text(json.dumps([describe(), inputs() if inputs is not None else ""]), device=device)
+    described, shapes = zip(*(json.loads(t) for t in texts))
+    raise divergence_error(rows, list(described), [parse_input_shapes(t) if t else None for t in shapes],
+                           dist.get_rank())
+
+
+def divergence_error(rows: list[tuple[int, int]], texts: list[str], shapes: list[list[InputShape] | None],
+                     rank: int) -> RankDivergenceError:
+    """The error every rank raises for announcements ``rows[r] = (kind, graph id)``, descriptions ``texts[r]`` and
+    user inputs ``shapes[r]`` (None where a rank did not say), seen by ``rank``: a
+    :class:`~adaptdist.errors.RankInputMismatchError` where the inputs the ranks share by name differ in shape or
+    dtype, else a :class:`~adaptdist.errors.RankDivergenceError` (:func:`divergence_message`)."""
+    hint = inputs_hint(shapes)
+    if not hint:
+        return RankDivergenceError(divergence_message(rows, texts, rank))
+    groups: dict[tuple[int, int], list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(row, []).append(r)
+    failed = [r for r, (k, _) in enumerate(rows) if k == FAILED]
+    where = "; ".join(f"{_ranks(rs)}: about to {texts[rs[0]]}" for rs in groups.values())
+    head = (f"{_ranks(failed)} could not compile the model on {'its' if len(failed) == 1 else 'their'} inputs, "
+            "whose shapes differ from the other ranks'" if failed else
+            "the ranks reached different compiled graphs because their inputs differ")
+    return RankInputMismatchError(
+        f"{head}: {hint} ({where}). Every compiled graph runs collectives that all ranks must join, so adaptdist "
+        f"stops every rank here (this is rank {rank}) rather than leave one waiting for the collective timeout")
+
+
+def inputs_hint(shapes: list[list[InputShape] | None]) -> str:
+    """The text naming a user input whose shape or dtype differs between ranks, comparing the inputs every rank
+    named (a rank whose compile failed names every tensor of its frame, a compiled graph the tensors it reads),
+    or "" when they agree or a rank did not say (:func:`~adaptdist.runtime.rank_input_shapes.input_shape_mismatch_hint`)."""
+    if not shapes or any(s is None for s in shapes):
+        return ""
+    common = set.intersection(*({n for n, _, _ in s} for s in shapes))
+    order = list(dict.fromkeys(n for n, _, _ in shapes[0] if n in common))  # rank 0's order, each name once
+    by_name = [{n: (n, d, sh) for n, d, sh in s} for s in shapes]
+    hint = input_shape_mismatch_hint([[named[n] for n in order] for named in by_name])
+    return hint.removeprefix(". The ranks' inputs differ: ")
 
 
 def divergence_message(rows: list[tuple[int, int]], texts: list[str], rank: int) -> str:
@@ -123,6 +177,13 @@ def divergence_message(rows: list[tuple[int, int]], texts: list[str], rank: int)
         groups.setdefault(row, []).append(r)
     parts = [f"{_ranks(rs)}: about to {texts[rs[0]]}" for rs in groups.values()]
     compiling = [r for r, (k, _) in enumerate(rows) if k == COMPILE]
+    failed = [r for r, (k, _) in enumerate(rows) if k == FAILED]
+    if failed:
+        return ("the ranks reached different points of the step: " + "; ".join(parts) + ". " + _ranks(failed)
+                + " could not compile the model (Dynamo's trace stopped with the error named) where the other ranks "
+                "did or ran a graph compiled earlier. Every compiled graph runs collectives that all ranks must join, "
+                f"so adaptdist stops every rank here (this is rank {rank}). Fix the error on the rank that failed; if "
+                "it fails only there, give every rank the same model and inputs of the same shapes and dtypes")
     why = (_ranks(compiling) + (" compiles" if len(compiling) == 1 else " compile") + " a graph the other ranks do "
            "not: the ranks took different paths "
            "through the Python code (a branch on data taken differently, after a graph break), or a guard failed on "
@@ -144,4 +205,4 @@ def _ranks(ranks: list[int]) -> str:
 def unit_text(kind: int, what: str) -> str:
     """``what`` (a graph and its frame) as the unit ``kind`` of it, for :func:`announce`'s ``describe``."""
     return {COMPILE: f"compile a new graph for {what}", FORWARD: f"run the forward of {what}",
-            BACKWARD: f"run the backward of {what}"}[kind]
+            BACKWARD: f"run the backward of {what}", FAILED: f"report that its compile of {what} failed"}[kind]
