@@ -105,7 +105,7 @@ def test_resume_refuses_a_changed_setting(reference, tmp_path, capsys):
     assert "--lr was 0.05 there, not 0.1" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # alone (-k), the module's fault-free run is made inside it too
 def test_sigterm_to_the_launcher_checkpoints_then_resume_with_more_steps(reference, tmp_path):
     """SIGTERM (a preemption notice) to `adaptdist train`: one line, exit 143, a checkpoint after the step the
     ranks agreed on; --resume --steps K then ends equal, bitwise, to a run of K steps that never stopped (the
