@@ -11,7 +11,7 @@ FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 """Measured seconds of each test file's tests (setup + call + teardown, module fixtures included) per CI stage
 (its -m expression): the order files are handed to pytest-xdist workers (see pytest_collection_modifyitems).
 Refresh a stage's figures with ``--record-seconds tests/file_seconds.json`` on a CI-like run of it."""
-UNMEASURED_S = 30.0  # a file not in FILE_SECONDS yet: early rather than last, since it may be long
+UNMEASURED_S_PER_TEST = 10.0  # a file FILE_SECONDS does not name: by its number of tests, as xdist would order it
 
 
 def pytest_addoption(parser):
@@ -31,7 +31,7 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
-    if hasattr(config.option, "loadscopereorder"):
+    if hasattr(config.option, "loadscopereorder") and _stage_seconds(config.getoption("markexpr") or ""):
         config.option.loadscopereorder = False
     path = config.getoption("--record-seconds")
     if path is not None and not hasattr(config, "workerinput"):  # the controller, under xdist
@@ -39,14 +39,15 @@ def pytest_configure(config):
 
 
 def _stage_seconds(markexpr: str) -> dict[str, float]:
-    """{file: expected seconds} of this -m expression's stage in FILE_SECONDS (every stage summed for another
-    expression); empty when the file is missing or unreadable."""
+    """{file: expected seconds} of this -m expression's stage in FILE_SECONDS (every stage summed without -m);
+    empty for a stage not measured, or when the file is missing or unreadable (then xdist orders files by their
+    number of tests)."""
     try:
         stages = json.loads(FILE_SECONDS.read_text())
     except (OSError, ValueError):
         return {}
-    if markexpr in stages:
-        return stages[markexpr]
+    if markexpr in stages or markexpr:
+        return stages.get(markexpr, {})
     total: dict[str, float] = {}
     for files in stages.values():
         for path, s in files.items():
@@ -61,14 +62,19 @@ def _sort_files_longest_first(config, items) -> None:
     seconds = _stage_seconds(config.getoption("markexpr") or "")
     if not seconds:
         return
-    files = list(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items))
-    rank = {path: i for i, path in enumerate(sorted(files, key=lambda p: -seconds.get(p, UNMEASURED_S)))}
+    counts: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        counts[path] = counts.get(path, 0) + 1
+    cost = {path: seconds.get(path, UNMEASURED_S_PER_TEST * n) for path, n in counts.items()}
+    rank = {path: i for i, path in enumerate(sorted(counts, key=lambda p: -cost[p]))}
     items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])  # stable: in-file order kept
 
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselected what this run leaves out
 def pytest_collection_modifyitems(config, items):
-    """``bench`` tests (sweeps, stress, faults: outside CI) run only when ``-m`` names them."""
+    """Files longest first (see _sort_files_longest_first); ``bench`` tests (sweeps, stress, faults: outside CI)
+    run only when ``-m`` names them."""
     _sort_files_longest_first(config, items)
     if "bench" in (config.getoption("markexpr") or ""):
         return
