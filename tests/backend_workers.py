@@ -27,7 +27,7 @@ def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
                                        bos_token_id=0, eos_token_id=0)).eval()
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 97, (batch, seq_len), generator=g)
@@ -84,7 +84,7 @@ def scalar_loss(batch: int, seed: int = 0):
 
 
 FACTORIES = {
-    "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4),
+    "gpt": lambda batch: tiny_gpt(batch, 8, seed=0, num_heads=4, num_layers=1),  # one block: less to compile, and depth is nothing these checks look at
     "mlp": lambda batch: mlp(batch, seed=0),
     "hf_gpt2": hf_gpt2,
     "scalar_loss": scalar_loss,
@@ -93,7 +93,7 @@ FACTORIES = {
 
 
 SEEDED = {  # the same models, built from another seed: each rank's own initial weights
-    "gpt": lambda batch, seed: tiny_gpt(batch, 8, seed=seed, num_heads=4)[0],
+    "gpt": lambda batch, seed: tiny_gpt(batch, 8, seed=seed, num_heads=4, num_layers=1)[0],
     "mlp": lambda batch, seed: mlp(batch, seed=seed)[0],
 }
 
@@ -450,10 +450,10 @@ def hf_causal_lm(name: str, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     if name == "llama":
-        cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     else:
-        cfg = tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+        cfg = tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)
     return tr.AutoModelForCausalLM.from_config(cfg)
 
@@ -523,7 +523,7 @@ def divergence_worker(timeout_s: float = 60.0) -> dict:
     import time
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    owned = _join_group(timeout_s)
     rank = dist.get_rank()
     out = {}
     try:
@@ -553,7 +553,7 @@ def divergence_worker(timeout_s: float = 60.0) -> dict:
             out[case] = (error, done, time.perf_counter() - t0)
         return out
     finally:
-        dist.destroy_process_group()
+        _leave_group(owned)
 
 
 def wrong_shape_worker(timeout_s: float = 60.0) -> dict:

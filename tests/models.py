@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from adaptdist.models.gpt import GPT, GPTConfig, lm_loss
 
 
-def tiny_gpt(batch_size: int = 5, seq_len: int = 8, seed: int = 0, num_heads: int = 2):
+def tiny_gpt(batch_size: int = 5, seq_len: int = 8, seed: int = 0, num_heads: int = 2, num_layers: int = 2):
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(dim=32, num_layers=2, num_heads=num_heads, max_seq_len=seq_len))
+    model = GPT(GPTConfig(dim=32, num_layers=num_layers, num_heads=num_heads, max_seq_len=seq_len))
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, 256, (batch_size, seq_len), generator=g)
     y = torch.randint(0, 256, (batch_size, seq_len), generator=g)

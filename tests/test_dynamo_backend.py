@@ -19,7 +19,7 @@ import adaptdist
 from adaptdist.compiler.dynamo_backend import GraphBreakWarning
 from adaptdist.runtime.launch import launch_local
 from adaptdist import errors as adaptdist_errors
-from backend_workers import FACTORIES, divergence_worker, sequential_mlp, suite_worker
+from backend_workers import FACTORIES, sequential_mlp, suite_worker
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 
@@ -39,7 +39,7 @@ SCALAR_CASES = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="sca
 SHM_CASES = [dict(model="mlp", plan="dp", batch=6, comm="shm"), dict(model="mlp", plan="fsdp", batch=6, comm="shm")]
 SCALAR_LR = 0.05
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-SUITE_TIMEOUT_S = 1800  # the first test to use a launch fixture waits for all of its parts (13 on 2 ranks)
+SUITE_TIMEOUT_S = 1800  # the first test to use a launch fixture waits for all of its parts (14 on 2 ranks)
 
 
 # The slow tests of one world size share one launch (starting ranks costs seconds each): module-scoped
@@ -57,6 +57,7 @@ def _suite_parts(world: int) -> list[tuple[str, str, tuple]]:
              ("sequential", "sequential_worker", (STEPS, LR)),
              ("mismatch", "mismatch_worker", (60.0, False)),
              ("mismatch_break", "mismatch_worker", (60.0, True)),
+             ("divergence", "divergence_worker", ()),
              ("wrong_shape", "wrong_shape_worker", (60.0,))]
     if adaptdist.kernels.available():
         parts.append(("shm", "backend_sgd_worker", (SHM_CASES, STEPS, LR)))
@@ -645,18 +646,19 @@ def test_backend_with_shared_memory_collectives_equals_eager(ranks2):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_ranks_that_diverge_after_the_first_step_stop_with_a_typed_error():
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_ranks_that_diverge_after_the_first_step_stop_with_a_typed_error(ranks2):
     """Issue 14: a branch on data taken alike at step 0 and differently at step 1 (only rank 1 compiles the other
     side), and a smaller batch on rank 1 at step 1 (only rank 1 recompiles): every rank stops at step 1 with a
-    RankDivergenceError naming the ranks, the frame and the fix, at once (no SIGABRT, no wait for the timeout); the
-    smaller batch, a RankInputMismatchError (a RankDivergenceError) naming the input and both shapes."""
-    results = launch_local(divergence_worker, (60.0,), 2)
+    RankDivergenceError naming the ranks, the frame and the fix, at once (no SIGABRT, no wait for the timeout;
+    the 2-rank launch's collectives would wait 180 s); the smaller batch, a RankInputMismatchError (a
+    RankDivergenceError) naming the input and both shapes. The ranks go on to the launch's next part after it."""
+    results = _part(ranks2, "divergence")
     for r in (0, 1):
         for case, (error, done, seconds) in results[r].items():
             kind = "RankDivergenceError" if case == "branch" else "RankInputMismatchError"
             assert done == 1 and kind in error, (r, case, error)
-            assert seconds < 30, (r, case, seconds)  # well within the 60 s collective timeout
+            assert seconds < 30, (r, case, seconds)  # well within the collective timeout (180 s here)
             assert "rank 1: about to compile a new graph for frame" in error, (r, case, error)
             # dp's forward communicates nowhere, so rank 0 meets rank 1 at its backward's announcement
             assert "rank 0: about to run the backward of graph" in error, (r, case, error)
