@@ -84,10 +84,12 @@ def worker(cfg: dict) -> dict:
         from adaptdist.comm_transport import shm_groups_in_code
 
         for side in cfg["sides"]:
-            if side in ("no-comm", "DDP"):  # bench_dp's torch sides, for reference (step time only)
+            if side in ("no-comm", "DDP", "FSDP2"):  # bench_dp's / bench_fsdp's torch sides (step time only)
                 import bench_dp
+                import bench_fsdp
 
-                step = (bench_dp.no_comm_step if side == "no-comm" else bench_dp.ddp_step)(cfg, rank, world)
+                step = {"no-comm": bench_dp.no_comm_step, "DDP": bench_dp.ddp_step,
+                        "FSDP2": bench_fsdp.fsdp2_step}[side](cfg, rank, world)
                 sides[side] = type("TorchSide", (), {"step": staticmethod(step)})
                 logs[side], infos[side], threads[side] = [], {}, None
                 continue
@@ -96,8 +98,11 @@ def worker(cfg: dict) -> dict:
             register_mesh_groups(program, "gloo")
             runner = StepRunner(program, "adamw", 1e-3)
             logs[side] = []
-            gm, infos[side] = _instrument(program, logs[side])
-            runner._run = gm
+            if cfg["instrument"]:
+                gm, infos[side] = _instrument(program, logs[side])
+                runner._run = gm
+            else:
+                infos[side] = {}
             sides[side] = runner
             threads[side] = (shm_groups_in_code(program.code), thread) if thread else None
         t = load_file(cfg["batch_file"])
@@ -171,8 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-instrument", action="store_true",
+                    help="run the loaded programs as they are (step times only), to see what the timing wrappers cost")
     ap.add_argument("--sides", default="shm,gloo",
-                    help="comma-separated: no-comm, DDP (bench_dp's), gloo, shm (comm thread as init_group chose), shm:0 / shm:1 (comm thread "
+                    help="comma-separated: no-comm, DDP (bench_dp's), FSDP2 (bench_fsdp's), gloo, shm (comm thread as init_group chose), shm:0 / shm:1 (comm thread "
                          "off / on, switched before each of that side's steps; the shm sides share one group)")
     args = ap.parse_args(argv)
 
@@ -189,7 +196,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="profile_step_comm-") as tmp:
         dirs = {}
         sides = args.sides.split(",")
-        for c in sorted({x.partition(":")[0] for x in sides} - {"no-comm", "DDP"}):
+        for c in sorted({x.partition(":")[0] for x in sides} - {"no-comm", "DDP", "FSDP2"}):
             dirs[c] = str(Path(tmp) / c)
             compile_and_save(args.plan, args.nproc, args.batch_size, args.seq_len, args.seed, Path(dirs[c]),
                              int(args.bucket_mb * MIB), comm=c)
@@ -197,7 +204,7 @@ def main(argv=None) -> int:
         _, example, _ = gpt.factory(args.batch_size, args.seq_len)
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
-        cfg = {"sides": sides, "program_dirs": dirs, "seed": args.seed, "batch_size": args.batch_size,
+        cfg = {"instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed, "batch_size": args.batch_size,
                "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb, "batch_file": batch_file, "steps": args.steps, "warmup": args.warmup}
         res = launch_local(profile_step_comm.worker, (cfg,), args.nproc)
     report(res, args.nproc)
