@@ -36,7 +36,7 @@ def _instrument(program, log: list):
     import torch.fx
 
     from adaptdist import _torch_compat as compat
-    from adaptdist.comm_transport import is_shm_collective
+    from adaptdist.comm_transport import is_shm_collective, is_shm_wait
 
     gm = torch.fx.symbolic_trace(program.module)
     info = {}
@@ -44,7 +44,7 @@ def _instrument(program, log: list):
         if n.op != "call_function":
             continue
         kind = compat.functional_collective_kind(n.target)
-        shm = kind is None and is_shm_collective(n.target)
+        shm = kind is None and (is_shm_collective(n.target) or is_shm_wait(n.target))
         if kind is None and not shm:
             continue
         target = n.target
