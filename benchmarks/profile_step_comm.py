@@ -179,8 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-instrument", action="store_true",
                     help="run the loaded programs as they are (step times only), to see what the timing wrappers cost")
     ap.add_argument("--sides", default="shm,gloo",
-                    help="comma-separated: no-comm, DDP (bench_dp's), FSDP2 (bench_fsdp's), gloo, shm (comm thread as init_group chose), shm:0 / shm:1 (comm thread "
-                         "off / on, switched before each of that side's steps; the shm sides share one group)")
+                    help="comma-separated: no-comm, DDP (bench_dp's), FSDP2 (bench_fsdp's), gloo, shm (comm thread as "
+                         "init_group chose), shm:0 / shm:1 (comm thread off / on, switched before each of that side's "
+                         "steps; the shm sides share one group)")
     args = ap.parse_args(argv)
 
     import torch
@@ -204,8 +205,9 @@ def main(argv=None) -> int:
         _, example, _ = gpt.factory(args.batch_size, args.seq_len)
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
-        cfg = {"instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed, "batch_size": args.batch_size,
-               "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb, "batch_file": batch_file, "steps": args.steps, "warmup": args.warmup}
+        cfg = {"instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed,
+               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb,
+               "batch_file": batch_file, "steps": args.steps, "warmup": args.warmup}
         res = launch_local(profile_step_comm.worker, (cfg,), args.nproc)
     report(res, args.nproc)
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

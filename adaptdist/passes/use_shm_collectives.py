@@ -7,11 +7,12 @@ that follows it, becomes ``torch.ops.adaptdist.shm_X(..., shm_name)`` with the s
 mirror the functional collectives' signatures and are complete on return: no wait). ``shm_name`` names the
 shared-memory group by this rank's group's ranks (:func:`adaptdist.mesh.shm_group_name`, ``adaptdist:dp[0,1]``):
 a shared-memory group cannot be re-pointed between runs as a gloo group's name is, so graphs over other ranks
-(the torch.compile backend's graphs on different meshes) must name other groups. An all_reduce, all_gather or reduce_scatter whose
-wait does not follow it at once (work in between: a gradient bucket's collective issued before the rest of
-backward) becomes the started op, ``adaptdist.shm_X_start``, and its wait ``adaptdist.shm_wait``: with the group's
-comm thread on, the caller computes on while that thread carries the collective, as gloo's worker thread does for
-a functional collective; with it off the started op completes on return. Everything before this pass
+(the torch.compile backend's graphs on different meshes) must name other groups. An all_reduce, all_gather or
+reduce_scatter whose wait does not follow it at once (work in between: a gradient bucket's collective issued
+before the rest of backward) becomes the started op, ``adaptdist.shm_X_start``, and its wait
+``adaptdist.shm_wait``: with the group's comm thread on, the caller computes on while that thread carries the
+collective, as gloo's worker thread does for a functional collective; with it off the started op completes on
+return. Everything before this pass
 (planner, passes, consistency checks, cost model) sees the functional collectives unchanged.
 
 Stays on gloo (left as is): an ``all_to_all_single`` with uneven splits; an ``all_reduce`` /
