@@ -110,7 +110,12 @@ def worker(cfg: dict) -> dict:
         out = {c: {"steps": []} for c in sides}
         names = list(sides)
         for i in range(cfg["warmup"] + cfg["steps"]):
-            order = names if i % 2 == 0 else names[::-1]
+            if cfg["order"] == "rotate":  # interleave.py's order: the first side rotates, every other block reversed
+                k = i % len(names)
+                order = names[k:] + names[:k]
+                order = order[::-1] if (i // len(names)) % 2 else order
+            else:
+                order = names if i % 2 == 0 else names[::-1]
             for c in order:
                 if threads[c] is not None:  # this side's comm-thread setting on the (shared) shm groups
                     for g in threads[c][0]:
@@ -176,6 +181,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", choices=("alternate", "rotate"), default="alternate",
+                    help="sides' order per round: forward then backward (alternate), or interleave.py's rotation")
     ap.add_argument("--no-instrument", action="store_true",
                     help="run the loaded programs as they are (step times only), to see what the timing wrappers cost")
     ap.add_argument("--sides", default="shm,gloo",
@@ -205,7 +212,7 @@ def main(argv=None) -> int:
         _, example, _ = gpt.factory(args.batch_size, args.seq_len)
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
-        cfg = {"instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed,
+        cfg = {"order": args.order, "instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed,
                "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb,
                "batch_file": batch_file, "steps": args.steps, "warmup": args.warmup}
         res = launch_local(profile_step_comm.worker, (cfg,), args.nproc)
