@@ -304,7 +304,8 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
 
 def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     """3 ranks. (1) group 'stall' (timeout ``stall_timeout_s``): rank 2 sleeps past it while ranks 0 and 1 wait
-    in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then all_reduce.
+    in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then start all_reduces on the group's
+    comm thread and wait for them.
     Returns per rank what each raised and how long it took."""
     from adaptdist.errors import ShmPeerError
     from adaptdist.kernels import shm
@@ -331,10 +332,12 @@ def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     # not needed for the outcome (a peer's death is seen whenever it happens: its pid is checked every 50 ms);
     # it lets the kill land first, so "killed_s" measures detection of a dead peer, not rank 2's exit
     time.sleep(0.2)
+    # a started collective on the group's comm thread: the death surfaces at its shm_wait, typed as from the ops
+    torch.ops.adaptdist._shm_group_set_comm_thread("main", True)
     t0 = time.monotonic()
     try:
         for _ in range(3):
-            main.all_reduce(x)
+            shm._call(torch.ops.adaptdist.shm_wait, torch.ops.adaptdist.shm_all_reduce_start(x, "sum", "main"))
         out["killed"] = None
     except ShmPeerError as e:
         out["killed"] = (str(e), e.peer_group_rank, e.peer_global_rank, e.peer_pid)
