@@ -199,32 +199,37 @@ struct OutputBlock {
 // Jobs run in submission order (FIFO): a group's collectives keep the program's order whether they were started
 // (the *_start ops: the caller goes on computing and waits later, shm_wait) or run to completion (the other ops).
 struct CommThread {
-  std::mutex m;
-  std::condition_variable cv;
-  std::deque<std::function<void()>> jobs;
-  bool stop = false;
+  // What the thread's loop needs, owned by the loop too: the last reference to a group (hence to this object) may
+  // go on the thread itself (a job's tensors and group released there), which then detaches and finishes alone.
+  struct State {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+  };
+  std::shared_ptr<State> st = std::make_shared<State>();
   std::thread th;
-  CommThread() : th([this] { loop(); }) {}
-  void loop() {
-    std::unique_lock<std::mutex> l(m);
+  CommThread() : th([s = st] { loop(s); }) {}
+  static void loop(std::shared_ptr<State> s) {
+    std::unique_lock<std::mutex> l(s->m);
     while (true) {
-      cv.wait(l, [&] { return !jobs.empty() || stop; });
-      if (jobs.empty()) return;  // stopped, and every job submitted before ran
-      std::function<void()> j = std::move(jobs.front());
-      jobs.pop_front();
+      s->cv.wait(l, [&] { return !s->jobs.empty() || s->stop; });
+      if (s->jobs.empty()) return;  // stopped, and every job submitted before ran
+      std::function<void()> j = std::move(s->jobs.front());
+      s->jobs.pop_front();
       l.unlock();
       j();
-      j = nullptr;  // release what the job held (tensors, the group) before sleeping
+      j = nullptr;  // release what the job held (tensors) before sleeping
       l.lock();
     }
   }
   // Queue f (it must not throw: callers catch into their Pending).
   void submit(std::function<void()> f) {
     {
-      std::lock_guard<std::mutex> l(m);
-      jobs.push_back(std::move(f));
+      std::lock_guard<std::mutex> l(st->m);
+      st->jobs.push_back(std::move(f));
     }
-    cv.notify_one();
+    st->cv.notify_one();
   }
   // Run f on the thread, after every job queued before it, and wait for it.
   void run(std::function<void()> f) {
@@ -242,12 +247,12 @@ struct CommThread {
   }
   ~CommThread() {
     {
-      std::lock_guard<std::mutex> l(m);
-      stop = true;
+      std::lock_guard<std::mutex> l(st->m);
+      st->stop = true;
     }
-    cv.notify_all();
+    st->cv.notify_all();
     if (th.get_id() == std::this_thread::get_id())
-      th.detach();  // the last reference went on this thread itself
+      th.detach();  // the last reference went on this thread itself: the loop ends on its own
     else if (th.joinable())
       th.join();
   }
@@ -1333,7 +1338,7 @@ static at::Tensor start_on_comm_thread(c10::string_view group_name, Alloc alloc,
     std::lock_guard<std::mutex> l(reg.mu);
     reg.by_output[key] = p;
   }
-  t->submit([gp, p, out, key, run]() mutable {
+  t->submit([p, out, key, run]() mutable {  // not the group: the op finds it by name (and fails if it is gone)
     std::exception_ptr err;
     try {
       run(out);
