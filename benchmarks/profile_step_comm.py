@@ -4,8 +4,9 @@ step runs between issue and wait), and the rest of the step (compute), for the s
 transports, measured interleaved in the same two processes (``benchmarks/interleave.py``'s method: a barrier
 before each step, the order alternated).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_step_comm.py --plan fsdp [--nproc 2] [--batch-size 4]
-        [--seq-len 64] [--steps 12] [--warmup 2] [--bucket-mb 25]
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python benchmarks/profile_step_comm.py --plan fsdp|dp
+        [--nproc 2] [--batch-size 4] [--seq-len 64] [--steps 12] [--warmup 2] [--bucket-mb 25]
+        [--sides shm,gloo | shm:0,shm:1,gloo,DDP,no-comm,FSDP2] [--order alternate|rotate] [--no-instrument]
 
 Per side it prints, from rank 0 (medians over the measured steps): the step, the time inside collective calls
 (issue + wait), the rest, CPU seconds of the whole process per step (every thread), and a table with one row per
@@ -212,8 +213,8 @@ def main(argv=None) -> int:
         _, example, _ = gpt.factory(args.batch_size, args.seq_len)
         batch_file = str(Path(tmp) / "batch.safetensors")
         save_file({f"b{i}": t.contiguous() for i, t in enumerate(example)}, batch_file)
-        cfg = {"order": args.order, "instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs, "seed": args.seed,
-               "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb,
+        cfg = {"order": args.order, "instrument": not args.no_instrument, "sides": sides, "program_dirs": dirs,
+               "seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": 1e-3, "bucket_mb": args.bucket_mb,
                "batch_file": batch_file, "steps": args.steps, "warmup": args.warmup}
         res = launch_local(profile_step_comm.worker, (cfg,), args.nproc)
     report(res, args.nproc)
