@@ -39,6 +39,15 @@ SHM_OPS = {
 }
 """``torch.ops._c10d_functional.<name>`` -> the ``torch.ops.adaptdist.<name>`` that takes the same arguments."""
 
+SHM_START_OPS = {
+    "all_reduce": "shm_all_reduce_start",
+    "all_gather_into_tensor": "shm_all_gather_into_tensor_start",
+    "reduce_scatter_tensor": "shm_reduce_scatter_tensor_start",
+}
+"""The collectives that can also be started and waited for later (``torch.ops.adaptdist.shm_wait``), as a functional
+collective and its ``wait_tensor``: the caller computes on while the group's comm thread carries them."""
+SHM_WAIT_OP = "shm_wait"
+
 _SHM_CALL = re.compile(r"torch\.ops\.adaptdist\.(shm_\w+)\.default\(.*?'([^']+)'\)")
 
 
@@ -116,15 +125,29 @@ def mesh_rank_hosts(plan: "Plan", hosts: tuple[str, ...] | None) -> tuple[str, .
     return tuple(hosts[d] for d in order) if order is not None else tuple(hosts)
 
 
-def is_shm_collective(target) -> bool:
-    """Whether ``target`` is one of adaptdist's shared-memory collective ops (``torch.ops.adaptdist.shm_*``)."""
+def _adaptdist_op_name(target) -> str | None:
     name = getattr(target, "name", None)
     try:
         text = name() if callable(name) else ""
     except Exception:  # noqa: BLE001 -- not an OpOverload
-        return False
-    return isinstance(text, str) and text.startswith("adaptdist::shm_") and text[len("adaptdist::"):] in \
-        SHM_OPS.values()
+        return None
+    return text[len("adaptdist::"):] if isinstance(text, str) and text.startswith("adaptdist::shm_") else None
+
+
+def is_shm_collective(target) -> bool:
+    """Whether ``target`` is one of adaptdist's shared-memory collective ops (``torch.ops.adaptdist.shm_*``), complete
+    on return or started (:data:`SHM_START_OPS`); not ``shm_wait``."""
+    return _adaptdist_op_name(target) in (*SHM_OPS.values(), *SHM_START_OPS.values())
+
+
+def is_shm_started(target) -> bool:
+    """Whether ``target`` is a started shared-memory collective (complete only at its ``shm_wait``)."""
+    return _adaptdist_op_name(target) in SHM_START_OPS.values()
+
+
+def is_shm_wait(target) -> bool:
+    """Whether ``target`` is ``torch.ops.adaptdist.shm_wait``."""
+    return _adaptdist_op_name(target) == SHM_WAIT_OP
 
 
 def cluster_for_comm(cluster, comm: str):

@@ -85,7 +85,7 @@ def _resolve(spec: str) -> Callable:
 def interleaved_worker(cfg: dict) -> dict:
     """One rank: build every side of ``cfg["builders"]`` (side -> ``"module:function"``), then
     ``cfg["warmup"] + cfg["steps"]`` rounds of one step per side (module docstring). Returns
-    ``{side: {"times": [s per step], "losses": [...]}}`` (warm-up included)."""
+    ``{side: {"times": [s per step], "losses": [...], "cpu_s": [process CPU s per step]}}`` (warm-up included)."""
     from datetime import timedelta
 
     import torch
@@ -101,7 +101,7 @@ def interleaved_worker(cfg: dict) -> dict:
         t = load_file(cfg["batch_file"])
         batch = tuple(t[f"b{i}"] for i in range(len(t)))
         names = list(steps)
-        out = {side: {"times": [], "losses": []} for side in names}
+        out = {side: {"times": [], "losses": [], "cpu_s": []} for side in names}
         for i in range(cfg["warmup"] + cfg["steps"]):
             k = i % len(names)
             order = names[k:] + names[:k]
@@ -109,9 +109,11 @@ def interleaved_worker(cfg: dict) -> dict:
                 order = order[::-1]  # every side also comes after each other side
             for side in order:
                 dist.barrier()
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 loss = steps[side](batch)
                 out[side]["times"].append(time.perf_counter() - t0)
+                out[side]["cpu_s"].append(time.process_time() - c0)  # every thread of the process
                 out[side]["losses"].append(float(loss))
         dist.barrier()
         return out
@@ -147,6 +149,15 @@ def slowest_rank(res: dict[int, dict]) -> list[float]:
     return [max(res[r]["times"][i] for r in ranks) for i in range(len(res[ranks[0]]["times"]))]
 
 
+def busiest_cpu(per_launch: list[dict[int, dict]], warmup: int) -> list[float]:
+    """Per measured step (every launch), the largest CPU time (seconds) of any rank's process."""
+    out = []
+    for res in per_launch:
+        ranks = sorted(res)
+        out += [max(res[r]["cpu_s"][i] for r in ranks) for i in range(warmup, len(res[ranks[0]]["cpu_s"]))]
+    return out
+
+
 def paired_ratios(results: dict[str, list], a: str, b: str, warmup: int) -> list[float]:
     """Per measured step (every launch), side ``b``'s time over side ``a``'s in the same round: ``a``'s speedup over
     ``b`` (> 1: ``a`` faster)."""
@@ -177,6 +188,10 @@ def report(con, results: dict[str, list], args, tokens: int, torch_side: str, su
         con.print(ratio_line(results, a, torch_side, args.warmup))
     if {"adaptdist/shm", "adaptdist/gloo"} <= set(results):
         con.print(ratio_line(results, "adaptdist/shm", "adaptdist/gloo", args.warmup))
+    con.print("CPU time per step (every thread of a rank's process; the busiest rank per round; median over rounds; "
+              "what a loaded machine cannot inflate the way it inflates wall time): "
+              + ", ".join(f"{s} {1e3 * statistics.median(busiest_cpu(results[s], args.warmup)):.1f} ms"
+                          for s in results if "cpu_s" in next(iter(results[s][0].values()))))
     if {"no-comm", "DDP"} <= set(results):
         con.print(ratio_line(results, "no-comm", "DDP", args.warmup)
                   + " (DDP's exposed communication share = 1 - 1/speedup)")

@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <thread>
@@ -195,46 +196,84 @@ struct OutputBlock {
 // on its own (computing) thread took 0.55x gloo's time-equivalent (bench_tp, 22 all_reduces a step), the same
 // step with each collective handed to such a thread 1.18-1.27x (benchmarks/RESULTS.md, 2026-12-03 17:5x): the
 // thread that waits in the barriers then is not the one whose computing the scheduler has charged.
+// Jobs run in submission order (FIFO): a group's collectives keep the program's order whether they were started
+// (the *_start ops: the caller goes on computing and waits later, shm_wait) or run to completion (the other ops).
 struct CommThread {
-  std::mutex m;
-  std::condition_variable cv;
-  std::function<void()> job;
-  bool has_job = false, done = false, stop = false;
+  // What the thread's loop needs, owned by the loop too: the last reference to a group (hence to this object) may
+  // go on the thread itself (a job's tensors and group released there), which then detaches and finishes alone.
+  struct State {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> jobs;
+    bool stop = false;
+  };
+  std::shared_ptr<State> st = std::make_shared<State>();
   std::thread th;
-  CommThread() : th([this] { loop(); }) {}
-  void loop() {
-    std::unique_lock<std::mutex> l(m);
+  CommThread() : th([s = st] { loop(s); }) {}
+  static void loop(std::shared_ptr<State> s) {
+    std::unique_lock<std::mutex> l(s->m);
     while (true) {
-      cv.wait(l, [&] { return has_job || stop; });
-      if (!has_job) return;
-      std::function<void()> j = std::move(job);
-      has_job = false;
+      s->cv.wait(l, [&] { return !s->jobs.empty() || s->stop; });
+      if (s->jobs.empty()) return;  // stopped, and every job submitted before ran
+      std::function<void()> j = std::move(s->jobs.front());
+      s->jobs.pop_front();
       l.unlock();
       j();
+      j = nullptr;  // release what the job held (tensors) before sleeping
       l.lock();
-      done = true;
-      cv.notify_all();
     }
   }
-  // Run f on the thread and wait for it; f must not throw (callers catch into an exception_ptr).
+  // Queue f (it must not throw: callers catch into their Pending).
+  void submit(std::function<void()> f) {
+    {
+      std::lock_guard<std::mutex> l(st->m);
+      st->jobs.push_back(std::move(f));
+    }
+    st->cv.notify_one();
+  }
+  // Run f on the thread, after every job queued before it, and wait for it.
   void run(std::function<void()> f) {
-    std::unique_lock<std::mutex> l(m);
-    job = std::move(f);
-    has_job = true;
-    done = false;
-    cv.notify_all();
-    cv.wait(l, [&] { return done; });
+    std::mutex dm;
+    std::condition_variable dcv;
+    bool done = false;
+    submit([&] {
+      f();
+      std::lock_guard<std::mutex> l(dm);
+      done = true;
+      dcv.notify_one();
+    });
+    std::unique_lock<std::mutex> l(dm);
+    dcv.wait(l, [&] { return done; });
   }
   ~CommThread() {
     {
-      std::lock_guard<std::mutex> l(m);
-      stop = true;
+      std::lock_guard<std::mutex> l(st->m);
+      st->stop = true;
     }
-    cv.notify_all();
+    st->cv.notify_all();
     if (th.get_id() == std::this_thread::get_id())
-      th.detach();  // the last reference went on this thread itself
+      th.detach();  // the last reference went on this thread itself: the loop ends on its own
     else if (th.joinable())
       th.join();
+  }
+};
+
+// A collective started by a *_start op and not yet waited for (shm_wait): its completion and its error.
+struct Pending {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr err;
+  void finish(std::exception_ptr e) {
+    std::lock_guard<std::mutex> l(m);
+    err = e;
+    done = true;
+    cv.notify_all();
+  }
+  std::exception_ptr wait() {
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [&] { return done; });
+    return err;
   }
 };
 
@@ -258,6 +297,7 @@ struct Group {
   // Phase times of the chunked all_reduce (ns, accumulated; read and reset by _shm_group_profile):
   // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
   int64_t prof[6] = {0, 0, 0, 0, 0, 0};
+  std::mutex out_mu;  // guards output_block: a started all_reduce allocates on the caller's thread
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
   std::unique_ptr<CommThread> comm;  // when set (_shm_group_set_comm_thread), the collectives run on it
 
@@ -724,6 +764,7 @@ struct UseGuard {
 // (glibc hands big blocks back to the kernel): measured 100-1400 faults per 16 MiB call, up to a ms.
 static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
   const size_t bytes = size_t(x.numel()) * x.element_size();
+  std::lock_guard<std::mutex> out_lock(g.out_mu);
   std::shared_ptr<OutputBlock>& blk = g.output_block;
   if (bytes < kReuseBytes || (blk && blk->in_use.load(std::memory_order_acquire)))
     return at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -744,7 +785,10 @@ static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
       .make_tensor();
 }
 
-static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
+// The collectives below take an optional `given` output (allocated by the *_start ops on the caller's thread);
+// when undefined they allocate it.
+static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name,
+                                 at::Tensor given = at::Tensor()) {
   const char* op = "all_reduce";
   check_dtype(input, op, true);
   RedOp rop = parse_op(std::string(reduce_op));
@@ -753,7 +797,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   std::lock_guard<std::mutex> lock(g.mu);
   check_abort(g, op);
   at::Tensor x = input.contiguous();
-  at::Tensor out = reusable_output(g, x);
+  at::Tensor out = given.defined() ? given : reusable_output(g, x);
   const int64_t numel = x.numel();
   if (numel == 0) return out;
   const size_t es = x.element_size();
@@ -850,7 +894,15 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   return out;
 }
 
-static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
+static at::Tensor all_gather_shape_out(const at::Tensor& x, int n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  if (shape.empty()) shape.push_back(1);
+  shape[0] *= n;
+  return at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c10::string_view group_name,
+                                 at::Tensor given = at::Tensor()) {
   const char* op = "all_gather";
   check_dtype(input, op, false);
   auto gp = find_group(std::string(group_name));
@@ -860,10 +912,7 @@ static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c1
   std::lock_guard<std::mutex> lock(g.mu);
   check_abort(g, op);
   at::Tensor x = input.contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  if (shape.empty()) shape.push_back(1);
-  shape[0] *= g.size;
-  at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = given.defined() ? given : all_gather_shape_out(x, g.size);
   const int64_t numel = x.numel();
   if (numel == 0) return out;
   const size_t es = x.element_size();
@@ -888,8 +937,14 @@ static at::Tensor all_gather_cpu(const at::Tensor& input, int64_t group_size, c1
   return out;
 }
 
+static at::Tensor reduce_scatter_shape_out(const at::Tensor& x, int n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape[0] /= n;
+  return at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
 static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view reduce_op, int64_t group_size,
-                                     c10::string_view group_name) {
+                                     c10::string_view group_name, at::Tensor given = at::Tensor()) {
   const char* op = "reduce_scatter";
   check_dtype(input, op, true);
   RedOp rop = parse_op(std::string(reduce_op));
@@ -903,9 +958,7 @@ static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view r
   std::lock_guard<std::mutex> lock(g.mu);
   check_abort(g, op);
   at::Tensor x = input.contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape[0] /= g.size;
-  at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = given.defined() ? given : reduce_scatter_shape_out(x, g.size);
   const int64_t M = out.numel();  // elements per rank
   if (M == 0) return out;
   const size_t es = x.element_size();
@@ -1050,6 +1103,8 @@ static at::Tensor all_to_all_meta(const at::Tensor& input, c10::SymIntArrayRef, 
 static at::Tensor broadcast_meta(const at::Tensor& input, int64_t, c10::string_view) {
   return at::empty_like(input, at::MemoryFormat::Contiguous);
 }
+
+static at::Tensor wait_meta(const at::Tensor& input) { return at::empty_like(input); }
 
 // ---------------------------------------------------------------------------------------------
 // group management (called by adaptdist/kernels/shm.py)
@@ -1200,9 +1255,13 @@ static std::vector<double> group_profile(c10::string_view group_name) {
 // Run the group's collectives on a thread of its own (on) or on the calling thread (off); see CommThread.
 static void group_set_comm_thread(c10::string_view group_name, bool on) {
   auto gp = find_group(std::string(group_name));
-  std::lock_guard<std::mutex> lock(gp->mu);
-  if (on && !gp->comm) gp->comm = std::make_unique<CommThread>();
-  if (!on) gp->comm.reset();
+  std::unique_ptr<CommThread> old;
+  {
+    std::lock_guard<std::mutex> lock(gp->mu);
+    if (on && !gp->comm) gp->comm = std::make_unique<CommThread>();
+    if (!on) old = std::move(gp->comm);
+  }
+  old.reset();  // outside the group's lock: the thread first runs the jobs queued (they take that lock)
 }
 
 // A CPU kernel's entry: f() on the group's comm thread when it has one, else here; its exception rethrown here.
@@ -1249,7 +1308,121 @@ static at::Tensor broadcast_entry(const at::Tensor& input, int64_t src, c10::str
   return on_comm_thread(group_name, [&] { return broadcast_cpu(input, src, group_name); });
 }
 
-static int64_t abi_version() { return 2; }  // adaptdist/kernels/__init__.py ABI_VERSION
+// Started collectives: output tensor -> its Pending, until shm_wait (or, on success, until the job ends: a wait
+// that finds no entry has nothing to wait for).
+struct PendingRegistry {
+  std::mutex mu;
+  std::map<const void*, std::shared_ptr<Pending>> by_output;
+};
+
+static PendingRegistry& pending_registry() {
+  static PendingRegistry* r = new PendingRegistry();  // leaked on purpose, as the groups' registry
+  return *r;
+}
+
+// A *_start op: on a group with a comm thread, `out` (allocated here, on the caller's thread) is returned at
+// once and filled by `run(out)` on that thread, after the collectives queued before it; shm_wait(out) waits.
+// Without a comm thread the collective runs here to completion (shm_wait then returns at once). Arguments
+// are checked by the caller before (bad arguments raise here, not at the wait).
+template <class Alloc, class Run>
+static at::Tensor start_on_comm_thread(c10::string_view group_name, Alloc alloc, Run run) {
+  auto gp = find_group(std::string(group_name));
+  CommThread* t = gp->comm.get();
+  if (t == nullptr) return run(at::Tensor());
+  check_abort(*gp, "start");
+  at::Tensor out = alloc(*gp);
+  auto p = std::make_shared<Pending>();
+  const void* key = out.unsafeGetTensorImpl();
+  {
+    auto& reg = pending_registry();
+    std::lock_guard<std::mutex> l(reg.mu);
+    reg.by_output[key] = p;
+  }
+  t->submit([p, out, key, run]() mutable {  // not the group: the op finds it by name (and fails if it is gone)
+    std::exception_ptr err;
+    try {
+      run(out);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    if (!err) {  // nothing to report: the wait need not find it (and a reused address cannot find it stale)
+      auto& reg = pending_registry();
+      std::lock_guard<std::mutex> l(reg.mu);
+      auto it = reg.by_output.find(key);
+      if (it != reg.by_output.end() && it->second == p) reg.by_output.erase(it);
+    }
+    p->finish(err);
+  });
+  return out;
+}
+
+static at::Tensor all_reduce_start(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
+  check_dtype(input, "all_reduce", true);
+  parse_op(std::string(reduce_op));
+  at::Tensor x = input.contiguous();  // the job keeps it alive until it ran
+  std::string rop(reduce_op), name(group_name);
+  return start_on_comm_thread(
+      group_name, [&](Group& g) { return x.numel() == 0 ? at::empty_like(x) : reusable_output(g, x); },
+      [x, rop, name](at::Tensor out) { return all_reduce_cpu(x, rop, name, out); });
+}
+
+static at::Tensor all_gather_start(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
+  check_dtype(input, "all_gather", false);
+  at::Tensor x = input.contiguous();
+  std::string name(group_name);
+  return start_on_comm_thread(
+      group_name,
+      [&](Group& g) {
+        TORCH_CHECK_VALUE(group_size == g.size, "adaptdist shm: all_gather was given group_size ", group_size,
+                          " but ", group_desc(g), " has ", g.size, " ranks");
+        return all_gather_shape_out(x, g.size);
+      },
+      [x, group_size, name](at::Tensor out) { return all_gather_cpu(x, group_size, name, out); });
+}
+
+static at::Tensor reduce_scatter_start(const at::Tensor& input, c10::string_view reduce_op, int64_t group_size,
+                                       c10::string_view group_name) {
+  check_dtype(input, "reduce_scatter", true);
+  parse_op(std::string(reduce_op));
+  at::Tensor x = input.contiguous();
+  std::string rop(reduce_op), name(group_name);
+  return start_on_comm_thread(
+      group_name,
+      [&](Group& g) {
+        TORCH_CHECK_VALUE(group_size == g.size, "adaptdist shm: reduce_scatter was given group_size ", group_size,
+                          " but ", group_desc(g), " has ", g.size, " ranks");
+        TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(0) % g.size == 0, "adaptdist shm: reduce_scatter needs dim 0 (",
+                          x.dim() >= 1 ? x.size(0) : 0, " in shape ", x.sizes(), ") divisible by the ", g.size,
+                          " ranks of ", group_desc(g));
+        return reduce_scatter_shape_out(x, g.size);
+      },
+      [x, rop, group_size, name](at::Tensor out) { return reduce_scatter_cpu(x, rop, group_size, name, out); });
+}
+
+// Wait for the collective that produced `tensor` (a *_start op's output) and return it; any other tensor (one
+// whose collective already completed, or ran synchronously) is returned at once. The collective's error, if it
+// failed, is raised here.
+static at::Tensor shm_wait(const at::Tensor& tensor) {
+  std::shared_ptr<Pending> p;
+  {
+    auto& reg = pending_registry();
+    std::lock_guard<std::mutex> l(reg.mu);
+    auto it = reg.by_output.find(tensor.unsafeGetTensorImpl());
+    if (it == reg.by_output.end()) return tensor;
+    p = it->second;
+  }
+  std::exception_ptr err = p->wait();
+  {
+    auto& reg = pending_registry();
+    std::lock_guard<std::mutex> l(reg.mu);
+    auto it = reg.by_output.find(tensor.unsafeGetTensorImpl());
+    if (it != reg.by_output.end() && it->second == p) reg.by_output.erase(it);
+  }
+  if (err) std::rethrow_exception(err);
+  return tensor;
+}
+
+static int64_t abi_version() { return 3; }  // adaptdist/kernels/__init__.py ABI_VERSION
 
 }  // namespace adaptdist_shm
 
@@ -1263,6 +1436,12 @@ TORCH_LIBRARY(adaptdist, m) {
   m.def("shm_all_to_all_single(Tensor input, SymInt[] output_split_sizes, SymInt[] input_split_sizes, "
         "str group_name) -> Tensor");
   m.def("shm_broadcast(Tensor input, int src, str group_name) -> Tensor");
+  // Started collectives: the same signatures; the output is complete only after shm_wait(output) (as
+  // _c10d_functional's collectives and wait_tensor). With the group's comm thread off they complete on return.
+  m.def("shm_all_reduce_start(Tensor input, str reduce_op, str group_name) -> Tensor");
+  m.def("shm_all_gather_into_tensor_start(Tensor input, int group_size, str group_name) -> Tensor");
+  m.def("shm_reduce_scatter_tensor_start(Tensor input, str reduce_op, int group_size, str group_name) -> Tensor");
+  m.def("shm_wait(Tensor tensor) -> Tensor");
   // Group management (not traced: called by adaptdist.kernels.shm); catch-all kernels.
   m.def("_shm_group_attach(str group_name, str segment, int group_rank, int group_size, int global_rank, "
         "int slot_bytes, float timeout_s, int spin_ns, bool create) -> ()",
@@ -1282,6 +1461,10 @@ TORCH_LIBRARY_IMPL(adaptdist, CPU, m) {
   m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_entry);
   m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_entry);
   m.impl("shm_broadcast", &adaptdist_shm::broadcast_entry);
+  m.impl("shm_all_reduce_start", &adaptdist_shm::all_reduce_start);
+  m.impl("shm_all_gather_into_tensor_start", &adaptdist_shm::all_gather_start);
+  m.impl("shm_reduce_scatter_tensor_start", &adaptdist_shm::reduce_scatter_start);
+  m.impl("shm_wait", &adaptdist_shm::shm_wait);
 }
 
 TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {
@@ -1290,4 +1473,8 @@ TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {
   m.impl("shm_reduce_scatter_tensor", &adaptdist_shm::reduce_scatter_meta);
   m.impl("shm_all_to_all_single", &adaptdist_shm::all_to_all_meta);
   m.impl("shm_broadcast", &adaptdist_shm::broadcast_meta);
+  m.impl("shm_all_reduce_start", &adaptdist_shm::all_reduce_meta);
+  m.impl("shm_all_gather_into_tensor_start", &adaptdist_shm::all_gather_meta);
+  m.impl("shm_reduce_scatter_tensor_start", &adaptdist_shm::reduce_scatter_meta);
+  m.impl("shm_wait", &adaptdist_shm::wait_meta);
 }

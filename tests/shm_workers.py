@@ -221,6 +221,40 @@ def _check_specials_and_held_outputs(group, failures: list[str], tag: str) -> in
     return cases + 1
 
 
+def _check_started(world_g, pairs, sizes, failures: list[str]) -> int:
+    """The started ops (``shm_*_start`` + ``shm_wait``) with the comm threads on: two groups at once, started ones
+    queued behind and before complete ones, waited for in reverse order; results equal the documented reference.
+    Returns the number of cases."""
+    ops = torch.ops.adaptdist
+    cases = 0
+    groups = (world_g, *pairs)
+    for g in groups:
+        ops._shm_group_set_comm_thread(g.name, True)
+    for i, numel in enumerate(sizes):
+        pending = []
+        for g in groups:
+            n, me = g.group_size, g.group_rank
+            xs = _inputs(8000 + i, n, numel, torch.float32, "nc" if numel >= 6 else "c")
+            xs2 = [torch.cat([t.reshape(-1)] * n).reshape(n, -1) for t in xs]
+            pending.append((ops.shm_all_reduce_start(xs[me], "sum", g.name), _reference_reduce(xs, "sum"),
+                            f"{g.name} all_reduce"))
+            whole = g.all_reduce(xs[me], "max")  # run to completion behind the started one
+            if not torch.equal(whole, _reference_reduce(xs, "max")):
+                failures.append(f"started: {g.name} all_reduce max numel={numel} behind a started op: wrong")
+            pending.append((ops.shm_all_gather_into_tensor_start(xs[me], n, g.name),
+                            torch.cat([t.contiguous() for t in xs]), f"{g.name} all_gather"))
+            pending.append((ops.shm_reduce_scatter_tensor_start(xs2[me], "sum", n, g.name),
+                            _reference_reduce([t[me:me + 1] for t in xs2], "sum"), f"{g.name} reduce_scatter"))
+        for out, want, what in reversed(pending):
+            got = ops.shm_wait(out)
+            if got.shape != want.shape or not torch.equal(got.reshape(-1), want.reshape(-1)):
+                failures.append(f"started: {what} numel={numel}: wrong")
+            cases += 1
+    for g in groups:
+        ops._shm_group_set_comm_thread(g.name, False)
+    return cases
+
+
 def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
     """On 4 ranks: the world (4), ranks [0, 1, 2] (3), and two pairs of size-2 groups at once ({0,1},{2,3}
     named 'pair'; {0,2},{1,3} named 'pair2', used alternately). Returns failures, case count, segments."""
@@ -261,6 +295,7 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
             cases += 2
     cases += _check_group(gp, my_pair, 3, sizes, failures, "pair")
     timings["pairs"] = time.monotonic() - t0
+    cases += _check_started(world_g, (gp, gp2), sizes, failures)
     cases += _check_specials_and_held_outputs(world_g, failures, "world(4)")
     cases += _check_specials_and_held_outputs(gp2, failures, "pair2")
     return {"failures": failures, "cases": cases, "pids": world_g.pids(), "timings": timings,
@@ -269,7 +304,8 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
 
 def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     """3 ranks. (1) group 'stall' (timeout ``stall_timeout_s``): rank 2 sleeps past it while ranks 0 and 1 wait
-    in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then all_reduce.
+    in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then start all_reduces on the group's
+    comm thread and wait for them.
     Returns per rank what each raised and how long it took."""
     from adaptdist.errors import ShmPeerError
     from adaptdist.kernels import shm
@@ -296,10 +332,12 @@ def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     # not needed for the outcome (a peer's death is seen whenever it happens: its pid is checked every 50 ms);
     # it lets the kill land first, so "killed_s" measures detection of a dead peer, not rank 2's exit
     time.sleep(0.2)
+    # a started collective on the group's comm thread: the death surfaces at its shm_wait, typed as from the ops
+    torch.ops.adaptdist._shm_group_set_comm_thread("main", True)
     t0 = time.monotonic()
     try:
         for _ in range(3):
-            main.all_reduce(x)
+            shm._call(torch.ops.adaptdist.shm_wait, torch.ops.adaptdist.shm_all_reduce_start(x, "sum", "main"))
         out["killed"] = None
     except ShmPeerError as e:
         out["killed"] = (str(e), e.peer_group_rank, e.peer_global_rank, e.peer_pid)

@@ -162,3 +162,44 @@ def test_comm_thread_runs_the_ops_and_reraises_their_errors(tmp_path, monkeypatc
             shm.destroy_group(g.name)
     finally:
         dist.destroy_process_group()
+
+
+@needs_kernels
+def test_started_collectives_complete_at_the_wait_in_order(tmp_path, monkeypatch):
+    """``shm_*_start`` + ``shm_wait``: with the comm thread on, the caller gets the output at once and the job fills
+    it in submission order (started and run-to-completion ops of one group mixed); with it off, the start runs the
+    collective itself. Results equal the synchronous ops'; a wait on a tensor no collective fills returns it; bad
+    arguments raise at the start, with the synchronous op's type."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_PORT", "0")
+    ops = torch.ops.adaptdist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for on in (True, False):
+            g = shm.init_group(name=f"st{int(on)}", comm_thread=on, timeout_s=10.0)
+            xs = [torch.randn(n)[::2] for n in (2, 7, 300_000, 3_000_000)]  # up to 6 MiB: the reused output block
+            started = []
+            for x in xs:
+                started.append((ops.shm_all_reduce_start(x, "sum", g.name), x.clone()))
+                started.append((ops.shm_all_gather_into_tensor_start(x, 1, g.name), x.clone()))
+                started.append((ops.shm_reduce_scatter_tensor_start(x, "avg", 1, g.name), x.clone()))
+                assert torch.equal(ops.shm_all_reduce(x, "max", g.name), x)  # queued behind the started ones
+            for out, want in started:
+                assert torch.equal(ops.shm_wait(out), want)
+            y = torch.ones(3)
+            assert ops.shm_wait(y) is y
+            with pytest.raises(ValueError, match="reduce_op .min. is not supported"):
+                ops.shm_all_reduce_start(y, "min", g.name)
+            with pytest.raises(ValueError, match="group_size 2"):
+                ops.shm_all_gather_into_tensor_start(y, 2, g.name)
+            with pytest.raises(TypeError, match="does not support dtype"):
+                ops.shm_reduce_scatter_tensor_start(torch.ones(2, dtype=torch.int64), "sum", 1, g.name)
+            assert torch.equal(ops.shm_wait(ops.shm_all_reduce_start(y, "sum", g.name)), y)  # usable after
+            shm.destroy_group(g.name)
+        meta = torch.empty(4, 3, device="meta")
+        assert ops.shm_all_gather_into_tensor_start(meta, 2, "any").shape == (8, 3)
+        assert ops.shm_reduce_scatter_tensor_start(meta, "sum", 2, "any").shape == (2, 3)
+        assert ops.shm_wait(ops.shm_all_reduce_start(meta, "sum", "any")).shape == (4, 3)
+    finally:
+        dist.destroy_process_group()

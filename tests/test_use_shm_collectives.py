@@ -205,3 +205,62 @@ def test_pipeline_groups_of_one_host_take_shared_memory():
         assert p.transports() == {"pp": "gloo", "tp": "shm"}
         code = "".join(m.code for st in p.stages for m in (st.forward, st.backward_input, st.backward_weight))
         assert set(shm_groups_in_code(code.replace('"', "'"))) == {name} and "_c10d_functional" not in code, r
+
+
+@needs_kernels
+def test_collectives_with_work_before_their_wait_are_started_and_waited_for():
+    """A collective whose wait does not follow it at once (a gradient bucket issued before the rest of backward)
+    becomes ``shm_X_start`` + ``shm_wait`` at the wait's place; the others stay complete on return. The cost
+    model, the consistency checks and the trace see the started op as the collective and ``shm_wait`` as its wait;
+    the graph computes what the functional one did (one rank)."""
+    from adaptdist.comm_transport import is_shm_started, is_shm_wait
+    from adaptdist.cost_models.communication import functional_collective_kind, is_synchronous_collective
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 3)
+    started = {}
+    for name, op, args in (("ar", c10d.all_reduce.default, ("sum", "adaptdist:dp")),
+                           ("ag", c10d.all_gather_into_tensor.default, (1, "adaptdist:dp")),
+                           ("rs", c10d.reduce_scatter_tensor.default, ("sum", 1, "adaptdist:dp"))):
+        c = g.call_function(op, (x, *args))
+        c.meta["val"] = torch.empty(4, 3)
+        started[name] = c
+    work = g.call_function(torch.ops.aten.mul.Tensor, (x, x))  # between the issues and the waits
+    work.meta["val"] = torch.empty(4, 3)
+    outs = [work]
+    for c in started.values():
+        w = g.call_function(c10d.wait_tensor.default, (c,))
+        w.meta["val"] = c.meta["val"]
+        outs.append(w)
+    now = g.call_function(c10d.all_reduce.default, (work, "max", "adaptdist:dp"))  # waited at once: stays whole
+    now.meta["val"] = torch.empty(4, 3)
+    w = g.call_function(c10d.wait_tensor.default, (now,))
+    w.meta["val"] = now.meta["val"]
+    g.output((*outs, w))
+    gm, changed = use_shm_collectives(torch.fx.GraphModule(nn.Module(), g), {"adaptdist:dp": "st"})
+    shm = torch.ops.adaptdist
+    assert changed and _targets(gm) == [
+        shm.shm_all_reduce_start.default, shm.shm_all_gather_into_tensor_start.default,
+        shm.shm_reduce_scatter_tensor_start.default, torch.ops.aten.mul.Tensor,
+        shm.shm_wait.default, shm.shm_wait.default, shm.shm_wait.default, shm.shm_all_reduce.default]
+    kinds = [functional_collective_kind(t) for t in _targets(gm)]
+    assert kinds == ["all_reduce", "all_gather", "reduce_scatter", None, "wait", "wait", "wait", "all_reduce"]
+    assert [is_shm_started(t) for t in _targets(gm)][:3] == [True] * 3 and is_shm_wait(shm.shm_wait.default)
+    assert not is_synchronous_collective(shm.shm_all_reduce_start.default)
+    assert is_synchronous_collective(shm.shm_all_reduce.default) and not is_shm_collective(shm.shm_wait.default)
+    assert shm_groups_in_code(gm.code.replace('"', "'")) == ["st"]
+
+    import torch.distributed as dist
+
+    from adaptdist.kernels import shm as kshm
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        kshm.init_group(name="st", comm_thread=True, timeout_s=10.0, job_key="test_started")
+        t = torch.randn(4, 3)
+        got = gm(t)
+        assert all(torch.equal(a, b) for a, b in zip(got, (t * t, t, t, t, t * t)))
+        kshm.destroy_group("st")
+    finally:
+        dist.destroy_process_group()

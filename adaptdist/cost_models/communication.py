@@ -51,23 +51,35 @@ CALIBRATED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_
 
 _SHM_KINDS = {"shm_all_reduce": "all_reduce", "shm_all_gather_into_tensor": "all_gather",
               "shm_reduce_scatter_tensor": "reduce_scatter", "shm_all_to_all_single": "all_to_all",
-              "shm_broadcast": "broadcast"}
+              "shm_broadcast": "broadcast", "shm_all_reduce_start": "all_reduce",
+              "shm_all_gather_into_tensor_start": "all_gather", "shm_reduce_scatter_tensor_start": "reduce_scatter",
+              "shm_wait": "wait"}
 
 
 def functional_collective_kind(target: Any) -> str | None:
     """The collective a ``_c10d_functional.*`` op issues (``"all_reduce"``, ``"all_gather"``, ...),
     ``"wait"`` for ``wait_tensor``, None for anything else (by op handle: :mod:`adaptdist._torch_compat`).
-    adaptdist's shared-memory ops (``torch.ops.adaptdist.shm_*``: complete on return, no wait) count as the
-    collective they carry (:func:`is_synchronous_collective`)."""
+    adaptdist's shared-memory ops (``torch.ops.adaptdist.shm_*``) count as the collective they carry (complete on
+    return, :func:`is_synchronous_collective`, or started, then ``shm_wait``: ``"wait"``)."""
+    from ..comm_transport import is_shm_collective, is_shm_wait
+
     kind = compat.functional_collective_kind(target)
-    if kind is None and is_synchronous_collective(target):
+    if kind is None and (is_shm_collective(target) or is_shm_wait(target)):
         kind = _SHM_KINDS.get(str(target.name()).split("::")[-1].split(".")[0])
     return kind
 
 
 def is_synchronous_collective(target: Any) -> bool:
-    """Whether ``target`` is a collective complete on return (adaptdist's shared-memory ops): its cost is waited
-    for at its issue, and a one-host group's ``intra_host`` figures are the kernels' (``--comm``)."""
+    """Whether ``target`` is a collective complete on return (adaptdist's shared-memory ops, not the started ones):
+    its cost is waited for at its issue."""
+    from ..comm_transport import is_shm_collective, is_shm_started
+
+    return is_shm_collective(target) and not is_shm_started(target)
+
+
+def is_shm_priced(target: Any) -> bool:
+    """Whether ``target`` is one of adaptdist's shared-memory collectives (complete on return or started): a one-host
+    group's ``intra_host`` figures are the kernels' (``--comm``)."""
     from ..comm_transport import is_shm_collective
 
     return is_shm_collective(target)
@@ -218,7 +230,7 @@ def _shm_fit(cluster: ClusterLike, collective: str) -> Any:
 def link_cost(cluster: ClusterLike, collective: str, members: Sequence[int], shm: bool = False) -> LinkCost:
     """The per-message alpha and per-byte beta a collective over ``members`` runs at.
 
-    ``shm``: the collective is one of adaptdist's shared-memory ops (:func:`is_synchronous_collective`), or the
+    ``shm``: the collective is one of adaptdist's shared-memory ops (:func:`is_shm_priced`), or the
     cluster is marked ``shm_collectives`` (the ``--comm auto|shm`` view the planner prices with) and the collective
     is not send_recv; on one host it runs at the cluster's measured ``shm`` fit (``adaptdist cluster profile`` with the kernels), else at the
     cost model's estimated shared-memory figures (:func:`~.hardware.default_shm_link`), never at gloo's.

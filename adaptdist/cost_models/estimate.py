@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import UsageError
-from .communication import LinkCost, collective_time_s, group_members, is_synchronous_collective, link_cost
+from .communication import (LinkCost, collective_time_s, group_members, is_shm_priced, is_synchronous_collective,
+                            link_cost)
 from .compute import NodeCost, dispatches_op, flop_formulas, node_cost, node_time_s, roofline_time_s
 from .hardware import ClusterLike, DeviceLike, as_cost_cluster, op_overhead_s
 from .memory import MemoryEstimate, OptimizerModel, estimate_memory, optimizer_model
@@ -171,7 +172,7 @@ def collective_costs(schedule: StepSchedule, cluster: ClusterLike, algorithm: st
             continue
         members = group_members(n.group or "", schedule.rank, schedule.mesh)
         link = (links or {}).get((n.group or "", n.collective or "")) or link_cost(
-            cluster, n.collective or "", members, shm=is_synchronous_collective(n.target))
+            cluster, n.collective or "", members, shm=is_shm_priced(n.target))
         p = group_size(n) if group_size else len(members)
         nbytes = collective_bytes(schedule, n)
         t = collective_time_s(n.collective or "", nbytes, p, link.alpha_s, link.beta_s_per_byte, algorithm)

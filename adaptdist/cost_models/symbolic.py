@@ -44,7 +44,7 @@ import sympy
 
 from ..errors import AdaptdistError, UsageError
 from ..mesh import base_group_name
-from .communication import group_members, is_synchronous_collective, link_cost
+from .communication import group_members, is_shm_priced, link_cost
 from .compute import flop_formulas
 from .estimate import collective_costs, rank_events
 from .hardware import ClusterLike, as_cost_cluster
@@ -299,7 +299,7 @@ def symbolic_estimate(schedule: StepSchedule, symbols: Sequence[sympy.Symbol], c
         key = (n.group or "", n.collective or "")
         if n.kind == "collective" and key not in links:
             members = group_members(key[0], schedule.rank, schedule.mesh)
-            links[key] = link_cost(cluster, key[1], members, shm=is_synchronous_collective(n.target))
+            links[key] = link_cost(cluster, key[1], members, shm=is_shm_priced(n.target))
 
     def group_size(node) -> Any:
         axis = base_group_name(node.group or "").partition(":")[2]

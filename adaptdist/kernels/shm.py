@@ -19,6 +19,17 @@ FX graphs and saved rank programs::
     torch.ops.adaptdist.shm_broadcast(Tensor input, int src, str group_name) -> Tensor
         src is a *group* rank; every rank returns a copy of src's input
 
+Started forms (all_reduce, all_gather, reduce_scatter; what the lowering uses where work sits between a collective
+and its wait, as a functional collective and its ``wait_tensor``)::
+
+    torch.ops.adaptdist.shm_all_reduce_start(...)  /  shm_all_gather_into_tensor_start(...)  /
+    shm_reduce_scatter_tensor_start(...)          # the same arguments; returns the output, not yet filled
+    torch.ops.adaptdist.shm_wait(Tensor output) -> Tensor   # waits for it, returns it; raises the collective's error
+
+With the group's comm thread on, a started collective is queued on it behind the group's earlier ones (in order)
+and the caller computes on; with it off it completes before the start returns (``shm_wait`` then returns at once).
+Read a started output only through its ``shm_wait``, and do not write the input before it.
+
 All ranks of a group must call the same ops in the same order with the same dtypes and sizes (a mismatch
 is detected and raised, naming the peer); inputs may be non-contiguous. all_gather, all_to_all and
 broadcast also take float64 and integer/bool tensors (they only move bytes).

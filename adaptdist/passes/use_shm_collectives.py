@@ -7,7 +7,12 @@ that follows it, becomes ``torch.ops.adaptdist.shm_X(..., shm_name)`` with the s
 mirror the functional collectives' signatures and are complete on return: no wait). ``shm_name`` names the
 shared-memory group by this rank's group's ranks (:func:`adaptdist.mesh.shm_group_name`, ``adaptdist:dp[0,1]``):
 a shared-memory group cannot be re-pointed between runs as a gloo group's name is, so graphs over other ranks
-(the torch.compile backend's graphs on different meshes) must name other groups. Everything before this pass
+(the torch.compile backend's graphs on different meshes) must name other groups. An all_reduce, all_gather or
+reduce_scatter whose wait does not follow it at once (work in between: a gradient bucket's collective issued
+before the rest of backward) becomes the started op, ``adaptdist.shm_X_start``, and its wait
+``adaptdist.shm_wait``: with the group's comm thread on, the caller computes on while that thread carries the
+collective, as gloo's worker thread does for a functional collective; with it off the started op completes on
+return. Everything before this pass
 (planner, passes, consistency checks, cost model) sees the functional collectives unchanged.
 
 Stays on gloo (left as is): an ``all_to_all_single`` with uneven splits; an ``all_reduce`` /
@@ -33,7 +38,7 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as compat
-from ..comm_transport import SHM_OPS
+from ..comm_transport import SHM_OPS, SHM_START_OPS
 
 _REDUCE_OPS = ("sum", "avg", "max")
 _REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,14 +91,22 @@ def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: Mapping[str, str] 
         name = _functional_name(node.target)
         if name is None or node.args[-1] not in names or node.kwargs or not _supported(name, node):
             continue
-        op = getattr(torch.ops.adaptdist, SHM_OPS[name]).default
+        waits = [u for u in node.users
+                 if u.op == "call_function" and compat.functional_collective_kind(u.target) == "wait"]
+        started = name in SHM_START_OPS and len(waits) == 1 and len(node.users) == 1 and waits[0] is not node.next
+        op = getattr(torch.ops.adaptdist, (SHM_START_OPS if started else SHM_OPS)[name]).default
         with graph.inserting_before(node):
             new = graph.call_function(op, (*node.args[:-1], names[node.args[-1]]))
         new.meta = dict(node.meta)
-        for user in list(node.users):
-            if user.op == "call_function" and compat.functional_collective_kind(user.target) == "wait":
+        for user in waits:
+            if started:  # the work between the issue and the wait overlaps the collective
+                with graph.inserting_before(user):
+                    wait = graph.call_function(torch.ops.adaptdist.shm_wait.default, (new,))
+                wait.meta = dict(user.meta)
+                user.replace_all_uses_with(wait)
+            else:
                 user.replace_all_uses_with(new)
-                graph.erase_node(user)
+            graph.erase_node(user)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         changed = True

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .. import _torch_compat as compat
-from ..comm_transport import is_shm_collective
+from ..comm_transport import is_shm_collective, is_shm_started, is_shm_wait
 from ..errors import AdaptdistError
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "FB", "optimizer")
@@ -478,6 +478,10 @@ def instrument_collectives(gm: Any, recorder: TraceRecorder, forward_outputs: Se
         if n.op != "call_function":
             continue
         kind = compat.functional_collective_kind(n.target)
+        if kind is None and is_shm_started(n.target):  # issued here, waited on at its shm_wait
+            kind = str(n.target.name()).split("::")[-1].removesuffix("_start")
+        elif kind is None and is_shm_wait(n.target):
+            kind = "wait"
         if kind is None and is_shm_collective(n.target):  # complete on return: issued, then waited on, by one call
             k = len(recorder._collectives)
             val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
