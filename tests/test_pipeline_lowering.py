@@ -307,3 +307,32 @@ def test_a_parameter_of_the_model_itself_registered_twice_is_not_a_layer_and_pip
     assert pipeline_layers(cg) == ["a", "b", "c"]
     progs = compile_model(m, batch, F.mse_loss, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
     check_against_eager(progs, batch, eager(m, batch, F.mse_loss))
+
+
+class _PackedMaskAttention(nn.Module):
+    """A mask built from positions as Hugging Face builds its packed-sequence masks (positions expanded over the
+    batch, cumsum of the breaks, gathered with the batch's arange): a whole-batch constant each microbatch slices."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s).expand(b, s)
+        seq = (torch.cat([pos[:, :1] - 1, pos], 1).diff(dim=1) != 1).cumsum(1)
+        rows = torch.arange(b)[:, None, None]
+        same = seq[rows, torch.arange(s)[None, :, None]] == seq[rows, torch.arange(s)[None, None, :]]
+        causal = torch.arange(s)[:, None] >= torch.arange(s)[None, :]
+        scores = torch.where(same & causal, self.q(x) @ x.transpose(1, 2), torch.tensor(-1e4))
+        return self.out(scores.softmax(-1) @ x).mean(1)
+
+
+def test_a_constant_mask_over_the_whole_batch_is_one_slice_for_every_microbatch():
+    """Found by a new user on HF Phi under --plan pp: the microbatches' programs differed by the rows they cut out
+    of such a mask; its rows are equal (computed once at lowering), so every microbatch takes rows [0, n)."""
+    torch.manual_seed(0)
+    m = _PackedMaskAttention()
+    batch = (torch.randn(8, 6, 8), torch.randn(8, 3))
+    progs = compile_model(m, batch, F.mse_loss, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    check_against_eager(progs, batch, eager(m, batch, F.mse_loss))

@@ -108,7 +108,8 @@ def localize_shapes(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> tu
         rs_dim = gmeta.get_rank_slice(node, ctx.group_name)
         if rs_dim is not None:
             s, e = intervals[node]
-            if _rows_alike(node.args[0], rs_dim):  # every row the same: any rows do, and one program serves all ranks
+            if _rows_alike(node.args[0], rs_dim) or _constant_rows_alike(node.args[0], rs_dim):
+                # every row the same: any rows do, and one program serves all ranks (and microbatches)
                 s, e = 0, e - s
             node.args = (node.args[0], rs_dim, s, e)
             changed = True
@@ -294,14 +295,75 @@ _FILLS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, 
 
 
 _ELEMENTWISE = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor,
-                aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default}
+                aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.neg.default, aten.rsub.Scalar,
+                aten.rsub.Tensor,
+                # masks built from positions (Hugging Face's causal and padding masks): comparisons, logic, where
+                aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar,
+                aten.masked_fill.Tensor, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
+                aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar, aten.eq.Tensor, aten.eq.Scalar,
+                aten.ne.Tensor, aten.ne.Scalar, aten.logical_and.default, aten.logical_or.default,
+                aten.logical_not.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_not.default,
+                aten.minimum.default, aten.maximum.default}
+
+
+_CONSTANT_EVAL_MAX_NUMEL = 1 << 22
+"""The largest constant (in elements, each node of its ancestry) :func:`_constant_rows_alike` computes."""
+
+
+def _constant_rows_alike(x: Any, dim: int) -> bool:
+    """Whether ``x``, a value computed from no input, parameter or random draw (Hugging Face's causal and
+    packed-sequence masks, built from positions and expanded over the batch), holds the same values at every index
+    along ``dim``: computed once on CPU and compared (the structural :func:`_rows_alike` cannot follow
+    ``index``/``cumsum`` chains). The result is cached on the node."""
+    if not isinstance(x, torch.fx.Node):
+        return False
+    cache = x.meta.setdefault("adaptdist_constant_rows_alike", {})
+    if dim not in cache:
+        cache[dim] = _evaluate_rows_alike(x, dim)
+    return cache[dim]
+
+
+def _evaluate_rows_alike(x: torch.fx.Node, dim: int) -> bool:
+    order: list[torch.fx.Node] = []
+    seen: set[torch.fx.Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v = n.meta.get("val")
+        tags = getattr(n.target, "tags", None)  # ATen ops only (they carry tags), none that draws random numbers
+        if (n.op != "call_function" or tags is None or torch.Tag.nondeterministic_seeded in tags
+                or not isinstance(v, torch.Tensor) or v.numel() > _CONSTANT_EVAL_MAX_NUMEL):
+            return False
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    position = {n: i for i, n in enumerate(x.graph.nodes)}
+    env: dict[torch.fx.Node, Any] = {}
+
+    def on_cpu(a: Any) -> Any:
+        return torch.device("cpu") if isinstance(a, torch.device) else a
+
+    try:
+        for n in sorted(order, key=position.__getitem__):
+            args = torch.fx.node.map_arg(n.args, env.__getitem__)
+            kwargs = {k: on_cpu(v) for k, v in torch.fx.node.map_arg(n.kwargs, env.__getitem__).items()}
+            env[n] = n.target(*args, **kwargs)
+        t = env[x]
+    except Exception:  # an op that does not run on CPU here: not provably alike
+        return False
+    if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] == 0:
+        return False
+    return torch.equal(t, t.narrow(dim, 0, 1).expand_as(t))
 
 
 def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
     """Whether every index of ``x`` along ``dim`` holds the same values, from how ``x`` is made: a constant fill,
     or an expand of a size-1 (or absent) dim (the backward of a sum/mean), through clones and dtype copies, and
-    through elementwise arithmetic whose other operands are numbers or broadcast along ``dim`` (the backward of
-    a mean: that expand divided by the row count). Then
+    through elementwise ops (arithmetic, comparisons, logic, ``where``) whose other operands are numbers or
+    broadcast along ``dim`` (the backward of a mean: that expand divided by the row count; a mask built from
+    positions), and through an embedding of such indices (positions expanded over the batch). Then
     a rank slice of ``x`` along ``dim`` may take rows [0, n) on every rank (the pipeline's microbatches run one
     program: their slices must not depend on the microbatch's offset)."""
     if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
@@ -317,6 +379,10 @@ def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
         return dim < lead or v.shape[dim - lead] == 1 or _rows_alike(src, dim - lead, depth - 1)
     if x.target in (aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default):
         return _rows_alike(x.args[0], dim, depth - 1)
+    if x.target is aten.embedding.default:  # [*indices, D]: a row of indices' dims is a row of the output
+        idx = x.args[1]
+        v = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
+        return isinstance(v, torch.Tensor) and dim < v.dim() and _rows_alike(idx, dim, depth - 1)
     if x.target in _ELEMENTWISE:
         out_rank = x.meta["val"].dim()
         tensors = [a for a in x.args if isinstance(a, torch.fx.Node)]
