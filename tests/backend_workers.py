@@ -196,7 +196,7 @@ def sharded_memory_worker(plan: str, timeout_s: float = 120.0) -> dict:
     owned = _join_group(timeout_s)
     try:
         rank, world = int(os.environ["RANK"]), dist.get_world_size()
-        model, batch, loss_fn = tiny_gpt(8, 8, seed=0, num_heads=4)
+        model, batch, loss_fn = FACTORIES["gpt"](8)  # the model the test counts against
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         be = adaptdist.backend(plan=plan)
         compiled = torch.compile(model, backend=be, fullgraph=True)
