@@ -117,6 +117,7 @@ def dp_on_2_summary(tmp_path_factory) -> dict:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process load, on purpose
 @pytest.mark.parametrize("plan", ["fsdp", "tp", "dp,tp"])
+@pytest.mark.timeout(600)  # the first case also builds the shared dp run: 324 s at load 15-20, over the default 300
 def test_sharded_plans_train_and_checkpoint_full_tensors(tmp_path, plan, request):
     """The same steps under dp and a sharded plan give the same losses; the DCP checkpoint of
     sharded state loads back as full tensors equal to model.safetensors. dp,tp runs on a 2x2 mesh
