@@ -766,15 +766,16 @@ def dynamo_failed_compile() -> tuple[Any, Any, dict, BaseException] | None:
     will reach the caller of the compiled code, as (its backend as passed to ``torch.compile``, the frame's code,
     its locals at entry, the error); None when the compile succeeds, or fails in a way Dynamo handles itself (a
     graph break's ``Unsupported`` or ``UserError``: the frame then runs eagerly) or that the backend raised
-    (``BackendCompilerFailed``: the backend's own error). The compile is ``_compile`` in
+    (``BackendCompilerFailed``: the backend's own error; or a ``ShortenTraceback``, its base, which
+    :func:`through_dynamo` gives the errors the ranks already agreed on). The compile is ``_compile`` in
     ``torch/_dynamo/convert_frame.py``, found on the call stack: its ``compile_inner`` runs the end callbacks as
     the error leaves it (``callback.py``'s ``install_callbacks``), so the error in flight must have passed through
     that frame (not an error the caller's own ``except`` block is handling)."""
     from torch._dynamo.eval_frame import innermost_backend
-    from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
+    from torch._dynamo.exc import ShortenTraceback, Unsupported, UserError
 
     error = sys.exc_info()[1]
-    if not isinstance(error, Exception) or isinstance(error, (BackendCompilerFailed, Unsupported, UserError)):
+    if not isinstance(error, Exception) or isinstance(error, (ShortenTraceback, Unsupported, UserError)):
         return None
     source = os.path.join("_dynamo", "convert_frame.py")
     inner = None

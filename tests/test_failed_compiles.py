@@ -192,3 +192,17 @@ def test_the_ranks_that_compiled_raise_the_typed_error_too(monkeypatch):
     finally:
         dist.destroy_process_group()
         _reset()
+
+
+def test_an_agreed_error_the_backend_raises_is_not_a_failed_trace(recorded_failures):
+    """An agreed error the backend passes through Dynamo (compat.through_dynamo) is the backend's, as a
+    BackendCompilerFailed was: the rank does not announce a failed compile after it (it did: a second, confusing
+    RankDivergenceError on the ranks that compiled)."""
+    def backend(gm, example_inputs):
+        raise compat.through_dynamo(RankInputMismatchError("agreed"))
+
+    backend.announces_failed_compiles = True
+    recorded_failures.reset()
+    with pytest.raises(RankInputMismatchError, match="agreed"):
+        torch.compile(_mlp(), backend=backend, dynamic=False)(torch.randn(4, 12))
+    assert recorded_failures[-1] is None
