@@ -925,16 +925,22 @@ def through_dynamo(error: Exception) -> Exception:
 
     Returns an instance of a subclass of ``type(error)`` and of ``ShortenTraceback`` with the same name, module,
     message, attributes and cause (``isinstance(e, type(error))`` holds, and the traceback's last line reads
-    ``adaptdist.errors.RankInputMismatchError: ...``); ``error`` itself where it already passes, or where its
-    type cannot be combined with Dynamo's (a built-in of another layout)."""
+    ``adaptdist.errors.RankInputMismatchError: ...``; pickled, it is the plain error); ``error`` itself where it
+    already passes, or where its type cannot be combined with Dynamo's (a built-in of another layout)."""
     from torch._dynamo.exc import ShortenTraceback
 
     cls = type(error)
     if isinstance(error, ShortenTraceback):
         return error
+    dynamo_fields = ("first_useful_frame", "_torch_dynamo_tracer_output", "frame_exec_strategy")
+
+    def reduce(self: Exception) -> tuple:  # pickled (a rank's error sent to its launcher) as the plain error
+        return cls, tuple(self.args), {k: v for k, v in self.__dict__.items() if k not in dynamo_fields}
+
     try:
         passing = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__,
-                                                               "__qualname__": cls.__qualname__})
+                                                               "__qualname__": cls.__qualname__,
+                                                               "__reduce__": reduce})
     except TypeError:
         return error
     out = Exception.__new__(passing)

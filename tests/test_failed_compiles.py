@@ -206,3 +206,13 @@ def test_an_agreed_error_the_backend_raises_is_not_a_failed_trace(recorded_failu
     with pytest.raises(RankInputMismatchError, match="agreed"):
         torch.compile(_mlp(), backend=backend, dynamic=False)(torch.randn(4, 12))
     assert recorded_failures[-1] is None
+
+
+def test_an_error_passed_through_dynamo_pickles_as_the_plain_error():
+    """A rank's error crosses processes (to its launcher) pickled: as adaptdist's own type and message."""
+    import pickle
+
+    passing = compat.through_dynamo(RankInputMismatchError("L['x'] differs"))
+    assert isinstance(passing, RankInputMismatchError) and passing is not None
+    back = pickle.loads(pickle.dumps(passing))
+    assert type(back) is RankInputMismatchError and str(back) == "L['x'] differs"
