@@ -766,15 +766,16 @@ def dynamo_failed_compile() -> tuple[Any, Any, dict, BaseException] | None:
     will reach the caller of the compiled code, as (its backend as passed to ``torch.compile``, the frame's code,
     its locals at entry, the error); None when the compile succeeds, or fails in a way Dynamo handles itself (a
     graph break's ``Unsupported`` or ``UserError``: the frame then runs eagerly) or that the backend raised
-    (``BackendCompilerFailed``: the backend's own error). The compile is ``_compile`` in
+    (``BackendCompilerFailed``: the backend's own error; or a ``ShortenTraceback``, its base, which
+    :func:`through_dynamo` gives the errors the ranks already agreed on). The compile is ``_compile`` in
     ``torch/_dynamo/convert_frame.py``, found on the call stack: its ``compile_inner`` runs the end callbacks as
     the error leaves it (``callback.py``'s ``install_callbacks``), so the error in flight must have passed through
     that frame (not an error the caller's own ``except`` block is handling)."""
     from torch._dynamo.eval_frame import innermost_backend
-    from torch._dynamo.exc import BackendCompilerFailed, Unsupported, UserError
+    from torch._dynamo.exc import ShortenTraceback, Unsupported, UserError
 
     error = sys.exc_info()[1]
-    if not isinstance(error, Exception) or isinstance(error, (BackendCompilerFailed, Unsupported, UserError)):
+    if not isinstance(error, Exception) or isinstance(error, (ShortenTraceback, Unsupported, UserError)):
         return None
     source = os.path.join("_dynamo", "convert_frame.py")
     inner = None
@@ -899,18 +900,58 @@ def remove_global_forward_pre_hook(hook: Callable) -> int:
     return len(keys)
 
 
-def raise_at_frame_compile_end(error: BaseException) -> None:
+def raise_at_frame_compile_end(error: Exception) -> None:
     """Raise ``error`` from an end callback of :func:`on_dynamo_frame_compiled`, leaving Dynamo able to compile
     (and ``torch._dynamo.reset()``) afterwards: its handler counts pending compiles and decrements the count only
     after the end callbacks return (``callback.py``, ``install_callbacks``), so a raising callback would leave it
-    one too high: no later callback would run and ``reset()`` would fail. Takes that count back first."""
+    one too high: no later callback would run and ``reset()`` would fail. Takes that count back first. The error
+    reaches the caller of the compiled code as itself (:func:`through_dynamo`), not wrapped in Dynamo's
+    ``InternalTorchDynamoError``."""
     import torch._dynamo
 
     handler = torch._dynamo.callback_handler
     name = "_CompilationCallbackHandler__pending_callbacks_counter"
     if getattr(handler, name, 0) > 0:
         setattr(handler, name, getattr(handler, name) - 1)
-    raise error
+    raise through_dynamo(error)
+
+
+def through_dynamo(error: Exception) -> Exception:
+    """``error`` as an exception that Dynamo hands to the caller of the compiled code unchanged, so the user sees
+    (and can catch) adaptdist's typed error: Dynamo rewraps any other error raised while it compiles a frame (an
+    end callback's, in ``_compile`` of ``convert_frame.py``) as ``InternalTorchDynamoError``, and a backend's
+    (``call_user_compiler`` of ``output_graph.py``) as ``BackendCompilerFailed``; both re-raise its
+    ``ShortenTraceback`` as it is, and the compiled function's wrapper (``eval_frame.py``) raises it ``from None``.
+
+    Returns an instance of a subclass of ``type(error)`` and of ``ShortenTraceback`` with the same name, module,
+    message, attributes and cause (``isinstance(e, type(error))`` holds, and the traceback's last line reads
+    ``adaptdist.errors.RankInputMismatchError: ...``; pickled, it is the plain error); ``error`` itself where it
+    already passes, or where its type cannot be combined with Dynamo's (a built-in of another layout)."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    cls = type(error)
+    if isinstance(error, ShortenTraceback):
+        return error
+    dynamo_fields = ("first_useful_frame", "_torch_dynamo_tracer_output", "frame_exec_strategy")
+
+    def reduce(self: Exception) -> tuple:  # pickled (a rank's error sent to its launcher) as the plain error
+        return cls, tuple(self.args), {k: v for k, v in self.__dict__.items() if k not in dynamo_fields}
+
+    try:
+        passing = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__,
+                                                               "__qualname__": cls.__qualname__,
+                                                               "__reduce__": reduce})
+    except TypeError:
+        return error
+    out = Exception.__new__(passing)
+    out.args = error.args
+    out.__dict__.update(error.__dict__)
+    out.first_useful_frame = None  # ShortenTraceback: keep the whole traceback
+    out._torch_dynamo_tracer_output = None  # TorchDynamoException's attributes, which its __init__ would set
+    out.frame_exec_strategy = None
+    out.__cause__ = error.__cause__
+    out.__traceback__ = error.__traceback__
+    return out
 
 
 def new_skipped_frames() -> list[str]:

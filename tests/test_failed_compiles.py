@@ -3,6 +3,7 @@ is test_dynamo_backend.py's test_a_rank_whose_trace_fails_on_its_input_shape_sto
 
 import importlib.util
 import json
+import traceback
 
 import pytest
 import torch
@@ -143,12 +144,12 @@ def test_the_failing_rank_announces_and_raises_the_agreed_error(monkeypatch):
     compat.fake_process_group(1, 2)
     try:
         model = _mlp()
-        with pytest.raises(Exception) as caught:
+        # the typed error itself reaches the caller (was: wrapped in Dynamo's InternalTorchDynamoError)
+        with pytest.raises(RankInputMismatchError, match="agreed on every rank") as caught:
             torch.compile(model, backend=Recording(), dynamic=False)(torch.randn(4, 11))
-        chain = [caught.value]
-        while chain[-1].__context__ is not None:
-            chain.append(chain[-1].__context__)
-        assert any(isinstance(e, RankInputMismatchError) for e in chain), chain
+        assert type(caught.value).__name__ == "RankInputMismatchError", type(caught.value).__mro__
+        assert "RankInputMismatchError: agreed on every rank" in "".join(
+            traceback.format_exception_only(type(caught.value), caught.value))
         [(kind, gid, text, shapes)] = calls
         assert kind == ga.FAILED and gid == ga.graph_id(shapes)
         assert json.loads(shapes) == [["L['x']", "float32", [4, 11]]]
@@ -170,3 +171,48 @@ def test_the_failing_rank_announces_and_raises_the_agreed_error(monkeypatch):
     finally:
         dist.destroy_process_group()
         _reset()
+
+
+def test_the_ranks_that_compiled_raise_the_typed_error_too(monkeypatch):
+    """On the ranks whose compile reached the adaptdist backend, the agreement's RankInputMismatchError (raised
+    before any collective of the compile) reaches the caller as itself, not in Dynamo's BackendCompilerFailed."""
+    import adaptdist
+
+    def announce(kind, gid, describe, inputs=None):
+        raise RankInputMismatchError(f"rank 1 could not compile ({kind})")
+
+    monkeypatch.setattr(ga, "announce", announce)
+    _reset()
+    compat.fake_process_group(0, 2)
+    try:
+        compiled = torch.compile(_mlp(), backend=adaptdist.backend(plan="dp"), dynamic=False)
+        with pytest.raises(RankInputMismatchError, match="rank 1 could not compile") as caught:
+            compiled(torch.randn(4, 12))
+        assert type(caught.value).__name__ == "RankInputMismatchError", type(caught.value).__mro__
+    finally:
+        dist.destroy_process_group()
+        _reset()
+
+
+def test_an_agreed_error_the_backend_raises_is_not_a_failed_trace(recorded_failures):
+    """An agreed error the backend passes through Dynamo (compat.through_dynamo) is the backend's, as a
+    BackendCompilerFailed was: the rank does not announce a failed compile after it (it did: a second, confusing
+    RankDivergenceError on the ranks that compiled)."""
+    def backend(gm, example_inputs):
+        raise compat.through_dynamo(RankInputMismatchError("agreed"))
+
+    backend.announces_failed_compiles = True
+    recorded_failures.reset()
+    with pytest.raises(RankInputMismatchError, match="agreed"):
+        torch.compile(_mlp(), backend=backend, dynamic=False)(torch.randn(4, 12))
+    assert recorded_failures[-1] is None
+
+
+def test_an_error_passed_through_dynamo_pickles_as_the_plain_error():
+    """A rank's error crosses processes (to its launcher) pickled: as adaptdist's own type and message."""
+    import pickle
+
+    passing = compat.through_dynamo(RankInputMismatchError("L['x'] differs"))
+    assert isinstance(passing, RankInputMismatchError) and passing is not None
+    back = pickle.loads(pickle.dumps(passing))
+    assert type(back) is RankInputMismatchError and str(back) == "L['x'] differs"

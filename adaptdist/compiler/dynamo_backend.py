@@ -522,7 +522,11 @@ def _announce_compile(gm: torch.fx.GraphModule, inputs: list[GraphInput], frame:
             graph_agreement.COMPILE,
             _frame_text(frame) + (f", code {lines}" if lines else "") + f", inputs [{_input_shapes(inputs)}]"
             + (f" (Dynamo compiles this frame again: {reason})" if reason else _first_graph_text(frame)))
-    graph_agreement.announce(graph_agreement.COMPILE, 0, describe, lambda: input_shapes_text(inputs))
+    try:
+        graph_agreement.announce(graph_agreement.COMPILE, 0, describe, lambda: input_shapes_text(inputs))
+    except (RankDivergenceError, CollectiveTimeoutError) as e:
+        # the user sees the typed error, as on the rank whose compile failed, not Dynamo's BackendCompilerFailed
+        raise compat.through_dynamo(e) from e.__cause__
 
 
 def _first_graph_text(frame: tuple[str, str, int] | None) -> str:
