@@ -34,6 +34,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
 from .expert_lists import ExpertLists, batched_experts, fold_stack_of_unbind, probe_expert_lists
+from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
 
 
@@ -463,6 +464,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
         out_node, [f"buffer:{f}" for f in mutated_fqns] + ["loss"] + [f"grad:{f}" for f in trainable]
     )
     fold_contiguous_as_strided(gm)  # as_strided ops that are reshapes (Swin's pooler): shardable as views
+    fold_batch_arange_index(gm)  # HF masks' m[arange(B), kv]: row b from row b, the batch split kept
     graph.eliminate_dead_code()
     if stacked:
         fold_stack_of_unbind(gm)

@@ -42,6 +42,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
 from .capture import CapturedGraph, _gc_paused, order_placeholders, set_input_roles
+from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
@@ -536,6 +537,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int,
     gmeta.set_output_roles(out_node, roles)
     ranked = order_placeholders(graph, set(frozen))
     fold_contiguous_as_strided(gm)  # as_strided ops that are reshapes (Swin's pooler): shardable as views
+    fold_batch_arange_index(gm)  # HF masks' m[arange(B), kv]: row b from row b, the batch split kept
     graph.eliminate_dead_code()
     _mark_rank_dims(graph, world_size)
     graph.lint()

@@ -28,6 +28,7 @@ import torch.fx
 from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import UnsupportedOpError
+from ..fx_constants import constant_value
 from ..placement import Shard, chunk_interval
 from .infra import copy_graph_module, padded_numel
 from .sharding_rules import tensor_args
@@ -306,56 +307,19 @@ _ELEMENTWISE = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scal
                 aten.minimum.default, aten.maximum.default}
 
 
-_CONSTANT_EVAL_MAX_NUMEL = 1 << 22
-"""The largest constant (in elements, each node of its ancestry) :func:`_constant_rows_alike` computes."""
-
-
 def _constant_rows_alike(x: Any, dim: int) -> bool:
     """Whether ``x``, a value computed from no input, parameter or random draw (Hugging Face's causal and
     packed-sequence masks, built from positions and expanded over the batch), holds the same values at every index
-    along ``dim``: computed once on CPU and compared (the structural :func:`_rows_alike` cannot follow
-    ``index``/``cumsum`` chains). The result is cached on the node."""
+    along ``dim``: computed once on CPU (:func:`~adaptdist.fx_constants.constant_value`) and compared (the
+    structural :func:`_rows_alike` cannot follow ``index``/``cumsum`` chains). The result is cached on the node."""
     if not isinstance(x, torch.fx.Node):
         return False
     cache = x.meta.setdefault("adaptdist_constant_rows_alike", {})
     if dim not in cache:
-        cache[dim] = _evaluate_rows_alike(x, dim)
+        t = constant_value(x)
+        cache[dim] = (t is not None and t.dim() > dim and t.shape[dim] > 0
+                      and torch.equal(t, t.narrow(dim, 0, 1).expand_as(t)))
     return cache[dim]
-
-
-def _evaluate_rows_alike(x: torch.fx.Node, dim: int) -> bool:
-    order: list[torch.fx.Node] = []
-    seen: set[torch.fx.Node] = set()
-    stack = [x]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        v = n.meta.get("val")
-        tags = getattr(n.target, "tags", None)  # ATen ops only (they carry tags), none that draws random numbers
-        if (n.op != "call_function" or tags is None or torch.Tag.nondeterministic_seeded in tags
-                or not isinstance(v, torch.Tensor) or v.numel() > _CONSTANT_EVAL_MAX_NUMEL):
-            return False
-        order.append(n)
-        stack.extend(n.all_input_nodes)
-    position = {n: i for i, n in enumerate(x.graph.nodes)}
-    env: dict[torch.fx.Node, Any] = {}
-
-    def on_cpu(a: Any) -> Any:
-        return torch.device("cpu") if isinstance(a, torch.device) else a
-
-    try:
-        for n in sorted(order, key=position.__getitem__):
-            args = torch.fx.node.map_arg(n.args, env.__getitem__)
-            kwargs = {k: on_cpu(v) for k, v in torch.fx.node.map_arg(n.kwargs, env.__getitem__).items()}
-            env[n] = n.target(*args, **kwargs)
-        t = env[x]
-    except Exception:  # an op that does not run on CPU here: not provably alike
-        return False
-    if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] == 0:
-        return False
-    return torch.equal(t, t.narrow(dim, 0, 1).expand_as(t))
 
 
 def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:

@@ -647,6 +647,11 @@ def embedding_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
         return RuleResult(Shard(1))
     if isinstance(pg, Partial) and isinstance(pi, Replicate):
         return RuleResult(P)
+    if (isinstance(pg, Shard) and isinstance(pi, Replicate) and pg.dim < len(shape(idx))
+            and shape(idx)[pg.dim] == shape(g)[pg.dim]):
+        # replicated indices over the split rows (learned positions expanded over the batch: HF BART, OPT): each
+        # rank takes its rows of them (a local slice) rather than gathering the gradient
+        return RuleResult(P, {(1,): pg})
     return gather_all(node, pl, "gradient and indices are laid out differently")
 
 
