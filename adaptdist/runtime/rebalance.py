@@ -1,0 +1,226 @@
+"""Adaptive re-balance: uneven data-parallel batch rows re-chosen from the speeds measured in the run.
+
+The planner splits the batch by each device's profiled speed (:mod:`adaptdist.compiler.device_placement`). A
+profile taken before the run can be off: on a 2-core machine with ranks pinned to cores [0], [0], [1], ``cluster
+profile`` measured the lone rank at 1.65-1.82x the FLOP/s of the two sharing core 0, while in the job it ran
+2.0x as fast (benchmarks/RESULTS.md), so the split under-loaded it. So, after ``measure_steps`` steps:
+
+1. each rank measures its compute per step: its step window minus its waits on collectives
+   (:class:`ComputeMeter`, through the :mod:`.trace` instrumentation), median over the window;
+2. the ranks share those medians; rank 0 scales each rank's predicted compute (the cost model of the current
+   programs: a fixed part, the optimizer step, and a per-row part) by measured / predicted and chooses new rows
+   (:func:`~adaptdist.compiler.device_placement.balanced_batch_rows`: the slowest rank's time least, within each
+   device's memory) -- :func:`decide`;
+3. when the slowest rank's time falls by at least ``min_gain`` under that model, the programs are lowered again
+   with those rows (the one door: ``compile_model(..., batch_split=rows)``) and every rank moves its parameters,
+   buffers and optimizer state into its new program (:func:`transfer_state`).
+
+The global batch and the loss scaling do not change: ``passes/globalize_reductions.py`` divides by the global
+count whatever the split, so the step stays equal to the single-process one (``tests/test_rebalance.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import AdaptdistError
+from .trace import TraceRecorder
+
+DEFAULT_MIN_GAIN = 0.03
+"""Re-lower only when the slowest rank's predicted compute falls by at least this fraction (a re-lowering costs a
+capture and two lowerings on rank 0, seconds)."""
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """What the re-balance after step ``step`` (1-based: the steps measured so far) found and did.
+
+    Attributes:
+        rows_before, rows_after: rows per coordinate of the batch axis (equal when not applied).
+        measured_compute_s: per program rank, its median compute per step in the run (step minus waits), seconds.
+        predicted_compute_s: per program rank, the cost model's compute for the rows it had, seconds.
+        slowest_before_s, slowest_after_s: the slowest coordinate's compute per step under the measured model
+            (predicted scaled by measured / predicted) for the old and the new rows, seconds.
+        applied: whether the programs were lowered again with ``rows_after``.
+        reason: one line, why.
+    """
+
+    step: int
+    rows_before: tuple[int, ...]
+    rows_after: tuple[int, ...]
+    measured_compute_s: tuple[float, ...]
+    predicted_compute_s: tuple[float, ...]
+    slowest_before_s: float
+    slowest_after_s: float
+    applied: bool
+    reason: str
+
+    @property
+    def predicted_gain(self) -> float:
+        """slowest_before_s / slowest_after_s (1.0: nothing to gain)."""
+        return self.slowest_before_s / self.slowest_after_s if self.slowest_after_s > 0 else 1.0
+
+    def to_doc(self) -> dict:
+        d = asdict(self)
+        d["predicted_gain"] = self.predicted_gain
+        return d
+
+    def line(self) -> str:
+        meas = ", ".join(f"{1e3 * t:.1f}" for t in self.measured_compute_s)
+        pred = ", ".join(f"{1e3 * t:.1f}" for t in self.predicted_compute_s)
+        head = (f"re-balance after step {self.step}: measured compute per rank [{meas}] ms (predicted [{pred}] ms) "
+                f"for rows {list(self.rows_before)}")
+        if not self.applied:
+            return f"{head}: kept ({self.reason})"
+        return (f"{head}: rows -> {list(self.rows_after)}, slowest rank {1e3 * self.slowest_before_s:.1f} -> "
+                f"{1e3 * self.slowest_after_s:.1f} ms predicted ({self.predicted_gain:.3f}x; {self.reason})")
+
+
+class ComputeMeter:
+    """Each step's compute seconds on this rank: the step window minus the waits on collectives.
+
+    Uses ``recorder`` when it records (``--trace``); else a recorder of its own, instrumenting ``runner``'s
+    program until :meth:`detach` (three clock reads per collective).
+    """
+
+    def __init__(self, runner: Any, recorder: TraceRecorder | None = None):
+        self.runner = runner
+        if recorder is not None and recorder.enabled:
+            self.recorder, self.own = recorder, False
+        else:
+            self.recorder, self.own = TraceRecorder(runner.program.rank), True
+            runner.use_trace(self.recorder)
+
+    def step(self, step: int):
+        """Context manager around step ``step`` (0-based); a no-op when the job's own recorder frames it."""
+        return self.recorder.step(step) if self.own else contextlib.nullcontext()
+
+    def compute_s(self, steps: Iterable[int]) -> list[float]:
+        """Compute seconds of each of ``steps`` recorded (step window minus its ``wait`` spans)."""
+        return step_compute_s(self.recorder, steps)
+
+    def detach(self) -> None:
+        """Stop instrumenting the runner (its own recorder only)."""
+        if self.own:
+            self.runner.use_trace(TraceRecorder(self.runner.program.rank, enabled=False))
+
+
+def step_compute_s(recorder: TraceRecorder, steps: Iterable[int]) -> list[float]:
+    """Per step of ``steps`` that ``recorder`` framed: its window's seconds minus its ``wait`` spans' (seconds)."""
+    wanted = set(steps)
+    waits: dict[int, float] = {}
+    for s in recorder.spans:
+        if s.kind == "wait" and s.step in wanted:
+            waits[s.step] = waits.get(s.step, 0.0) + s.duration_s
+    return [w.duration_s - waits.get(w.step, 0.0) for w in recorder.steps if w.step in wanted]
+
+
+def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[float], optimizer: str, step: int,
+           min_gain: float = DEFAULT_MIN_GAIN) -> RebalanceDecision:
+    """The rows the measured speeds call for (module docstring, step 2), for ``programs`` (every rank's, of one
+    data-parallel plan) running on ``cluster`` (the job's cluster; the plan's rank mapping is applied here).
+
+    Raises:
+        AdaptdistError: a measurement per rank missing or not positive.
+        PlanInfeasibleError: the devices' memory holds no split (as the planner's).
+    """
+    from ..compiler.device_placement import _coords, balanced_batch_rows
+    from ..cost_models.estimate import estimate_programs
+    from ..device_assignment import program_cluster
+
+    ranks = sorted(programs)
+    if len(measured_compute_s) != len(ranks) or not all(t > 0 for t in measured_compute_s):
+        raise AdaptdistError(f"re-balance: need a positive compute time for each of {len(ranks)} ranks, got "
+                             f"{list(measured_compute_s)}")
+    plan = programs[ranks[0]].plan
+    mesh = plan.mesh_spec
+    pc = program_cluster(plan, cluster)
+    est = estimate_programs(programs, pc, optimizer)
+    predicted = tuple(float(est.ranks[r].compute_s) for r in ranks)
+    scale = [m / p if p > 0 else 1.0 for m, p in zip(measured_compute_s, predicted)]
+    axis = plan.batch_axis
+    coords = [[r for r in ranks if mesh.coords(r)[mesh.index(axis)] == i] for i in range(mesh.size(axis))] \
+        if axis is not None else []
+    before = tuple(programs[mesh.rank(_coords(mesh, axis, i))].batch_slice[1] for i in range(len(coords)))
+
+    def slowest(rows: Sequence[int]) -> float:
+        worst = 0.0
+        for i, members in enumerate(coords):
+            for r in members:
+                e = est.ranks[r]
+                n0 = programs[r].batch_slice[1]
+                per_row = max(float(e.compute_s) - float(e.optimizer_s), 0.0) / n0
+                worst = max(worst, scale[r] * (float(e.optimizer_s) + per_row * rows[i]))
+        return worst
+
+    def kept(why: str, after: Sequence[int] = before) -> RebalanceDecision:
+        return RebalanceDecision(step, before, before, tuple(measured_compute_s), predicted,
+                                 slowest(before) if coords else max(measured_compute_s),
+                                 slowest(after) if coords else max(measured_compute_s), False, why)
+
+    if not coords or len(coords) < 2:
+        return kept("the plan splits no batch axis")
+    if any(n == 0 for n in before):
+        return kept("a coordinate holds no rows: nothing to measure its speed from")
+    rows = balanced_batch_rows(programs, pc, optimizer, time_scale=scale, estimate=est)
+    if rows is None or tuple(rows) == before:
+        return kept("the rows are already balanced for the measured speeds")
+    gain = slowest(before) / slowest(rows)
+    if gain < 1.0 + min_gain:
+        return kept(f"predicted gain {gain:.3f}x is under the {1 + min_gain:.2f}x threshold", rows)
+    return RebalanceDecision(step, before, tuple(rows), tuple(measured_compute_s), predicted, slowest(before),
+                             slowest(rows), True, "rows in proportion to the speeds measured in the run")
+
+
+def transfer_state(old: Any, new: Any) -> None:
+    """Copy ``old``'s (a :class:`~.worker.StepRunner`) parameters, buffers and optimizer state into ``new``, a
+    runner of the same rank's program lowered with other batch rows (the same state, names and shapes).
+
+    Raises:
+        AdaptdistError: the two programs hold different state (names or shapes).
+    """
+    a, b = old.program, new.program
+    if list(a.param_fqns) != list(b.param_fqns) or set(old.state) != set(new.state) or any(
+            old.state[k].shape != new.state[k].shape for k in old.state):
+        raise AdaptdistError(f"re-balance: rank {a.rank}'s new program holds other state than its current one "
+                             "(only the batch rows may differ); keeping the current rows")
+    with torch.no_grad():
+        for k, v in old.state.items():
+            new.state[k].copy_(v)
+    new.opt.load_state_dict(old.opt.state_dict())
+
+
+def agree(rank: int, world: int, own_compute_s: float,
+          decide_and_lower: Callable[[list[float]], tuple[RebalanceDecision, str | None]]
+          ) -> tuple[RebalanceDecision | None, str | None, str | None]:
+    """(Collective over the world) every rank's ``own_compute_s`` to rank 0, which calls ``decide_and_lower``
+    (measured seconds per rank -> the decision and, when applied, the directory of the new programs); its answer
+    goes to every rank: ``(decision, directory, None)``, or ``(None, None, error text)`` when rank 0's call failed
+    (a re-balance is an optimization: the job keeps its rows and goes on).
+    """
+    import torch.distributed as dist
+
+    got: list = [None] * world
+    dist.all_gather_object(got, float(own_compute_s))
+    answer: list = [None]
+    if rank == 0:
+        try:
+            answer[0] = ("ok", decide_and_lower([float(x) for x in got]))
+        except Exception as e:  # noqa: BLE001 - every rank must hear it, or the others wait forever
+            answer[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(answer, src=0)
+    status, payload = answer[0]
+    if status != "ok":
+        return None, None, payload
+    return payload[0], payload[1], None
+
+
+def median_compute_s(meter: ComputeMeter, steps: Iterable[int]) -> float:
+    """The median of :meth:`ComputeMeter.compute_s` over ``steps`` (nan for none)."""
+    xs = meter.compute_s(steps)
+    return statistics.median(xs) if xs else float("nan")

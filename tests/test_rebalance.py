@@ -1,0 +1,123 @@
+"""Adaptive re-balance (``adaptdist/runtime/rebalance.py``): rows from the speeds measured in the run, the state
+moved into programs lowered with the new rows, and the steps before and after equal to single-process eager SGD
+(loss, every gradient, the updated parameters), ranks simulated in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from adaptdist.cluster_file import cluster_from_dict
+from adaptdist.compiler.lowering import compile_model
+from adaptdist.cost_models.estimate import estimate_programs
+from adaptdist.errors import AdaptdistError
+from adaptdist.runtime.rebalance import decide, step_compute_s, transfer_state
+from adaptdist.runtime.simulate import simulate_ranks
+from adaptdist.runtime.trace import TraceRecorder
+from adaptdist.runtime.worker import StepRunner
+from models import mlp
+from reference import eager_sgd
+
+TOL = 1e-5
+
+
+def _cluster(flops=(1e10, 1e10, 1e10)):
+    devs = [{"rank": r, "kind": "cpu", "peak_flops": {"float32": f}, "memory_bytes": 2**32,
+             "memory_bandwidth_bytes_per_s": f} for r, f in enumerate(flops)]
+    return cluster_from_dict({"schema_version": 2, "hosts": [{"name": "localhost", "devices": devs}],
+                              "links": [{"tier": "intra_host", "bandwidth_bytes_per_s": 1.5e9, "latency_s": 2e-4}]})
+
+
+def _simulated_step(runners, batch):
+    """One SGD step of every rank's StepRunner, collectives simulated; returns rank 0's loss and gradients."""
+    ins = [list(r.inputs) + list(r.program.local_batch(batch)) for r in runners]
+    outs = simulate_ranks([r.program.module for r in runners], ins)
+    for r, o in zip(runners, outs):
+        for p, i in zip(r.params, r.grad_slots):
+            p.grad = o[i]
+        r.opt.step()
+        for p in r.params:
+            p.grad = None
+    roles = runners[0].program.output_roles
+    return float(outs[0][roles.index("loss")]), {role[5:]: outs[0][i] for i, role in enumerate(roles)
+                                                 if role.startswith("grad:")}
+
+
+def test_rows_changed_mid_run_equal_eager_sgd():
+    model, batch, loss_fn = mlp(12, loss="mse")
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(12, 12, generator=g), torch.randn(12, 5, generator=g)) for _ in range(4)]
+    cluster = _cluster()
+    lr = 0.1
+    first = compile_model(copy.deepcopy(model), batch, loss_fn, 3, None, cluster=cluster, optimizer="sgd")
+    assert [p.batch_slice[1] for p in first.values()] == [4, 4, 4]
+    runners = [StepRunner(first[r], "sgd", lr) for r in range(3)]
+    history, final = eager_sgd(copy.deepcopy(model), batches, loss_fn, lr, 4)
+    for step in range(4):
+        if step == 2:  # the re-balance: the same plan lowered with other rows, the live state moved over
+            new = compile_model(copy.deepcopy(model), batch, loss_fn, 3, first[0].plan, cluster=cluster,
+                                optimizer="sgd", batch_split=(2, 3, 7))
+            assert [p.batch_slice for p in new.values()] == [(0, 2), (2, 3), (5, 7)]
+            moved = [StepRunner(new[r], "sgd", lr) for r in range(3)]
+            for old, fresh in zip(runners, moved):
+                transfer_state(old, fresh)
+            runners = moved
+        loss, grads = _simulated_step(runners, batches[step])
+        ref_loss, ref_grads = history[step]
+        assert loss == pytest.approx(ref_loss, abs=TOL), step
+        for f, gr in grads.items():
+            torch.testing.assert_close(gr, ref_grads[f], atol=TOL, rtol=TOL, msg=f"step {step}: {f}")
+    for r in runners:
+        for f in r.program.param_fqns:
+            torch.testing.assert_close(r.state[f], final[f], atol=TOL, rtol=TOL, msg=f)
+
+
+def test_transfer_state_moves_adamw_state_and_refuses_other_state():
+    model, batch, loss_fn = mlp(12, loss="mse")
+    a = compile_model(copy.deepcopy(model), batch, loss_fn, 3, None, cluster=_cluster(), optimizer="adamw")
+    b = compile_model(copy.deepcopy(model), batch, loss_fn, 3, a[0].plan, cluster=_cluster(), optimizer="adamw",
+                      batch_split=(6, 3, 3))
+    old, new = StepRunner(a[0], "adamw", 0.01), StepRunner(b[0], "adamw", 0.01)
+    for p in old.params:
+        p.grad = torch.ones_like(p)
+    old.opt.step()
+    transfer_state(old, new)
+    for p_old, p_new in zip(old.params, new.params):
+        torch.testing.assert_close(p_new, p_old)
+        for k, v in old.opt.state[p_old].items():
+            torch.testing.assert_close(new.opt.state[p_new][k], v)
+    other = StepRunner(compile_model(torch.nn.Linear(12, 5), batch, loss_fn, 3, None)[0], "adamw", 0.01)
+    with pytest.raises(AdaptdistError, match="other state"):
+        transfer_state(old, other)
+
+
+def test_decide_follows_measured_speeds():
+    model, batch, loss_fn = mlp(64, loss="mse")
+    cluster = _cluster()
+    programs = compile_model(model, batch, loss_fn, 3, None, cluster=cluster, optimizer="sgd")
+    assert [p.batch_slice[1] for p in programs.values()] == [22, 22, 20]
+    pred = [estimate_programs(programs, cluster, "sgd").ranks[r].compute_s for r in range(3)]
+    # ranks 0 and 1 measured twice as slow per row as rank 2: about 16/16/32
+    d = decide(programs, cluster, [2 * pred[0], 2 * pred[1], pred[2] * 20 / 22], "sgd", step=5)
+    assert d.applied and sum(d.rows_after) == 64 and d.rows_before == (22, 22, 20), d
+    assert d.rows_after[2] >= 30 and max(d.rows_after[:2]) <= 17, d
+    assert d.predicted_gain > 1.25 and "re-balance after step 5" in d.line() and "rows -> " in d.line()
+    assert d.to_doc()["rows_after"] == d.rows_after
+    # measured as predicted: nothing to gain
+    same = decide(programs, cluster, pred, "sgd", step=5)
+    assert not same.applied and same.rows_after == same.rows_before and "kept" in same.line()
+    with pytest.raises(AdaptdistError, match="positive compute time"):
+        decide(programs, cluster, [0.1, 0.0, 0.1], "sgd", step=5)
+
+
+def test_step_compute_s_subtracts_waits():
+    t = [0.0]
+    rec = TraceRecorder(0, clock=lambda: t[0])
+    for step, (length, wait) in enumerate([(1.0, 0.25), (2.0, 0.0)]):
+        with rec.step(step):
+            rec.add("wait", t[0], t[0] + wait)
+            t[0] += length
+    assert step_compute_s(rec, [0, 1]) == [0.75, 2.0]
+    assert step_compute_s(rec, [1]) == [2.0]
