@@ -181,7 +181,9 @@ def worker(cfg: dict) -> dict:
             steps = rec.steps[cfg["warmup"]:]
             split[name] = {"compute_s": [s.duration_s - waits.get(s.step, 0.0) for s in steps],
                            "wait_s": [waits.get(s.step, 0.0) for s in steps]}
-        return {"times": times, "split": split, "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+        from adaptdist.runtime.worker import program_transports
+
+        return {"times": times, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
                 "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
                 "affinity": sorted(os.sched_getaffinity(0))}
     finally:
@@ -195,7 +197,7 @@ def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], step: 
     from adaptdist.compiler.lowering import compile_model
     from adaptdist.lowering_options import LoweringOptions
     from adaptdist.program import load_program, save_programs
-    from adaptdist.runtime.rebalance import decide
+    from adaptdist.compiler.rebalance_rows import decide
 
     programs = {r: load_program(directory, r, world_size=3) for r in range(3)}
     cluster = load_cluster(cfg["cluster_file"])
@@ -204,7 +206,10 @@ def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], step: 
     if not decision.applied:
         return decision, None
     model, batch, loss_fn = build(cfg["rows"], cfg["width"], cfg["layers"])
-    new = compile_model(model, batch, loss_fn, 3, programs[0].plan, LoweringOptions(), cluster=cluster,
+    from adaptdist.comm_transport import rank_hosts
+
+    opts = LoweringOptions(comm=cfg["comm"], hosts=rank_hosts(cluster))
+    new = compile_model(model, batch, loss_fn, 3, programs[0].plan, opts, cluster=cluster,
                         optimizer="sgd", batch_split=decision.rows_after)
     return decision, str(save_programs(new, Path(cfg["tmp"]) / f"adaptive{round_}"))
 
@@ -219,6 +224,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12, help="steps per block")
     ap.add_argument("--reps", type=int, default=3, help="blocks of each (alternating order)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--comm", choices=("auto", "gloo", "shm"), default="auto",
+                    help="the collectives' transport, as train's --comm (auto: shared memory on one host)")
     ap.add_argument("--rebalance-rounds", type=int, default=1,
                     help="re-balances of the 'adaptive' set (0: no adaptive set; the runtime's default is 1)")
     ap.add_argument("--measure-steps", type=int, default=6, help="steps measured before each re-balance")
@@ -261,7 +268,10 @@ def main() -> int:
         cg = capture(model, batch, loss_fn)
         state = {f: named[f] for f in cg.input_fqns}
         plan = resolve_plan(None, cg, 3)
-        opts = LoweringOptions()
+        from adaptdist.comm_transport import rank_hosts
+
+        # the transport `adaptdist train` takes (--comm auto: shared memory between the ranks of one host)
+        opts = LoweringOptions(comm=args.comm, hosts=rank_hosts(cluster))
         sets, preds, rows = {}, {}, {}
         for name, split in (("hetero", "auto"), ("even", "even")):
             placed, programs = place_on_devices(cg, plan, cluster, opts, lower, state=state, optimizer="sgd",
@@ -277,7 +287,7 @@ def main() -> int:
                 m1, b1, l1 = build(n, args.width, args.layers)
                 cg1 = capture(m1, b1, l1)
                 st1 = {f: dict(m1.named_parameters())[f].detach() for f in cg1.input_fqns}
-                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), opts, state=st1),
+                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), LoweringOptions(), state=st1),
                                                           tmp / f"{name}-local{r}")))
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         num_params = sum(p.numel() for p in model.parameters())
@@ -285,7 +295,7 @@ def main() -> int:
                    warmup=args.warmup, steps=args.steps, reps=args.reps, timeout_s=args.timeout_s,
                    num_params=num_params, rebalance_rounds=args.rebalance_rounds, measure_steps=args.measure_steps,
                    cluster_file=str(tmp / "measured.yaml"), rows=args.rows, width=args.width, layers=args.layers,
-                   tmp=str(tmp))
+                   tmp=str(tmp), comm=args.comm)
         t0 = time.perf_counter()
         res = launch_local(worker, (cfg,), 3)
         run_s = time.perf_counter() - t0
@@ -308,6 +318,9 @@ def main() -> int:
         "measured_gflops": [f / 1e9 for f in flops],
         "rows": rows,
         "measured_step_ms": {k: 1e3 * v for k, v in med.items()},
+        "measured_step_ms_per_block": {k: [round(1e3 * statistics.median(v[i:i + args.steps]), 1)
+                                           for i in range(0, len(v), args.steps)] for k, v in r0["times"].items()},
+        "transports": r0["transports"],
         "measured_step_ms_quartiles": {k: [1e3 * q for q in statistics.quantiles(v, n=4)] for k, v in r0["times"].items()},
         "predicted_step_ms": {k: 1e3 * e.step_s for k, e in preds.items()},
         "predicted_comm_ms": {k: 1e3 * max(x.communication_s for x in e.ranks.values()) for k, e in preds.items()},

@@ -13,7 +13,8 @@ from adaptdist.cluster_file import cluster_from_dict
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.cost_models.estimate import estimate_programs
 from adaptdist.errors import AdaptdistError
-from adaptdist.runtime.rebalance import decide, step_compute_s, transfer_state
+from adaptdist.compiler.rebalance_rows import decide
+from adaptdist.runtime.rebalance import step_compute_s, transfer_state
 from adaptdist.runtime.simulate import simulate_ranks
 from adaptdist.runtime.trace import TraceRecorder
 from adaptdist.runtime.worker import StepRunner
@@ -121,3 +122,59 @@ def test_step_compute_s_subtracts_waits():
             t[0] += length
     assert step_compute_s(rec, [0, 1]) == [0.75, 2.0]
     assert step_compute_s(rec, [1]) == [2.0]
+
+
+MODEL_FILE = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def f(batch_size, seq_len):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    return model, (torch.randn(batch_size, 64), torch.randn(batch_size, 8)), F.mse_loss
+
+def data(batch_size, seq_len, seed=0):
+    g = torch.Generator().manual_seed(123)
+    while True:
+        yield torch.randn(batch_size, 64, generator=g), torch.randn(batch_size, 8, generator=g)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_rebalances_rows_and_stays_equal_to_eager(tmp_path):
+    """`adaptdist train` on a cluster file that calls rank 2 twice as fast as ranks 0 and 1, run on ranks that are
+    alike: the profiled rows under-load ranks 0 and 1, the re-balance after 3 steps evens them out, and every
+    step's loss and the final weights equal single-process eager SGD."""
+    import importlib.util
+    import json
+
+    import yaml
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+
+    f = tmp_path / "m.py"
+    f.write_text(MODEL_FILE)
+    c = tmp_path / "c.yaml"
+    devs = [{"rank": r, "kind": "cpu", "peak_flops": {"float32": x}, "memory_bytes": 2**32,
+             "memory_bandwidth_bytes_per_s": x / 2} for r, x in enumerate((1e10, 1e10, 2e10))]
+    c.write_text(yaml.safe_dump({"schema_version": 2, "hosts": [{"name": "localhost", "devices": devs}],
+                                 "links": [{"tier": "intra_host", "bandwidth_bytes_per_s": 1.5e9, "latency_s": 2e-4}]}))
+    steps, lr, out = 6, 0.05, tmp_path / "out"
+    assert main(["train", f"{f}:f", "--cluster", str(c), "--plan", "dp", "--batch-size", "96", "--steps", str(steps),
+                 "--optimizer", "sgd", "--lr", str(lr), "--rebalance-after", "3", "--threads-per-rank", "1",
+                 "--sample-bytes", "0", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    [rb] = summary["rebalances"]
+    assert rb["step"] == 3 and sum(rb["rows_before"]) == 96 and rb["rows_before"][2] > rb["rows_before"][0], rb
+    assert rb["applied"] and rb["rows_after"][2] < rb["rows_before"][2], rb  # the alike ranks get alike rows
+    spec = importlib.util.spec_from_file_location("m", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, _, loss_fn = mod.f(96, 0)
+    batches = [b for b, _ in zip(mod.data(96, 0), range(steps))]
+    history, final = eager_sgd(model, batches, loss_fn, lr, steps)
+    assert summary["losses"] == pytest.approx([h[0] for h in history], rel=1e-5, abs=1e-6)
+    weights = load_file(str(out / "model.safetensors"))
+    for k, v in final.items():
+        torch.testing.assert_close(weights[k], v, atol=TOL, rtol=TOL, msg=k)

@@ -34,6 +34,7 @@ RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan",
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
+           "programs_rebalanced",
            "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl",
            "trace", "trace.json", "timeline.png", "timeline.html")
 """What a run writes into ``--out``; a new run into the same directory removes the previous run's first."""

@@ -138,6 +138,25 @@ class ProgramSource:
             time.sleep(0.2)
         return path
 
+    def rebalance(self, program_dir: str, cluster, measured_compute_s: list[float], step: int,
+                  directory: str | os.PathLike):
+        """Rank 0's part of an adaptive re-balance (:mod:`adaptdist.runtime.rebalance`): the decision for the
+        programs in ``program_dir`` (every rank's) running on ``cluster`` with ``measured_compute_s`` per rank
+        (:func:`.rebalance_rows.decide`) and, when it applies, the programs lowered with its rows in
+        ``directory`` (:meth:`lower_with_rows`). Returns ``(decision, directory or None)``.
+
+        Raises:
+            AdaptdistError: as :func:`.rebalance_rows.decide` and :meth:`lower_with_rows`.
+        """
+        from ..program import load_program
+        from .rebalance_rows import decide
+
+        programs = {r: load_program(program_dir, r, world_size=cluster.world_size) for r in range(cluster.world_size)}
+        decision = decide(programs, cluster, measured_compute_s, self.optimizer, step)
+        if not decision.applied:
+            return decision, None
+        return decision, self.lower_with_rows(programs[0].plan, cluster, decision.rows_after, directory)
+
     def lower_with_rows(self, plan, cluster, rows: tuple[int, ...], directory: str | os.PathLike) -> str:
         """The job's model captured again and ``plan`` (the running programs' plan, its rank mapping kept) lowered
         for ``cluster`` (the job's) with ``rows`` per batch-axis coordinate, saved in ``directory``: the programs of

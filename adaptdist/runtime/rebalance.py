@@ -10,7 +10,8 @@ profile`` measured the lone rank at 1.65-1.82x the FLOP/s of the two sharing cor
 2. the ranks share those medians; rank 0 scales each rank's predicted compute (the cost model of the current
    programs: a fixed part, the optimizer step, and a per-row part) by measured / predicted and chooses new rows
    (:func:`~adaptdist.compiler.device_placement.balanced_batch_rows`: the slowest rank's time least, within each
-   device's memory) -- :func:`decide`;
+   device's memory) -- :func:`adaptdist.compiler.rebalance_rows.decide` (the compiler's layer: it prices the
+   programs);
 3. when the slowest rank's time falls by at least ``min_gain`` under that model, the programs are lowered again
    with those rows (the one door: ``compile_model(..., batch_split=rows)``) and every rank moves its parameters,
    buffers and optimizer state into its new program (:func:`transfer_state`).
@@ -24,16 +25,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..errors import AdaptdistError
 from .trace import TraceRecorder
-
-DEFAULT_MIN_GAIN = 0.03
-"""Re-lower only when the slowest rank's predicted compute falls by at least this fraction (a re-lowering costs a
-capture and two lowerings on rank 0, seconds)."""
 
 
 @dataclass(frozen=True)
@@ -118,63 +115,6 @@ def step_compute_s(recorder: TraceRecorder, steps: Iterable[int]) -> list[float]
         if s.kind == "wait" and s.step in wanted:
             waits[s.step] = waits.get(s.step, 0.0) + s.duration_s
     return [w.duration_s - waits.get(w.step, 0.0) for w in recorder.steps if w.step in wanted]
-
-
-def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[float], optimizer: str, step: int,
-           min_gain: float = DEFAULT_MIN_GAIN) -> RebalanceDecision:
-    """The rows the measured speeds call for (module docstring, step 2), for ``programs`` (every rank's, of one
-    data-parallel plan) running on ``cluster`` (the job's cluster; the plan's rank mapping is applied here).
-
-    Raises:
-        AdaptdistError: a measurement per rank missing or not positive.
-        PlanInfeasibleError: the devices' memory holds no split (as the planner's).
-    """
-    from ..compiler.device_placement import _coords, balanced_batch_rows
-    from ..cost_models.estimate import estimate_programs
-    from ..device_assignment import program_cluster
-
-    ranks = sorted(programs)
-    if len(measured_compute_s) != len(ranks) or not all(t > 0 for t in measured_compute_s):
-        raise AdaptdistError(f"re-balance: need a positive compute time for each of {len(ranks)} ranks, got "
-                             f"{list(measured_compute_s)}")
-    plan = programs[ranks[0]].plan
-    mesh = plan.mesh_spec
-    pc = program_cluster(plan, cluster)
-    est = estimate_programs(programs, pc, optimizer)
-    predicted = tuple(float(est.ranks[r].compute_s) for r in ranks)
-    scale = [m / p if p > 0 else 1.0 for m, p in zip(measured_compute_s, predicted)]
-    axis = plan.batch_axis
-    coords = [[r for r in ranks if mesh.coords(r)[mesh.index(axis)] == i] for i in range(mesh.size(axis))] \
-        if axis is not None else []
-    before = tuple(programs[mesh.rank(_coords(mesh, axis, i))].batch_slice[1] for i in range(len(coords)))
-
-    def slowest(rows: Sequence[int]) -> float:
-        worst = 0.0
-        for i, members in enumerate(coords):
-            for r in members:
-                e = est.ranks[r]
-                n0 = programs[r].batch_slice[1]
-                per_row = max(float(e.compute_s) - float(e.optimizer_s), 0.0) / n0
-                worst = max(worst, scale[r] * (float(e.optimizer_s) + per_row * rows[i]))
-        return worst
-
-    def kept(why: str, after: Sequence[int] = before) -> RebalanceDecision:
-        return RebalanceDecision(step, before, before, tuple(measured_compute_s), predicted,
-                                 slowest(before) if coords else max(measured_compute_s),
-                                 slowest(after) if coords else max(measured_compute_s), False, why)
-
-    if not coords or len(coords) < 2:
-        return kept("the plan splits no batch axis")
-    if any(n == 0 for n in before):
-        return kept("a coordinate holds no rows: nothing to measure its speed from")
-    rows = balanced_batch_rows(programs, pc, optimizer, time_scale=scale, estimate=est)
-    if rows is None or tuple(rows) == before:
-        return kept("the rows are already balanced for the measured speeds")
-    gain = slowest(before) / slowest(rows)
-    if gain < 1.0 + min_gain:
-        return kept(f"predicted gain {gain:.3f}x is under the {1 + min_gain:.2f}x threshold", rows)
-    return RebalanceDecision(step, before, tuple(rows), tuple(measured_compute_s), predicted, slowest(before),
-                             slowest(rows), True, "rows in proportion to the speeds measured in the run")
 
 
 def transfer_state(old: Any, new: Any) -> None:

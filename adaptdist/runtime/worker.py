@@ -633,22 +633,14 @@ def _rebalance(cfg: TrainConfig, runner: StepRunner, program: RankProgram, progr
     """(Collective) the re-balance after ``steps`` (:mod:`.rebalance`): rank 0 decides from every rank's median
     compute over ``steps`` and lowers the programs with the new rows; every rank moves its state into its new
     program. Returns the runner and program to go on with (the same ones when the rows are kept)."""
-    from .rebalance import agree, decide, median_compute_s, transfer_state
+    from .rebalance import agree, median_compute_s, transfer_state
 
     own_s = median_compute_s(meter, steps)
     meter.detach()
     step = steps.stop
-
-    def decide_and_lower(measured_s: list[float]):
-        programs = {r: load_program(program_dir, r, world_size=world) for r in range(world)}
-        decision = decide(programs, cfg.rebalance_cluster, measured_s, cfg.optimizer, step)
-        if not decision.applied:
-            return decision, None
-        path = cfg.program_source.lower_with_rows(programs[0].plan, cfg.rebalance_cluster, decision.rows_after,
-                                                  Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}")
-        return decision, path
-
-    decision, path, error = agree(rank, world, own_s, decide_and_lower)
+    decision, path, error = agree(rank, world, own_s, lambda measured_s: cfg.program_source.rebalance(
+        program_dir, cfg.rebalance_cluster, measured_s, step,
+        Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}"))
     if decision is None:
         events.note(f"re-balance after step {step} failed, keeping the rows: {error}")
         return runner, program
