@@ -698,7 +698,7 @@ def _devices_of_rank(cluster, plan) -> tuple:
     return rank_devices(cluster, devices.rank_to_device if devices is not None else None)
 
 
-REBALANCE_AFTER_AUTO = 6
+REBALANCE_AFTER_AUTO = 10
 """``--rebalance-after auto``: the steps measured before the re-balance (the first one not measured)."""
 
 

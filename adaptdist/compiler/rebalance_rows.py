@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from ..errors import AdaptdistError
 from ..runtime.rebalance import RebalanceDecision
 
-DEFAULT_MIN_GAIN = 0.03
+DEFAULT_MIN_GAIN = 0.02
 """Re-lower only when the slowest rank's predicted compute falls by at least this fraction (a re-lowering costs a
 capture and two lowerings on rank 0, seconds)."""
 
