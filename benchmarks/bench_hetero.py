@@ -100,7 +100,7 @@ def worker(cfg: dict) -> dict:
         if cfg["rebalance_rounds"]:
             # the runtime's re-balance (adaptdist.runtime.rebalance, as `adaptdist train` runs it): start from the
             # profiled split, measure each rank's compute in the run, re-split, move the state over
-            from adaptdist.runtime.rebalance import ComputeMeter, agree, median_compute_s, transfer_state
+            from adaptdist.runtime.rebalance import ComputeMeter, agree, compute_summary, transfer_state
 
             runner = StepRunner(load_program(cfg["dirs"]["hetero"], rank, world_size=3), "sgd", 1e-3)
             directory = cfg["dirs"]["hetero"]
@@ -111,10 +111,10 @@ def worker(cfg: dict) -> dict:
                     dist.barrier()
                     with meter.step(i):
                         runner.step(batch)
-                own_s = median_compute_s(meter, range(1, k))  # the first step after a swap warms up
+                own = compute_summary(meter, range(1, k))  # the first step after a swap warms up
                 meter.detach()
-                decision, path, err = agree(rank, 3, own_s, lambda m, d=directory, n=rnd: _decide_and_lower(
-                    cfg, d, m, (n + 1) * k, n))
+                decision, path, err = agree(rank, 3, own, lambda m, e, d=directory, n=rnd: _decide_and_lower(
+                    cfg, d, m, e, (n + 1) * k, n))
                 rebalances.append(decision.to_doc() if decision is not None else {"error": err})
                 if path is None:
                     break
@@ -200,7 +200,8 @@ def worker(cfg: dict) -> dict:
         dist.destroy_process_group()
 
 
-def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], step: int, round_: int):
+def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], noise: list[float], step: int,
+                      round_: int):
     """Rank 0: the re-balance's decision for the programs in ``directory`` and, when it applies, their lowering
     with the new rows (the one door: compile_model with explicit rows on the measured cluster)."""
     from adaptdist.calibrate.local import load_cluster
@@ -211,7 +212,7 @@ def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], step: 
 
     programs = {r: load_program(directory, r, world_size=3) for r in range(3)}
     cluster = load_cluster(cfg["cluster_file"])
-    decision = decide(programs, cluster, measured_s, "sgd", step)
+    decision = decide(programs, cluster, measured_s, "sgd", step, noise=noise)
     print(f"rank 0: {decision.line()}", flush=True)
     if not decision.applied:
         return decision, None

@@ -106,11 +106,24 @@ def test_decide_follows_measured_speeds():
     assert d.rows_after[2] >= 30 and max(d.rows_after[:2]) <= 17, d
     assert d.predicted_gain > 1.25 and "re-balance after step 5" in d.line() and "rows -> " in d.line()
     assert d.to_doc()["rows_after"] == d.rows_after
+    # the same medians from a noisy window (+-30% on rank 2): not enough evidence to move rows
+    noisy = decide(programs, cluster, [2 * pred[0], 2 * pred[1], pred[2] * 20 / 22], "sgd", step=5,
+                   noise=[0.01, 0.01, 0.3])
+    assert not noisy.applied and noisy.threshold == pytest.approx(1.6) and "noise" in noisy.reason, noisy
     # measured as predicted: nothing to gain
     same = decide(programs, cluster, pred, "sgd", step=5)
     assert not same.applied and same.rows_after == same.rows_before and "kept" in same.line()
     with pytest.raises(AdaptdistError, match="positive compute time"):
         decide(programs, cluster, [0.1, 0.0, 0.1], "sgd", step=5)
+
+
+def test_median_and_noise():
+    from adaptdist.runtime.rebalance import median_and_noise
+
+    assert median_and_noise([0.1] * 6) == (0.1, 0.0)
+    med, se = median_and_noise([1.0, 2.0, 3.0, 4.0, 50.0])  # median absolute deviation 1 (an outlier does not count)
+    assert med == 3.0 and se == pytest.approx(1.2533 * 1.4826 / 5 ** 0.5 / 3)
+    assert median_and_noise([2.0]) == (2.0, 0.0)
 
 
 def test_step_compute_s_subtracts_waits():
@@ -129,7 +142,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 
 def f(batch_size, seq_len):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 8))
     return model, (torch.randn(batch_size, 64), torch.randn(batch_size, 8)), F.mse_loss
 
 def data(batch_size, seq_len, seed=0):
@@ -142,9 +155,9 @@ def data(batch_size, seq_len, seed=0):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_rebalances_rows_and_stays_equal_to_eager(tmp_path):
-    """`adaptdist train` on a cluster file that calls rank 2 twice as fast as ranks 0 and 1, run on ranks that are
-    alike: the profiled rows under-load ranks 0 and 1, the re-balance after 3 steps evens them out, and every
-    step's loss and the final weights equal single-process eager SGD."""
+    """`adaptdist train` on a cluster file that calls rank 2 eight times as fast as ranks 0 and 1, run on ranks that
+    are alike: the profiled rows over-load rank 2 far beyond the measurements' noise, the re-balance after 8 steps
+    (7 steps measured) evens them out, and every step's loss and the final weights equal single-process eager SGD."""
     import importlib.util
     import json
 
@@ -157,24 +170,46 @@ def test_train_rebalances_rows_and_stays_equal_to_eager(tmp_path):
     f.write_text(MODEL_FILE)
     c = tmp_path / "c.yaml"
     devs = [{"rank": r, "kind": "cpu", "peak_flops": {"float32": x}, "memory_bytes": 2**32,
-             "memory_bandwidth_bytes_per_s": x / 2} for r, x in enumerate((1e10, 1e10, 2e10))]
+             "memory_bandwidth_bytes_per_s": x / 2} for r, x in enumerate((1e10, 1e10, 8e10))]
     c.write_text(yaml.safe_dump({"schema_version": 2, "hosts": [{"name": "localhost", "devices": devs}],
                                  "links": [{"tier": "intra_host", "bandwidth_bytes_per_s": 1.5e9, "latency_s": 2e-4}]}))
-    steps, lr, out = 6, 0.05, tmp_path / "out"
-    assert main(["train", f"{f}:f", "--cluster", str(c), "--plan", "dp", "--batch-size", "96", "--steps", str(steps),
-                 "--optimizer", "sgd", "--lr", str(lr), "--rebalance-after", "3", "--threads-per-rank", "1",
+    steps, lr, out = 9, 0.05, tmp_path / "out"
+    assert main(["train", f"{f}:f", "--cluster", str(c), "--plan", "dp", "--batch-size", "768", "--steps", str(steps),
+                 "--optimizer", "sgd", "--lr", str(lr), "--rebalance-after", "8", "--threads-per-rank", "1",
                  "--sample-bytes", "0", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     [rb] = summary["rebalances"]
-    assert rb["step"] == 3 and sum(rb["rows_before"]) == 96 and rb["rows_before"][2] > rb["rows_before"][0], rb
+    assert rb["step"] == 8 and sum(rb["rows_before"]) == 768 and rb["rows_before"][2] > 3 * rb["rows_before"][0], rb
     assert rb["applied"] and rb["rows_after"][2] < rb["rows_before"][2], rb  # the alike ranks get alike rows
     spec = importlib.util.spec_from_file_location("m", f)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    model, _, loss_fn = mod.f(96, 0)
-    batches = [b for b, _ in zip(mod.data(96, 0), range(steps))]
+    model, _, loss_fn = mod.f(768, 0)
+    batches = [b for b, _ in zip(mod.data(768, 0), range(steps))]
     history, final = eager_sgd(model, batches, loss_fn, lr, steps)
     assert summary["losses"] == pytest.approx([h[0] for h in history], rel=1e-5, abs=1e-6)
     weights = load_file(str(out / "model.safetensors"))
     for k, v in final.items():
         torch.testing.assert_close(weights[k], v, atol=TOL, rtol=TOL, msg=k)
+
+
+def test_rebalance_after_flag():
+    from types import SimpleNamespace
+
+    from adaptdist.cli.train import REBALANCE_AFTER_AUTO, _rebalance_after
+    from adaptdist.errors import UsageError
+
+    model, batch, loss_fn = mlp(12, loss="mse")
+    uneven = compile_model(model, batch, loss_fn, 3, None, cluster=_cluster((1e10, 1e10, 2e10)), optimizer="sgd")
+    even = compile_model(model, batch, loss_fn, 3, None, cluster=_cluster(), optimizer="sgd")
+    c = _cluster()
+
+    def after(text, programs):
+        return _rebalance_after(SimpleNamespace(rebalance_after=text), programs, c, False, None)
+
+    assert after("auto", uneven) == REBALANCE_AFTER_AUTO  # the planner split by profiled speeds: check them
+    assert after("auto", even) is None and after("off", uneven) is None
+    assert after("4", even) == 4
+    for bad in ("1", "x"):
+        with pytest.raises(UsageError, match="--rebalance-after"):
+            after(bad, even)

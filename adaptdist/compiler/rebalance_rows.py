@@ -17,9 +17,12 @@ DEFAULT_MIN_GAIN = 0.02
 """Re-lower only when the slowest rank's predicted compute falls by at least this fraction (a re-lowering costs a
 capture and two lowerings on rank 0, seconds)."""
 
+NOISE_SIGMAS = 2.0
+"""...and by more than this many relative standard errors of the noisiest rank's measured median."""
+
 
 def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[float], optimizer: str, step: int,
-           min_gain: float = DEFAULT_MIN_GAIN) -> RebalanceDecision:
+           min_gain: float = DEFAULT_MIN_GAIN, noise: Sequence[float] = ()) -> RebalanceDecision:
     """The rows the measured speeds call for (module docstring, step 2), for ``programs`` (every rank's, of one
     data-parallel plan) running on ``cluster`` (the job's cluster; the plan's rank mapping is applied here).
 
@@ -32,6 +35,8 @@ def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[
     from ..device_assignment import program_cluster
 
     ranks = sorted(programs)
+    worst_noise = max((float(x) for x in noise), default=0.0)
+    threshold = max(1.0 + min_gain, 1.0 + NOISE_SIGMAS * worst_noise)
     if len(measured_compute_s) != len(ranks) or not all(t > 0 for t in measured_compute_s):
         raise AdaptdistError(f"re-balance: need a positive compute time for each of {len(ranks)} ranks, got "
                              f"{list(measured_compute_s)}")
@@ -59,7 +64,8 @@ def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[
     def kept(why: str, after: Sequence[int] = before) -> RebalanceDecision:
         return RebalanceDecision(step, before, before, tuple(measured_compute_s), predicted,
                                  slowest(before) if coords else max(measured_compute_s),
-                                 slowest(after) if coords else max(measured_compute_s), False, why)
+                                 slowest(after) if coords else max(measured_compute_s), False, why,
+                                 worst_noise, threshold)
 
     if not coords or len(coords) < 2:
         return kept("the plan splits no batch axis")
@@ -69,7 +75,9 @@ def decide(programs: dict[int, Any], cluster: Any, measured_compute_s: Sequence[
     if rows is None or tuple(rows) == before:
         return kept("the rows are already balanced for the measured speeds")
     gain = slowest(before) / slowest(rows)
-    if gain < 1.0 + min_gain:
-        return kept(f"predicted gain {gain:.3f}x is under the {1 + min_gain:.2f}x threshold", rows)
+    if gain < threshold:
+        why = "the measurements' noise" if threshold > 1.0 + min_gain else f"{min_gain:.0%}"
+        return kept(f"predicted gain {gain:.3f}x is under the {threshold:.3f}x threshold ({why})", rows)
     return RebalanceDecision(step, before, tuple(rows), tuple(measured_compute_s), predicted, slowest(before),
-                             slowest(rows), True, "rows in proportion to the speeds measured in the run")
+                             slowest(rows), True, "rows in proportion to the speeds measured in the run",
+                             worst_noise, threshold)

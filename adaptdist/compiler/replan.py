@@ -138,11 +138,11 @@ class ProgramSource:
             time.sleep(0.2)
         return path
 
-    def rebalance(self, program_dir: str, cluster, measured_compute_s: list[float], step: int,
+    def rebalance(self, program_dir: str, cluster, measured_compute_s: list[float], noise: list[float], step: int,
                   directory: str | os.PathLike):
         """Rank 0's part of an adaptive re-balance (:mod:`adaptdist.runtime.rebalance`): the decision for the
         programs in ``program_dir`` (every rank's) running on ``cluster`` with ``measured_compute_s`` per rank
-        (:func:`.rebalance_rows.decide`) and, when it applies, the programs lowered with its rows in
+        (their relative standard errors ``noise``; :func:`.rebalance_rows.decide`) and, when it applies, the programs lowered with its rows in
         ``directory`` (:meth:`lower_with_rows`). Returns ``(decision, directory or None)``.
 
         Raises:
@@ -152,7 +152,7 @@ class ProgramSource:
         from .rebalance_rows import decide
 
         programs = {r: load_program(program_dir, r, world_size=cluster.world_size) for r in range(cluster.world_size)}
-        decision = decide(programs, cluster, measured_compute_s, self.optimizer, step)
+        decision = decide(programs, cluster, measured_compute_s, self.optimizer, step, noise=noise)
         if not decision.applied:
             return decision, None
         return decision, self.lower_with_rows(programs[0].plan, cluster, decision.rows_after, directory)

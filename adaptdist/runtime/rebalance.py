@@ -7,12 +7,14 @@ profile`` measured the lone rank at 1.65-1.82x the FLOP/s of the two sharing cor
 
 1. each rank measures its compute per step: its step window minus its waits on collectives
    (:class:`ComputeMeter`, through the :mod:`.trace` instrumentation), median over the window;
-2. the ranks share those medians; rank 0 scales each rank's predicted compute (the cost model of the current
+2. the ranks share those medians (and their standard errors); rank 0 scales each rank's predicted compute (the cost model of the current
    programs: a fixed part, the optimizer step, and a per-row part) by measured / predicted and chooses new rows
    (:func:`~adaptdist.compiler.device_placement.balanced_batch_rows`: the slowest rank's time least, within each
    device's memory) -- :func:`adaptdist.compiler.rebalance_rows.decide` (the compiler's layer: it prices the
    programs);
-3. when the slowest rank's time falls by at least ``min_gain`` under that model, the programs are lowered again
+3. when the slowest rank's time falls by at least ``min_gain`` under that model, and by more than twice the
+   measurements' noise (the largest relative standard error of a rank's median: a window that one slow spell
+   skewed must not move rows that were right), the programs are lowered again
    with those rows (the one door: ``compile_model(..., batch_split=rows)``) and every rank moves its parameters,
    buffers and optimizer state into its new program (:func:`transfer_state`).
 
@@ -23,9 +25,10 @@ count whatever the split, so the step stays equal to the single-process one (``t
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -45,6 +48,8 @@ class RebalanceDecision:
             (predicted scaled by measured / predicted) for the old and the new rows, seconds.
         applied: whether the programs were lowered again with ``rows_after``.
         reason: one line, why.
+        noise: the largest relative standard error of a rank's measured median (:func:`median_and_noise`).
+        threshold: the predicted gain a re-lowering needed (at least ``1 + min_gain``, and beyond the noise).
     """
 
     step: int
@@ -56,6 +61,8 @@ class RebalanceDecision:
     slowest_after_s: float
     applied: bool
     reason: str
+    noise: float = 0.0
+    threshold: float = 1.0
 
     @property
     def predicted_gain(self) -> float:
@@ -70,8 +77,8 @@ class RebalanceDecision:
     def line(self) -> str:
         meas = ", ".join(f"{1e3 * t:.1f}" for t in self.measured_compute_s)
         pred = ", ".join(f"{1e3 * t:.1f}" for t in self.predicted_compute_s)
-        head = (f"re-balance after step {self.step}: measured compute per rank [{meas}] ms (predicted [{pred}] ms) "
-                f"for rows {list(self.rows_before)}")
+        head = (f"re-balance after step {self.step}: measured compute per rank [{meas}] ms (+-{100 * self.noise:.1f}%; "
+                f"predicted [{pred}] ms) for rows {list(self.rows_before)}")
         if not self.applied:
             return f"{head}: kept ({self.reason})"
         return (f"{head}: rows -> {list(self.rows_after)}, slowest rank {1e3 * self.slowest_before_s:.1f} -> "
@@ -135,22 +142,23 @@ def transfer_state(old: Any, new: Any) -> None:
     new.opt.load_state_dict(old.opt.state_dict())
 
 
-def agree(rank: int, world: int, own_compute_s: float,
-          decide_and_lower: Callable[[list[float]], tuple[RebalanceDecision, str | None]]
+def agree(rank: int, world: int, own: tuple[float, float],
+          decide_and_lower: Callable[[list[float], list[float]], tuple[RebalanceDecision, str | None]]
           ) -> tuple[RebalanceDecision | None, str | None, str | None]:
-    """(Collective over the world) every rank's ``own_compute_s`` to rank 0, which calls ``decide_and_lower``
-    (measured seconds per rank -> the decision and, when applied, the directory of the new programs); its answer
+    """(Collective over the world) every rank's ``own`` (:func:`compute_summary`: its median compute seconds per
+    step and that median's relative standard error) to rank 0, which calls ``decide_and_lower`` (medians per rank,
+    errors per rank -> the decision and, when applied, the directory of the new programs); its answer
     goes to every rank: ``(decision, directory, None)``, or ``(None, None, error text)`` when rank 0's call failed
     (a re-balance is an optimization: the job keeps its rows and goes on).
     """
     import torch.distributed as dist
 
     got: list = [None] * world
-    dist.all_gather_object(got, float(own_compute_s))
+    dist.all_gather_object(got, (float(own[0]), float(own[1])))
     answer: list = [None]
     if rank == 0:
         try:
-            answer[0] = ("ok", decide_and_lower([float(x) for x in got]))
+            answer[0] = ("ok", decide_and_lower([float(x[0]) for x in got], [float(x[1]) for x in got]))
         except Exception as e:  # noqa: BLE001 - every rank must hear it, or the others wait forever
             answer[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(answer, src=0)
@@ -160,7 +168,20 @@ def agree(rank: int, world: int, own_compute_s: float,
     return payload[0], payload[1], None
 
 
-def median_compute_s(meter: ComputeMeter, steps: Iterable[int]) -> float:
-    """The median of :meth:`ComputeMeter.compute_s` over ``steps`` (nan for none)."""
-    xs = meter.compute_s(steps)
-    return statistics.median(xs) if xs else float("nan")
+def median_and_noise(xs: Sequence[float]) -> tuple[float, float]:
+    """The median of ``xs`` (seconds per step) and its relative standard error: 1.2533 sigma / sqrt(n) / median,
+    sigma estimated robustly as 1.4826 x the median absolute deviation (the normal distribution's; the median's
+    standard error is sqrt(pi / 2) sigma / sqrt(n), Kendall & Stuart). ``(nan, 0.0)`` for none, ``(x, 0.0)`` for
+    one."""
+    if not xs:
+        return float("nan"), 0.0
+    med = statistics.median(xs)
+    if len(xs) < 2 or med <= 0:
+        return med, 0.0
+    mad = statistics.median(abs(x - med) for x in xs)
+    return med, 1.2533 * 1.4826 * mad / math.sqrt(len(xs)) / med
+
+
+def compute_summary(meter: ComputeMeter, steps: Iterable[int]) -> tuple[float, float]:
+    """:func:`median_and_noise` of :meth:`ComputeMeter.compute_s` over ``steps``."""
+    return median_and_noise(meter.compute_s(steps))

@@ -633,13 +633,13 @@ def _rebalance(cfg: TrainConfig, runner: StepRunner, program: RankProgram, progr
     """(Collective) the re-balance after ``steps`` (:mod:`.rebalance`): rank 0 decides from every rank's median
     compute over ``steps`` and lowers the programs with the new rows; every rank moves its state into its new
     program. Returns the runner and program to go on with (the same ones when the rows are kept)."""
-    from .rebalance import agree, median_compute_s, transfer_state
+    from .rebalance import agree, compute_summary, transfer_state
 
-    own_s = median_compute_s(meter, steps)
+    own = compute_summary(meter, steps)
     meter.detach()
     step = steps.stop
-    decision, path, error = agree(rank, world, own_s, lambda measured_s: cfg.program_source.rebalance(
-        program_dir, cfg.rebalance_cluster, measured_s, step,
+    decision, path, error = agree(rank, world, own, lambda measured_s, noise: cfg.program_source.rebalance(
+        program_dir, cfg.rebalance_cluster, measured_s, noise, step,
         Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}"))
     if decision is None:
         events.note(f"re-balance after step {step} failed, keeping the rows: {error}")
