@@ -94,21 +94,70 @@ def worker(cfg: dict) -> dict:
             off, n = runners[name].program.batch_slice
             local_batches[name] = tuple(t.narrow(0, off, n).contiguous() for t in batch)
 
+        from adaptdist.runtime.trace import TraceRecorder
+
+        rebalances = []
+        if cfg["rebalance_rounds"]:
+            # the runtime's re-balance (adaptdist.runtime.rebalance, as `adaptdist train` runs it): start from the
+            # profiled split, measure each rank's compute in the run, re-split, move the state over
+            from adaptdist.runtime.rebalance import ComputeMeter, agree, compute_summary, transfer_state
+
+            runner = StepRunner(load_program(cfg["dirs"]["hetero"], rank, world_size=3), "sgd", 1e-3)
+            directory = cfg["dirs"]["hetero"]
+            k = cfg["measure_steps"]
+            for rnd in range(cfg["rebalance_rounds"]):
+                meter = ComputeMeter(runner)
+                for i in range(k):
+                    dist.barrier()
+                    with meter.step(i):
+                        runner.step(batch)
+                own = compute_summary(meter, range(1, k))  # the first step after a swap warms up
+                meter.detach()
+                decision, path, err = agree(rank, 3, own, lambda m, e, d=directory, n=rnd: _decide_and_lower(
+                    cfg, d, m, e, (n + 1) * k, n))
+                rebalances.append(decision.to_doc() if decision is not None else {"error": err})
+                if path is None:
+                    break
+                new = StepRunner(load_program(path, rank, world_size=3), "sgd", 1e-3)
+                transfer_state(runner, new)
+                runner, directory = new, path
+            runners["adaptive"] = runner
+
+        recs = {}
+        for name in runners:  # each rank's compute and its waits on the all_reduce, per step
+            recs[name] = TraceRecorder(rank)
+            runners[name].use_trace(recs[name])
+            recs[name].align_clocks()
+        step_no = {name: 0 for name in runners}
+
         def timed(name: str) -> float:
             dist.barrier()
             t0 = time.perf_counter()
-            runners[name].step(batch)
+            with recs[name].step(step_no[name]):
+                runners[name].step(batch)
+            step_no[name] += 1
             dist.barrier()
             return time.perf_counter() - t0
 
-        for name in ("hetero", "even"):
+        names = tuple(runners)
+        for name in names:
             for _ in range(cfg["warmup"]):
                 timed(name)
-        times: dict[str, list[float]] = {"hetero": [], "even": []}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        blocks: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(cfg["reps"]):
-            order = ("hetero", "even") if rep % 2 == 0 else ("even", "hetero")
+            order = names if rep % 2 == 0 else names[::-1]
             for name in order:
                 times[name] += [timed(name) for _ in range(cfg["steps"])]
+                # the same steps back to back, as a training loop runs them (no barrier per step): the block's mean
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(cfg["steps"]):
+                    with recs[name].step(step_no[name]):
+                        runners[name].step(batch)
+                    step_no[name] += 1
+                dist.barrier()
+                blocks[name].append((time.perf_counter() - t0) / cfg["steps"])
         # each rank's own compute, all ranks at once: a one-rank program of its rows, no collectives
         own: dict[str, list[float]] = {"hetero": [], "even": []}
         for rep in range(cfg["reps"]):
@@ -133,11 +182,47 @@ def worker(cfg: dict) -> dict:
             t0 = time.perf_counter()
             dist.all_reduce(grad)
             comm.append(time.perf_counter() - t0)
-        return {"times": times, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+        split = {}
+        for name, rec in recs.items():  # timed steps only (the warm-up's are the first ones)
+            waits: dict[int, float] = {}
+            for sp in rec.spans:
+                if sp.kind == "wait":
+                    waits[sp.step] = waits.get(sp.step, 0.0) + sp.duration_s
+            steps = rec.steps[cfg["warmup"]:]
+            split[name] = {"compute_s": [s.duration_s - waits.get(s.step, 0.0) for s in steps],
+                           "wait_s": [waits.get(s.step, 0.0) for s in steps]}
+        from adaptdist.runtime.worker import program_transports
+
+        return {"times": times, "blocks": blocks, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
                 "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
                 "affinity": sorted(os.sched_getaffinity(0))}
     finally:
         dist.destroy_process_group()
+
+
+def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], noise: list[float], step: int,
+                      round_: int):
+    """Rank 0: the re-balance's decision for the programs in ``directory`` and, when it applies, their lowering
+    with the new rows (the one door: compile_model with explicit rows on the measured cluster)."""
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.program import load_program, save_programs
+    from adaptdist.compiler.rebalance_rows import decide
+
+    programs = {r: load_program(directory, r, world_size=3) for r in range(3)}
+    cluster = load_cluster(cfg["cluster_file"])
+    decision = decide(programs, cluster, measured_s, "sgd", step, noise=noise)
+    print(f"rank 0: {decision.line()}", flush=True)
+    if not decision.applied:
+        return decision, None
+    model, batch, loss_fn = build(cfg["rows"], cfg["width"], cfg["layers"])
+    from adaptdist.comm_transport import rank_hosts
+
+    opts = LoweringOptions(comm=cfg["comm"], hosts=rank_hosts(cluster))
+    new = compile_model(model, batch, loss_fn, 3, programs[0].plan, opts, cluster=cluster,
+                        optimizer="sgd", batch_split=decision.rows_after)
+    return decision, str(save_programs(new, Path(cfg["tmp"]) / f"adaptive{round_}"))
 
 
 # --------------------------------------------------------------------------- driver
@@ -148,8 +233,14 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12, help="steps per block")
-    ap.add_argument("--reps", type=int, default=3, help="blocks of each (alternating order)")
+    ap.add_argument("--reps", type=int, default=4, help="blocks of each (alternating order)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--comm", choices=("auto", "gloo", "shm"), default="auto",
+                    help="the collectives' transport, as train's --comm (auto: shared memory on one host)")
+    ap.add_argument("--rebalance-rounds", type=int, default=1,
+                    help="re-balances of the 'adaptive' set (0: no adaptive set; the runtime's default is 1)")
+    ap.add_argument("--measure-steps", type=int, default=10,
+                    help="steps before each re-balance (the first not measured; train's --rebalance-after auto)")
     ap.add_argument("--quick-profile", action="store_true", help="short profile windows (noisier figures)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", metavar="FILE", help="also write the numbers here")
@@ -189,7 +280,10 @@ def main() -> int:
         cg = capture(model, batch, loss_fn)
         state = {f: named[f] for f in cg.input_fqns}
         plan = resolve_plan(None, cg, 3)
-        opts = LoweringOptions()
+        from adaptdist.comm_transport import rank_hosts
+
+        # the transport `adaptdist train` takes (--comm auto: shared memory between the ranks of one host)
+        opts = LoweringOptions(comm=args.comm, hosts=rank_hosts(cluster))
         sets, preds, rows = {}, {}, {}
         for name, split in (("hetero", "auto"), ("even", "even")):
             placed, programs = place_on_devices(cg, plan, cluster, opts, lower, state=state, optimizer="sgd",
@@ -205,29 +299,53 @@ def main() -> int:
                 m1, b1, l1 = build(n, args.width, args.layers)
                 cg1 = capture(m1, b1, l1)
                 st1 = {f: dict(m1.named_parameters())[f].detach() for f in cg1.input_fqns}
-                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), opts, state=st1),
+                local_dirs[name].append(str(save_programs(lower(cg1, resolve_plan(None, cg1, 1), LoweringOptions(), state=st1),
                                                           tmp / f"{name}-local{r}")))
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         num_params = sum(p.numel() for p in model.parameters())
         cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
                    warmup=args.warmup, steps=args.steps, reps=args.reps, timeout_s=args.timeout_s,
-                   num_params=num_params)
+                   num_params=num_params, rebalance_rounds=args.rebalance_rounds, measure_steps=args.measure_steps,
+                   cluster_file=str(tmp / "measured.yaml"), rows=args.rows, width=args.width, layers=args.layers,
+                   tmp=str(tmp), comm=args.comm)
         t0 = time.perf_counter()
         res = launch_local(worker, (cfg,), 3)
         run_s = time.perf_counter() - t0
+        done = [d for d in res[0]["rebalances"] if d.get("applied")]
+        if done:  # the adaptive set's last programs, priced as the others
+            from adaptdist.program import load_program
+
+            ad = {r: load_program(tmp / f"adaptive{len(done) - 1}", r, world_size=3) for r in range(3)}
+            preds["adaptive"] = estimate_programs(ad, cluster, "sgd")
+            rows["adaptive"] = [p.batch_slice[1] for p in ad.values()]
+        elif "adaptive" in res[0]["times"]:
+            preds["adaptive"], rows["adaptive"] = preds["hetero"], rows["hetero"]
     load_after = os.getloadavg()
     r0 = res[0]
     med = {k: statistics.median(v) for k, v in r0["times"].items()}
     ratio = med["even"] / med["hetero"]
+    names = tuple(med)
     out = {
         "model": f"WideBatchMLP({args.width}x{args.layers}), {num_params} params, {args.rows} rows, MSE, SGD",
         "measured_gflops": [f / 1e9 for f in flops],
         "rows": rows,
         "measured_step_ms": {k: 1e3 * v for k, v in med.items()},
+        "measured_step_ms_per_block": {k: [round(1e3 * statistics.median(v[i:i + args.steps]), 1)
+                                           for i in range(0, len(v), args.steps)] for k, v in r0["times"].items()},
+        "transports": r0["transports"],
         "measured_step_ms_quartiles": {k: [1e3 * q for q in statistics.quantiles(v, n=4)] for k, v in r0["times"].items()},
         "predicted_step_ms": {k: 1e3 * e.step_s for k, e in preds.items()},
         "predicted_comm_ms": {k: 1e3 * max(x.communication_s for x in e.ranks.values()) for k, e in preds.items()},
         "speedup_measured": ratio,
+        # steps back to back (no barrier per step), blocks alternating: the median block's mean step
+        "measured_block_step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in r0["blocks"].items()},
+        "speedup_measured_blocks": statistics.median(r0["blocks"]["even"]) / statistics.median(r0["blocks"]["hetero"]),
+        "speedup_measured_blocks_adaptive": (statistics.median(r0["blocks"]["even"])
+                                             / statistics.median(r0["blocks"]["adaptive"])
+                                             if "adaptive" in r0["blocks"] else None),
+        "speedup_measured_adaptive": med["even"] / med["adaptive"] if "adaptive" in med else None,
+        "speedup_predicted_adaptive": preds["even"].step_s / preds["adaptive"].step_s if "adaptive" in preds else None,
+        "rebalances": r0["rebalances"],
         "in_run_gflops": [res[r]["in_run_gflops"] for r in range(3)],
         "own_compute_ms": {k: [1e3 * res[r]["own_compute_s"][k] for r in range(3)] for k in ("hetero", "even")},
         "compute_only_speedup": max(res[r]["own_compute_s"]["even"] for r in range(3))
@@ -236,6 +354,14 @@ def main() -> int:
         "ideal_speedup_in_run": sum(res[r]["in_run_gflops"] for r in range(3)) / (3 * min(res[r]["in_run_gflops"]
                                                                                        for r in range(3))),
         "speedup_predicted": preds["even"].step_s / preds["hetero"].step_s,
+        # per rank, median over the timed steps: its own compute (step minus waits) and its waits on collectives
+        "per_rank_compute_ms": {k: [1e3 * statistics.median(res[r]["split"][k]["compute_s"]) for r in range(3)]
+                                for k in names},
+        "per_rank_compute_iqr_ms": {k: [[round(1e3 * q, 1) for q in statistics.quantiles(res[r]["split"][k]["compute_s"], n=4)[::2]]
+                                        for r in range(3)] for k in names},
+        "per_rank_wait_ms": {k: [1e3 * statistics.median(res[r]["split"][k]["wait_s"]) for r in range(3)]
+                             for k in names},
+        "predicted_compute_ms": {k: [1e3 * e.ranks[r].compute_s for r in range(3)] for k, e in preds.items()},
         "all_reduce_ms_measured": 1e3 * r0["all_reduce_s"],
         "threads_affinity": [(res[r]["threads"], res[r]["affinity"]) for r in range(3)],
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
@@ -250,6 +376,13 @@ def main() -> int:
           f"rows, all at once, slowest rank) {out['compute_only_speedup']:.3f}x; gradient all_reduce alone {out['all_reduce_ms_measured']:.2f} ms "
           f"({100 * r0['all_reduce_s'] / med['hetero']:.1f}% of the hetero step); load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
+    if "adaptive" in med:
+        print(f"adaptive (profiled rows, re-balanced in the run after {args.measure_steps} steps) rows "
+              f"{rows['adaptive']}: measured {med['adaptive'] * 1e3:.1f} vs even {med['even'] * 1e3:.1f} ms/step = "
+              f"{out['speedup_measured_adaptive']:.3f}x (target >= 1.25); predicted "
+              f"{out['predicted_step_ms']['adaptive']:.1f} ms = {out['speedup_predicted_adaptive']:.3f}x")
+    print(f"steps back to back (no barrier per step; median of {args.reps} blocks): even / hetero "
+          f"{out['speedup_measured_blocks']:.3f}x, even / adaptive {out['speedup_measured_blocks_adaptive'] or 0:.3f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--skip-memory-check", action="store_true",
                    help="launch even when the predicted peak memory of the local ranks exceeds this host's "
                         "available memory (the check then only warns)")
+    t.add_argument("--rebalance-after", metavar="auto|off|N", default="auto",
+                   help="after N steps the ranks measure each one's compute per step (step minus waits), re-split the "
+                        "batch rows in proportion to the measured speeds (within memory) and go on with programs "
+                        "lowered for them, once; auto: after 10 steps when the plan splits the batch unevenly for "
+                        "unequal devices (--cluster with different speeds), else off")
     t.add_argument("--trace", action="store_true",
                    help="record what every rank does when (forward, backward, collectives, optimizer, idle) and "
                         "write OUT/trace.json (chrome://tracing, Perfetto), OUT/timeline.png and OUT/timeline.html, "

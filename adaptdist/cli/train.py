@@ -34,6 +34,7 @@ RESTORED = ("model", "batch_size", "seq_len", "optimizer", "lr", "seed", "plan",
 change)."""
 MAY_CHANGE = ("steps", "nproc", "cluster", "out")
 OUTPUTS = ("checkpoints", "checkpoint", "status", "events.jsonl", "model.safetensors", "summary.json", "programs",
+           "programs_rebalanced",
            "programs_cache", RUN_FILE, "result.json", "example_batch.safetensors", "train_config.pkl",
            "trace", "trace.json", "timeline.png", "timeline.html")
 """What a run writes into ``--out``; a new run into the same directory removes the previous run's first."""
@@ -225,7 +226,9 @@ def write_summary(out: Path, result: dict, wall_s: float, **fields) -> tuple[dic
     events = result.get("events", [])
     summary = {"steps": len(losses), **loss_fields, "wall_s": wall_s, **fields, "losses": losses,
                "restarts": [e for e in events if e["event"] == "restart"],
-               "resumes": [e for e in events if e["event"] == "resume"], "complete": True}
+               "resumes": [e for e in events if e["event"] == "resume"],
+               "rebalances": [{k: v for k, v in e.items() if k not in ("event", "quiet")} for e in events
+                              if e["event"] == "rebalance"], "complete": True}
     if result.get("transports") is not None:  # mesh axis -> shm | gloo | none (the collectives' transport)
         summary["transports"] = result["transports"]
     tmp = out / f"summary.json.{os.getpid()}.tmp"
@@ -425,7 +428,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if resume_src is not None:
             _check_checkpoint_fits(resume_src, spec.text, programs[0], console)
     source = None
-    if elastic or resume_src is not None:  # one door for every other world size: re-planned, pipelines included
+    rebalance_after = _rebalance_after(args, programs, cluster, pipeline, console)
+    if elastic or resume_src is not None or rebalance_after:  # one door for every other world size (and the rows)
         source = ProgramSource(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                plan=args.plan, mesh=args.mesh, optimizer=args.optimizer,
                                cache_dir=str(out / "programs_cache"), base_world_size=nproc,
@@ -462,7 +466,8 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
                       cpus_of_rank=_cpus_of_rank(cluster, programs[0].plan),
                       devices_of_rank=_devices_of_rank(cluster, programs[0].plan))
     cfg = dataclasses.replace(cfg, rng=options.rng)  # every rank seeds --seed alike under --rng global (worker.py)
-    cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)))
+    cfg = dataclasses.replace(cfg, trace=bool(getattr(args, "trace", False)), rebalance_after=rebalance_after,
+                              rebalance_cluster=cluster if rebalance_after else None)
     t0 = time.perf_counter()
     launched_s = time.time()
     try:
@@ -691,6 +696,43 @@ def _devices_of_rank(cluster, plan) -> tuple:
         return ()
     devices = plan.devices if plan is not None else None
     return rank_devices(cluster, devices.rank_to_device if devices is not None else None)
+
+
+REBALANCE_AFTER_AUTO = 10
+"""``--rebalance-after auto``: the steps measured before the re-balance (the first one not measured)."""
+
+
+def _rebalance_after(args, programs: dict, cluster, pipeline: bool, console) -> int | None:
+    """The steps after which the ranks re-balance the batch rows (:mod:`adaptdist.runtime.rebalance`), or None.
+    ``--rebalance-after auto``: :data:`REBALANCE_AFTER_AUTO` when the plan splits the batch unevenly for unequal
+    devices (the profile's speeds then decide the rows; the run measures them); ``off``; ``N`` (at least 2):
+    after N steps whenever the plan splits a batch axis.
+
+    Raises:
+        UsageError: a value other than auto, off or an integer >= 2.
+    """
+    text = str(getattr(args, "rebalance_after", "auto") or "auto")
+    if text == "off":
+        return None
+    if text != "auto":
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 2:
+            raise UsageError(f"--rebalance-after {text}: give auto, off, or a number of steps >= 2 (the first step "
+                             "is not measured)")
+    plan = programs[0].plan
+    splits = plan is not None and plan.batch_axis is not None and plan.mesh_spec.size(plan.batch_axis) > 1
+    unsupported = ("a pipeline plan" if pipeline else "cuda ranks" if cluster.device_kinds != ("cpu",)
+                   else "the plan splits no batch axis" if not splits else None)
+    if text == "auto":
+        uneven = plan is not None and plan.devices is not None and plan.devices.batch_rows is not None
+        return REBALANCE_AFTER_AUTO if uneven and unsupported is None else None
+    if unsupported is not None:
+        console.print(f"[yellow]--rebalance-after {text}: no re-balance ({unsupported})[/]")
+        return None
+    return n
 
 
 def _cpus_of_rank(cluster, plan) -> tuple:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from ..device_assignment import (DeviceAssignment, balanced_rows, is_uniform, map_ranks, permuted_cluster)
 from ..errors import PlanInfeasibleError, UnsupportedOpError, UsageError
@@ -134,13 +134,40 @@ def _coords(mesh: Any, axis: str, i: int) -> tuple[int, ...]:
     return tuple(i if a == axis else 0 for a in mesh.names)
 
 
+def balanced_batch_rows(programs: dict[int, Any], cluster: Any, optimizer: str = "adamw",
+                        time_scale: "Sequence[float] | None" = None, estimate: Any = None) -> tuple[int, ...] | None:
+    """Rows per coordinate of the batch axis of ``programs``' plan (a data-parallel axis, any current split)
+    minimizing the slowest rank's compute within each device's memory, as :func:`place_on_devices` chooses
+    them, with each program rank's predicted compute seconds multiplied by ``time_scale[r]`` (None: 1): the
+    in-run measured over predicted compute of that rank (:mod:`adaptdist.runtime.rebalance`). ``cluster``: the
+    devices as the programs' plan maps them (:func:`~adaptdist.device_assignment.program_cluster`);
+    ``estimate``: :func:`~adaptdist.cost_models.estimate.estimate_programs` of ``programs`` on it, when known.
+    None when the plan has no batch axis, or a rank holds no rows (nothing to scale from).
+
+    Raises:
+        PlanInfeasibleError: as :func:`place_on_devices` (a device too small for any rows; the batch does not fit).
+    """
+    p0 = programs[min(programs)]
+    plan = p0.plan
+    axis = getattr(plan, "batch_axis", None)
+    if axis is None or plan.mesh_spec.size(axis) < 2:
+        return None
+    bs = sum(programs[plan.mesh_spec.rank(_coords(plan.mesh_spec, axis, i))].batch_slice[1]
+             for i in range(plan.mesh_spec.size(axis)))
+    mapping = (plan.devices.rank_to_device if plan.devices is not None and plan.devices.rank_to_device is not None
+               else tuple(range(plan.mesh_spec.world_size)))
+    return _balanced(programs, cluster, plan.mesh_spec, axis, bs, optimizer, mapping, time_scale, estimate)
+
+
 def _balanced(even: dict[int, Any], cluster: Any, mesh: Any, axis: str, batch_size: int, optimizer: str,
-              mapping: tuple[int, ...]) -> tuple[int, ...] | None:
+              mapping: tuple[int, ...], time_scale: "Sequence[float] | None" = None,
+              est: Any = None) -> tuple[int, ...] | None:
     """Rows per batch-axis coordinate minimizing the slowest rank's predicted compute within memory (module
-    docstring, step 3-4); None when a rank of the even split holds no rows (nothing to scale from)."""
+    docstring, step 3-4), each rank's times scaled by ``time_scale[r]``; None when a rank of the split given
+    holds no rows (nothing to scale from)."""
     from ..cost_models.estimate import estimate_programs
 
-    est = estimate_programs(even, cluster, optimizer)
+    est = est if est is not None else estimate_programs(even, cluster, optimizer)
     k = mesh.index(axis)
     times, caps = [], []
     for i in range(mesh.size(axis)):
@@ -165,7 +192,8 @@ def _balanced(even: dict[int, Any], cluster: Any, mesh: Any, axis: str, batch_si
             per_row_bytes = act / n0
             if per_row_bytes > 0:
                 cap = min(cap, math.floor((dev.memory_bytes - fixed_bytes) / per_row_bytes))
-            models.append((float(e.optimizer_s), per_row_s))
+            scale = 1.0 if time_scale is None else float(time_scale[r])
+            models.append((scale * float(e.optimizer_s), scale * per_row_s))
         times.append(lambda n, ms=tuple(models): max(f + p * n for f, p in ms))
         caps.append(None if cap == math.inf else int(cap))
     try:

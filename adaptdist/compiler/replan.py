@@ -138,6 +138,57 @@ class ProgramSource:
             time.sleep(0.2)
         return path
 
+    def rebalance(self, program_dir: str, cluster, measured_compute_s: list[float], noise: list[float], step: int,
+                  directory: str | os.PathLike):
+        """Rank 0's part of an adaptive re-balance (:mod:`adaptdist.runtime.rebalance`): the decision for the
+        programs in ``program_dir`` (every rank's) running on ``cluster`` with ``measured_compute_s`` per rank
+        (their relative standard errors ``noise``; :func:`.rebalance_rows.decide`) and, when it applies, the programs lowered with its rows in
+        ``directory`` (:meth:`lower_with_rows`). Returns ``(decision, directory or None)``.
+
+        Raises:
+            AdaptdistError: as :func:`.rebalance_rows.decide` and :meth:`lower_with_rows`.
+        """
+        from ..program import load_program
+        from .rebalance_rows import decide
+
+        programs = {r: load_program(program_dir, r, world_size=cluster.world_size) for r in range(cluster.world_size)}
+        decision = decide(programs, cluster, measured_compute_s, self.optimizer, step, noise=noise)
+        if not decision.applied:
+            return decision, None
+        return decision, self.lower_with_rows(programs[0].plan, cluster, decision.rows_after, directory)
+
+    def lower_with_rows(self, plan, cluster, rows: tuple[int, ...], directory: str | os.PathLike) -> str:
+        """The job's model captured again and ``plan`` (the running programs' plan, its rank mapping kept) lowered
+        for ``cluster`` (the job's) with ``rows`` per batch-axis coordinate, saved in ``directory``: the programs of
+        an adaptive re-balance (:mod:`adaptdist.runtime.rebalance`). Returns the directory.
+
+        Raises:
+            AdaptdistError: the plan does not lower with those rows (the message says why).
+        """
+        from ..comm_transport import rank_hosts
+        from ..model_spec import ModelSpec
+        from ..program import save_programs
+        from .capture import capture
+        from .lowering import compile_model
+        from .training_features import apply_training_features
+
+        import torch
+
+        spec = ModelSpec.parse(self.model)
+        torch.manual_seed(self.seed)
+        model, example, loss_fn = spec.build(self.batch_size, self.seq_len, data_path=self.data_path)
+        model, loss_fn = apply_training_features(model, loss_fn, self.precision, self.activation_checkpointing)
+        captured = capture(model, example, loss_fn)
+        options = replace(self.options, hosts=rank_hosts(cluster))
+        programs = compile_model(model, example, loss_fn, cluster.world_size, plan, options, captured=captured,
+                                 cluster=cluster, optimizer=self.optimizer, batch_split=tuple(rows))
+        tmp = Path(str(directory) + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_programs(programs, tmp)
+        shutil.rmtree(directory, ignore_errors=True)
+        tmp.rename(directory)
+        return str(directory)
+
     def _find_or_compile(self, world_size: int, message: Callable[[str], None]) -> str:
         import torch
 

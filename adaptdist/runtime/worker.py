@@ -7,6 +7,7 @@ which are set as ``.grad`` before ``optimizer.step()``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -91,6 +92,12 @@ class TrainConfig:
     """Rank r -> the CPU core ids its process is pinned to (the cluster file's ``cpus`` of the device the rank
     mapping puts it on; None: not pinned), applied before torch's threads start, with ``len(cpus)`` threads
     (:mod:`.affinity`); empty: no rank is pinned (``threads_per_rank`` threads each)."""
+    rebalance_after: int | None = None
+    """Re-balance the batch rows once after this many steps of each attempt, from the compute per step each rank
+    measured in them (:mod:`.rebalance`; the first step is not measured); None: never. Needs ``program_source``
+    (it lowers the new programs) and ``rebalance_cluster``."""
+    rebalance_cluster: Any = None
+    """The cluster the programs were placed on (``--cluster``), for the re-balance's cost model and lowering."""
     devices_of_rank: tuple = ()
     """Rank r -> its :class:`~.devices.RankDevice` (:func:`~.devices.rank_devices`): where its state, batch and
     optimizer live; empty: every rank on cpu."""
@@ -487,6 +494,16 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             else:
                 events.note(f"--trace: {type(runner).__name__} records no spans inside a step (no use_trace)")
             trace.align_clocks()  # (collective) every rank's time origin right after one barrier
+        meter, rebalance_at = None, None
+        if cfg.rebalance_after and cfg.program_source is not None and cfg.rebalance_cluster is not None:
+            if isinstance(runner, StepRunner) and world == cfg.rebalance_cluster.world_size:
+                from .rebalance import ComputeMeter
+
+                meter, rebalance_at = ComputeMeter(runner, trace), start + cfg.rebalance_after
+            else:
+                events.note("no re-balance of the batch rows: " + ("a pipeline plan" if not isinstance(runner, StepRunner)
+                                                                 else f"{world} ranks, planned for "
+                                                                      f"{cfg.rebalance_cluster.world_size}"))
         heartbeat = Heartbeat(rank, world)
         times: list[float] = []
         checkpoint_times: list[float] = []
@@ -516,7 +533,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 cpu0 = time.process_time()
                 try:
-                    with trace.step(step):
+                    with trace.step(step), (meter.step(step) if meter is not None else _NO_CONTEXT):
                         if cfg.measure_memory_step == step:
                             with PeakMemory([runner.state, runner.opt.state_dict()["state"], batch]) as pm:
                                 loss = runner.step(batch)
@@ -549,6 +566,10 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                     checkpoint_times.append(time.perf_counter() - t_save)
                     status.update(step=done)
                     bar.checkpoint(done, path)
+                if meter is not None and done == rebalance_at:
+                    runner, program = _rebalance(cfg, runner, program, program_dir, meter, range(start + 1, done),
+                                                 rank, world, events, trace)
+                    meter = None
                 bar.update(done, loss, cfg.items_per_step / dt)
                 status.note_step(done)  # a rank killed without a word is then named at its last step
                 if done == start + 1 and (start or restarted):
@@ -601,6 +622,44 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         stops.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _rebalance(cfg: TrainConfig, runner: StepRunner, program: RankProgram, program_dir: str, meter: Any,
+               steps: range, rank: int, world: int, events: "_Events", trace: TraceRecorder
+               ) -> tuple[StepRunner, RankProgram]:
+    """(Collective) the re-balance after ``steps`` (:mod:`.rebalance`): rank 0 decides from every rank's median
+    compute over ``steps`` and lowers the programs with the new rows; every rank moves its state into its new
+    program. Returns the runner and program to go on with (the same ones when the rows are kept)."""
+    from .rebalance import agree, compute_summary, transfer_state
+
+    own = compute_summary(meter, steps)
+    meter.detach()
+    step = steps.stop
+    decision, path, error = agree(rank, world, own, lambda measured_s, noise: cfg.program_source.rebalance(
+        program_dir, cfg.rebalance_cluster, measured_s, noise, step,
+        Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}"))
+    if decision is None:
+        events.note(f"re-balance after step {step} failed, keeping the rows: {error}")
+        return runner, program
+    if path is not None:
+        new_program = load_program(path, rank, world_size=world)
+        old_map = program.plan.devices.rank_to_device if program.plan.devices is not None else None
+        new_map = new_program.plan.devices.rank_to_device if new_program.plan.devices is not None else None
+        if old_map != new_map or new_program.group_names != program.group_names:  # (the same on every rank)
+            events.note(f"re-balance after step {step}: the new programs map ranks differently; keeping the rows")
+            path = None
+        else:
+            new = StepRunner(new_program, cfg.optimizer, cfg.lr, cfg.max_grad_norm, device=runner.device)
+            transfer_state(runner, new)
+            if cfg.trace:
+                new.use_trace(trace)
+            runner, program = new, new_program
+    events.add("rebalance", **decision.to_doc(), programs=path, quiet=True)
+    events.note(decision.line())
+    return runner, program
 
 
 class _Written:
