@@ -67,15 +67,17 @@ def main(argv=None) -> None:
     for n in args.ranks:
         res = shm_workers.run_ranks(profile_worker, n, (size, args.iters, args.slot_bytes or shm.DEFAULT_SLOT_BYTES,
                                                         args.spin_us), timeout_s=600)
-        # Bytes each rank moves per call in each phase (read + written), for S = size and n ranks.
-        moved = {"copy_in": 2 * size * (n - 1) / n, "reduce": size + 2 * size / n, "copy_out": 2 * size * (n - 1) / n}
+        # Bytes each rank moves per call in each phase (read + written), for S = size and n ranks, with the outputs
+        # in the ranks' shared regions (the calls here drop each output): the reduction reads S and writes its
+        # slice into every rank's output (S); no copy-out. (Private outputs: reduction S + 2S/n, copy-out 2S(n-1)/n.)
+        moved = {"copy_in": 2 * size * (n - 1) / n, "reduce": 2 * size, "copy_out": 0}
         print(f"{n} ranks, {args.size_mib:g} MiB all_reduce (ms per call; GB/s = bytes read + written / time)")
         for r in sorted(res):
             row = res[r]
             if "error" in row:
                 print(f"  rank {r}: {row['error']}")
                 continue
-            parts = "  ".join(f"{p} {row[p] * 1e3:6.2f}" + (f" ({moved[p] / row[p] / 1e9:5.1f} GB/s)" if p in moved else "")
+            parts = "  ".join(f"{p} {row[p] * 1e3:6.2f}" + (f" ({moved[p] / row[p] / 1e9:5.1f} GB/s)" if moved.get(p) and row[p] > 0 else "")
                               for p in PHASES)
             print(f"  rank {r}: median call {row['call_s'] * 1e3:6.2f} (fastest {row['min_call_s'] * 1e3:6.2f}, mean wall "
                   f"{row['wall_s'] * 1e3:6.2f}, {row['faults']:.0f} page faults/call) | {parts}")

@@ -4,8 +4,10 @@ Each iteration every rank draws the same (seeded) op, dtype, size (0 .. --max-mi
 included, some non-contiguous) and group (the world, or the two pairs {0,1},{2,3} at once); results are
 checked against the documented float32 rank-order reference (exact) or, for the data-movement ops, against
 the inputs (exact). Every 500 iterations each rank records its RSS; at the end /dev/shm must hold no
-segment of the job, RSS must not grow (beyond --rss-slack-mib between the first and last quarter) and no
-iteration may hang (every rank runs under the collective timeout and the whole under --timeout-s).
+segment of the job, its private RSS (RssAnon) must not grow (beyond --rss-slack-mib between the first and last
+quarter) and no iteration may hang (every rank runs under the collective timeout and the whole under --timeout-s).
+The segment's pages a rank has touched (RssShmem) are reported beside it: they grow with the largest all_reduce
+output seen so far (each rank writes into every rank's output region), bounded by the groups' segments.
 
     .venv/bin/python benchmarks/stress_shm.py [--iters 10000] [--ranks 4] [--max-mib 16] [--timeout-s 3000]
 """
@@ -31,17 +33,20 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
-def _rss_bytes() -> int:
-    """Resident bytes after glibc returned its free memory (malloc_trim): live memory, not whatever freed
-    blocks of the last, possibly 64 MiB-sized, iteration the allocator still holds."""
+def _rss_bytes() -> tuple[int, int]:
+    """(private, shared-memory) resident bytes (RssAnon, RssShmem) after glibc returned its free memory
+    (malloc_trim): live memory, not whatever freed blocks of the last, possibly 64 MiB-sized, iteration the
+    allocator still holds."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        key = line.split(":", 1)[0]
+        if key in ("RssAnon", "RssShmem"):
+            fields[key] = int(line.split()[1]) * 1024
+    return fields.get("RssAnon", 0), fields.get("RssShmem", 0)
 
 
 def stress_worker(rank: int, world: int, iters: int, max_mib: float, seed: int) -> dict:
@@ -88,7 +93,8 @@ def stress_worker(rank: int, world: int, iters: int, max_mib: float, seed: int) 
         if it % 500 == 0 or it == iters - 1:
             rss.append((it, _rss_bytes()))
             if rank == 0:
-                print(f"  iteration {it}: {time.monotonic() - t0:.0f} s, rank 0 RSS {rss[-1][1] / 2**20:.0f} MiB, "
+                print(f"  iteration {it}: {time.monotonic() - t0:.0f} s, rank 0 RssAnon {rss[-1][1][0] / 2**20:.0f} MiB, "
+                      f"RssShmem {rss[-1][1][1] / 2**20:.0f} MiB, "
                       f"{len(failures)} failures", flush=True)
     return {"failures": failures[:50], "n_failures": len(failures), "rss": rss, "counts": counts,
             "seconds": time.monotonic() - t0, "segments": w.segments(os.environ["MASTER_PORT"])}
@@ -120,12 +126,13 @@ def main(argv=None) -> None:
             continue
         rss = out["rss"]
         quarter = max(1, len(rss) // 4)
-        first = max(b for _, b in rss[:quarter])
-        last = max(b for _, b in rss[-quarter:])
+        first = max(b[0] for _, b in rss[:quarter])
+        last = max(b[0] for _, b in rss[-quarter:])
         grow_mib = (last - first) / 2**20
         print(f"rank {rank}: {out['n_failures']} failures, ops {out['counts']}, {out['seconds']:.0f} s, "
-              f"RSS first quarter max {first / 2**20:.0f} MiB -> last quarter max {last / 2**20:.0f} MiB "
-              f"({grow_mib:+.0f}), segments seen {out['segments']}")
+              f"RssAnon first quarter max {first / 2**20:.0f} MiB -> last quarter max {last / 2**20:.0f} MiB "
+              f"({grow_mib:+.0f}), RssShmem {rss[0][1][1] / 2**20:.0f} -> {rss[-1][1][1] / 2**20:.0f} MiB, "
+              f"segments seen {out['segments']}")
         ok &= out["n_failures"] == 0 and grow_mib <= args.rss_slack_mib and not out["segments"]
         for f in out["failures"][:5]:
             print("   ", f)

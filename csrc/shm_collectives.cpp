@@ -10,6 +10,8 @@
 //   of at most one slot per rank; use u works in buffer u % 2, so a rank may write use u + 1 while slower
 //   peers still read use u, and every use has a group-wide barrier before its buffer is reused. The large
 //   all_reduce pipelines over its parity buffer and buffers 2-4, one barrier per chunk (see there).
+//   outputs: group_size regions of kSharedOutBytes, rank r's all_reduce outputs (tensors whose memory is
+//   the segment, so that the peers write their reduced slices straight into them; touched as used).
 //
 // Synchronisation: rank r's arrival counter counts the barriers it has entered (it names who is missing),
 // and the group's `arrivals` counts every rank's entries: all ranks entered their k-th barrier once it
@@ -68,7 +70,7 @@
 
 namespace adaptdist_shm {
 
-constexpr uint64_t kMagic = 0x32304d4853444441ULL;  // "ADDSHM02" (02: 5 buffers, results in place, group arrivals)
+constexpr uint64_t kMagic = 0x33304d4853444441ULL;  // "ADDSHM03" (03: shared all_reduce output regions)
 constexpr int kMaxRanks = 64;
 constexpr size_t kAlign = 64;
 constexpr int kBuffers = 5;  // slice boundaries on cache lines: no false sharing between owners
@@ -80,6 +82,10 @@ constexpr size_t kStreamBytes = size_t(4) << 20;
 // 16 MiB): 1 MiB chunks do the same work in 60-75% of the time 4 MiB chunks take.
 constexpr size_t kAllReduceChunkBytes = size_t(1) << 20;
 constexpr size_t kReuseBytes = size_t(256) << 10;  // all_reduce outputs from this size on are reused
+// Each rank's region of the segment for its all_reduce outputs (virtual: tmpfs allocates pages as they are
+// touched). Outputs up to this size from kReuseBytes on live there when the region is free; the peers then
+// write the reduced slices into them directly (no copy-out pass: 14 instead of 18 x S bytes moved by 4 ranks).
+constexpr size_t kSharedOutBytes = size_t(64) << 20;
 
 struct alignas(64) RankInfo {
   std::atomic<int32_t> pid;
@@ -88,8 +94,9 @@ struct alignas(64) RankInfo {
 };
 
 struct alignas(64) Counter {
-  std::atomic<uint32_t> seq;     // barriers entered by this rank
-  std::atomic<uint64_t> sig[2];  // signature of the collective in each half (mismatch check)
+  std::atomic<uint32_t> seq;        // barriers entered by this rank
+  std::atomic<uint64_t> sig[2];     // signature of the collective in each half (mismatch check)
+  std::atomic<uint32_t> shared[2];  // whether this rank's all_reduce output in each half is its shared region
 };
 
 struct Header {
@@ -191,6 +198,22 @@ struct OutputBlock {
   ~OutputBlock() { free(data); }
 };
 
+// The segment's mapping: unmapped when the group and every output tensor in its shared region are gone.
+struct Mapping {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (p != nullptr) munmap(p, bytes);
+  }
+};
+
+// This rank's shared output region (see kSharedOutBytes); in use while a tensor on it is alive.
+struct SharedOutput {
+  std::shared_ptr<Mapping> map;
+  char* data = nullptr;
+  std::atomic<bool> in_use{false};
+};
+
 // A thread of the group's own that runs its collectives while the calling thread sleeps (as gloo runs its
 // collectives on a worker thread). On a host busier than its cores this matters: a step whose collectives ran
 // on its own (computing) thread took 0.55x gloo's time-equivalent (bench_tp, 22 all_reduces a step), the same
@@ -286,11 +309,14 @@ struct Group {
   double timeout_s = 120.0;
   int64_t spin_ns = 0;
   size_t slot_bytes = 0;
+  size_t chunk_bytes = kAllReduceChunkBytes;  // the pipelined all_reduce's chunk ($ADAPTDIST_SHM_CHUNK_BYTES)
   size_t map_bytes = 0;
   bool creator = false;
   bool unlinked = false;
+  std::shared_ptr<Mapping> map;
   Header* hdr = nullptr;
   char* data = nullptr;
+  char* outs = nullptr;  // the ranks' shared output regions
   uint32_t seq = 0;  // barriers this rank entered (mirrors its counter)
   uint64_t use = 0;  // uses so far (half = use % 2)
   std::mutex mu;     // one collective at a time per group in this process
@@ -299,14 +325,16 @@ struct Group {
   int64_t prof[6] = {0, 0, 0, 0, 0, 0};
   std::mutex out_mu;  // guards output_block: a started all_reduce allocates on the caller's thread
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
+  std::shared_ptr<SharedOutput> shared_output;  // this rank's region of `outs`
   std::unique_ptr<CommThread> comm;  // when set (_shm_group_set_comm_thread), the collectives run on it
 
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
   char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
+  char* out_region(int r) const { return outs + size_t(r) * kSharedOutBytes; }
 
   ~Group() {
     comm.reset();
-    if (hdr != nullptr) munmap(hdr, map_bytes);
+    map.reset();  // unmaps unless an output tensor still uses the shared region
     if (creator && !unlinked) shm_unlink(segment.c_str());
   }
 };
@@ -461,30 +489,58 @@ static inline float to_f(T v) {
   return static_cast<float>(v);
 }
 
-// out1[i] (and out2[i] when given) = reduce over r in 0..n-1 (in that order) of srcs[r][i], in float32,
-// rounded once to T. out2 may be one of the sources (each element is read before it is written). out1
-// takes non-temporal stores when stream1 (a large output tensor nobody reads soon), out2 (the segment,
-// read by a peer next) ordinary ones. float32 and bfloat16 have one-pass SSE2 loops (x86-64's baseline;
-// measured 3x faster than the tiled loop below, which stored through an L1 tile with a fence per tile); the
-// tiled loop takes float16, and every dtype where SSE2 is missing.
+// Where a reduction's result goes: up to kMaxRanks + 1 destinations, each with ordinary or non-temporal
+// stores (nt: a large output nobody reads soon; the segment's slots, read by a peer next, take ordinary ones).
+// The kernels write every destination from the same registers: one pass over the sources whatever their count.
+struct Dests {
+  char* p[kMaxRanks + 1];
+  bool nt[kMaxRanks + 1];
+  int k = 0;
+  void add(char* ptr, bool stream) {
+    p[k] = ptr;
+    nt[k] = stream;
+    ++k;
+  }
+  // Non-temporal stores need 16-byte alignment: the kernels align on the first such destination, so one whose
+  // address differs from it modulo 16 takes ordinary stores.
+  int first_nt() {
+    int f = -1;
+    for (int d = 0; d < k; ++d) {
+      if (!nt[d]) continue;
+      if (f < 0)
+        f = d;
+      else if (((reinterpret_cast<uintptr_t>(p[d]) - reinterpret_cast<uintptr_t>(p[f])) & 15) != 0)
+        nt[d] = false;
+    }
+    return f;
+  }
+};
+
+// dest[i] for every destination = reduce over r in 0..n-1 (in that order) of srcs[r][i], in float32,
+// rounded once to T. A destination may be one of the sources (each element is read before it is written).
+// float32 and bfloat16 have one-pass SSE2 loops (x86-64's baseline; measured 3x faster than the tiled loop
+// below, which stored through an L1 tile with a fence per tile); the tiled loop takes float16, and every
+// dtype where SSE2 is missing.
 template <typename T>
-static inline void reduce_scalar(const T* const* srcs, int n, int64_t i, T* out1, T* out2, RedOp op) {
+static inline void reduce_scalar(const T* const* srcs, int n, int64_t i, const Dests& d, RedOp op) {
   float acc = to_f(srcs[0][i]);
   for (int r = 1; r < n; ++r) {
     float v = to_f(srcs[r][i]);
     acc = op == RedOp::Max ? ((v > acc || v != v) ? v : acc) : acc + v;
   }
   if (op == RedOp::Avg) acc = acc / float(n);
-  out1[i] = static_cast<T>(acc);
-  if (out2 != nullptr) out2[i] = out1[i];
+  const T res = static_cast<T>(acc);
+  for (int k = 0; k < d.k; ++k) reinterpret_cast<T*>(d.p[k])[i] = res;
 }
 
 template <typename T>
-static void reduce_tiled(const T* const* srcs, int n, int64_t len, T* out1, T* out2, RedOp op, bool stream1) {
+static void reduce_tiled(const T* const* srcs, int n, int64_t len, Dests d, RedOp op) {
   constexpr int64_t kTile = 1024;
   alignas(64) float acc[kTile];
   alignas(64) T res[kTile];
   const float inv_n = float(n);
+  bool any_nt = false;
+  for (int k = 0; k < d.k; ++k) any_nt = any_nt || d.nt[k];
   for (int64_t t0 = 0; t0 < len; t0 += kTile) {
     const int64_t m = std::min(kTile, len - t0);
     const T* s0 = srcs[0] + t0;
@@ -504,14 +560,16 @@ static void reduce_tiled(const T* const* srcs, int n, int64_t len, T* out1, T* o
       for (int64_t i = 0; i < m; ++i) acc[i] = acc[i] / inv_n;
     for (int64_t i = 0; i < m; ++i) res[i] = static_cast<T>(acc[i]);
     const size_t tile_bytes = size_t(m) * sizeof(T);
-    if (stream1)
-      stream_copy(reinterpret_cast<char*>(out1 + t0), reinterpret_cast<const char*>(res), tile_bytes, false);
-    else
-      memcpy(out1 + t0, res, tile_bytes);
-    if (out2 != nullptr) memcpy(out2 + t0, res, tile_bytes);
+    for (int k = 0; k < d.k; ++k) {
+      char* dst = d.p[k] + size_t(t0) * sizeof(T);
+      if (d.nt[k])
+        stream_copy(dst, reinterpret_cast<const char*>(res), tile_bytes, false);
+      else
+        memcpy(dst, res, tile_bytes);
+    }
   }
 #if defined(__SSE2__)
-  if (stream1) _mm_sfence();
+  if (any_nt) _mm_sfence();
 #endif
 }
 
@@ -526,12 +584,44 @@ static inline __m128 red4(__m128 acc, __m128 x) {
   }
 }
 
+// Store 64 bytes (4 x 16) at byte offset `at` of every destination.
+static inline void store64(const Dests& d, size_t at, __m128i v0, __m128i v1, __m128i v2, __m128i v3) {
+  for (int k = 0; k < d.k; ++k) {
+    __m128i* o = reinterpret_cast<__m128i*>(d.p[k] + at);
+    if (d.nt[k]) {
+      _mm_stream_si128(o, v0);
+      _mm_stream_si128(o + 1, v1);
+      _mm_stream_si128(o + 2, v2);
+      _mm_stream_si128(o + 3, v3);
+    } else {
+      _mm_storeu_si128(o, v0);
+      _mm_storeu_si128(o + 1, v1);
+      _mm_storeu_si128(o + 2, v2);
+      _mm_storeu_si128(o + 3, v3);
+    }
+  }
+}
+
+static inline void store32(const Dests& d, size_t at, __m128i v0, __m128i v1) {
+  for (int k = 0; k < d.k; ++k) {
+    __m128i* o = reinterpret_cast<__m128i*>(d.p[k] + at);
+    if (d.nt[k]) {
+      _mm_stream_si128(o, v0);
+      _mm_stream_si128(o + 1, v1);
+    } else {
+      _mm_storeu_si128(o, v0);
+      _mm_storeu_si128(o + 1, v1);
+    }
+  }
+}
+
 template <RedOp OP>
-static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, float* out1, float* out2, bool stream1) {
+static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, Dests d) {
+  const int f = d.first_nt();
   int64_t i = 0;
-  if (stream1)  // non-temporal stores need 16-byte alignment
-    for (; i < len && (reinterpret_cast<uintptr_t>(out1 + i) & 15) != 0; ++i)
-      reduce_scalar(srcs, n, i, out1, out2, OP);
+  if (f >= 0)  // non-temporal stores need 16-byte alignment
+    for (; i < len && (reinterpret_cast<uintptr_t>(d.p[f] + i * 4) & 15) != 0; ++i)
+      reduce_scalar(srcs, n, i, d, OP);
   const __m128 nv = _mm_set1_ps(float(n));
   for (; i + 16 <= len; i += 16) {
     const float* s0 = srcs[0] + i;
@@ -549,26 +639,11 @@ static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, float*
       a2 = _mm_div_ps(a2, nv);
       a3 = _mm_div_ps(a3, nv);
     }
-    if (stream1) {
-      _mm_stream_ps(out1 + i, a0);
-      _mm_stream_ps(out1 + i + 4, a1);
-      _mm_stream_ps(out1 + i + 8, a2);
-      _mm_stream_ps(out1 + i + 12, a3);
-    } else {
-      _mm_storeu_ps(out1 + i, a0);
-      _mm_storeu_ps(out1 + i + 4, a1);
-      _mm_storeu_ps(out1 + i + 8, a2);
-      _mm_storeu_ps(out1 + i + 12, a3);
-    }
-    if (out2 != nullptr) {
-      _mm_storeu_ps(out2 + i, a0);
-      _mm_storeu_ps(out2 + i + 4, a1);
-      _mm_storeu_ps(out2 + i + 8, a2);
-      _mm_storeu_ps(out2 + i + 12, a3);
-    }
+    store64(d, size_t(i) * 4, _mm_castps_si128(a0), _mm_castps_si128(a1), _mm_castps_si128(a2),
+            _mm_castps_si128(a3));
   }
-  for (; i < len; ++i) reduce_scalar(srcs, n, i, out1, out2, OP);
-  if (stream1) _mm_sfence();
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, d, OP);
+  if (f >= 0) _mm_sfence();
 }
 
 // bfloat16 <-> float32 as c10 does it: widening is a 16-bit shift; narrowing rounds to nearest even and
@@ -596,12 +671,12 @@ static inline __m128i f32x8_to_bf16(__m128 lo, __m128 hi) {
 }
 
 template <RedOp OP>
-static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t len, c10::BFloat16* out1,
-                             c10::BFloat16* out2, bool stream1) {
+static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t len, Dests d) {
+  const int f = d.first_nt();
   int64_t i = 0;
-  if (stream1)
-    for (; i < len && (reinterpret_cast<uintptr_t>(out1 + i) & 15) != 0; ++i)
-      reduce_scalar(srcs, n, i, out1, out2, OP);
+  if (f >= 0)
+    for (; i < len && (reinterpret_cast<uintptr_t>(d.p[f] + i * 2) & 15) != 0; ++i)
+      reduce_scalar(srcs, n, i, d, OP);
   const __m128 nv = _mm_set1_ps(float(n));
   for (; i + 16 <= len; i += 16) {
     __m128 a0, a1, a2, a3;
@@ -622,22 +697,10 @@ static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t le
       a2 = _mm_div_ps(a2, nv);
       a3 = _mm_div_ps(a3, nv);
     }
-    const __m128i r0 = f32x8_to_bf16(a0, a1), r1 = f32x8_to_bf16(a2, a3);
-    __m128i* o1 = reinterpret_cast<__m128i*>(out1 + i);
-    if (stream1) {
-      _mm_stream_si128(o1, r0);
-      _mm_stream_si128(o1 + 1, r1);
-    } else {
-      _mm_storeu_si128(o1, r0);
-      _mm_storeu_si128(o1 + 1, r1);
-    }
-    if (out2 != nullptr) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + i), r0);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out2 + i + 8), r1);
-    }
+    store32(d, size_t(i) * 2, f32x8_to_bf16(a0, a1), f32x8_to_bf16(a2, a3));
   }
-  for (; i < len; ++i) reduce_scalar(srcs, n, i, out1, out2, OP);
-  if (stream1) _mm_sfence();
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, d, OP);
+  if (f >= 0) _mm_sfence();
 }
 
 template <template <RedOp> class K, typename... A>
@@ -651,48 +714,50 @@ static void with_op(RedOp op, A... a) {
 }
 template <RedOp OP>
 struct F32Kernel {
-  static void run(const float* const* s, int n, int64_t len, float* o1, float* o2, bool st) {
-    reduce_f32_sse2<OP>(s, n, len, o1, o2, st);
-  }
+  static void run(const float* const* s, int n, int64_t len, const Dests* d) { reduce_f32_sse2<OP>(s, n, len, *d); }
 };
 template <RedOp OP>
 struct BF16Kernel {
-  static void run(const c10::BFloat16* const* s, int n, int64_t len, c10::BFloat16* o1, c10::BFloat16* o2, bool st) {
-    reduce_bf16_sse2<OP>(s, n, len, o1, o2, st);
+  static void run(const c10::BFloat16* const* s, int n, int64_t len, const Dests* d) {
+    reduce_bf16_sse2<OP>(s, n, len, *d);
   }
 };
 #endif
 
-static void reduce_dispatch(at::ScalarType dt, const char* const* srcs, int n, int64_t len, char* out1, char* out2,
-                            RedOp op, bool stream1 = false) {
+static void reduce_to(at::ScalarType dt, const char* const* srcs, int n, int64_t len, const Dests& d, RedOp op) {
   switch (dt) {
     case at::kFloat: {
       auto s = reinterpret_cast<const float* const*>(srcs);
-      auto o1 = reinterpret_cast<float*>(out1), o2 = reinterpret_cast<float*>(out2);
 #if defined(__SSE2__)
-      with_op<F32Kernel>(op, s, n, len, o1, o2, stream1);
+      with_op<F32Kernel>(op, s, n, len, &d);
 #else
-      reduce_tiled<float>(s, n, len, o1, o2, op, stream1);
+      reduce_tiled<float>(s, n, len, d, op);
 #endif
       break;
     }
     case at::kBFloat16: {
       auto s = reinterpret_cast<const c10::BFloat16* const*>(srcs);
-      auto o1 = reinterpret_cast<c10::BFloat16*>(out1), o2 = reinterpret_cast<c10::BFloat16*>(out2);
 #if defined(__SSE2__)
-      with_op<BF16Kernel>(op, s, n, len, o1, o2, stream1);
+      with_op<BF16Kernel>(op, s, n, len, &d);
 #else
-      reduce_tiled<c10::BFloat16>(s, n, len, o1, o2, op, stream1);
+      reduce_tiled<c10::BFloat16>(s, n, len, d, op);
 #endif
       break;
     }
     case at::kHalf:
-      reduce_tiled<c10::Half>(reinterpret_cast<const c10::Half* const*>(srcs), n, len, reinterpret_cast<c10::Half*>(out1),
-                              reinterpret_cast<c10::Half*>(out2), op, stream1);
+      reduce_tiled<c10::Half>(reinterpret_cast<const c10::Half* const*>(srcs), n, len, d, op);
       break;
     default:
       TORCH_CHECK(false, "unreachable dtype");
   }
+}
+
+// One destination, out1, with non-temporal stores when stream1.
+static void reduce_dispatch(at::ScalarType dt, const char* const* srcs, int n, int64_t len, char* out1, RedOp op,
+                            bool stream1 = false) {
+  Dests d;
+  d.add(out1, stream1);
+  reduce_to(dt, srcs, n, len, d, op);
 }
 
 static void check_dtype(const at::Tensor& t, const char* op, bool reduces) {
@@ -758,13 +823,26 @@ struct UseGuard {
 // ---------------------------------------------------------------------------------------------
 // collectives (CPU kernels)
 
-// all_reduce's output: a fresh tensor, except that a large one lives in the group's output block when
-// the caller dropped the last tensor there (the block's deleter, run when the last reference to that
-// storage goes, marks it free). A fresh large buffer costs a page fault per 4 KiB page on every call
+// all_reduce's output: a fresh tensor, except that a large one lives in this rank's shared output region
+// (up to kSharedOutBytes; the peers then write their reduced slices into it) or else in the group's private
+// output block, when the caller dropped the last tensor there (the deleter, run when the last reference to
+// that storage goes, marks it free). A fresh large buffer costs a page fault per 4 KiB page on every call
 // (glibc hands big blocks back to the kernel): measured 100-1400 faults per 16 MiB call, up to a ms.
 static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
   const size_t bytes = size_t(x.numel()) * x.element_size();
   std::lock_guard<std::mutex> out_lock(g.out_mu);
+  std::shared_ptr<SharedOutput> so = g.shared_output;
+  if (g.size > 1 && bytes >= kReuseBytes && bytes <= kSharedOutBytes && so &&
+      !so->in_use.load(std::memory_order_acquire)) {
+    so->in_use.store(true, std::memory_order_relaxed);
+    // The tensor keeps the mapping: it stays valid after the group is destroyed.
+    return at::for_blob(so->data, x.sizes())
+        .deleter([so](void*) { so->in_use.store(false, std::memory_order_release); })
+        .options(x.options())
+        .resizeable_storage()
+        .allocator(c10::GetCPUAllocator())
+        .make_tensor();
+  }
   std::shared_ptr<OutputBlock>& blk = g.output_block;
   if (bytes < kReuseBytes || (blk && blk->in_use.load(std::memory_order_acquire)))
     return at::empty_like(x, at::MemoryFormat::Contiguous);
@@ -806,11 +884,11 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   char* op_ = static_cast<char*>(out.data_ptr());
   const int n = g.size;
   const double start = now_s();
-  const uint64_t sig = signature(1, dt, numel, int64_t(rop));
+  const uint64_t sig = signature(1, dt, numel, int64_t(rop) | (int64_t(g.chunk_bytes) << 8));  // chunks must agree
   std::vector<const char*> srcs(n);
   if (n == 1) {
     srcs[0] = xp;
-    reduce_dispatch(dt, srcs.data(), 1, numel, op_, nullptr, rop);
+    reduce_dispatch(dt, srcs.data(), 1, numel, op_, rop);
     return out;
   }
   const size_t bytes = size_t(numel) * es;
@@ -822,24 +900,32 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     barrier(g, op, start);
     use.check(op, x);
     for (int r = 0; r < n; ++r) srcs[r] = (r == g.rank) ? xp : g.slot(use.half, r);
-    reduce_dispatch(dt, srcs.data(), n, numel, op_, nullptr, rop);
+    reduce_dispatch(dt, srcs.data(), n, numel, op_, rop);
     return out;
   }
-  // Chunks of one slot. Rank r reduces slice r of every chunk: its own part straight from its input, the
+  // Chunks of at most a slot. Rank r reduces slice r of every chunk: its own part straight from its input, the
   // peers' parts from their slots, where they copied them in. It writes the result into its output and
-  // over the part it just read from peer (r+1)%n's slot (lines in its cache: no read-for-ownership miss),
-  // whence every other rank copies it out. A software pipeline needs one barrier per chunk: phase j copies
-  // chunk j in, reduces chunk j-1, copies chunk j-2's results out.
+  // into the output of every peer whose output is its shared output region (declared before the first
+  // barrier; the usual case for outputs of kReuseBytes..kSharedOutBytes). For a peer whose output is private
+  // it also writes the result over the part it just read from peer (r+1)%n's slot (lines in its cache: no
+  // read-for-ownership miss), whence that peer copies it out. A software pipeline needs one barrier per
+  // chunk: phase j copies chunk j in, reduces chunk j-1, copies chunk j-2's results out (private outputs).
   // Buffers: chunk 0 goes to the parity buffer (use % 2) that the previous collective left free (slower
   // peers may still read the other one; every op writes only its parity buffer before its first barrier),
   // chunks 1, 2, 3, ... rotate over buffers 2, 3, 4. Chunk c's buffer is written in phases c (copy-in) and
   // c+1 (results), read in phases c+1 and c+2 (copy-out), and rewritten in phase c+3: a barrier separates
   // each pair. Only the last chunk's copy-out follows the final barrier; it reads buffer 2-4 (or the
   // parity buffer if there is one chunk), which the next collective writes only after its first barrier.
-  const int64_t chunk = int64_t(std::min(g.slot_bytes, kAllReduceChunkBytes) / es);
+  // A shared output region is written by peers only between the first and the last barrier of a call whose
+  // owner declared it (its tensor was free then); the owner returns after the last barrier.
+  const int64_t chunk = int64_t(std::min(g.slot_bytes, g.chunk_bytes) / es);
   const int64_t nchunks = (numel + chunk - 1) / chunk;
   std::vector<std::vector<int64_t>> bounds(3);
   UseGuard use(g, sig);
+  const bool mine_shared = op_ == g.out_region(g.rank);
+  g.hdr->counters[g.rank].shared[use.half].store(mine_shared ? 1 : 0, std::memory_order_relaxed);
+  std::vector<char> peer_shared(n, 0);  // read after the first barrier
+  bool slot_results = false;            // some peer's output is private: results also go to the slots
   auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
   const bool stream = bytes >= kStreamBytes;
   const int64_t t_call = now_ns();
@@ -868,12 +954,17 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
       if (s1 > s0) {
         for (int r = 0; r < n; ++r)
           srcs[r] = (r == g.rank ? xp + off * es : g.slot(in_buf(c), r)) + s0 * es;
-        reduce_dispatch(dt, srcs.data(), n, s1 - s0, op_ + (off + s0) * es, const_cast<char*>(srcs[(g.rank + 1) % n]),
-                        rop, stream);
+        const size_t at = size_t(off + s0) * es;
+        Dests d;
+        d.add(op_ + at, stream);
+        for (int q = 0; q < n; ++q)
+          if (q != g.rank && peer_shared[q]) d.add(g.out_region(q) + at, stream);
+        if (slot_results) d.add(const_cast<char*>(srcs[(g.rank + 1) % n]), false);
+        reduce_to(dt, srcs.data(), n, s1 - s0, d, rop);
       }
     }
     lap(1);
-    if (j >= 2) {  // copy chunk j-2's other slices out (reduced before barrier j-1)
+    if (j >= 2 && !mine_shared) {  // copy chunk j-2's other slices out (reduced before barrier j-1)
       const int64_t c = j - 2, off = c * chunk;
       auto& b = bounds[c % 3];
       for (int r = 0; r < n; ++r) {
@@ -885,7 +976,14 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     lap(2);
     if (j <= nchunks) {
       barrier(g, op, start);
-      if (j == 0) use.check(op, x);
+      if (j == 0) {
+        use.check(op, x);
+        for (int q = 0; q < n; ++q) {
+          if (q == g.rank) continue;
+          peer_shared[q] = char(g.hdr->counters[q].shared[use.half].load(std::memory_order_relaxed) != 0);
+          slot_results = slot_results || !peer_shared[q];
+        }
+      }
     }
     lap(3);
   }
@@ -983,7 +1081,7 @@ static at::Tensor reduce_scatter_cpu(const at::Tensor& input, c10::string_view r
     if (off == 0) use.check(op, x);
     for (int q = 0; q < n; ++q)
       srcs[q] = q == g.rank ? xp + (g.rank * M + off) * es : g.slot(use.half, q) + g.rank * seg * es;
-    reduce_dispatch(dt, srcs.data(), n, len, op_ + off * es, nullptr, rop);
+    reduce_dispatch(dt, srcs.data(), n, len, op_ + off * es, rop);
   }
   return out;
 }
@@ -1125,7 +1223,8 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
                       "' already exists on this process; destroy it first or choose another name");
   }
   const size_t data_offset = (sizeof(Header) + 4095) / 4096 * 4096;
-  const size_t map_bytes = data_offset + kBuffers * size_t(group_size) * size_t(slot_bytes);
+  const size_t outs_offset = data_offset + kBuffers * size_t(group_size) * size_t(slot_bytes);
+  const size_t map_bytes = outs_offset + size_t(group_size) * kSharedOutBytes;
   int fd = -1;
   if (create) {
     fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -1162,9 +1261,21 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   g->spin_ns = spin_ns;
   g->slot_bytes = size_t(slot_bytes);
   g->map_bytes = map_bytes;
+  // For tuning measurements (benchmarks/RESULTS.md): every rank of a group must set the same value.
+  if (const char* cb = getenv("ADAPTDIST_SHM_CHUNK_BYTES")) {
+    const long long v = atoll(cb);
+    if (v >= 4096 && v % 4096 == 0) g->chunk_bytes = size_t(v);
+  }
+  g->map = std::make_shared<Mapping>();
+  g->map->p = p;
+  g->map->bytes = map_bytes;
   g->creator = create;
   g->hdr = static_cast<Header*>(p);
   g->data = static_cast<char*>(p) + data_offset;
+  g->outs = static_cast<char*>(p) + outs_offset;
+  g->shared_output = std::make_shared<SharedOutput>();
+  g->shared_output->map = g->map;
+  g->shared_output->data = g->out_region(int(group_rank));
   Header* h = g->hdr;
   if (create) {
     // ftruncate zero-fills: counters, flags and abort state start at 0.

@@ -218,7 +218,18 @@ def _check_specials_and_held_outputs(group, failures: list[str], tag: str) -> in
     for what, ok in checks.items():
         if not ok:
             failures.append(f"{tag} all_reduce: {what} wrong (overwritten by a later all_reduce?)")
-    return cases + 1
+    # Mixed outputs: rank 0 still holds its last output, so its next one is private (it copies the peers' results
+    # out of the slots) while the others' are their shared regions (the peers write the results into them).
+    del y1, view, y3
+    held = group.all_reduce(x * 8)
+    if me != 0:
+        del held
+    y4 = group.all_reduce(x * 16)
+    if not torch.equal(y4, ref * 16):
+        failures.append(f"{tag} all_reduce: wrong with rank 0's output private and the others' shared")
+    if me == 0 and not torch.equal(held, ref * 8):
+        failures.append(f"{tag} all_reduce: rank 0's held output overwritten while the others' were shared")
+    return cases + 2
 
 
 def _check_started(world_g, pairs, sizes, failures: list[str]) -> int:

@@ -87,14 +87,17 @@ waiting thread is not the one that just computed, and a tensor-parallel step wit
 to 1.6x gloo's speed (benchmarks/RESULTS.md). Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
-ranks, touched as used) plus a header. Payloads larger than a slot move in slot-sized chunks; payloads up to
+ranks, touched as used), a header, and one 64 MiB output region per rank (virtual: pages are allocated as
+outputs touch them). Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
 slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
-reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in and chunk k-1
-goes out, writing the result straight into its output and over the peer's slice it has just read, whence
-the others copy it out. Outputs of 4 MiB and more are written with non-temporal stores; an all_reduce output
-of 256 KiB and more lives in a block the group keeps (freed with the group) and reuses once the caller has
-dropped the tensor that used it, so that repeated large calls do not page-fault a fresh buffer each time.
+reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in, writing the
+result straight into its own output and into every peer's. An all_reduce output of 256 KiB to 64 MiB is a tensor
+on the rank's output region of the segment (so the peers can write into it; no copy-out pass) once the caller has
+dropped the tensor that used it before; otherwise (held, or larger) it lives in a private block the group keeps
+and reuses the same way, or a fresh tensor, and the rank copies the peers' results out of the slots where they
+also write them. Outputs of 4 MiB and more are written with non-temporal stores. So repeated large calls do not
+page-fault a fresh buffer each time; an output tensor keeps the segment mapped after its group is destroyed.
 Where the time goes: ``benchmarks/profile_shm.py`` (the kernel's phase timers, ``_shm_group_profile``);
 figures in benchmarks/RESULTS.md.
 """
