@@ -67,13 +67,29 @@ def only_a_gradient(node: torch.fx.Node) -> bool:
     return True
 
 
+def worth_gathering_bytes(rows_bytes: int, table_bytes: int) -> bool:
+    """The module docstring's rule on sizes: a table's gradient of ``table_bytes`` (at least
+    :data:`MIN_TABLE_BYTES`) is built from the batch's gathered rows and indices (``rows_bytes``, the whole batch's)
+    when those are no more bytes than the table. ``cost_models/recsys.py`` and the planner read the same rule."""
+    return table_bytes >= MIN_TABLE_BYTES and rows_bytes <= table_bytes
+
+
 def worth_gathering(node: torch.fx.Node) -> bool:
     """Whether ``node`` (an ``embedding_dense_backward`` with batch-split inputs) is cheaper built from gathered
     rows (the module docstring's rule)."""
     if _arg(node, 4, "scale_grad_by_freq", False):
         return False
-    rows, table = gathered_bytes(node)
-    return table >= MIN_TABLE_BYTES and rows <= table
+    return worth_gathering_bytes(*gathered_bytes(node))
+
+
+def gathered_when_batch_split(node: torch.fx.Node) -> bool:
+    """Whether this pass rewrites ``node`` on an axis that splits the batch over 2 or more ranks, once its
+    ``grad`` and ``indices`` are both ``Shard(0)``: an ``embedding_dense_backward`` whose value reaches only the
+    output and that is :func:`worth_gathering`. The planner (``compiler/planner/problem.py``) prices such a node
+    as the lowering runs it."""
+    return (node.op == "call_function" and node.target == aten.embedding_dense_backward.default
+            and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], torch.fx.Node)
+            and only_a_gradient(node) and worth_gathering(node))
 
 
 def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
@@ -85,11 +101,8 @@ def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[t
     for node in gm.graph.find_nodes(op="call_function", target=aten.embedding_dense_backward.default):
         if gmeta.gathers_rows(node):
             continue
-        g, idx = node.args[0], node.args[1]
-        if not (isinstance(g, torch.fx.Node) and isinstance(idx, torch.fx.Node)):
-            continue
-        if (placement_of(g) == Shard(0) and placement_of(idx) == Shard(0) and only_a_gradient(node)
-                and worth_gathering(node)):
+        if (gathered_when_batch_split(node) and placement_of(node.args[0]) == Shard(0)
+                and placement_of(node.args[1]) == Shard(0)):
             gmeta.mark_gather_rows(node)
             marked = True
     if not marked:
