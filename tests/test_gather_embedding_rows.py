@@ -101,3 +101,32 @@ def test_a_tied_table_keeps_the_all_reduce_and_equals_eager():
         assert abs(gl - wl) < 1e-5
     for f, p in want_params.items():
         torch.testing.assert_close(params[f], p, atol=1e-5, rtol=1e-5)
+
+
+def test_the_planner_prices_the_gathered_rows_not_a_partial_table():
+    """plan_auto on dp=2 never leaves the big table's gradient Partial over the split batch (the lowering would gather
+    its rows instead, so an all_reduce of the table is not what runs): the big table's backward takes (R, R) -> R,
+    its rows' gathers are priced (one bucketed all_gather: passes/bucket_gathered_rows.py); the small table keeps
+    (S(0), S(0)) -> P, in the gradient bucket; dp=2 is predicted to move fewer bytes than the table's all_reduce."""
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner import plan_auto
+    from adaptdist.cost_models.hardware import FixedCluster
+    from adaptdist.mesh import Mesh
+    from adaptdist.placement import Partial, Replicate, Shard
+
+    torch.manual_seed(0)
+    model = TwoTables()
+    cg = capture(model, _batch(8), F.mse_loss)
+    res = plan_auto(cg, FixedCluster.uniform([("h", 2)], "cpu"), mesh=Mesh.parse("dp=2"))
+    edb = {int(n.args[2]): n.name for n in cg.gm.graph.find_nodes(op="call_function",
+                                                                   target=torch.ops.aten.embedding_dense_backward.default)}
+    chosen = res.chosen["dp"]
+    assert chosen[edb[1200]].outputs == (Replicate(),) and chosen[edb[1200]].inputs[:2] == (Replicate(), Replicate())
+    assert chosen[edb[10]].outputs == (Partial(),)
+    problem = res.axes["dp"].problem
+    split = (Shard(0), Shard(0))
+    assert not any(s.inputs[:2] == split and isinstance(s.outputs[0], Partial) for s in problem.strat_of[edb[1200]])
+    assert any(s.inputs[:2] == split and isinstance(s.outputs[0], Partial) for s in problem.strat_of[edb[10]])
+    assert "all_gather" in problem.buckets(res.axes["dp"].choice)
+    moved = problem.communication_bytes(res.axes["dp"].choice)
+    assert moved < model.big.weight.numel() * 4  # an all_reduce of the table alone moves 2 (n-1)/n of it
