@@ -65,7 +65,8 @@ def test_disabled_each_table_keeps_two_gathers():
     torch.manual_seed(0)
     model = ThreeTables()
     batch = _batch(8)
-    progs, hist, _, _ = simulated_sgd(model, batch, F.mse_loss, 2, "dp", LR, 1, disabled_passes=("bucket_gathered_rows",))
+    progs, hist, _, _ = simulated_sgd(model, batch, F.mse_loss, 2, "dp", LR, 1,
+                                      disabled_passes=("bucket_gathered_rows",))
     assert len(_gathers(progs[0])) == 4, progs[0].collectives()
     want_hist, _ = eager_sgd(model, [batch], F.mse_loss, LR, 1)
     assert abs(hist[0][0] - want_hist[0][0]) < 1e-5

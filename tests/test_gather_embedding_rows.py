@@ -118,8 +118,8 @@ def test_the_planner_prices_the_gathered_rows_not_a_partial_table():
     model = TwoTables()
     cg = capture(model, _batch(8), F.mse_loss)
     res = plan_auto(cg, FixedCluster.uniform([("h", 2)], "cpu"), mesh=Mesh.parse("dp=2"))
-    edb = {int(n.args[2]): n.name for n in cg.gm.graph.find_nodes(op="call_function",
-                                                                   target=torch.ops.aten.embedding_dense_backward.default)}
+    nodes = cg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding_dense_backward.default)
+    edb = {int(n.args[2]): n.name for n in nodes}
     chosen = res.chosen["dp"]
     assert chosen[edb[1200]].outputs == (Replicate(),) and chosen[edb[1200]].inputs[:2] == (Replicate(), Replicate())
     assert chosen[edb[10]].outputs == (Partial(),)

@@ -13,8 +13,9 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
 - synchronous mode (:func:`sync_cost`), as the compiled data-parallel programs run it: the loss's all_reduce, one
   bucketed all_reduce of the dense parameters' gradients and of the small tables', whose whole ``[rows, dim]``
   gradients are copied into the bucket and out (``2 x 4`` bytes per element); a large table's gradient is built on
-  every rank from the batch's gathered gradient rows and ids (two all_gathers, :data:`GATHER_OPS` ops:
-  ``passes/gather_embedding_rows.py``, :func:`gathered_tables`) instead of all-reduced whole; every table's
+  every rank from the batch's gathered gradient rows and ids (one all_gather for all such tables,
+  :data:`GATHER_OPS` ops: ``passes/gather_embedding_rows.py``, :func:`gathered_tables`) instead of all-reduced
+  whole; every table's
   gradient is dense (zeroed and accumulated, ``2 x 4`` bytes per element) and the optimizer steps every
   parameter on every rank; the step takes the slowest rank's time (a synchronous step waits for everyone);
 - asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
@@ -75,9 +76,14 @@ UTC, load 19: 91, 177, 406 us) -> 46 us + 0.38 ns/B (2.6 GB/s) per message (benc
 cluster's intra-host pair (its link's estimated 0.5 ms latency is a TCP figure, ~10x the loopback's)."""
 BYTES = 4  # float32
 INDEX_BYTES = 8  # int64 ids
-GATHER_OPS = 6
-"""Dispatched ops per table whose gradient rows the synchronous programs gather (constant_pad_nd, the gather,
-slice; for the rows and for the indices: the compiled rank program of ``adaptdist train builtin:dlrm --plan dp``)."""
+GATHER_OPS = 10
+"""Dispatched ops per table whose gradient rows the synchronous programs gather (for the rows and for the indices:
+constant_pad_nd, reshape into the merged buffer, reshape out of it, slice; the indices' float32 copy there and
+int64 copy back: the compiled rank program of ``adaptdist train builtin:dlrm --plan dp``,
+``passes/bucket_gathered_rows.py``)."""
+GATHER_SHARED_OPS = 3
+"""Dispatched ops of the merged gather once per step (cat, reshape, split_with_sizes; the collective is priced in
+:func:`sync_comm_s`)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +258,8 @@ def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | N
             # slice of rows and indices, and the other ranks' rows accumulated too
             table_grad += 2 * bucket * BYTES / bw + sum(
                 GATHER_OPS * _op_s(d) + (shape.batch_size - rows) * n * 2 * shape.dim * BYTES / bw
-                for n, g in zip(shape.ids_per_row, gathered) if g)
+                for n, g in zip(shape.ids_per_row, gathered) if g) + (GATHER_SHARED_OPS * _op_s(d) if any(gathered)
+                                                                       else 0.0)
         own.append(lookups + table_grad + _dense_s(shape, d, rows)
                    + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
                                   shape.dense_tensors + len(shape.table_rows)))

@@ -26,6 +26,7 @@ Before/after (2 ranks, global batch 256, a 9,742-row table)::
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx
@@ -35,7 +36,7 @@ from ..placement import Shard
 from .context import PassContext
 from .infra import placement_of
 from .propagate_placements import propagate_placements
-from .sharding_rules import _arg
+from .sharding_rules import _arg, embedding_bag_length, embedding_bag_rewritable
 
 aten = torch.ops.aten
 
@@ -82,14 +83,38 @@ def worth_gathering(node: torch.fx.Node) -> bool:
     return worth_gathering_bytes(*gathered_bytes(node))
 
 
+def _bag_gathered_bytes(node: torch.fx.Node) -> tuple[int, int] | None:
+    """:func:`gathered_bytes` of the ``embedding_dense_backward`` that ``passes/embedding_bag.py`` makes of an
+    ``_embedding_bag_backward`` over bags of one length ``L`` (its ``grad [B, D]`` expanded to ``[B, L, D]``, its
+    indices ``[B*L]``), or None for a form that pass leaves alone."""
+    grad, idx, offsets, o2b = node.args[:4]
+    fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
+    if not (isinstance(grad, torch.fx.Node) and isinstance(idx, torch.fx.Node) and isinstance(fwd, torch.fx.Node)
+            and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
+            and embedding_bag_length(idx, offsets) is not None):
+        return None
+    g, i = gmeta.val(grad), gmeta.val(idx)
+    L = i.numel() // max(1, g.shape[0])
+    rows = g.numel() * L * g.element_size() + i.numel() * i.element_size()
+    return rows, int(node.args[6]) * g.shape[-1] * g.element_size()
+
+
 def gathered_when_batch_split(node: torch.fx.Node) -> bool:
     """Whether this pass rewrites ``node`` on an axis that splits the batch over 2 or more ranks, once its
     ``grad`` and ``indices`` are both ``Shard(0)``: an ``embedding_dense_backward`` whose value reaches only the
-    output and that is :func:`worth_gathering`. The planner (``compiler/planner/problem.py``) prices such a node
-    as the lowering runs it."""
-    return (node.op == "call_function" and node.target == aten.embedding_dense_backward.default
+    output and that is :func:`worth_gathering`, or an ``_embedding_bag_backward`` that ``passes/embedding_bag.py``
+    rewrites into such a one (bags of one length; what the planner sees of builtin:dlrm's tables). The planner
+    (``compiler/planner/problem.py``) prices such a node as the lowering runs it."""
+    if node.op != "call_function" or not only_a_gradient(node):
+        return False
+    if node.target == aten._embedding_bag_backward.default:
+        if _arg(node, 7, "scale_grad_by_freq", False):
+            return False
+        got = _bag_gathered_bytes(node)
+        return got is not None and worth_gathering_bytes(*got)
+    return (node.target == aten.embedding_dense_backward.default
             and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], torch.fx.Node)
-            and only_a_gradient(node) and worth_gathering(node))
+            and worth_gathering(node))
 
 
 def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
