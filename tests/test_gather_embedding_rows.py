@@ -130,3 +130,40 @@ def test_the_planner_prices_the_gathered_rows_not_a_partial_table():
     assert "all_gather" in problem.buckets(res.axes["dp"].choice)
     moved = problem.communication_bytes(res.axes["dp"].choice)
     assert moved < model.big.weight.numel() * 4  # an all_reduce of the table alone moves 2 (n-1)/n of it
+
+
+class BagTable(nn.Module):
+    """builtin:dlrm's form: an EmbeddingBag over bags of one length (passes/embedding_bag.py rewrites it into an
+    embedding, whose backward gather_embedding_rows then gathers)."""
+
+    def __init__(self, rows: int = 1200, dim: int = 16):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(rows, dim, mode="mean")
+        self.fc = nn.Linear(dim, 1)
+
+    def forward(self, a):
+        return self.fc(self.bag(a)).squeeze(1)
+
+
+def test_the_planner_prices_an_embedding_bag_backward_as_gathered_and_it_equals_eager():
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner import plan_auto
+    from adaptdist.cost_models.hardware import FixedCluster
+    from adaptdist.mesh import Mesh
+    from adaptdist.placement import Replicate
+
+    torch.manual_seed(0)
+    model = BagTable()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 1200, (8, 1), generator=g), torch.randn(8, generator=g))
+    cg = capture(model, batch, F.mse_loss)
+    res = plan_auto(cg, FixedCluster.uniform([("h", 2)], "cpu"), mesh=Mesh.parse("dp=2"))
+    (bwd,) = cg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten._embedding_bag_backward.default)
+    assert res.chosen["dp"][bwd.name].outputs == (Replicate(),)
+    progs, hist, params, _ = simulated_sgd(model, batch, F.mse_loss, 2, res.plan, LR, STEPS)
+    assert len([c for c in progs[0].collectives() if "all_gather" in c]) == 1, progs[0].collectives()
+    want_hist, want_params = eager_sgd(model, [batch], F.mse_loss, LR, STEPS)
+    for (gl, _), (wl, _) in zip(hist, want_hist):
+        assert abs(gl - wl) < 1e-5
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=1e-5, rtol=1e-5)
