@@ -64,13 +64,15 @@ def test_the_cost_model_by_hand():
 
     adamw = async_cost(dataclasses.replace(SHAPE, optimizer="adamw"), c, ("sparse", "dense"), shard_rows, 1)
     held = (610 + 9742 + 21) * 32
-    assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 84 / 1e10 + 3 * 10 * 1e-5)
+    assert adamw.rank_s[0] == pytest.approx(lookups + 2 * held * 4 / 1e10 + held * 28 / 1e10 + 3 * 10 * 1e-5)
 
 
 def test_sync_gathers_the_big_tables_rows_and_all_reduces_the_rest():
     """As passes/gather_embedding_rows.py lowers builtin:dlrm: users (610 x 32) and movies (9,742 x 32) are built from
     the batch's gathered rows, the genres' 21-row table (below 64 KiB) stays in the all_reduce bucket; one rank
-    gathers nothing. The comm is the loss's and the bucket's all_reduces plus 2 all_gathers per gathered table."""
+    gathers nothing. The comm is the loss's and the bucket's all_reduces plus one all_gather of both tables' rows and
+    ids (ids as float32 values: passes/bucket_gathered_rows.py); a table of more than 2**24 rows sends its int64 ids
+    in a second all_gather."""
     from adaptdist.cost_models.communication import collective_time_s, link_cost
     from adaptdist.cost_models.recsys import all_reduce_s
 
@@ -80,10 +82,15 @@ def test_sync_gathers_the_big_tables_rows_and_all_reduces_the_rest():
     assert gathered_tables(big_batch, 2) == (False, False, False)
     c = FixedCluster.uniform([("h", 2)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=1e-5)
     ag = link_cost(c, "all_gather", [0, 1])
-    gathers = sum(collective_time_s("all_gather", b, 2, ag.alpha_s, ag.beta_s_per_byte)
-                  for b in (256 * 32 * 4, 256 * 8) for _ in range(2))
+    gathers = collective_time_s("all_gather", 2 * 256 * (32 * 4 + 4), 2, ag.alpha_s, ag.beta_s_per_byte)
     want = all_reduce_s(c, [0, 1], 4) + all_reduce_s(c, [0, 1], (9000 + 21 * 32) * 4) + gathers
     assert sync_comm_s(SHAPE, c, [0, 1], shm=False) == pytest.approx(want)
+    huge = RecsysShape(**{**SHAPE.__dict__, "table_rows": (610, 2**24 + 1, 21)})
+    assert gathered_tables(huge, 2) == (True, True, False)
+    apart = (collective_time_s("all_gather", 256 * (2 * 32 * 4 + 4), 2, ag.alpha_s, ag.beta_s_per_byte)
+             + collective_time_s("all_gather", 256 * 8, 2, ag.alpha_s, ag.beta_s_per_byte))
+    assert sync_comm_s(huge, c, [0, 1], shm=False) == pytest.approx(
+        all_reduce_s(c, [0, 1], 4) + all_reduce_s(c, [0, 1], (9000 + 21 * 32) * 4) + apart)
     dense_all = all_reduce_s(c, [0, 1], (9000 + SHAPE.table_params) * 4)
     assert sync_comm_s(SHAPE, c, [0, 1], shm=False) < dense_all  # the old price: the whole tables on gloo
     dense_shm = all_reduce_s(c, [0, 1], (9000 + SHAPE.table_params) * 4, shm=True)

@@ -9,12 +9,13 @@ The parts of a step, per rank (figures of :class:`RecsysShape`, devices and link
   device's memory bandwidth, plus ``SPARSE_OPS_PER_SHARD`` dispatched ops per table shard;
 - dense work: ``3 x`` the forward FLOPs (forward + backward, Kaplan et al. 2020's rule) of the rank's rows, on
   the roofline (:func:`~adaptdist.cost_models.compute.roofline_time_s`) with its activations' bytes, plus
-  ``dense_ops`` dispatched ops, and the optimizer's passes over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``, ``OPTIMIZER_OPS_PER_TENSOR``);
+  ``dense_ops`` dispatched ops, and the optimizer's step over the dense parameters (``OPTIMIZER_BYTES_PER_PARAM``, ``OPTIMIZER_OPS_PER_TENSOR``);
 - synchronous mode (:func:`sync_cost`), as the compiled data-parallel programs run it: the loss's all_reduce, one
   bucketed all_reduce of the dense parameters' gradients and of the small tables', whose whole ``[rows, dim]``
   gradients are copied into the bucket and out (``2 x 4`` bytes per element); a large table's gradient is built on
-  every rank from the batch's gathered gradient rows and ids (two all_gathers, :data:`GATHER_OPS` ops:
-  ``passes/gather_embedding_rows.py``, :func:`gathered_tables`) instead of all-reduced whole; every table's
+  every rank from the batch's gathered gradient rows and ids (one all_gather for all such tables,
+  :data:`GATHER_OPS` ops: ``passes/gather_embedding_rows.py``, :func:`gathered_tables`) instead of all-reduced
+  whole; every table's
   gradient is dense (zeroed and accumulated, ``2 x 4`` bytes per element) and the optimizer steps every
   parameter on every rank; the step takes the slowest rank's time (a synchronous step waits for everyone);
 - asynchronous mode: the lookups (``float32[B_d, T, dim]``) travel from each sparse rank to each dense rank and
@@ -53,10 +54,16 @@ SPARSE_APPLY_OPS_PER_SHARD = 12
 """Dispatched ops per table shard per step of the update (mul, reshape, unique, zeros, index_add, index_add_, ...:
 SparseWorker.apply). Measured (benchmarks/profile_recsys_step.py, 2026-12-03): SGD's apply of builtin:dlrm's 3
 shards takes 0.19 ms, which the model before this term put at 0."""
-OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 84}
-"""float32 bytes the optimizer step moves per parameter: SGD reads p and g and writes p; torch's single-tensor AdamW
-(torch/optim/adamw.py, the CPU default: no foreach) makes 8 passes: p *= 1 - lr*wd (8 B), m.lerp_(g) (12), v *= b2
-(8), v.addcmul_(g, g) (16), sqrt, div, add eps (8 each), p.addcdiv_(m, denom) (16)."""
+OPTIMIZER_BYTES_PER_PARAM = {"sgd": 12, "adamw": 28}
+"""float32 bytes the optimizer step moves from memory per parameter: SGD reads p and g and writes p; AdamW reads p,
+g, m and v and writes p, m and v once (28 B). torch's single-tensor AdamW (torch/optim/adamw.py, the CPU default: no
+foreach) makes 8 passes over each tensor (p *= 1 - lr*wd, m.lerp_(g), v *= b2, v.addcmul_(g, g), sqrt, div, add
+eps, p.addcdiv_(m, denom): 84 B if every pass went to memory), but one tensor's passes follow each other, so after
+the first they find it in cache (builtin:dlrm's largest, 9,742 x 32: 5 MB with its gradient and state, under this
+machine's 32 MiB L3). Measured (``benchmarks/profile_recsys_step.py``, one process on one core; benchmarks/RESULTS.md
+"AdamW's cost"): the step over builtin:dlrm's 340,449 parameters in 9 tensors takes 1.32 ms (min), which the 84 B
+put at 3.31 ms and 28 B puts at 1.40 ms (10 GB/s, 5 us per op). A tensor whose gradient and state exceed the last-level
+cache moves up to 84 B (not modelled: no cache size in the device description)."""
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 1, "adamw": 10}
 """Dispatched ops of the optimizer step per parameter tensor (single-tensor implementations, as above)."""
 LOCAL_GLOO_P2P_ALPHA_S = 46e-6
@@ -69,9 +76,14 @@ UTC, load 19: 91, 177, 406 us) -> 46 us + 0.38 ns/B (2.6 GB/s) per message (benc
 cluster's intra-host pair (its link's estimated 0.5 ms latency is a TCP figure, ~10x the loopback's)."""
 BYTES = 4  # float32
 INDEX_BYTES = 8  # int64 ids
-GATHER_OPS = 6
-"""Dispatched ops per table whose gradient rows the synchronous programs gather (constant_pad_nd, the gather,
-slice; for the rows and for the indices: the compiled rank program of ``adaptdist train builtin:dlrm --plan dp``)."""
+GATHER_OPS = 10
+"""Dispatched ops per table whose gradient rows the synchronous programs gather (for the rows and for the indices:
+constant_pad_nd, reshape into the merged buffer, reshape out of it, slice; the indices' float32 copy there and
+int64 copy back: the compiled rank program of ``adaptdist train builtin:dlrm --plan dp``,
+``passes/bucket_gathered_rows.py``)."""
+GATHER_SHARED_OPS = 3
+"""Dispatched ops of the merged gather once per step (cat, reshape, split_with_sizes; the collective is priced in
+:func:`sync_comm_s`)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,7 @@ def _lookup_bytes(shape: RecsysShape, rows: float, share: Sequence[float] | None
 
 
 def _optimizer_s(shape: RecsysShape, device, params: int, tensors: int) -> float:
-    return (params * OPTIMIZER_BYTES_PER_PARAM.get(shape.optimizer, 84) / float(device.memory_bandwidth_bytes_per_s)
+    return (params * OPTIMIZER_BYTES_PER_PARAM.get(shape.optimizer, 28) / float(device.memory_bandwidth_bytes_per_s)
             + tensors * OPTIMIZER_OPS_PER_TENSOR.get(shape.optimizer, 10) * _op_s(device))
 
 
@@ -182,31 +194,41 @@ def gathered_tables(shape: RecsysShape, world: int) -> tuple[bool, ...]:
     """Per table, whether the compiled synchronous programs on ``world`` ranks build its gradient from the batch's
     gathered rows (``passes/gather_embedding_rows.py``'s rule, on the global batch: the table's gradient at least
     ``MIN_TABLE_BYTES`` and no smaller than the rows + indices gathered) rather than all-reducing it whole."""
-    from ..passes.gather_embedding_rows import MIN_TABLE_BYTES
+    from ..passes.gather_embedding_rows import worth_gathering_bytes
 
     out = []
     for rows, n in zip(shape.table_rows, shape.ids_per_row):
         table = rows * shape.dim * BYTES
         gathered = shape.batch_size * n * (shape.dim * BYTES + INDEX_BYTES)
-        out.append(world > 1 and table >= MIN_TABLE_BYTES and gathered <= table)
+        out.append(world > 1 and worth_gathering_bytes(gathered, table))
     return tuple(out)
 
 
 def sync_comm_s(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int], shm: bool) -> float:
     """The collectives of one synchronous step over ``ranks``, as the compiled programs issue them: the loss's
     all_reduce (a scalar), one bucketed all_reduce of the dense parameters' and the all-reduced tables'
-    gradients, and two all_gathers (gradient rows ``float32[B, ids, dim]``, indices ``int64[B, ids]``) per table
-    of :func:`gathered_tables`."""
+    gradients, and one all_gather of the gradient rows ``float32[B, ids, dim]`` and the indices (as float32
+    values, ``passes/bucket_gathered_rows.py``; a table of more than 2**24 rows: its ``int64`` indices in a
+    second all_gather) of every table of :func:`gathered_tables`."""
     if len(ranks) < 2:
         return 0.0
+    from ..passes.bucket_gathered_rows import FLOAT32_EXACT_IDS
+
     gathered = gathered_tables(shape, len(ranks))
     bucket = shape.dense_params + sum(r * shape.dim for r, g in zip(shape.table_rows, gathered) if not g)
     comm = all_reduce_s(cluster, ranks, BYTES, shm=shm) + all_reduce_s(cluster, ranks, bucket * BYTES, shm=shm)
     c = link_cost(cluster, "all_gather", ranks, shm=shm)
-    for n, g in zip(shape.ids_per_row, gathered):
+    floats = ints = 0.0  # the merged gather's bytes; ids of a table too big for float32 values travel apart
+    for rows, n, g in zip(shape.table_rows, shape.ids_per_row, gathered):
         if g:
-            for n_bytes in (shape.batch_size * n * shape.dim * BYTES, shape.batch_size * n * INDEX_BYTES):
-                comm += float(collective_time_s("all_gather", n_bytes, len(ranks), c.alpha_s, c.beta_s_per_byte))
+            floats += shape.batch_size * n * shape.dim * BYTES
+            if rows <= FLOAT32_EXACT_IDS:
+                floats += shape.batch_size * n * BYTES
+            else:
+                ints += shape.batch_size * n * INDEX_BYTES
+    for n_bytes in (floats, ints):
+        if n_bytes:
+            comm += float(collective_time_s("all_gather", n_bytes, len(ranks), c.alpha_s, c.beta_s_per_byte))
     return comm
 
 
@@ -236,7 +258,8 @@ def sync_cost(shape: RecsysShape, cluster: ClusterLike, ranks: Sequence[int] | N
             # slice of rows and indices, and the other ranks' rows accumulated too
             table_grad += 2 * bucket * BYTES / bw + sum(
                 GATHER_OPS * _op_s(d) + (shape.batch_size - rows) * n * 2 * shape.dim * BYTES / bw
-                for n, g in zip(shape.ids_per_row, gathered) if g)
+                for n, g in zip(shape.ids_per_row, gathered) if g) + (GATHER_SHARED_OPS * _op_s(d) if any(gathered)
+                                                                       else 0.0)
         own.append(lookups + table_grad + _dense_s(shape, d, rows)
                    + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
                                   shape.dense_tensors + len(shape.table_rows)))

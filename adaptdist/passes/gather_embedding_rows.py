@@ -26,6 +26,7 @@ Before/after (2 ranks, global batch 256, a 9,742-row table)::
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx
@@ -35,7 +36,7 @@ from ..placement import Shard
 from .context import PassContext
 from .infra import placement_of
 from .propagate_placements import propagate_placements
-from .sharding_rules import _arg
+from .sharding_rules import _arg, embedding_bag_length, embedding_bag_rewritable
 
 aten = torch.ops.aten
 
@@ -67,13 +68,53 @@ def only_a_gradient(node: torch.fx.Node) -> bool:
     return True
 
 
+def worth_gathering_bytes(rows_bytes: int, table_bytes: int) -> bool:
+    """The module docstring's rule on sizes: a table's gradient of ``table_bytes`` (at least
+    :data:`MIN_TABLE_BYTES`) is built from the batch's gathered rows and indices (``rows_bytes``, the whole batch's)
+    when those are no more bytes than the table. ``cost_models/recsys.py`` and the planner read the same rule."""
+    return table_bytes >= MIN_TABLE_BYTES and rows_bytes <= table_bytes
+
+
 def worth_gathering(node: torch.fx.Node) -> bool:
     """Whether ``node`` (an ``embedding_dense_backward`` with batch-split inputs) is cheaper built from gathered
     rows (the module docstring's rule)."""
     if _arg(node, 4, "scale_grad_by_freq", False):
         return False
-    rows, table = gathered_bytes(node)
-    return table >= MIN_TABLE_BYTES and rows <= table
+    return worth_gathering_bytes(*gathered_bytes(node))
+
+
+def _bag_gathered_bytes(node: torch.fx.Node) -> tuple[int, int] | None:
+    """:func:`gathered_bytes` of the ``embedding_dense_backward`` that ``passes/embedding_bag.py`` makes of an
+    ``_embedding_bag_backward`` over bags of one length ``L`` (its ``grad [B, D]`` expanded to ``[B, L, D]``, its
+    indices ``[B*L]``), or None for a form that pass leaves alone."""
+    grad, idx, offsets, o2b = node.args[:4]
+    fwd = o2b.args[0] if isinstance(o2b, torch.fx.Node) and o2b.target is operator.getitem else None
+    if not (isinstance(grad, torch.fx.Node) and isinstance(idx, torch.fx.Node) and isinstance(fwd, torch.fx.Node)
+            and fwd.target == aten._embedding_bag.default and embedding_bag_rewritable(fwd) is not None
+            and embedding_bag_length(idx, offsets) is not None):
+        return None
+    g, i = gmeta.val(grad), gmeta.val(idx)
+    L = i.numel() // max(1, g.shape[0])
+    rows = g.numel() * L * g.element_size() + i.numel() * i.element_size()
+    return rows, int(node.args[6]) * g.shape[-1] * g.element_size()
+
+
+def gathered_when_batch_split(node: torch.fx.Node) -> bool:
+    """Whether this pass rewrites ``node`` on an axis that splits the batch over 2 or more ranks, once its
+    ``grad`` and ``indices`` are both ``Shard(0)``: an ``embedding_dense_backward`` whose value reaches only the
+    output and that is :func:`worth_gathering`, or an ``_embedding_bag_backward`` that ``passes/embedding_bag.py``
+    rewrites into such a one (bags of one length; what the planner sees of builtin:dlrm's tables). The planner
+    (``compiler/planner/problem.py``) prices such a node as the lowering runs it."""
+    if node.op != "call_function" or not only_a_gradient(node):
+        return False
+    if node.target == aten._embedding_bag_backward.default:
+        if _arg(node, 7, "scale_grad_by_freq", False):
+            return False
+        got = _bag_gathered_bytes(node)
+        return got is not None and worth_gathering_bytes(*got)
+    return (node.target == aten.embedding_dense_backward.default
+            and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], torch.fx.Node)
+            and worth_gathering(node))
 
 
 def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.GraphModule, bool]:
@@ -85,11 +126,8 @@ def gather_embedding_rows(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[t
     for node in gm.graph.find_nodes(op="call_function", target=aten.embedding_dense_backward.default):
         if gmeta.gathers_rows(node):
             continue
-        g, idx = node.args[0], node.args[1]
-        if not (isinstance(g, torch.fx.Node) and isinstance(idx, torch.fx.Node)):
-            continue
-        if (placement_of(g) == Shard(0) and placement_of(idx) == Shard(0) and only_a_gradient(node)
-                and worth_gathering(node)):
+        if (gathered_when_batch_split(node) and placement_of(node.args[0]) == Shard(0)
+                and placement_of(node.args[1]) == Shard(0)):
             gmeta.mark_gather_rows(node)
             marked = True
     if not marked:

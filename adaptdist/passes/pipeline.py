@@ -8,6 +8,7 @@ from .all_reduce_extrema import all_reduce_extrema
 from .batch_norm import keep_rank0_running_stats, sync_batch_norm
 from .bucket_grad_allreduce import bucket_grad_allreduce
 from .bucket_grad_reduce_scatter import bucket_grad_reduce_scatter
+from .bucket_gathered_rows import bucket_gathered_rows
 from .bucket_param_allgather import bucket_param_allgather
 from .combine_partial_sums import combine_partial_sums
 from .decompose_addmm import decompose_addmm
@@ -46,6 +47,7 @@ PASSES: tuple[Pass, ...] = (
     vocab_parallel_loss,
     regather_in_backward,
     bucket_param_allgather,
+    bucket_gathered_rows,
     bucket_grad_reduce_scatter,
     bucket_grad_allreduce,
     relax_views,
@@ -54,7 +56,7 @@ PASSES: tuple[Pass, ...] = (
 
 SKIPPABLE: frozenset[str] = frozenset({
     "combine_partial_sums", "regather_in_backward", "bucket_param_allgather", "bucket_grad_reduce_scatter",
-    "bucket_grad_allreduce", "relax_views", "gather_embedding_rows",
+    "bucket_grad_allreduce", "relax_views", "gather_embedding_rows", "bucket_gathered_rows",
 })
 """The passes ``disabled_passes`` may name: they change speed or memory, not the numbers (``relax_views``: a
 stride error instead). Every other pass is what some sharding rule relies on to mean the single-process

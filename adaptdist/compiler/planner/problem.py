@@ -42,6 +42,7 @@ from ...cost_models.communication import LinkCost, collective_time_s, link_cost
 from ...errors import PlanInfeasibleError, UnsupportedOpError
 from ...mesh import Mesh
 from ...passes.context import PassContext
+from ...passes.gather_embedding_rows import gathered_when_batch_split
 from ...passes.list_strategies import node_strategies
 from ...passes.sharding_rules import tensor_args
 from ...placement import Partial, Placement, Replicate, Shard
@@ -305,9 +306,15 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
         if pn.kind == "batch":
             out[name] = [Strategy((), (Shard(0) if batch_axis and pg.batch_size > 1 else R,), "adaptdist")]
             continue
-        key = (pn.signature, n, batch_axis, replicate_fallback)
+        rows_gathered = batch_axis and n >= 2 and gathered_when_batch_split(fx)
+        key = (pn.signature, n, batch_axis, replicate_fallback, rows_gathered)
         if key not in cache:
             found = node_strategies(fx, ctx)
+            if rows_gathered:
+                # the lowering (passes/gather_embedding_rows.py) never leaves this gradient Partial over the
+                # batch: it gathers the rows and ids and builds it whole, which is the (R, ..., R) -> R strategy
+                # (an EmbeddingBag's backward gathers its offsets too here: a few bytes per row more than it runs)
+                found = [s for s in found if not (isinstance(_out(s, 0), Partial) and Shard(0) in s.inputs[:2])]
             keep = [s for s in found if all(
                 not isinstance(p, Shard) or (k < len(pn.out_shapes) and p.dim < len(pn.out_shapes[k])
                                              and pn.out_shapes[k][p.dim] >= n)
@@ -497,14 +504,16 @@ def build_axis_problem(pg: PlanningGraph, mesh: Mesh, axis: str, batch_axis: str
             if len(e.what) < 4:
                 e.what.append(what)
 
+    rows_gathered = {m for m in var_of if batch_axis == axis and n >= 2 and gathered_when_batch_split(pg.fx_nodes[m])}
     for e in pg.edges:
         if e.src not in var_of or e.dst not in var_of:
             continue
         dv = var_of[e.dst]
         places = [st.inputs[e.slot] if e.slot < len(st.inputs) else None for st in strat_of[e.dst]]
         from_param = root_kind[e.src] == "param"  # a parameter, or a view that follows one (its transpose)
-        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=PARAM_BUCKETS if from_param else
-                 frozenset(),
+        # an embedding gradient's rows and ids: every table's in one all_gather (passes/bucket_gathered_rows.py)
+        bucketed = PARAM_BUCKETS if from_param or e.dst in rows_gathered else frozenset()
+        add_edge(e.src, e.src_index, dv, places, f"{e.src}->{e.dst}", bucketed=bucketed,
                  repeats=PARAM_GATHERS if from_param else 1)
     for param, (src, idx) in pg.grad_of.items():
         if src in var_of and param in var_of:
