@@ -330,13 +330,14 @@ def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     x = torch.ones(300_000)
     if rank == 2:
         time.sleep(stall_timeout_s + 2.5)
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     try:
         stall.all_reduce(x)
         out["stall"] = None
     except ShmPeerError as e:
         out["stall"] = (str(e), e.peer_group_rank, e.peer_global_rank, e.peer_pid)
     out["stall_s"] = time.monotonic() - t0
+    out["stall_cpu_s"] = time.process_time() - cpu0  # every thread of this process while it waited
     dist.barrier()
     if rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)

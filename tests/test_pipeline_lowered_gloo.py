@@ -28,7 +28,12 @@ STEPS, LR, TOL, B = 2, 0.5, 1e-5, 8
 CASES = {2: [(None, "gpipe", 2, False), (None, "1f1b", 2, False), (None, "interleaved-1f1b", 2, False),
              (None, "zb", 4, False)],
          4: [(None, "1f1b", 4, False), ("pp=2,dp=2", "zb", 2, True), ("pp=2,dp=2", "interleaved-1f1b", 2, False),
-             ("pp=2,tp=2", "1f1b", 2, True)]}
+             ("pp=2,tp=2", "1f1b", 2, True),
+             # the rest of issue 15 point 3's matrix (pp, pp x dp, pp x tp on 4 ranks, each schedule) in the same
+             # launch; pp=4 interleaved-1f1b needs 8 layers (test_pipeline_executor's hand-built stages have zb/1f1b)
+             (None, "gpipe", 4, False), ("pp=2,dp=2", "gpipe", 2, False), ("pp=2,dp=2", "1f1b", 2, False),
+             ("pp=2,tp=2", "gpipe", 2, False), ("pp=2,tp=2", "interleaved-1f1b", 2, False),
+             ("pp=2,tp=2", "zb", 2, False)]}
 
 
 def _batches():

@@ -121,7 +121,7 @@ def test_report_structure_without_pipeline_or_mapping():
 def _pipeline_plan():
     st = lambda layers, f: NS(layers=tuple(layers), mesh={}, ranks=(), predicted_s={"forward": f, "backward": 2 * f})
     spec = NS(stages=(st(["emb", "blocks.0"], 0.01), st(["blocks.1", "head"], 0.012)), microbatches=2,
-              schedule="gpipe", stages_per_rank=1, predicted_s={"step": 0.08, "bubble": 0.33})
+              schedule="gpipe", stages_per_rank=1, predicted_s={"step": 0.08, "bubble": 0.0033})
     devices = NS(rank_to_device=(1, 0), batch_rows=None, reason="the faster device takes the last stage")
     return _plan(mesh={"pp": 2}, batch_axis=None, pipeline=spec, devices=devices,
                  param_placements={"w": [Replicate()], "blocks.0.b": [Replicate()], "blocks.1.b": [Replicate()]})
@@ -139,7 +139,7 @@ def test_pipeline_and_rank_mapping_sections_when_the_plan_has_them():
     h2 = _structure(page)
     assert h2 == ["Mesh", "Rank mapping", "Pipeline stages", "Parameter placements per layer", "Files"]
     sec = page[page.index("<h2>Pipeline stages"):page.index("<h2>Parameter placements")]
-    assert "schedule gpipe, 2 microbatches" in sec and "bubble 0.330" in sec and sec.count("<svg") == 1
+    assert "schedule gpipe, 2 microbatches" in sec and "bubble 3.300 ms" in sec and sec.count("<svg") == 1
     assert "emb … blocks.0 (2 layers)" in sec and "<th>forward ms</th><th>backward ms</th>" in sec
     assert "the faster device takes the last stage" in page and "<td>1: cpu@b</td>" in page
 

@@ -248,7 +248,7 @@ class StageRow:
 @dataclass(frozen=True)
 class PipelineView:
     """A plan's pipeline for the report: stages, microbatches, schedule, the planner's predictions (``step``,
-    ``bubble``... seconds or fractions), and optionally the per-rank action lists of one step
+    ``bubble``, ``spmd_step``: seconds), and optionally the per-rank action lists of one step
     (``rank -> [(stage, "F"|"B"|"W", microbatch), ...]``), drawn as the predicted timeline
     (:func:`adaptdist.runtime.trace_view.predicted_pipeline_spans`) from the stages' predicted times."""
 
@@ -291,8 +291,9 @@ def pipeline_section(view: PipelineView | None) -> str:
     found = {k for s in view.stages for k in s.predicted_s}
     keys = [k for k in ("forward", "backward", "weight") if k in found] + sorted(found - {"forward", "backward",
                                                                                          "weight"})
-    pred = ", ".join(f"{e(k)} {1e3 * v:.3f} ms" if k != "bubble" else f"bubble {v:.3f}"
-                     for k, v in view.predicted_s.items())
+    # every entry is seconds (the inter-stage planner's step_s, bubble_s, spmd_step_s): shown in ms, named
+    names = {"spmd_step": "step of the best plan without stages"}
+    pred = ", ".join(f"{e(names.get(k, k))} {1e3 * v:.3f} ms" for k, v in view.predicted_s.items())
     parts = [f"<h2>Pipeline stages</h2><p>{len(view.stages)} stages, schedule {e(view.schedule)}, "
              f"{view.microbatches} microbatches per step{'; predicted ' + pred if pred else ''}</p>",
              "<table><tr><th>stage</th><th>layers</th><th>ranks</th><th>sub-mesh</th>"
