@@ -91,6 +91,18 @@ def test_ops_without_rules_are_fine_when_replicated():
         run(n, [Shard(0)])
 
 
+def test_grouped_mm_refusal_points_hugging_face_moes_to_batched_mm():
+    """A Hugging Face MoE (Mixtral, Qwen2-MoE) built from a config calls aten._grouped_mm by default: the refusal
+    says which config setting lowers instead (fresh-user report: the error named only --replicate-fallback)."""
+    n, _ = node(aten._grouped_mm.default, ..., ..., val_shape=[6, 3], arg_shapes=[[6, 4], [2, 4, 3]])
+    with pytest.raises(UnsupportedOpError, match="experts_implementation='batched_mm'"):
+        run(n, [Shard(0), R])
+    n, _ = node(aten._pdist_forward.default, ..., val_shape=[15], arg_shapes=[[6, 4]])
+    with pytest.raises(UnsupportedOpError) as refused:
+        run(n, [Shard(0)])
+    assert "batched_mm" not in str(refused.value)  # the hint is for grouped_mm only
+
+
 def test_ops_without_our_rule_take_the_dtensor_strategy_that_moves_least():
     """The sources the planner lists: topk along the last dim keeps a batch shard (nothing moves);
     a cumulative sum over the sharded dim moves the shard to another dim rather than gather it all."""

@@ -81,8 +81,19 @@ def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOp
         f"op {node.target} at node {node.name!r}{' in ' + where if where else ''} has no sharding rule for "
         f"inputs ({args}): {why}. Rewrite that part of the model with supported ops, or pass "
         "--replicate-fallback to gather its inputs and run it whole on every rank (see "
-        "adaptdist/passes/sharding_rules.py)."
+        f"adaptdist/passes/sharding_rules.py).{_grouped_mm_hint(node)}"
     )
+
+
+def _grouped_mm_hint(node: torch.fx.Node) -> str:
+    """For ``aten._grouped_mm``: Hugging Face MoE blocks (Mixtral, Qwen2-MoE) built from a config call it under
+    their default ``experts_implementation``; ``batched_mm`` runs every expert on every token with static shapes,
+    which lowers equal to eager (see capture.py's ``_hf_experts_hint``)."""
+    if "grouped_mm" not in str(node.target):
+        return ""
+    return (" A Hugging Face MoE (Mixtral, Qwen2-MoE) calls this op under its default experts implementation: build "
+            "the model with experts_implementation='batched_mm' in its config (static shapes: every expert on every "
+            "token), which lowers under auto, dp, fsdp and ep.")
 
 
 def gather_all(node: torch.fx.Node, pl: PlacementOf, why: str) -> RuleResult:
