@@ -104,3 +104,38 @@ def test_all_ranks_capture_failures_say_what_to_try(msg, expected):
 
     hint = _vmap_capture_hint(msg.lower())
     assert expected in hint and "adaptdist train" in hint, hint
+
+
+class _SiluFunction(torch.autograd.Function):
+    """A user's custom autograd Function (as HF BLOOM's GeLU), which the all-ranks capture cannot vmap."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+def test_the_custom_function_refusal_names_where_the_user_calls_it():
+    """Dynamo's error names only its generated ``ApplyTemplate``; the hint names the user's ``Fn.apply`` call
+    (file, line, code) from the graph's stack traces (fresh-user report on HF BLOOM)."""
+    from adaptdist.compiler.dynamo_capture import _autograd_function_sites, _vmap_capture_hint
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    lin = torch.nn.Linear(4, 4)
+    torch._dynamo.reset()
+    torch.compile(lambda x: _SiluFunction.apply(lin(x)).sum(), backend=keep)(torch.randn(2, 4))
+    sites = _autograd_function_sites(graphs[0])
+    assert len(sites) == 1 and "test_skipped_frames.py:" in sites[0] and "_SiluFunction.apply(" in sites[0], sites
+    hint = _vmap_capture_hint("you tried to vmap over applytemplate", sites)
+    assert f"called at {sites[0]}" in hint, hint

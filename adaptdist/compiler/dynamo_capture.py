@@ -407,7 +407,7 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
             joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
             msg = str(e).split("\n")[0].rstrip(".")
-            hint = _vmap_capture_hint(msg.lower())
+            hint = _vmap_capture_hint(msg.lower(), _autograd_function_sites(gm))
             raise CaptureError(f"cannot capture the compiled graph for {world_size} ranks at once: "
                                f"{type(e).__name__}: {msg}. {hint}") from e
     by_name = {n.name: n for n in joint.graph.output_node().args[0] if isinstance(n, torch.fx.Node)}
@@ -422,9 +422,25 @@ RNN_OPS = ("rnn_tanh", "rnn_relu", "gru", "lstm")
 _OTHER_FRONT_ENDS = "`adaptdist train` (or `compile` + `run`), which captures one rank's program, or DistributedDataParallel"
 
 
-def _vmap_capture_hint(low: str) -> str:
+def _autograd_function_sites(gm: torch.fx.GraphModule) -> list[str]:
+    """Where the user's code calls a custom ``torch.autograd.Function`` (``Fn.apply(...)``) in Dynamo's graph
+    ``gm``, as ``file:line: code`` from each ``autograd_function_apply`` node's stack trace (Dynamo's error names
+    only its generated ``ApplyTemplate``), in graph order, without repeats."""
+    sites: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or "autograd_function_apply" not in f"{n.target} {type(n.target).__name__}".lower():
+            continue
+        frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', n.meta.get("stack_trace") or "")
+        site = f"{frames[-1][0]}:{frames[-1][1]}: {frames[-1][2].strip()}" if frames else n.name
+        if site not in sites:
+            sites.append(site)
+    return sites
+
+
+def _vmap_capture_hint(low: str, function_sites: Sequence[str] = ()) -> str:
     """What to try when capturing every rank's call at once under torch.vmap failed with message ``low``
-    (lower-cased)."""
+    (lower-cased); ``function_sites`` are where the graph calls custom autograd Functions
+    (:func:`_autograd_function_sites`)."""
     if any(w in low for w in ("inplace", "in-place", "running_mean", "running_var",
                               "doesn't match the broadcast shape")):
         return ("A buffer updated in the forward from each rank's rows (other than BatchNorm's running statistics, "
@@ -434,7 +450,8 @@ def _vmap_capture_hint(low: str) -> str:
         return (f"torch.vmap, which captures every rank's call at once, has no batching rule for this RNN op: train "
                 f"RNNs (nn.RNN/GRU/LSTM) with {_OTHER_FRONT_ENDS}.")
     if "applytemplate" in low or "generate_vmap_rule" in low or "autograd.function" in low:
-        return ("A custom torch.autograd.Function cannot be captured for every rank at once here, whatever its "
+        called = f" (called at {'; '.join(function_sites)})" if function_sites else ""
+        return (f"A custom torch.autograd.Function{called} cannot be captured for every rank at once here, whatever its "
                 "generate_vmap_rule or vmap staticmethod (torch's advice above does not apply inside this capture): "
                 f"write it with plain torch ops, or train the model with {_OTHER_FRONT_ENDS}.")
     if "internal assert" in low:
