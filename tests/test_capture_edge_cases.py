@@ -366,3 +366,30 @@ def test_cumulative_batch_norm_is_named_as_the_data_dependent_read():
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6, momentum=None), torch.nn.Linear(6, 2))
     with pytest.raises(CaptureError, match=r"inside torch's BatchNorm: momentum=None .* numeric momentum"):
         capture(model, (torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+
+
+class _WeightNormedConv(torch.nn.Module):
+    """A weight-normed convolution over time, as HF Wav2Vec2's positional embedding (``weight_norm`` dim=2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1), dim=2)
+        self.out = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.conv(x)).mean(-1))
+
+
+def test_weight_norm_trains_like_eager_under_dp_and_fsdp_refuses_naming_the_op():
+    """dp: ``_weight_norm_interface_backward`` is linear in its Partial gradient input (fresh-user report: HF
+    Wav2Vec2 stopped on it); fsdp shards the weight across the norm's dims, which no rule splits: a clear
+    UnsupportedOpError naming the op."""
+    torch.manual_seed(0)
+    model, batch = _WeightNormedConv(), (torch.randn(6, 4, 5), torch.randint(0, 3, (6,)))
+    targets = {str(n.target) for n in capture(model, batch, F.cross_entropy).gm.graph.nodes}
+    assert "aten._weight_norm_interface_backward.default" in targets
+    train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("dp"))
+    from adaptdist.errors import UnsupportedOpError
+
+    with pytest.raises(UnsupportedOpError, match="_weight_norm_interface"):
+        train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))

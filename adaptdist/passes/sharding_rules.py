@@ -1894,12 +1894,25 @@ def index_along_shard(fallback: Callable | None) -> Callable[[torch.fx.Node, Pla
     return rule
 
 
+def weight_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """``_weight_norm_interface_backward(grad_w, v, g, norms, dim) -> (grad_v, grad_g)``: for fixed ``v``, ``g``
+    and ``norms`` both outputs are linear in ``grad_w`` (``grad_g = sum(grad_w * v) / norms`` over the dims other
+    than ``dim``; ``grad_v = g / norms * (grad_w - v * grad_g / norms)``: Salimans & Kingma 2016, eq. 3), so a
+    Partial ``grad_w`` (data parallelism's weight gradient) with the rest replicated gives Partial gradients,
+    reduced with the others (HF Wav2Vec2's positional convolution). Other forms: DTensor's, else refused."""
+    pw, *rest = (pl(a) for a in node.args[:4])
+    if isinstance(pw, Partial) and all(isinstance(p, Replicate) for p in rest):
+        return RuleResult((pw, pw))
+    return None
+
+
 def diagonal_scatter_matrix(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
     """(opinfo90) diagonal_scatter of one matrix: :func:`whole_reduction`; of a batch of them: DTensor's."""
     return whole_reduction(node, pl) if len(shape(node.args[0])) == 2 else None
 
 
 # (opinfo90) these replace the earlier entries for gather/scatter*/amax/amin (which they call for the other forms)
+RULES[aten._weight_norm_interface_backward.default] = weight_norm_backward
 RULES.update({
     aten.gather.default: index_along_shard(RULES[aten.gather.default]),
     aten.scatter.src: index_along_shard(RULES[aten.scatter.src]),
