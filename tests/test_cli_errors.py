@@ -391,3 +391,13 @@ def test_a_bad_factory_leaves_the_previous_run_in_out(capsys, tmp_path):
 def test_bf16_with_synchronized_batch_norm_is_refused_before_anything_runs(capsys, tmp_path):
     msg = run_cli(capsys, tmp_path, "builtin:gpt", "--precision", "bf16", "--batch-norm", "sync")
     assert "--precision bf16 with --batch-norm sync is not supported yet" in msg
+
+
+def test_a_misspelt_flag_gets_its_subcommands_usage(capsys):
+    """``adaptdist train --plna dp`` names the flag under train's usage, not the list of subcommands (fresh-user
+    report), with argparse's exit code 2."""
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--plna", "dp"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert "usage: adaptdist train" in err and "adaptdist train: error: unrecognized arguments: --plna" in err, err

@@ -541,12 +541,22 @@ def cmd_launch(args) -> int:
     return run(args)
 
 
+def _parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, but an unknown flag is reported by its subcommand's parser (``adaptdist train
+    --plna`` prints train's usage, not the top-level list of subcommands); exits with code 2 as argparse does."""
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        commands = next((a.choices for a in ap._actions if isinstance(a, argparse._SubParsersAction)), {})
+        commands.get(args.command, ap).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``adaptdist`` command; returns the exit code (2 for a user error, with no traceback)."""
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = _parse(ap, argv)
     if args.command is None:
-        args = ap.parse_args(["train", *(argv or [])])
+        args = _parse(ap, ["train", *(argv or [])])
     if args.command in ("train", "run"):  # --resume tells given flags from defaults
         args._defaults = vars(ap.parse_args(["train"] if args.command == "train" else ["run", "DIR"]))
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
