@@ -70,7 +70,8 @@ def failure_of(out_dir: str | Path, attempt: int) -> str | None:
     if silent:
         r = min(silent, key=lambda r: r["time_s"])
         return (f"rank {r['rank']} (pid {r['pid']} on {r['host']}) died without a word after step {r['step'] or 0} "
-                "(SIGKILL: the out-of-memory killer, an outside kill or a lost machine)")
+                f"(the last step it recorded: it records a step at most every {STATUS_EVERY_S:g} s, so it may have "
+                "died a few steps later; SIGKILL: the out-of-memory killer, an outside kill or a lost machine)")
     failed = sorted((r for r in records if r.get("state") in ("failed", "stopped")), key=lambda r: r["time_s"])
     if failed:
         r = failed[0]
