@@ -448,10 +448,11 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     else:
         save_programs(programs, out / "programs")
         mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+        digits = 0 if peak >= 10 * 2**20 else 2  # a small model's peak is not "0 MiB"
         console.print(f"compiled plan {plan.name!r} (mesh {mesh}) for {nproc} ranks in "
                       f"{time.perf_counter() - t0:.1f} s "
-                      f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory {peak / 2**20:,.0f} MiB "
-                      "per rank")
+                      f"-> {out / 'programs'} (read rank0/program.py); predicted peak memory "
+                      f"{peak / 2**20:,.{digits}f} MiB per rank")
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     from ..runtime.worker import _next_attempt
 
