@@ -262,3 +262,17 @@ def simulated_sgd(model, batch, loss_fn, world: int, plan: str, lr: float, steps
     params = {f: full(f, {r: state[r][f] for r in progs}) for f in progs[0].param_fqns}
     buffers = {f: [state[r][f] for r in progs] for f in progs[0].input_fqns if f not in progs[0].param_fqns}
     return progs, history, params, buffers
+
+
+def assert_sgd_equal(history, params, want_history, want_params, tol: float = 1e-5):
+    """:func:`simulated_sgd`'s ``history`` and ``params`` equal eager's (``reference.eager_sgd``) to ``tol``: every
+    step's loss and gradients, and the parameters after the steps."""
+    import torch
+
+    assert len(history) == len(want_history)
+    for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(history, want_history)):
+        assert abs(loss - want_loss) < tol, (step, loss, want_loss)
+        for f in want_grads:
+            torch.testing.assert_close(grads[f], want_grads[f], atol=tol, rtol=tol, msg=f"step {step} grad {f}")
+    for f, p in want_params.items():
+        torch.testing.assert_close(params[f], p, atol=tol, rtol=tol, msg=f"param {f}")

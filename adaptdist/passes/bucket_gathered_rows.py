@@ -27,15 +27,14 @@ Before/after (two tables, 2 ranks, local shapes)::
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx
 
-from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..placement import Replicate
 from .context import PassContext
+from .bucket_param_allgather import coalesced_all_gather
 from .graph_build import add_op
 
 aten = torch.ops.aten
@@ -98,30 +97,13 @@ def _merge(graph: torch.fx.Graph, bucket: list, dtype: torch.dtype, ctx: PassCon
         return add_op(graph, target, args, Replicate(), kwargs=kwargs)
 
     new: list[torch.fx.Node] = []
-    first_wait = bucket[0][2]
     with graph.inserting_before(anchor.next):
         flats = []
         for _, pad, _, _ in bucket:
             x = pad if pad.meta["val"].dtype == dtype else call(aten._to_copy.default, (pad,), {"dtype": dtype})
             flats.append(call(aten.reshape.default, (x, [-1])))
-        cat = call(aten.cat.default, (flats,))
-        ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.axis_size, ctx.group_name))
-        ag.meta["val"] = first_wait.meta["val"].new_empty((cat.meta["val"].numel() * ctx.axis_size,), dtype=dtype)
-        gmeta.set_placements(ag, (Replicate(),))
-        gmeta.mark_collective(ag, "all_gather", ctx.group_name)
-        wait = graph.call_function(compat.functional_wait_op(), (ag,))
-        wait.meta["val"] = ag.meta["val"]
-        gmeta.set_placements(wait, (Replicate(),))
-        gmeta.mark_collective(wait, "wait", ctx.group_name)
-        rows = call(aten.reshape.default, (wait, [ctx.axis_size, -1]))
-        sizes = [f.meta["val"].numel() for f in flats]
-        parts = call(aten.split_with_sizes.default, (rows, sizes, 1))
-        gmeta.set_placements(parts, (tuple(Replicate() for _ in bucket),))
-        gmeta.set_coalesced(parts, [pad for _, pad, _, _ in bucket], ctx.group_name)
-        for i, (_, pad, old_wait, _) in enumerate(bucket):
-            item = graph.call_function(operator.getitem, (parts, i))
-            item.meta["val"] = parts.meta["val"][i]
-            gmeta.set_placements(item, (Replicate(),))
+        items = coalesced_all_gather(graph, flats, [pad for _, pad, _, _ in bucket], ctx)
+        for item, (_, pad, old_wait, _) in zip(items, bucket):
             own = pad.meta["val"].dtype
             if own != dtype:
                 item = call(aten._to_copy.default, (item,), {"dtype": own})

@@ -97,24 +97,8 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
                 moved.add(n)
     with graph.inserting_before(first_ag):
         flats = [call(aten.reshape.default, (pad, [-1])) for _, pad, _ in bucket]
-        cat = call(aten.cat.default, (flats,))
-        ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.axis_size, ctx.group_name))
-        ag.meta["val"] = first_ag.meta["val"].new_empty((cat.meta["val"].numel() * ctx.axis_size,))
-        gmeta.set_placements(ag, (Replicate(),))
-        gmeta.mark_collective(ag, "all_gather", ctx.group_name)
-        wait = graph.call_function(compat.functional_wait_op(), (ag,))
-        wait.meta["val"] = ag.meta["val"]
-        gmeta.set_placements(wait, (Replicate(),))
-        gmeta.mark_collective(wait, "wait", ctx.group_name)
-        rows = call(aten.reshape.default, (wait, [ctx.axis_size, -1]))
-        sizes = [f.meta["val"].numel() for f in flats]
-        parts = call(aten.split_with_sizes.default, (rows, sizes, 1))
-        gmeta.set_placements(parts, (tuple(Replicate() for _ in bucket),))
-        gmeta.set_coalesced(parts, [pad for _, pad, _ in bucket], ctx.group_name)
-        for i, (old_ag, pad, old_wait) in enumerate(bucket):
-            item = graph.call_function(operator.getitem, (parts, i))
-            item.meta["val"] = parts.meta["val"][i]
-            gmeta.set_placements(item, (Replicate(),))
+        items = coalesced_all_gather(graph, flats, [pad for _, pad, _ in bucket], ctx)
+        for item, (old_ag, pad, old_wait) in zip(items, bucket):
             rest = list(pad.meta["val"].shape[1:])
             full = call(aten.reshape.default, (item, [-1, *rest]))
             old_wait.replace_all_uses_with(full)
@@ -122,3 +106,40 @@ def _merge(graph: torch.fx.Graph, bucket: list[tuple], ctx: PassContext) -> None
         graph.erase_node(old_wait)
         graph.erase_node(old_ag)
 
+
+def coalesced_all_gather(graph: torch.fx.Graph, flats: list[torch.fx.Node], pads: list[torch.fx.Node],
+                         ctx: PassContext) -> list[torch.fx.Node]:
+    """One all_gather for several tensors, inserted at ``graph``'s insertion point.
+
+    Args:
+        flats: 1-D nodes of one dtype, ``[n_i]``, each rank's part of one tensor (concatenated, gathered once
+            over ``ctx``'s mesh axis of ``W = ctx.axis_size`` ranks, then split again).
+        pads: the nodes whose gathers this one replaces, in the same order (recorded with
+            :func:`graph_meta.set_coalesced` for the cost model and the schedule checks).
+
+    Returns:
+        One ``[W, n_i]`` node per flat (rank ``r``'s part in row ``r``), replicated on the mesh axis.
+    """
+    def call(target, args):
+        return add_op(graph, target, args, Replicate())
+
+    cat = call(aten.cat.default, (flats,))
+    ag = graph.call_function(compat.functional_all_gather_op(), (cat, ctx.axis_size, ctx.group_name))
+    ag.meta["val"] = cat.meta["val"].new_empty((cat.meta["val"].numel() * ctx.axis_size,))
+    gmeta.set_placements(ag, (Replicate(),))
+    gmeta.mark_collective(ag, "all_gather", ctx.group_name)
+    wait = graph.call_function(compat.functional_wait_op(), (ag,))
+    wait.meta["val"] = ag.meta["val"]
+    gmeta.set_placements(wait, (Replicate(),))
+    gmeta.mark_collective(wait, "wait", ctx.group_name)
+    rows = call(aten.reshape.default, (wait, [ctx.axis_size, -1]))
+    parts = call(aten.split_with_sizes.default, (rows, [f.meta["val"].numel() for f in flats], 1))
+    gmeta.set_placements(parts, (tuple(Replicate() for _ in flats),))
+    gmeta.set_coalesced(parts, list(pads), ctx.group_name)
+    items = []
+    for i in range(len(flats)):
+        item = graph.call_function(operator.getitem, (parts, i))
+        item.meta["val"] = parts.meta["val"][i]
+        gmeta.set_placements(item, (Replicate(),))
+        items.append(item)
+    return items
