@@ -144,23 +144,48 @@ def worker(cfg: dict) -> dict:
             for _ in range(cfg["warmup"]):
                 timed(name)
         times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(cfg["barrier_reps"]):  # barrier-timed steps (rank 0's wall between two barriers)
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                times[name] += [timed(name) for _ in range(cfg["steps"])]
+        first_b2b = dict(step_no)
+
+        def block(name: str, n: int) -> tuple[float, list[float], list[float]]:
+            """n steps back to back, as a training loop runs them (no barrier per step): wall seconds of the block
+            (between two barriers), and this rank's wall and CPU seconds per step (CPU: every thread of it)."""
+            walls, cpus = [], []
+            dist.barrier()
+            t0 = t_prev = time.perf_counter()
+            c_prev = time.process_time()
+            for _ in range(n):
+                with recs[name].step(step_no[name]):
+                    runners[name].step(batch)
+                step_no[name] += 1
+                t, c = time.perf_counter(), time.process_time()
+                walls.append(t - t_prev)
+                cpus.append(c - c_prev)
+                t_prev, c_prev = t, c
+            dist.barrier()
+            return time.perf_counter() - t0, walls, cpus
+
+        # interleaved repetitions: each is A B B A (or B A A B) of `steps` steps each, so a linear drift of the
+        # machine's speed over the repetition weighs both plans alike; its ratio is even's seconds / the other's
         blocks: dict[str, list[float]] = {name: [] for name in names}
+        per_step: dict[str, dict[str, list[float]]] = {name: {"wall_s": [], "cpu_s": []} for name in names}
+        reps: list[dict[str, float]] = []
         for rep in range(cfg["reps"]):
             order = names if rep % 2 == 0 else names[::-1]
-            for name in order:
-                times[name] += [timed(name) for _ in range(cfg["steps"])]
-                # the same steps back to back, as a training loop runs them (no barrier per step): the block's mean
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(cfg["steps"]):
-                    with recs[name].step(step_no[name]):
-                        runners[name].step(batch)
-                    step_no[name] += 1
-                dist.barrier()
-                blocks[name].append((time.perf_counter() - t0) / cfg["steps"])
+            acc = {name: 0.0 for name in names}
+            for name in order + order[::-1]:
+                wall, walls, cpus = block(name, cfg["steps"])
+                acc[name] += wall
+                per_step[name]["wall_s"] += walls
+                per_step[name]["cpu_s"] += cpus
+            for name in names:
+                blocks[name].append(acc[name] / (2 * cfg["steps"]))
+            reps.append({name: acc[name] / (2 * cfg["steps"]) for name in names})
         # each rank's own compute, all ranks at once: a one-rank program of its rows, no collectives
         own: dict[str, list[float]] = {"hetero": [], "even": []}
-        for rep in range(cfg["reps"]):
+        for rep in range(min(cfg["reps"], 2)):
             for name in (("hetero", "even") if rep % 2 == 0 else ("even", "hetero")):
                 local = runners_local[name]
                 dist.barrier()
@@ -188,14 +213,14 @@ def worker(cfg: dict) -> dict:
             for sp in rec.spans:
                 if sp.kind == "wait":
                     waits[sp.step] = waits.get(sp.step, 0.0) + sp.duration_s
-            steps = rec.steps[cfg["warmup"]:]
+            steps = [s for s in rec.steps if s.step >= first_b2b[name]]  # the interleaved repetitions' steps
             split[name] = {"compute_s": [s.duration_s - waits.get(s.step, 0.0) for s in steps],
-                           "wait_s": [waits.get(s.step, 0.0) for s in steps]}
+                           "wait_s": [waits.get(s.step, 0.0) for s in steps], **per_step[name]}
         from adaptdist.runtime.worker import program_transports
 
-        return {"times": times, "blocks": blocks, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+        return {"times": times, "blocks": blocks, "reps": reps, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
                 "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
-                "affinity": sorted(os.sched_getaffinity(0))}
+                "affinity": sorted(os.sched_getaffinity(0)), "process_cpu_s": time.process_time()}
     finally:
         dist.destroy_process_group()
 
@@ -227,13 +252,58 @@ def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], noise:
 
 # --------------------------------------------------------------------------- driver
 
+def _proc_stat_cpu() -> dict[str, list[int]]:
+    """CPU jiffies from /proc/stat (user nice system idle iowait irq softirq steal), for the machine ("cpu") and
+    each core ("cpu0", ...); {} off Linux."""
+    try:
+        return {ln.split()[0]: [int(x) for x in ln.split()[1:9]]
+                for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("cpu")}
+    except (OSError, ValueError):
+        return {}
+
+
+def _ratio_noise(per_rank: list[list[float]]) -> dict:
+    """Per step, rank 2's compute / the mean of ranks 0 and 1's: its median, and the coefficients of variation of
+    that ratio and of each rank's compute (a ratio far steadier than its parts: the noise is common to the ranks)."""
+    n = min(len(x) for x in per_rank)
+    ratio = [per_rank[2][i] / ((per_rank[0][i] + per_rank[1][i]) / 2) for i in range(n)]
+
+    def cv(xs):
+        return round(statistics.pstdev(xs) / statistics.mean(xs), 3)
+
+    return {"median": round(statistics.median(ratio), 3), "cv_ratio": cv(ratio),
+            "cv_per_rank": [cv(x[:n]) for x in per_rank]}
+
+
+def _stat_delta(a: dict, b: dict, ours_s: dict[str, float]) -> dict:
+    """Per core ("cpu0", ...) and for the machine, between two /proc/stat reads: busy seconds, the shares busy,
+    idle and stolen (by the hypervisor), and ``others_s``: busy seconds not spent by our ranks (``ours_s``: the
+    ranks' CPU seconds on that core) -- other processes, the launcher, the kernel."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for cpu in a:
+        if cpu not in b:
+            continue
+        d = [y - x for x, y in zip(a[cpu], b[cpu])]
+        total = sum(d) or 1
+        busy = total - d[3] - d[4] - d[7]
+        out[cpu] = {"busy_s": round(busy / hz, 2), "busy": round(busy / total, 3),
+                    "idle": round((d[3] + d[4]) / total, 3), "steal": round(d[7] / total, 3)}
+        if cpu in ours_s:
+            out[cpu]["ours_s"] = round(ours_s[cpu], 2)
+            out[cpu]["others_s"] = round(busy / hz - ours_s[cpu], 2)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=12, help="steps per block")
-    ap.add_argument("--reps", type=int, default=4, help="blocks of each (alternating order)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per block")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="interleaved repetitions (each: blocks A B B A, back to back; the order alternates)")
+    ap.add_argument("--barrier-reps", type=int, default=1, help="blocks of barrier-timed steps of each")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--comm", choices=("auto", "gloo", "shm"), default="auto",
                     help="the collectives' transport, as train's --comm (auto: shared memory on one host)")
@@ -304,13 +374,13 @@ def main() -> int:
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         num_params = sum(p.numel() for p in model.parameters())
         cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
-                   warmup=args.warmup, steps=args.steps, reps=args.reps, timeout_s=args.timeout_s,
+                   warmup=args.warmup, steps=args.steps, reps=args.reps, barrier_reps=args.barrier_reps, timeout_s=args.timeout_s,
                    num_params=num_params, rebalance_rounds=args.rebalance_rounds, measure_steps=args.measure_steps,
                    cluster_file=str(tmp / "measured.yaml"), rows=args.rows, width=args.width, layers=args.layers,
                    tmp=str(tmp), comm=args.comm)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _proc_stat_cpu()
         res = launch_local(worker, (cfg,), 3)
-        run_s = time.perf_counter() - t0
+        run_s, cpu1 = time.perf_counter() - t0, _proc_stat_cpu()
         done = [d for d in res[0]["rebalances"] if d.get("applied")]
         if done:  # the adaptive set's last programs, priced as the others
             from adaptdist.program import load_program
@@ -322,7 +392,12 @@ def main() -> int:
             preds["adaptive"], rows["adaptive"] = preds["hetero"], rows["hetero"]
     load_after = os.getloadavg()
     r0 = res[0]
-    med = {k: statistics.median(v) for k, v in r0["times"].items()}
+    ours: dict[str, float] = {}
+    for r in range(3):
+        for c in res[r]["affinity"]:
+            ours[f"cpu{c}"] = ours.get(f"cpu{c}", 0.0) + res[r]["process_cpu_s"] / len(res[r]["affinity"])
+    med = {k: statistics.median(v) for k, v in r0["times"].items()} if args.barrier_reps else \
+        {k: statistics.median(v) for k, v in r0["blocks"].items()}
     ratio = med["even"] / med["hetero"]
     names = tuple(med)
     out = {
@@ -364,6 +439,24 @@ def main() -> int:
         "predicted_compute_ms": {k: [1e3 * e.ranks[r].compute_s for r in range(3)] for k, e in preds.items()},
         "all_reduce_ms_measured": 1e3 * r0["all_reduce_s"],
         "threads_affinity": [(res[r]["threads"], res[r]["affinity"]) for r in range(3)],
+        # the interleaved repetitions (A B B A, steps back to back): even's step / each plan's, per repetition
+        "repetitions_speedup": {k: [round(rp["even"] / rp[k], 3) for rp in r0["reps"]] for k in names if k != "even"},
+        "repetitions_step_ms": [{k: round(1e3 * v, 2) for k, v in rp.items()} for rp in r0["reps"]],
+        # per rank, median over the repetitions' steps: CPU seconds of the process / wall seconds of the step
+        # (ranks 0 and 1 share core 0: about 0.5 each while both compute)
+        "per_rank_cpu_share": {k: [round(statistics.median(c / w for c, w in zip(res[r]["split"][k]["cpu_s"],
+                                                                             res[r]["split"][k]["wall_s"])), 3)
+                                   for r in range(3)] for k in names},
+        "per_rank_step_cpu_ms": {k: [round(1e3 * statistics.median(res[r]["split"][k]["cpu_s"]), 2) for r in range(3)]
+                                 for k in names},
+        "per_rank_wall_cv": {k: [round(statistics.pstdev(res[r]["split"][k]["wall_s"])
+                                       / statistics.mean(res[r]["split"][k]["wall_s"]), 3) for r in range(3)]
+                             for k in names},
+        # per step of the repetitions: the lone rank's compute / the mean of the two sharing core 0 (median, and
+        # its coefficient of variation beside each rank's own): how much of the step-to-step noise all ranks share
+        "per_step_compute_ratio": {k: _ratio_noise([res[r]["split"][k]["compute_s"] for r in range(3)]) for k in names},
+        # the hypervisor's steal and other processes: /proc/stat over the 3-rank run
+        "proc_stat_run": _stat_delta(cpu0, cpu1, ours),
         "load_average_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "profile_s": profile_s, "run_s": run_s,
     }
@@ -383,6 +476,13 @@ def main() -> int:
               f"{out['predicted_step_ms']['adaptive']:.1f} ms = {out['speedup_predicted_adaptive']:.3f}x")
     print(f"steps back to back (no barrier per step; median of {args.reps} blocks): even / hetero "
           f"{out['speedup_measured_blocks']:.3f}x, even / adaptive {out['speedup_measured_blocks_adaptive'] or 0:.3f}x")
+    for k, v in out["repetitions_speedup"].items():
+        print(f"interleaved repetitions (A B B A, back to back), even / {k}: {v}: {sum(x >= 1.25 for x in v)} of "
+              f"{len(v)} >= 1.25, median {statistics.median(v):.3f}x; predicted "
+              f"{preds['even'].step_s / preds[k].step_s:.3f}x")
+    print(f"per step, lone rank's compute / the core-0 ranks' mean: {out['per_step_compute_ratio']}")
+    print(f"CPU share per rank (cpu / wall per step): {out['per_rank_cpu_share']}; /proc/stat over the run: "
+          f"{out['proc_stat_run']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
