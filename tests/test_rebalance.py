@@ -213,3 +213,42 @@ def test_rebalance_after_flag():
     for bad in ("1", "x"):
         with pytest.raises(UsageError, match="--rebalance-after"):
             after(bad, even)
+
+
+def test_relative_noise_leaves_out_what_every_rank_shares():
+    from adaptdist.runtime.rebalance import median_and_noise, relative_noise
+
+    # a window where the whole machine slows in some steps (x1.0-1.6 on every rank alike), rank 2 twice as fast
+    pace = [1.0, 1.3, 1.0, 1.6, 1.1, 1.0, 1.4, 1.2, 1.0]
+    per_rank = [[0.06 * p for p in pace], [0.061 * p for p in pace], [0.03 * p for p in pace]]
+    own = [median_and_noise(x)[1] for x in per_rank]
+    rel = relative_noise(per_rank)
+    assert min(own) > 0.05 and max(rel) < 1e-9, (own, rel)
+    # one rank's own slow spells are noise (of its speed against the others')
+    per_rank[2] = [0.03 * p * (1.5 if i % 3 == 0 else 1.0) for i, p in enumerate(pace)]
+    rel = relative_noise(per_rank)
+    assert rel[2] > 0.05, rel
+    # nothing to compare: each median's own error is used
+    assert relative_noise([[0.1, 0.2]]) is None
+    assert relative_noise([[0.1, 0.2], [0.1]]) is None
+    assert relative_noise([[0.1, 0.2], [0.0, 0.0]]) is None
+
+
+def test_a_window_slowed_on_every_rank_alike_still_moves_rows():
+    """The re-balance's noise rule (decide's threshold) fed the errors agree() passes on: a window in which the
+    machine's pace swings every rank alike moves the rows that a per-rank error would have kept."""
+    from adaptdist.runtime.rebalance import median_and_noise, relative_noise
+
+    model, batch, loss_fn = mlp(64, loss="mse")
+    cluster = _cluster()
+    programs = compile_model(model, batch, loss_fn, 3, None, cluster=cluster, optimizer="sgd")
+    pred = [estimate_programs(programs, cluster, "sgd").ranks[r].compute_s for r in range(3)]
+    # rank 2 measured 1.15x as fast per row as ranks 0 and 1 (a gain of ~1.1 to move rows for)
+    base = [pred[0], pred[1], pred[2] * 20 / 22 / 1.15]
+    pace = [1.0, 1.5, 1.0, 1.8, 1.1, 1.0, 1.6, 1.3, 1.0]
+    per_rank = [[b * p for p in pace] for b in base]
+    medians = [median_and_noise(x)[0] for x in per_rank]
+    own = decide(programs, cluster, medians, "sgd", step=10, noise=[median_and_noise(x)[1] for x in per_rank])
+    rel = decide(programs, cluster, medians, "sgd", step=10, noise=relative_noise(per_rank))
+    assert not own.applied and "noise" in own.reason, own
+    assert rel.applied and rel.rows_after[2] > rel.rows_before[2] and sum(rel.rows_after) == 64, rel
