@@ -112,10 +112,9 @@ def worker(cfg: dict) -> dict:
                     with meter.step(i):
                         runner.step(batch)
                 own = compute_summary(meter, range(1, k))  # the first step after a swap warms up
-                window_s = meter.compute_s(range(1, k))
                 meter.detach()
                 decision, path, err = agree(rank, 3, own, lambda m, e, d=directory, n=rnd: _decide_and_lower(
-                    cfg, d, m, e, (n + 1) * k, n), steps_s=window_s if cfg["relative_noise"] else ())
+                    cfg, d, m, e, (n + 1) * k, n))
                 rebalances.append(decision.to_doc() if decision is not None else {"error": err})
                 if path is None:
                     break
@@ -312,9 +311,6 @@ def main() -> int:
                     help="re-balances of the 'adaptive' set (0: no adaptive set; the runtime's default is 1)")
     ap.add_argument("--measure-steps", type=int, default=10,
                     help="steps before each re-balance (the first not measured; train's --rebalance-after auto)")
-    ap.add_argument("--own-noise", action="store_true",
-                    help="the re-balance's noise rule on each rank's own median error (as before 2026-12-04), not "
-                         "on its speed against the others' (adaptdist.runtime.rebalance.relative_noise)")
     ap.add_argument("--quick-profile", action="store_true", help="short profile windows (noisier figures)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", metavar="FILE", help="also write the numbers here")
@@ -378,7 +374,7 @@ def main() -> int:
         save_file({"b0": batch[0].contiguous(), "b1": batch[1].contiguous()}, str(tmp / "batch.safetensors"))
         num_params = sum(p.numel() for p in model.parameters())
         cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
-                   warmup=args.warmup, steps=args.steps, reps=args.reps, barrier_reps=args.barrier_reps, relative_noise=not args.own_noise, timeout_s=args.timeout_s,
+                   warmup=args.warmup, steps=args.steps, reps=args.reps, barrier_reps=args.barrier_reps, timeout_s=args.timeout_s,
                    num_params=num_params, rebalance_rounds=args.rebalance_rounds, measure_steps=args.measure_steps,
                    cluster_file=str(tmp / "measured.yaml"), rows=args.rows, width=args.width, layers=args.layers,
                    tmp=str(tmp), comm=args.comm)

@@ -14,10 +14,7 @@ profile`` measured the lone rank at 1.65-1.82x the FLOP/s of the two sharing cor
    programs);
 3. when the slowest rank's time falls by at least ``min_gain`` under that model, and by more than twice the
    measurements' noise (the largest relative standard error of a rank's median: a window that one slow spell
-   skewed must not move rows that were right; measured against the other ranks' pace in the same steps,
-   :func:`relative_noise`, since a slow spell of the whole machine changes no rank's speed relative to the
-   others: on 2 shared cores each rank's step varied 9-16% while the rows' right split did not, so the error of
-   each median alone kept a 1.065x gain under a 1.17x threshold), the programs are lowered again
+   skewed must not move rows that were right), the programs are lowered again
    with those rows (the one door: ``compile_model(..., batch_split=rows)``) and every rank moves its parameters,
    buffers and optimizer state into its new program (:func:`transfer_state`).
 
@@ -146,29 +143,22 @@ def transfer_state(old: Any, new: Any) -> None:
 
 
 def agree(rank: int, world: int, own: tuple[float, float],
-          decide_and_lower: Callable[[list[float], list[float]], tuple[RebalanceDecision, str | None]],
-          steps_s: Sequence[float] = ()) -> tuple[RebalanceDecision | None, str | None, str | None]:
+          decide_and_lower: Callable[[list[float], list[float]], tuple[RebalanceDecision, str | None]]
+          ) -> tuple[RebalanceDecision | None, str | None, str | None]:
     """(Collective over the world) every rank's ``own`` (:func:`compute_summary`: its median compute seconds per
     step and that median's relative standard error) to rank 0, which calls ``decide_and_lower`` (medians per rank,
     errors per rank -> the decision and, when applied, the directory of the new programs); its answer
     goes to every rank: ``(decision, directory, None)``, or ``(None, None, error text)`` when rank 0's call failed
     (a re-balance is an optimization: the job keeps its rows and goes on).
-
-    ``steps_s``: this rank's compute seconds per step of the same window on every rank; when every rank gives
-    them (as many, at least 2), the errors passed on are :func:`relative_noise`'s (the noise of each rank's speed
-    against the others', which is what moving rows depends on) instead of each median's own.
     """
     import torch.distributed as dist
 
     got: list = [None] * world
-    dist.all_gather_object(got, (float(own[0]), float(own[1]), tuple(float(x) for x in steps_s)))
+    dist.all_gather_object(got, (float(own[0]), float(own[1])))
     answer: list = [None]
     if rank == 0:
         try:
-            noise = relative_noise([x[2] for x in got])
-            if noise is None:
-                noise = [float(x[1]) for x in got]
-            answer[0] = ("ok", decide_and_lower([float(x[0]) for x in got], noise))
+            answer[0] = ("ok", decide_and_lower([float(x[0]) for x in got], [float(x[1]) for x in got]))
         except Exception as e:  # noqa: BLE001 - every rank must hear it, or the others wait forever
             answer[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(answer, src=0)
@@ -190,26 +180,6 @@ def median_and_noise(xs: Sequence[float]) -> tuple[float, float]:
         return med, 0.0
     mad = statistics.median(abs(x - med) for x in xs)
     return med, 1.2533 * 1.4826 * mad / math.sqrt(len(xs)) / med
-
-
-def relative_noise(per_rank_s: Sequence[Sequence[float]]) -> list[float] | None:
-    """Per rank, the relative standard error (:func:`median_and_noise`) of its compute against the ranks' common
-    pace: step t's ``x_r(t) / median_r`` divided by the mean of that over the ranks. A slow spell of the whole
-    machine (every rank slower in the same steps) then does not count as noise: it moves no row, since the rows
-    follow the ranks' speeds relative to each other. ``per_rank_s``: each rank's compute seconds per step, the
-    same steps in the same order on every rank. None when fewer than 2 ranks, fewer than 2 steps, unequal
-    lengths or a median that is not positive (then use each median's own error)."""
-    n = len(per_rank_s[0]) if per_rank_s else 0
-    if len(per_rank_s) < 2 or n < 2 or any(len(x) != n for x in per_rank_s):
-        return None
-    meds = [statistics.median(x) for x in per_rank_s]
-    if not all(m > 0 for m in meds):
-        return None
-    norm = [[v / m for v in x] for x, m in zip(per_rank_s, meds)]
-    pace = [sum(x[t] for x in norm) / len(norm) for t in range(n)]
-    if not all(p > 0 for p in pace):
-        return None
-    return [median_and_noise([x[t] / pace[t] for t in range(n)])[1] for x in norm]
 
 
 def compute_summary(meter: ComputeMeter, steps: Iterable[int]) -> tuple[float, float]:

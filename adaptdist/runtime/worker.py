@@ -636,11 +636,11 @@ def _rebalance(cfg: TrainConfig, runner: StepRunner, program: RankProgram, progr
     from .rebalance import agree, compute_summary, transfer_state
 
     own = compute_summary(meter, steps)
+    meter.detach()
     step = steps.stop
     decision, path, error = agree(rank, world, own, lambda measured_s, noise: cfg.program_source.rebalance(
         program_dir, cfg.rebalance_cluster, measured_s, noise, step,
-        Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}"), steps_s=meter.compute_s(steps))
-    meter.detach()
+        Path(cfg.out_dir) / "programs_rebalanced" / f"step-{step:08d}"))
     if decision is None:
         events.note(f"re-balance after step {step} failed, keeping the rows: {error}")
         return runner, program
