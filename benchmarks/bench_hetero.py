@@ -154,6 +154,7 @@ def worker(cfg: dict) -> dict:
             (between two barriers), and this rank's wall and CPU seconds per step (CPU: every thread of it)."""
             walls, cpus = [], []
             dist.barrier()
+            stat0 = _proc_stat_cpu()
             t0 = t_prev = time.perf_counter()
             c_prev = time.process_time()
             for _ in range(n):
@@ -165,11 +166,20 @@ def worker(cfg: dict) -> dict:
                 cpus.append(c - c_prev)
                 t_prev, c_prev = t, c
             dist.barrier()
-            return time.perf_counter() - t0, walls, cpus
+            wall = time.perf_counter() - t0
+            # this block's core seconds (machine-wide, read by every rank alike) and this rank's CPU seconds
+            hz = os.sysconf("SC_CLK_TCK")
+            stat1 = _proc_stat_cpu()
+            busy = {c: (sum(stat1[c]) - stat1[c][3] - stat1[c][4] - stat1[c][7]
+                        - (sum(stat0[c]) - stat0[c][3] - stat0[c][4] - stat0[c][7])) / hz
+                    for c in stat0 if c != "cpu" and c in stat1}
+            block_cores.append({"busy_s": busy, "cpu_s": sum(cpus), "wall_s": wall})
+            return wall, walls, cpus
 
         # interleaved repetitions: each is A B B A (or B A A B) of `steps` steps each, so a linear drift of the
         # machine's speed over the repetition weighs both plans alike; its ratio is even's seconds / the other's
         blocks: dict[str, list[float]] = {name: [] for name in names}
+        block_cores: list[dict] = []
         per_step: dict[str, dict[str, list[float]]] = {name: {"wall_s": [], "cpu_s": []} for name in names}
         reps: list[dict[str, float]] = []
         for rep in range(cfg["reps"]):
@@ -218,7 +228,7 @@ def worker(cfg: dict) -> dict:
                            "wait_s": [waits.get(s.step, 0.0) for s in steps], **per_step[name]}
         from adaptdist.runtime.worker import program_transports
 
-        return {"times": times, "blocks": blocks, "reps": reps, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+        return {"times": times, "blocks": blocks, "reps": reps, "block_cores": block_cores, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
                 "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
                 "affinity": sorted(os.sched_getaffinity(0)), "process_cpu_s": time.process_time()}
     finally:
@@ -260,6 +270,25 @@ def _proc_stat_cpu() -> dict[str, list[int]]:
                 for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("cpu")}
     except (OSError, ValueError):
         return {}
+
+
+def _others_share(res: dict, n_plans: int) -> list[dict[str, float]]:
+    """Per repetition (4 blocks of each of ``n_plans`` plans), per core: (core busy seconds - our ranks' CPU
+    seconds on it) / wall seconds, from each block's /proc/stat reads and each rank's CPU time."""
+    per_rep = 2 * n_plans
+    n_blocks = len(res[0]["block_cores"])
+    out = []
+    for start in range(0, n_blocks, per_rep):
+        idx = range(start, min(start + per_rep, n_blocks))
+        wall = sum(res[0]["block_cores"][i]["wall_s"] for i in idx)
+        share = {}
+        for core in res[0]["block_cores"][start]["busy_s"]:
+            busy = sum(res[0]["block_cores"][i]["busy_s"][core] for i in idx)
+            ours = sum(res[r]["block_cores"][i]["cpu_s"] / len(res[r]["affinity"])
+                       for r in range(3) for c in res[r]["affinity"] if f"cpu{c}" == core for i in idx)
+            share[core] = round((busy - ours) / wall, 3)
+        out.append(share)
+    return out
 
 
 def _ratio_noise(per_rank: list[list[float]]) -> dict:
@@ -452,6 +481,8 @@ def main() -> int:
         "per_rank_wall_cv": {k: [round(statistics.pstdev(res[r]["split"][k]["wall_s"])
                                        / statistics.mean(res[r]["split"][k]["wall_s"]), 3) for r in range(3)]
                              for k in names},
+        # per repetition: the share of each core that went to anything but our ranks (other processes, the kernel)
+        "repetitions_others_share": _others_share(res, len(names)),
         # per step of the repetitions: the lone rank's compute / the mean of the two sharing core 0 (median, and
         # its coefficient of variation beside each rank's own): how much of the step-to-step noise all ranks share
         "per_step_compute_ratio": {k: _ratio_noise([res[r]["split"][k]["compute_s"] for r in range(3)]) for k in names},
@@ -480,6 +511,7 @@ def main() -> int:
         print(f"interleaved repetitions (A B B A, back to back), even / {k}: {v}: {sum(x >= 1.25 for x in v)} of "
               f"{len(v)} >= 1.25, median {statistics.median(v):.3f}x; predicted "
               f"{preds['even'].step_s / preds[k].step_s:.3f}x")
+    print(f"per repetition, the share of each core used by others: {out['repetitions_others_share']}")
     print(f"per step, lone rank's compute / the core-0 ranks' mean: {out['per_step_compute_ratio']}")
     print(f"CPU share per rank (cpu / wall per step): {out['per_rank_cpu_share']}; /proc/stat over the run: "
           f"{out['proc_stat_run']}")
