@@ -7,15 +7,18 @@ runs), so the planner sees rank 2 at about twice the FLOP/s of the others. The m
 wide-batch MLP (``WideBatchMLP``: 6 x Linear(256, 256) + ReLU, 395k parameters, 1.5 MiB of gradients; 4096 rows of
 256 features per step; MSE loss; SGD), about 9.7 GFLOP per step against one 1.5 MiB all_reduce.
 
-Two program sets of the same plan (dp on 3 ranks) are compiled: ``even`` (torch.chunk: 1366/1365/1365 rows)
-and ``hetero`` (``place_on_devices``: rows by each device's measured speed, about 1024/1024/2048), and run in
-ONE process group, interleaved (blocks of steps alternate, A B then B A), so both see the same machine load.
-Per step, the time is rank 0's wall time between two barriers (the slowest rank sets it). Reported: the median
-step time of each, their ratio (target >= 1.25; ideal 4/3), the predicted step time of each (the cost model on
-the measured cluster), and the gradient all_reduce's time alone, measured, against the step.
+Two program sets of the same plan (dp on 3 ranks) are compiled: ``even`` (torch.chunk: 1366/1366/1364 rows)
+and ``hetero`` (``place_on_devices``: rows by each device's measured speed, about 1024/1024/2048), and a third,
+``adaptive``: hetero re-balanced in the run (``adaptdist.runtime.rebalance``, what ``train`` does). They run in
+ONE process group. The target's figure: ``--reps`` interleaved repetitions, each blocks A B B A (then B A A B) of
+``--steps`` steps of each plan back to back (no barrier per step, as a training loop), one ratio per repetition
+(even's seconds / the plan's). Beside it: barrier-timed steps (rank 0's wall time between two barriers), the
+predicted step time of each plan (the cost model on the measured cluster), per rank and step its compute (step
+minus waits on collectives), waits and CPU / wall (are the two ranks on core 0 given equal halves?), per core and
+per repetition the share other processes took (/proc/stat minus our ranks' CPU), and the all_reduce alone.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_hetero.py [--rows 4096] [--width 256] [--layers 6]
-        [--steps 12] [--reps 3] [--quick-profile]
+        [--steps 16] [--reps 5] [--barrier-reps 1] [--measure-steps 10] [--quick-profile]
 """
 
 from __future__ import annotations
