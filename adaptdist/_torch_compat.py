@@ -1017,6 +1017,40 @@ def fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+# -- torch's elastic launcher ------------------------------------------------------------------------------------
+# LaunchConfig and torchrun are public, but the agent's SIGTERM -> SIGKILL grace (``shutdown_timeout``, torchrun's
+# ``--shutdown-timeout``) is newer than torch 2.11 (the GPU machine of benchmarks/device_check.sh), whose agent
+# waits a fixed 30 s (``PContext.close(death_sig, timeout=30)``).
+
+
+def elastic_shutdown_timeout_supported() -> bool:
+    """Whether this torch's elastic agent takes a shutdown grace (``LaunchConfig.shutdown_timeout``, torchrun's
+    ``--shutdown-timeout``); False on torch 2.11, whose agent waits a fixed 30 s before SIGKILL."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig))
+
+
+def elastic_launch_config(shutdown_timeout_s: float, **fields: Any) -> Any:
+    """torch's ``LaunchConfig(**fields)`` with the agent's SIGTERM -> SIGKILL grace set to ``shutdown_timeout_s``
+    (whole seconds, at least 1) where this torch takes one; where not (torch 2.11) the grace is torch's fixed 30 s."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if elastic_shutdown_timeout_supported():
+        fields["shutdown_timeout"] = int(max(1, round(shutdown_timeout_s)))
+    return LaunchConfig(**fields)
+
+
+def torchrun_shutdown_timeout_args(shutdown_timeout_s: float) -> list[str]:
+    """torchrun's flag setting the agent's SIGTERM -> SIGKILL grace to ``shutdown_timeout_s`` (whole seconds, at
+    least 1); empty where this torch's torchrun has no such flag (torch 2.11: a fixed 30 s)."""
+    if not elastic_shutdown_timeout_supported():
+        return []
+    return ["--shutdown-timeout", str(int(max(1, round(shutdown_timeout_s))))]
+
+
 # -- pipeline schedules (issue 15, pp-run): torch.distributed.pipelining's action lists ------------------------------
 # The schedule classes are public, but their action lists (``pipeline_order``), the ``_Action`` tuple and the
 # send/recv lowering ``_add_send_recv`` are private (torch 2.13: torch/distributed/pipelining/schedules.py).
