@@ -1,12 +1,14 @@
 """The one place adaptdist touches torch's private APIs.
 
 A torch upgrade that moves one of these should break this file only.
-Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 59 private names this
+Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 63 private names this
 file reaches, 0 missing).
 
 torch 2.11 (the GPU machine of ``benchmarks/device_check.sh``), for the names on the paths that script runs
-(``adaptdist train --plan dp`` on one rank, ``--mode async-hetero``; checked against pytorch's pull requests, the
-stored sources holding no tagged 2.11 tree; device_check_compat.py prints what that machine lacks):
+(``adaptdist train --plan dp`` on one rank, ``--mode async-hetero``, the torch.compile backend): run on PyPI's
+torch 2.11.0 (the CUDA build, on a CPU-only machine; Python 3.12) on 2026-12-04: device_check_compat.py 0 missing,
+the script's CPU dry run 0 failed steps, and the fast tests of devices, capture, the Dynamo backend, dlrm and
+async-hetero (notes/issue17_verification.md). What differs there:
 
 - ``torch.compiler._compile_session_context`` (:func:`compile_session`, every capture): added in pytorch#184614
   (May 2026), after 2.11: absent there. Fallback: set ``torch.compiler._is_compiling_flag``, what it sets.
@@ -19,8 +21,14 @@ stored sources holding no tagged 2.11 tree; device_check_compat.py prints what t
   ``flop_counter.flop_registry``/``shape_wrapper``, ``_c10d_functional.*``, ``_register_process_group``,
   ``_get_default_store``, ``redistribute_cost``, ``utils._pytree``, ``CapturedTraceback``: older than 2.9, unchanged
   in name.
-- Not on those paths, not checked by hand (the backend's eager-call guard and Dynamo hooks): ``set_code_exec_strategy``,
-  ``FrameExecStrategy``, ``innermost_backend``, ``_is_in_optimized_module``, ``_autocast_supported_devices``.
+- The elastic agent's shutdown grace (``LaunchConfig.shutdown_timeout``, torchrun's ``--shutdown-timeout``):
+  absent in 2.11 (a fixed 30 s there); :func:`elastic_launch_config` and :func:`torchrun_shutdown_timeout_args`
+  leave it out.
+- The backend's eager-call guard and Dynamo hooks (``set_code_exec_strategy``, ``FrameExecStrategy``,
+  ``innermost_backend``, ``_is_in_optimized_module``, ``_autocast_supported_devices``): resolve on 2.11, and
+  tests/test_dynamo_backend.py's one-process tests pass there.
+- DTensor on 2.11 registers 4 single-mesh-dim strategies (2.13: 1,013); the rest come from the full strategy
+  functions (584): the ILP's candidate strategies may differ (``--plan auto`` only; not on the script's paths).
 """
 
 from __future__ import annotations
@@ -1015,6 +1023,40 @@ def fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+# -- torch's elastic launcher ------------------------------------------------------------------------------------
+# LaunchConfig and torchrun are public, but the agent's SIGTERM -> SIGKILL grace (``shutdown_timeout``, torchrun's
+# ``--shutdown-timeout``) is newer than torch 2.11 (the GPU machine of benchmarks/device_check.sh), whose agent
+# waits a fixed 30 s (``PContext.close(death_sig, timeout=30)``).
+
+
+def elastic_shutdown_timeout_supported() -> bool:
+    """Whether this torch's elastic agent takes a shutdown grace (``LaunchConfig.shutdown_timeout``, torchrun's
+    ``--shutdown-timeout``); False on torch 2.11, whose agent waits a fixed 30 s before SIGKILL."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig))
+
+
+def elastic_launch_config(shutdown_timeout_s: float, **fields: Any) -> Any:
+    """torch's ``LaunchConfig(**fields)`` with the agent's SIGTERM -> SIGKILL grace set to ``shutdown_timeout_s``
+    (whole seconds, at least 1) where this torch takes one; where not (torch 2.11) the grace is torch's fixed 30 s."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if elastic_shutdown_timeout_supported():
+        fields["shutdown_timeout"] = int(max(1, round(shutdown_timeout_s)))
+    return LaunchConfig(**fields)
+
+
+def torchrun_shutdown_timeout_args(shutdown_timeout_s: float) -> list[str]:
+    """torchrun's flag setting the agent's SIGTERM -> SIGKILL grace to ``shutdown_timeout_s`` (whole seconds, at
+    least 1); empty where this torch's torchrun has no such flag (torch 2.11: a fixed 30 s)."""
+    if not elastic_shutdown_timeout_supported():
+        return []
+    return ["--shutdown-timeout", str(int(max(1, round(shutdown_timeout_s))))]
 
 
 # -- pipeline schedules (issue 15, pp-run): torch.distributed.pipelining's action lists ------------------------------

@@ -174,8 +174,9 @@ def local_cluster_file(path: Path, cpu_ranks: int, accelerator: str, cores: tupl
     return path
 
 
-def device_figures(args) -> None:
-    """``--device-figures``: GPU-only, CPU-only and heterogeneous samples/s on this machine (module docstring)."""
+def device_figures(args) -> int:
+    """``--device-figures``: GPU-only, CPU-only and heterogeneous samples/s on this machine (module docstring).
+    Returns the number of runs that failed (device_check.sh reports the step failed when any did)."""
     from adaptdist.runtime.affinity import available_cpus
 
     cores = available_cpus()
@@ -214,6 +215,10 @@ def device_figures(args) -> None:
             if other is not None:
                 print(f"heterogeneous / {label}: x{het['samples_per_s'] / other['samples_per_s']:.2f} "
                       f"(paper: x{paper}; {'a GPU' if args.device == 'cuda' else 'cpu ranks standing in: not a figure'})")
+    failed = sum(r is None for r in runs)
+    if failed:
+        print(f"{failed} of {len(runs)} runs FAILED (above)", flush=True)
+    return failed
 
 
 def predictions(args, cluster_files: list[tuple[str, str]]) -> list[dict]:
@@ -360,7 +365,8 @@ def main() -> None:
     ap.add_argument("--run-timeout-s", type=float, default=None, help="each `adaptdist train` run's time limit")
     args = ap.parse_args()
     if args.device_figures:
-        device_figures(argparse.Namespace(**{**vars(args), "optimizer": "adamw"}))
+        if device_figures(argparse.Namespace(**{**vars(args), "optimizer": "adamw"})):
+            raise SystemExit(1)
         return
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average {loadavg()}, torch "
           f"{torch.__version__}, {os.cpu_count()} cores; data {args.data or 'builtin:dlrm default'}; "

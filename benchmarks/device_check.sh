@@ -6,9 +6,10 @@
 #   bash benchmarks/device_check.sh                          # from the repository root, on the GPU machine
 #   DEVICE_CHECK_DEVICE=cpu bash benchmarks/device_check.sh  # dry run of the plumbing on a CPU-only machine
 #
-# What it needs there: python3 with its own torch (CUDA build); the wheels of adaptdist's pure-Python
-# dependencies in ./device_wheels (rich, markdown-it-py, mdurl, pygments, pyyaml, safetensors: fetched here by
-# benchmarks/fetch_device_wheels.sh, ~3 MB, carried). OR-Tools is not needed: every run here names its plan
+# What it needs there: python3 with its own torch (CUDA build); the wheels of adaptdist's dependencies in
+# ./device_wheels (rich, markdown-it-py, mdurl, pygments, pyyaml, safetensors, numpy: fetched here by
+# benchmarks/fetch_device_wheels.sh, ~20 MB, carried; torch's wheel does not bring numpy, safetensors' save_file
+# needs it). OR-Tools is not needed: every run here names its plan
 # (--plan dp, --mode async-hetero), and the planner imports OR-Tools only to solve an automatic plan.
 # adaptdist itself runs from this checkout through PYTHONPATH (no `pip install -e .`: its build backend and the
 # torch it pins for the build cannot be fetched offline). The C++ kernels (built against another torch) are
@@ -90,11 +91,11 @@ setup_venv() {
   else
     echo "no wheels in $WHEELS: using what the machine has"
   fi
-  "$VENV/bin/python" -c "import torch, yaml, safetensors, rich; print('imports ok: torch', torch.__version__)"
+  "$VENV/bin/python" -c "import torch, yaml, safetensors, rich, numpy; print('imports ok: torch', torch.__version__, '| numpy', numpy.__version__)"
 }
 step "venv (--system-site-packages) + carried wheels" 60 setup_venv
 PY=$VENV/bin/python
-if ! [ -x "$PY" ] || ! "$PY" -c "import torch, yaml, safetensors, rich" 2>/dev/null; then
+if ! [ -x "$PY" ] || ! "$PY" -c "import torch, yaml, safetensors, rich, numpy" 2>/dev/null; then
   # no venv (no ensurepip) or no pip: the wheels unpacked into a folder on PYTHONPATH (a wheel is a zip of its files)
   echo "venv unusable: unpacking the wheels into $OUTDIR/site for $BASE"
   PY=$BASE
@@ -103,7 +104,7 @@ import sys, zipfile, pathlib
 for w in sorted(pathlib.Path(sys.argv[1]).glob('*.whl')):
     zipfile.ZipFile(w).extractall(sys.argv[2])" "$WHEELS" "$OUTDIR/site"
   export PYTHONPATH=$PYTHONPATH:$OUTDIR/site
-  "$PY" -c "import torch, yaml, safetensors, rich; print('imports ok: torch', torch.__version__)" || FAILED+=("imports")
+  "$PY" -c "import torch, yaml, safetensors, rich, numpy; print('imports ok: torch', torch.__version__)" || FAILED+=("imports")
 fi
 export PY
 

@@ -27,3 +27,32 @@ def test_dtensor_strategies_without_single_dim_registry(monkeypatch):
     # mm's row-parallel strategy is there either way: out Shard(0) from (Shard(0), Replicate())
     for rows in (with_registry, without):
         assert any(out == [Shard(0)] and ins == [Shard(0), Replicate()] for out, ins in rows), rows
+
+
+def test_elastic_launch_config_sets_the_grace_where_torch_takes_one(monkeypatch):
+    import dataclasses
+
+    import torch.distributed.launcher.api as launcher_api
+
+    cfg = compat.elastic_launch_config(12.4, min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="r")
+    assert (cfg.nproc_per_node, cfg.run_id) == (2, "r")
+    if compat.elastic_shutdown_timeout_supported():  # torch 2.13
+        assert cfg.shutdown_timeout == 12
+        assert compat.torchrun_shutdown_timeout_args(0.2) == ["--shutdown-timeout", "1"]
+        from torch.distributed.run import get_args_parser
+        assert get_args_parser().parse_args(
+            [*compat.torchrun_shutdown_timeout_args(7), "-m", "x"]).shutdown_timeout == 7
+
+    # torch 2.11's LaunchConfig: the same fields less shutdown_timeout
+    @dataclasses.dataclass
+    class OldLaunchConfig:
+        min_nodes: int
+        max_nodes: int
+        nproc_per_node: int
+        run_id: str = ""
+
+    monkeypatch.setattr(launcher_api, "LaunchConfig", OldLaunchConfig)
+    assert not compat.elastic_shutdown_timeout_supported()
+    assert compat.torchrun_shutdown_timeout_args(12.4) == []
+    cfg = compat.elastic_launch_config(12.4, min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="r")
+    assert cfg == OldLaunchConfig(1, 1, 2, "r")

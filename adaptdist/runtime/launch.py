@@ -300,13 +300,13 @@ def _launch_config(min_nodes: int, max_nodes: int, nproc_per_node: int, run_id: 
                    local_addr: str, max_restarts: int, timeouts: Timeouts, monitor_interval_s: float) -> Any:
     """torch's LaunchConfig of our launches: c10d rendezvous at ``endpoint`` whose store we host ourselves
     (``is_host: False``), spawned workers, ``timeouts``' rendezvous settings and shutdown grace."""
-    from torch.distributed.launcher.api import LaunchConfig
+    from .. import _torch_compat as compat
 
-    return LaunchConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
-                        rdzv_backend="c10d", rdzv_endpoint=endpoint,
-                        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False}, max_restarts=max_restarts,
-                        monitor_interval=monitor_interval_s, start_method="spawn", local_addr=local_addr,
-                        shutdown_timeout=int(max(1, round(timeouts.shutdown_grace_s))))
+    return compat.elastic_launch_config(
+        timeouts.shutdown_grace_s, min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node,
+        run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={**timeouts.rdzv_configs(), "is_host": False}, max_restarts=max_restarts,
+        monitor_interval=monitor_interval_s, start_method="spawn", local_addr=local_addr)
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restarts: int = 0,
@@ -538,6 +538,8 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
         raise UsageError(f"nodes={nodes} must lie in {min_nodes}..{max_nodes}")
     if max_restarts < 0:
         raise UsageError(f"max_restarts must be at least 0, got {max_restarts}")
+    from .. import _torch_compat as compat
+
     timeouts.check()
     store = host_loopback_store(0, timeouts.store_s)
     endpoint = f"{LOOPBACK}:{store.port}"
@@ -547,7 +549,7 @@ def launch_elastic_local(entry_module: str, entry_args: Sequence[str], min_nodes
         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"adaptdist-{uuid.uuid4().hex[:8]}",
         "--rdzv-conf", timeouts.rdzv_conf_arg(is_host=False),
         "--max-restarts", str(max_restarts), "--monitor-interval", str(monitor_interval_s),
-        "--local-addr", LOOPBACK, "--shutdown-timeout", str(int(max(1, round(timeouts.shutdown_grace_s)))),
+        "--local-addr", LOOPBACK, *compat.torchrun_shutdown_timeout_args(timeouts.shutdown_grace_s),
         "-m", "adaptdist.runtime.script_runner", "--collective-timeout-s", str(timeouts.collective_s),
         "-m", entry_module, *entry_args,
     ]

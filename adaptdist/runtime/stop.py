@@ -11,7 +11,8 @@ Who sends what (torch 2.13's elastic agent, ``torch.distributed.launcher.api`` /
   ``SimpleElasticAgent.run`` then sends the SAME signal to every worker and waits ``shutdown_timeout`` seconds
   (``LaunchConfig.shutdown_timeout``, torchrun's ``--shutdown-timeout``, env
   ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30; :func:`adaptdist.runtime.launch.launch_local` sets it to
-  ``Timeouts.shutdown_grace_s``) before SIGKILL, then re-raises ``SignalException`` (no restart).
+  ``Timeouts.shutdown_grace_s``; torch 2.11 has no such setting and waits a fixed 30 s) before SIGKILL, then
+  re-raises ``SignalException`` (no restart).
 * Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the workers of
   ``launch_local`` get it directly AND forwarded by the agent; the flag is set either way.
 * A restart (a peer failed) or a membership change (a node joined an elastic job): the agent SIGTERMs its
