@@ -380,16 +380,25 @@ class _WeightNormedConv(torch.nn.Module):
         return self.out(torch.tanh(self.conv(x)).mean(-1))
 
 
-def test_weight_norm_trains_like_eager_under_dp_and_fsdp_refuses_naming_the_op():
+def test_weight_norm_trains_like_eager_under_dp_and_fsdp():
     """dp: ``_weight_norm_interface_backward`` is linear in its Partial gradient input (fresh-user report: HF
-    Wav2Vec2 stopped on it); fsdp shards the weight across the norm's dims, which no rule splits: a clear
-    UnsupportedOpError naming the op."""
+    Wav2Vec2 stopped on it); fsdp shards the weight on dim 0, across the norm's dims (``dim=2`` kept): the forward
+    gathers it first, as FSDP gathers any weight (this was an UnsupportedOpError naming the op). Loss, every
+    gradient shard and the SGD-updated shards equal eager's (``train_simulated``)."""
     torch.manual_seed(0)
     model, batch = _WeightNormedConv(), (torch.randn(6, 4, 5), torch.randint(0, 3, (6,)))
     targets = {str(n.target) for n in capture(model, batch, F.cross_entropy).gm.graph.nodes}
     assert "aten._weight_norm_interface_backward.default" in targets
     train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("dp"))
-    from adaptdist.errors import UnsupportedOpError
+    progs = train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))
+    assert any("Shard(0)" in repr(p) or "S(0)" in repr(p) for p in progs[0].state_placements.values())
 
-    with pytest.raises(UnsupportedOpError, match="_weight_norm_interface"):
-        train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))
+
+def test_weight_norm_sharded_on_its_kept_dim_stays_local_under_fsdp():
+    """``weight_norm(Linear, dim=0)``: fsdp's Shard(0) is the kept dim, whose slices hold whole norms (the rule's
+    local case); loss, gradient shards and SGD-updated shards equal eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 6), dim=0),
+                                torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))

@@ -401,3 +401,57 @@ def test_a_misspelt_flag_gets_its_subcommands_usage(capsys):
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert "usage: adaptdist train" in err and "adaptdist train: error: unrecognized arguments: --plna" in err, err
+
+
+@pytest.fixture
+def kernels_disabled(monkeypatch):
+    """``ADAPTDIST_KERNELS=0`` in this process (the kernels' load is cached: cleared before and after)."""
+    import adaptdist.kernels as kernels
+
+    monkeypatch.setenv("ADAPTDIST_KERNELS", "0")
+    kernels.load.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernels.load.cache_clear()
+
+
+@pytest.mark.parametrize("command", ["plan", "train", "compile"])
+def test_comm_shm_without_kernels_is_refused_before_capture_or_planning(command, capsys, tmp_path, monkeypatch,
+                                                                        kernels_disabled):
+    """Before: the model was built, captured and planned, and only the lowering refused --comm shm."""
+    import adaptdist.compiler.capture as capture_mod
+    from adaptdist.model_spec import ModelSpec
+
+    def no_work(*a, **k):
+        raise AssertionError("the model was built or captured before --comm shm was checked")
+
+    monkeypatch.setattr(ModelSpec, "build", no_work)
+    monkeypatch.setattr(capture_mod, "capture", no_work)
+    f = tmp_path / "m.py"
+    f.write_text(NONSCALAR_MODEL)
+    out = tmp_path / "out"
+    argv = {"plan": [], "train": ["--out", str(out), "--steps", "1"], "compile": ["-o", str(out)]}[command]
+    rc = main([command, f"{f}:factory", "--nproc", "2", "--comm", "shm", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and "AssertionError" not in err, err
+    assert "ShmUnavailableError" in err and "--comm shm" in err and "ADAPTDIST_KERNELS=0" in err, err
+    assert "--comm auto|gloo" in err and "unset ADAPTDIST_KERNELS" in err, err
+    assert not (out / "programs").exists() and not (out / "manifest.json").exists()
+
+
+def test_compile_model_with_comm_shm_without_kernels_refuses_before_capture(monkeypatch, kernels_disabled):
+    import torch
+
+    import adaptdist.compiler.lowering as lowering
+    from adaptdist.errors import ShmUnavailableError
+    from adaptdist.lowering_options import LoweringOptions
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured before comm='shm' was checked")
+
+    monkeypatch.setattr(lowering, "capture", no_capture)
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(ShmUnavailableError, match="comm='shm'.*ADAPTDIST_KERNELS=0"):
+        lowering.compile_model(model, (torch.randn(4, 4), torch.randint(0, 3, (4,))),
+                               torch.nn.functional.cross_entropy, 2, options=LoweringOptions(comm="shm"))

@@ -76,3 +76,52 @@ def test_a_plan_that_splits_nothing_says_so(tmp_path, capsys):
     assert main(["plan", f"{tmp_path / 'tiny.py'}:make", "--batch-size", "8", "--nproc", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "batch replicated" in out and "no split: every rank runs the whole step" in out
+
+
+def _plan_on(mesh: str, model, batch, loss_fn, comm: str = "gloo"):
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.comm_transport import cluster_for_comm
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner.search import plan_auto
+    from adaptdist.mesh import Mesh
+
+    return plan_auto(capture(model, batch, loss_fn), cluster_for_comm(local_cluster(2), comm), mesh=Mesh.parse(mesh))
+
+
+def test_a_tp_mesh_that_splits_nothing_is_priced_at_twice_dp_compute():
+    """tp=2 with no batch axis and nothing split: each rank computes the whole batch, so the predicted compute is
+    twice dp=2's (dp splits every node but the few scalar ones); the op overhead (per op, not split) is the same,
+    which is why small models show the two meshes' step times close."""
+    from adaptdist.compiler.planner.summary import split_nodes
+    from models import mlp
+
+    model, batch, loss_fn = mlp(batch_size=64)
+    dp = _plan_on("dp=2", model, batch, loss_fn)
+    tp = _plan_on("tp=2", model, batch, loss_fn)
+    assert not split_nodes(tp.plan) and split_nodes(dp.plan)
+    assert 1.99 < tp.predicted.compute_s / dp.predicted.compute_s <= 2.0
+    assert tp.predicted.overhead_s == pytest.approx(dp.predicted.overhead_s)
+
+
+def test_a_tp_mesh_that_shards_only_activations_does_not_say_no_split():
+    """builtin:dlrm (generated data) on tp=2: no parameter sharded, the batch replicated, but the dense part's
+    activations split over tp (the compute priced halved, the table gradients all-reduced). The summary used to
+    say "no split: every rank runs the whole step on the whole batch, with no communication": false here."""
+    from rich.console import Console
+
+    from adaptdist.compiler.planner.summary import print_summary, split_nodes
+    from adaptdist.model_spec import ModelSpec
+
+    import torch
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = ModelSpec.parse("builtin:dlrm").build(256, 1)
+    result = _plan_on("tp=2", model, batch, loss_fn, comm="shm")  # the default --comm auto's figures
+    assert result.plan.batch_axis is None and sum(result.predicted.communication_s.values()) > 0
+    assert all(all(repr(x) == "R" for x in p) for p in result.plan.param_placements.values())
+    assert split_nodes(result.plan)
+    console = Console(record=True, width=300)
+    print_summary(console, result)
+    out = " ".join(console.export_text().split())
+    assert "no split: every rank runs the whole step" not in out
+    assert "no parameter is sharded and the input batch is replicated, but" in out and "split their work over tp" in out

@@ -87,6 +87,19 @@ def check_out_file(path: str | None, flag: str = "--out") -> None:
     _probe_write(parent, flag, f"the directory of {flag} {str(p)!r}")
 
 
+def check_comm(args) -> None:
+    """Refuse ``--comm shm`` without adaptdist's shared-memory kernels before any capture or planning (the lowering
+    would otherwise refuse it only after planning the whole model).
+
+    Raises:
+        ShmUnavailableError: ``--comm shm`` and the kernels are unavailable (names why and what to try).
+    """
+    if getattr(args, "comm", None) == "shm":
+        from ..kernels import require
+
+        require("--comm shm")
+
+
 def lowering_options(args, cluster=None):
     """The :class:`~adaptdist.lowering_options.LoweringOptions` of a command's flags (``--bucket-mb``,
     ``--replicate-fallback``, ``--dump-graphs``, ``--comm``, ...); ``cluster`` (the ranks the programs will run on)

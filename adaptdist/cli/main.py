@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
 from ..limits import MAX_BATCH_DIM, check_batch_items
-from .common import _cluster, lowering_options
+from .common import _cluster, check_comm, lowering_options
 from .common import local_ranks, nonnegative_int, positive as _positive, prepare_out_dir, resolve_plan, seed as _seed
 from .common import bounded, check_out_file, threads as _threads
 
@@ -566,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         from .mesh_axes import check_mesh_axes
 
         check_mesh_axes(getattr(args, "mesh", None), getattr(args, "plan", None))  # before any work or --out change
+        check_comm(args)
         commands = {"train": cmd_train, "plan": cmd_plan, "cluster": cmd_cluster, "estimate": cmd_estimate,
                     "explain": cmd_explain, "compile": cmd_compile, "run": cmd_run, "launch": cmd_launch,
                     "zoo": cmd_zoo}

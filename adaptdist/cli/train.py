@@ -266,6 +266,9 @@ def cmd_train(args, defaults: dict) -> int:
     resume_src = Path(args.resume) if args.resume else None
     if resume_src is not None:
         _restored_args(args, defaults)
+        from .common import check_comm
+
+        check_comm(args)  # the run's --comm, before any capture
         if args.out == defaults.get("out"):
             args.out = str(resume_src)
     elastic = args.nproc if isinstance(args.nproc, tuple) else None

@@ -158,6 +158,9 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
     if resume:
         given_nproc = args.nproc
         _restored_args(args, defaults)
+        from .common import check_comm
+
+        check_comm(args)  # the run's --comm, before any capture
         args.nproc = given_nproc if given_nproc is not None else args.nproc
         if args.out == defaults.get("out"):
             args.out = args.resume

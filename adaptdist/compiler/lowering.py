@@ -408,7 +408,12 @@ def compile_model(model: nn.Module, batch: tuple, loss_fn: Callable, world_size:
 
     Raises:
         CaptureError, UnsupportedOpError, UsageError: see :func:`capture`, :func:`resolve_plan`, :func:`lower`.
+        ShmUnavailableError: ``options.comm == "shm"`` without the kernels, before any capture.
     """
+    if options is not None and options.comm == "shm":  # refused before capture and planning, not after them
+        from ..kernels import require
+
+        require("comm='shm' (--comm shm)" if options.front_end == "cli" else "comm='shm'")
     t0 = time.perf_counter()
     if captured is None:
         captured = capture(model, batch, loss_fn)

@@ -116,7 +116,9 @@ def require(what: str = "comm='shm'") -> None:
     """Raise :class:`ShmUnavailableError` unless the kernels are loaded; ``what`` names the request."""
     result = load()
     if not result.loaded:
+        disabled = result.path is None  # ADAPTDIST_KERNELS=0/off
+        fix = (f"unset {ENV_VAR} (or set it to 1)" if disabled else
+               "build the kernels (`pip install -e .` with cmake and a C++ compiler installed)")
         raise ShmUnavailableError(
             f"{what} needs adaptdist's C++ shared-memory kernels, which are unavailable here: {result.error}. "
-            "Use comm='auto' or comm='gloo' (--comm auto|gloo), or build the kernels (`pip install -e .` with "
-            "cmake and a C++ compiler installed).")
+            f"Use comm='auto' or comm='gloo' (--comm auto|gloo), or {fix}.")

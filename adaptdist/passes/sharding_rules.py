@@ -1901,9 +1901,37 @@ def weight_norm_backward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | N
     Partial ``grad_w`` (data parallelism's weight gradient) with the rest replicated gives Partial gradients,
     reduced with the others (HF Wav2Vec2's positional convolution). Other forms: DTensor's, else refused."""
     pw, *rest = (pl(a) for a in node.args[:4])
-    if isinstance(pw, Partial) and all(isinstance(p, Replicate) for p in rest):
-        return RuleResult((pw, pw))
+    dim = _weight_norm_kept_dim(node)
+    if dim is not None and all(isinstance(p, Shard) and p.dim == dim for p in (pw, *rest)):
+        return RuleResult((pw, pw))  # each rank's slices of the kept dim are whole norms: local
+    if isinstance(pw, Partial):
+        # linear in grad_w for fixed v, g, norms: those gathered (FSDP's gathered weight), grad_w left Partial
+        return RuleResult((pw, pw), {(i,): R for i, p in enumerate(rest, start=1) if not isinstance(p, Replicate)})
     return None
+
+
+def _weight_norm_kept_dim(node: torch.fx.Node) -> int | None:
+    """The dim ``_weight_norm_interface[_backward]`` keeps (its norm is over every other dim); None for ``dim=-1``
+    (torch's norm over every dim: ``norm_except_dim``)."""
+    dim = _arg(node, 2 if node.target == aten._weight_norm_interface.default else 4, "dim", 0)
+    return dim if isinstance(dim, int) and dim >= 0 else None
+
+
+def weight_norm_forward(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
+    """``_weight_norm_interface(v, g, dim) -> (w, norms)``, ``w = g * v / norms``, ``norms`` = the 2-norm of ``v``
+    over every dim but ``dim`` (Salimans & Kingma 2016, eq. 2): ``v`` sharded on the kept ``dim`` holds whole norms,
+    so it is local (``g`` sliced alike; outputs ``Shard(dim)``); replicated inputs give replicated outputs; ``v``
+    sharded on a normed dim (FSDP's dim 0 of a conv's ``weight_norm(dim=2)``) is gathered first, as FSDP gathers
+    every weight before its use (:func:`gather_all`)."""
+    v, g = node.args[:2]
+    pv, pg = pl(v), pl(g)
+    dim = _weight_norm_kept_dim(node)
+    if dim is not None and isinstance(pv, Shard) and pv.dim == dim and not isinstance(pg, Partial) \
+            and shape(g)[dim] == shape(v)[dim]:
+        return RuleResult((pv, pv), {} if pg == pv else {(1,): pv})
+    if isinstance(pv, Replicate) and isinstance(pg, Replicate):
+        return RuleResult((R, R))
+    return gather_all(node, pl, "its input is sharded across the norm's reduced dims")
 
 
 def diagonal_scatter_matrix(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
@@ -1913,6 +1941,7 @@ def diagonal_scatter_matrix(node: torch.fx.Node, pl: PlacementOf) -> RuleResult 
 
 # (opinfo90) these replace the earlier entries for gather/scatter*/amax/amin (which they call for the other forms)
 RULES[aten._weight_norm_interface_backward.default] = weight_norm_backward
+RULES[aten._weight_norm_interface.default] = weight_norm_forward
 RULES.update({
     aten.gather.default: index_along_shard(RULES[aten.gather.default]),
     aten.scatter.src: index_along_shard(RULES[aten.scatter.src]),

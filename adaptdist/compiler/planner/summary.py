@@ -128,9 +128,17 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                       + " (adaptdist plan shows the per-layer table)")
     if not any(any(repr(x) != "R" for x in p) for p in plan.param_placements.values()) \
             and getattr(result.candidate, "batch_axis", None) is None:
-        # a mesh named tp=2 that shards nothing reads as tensor parallelism; say what it is
-        console.print("(no split: every rank runs the whole step on the whole batch, with no communication; predicted "
-                      "faster here than any split, whose communication would cost more than the compute it saves)")
+        # a mesh named tp=2 that shards no parameter reads as tensor parallelism; say what it is
+        split = split_nodes(plan)
+        if not split:
+            console.print("(no split: every rank runs the whole step on the whole batch, with no communication; "
+                          "predicted faster here than any split, whose communication would cost more than the compute "
+                          "it saves)")
+        else:
+            console.print(f"(no parameter is sharded and the input batch is replicated, but {len(split)} of "
+                          f"{len(plan.node_strategies)} nodes split their work over {', '.join(plan.mesh)} (their "
+                          f"activations sharded, e.g. {split[0]!r}): each rank computes its share of those and the "
+                          "whole of the rest, and the collectives combine the shares; predicted so)")
     if layers:
         t = Table(title="parameter placements (per layer pattern)")
         for col in ("parameters", "placement per mesh axis", "count"):
@@ -138,6 +146,14 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
         for pattern, text, n in layer_rows(result):
             t.add_row(pattern, text, str(n))
         console.print(t)
+
+
+def split_nodes(plan: Any) -> list[str]:
+    """The nodes whose planned strategy divides their work over some mesh axis
+    (:func:`~.problem.splits`: a Shard input or output, or a Partial output), in graph order."""
+    from .problem import splits
+
+    return [n for n, sts in plan.node_strategies.items() if any(s is not None and splits(s) for s in sts)]
 
 
 def print_stage_plan(console: Any, stages: Any) -> None:
