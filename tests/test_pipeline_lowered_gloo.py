@@ -23,17 +23,22 @@ from reference import eager_sgd
 pytestmark = pytest.mark.slow  # starts ranks
 
 STEPS, LR, TOL, B = 2, 0.5, 1e-5, 8
+DEEP_LAYERS = 5
+"""Blocks of the deeper tiny GPT (a case's optional 5th field; the others have tiny_gpt's default 2)."""
 
-# world -> [(mesh or None, schedule, microbatches, clipped)]
+# world -> [(mesh or None, schedule, microbatches, clipped[, GPT blocks])]
 CASES = {2: [(None, "gpipe", 2, False), (None, "1f1b", 2, False), (None, "interleaved-1f1b", 2, False),
              (None, "zb", 4, False)],
          4: [(None, "1f1b", 4, False), ("pp=2,dp=2", "zb", 2, True), ("pp=2,dp=2", "interleaved-1f1b", 2, False),
              ("pp=2,tp=2", "1f1b", 2, True),
              # the rest of issue 15 point 3's matrix (pp, pp x dp, pp x tp on 4 ranks, each schedule) in the same
-             # launch; pp=4 interleaved-1f1b needs 8 layers (test_pipeline_executor's hand-built stages have zb/1f1b)
+             # launch
              (None, "gpipe", 4, False), ("pp=2,dp=2", "gpipe", 2, False), ("pp=2,dp=2", "1f1b", 2, False),
              ("pp=2,tp=2", "gpipe", 2, False), ("pp=2,tp=2", "interleaved-1f1b", 2, False),
-             ("pp=2,tp=2", "zb", 2, False)]}
+             ("pp=2,tp=2", "zb", 2, False),
+             # pp=4 interleaved-1f1b: 2 model chunks per rank = 8 layer groups, the tiny GPT with 5 blocks
+             # (tok_emb, pos_emb, blocks.0-4, ln_f)
+             (None, "interleaved-1f1b", 4, False, DEEP_LAYERS)]}
 
 
 def _batches():
@@ -47,8 +52,10 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
     dirs, sims = [], []
     first, _ = eager_sgd(model, batches, loss_fn, LR, 1)
     clip = 0.25 * float(torch.cat([g.reshape(-1) for g in first[0][1].values()]).norm())  # active at every step
-    norms = [clip if clipped else None for *_, clipped in CASES[world]]
-    for i, (mesh, schedule, m, _) in enumerate(CASES[world]):
+    norms = [clip if case[3] else None for case in CASES[world]]
+    models = [tiny_gpt(B, num_layers=case[4])[0] if len(case) > 4 else model for case in CASES[world]]
+    for i, (mesh, schedule, m, *_) in enumerate(CASES[world]):
+        model = models[i]
         inner = ManualPlan.parse("tp", gpt_module) if mesh and "tp" in mesh else None  # the GPT's TP_PLAN
         programs = compile_model(model, batch, loss_fn, world, inner, mesh=mesh,
                                  pipeline=PipelineOptions(
@@ -57,9 +64,10 @@ def test_lowered_pipelines_equal_eager(tmp_path, world):
         sims.append(simulate_pipeline(programs, batches[0]).loss)
         dirs.append(str(save_pipeline_programs(programs, tmp_path / f"case{i}")))
     results = launch_local(lowered_pipeline_worker, (dirs, batches, LR, STEPS, 60.0, norms), world)
-    for i, (mesh, schedule, m, _) in enumerate(CASES[world]):
+    for i, (mesh, schedule, m, *_) in enumerate(CASES[world]):
+        model = models[i]
         history, final = eager_sgd(model, batches, loss_fn, LR, STEPS, max_grad_norm=norms[i])
-        what = f"{mesh or f'pp={world}'} {schedule} m={m}{f' clipped to {norms[i]:.4f}' if norms[i] else ''}"
+        what = f"{mesh or f'pp={world}'} {schedule} m={m} ({len({f.split('.')[1] for f in final if f.startswith('blocks.')})} blocks){f' clipped to {norms[i]:.4f}' if norms[i] else ''}"
         assert float(sims[i]) == pytest.approx(history[0][0], abs=TOL), what
         held: dict[str, list[int]] = {}
         for r in range(world):

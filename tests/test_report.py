@@ -149,3 +149,62 @@ def test_no_sections_for_a_plan_without_pipeline_or_devices():
     assert pipeline_view(plan, 2) is None and rank_mapping_view(plan, ["a", "b"]) is None
     page = _render(plan, pipeline=None, rank_mapping=None)
     assert "Pipeline stages" not in page and "Rank mapping" not in page
+
+
+def test_a_pipeline_report_has_its_collectives_time_memory_per_rank_and_stages_in_the_placements():
+    """Real pp=2,tp=2 programs of the tiny GPT (the model file's TP_PLAN in the stages): the tp all-reduces of each
+    stage program once per microbatch, the activations and gradients sent between stages with their bytes, the
+    tied embedding's gradient sync; the placements' pp column names the stage (not R)."""
+    import adaptdist.models.gpt as gpt_module
+    import torch
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.pipeline_lowering import PipelineOptions
+    from adaptdist.compiler.pipeline_report import pipeline_comm_rows, pipeline_rank_rows, stage_holders
+    from models import tiny_gpt
+
+    model, batch, loss_fn = tiny_gpt(8)
+    m = 2
+    programs = compile_model(model, batch, loss_fn, 4, ManualPlan.parse("tp", gpt_module), mesh="pp=2,tp=2",
+                             pipeline=PipelineOptions(microbatches=m, schedule="1f1b"))
+    act = (8 // m) * 8 * 32 * 4  # a microbatch's hidden states: rows x seq x dim float32
+    rows = {r: pipeline_comm_rows(p) for r, p in programs.items()}
+    r0 = {(x.kind, x.peer, x.what): x for x in rows[0]}
+    assert r0[("send", "rank 2", "stage 0 activations")].n_bytes == m * act
+    assert r0[("recv", "rank 2", "stage 0 gradients in")].n_bytes == m * act
+    tp = r0[("all_reduce", "adaptdist:tp", "stage 0 forward")]
+    assert tp.count % m == 0 and tp.count >= m and tp.n_bytes == tp.count * act  # Megatron's row-parallel outputs
+    emb = programs[0].state["tok_emb.weight"]
+    assert r0[("all_reduce", "ranks 0, 2", "gradient sync")].n_bytes == emb.numel() * 4  # tied: stages 0 and 1
+    r2 = {(x.kind, x.peer, x.what) for x in rows[2]}
+    assert ("recv", "rank 0", "stage 1 activations in") in r2 and ("send", "rank 0", "stage 1 gradients") in r2
+    holders = stage_holders(programs)
+    assert holders["tok_emb.weight"] == (0, 1) and holders["blocks.0.fc.weight"] == (0,)
+    assert holders["blocks.1.fc.weight"] == (1,)
+    ranks = pipeline_rank_rows(programs, "adamw")
+    assert [x.stages for x in ranks] == [(0,), (0,), (1,), (1,)]
+    assert ranks[0].params_bytes == sum(t.numel() * t.element_size() for t in programs[0].state.values())
+    assert ranks[0].optimizer_bytes == 2 * ranks[0].grads_bytes > 0  # adamw: two moments
+    plan = programs[0].plan
+    page = render_report(title="t", manifest=MANIFEST, plan=plan, fqns=list(holders), hosts=["h"] * 4, estimate=None,
+                         param_fqns=list(dict.fromkeys(f for p in programs.values() for f in p.param_fqns)),
+                         pipeline=pipeline_view(plan, 4), pipeline_comm=rows, pipeline_ranks=ranks,
+                         stage_holders=holders)
+    h2 = _structure(page)
+    assert h2 == ["Mesh", "Pipeline stages", "Parameter placements per layer", "Predicted time and memory per rank",
+                  "Collectives per step", "Files"]
+    table = page[page.index("<th>parameters</th>"):]
+    assert "<tr><td>blocks.*.fc.weight</td><td>stage 0</td><td>S(0)</td>" in table
+    assert "<tr><td>tok_emb.weight</td><td>stages 0,1</td>" in table
+    assert not re.search(r"<tr><td>[^<]*</td><td>R</td>", table[:table.index("</table>")])  # no R on pp
+    coll = page[page.index("<h2>Collectives per step"):page.index("<h2>Files")]
+    assert f"<td>{m * act / 2**20:.3f}</td>" in coll and "adaptdist:tp" in coll and "gradient sync" in coll
+    # the arithmetic of busy time: m x (F + B + W) + gradient sync of the rank's stage
+    spec = NS(predicted_s={"step": 0.010}, stages_per_rank=1,
+              stages=[NS(predicted_s={"forward": 1e-3, "backward": 2e-3, "weight": 1e-3, "grad_sync": 5e-4})])
+    fake = {0: NS(plan=NS(pipeline=spec), stages=[NS(stage=0)], num_microbatches=2,
+                  state={"w": torch.zeros(4)}, param_fqns=("w",))}
+    (row,) = pipeline_rank_rows(fake, "sgd")
+    assert row.busy_s == 2 * 4e-3 + 5e-4 and row.step_s == 0.010 and row.grads_bytes == 16
+    assert "<td>1.500</td>" in render_report(title="t", manifest=MANIFEST, plan=_plan(), fqns=["w"], hosts=["h", "h"],
+                                             estimate=None, pipeline_ranks=(row,))  # idle 10 - 8.5 ms

@@ -222,6 +222,7 @@ def _pipeline_report(d: Path, programs: dict, spec: Any, cluster: Any, phases: d
     one step), listed in the manifest with its digest."""
     from ..program import _sha256
     from ..runtime.trace_view import pipeline_actions
+    from .pipeline_report import pipeline_comm_rows, pipeline_rank_rows, stage_holders
     from .report import pipeline_view, rank_mapping_view
 
     manifest = json.loads((d / "manifest.json").read_text())
@@ -241,7 +242,10 @@ def _pipeline_report(d: Path, programs: dict, spec: Any, cluster: Any, phases: d
     report = render_report(title=f"adaptdist compile {spec.text}", manifest=manifest, plan=plan, fqns=fqns,
                            hosts=hosts, estimate=None, planner_summary="", phases_s=phases, param_fqns=params,
                            planner_prediction=None, pipeline=view,
-                           rank_mapping=rank_mapping_view(plan, device_names), state_placements=placements)
+                           rank_mapping=rank_mapping_view(plan, device_names), state_placements=placements,
+                           pipeline_comm={r: pipeline_comm_rows(p) for r, p in programs.items()},
+                           pipeline_ranks=pipeline_rank_rows(programs, manifest.get("optimizer", "adamw")),
+                           stage_holders=stage_holders(programs))
     (d / "report.html").write_text(report)
     manifest["files"]["report.html"] = _sha256(d / "report.html")
     (d / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))

@@ -7,7 +7,9 @@ of their own), the predicted step time and memory per rank (the cost model's
 (the planner's ILP objective and the cost model on the lowered programs) side by side with what each
 includes, the collectives per step, and, when the plan has them, its pipeline stages
 (:class:`PipelineView`, :func:`pipeline_view`) and its rank-to-device mapping (:class:`RankMappingView`,
-:func:`rank_mapping_view`). Pictures are matplotlib SVG, inlined.
+:func:`rank_mapping_view`); a pipeline plan's collectives and sends per step, predicted time and state per rank
+(:mod:`.pipeline_report`, the cost model's estimate not covering pipelines) and, in the placements, the stage
+holding each parameter on the ``pp`` axis. Pictures are matplotlib SVG, inlined.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def placement_rows(param_placements: Mapping[str, list[str]], fqns: list[str], m
 
 
 def placement_figure(rows: list[tuple[str, list[str], int]], mesh: Mapping[str, int]) -> str:
-    """Rows = parameter patterns, columns = mesh axes; colour = replicated or the sharded dim."""
+    """Rows = parameter patterns, columns = mesh axes; colour = replicated, the sharded dim, or (the ``pp`` axis of
+    a pipeline) the stage holding it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +88,7 @@ def placement_figure(rows: list[tuple[str, list[str], int]], mesh: Mapping[str, 
     fig, ax = plt.subplots(figsize=(2.0 + 1.2 * len(mesh), 0.6 + 0.22 * len(shown)))
     for i, (_, pls, _) in enumerate(shown):
         for j, p in enumerate(pls):
-            c = colours[kinds.index(p)] if p in kinds else "#b07aa1"
+            c = colours[kinds.index(p)] if p in kinds else ("#f1ce63" if p.startswith("stage") else "#b07aa1")
             ax.add_patch(plt.Rectangle((j, -i - 1), 0.95, 0.9, color=c))
             ax.text(j + 0.47, -i - 0.55, p, ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(mesh))
@@ -231,6 +234,72 @@ def collectives_section(estimate: Any | None) -> str:
                      f"<td>{e(str(c.tier))}{'' if c.calibrated else ' (default figures)'}</td></tr>")
     parts.append("</table></details>")
     return "".join(parts)
+
+
+def pipeline_comm_section(comm: Mapping[int, Sequence[Any]] | None) -> str:
+    """A pipeline plan's "Collectives per step": per rank (ranks with identical rows merged) each stage program's
+    collectives, the sends and receives between stages and the gradient sync, with counts and MiB per step
+    (:func:`adaptdist.compiler.pipeline_report.pipeline_comm_rows`). Empty for None or nothing."""
+    if not comm or not any(comm.values()):
+        return ""
+    e = html.escape
+    merged: dict[tuple, list[int]] = {}
+    for r, rows in sorted(comm.items()):
+        merged.setdefault(tuple(rows), []).append(r)
+    parts = ["<h2>Collectives per step</h2><p>From the pipeline programs: each stage program's collectives (run "
+             "once per microbatch), the activations and gradients sent between stages, and the gradient all-reduce "
+             "over the ranks holding the same parameter (once per step).</p><table><tr><th>ranks</th><th>"
+             "communication</th><th>group or peer</th><th>what</th><th>count</th><th>MiB per step</th></tr>"]
+    for rows, ranks in merged.items():
+        for x in rows:
+            parts.append(f"<tr><td>{_rank_ranges(ranks)}</td><td>{e(x.kind)}</td><td>{e(x.peer)}</td>"
+                         f"<td>{e(x.what)}</td><td>{x.count}</td><td>{x.n_bytes / 2**20:.3f}</td></tr>")
+    parts.append("</table>")
+    return "".join(parts)
+
+
+def pipeline_ranks_section(rows: Sequence[Any] | None) -> str:
+    """A pipeline plan's "Predicted time and memory per rank" (:func:`adaptdist.compiler.pipeline_report.
+    pipeline_rank_rows`): each rank's stages, the planner's busy time and step (the rest idle: the bubble), and
+    the state it holds. Empty for None."""
+    if not rows:
+        return ""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1e3 * v:.3f}"
+
+    mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
+    parts = ["<h2>Predicted time and memory per rank</h2><p>The planner's per-stage times (forward, backward and "
+             "weight gradient of every microbatch, plus the gradient sync) and its predicted step: the difference "
+             "is the rank's idle time in the schedule. Memory: the state each rank holds (its stages' parameters, "
+             "their gradients, the optimizer's state); the activations kept for the microbatches in flight come "
+             "on top.</p><table><tr><th>rank</th><th>stages</th><th>busy ms</th><th>step ms</th><th>idle ms</th>"
+             "<th>parameters MiB</th><th>gradients MiB</th><th>optimizer MiB</th><th>state MiB</th></tr>"]
+    for x in rows:
+        idle = None if x.busy_s is None or x.step_s is None else max(0.0, x.step_s - x.busy_s)
+        parts.append(f"<tr><td>{x.rank}</td><td>{', '.join(map(str, x.stages))}</td><td>{ms(x.busy_s)}</td>"
+                     f"<td>{ms(x.step_s)}</td><td>{ms(idle)}</td><td>{mib(x.params_bytes)}</td>"
+                     f"<td>{mib(x.grads_bytes)}</td><td>{mib(x.optimizer_bytes)}</td><td>{mib(x.state_bytes)}</td>"
+                     "</tr>")
+    parts.append("</table>")
+    return "".join(parts)
+
+
+def _with_stages(texts: Mapping[str, list[str]], fqns: Sequence[str], mesh: Mapping[str, int],
+                 holders: Mapping[str, Sequence[int]] | None, axis: str = "pp") -> dict[str, list[str]]:
+    """Placement texts with the pipeline axis's entry the stage(s) holding the tensor (``stage 0``, ``stages 0,3``
+    for a tied weight): a pipeline does not replicate a parameter over ``pp``, one stage holds it."""
+    if not holders or axis not in mesh:
+        return dict(texts)
+    j = list(mesh).index(axis)
+    out = dict(texts)
+    for f in fqns:
+        pls = list(texts.get(f, ["R"] * len(mesh)))
+        st = holders.get(f)
+        if st:
+            pls[j] = f"stage{'s' if len(st) > 1 else ''} {','.join(map(str, st))}"
+        out[f] = pls
+    return out
 
 
 @dataclass(frozen=True)
@@ -412,7 +481,9 @@ def render_report(*, title: str, manifest: Mapping[str, Any], plan: Any, fqns: l
                   estimate: Any | None, planner_summary: str = "", phases_s: Mapping[str, float] | None = None,
                   param_fqns: Sequence[str] | None = None, planner_prediction: Any | None = None,
                   pipeline: PipelineView | None = None, rank_mapping: RankMappingView | None = None,
-                  state_placements: Mapping[str, Sequence[str]] | None = None) -> str:
+                  state_placements: Mapping[str, Sequence[str]] | None = None,
+                  pipeline_comm: Mapping[int, Sequence[Any]] | None = None, pipeline_ranks: Sequence[Any] | None = None,
+                  stage_holders: Mapping[str, Sequence[int]] | None = None) -> str:
     """The HTML text of ``report.html`` (module docstring).
 
     Args:
@@ -423,11 +494,16 @@ def render_report(*, title: str, manifest: Mapping[str, Any], plan: Any, fqns: l
         pipeline, rank_mapping: the sections of a pipeline plan and of a rank-to-device mapping (None: no section).
         state_placements: placement texts per mesh axis of sharded state (``RankProgram.state_placements``), for
             the buffers' table (a buffer absent from it and from the plan is replicated).
+        pipeline_comm, pipeline_ranks: a pipeline plan's collectives and sends per step by rank, and its
+            per-rank predicted time and state (:mod:`adaptdist.compiler.pipeline_report`; the cost model's
+            ``estimate`` does not cover pipelines).
+        stage_holders: fqn -> the stages holding it: the placements' ``pp`` column names the stage.
     """
     mesh = dict(plan.mesh)
     placed = plan.lowered.param_placements if plan.lowered is not None else plan.param_placements  # as lowered
     params, others = param_and_buffer_fqns(fqns, param_fqns)
-    rows = placement_rows({f: [repr(p) for p in pls] for f, pls in placed.items()}, params, mesh)
+    rows = placement_rows(_with_stages({f: [repr(p) for p in pls] for f, pls in placed.items()}, params, mesh,
+                                       stage_holders), params, mesh)
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>",
              "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}table{border-collapse:collapse}"
@@ -452,7 +528,7 @@ def render_report(*, title: str, manifest: Mapping[str, Any], plan: Any, fqns: l
     if others:
         texts = {f: [repr(p) for p in pls] for f, pls in placed.items()}
         texts.update({f: list(pls) for f, pls in (state_placements or {}).items()})
-        brows = placement_rows(texts, others, mesh)
+        brows = placement_rows(_with_stages(texts, others, mesh, stage_holders), others, mesh)
         parts.append("<h3>Buffers and frozen parameters (state, not trained)</h3><table><tr><th>state</th>"
                      + "".join(f"<th>{e(a)}</th>" for a in mesh) + "<th>count</th></tr>"
                      + "".join(f"<tr><td>{e(p)}</td>" + "".join(f"<td>{e(x)}</td>" for x in pls) + f"<td>{n}</td></tr>"
@@ -466,8 +542,10 @@ def render_report(*, title: str, manifest: Mapping[str, Any], plan: Any, fqns: l
                          f"<td>{1e3 * float(x.communication_s):.3f}</td><td>{1e3 * float(x.idle_s):.3f}</td>"
                          f"<td>{float(x.memory.peak_bytes) / 2**20:.2f}</td></tr>"
                          for r, x in sorted(estimate.ranks.items())) + "</table>")
+    parts.append(pipeline_ranks_section(pipeline_ranks))
     parts.append(predictions_table(planner_prediction, estimate))
     parts.append(collectives_section(estimate))
+    parts.append(pipeline_comm_section(pipeline_comm))
     parts.append("<h2>Files</h2><table><tr><th>file</th><th>sha256</th></tr>" + "".join(
         f"<tr><td>{e(f)}</td><td><code>{h[:16]}…</code></td></tr>" for f, h in sorted(manifest.get("files", {}).items()))
         + "</table><p>Artifacts are code: the hashes catch corruption and mix-ups, not a malicious author; run "

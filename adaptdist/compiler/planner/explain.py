@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from ...errors import UsageError
 from .search import PlannerResult
@@ -84,9 +85,14 @@ def explain(result: PlannerResult, name: str) -> list[AxisExplanation]:
     Raises:
         UsageError: ``name`` is neither a node nor a parameter of the planned graph (with close matches).
     """
-    node = find_node(result.graph, name)
+    return explain_axes(result.axes, find_node(result.graph, name))
+
+
+def explain_axes(axes: Mapping[str, Any], node: str) -> list[AxisExplanation]:
+    """:func:`explain` on ILP solutions ``axes`` (mesh axis -> :class:`~.search.AxisSolution`: the whole graph's,
+    or one pipeline stage's intra-stage ILP) for planning-graph node ``node``; axes without it are left out."""
     out = []
-    for axis, sol in result.axes.items():
+    for axis, sol in axes.items():
         prob = sol.problem
         if node not in prob.var_of:
             continue

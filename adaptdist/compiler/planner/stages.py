@@ -515,15 +515,32 @@ class StageCoster:
         return StageEstimate(roof / k, fr, overhead, of, sync, self._state_bytes(sub), acts / k, (("dp", k),), "dp",
                              "analytic")
 
+    def solve_on(self, sub: PlanningGraph, c: Any, cl: SubCluster) -> tuple | None:
+        """The intra-stage ILP of ``sub`` on mesh candidate ``c`` over ``cl``: :func:`.search.solve_candidate`'s
+        ``(evaluation, axis solutions, chosen strategies)``, or None where it has no solution. Within the device's
+        memory with the whole batch's activations (more than any schedule keeps), so the ILP shards state where
+        memory is tight; where even that does not fit, without the limit (the DP checks the stage's memory with
+        the schedule's in-flight activations). ``adaptdist explain`` re-solves a chosen stage with it."""
+        from .ilp import Infeasible
+        from .problem import Constraints
+        from .search import solve_candidate
+
+        device_bytes = float(min(cl.device(i).memory_bytes for i in range(cl.world_size)))
+        for capacity in (device_bytes, 1e6 * device_bytes):
+            try:
+                return solve_candidate(sub, c, cl, Constraints(), self.state_copies, capacity, self.strategy_cache,
+                                       self.time_limit_s)
+            except Infeasible:
+                continue
+        return None
+
     def _ilp(self, sub: PlanningGraph, fr, of, ranks: tuple[int, ...], acts: float, first: int = 0,
              end: int = 0) -> StageEstimate | None:
-        from .ilp import Infeasible
-        from .problem import Constraints, _out, factors, reshard_time_s, GRADIENT_BUCKETS, OtherAxis
-        from .search import _axis_order, mesh_candidates, solve_candidate
+        from .problem import _out, factors, reshard_time_s, GRADIENT_BUCKETS, OtherAxis
+        from .search import _axis_order, mesh_candidates
         from ...placement import Shard
 
         cl = SubCluster(self.cluster, ranks)
-        device_bytes = float(min(cl.device(i).memory_bytes for i in range(len(ranks))))
         best = None
         shapes = [self.mesh] if self.mesh is not None else mesh_candidates(len(ranks), sub.batch_size)
         if self.dp_only:
@@ -534,18 +551,10 @@ class StageCoster:
         for c in shapes:
             if c.mesh.world_size != len(ranks):
                 return None
-            # within the device's memory with the whole batch's activations (more than any schedule keeps), so
-            # the ILP shards state where memory is tight; where even that does not fit, without the limit (the
-            # DP checks the stage's memory with the schedule's in-flight activations)
-            for capacity in (device_bytes, 1e6 * device_bytes):
-                try:
-                    ev, sols, chosen = solve_candidate(sub, c, cl, Constraints(), self.state_copies, capacity,
-                                                       self.strategy_cache, self.time_limit_s)
-                    break
-                except Infeasible:
-                    continue
-            else:
+            solved = self.solve_on(sub, c, cl)
+            if solved is None:
                 continue
+            ev, sols, chosen = solved
             axes = _axis_order(c)
             sync = 0.0
             for a in axes:
