@@ -84,7 +84,9 @@ peer needs. On a host busier than its cores (``init_group(comm_thread=)``; by de
 average is at least the number of cores, or the group has more ranks than cores), each call runs on a thread of
 the group's own while the calling thread sleeps, as gloo runs its collectives on a worker thread. There the
 waiting thread is not the one that just computed, and a tensor-parallel step with 22 all_reduces went from 0.55x
-to 1.6x gloo's speed (benchmarks/RESULTS.md). Errors raised on that thread are re-raised to the caller unchanged.
+to 1.6x gloo's speed (benchmarks/RESULTS.md). Blocking calls whose input is at most 32 KiB (one barrier) run on
+the calling thread while that thread has nothing queued: a hand-over costs two thread wake-ups, far more than
+such a call. Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
 ranks, touched as used), a header, and one 64 MiB output region per rank (virtual: pages are allocated as
