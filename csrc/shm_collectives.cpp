@@ -623,53 +623,6 @@ static inline void store32(const Dests& d, size_t at, __m128i v0, __m128i v1) {
   }
 }
 
-// The loop below for a fixed source count NS and ND destinations that all take non-temporal stores (a large
-// all_reduce whose outputs are the ranks' shared regions: 2 ranks 2 x 2, 4 ranks 4 x 4): sources and destinations
-// in registers, no per-destination branch. Same operations in the same order as the generic loop.
-template <RedOp OP, int NS, int ND>
-static int64_t reduce_f32_nt_fixed(const float* const* srcs, int64_t i, int64_t len, const Dests& d) {
-  const float* s[NS];
-  for (int r = 0; r < NS; ++r) s[r] = srcs[r];
-  char* p[ND];
-  for (int k = 0; k < ND; ++k) p[k] = d.p[k];
-  const __m128 nv = _mm_set1_ps(float(NS));
-  for (; i + 16 <= len; i += 16) {
-    __m128 a0 = _mm_loadu_ps(s[0] + i), a1 = _mm_loadu_ps(s[0] + i + 4), a2 = _mm_loadu_ps(s[0] + i + 8),
-           a3 = _mm_loadu_ps(s[0] + i + 12);
-    for (int r = 1; r < NS; ++r) {
-      a0 = red4<OP>(a0, _mm_loadu_ps(s[r] + i));
-      a1 = red4<OP>(a1, _mm_loadu_ps(s[r] + i + 4));
-      a2 = red4<OP>(a2, _mm_loadu_ps(s[r] + i + 8));
-      a3 = red4<OP>(a3, _mm_loadu_ps(s[r] + i + 12));
-    }
-    if constexpr (OP == RedOp::Avg) {
-      a0 = _mm_div_ps(a0, nv);
-      a1 = _mm_div_ps(a1, nv);
-      a2 = _mm_div_ps(a2, nv);
-      a3 = _mm_div_ps(a3, nv);
-    }
-    for (int k = 0; k < ND; ++k) {
-      float* o = reinterpret_cast<float*>(p[k]) + i;
-      _mm_stream_ps(o, a0);
-      _mm_stream_ps(o + 4, a1);
-      _mm_stream_ps(o + 8, a2);
-      _mm_stream_ps(o + 12, a3);
-    }
-  }
-  return i;
-}
-
-template <RedOp OP, int NS>
-static int64_t reduce_f32_nt_nd(const float* const* srcs, int64_t i, int64_t len, const Dests& d) {
-  switch (d.k) {
-    case 1: return reduce_f32_nt_fixed<OP, NS, 1>(srcs, i, len, d);
-    case 2: return reduce_f32_nt_fixed<OP, NS, 2>(srcs, i, len, d);
-    case 3: return reduce_f32_nt_fixed<OP, NS, 3>(srcs, i, len, d);
-    case 4: return reduce_f32_nt_fixed<OP, NS, 4>(srcs, i, len, d);
-    default: return i;
-  }
-}
-
 template <RedOp OP>
 static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, Dests d) {
   const int f = d.first_nt();
@@ -677,10 +630,6 @@ static void reduce_f32_sse2(const float* const* srcs, int n, int64_t len, Dests 
   if (f >= 0)  // non-temporal stores need 16-byte alignment
     for (; i < len && (reinterpret_cast<uintptr_t>(d.p[f] + i * 4) & 15) != 0; ++i)
       reduce_scalar(srcs, n, i, d, OP);
-  bool all_nt = f >= 0;
-  for (int k = 0; k < d.k; ++k) all_nt = all_nt && d.nt[k];
-  if (all_nt && n == 2) i = reduce_f32_nt_nd<OP, 2>(srcs, i, len, d);
-  if (all_nt && n == 4) i = reduce_f32_nt_nd<OP, 4>(srcs, i, len, d);
   const __m128 nv = _mm_set1_ps(float(n));
   for (; i + 16 <= len; i += 16) {
     const float* s0 = srcs[0] + i;
