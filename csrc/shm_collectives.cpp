@@ -228,6 +228,7 @@ struct CommThread {
     std::mutex m;
     std::condition_variable cv;
     std::deque<std::function<void()>> jobs;
+    int unfinished = 0;  // jobs queued or running
     bool stop = false;
   };
   std::shared_ptr<State> st = std::make_shared<State>();
@@ -244,6 +245,7 @@ struct CommThread {
       j();
       j = nullptr;  // release what the job held (tensors) before sleeping
       l.lock();
+      --s->unfinished;
     }
   }
   // Queue f (it must not throw: callers catch into their Pending).
@@ -251,8 +253,14 @@ struct CommThread {
     {
       std::lock_guard<std::mutex> l(st->m);
       st->jobs.push_back(std::move(f));
+      ++st->unfinished;
     }
     st->cv.notify_one();
+  }
+  // No job queued or running: a collective run on the calling thread now keeps the program's order.
+  bool idle() {
+    std::lock_guard<std::mutex> l(st->m);
+    return st->unfinished == 0;
   }
   // Run f on the thread, after every job queued before it, and wait for it.
   void run(std::function<void()> f) {
@@ -1375,9 +1383,16 @@ static void group_set_comm_thread(c10::string_view group_name, bool on) {
   old.reset();  // outside the group's lock: the thread first runs the jobs queued (they take that lock)
 }
 
+// Blocking collectives whose input has at most this many bytes run on the calling thread when the comm thread
+// is idle: such a call is one barrier (all_reduce's one-barrier path is <= 32 KiB), and handing it over costs two
+// thread wake-ups (the comm thread's, then the caller's), which measured 100+ us on this 2-core host against a
+// 4 KiB all_reduce's 5-20 us (benchmarks/RESULTS.md, 2026-12-04). Larger and started collectives still go to it.
+constexpr size_t kInlineBytes = size_t(32) << 10;
+
 // A CPU kernel's entry: f() on the group's comm thread when it has one, else here; its exception rethrown here.
+// input_bytes: the collective's input size (small ones may run here, see kInlineBytes).
 template <class F>
-static at::Tensor on_comm_thread(c10::string_view group_name, F f) {
+static at::Tensor on_comm_thread(c10::string_view group_name, F f, size_t input_bytes = SIZE_MAX) {
   std::shared_ptr<Group> gp;
   {
     auto& reg = registry();
@@ -1387,6 +1402,7 @@ static at::Tensor on_comm_thread(c10::string_view group_name, F f) {
   }
   CommThread* t = gp ? gp->comm.get() : nullptr;
   if (t == nullptr) return f();  // also: no such group, which f reports
+  if (input_bytes <= kInlineBytes && t->idle()) return f();
   at::Tensor out;
   std::exception_ptr err;
   t->run([&] {
@@ -1400,23 +1416,27 @@ static at::Tensor on_comm_thread(c10::string_view group_name, F f) {
   return out;
 }
 
+static size_t nbytes(const at::Tensor& t) { return size_t(t.numel()) * t.element_size(); }
+
 static at::Tensor all_reduce_entry(const at::Tensor& input, c10::string_view reduce_op, c10::string_view group_name) {
-  return on_comm_thread(group_name, [&] { return all_reduce_cpu(input, reduce_op, group_name); });
+  return on_comm_thread(group_name, [&] { return all_reduce_cpu(input, reduce_op, group_name); }, nbytes(input));
 }
 static at::Tensor all_gather_entry(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
-  return on_comm_thread(group_name, [&] { return all_gather_cpu(input, group_size, group_name); });
+  return on_comm_thread(group_name, [&] { return all_gather_cpu(input, group_size, group_name); }, nbytes(input));
 }
 static at::Tensor reduce_scatter_entry(const at::Tensor& input, c10::string_view reduce_op, int64_t group_size,
                                        c10::string_view group_name) {
-  return on_comm_thread(group_name, [&] { return reduce_scatter_cpu(input, reduce_op, group_size, group_name); });
+  return on_comm_thread(group_name, [&] { return reduce_scatter_cpu(input, reduce_op, group_size, group_name); },
+                        nbytes(input));
 }
 static at::Tensor all_to_all_entry(const at::Tensor& input, c10::SymIntArrayRef output_split_sizes,
                                    c10::SymIntArrayRef input_split_sizes, c10::string_view group_name) {
   return on_comm_thread(group_name,
-                        [&] { return all_to_all_cpu(input, output_split_sizes, input_split_sizes, group_name); });
+                        [&] { return all_to_all_cpu(input, output_split_sizes, input_split_sizes, group_name); },
+                        nbytes(input));
 }
 static at::Tensor broadcast_entry(const at::Tensor& input, int64_t src, c10::string_view group_name) {
-  return on_comm_thread(group_name, [&] { return broadcast_cpu(input, src, group_name); });
+  return on_comm_thread(group_name, [&] { return broadcast_cpu(input, src, group_name); }, nbytes(input));
 }
 
 // Started collectives: output tensor -> its Pending, until shm_wait (or, on success, until the job ends: a wait

@@ -145,7 +145,8 @@ def test_translate_error_names_the_peer():
 @needs_kernels
 def test_comm_thread_runs_the_ops_and_reraises_their_errors(tmp_path, monkeypatch):
     """``init_group(comm_thread=True)``: the ops run on the group's own thread, results and errors as on the caller's
-    (a one-rank group: the reduction, the output and the error path all cross the hand-over)."""
+    (a one-rank group: the reduction, the output and the error path all cross the hand-over; inputs over 32 KiB,
+    since smaller blocking ones run on the caller's thread while the comm thread is idle, also checked)."""
     import torch.distributed as dist
 
     monkeypatch.setenv("MASTER_PORT", "0")
@@ -153,12 +154,13 @@ def test_comm_thread_runs_the_ops_and_reraises_their_errors(tmp_path, monkeypatc
     try:
         for on in (True, False):
             g = shm.init_group(name=f"ct{int(on)}", comm_thread=on, timeout_s=10.0)
-            x = torch.arange(10, dtype=torch.float32)[::2]  # non-contiguous
-            assert torch.equal(torch.ops.adaptdist.shm_all_reduce(x, "avg", g.name), x)
-            assert torch.equal(torch.ops.adaptdist.shm_all_gather_into_tensor(x, 1, g.name), x)
-            with pytest.raises(ValueError, match="reduce_op .min. is not supported"):  # the same type as unthreaded
-                torch.ops.adaptdist.shm_all_reduce(x, "min", g.name)
-            assert torch.equal(torch.ops.adaptdist.shm_broadcast(x, 0, g.name), x)  # usable after the error
+            for numel in (10, 40_000):  # 20 and 80,000 bytes: on the caller's thread, then handed over
+                x = torch.arange(numel, dtype=torch.float32)[::2]  # non-contiguous
+                assert torch.equal(torch.ops.adaptdist.shm_all_reduce(x, "avg", g.name), x)
+                assert torch.equal(torch.ops.adaptdist.shm_all_gather_into_tensor(x, 1, g.name), x)
+                with pytest.raises(ValueError, match="reduce_op .min. is not supported"):  # as unthreaded
+                    torch.ops.adaptdist.shm_all_reduce(x, "min", g.name)
+                assert torch.equal(torch.ops.adaptdist.shm_broadcast(x, 0, g.name), x)  # usable after the error
             shm.destroy_group(g.name)
     finally:
         dist.destroy_process_group()

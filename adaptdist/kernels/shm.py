@@ -77,14 +77,16 @@ as every rank attached, so the memory is freed by the kernel when the last rank 
 segment left by a crash during :func:`init_group` is removed by the next :func:`init_group` with the same
 job key (default: ``$MASTER_PORT``, the rendezvous port) once its creator is dead (:func:`remove_stale_segments`).
 
-Waiting: a bounded spin (``spin_us``, default 20 us, 2 us when the group has more ranks than this host
+Waiting: a bounded spin (``spin_us``, default 20 us; none when the group has more ranks than this host
 has cores), then futex sleeps on the group's arrival counter, which only the last rank to arrive wakes (one
 wake-up per waiting rank and barrier), so oversubscribed ranks (4 ranks on 2 cores) do not burn the core a
 peer needs. On a host busier than its cores (``init_group(comm_thread=)``; by default when the 1-minute load
 average is at least the number of cores, or the group has more ranks than cores), each call runs on a thread of
 the group's own while the calling thread sleeps, as gloo runs its collectives on a worker thread. There the
 waiting thread is not the one that just computed, and a tensor-parallel step with 22 all_reduces went from 0.55x
-to 1.6x gloo's speed (benchmarks/RESULTS.md). Errors raised on that thread are re-raised to the caller unchanged.
+to 1.6x gloo's speed (benchmarks/RESULTS.md). Blocking calls whose input is at most 32 KiB (one barrier) run on
+the calling thread while that thread has nothing queued: a hand-over costs two thread wake-ups, far more than
+such a call. Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
 ranks, touched as used), a header, and one 64 MiB output region per rank (virtual: pages are allocated as
@@ -304,7 +306,10 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     if slot_bytes < 4096 or slot_bytes % 4096:
         raise UsageError(f"init_group: slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
     if spin_us is None:
-        spin_us = 20.0 if group_size <= (os.cpu_count() or 1) else 2.0
+        # More ranks than cores: a waiting rank holds the core a missing peer needs, so it sleeps at once
+        # (4 ranks on 2 cores, 16 MiB all_reduce: 4.5 ms per call with 0 us, 4.8 ms with 2 us, 5.4 ms with 50 us;
+        # benchmarks/RESULTS.md, 2026-12-04).
+        spin_us = 20.0 if group_size <= (os.cpu_count() or 1) else 0.0
     job = _sanitize(job_key, 32) if job_key is not None else default_job_key()
 
     hosts: list = [None] * group_size
