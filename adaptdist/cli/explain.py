@@ -33,7 +33,6 @@ def add_parser(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) 
 def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     """Plan automatically and print the alternatives of ``args.node`` on each mesh axis, with the reason."""
     import torch
-    from rich.table import Table
 
     from ..model_spec import ModelSpec
     from ..compiler.capture import capture
@@ -78,14 +77,8 @@ def cmd_explain(args: argparse.Namespace, cluster: Any) -> int:
     if not found:
         console.print(f"{args.node}: no decision on any mesh axis (a single-rank mesh)")
     for ax in found:
-        t = Table(title=f"{args.node} on mesh axis {ax.axis} ({result.plan.mesh[ax.axis]} ranks): decision "
-                        f"{ax.decision}, {ax.members} node(s) sharing it")
-        for col in ("strategy (inputs->outputs)", "compute ms", "resharding ms", "total ms", "peak MiB", ""):
-            t.add_column(col)
-        for a in ax.alternatives:
-            t.add_row(a.strategy, f"{1e3 * a.compute_s:.4f}", f"{1e3 * a.reshard_s:.4f}", f"{1e3 * a.total_s:.4f}",
-                      f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
-        console.print(t)
+        console.print(_alternatives_table(f"{args.node} on mesh axis {ax.axis} ({result.plan.mesh[ax.axis]} ranks): "
+                                          f"decision {ax.decision}, {ax.members} node(s) sharing it", ax))
         console.print(f"why: {ax.reason}")
     if cluster.world_size <= MAX_LOWERED_RANKS:  # what the lowering made of the decision, beside it
         from ..compiler.lowering import compile_model
@@ -125,10 +118,22 @@ def _explain_pipeline(args: argparse.Namespace, captured: Any, cluster: Any, pg:
     return 0
 
 
+def _alternatives_table(title: str, ax: Any) -> Any:
+    """A rich Table of one mesh axis' alternatives (an ``explain`` axis entry): times in ms, peak memory in MiB."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("strategy (inputs->outputs)", "compute ms", "resharding ms", "total ms", "peak MiB", ""):
+        t.add_column(col)
+    for a in ax.alternatives:
+        t.add_row(a.strategy, f"{1e3 * a.compute_s:.4f}", f"{1e3 * a.reshard_s:.4f}", f"{1e3 * a.total_s:.4f}",
+                  f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
+    return t
+
+
 def _print_stage_explanation(console: Any, ex: Any, choice: Any, name: str) -> None:
     """The stage holding the node, the stage-level choice and the node's intra-stage alternatives per axis."""
     from rich.markup import escape
-    from rich.table import Table
 
     for line in ex.lines():
         console.print(escape(line))
@@ -139,12 +144,7 @@ def _print_stage_explanation(console: Any, ex: Any, choice: Any, name: str) -> N
                          + f"; stage {ex.stage.index} per microbatch F {1e3 * ex.stage.forward_s:.3f} ms, B "
                            f"{1e3 * ex.stage.backward_s:.3f} ms, W {1e3 * ex.stage.weight_s:.3f} ms"))
     for ax in ex.axes:
-        t = Table(title=f"{name} on stage {ex.stage.index}'s mesh axis {ax.axis} ({ex.mesh[ax.axis]} ranks): "
-                        f"decision {ax.decision}, {ax.members} node(s) sharing it")
-        for col in ("strategy (inputs->outputs)", "compute ms", "resharding ms", "total ms", "peak MiB", ""):
-            t.add_column(col)
-        for a in ax.alternatives:
-            t.add_row(a.strategy, f"{1e3 * a.compute_s:.4f}", f"{1e3 * a.reshard_s:.4f}", f"{1e3 * a.total_s:.4f}",
-                      f"{a.memory_bytes / 2**20:,.2f}", "chosen" if a.chosen else ("" if a.allowed else "ruled out"))
-        console.print(t)
+        console.print(_alternatives_table(f"{name} on stage {ex.stage.index}'s mesh axis {ax.axis} "
+                                          f"({ex.mesh[ax.axis]} ranks): decision {ax.decision}, {ax.members} "
+                                          "node(s) sharing it", ax))
         console.print(escape(f"why: {ax.reason}"))
