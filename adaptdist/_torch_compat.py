@@ -320,13 +320,15 @@ def torch_dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
-def trace_fake(fn: Callable, specs: list[tuple[list[int], torch.dtype]]) -> torch.fx.GraphModule:
-    """Trace ``fn`` to an ATen GraphModule on CPU fake tensors of the given (shape, dtype) (no real compute)."""
+def trace_fake(fn: Callable, specs: list[tuple[list[int], torch.dtype]],
+               device: "torch.device | str" = "cpu") -> torch.fx.GraphModule:
+    """Trace ``fn`` to an ATen GraphModule on fake tensors of the given (shape, dtype) on ``device`` (no real
+    compute; a fake cuda tensor needs no GPU)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     mode = fake_tensor_mode()
     with mode:
-        inputs = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+        inputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
     return make_fx(fn, tracing_mode="fake")(*inputs)
 
 

@@ -98,7 +98,9 @@ class RankProgram:
         if self._traced is None:
             specs = [(list(self.state[f].shape), self.state[f].dtype) for f in self.input_fqns]
             specs += [(shape, getattr(torch, dtype)) for shape, dtype in self.batch_specs]
-            self._traced = compat.trace_fake(self.module, specs)
+            from .runtime.devices import code_device
+
+            self._traced = compat.trace_fake(self.module, specs, code_device(self.code))
         return self._traced
 
     @property

@@ -45,6 +45,15 @@ def test_data_file_missing(capsys, tmp_path):
     assert "DataError" in msg and "nope.txt" in msg and "does not exist" in msg
 
 
+def test_traceback_on_request(capsys, tmp_path, monkeypatch):
+    """ADAPTDIST_TRACEBACK=1: the same error line, after the traceback of where it was raised."""
+    monkeypatch.setenv("ADAPTDIST_TRACEBACK", "1")
+    rc = main(["train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback (most recent call last)" in err and "DataError" in err
+    assert err.strip().splitlines()[-1].startswith("adaptdist: error: DataError:"), err
+
+
 def test_data_path_is_directory(capsys, tmp_path):
     msg = run_cli(capsys, tmp_path, "--data", str(tmp_path))
     assert "DataError" in msg and "not a file" in msg

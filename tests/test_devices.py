@@ -115,3 +115,32 @@ def test_mixed_cluster_devices_and_comm_shm_refused():
     with pytest.raises(UsageError, match="--comm shm"):
         lowering_options(argparse.Namespace(comm="shm"), mixed)
     assert lowering_options(argparse.Namespace(comm="auto"), mixed).comm == "auto"
+
+
+def test_costing_a_program_captured_on_cuda(tmp_path):
+    """The cost model runs a cuda job's program on fake cuda tensors (no GPU needed): the program's device arguments
+    (its arange's) and its inputs agree, both for a compiled graph (placeholders' values on cuda) and for a loaded
+    one (re-traced from code naming cuda). Costing used to build every input on cpu: FakeTensorDeviceMismatchError."""
+    import dataclasses
+
+    from adaptdist import _torch_compat as compat
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.cost_models.schedule import build_schedule, schedule_from_graph
+    from adaptdist.program import module_from_source
+    from adaptdist.runtime.devices import code_device, retarget_code
+    from models import tiny_gpt
+
+    def step(x):  # an arange on the input's device, as position ids are
+        return x + torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    gm = compat.trace_fake(step, [([2, 3], torch.float32)], "cuda")
+    assert next(iter(gm.graph.find_nodes(op="placeholder"))).meta["val"].device.type == "cuda"
+    assert len(schedule_from_graph(gm, ["batch:0"], ["out"]).nodes) == len(gm.graph.nodes)
+
+    model, batch, loss_fn = tiny_gpt()
+    program = compile_model(model, batch, loss_fn, 1)[0]
+    code = retarget_code(program.code, torch.device("cuda", 0))
+    assert code_device(code) == torch.device("cuda", 0) and code_device(program.code) == torch.device("cpu")
+    on_cuda = dataclasses.replace(program, code=code, module=module_from_source(code, "<cuda>"), _traced=None)
+    assert {n.meta["val"].device.type for n in on_cuda.graph_module.graph.find_nodes(op="placeholder")} == {"cuda"}
+    assert len(build_schedule(on_cuda).nodes) == len(build_schedule(program).nodes)

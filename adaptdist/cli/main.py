@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from ..errors import AdaptdistError, UsageError
@@ -572,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                     "zoo": cmd_zoo}
         return commands[args.command](args)
     except AdaptdistError as e:
+        if os.environ.get("ADAPTDIST_TRACEBACK") == "1":  # where it was raised and its cause, for a bug report
+            traceback.print_exc()
         print(f"adaptdist: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

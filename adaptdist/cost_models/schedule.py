@@ -228,7 +228,9 @@ def schedule_from_graph(gm: torch.fx.GraphModule, input_roles: Sequence[str], ou
             if not isinstance(v, torch.Tensor):
                 raise UnsupportedOpError(f"input {ph.name} has no tensor value in meta['val']; the cost model needs "
                                          "its shape and dtype")
-            inputs.append(torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype))
+            # on the value's device: the graph's own device arguments (an arange's, an _assert_tensor_metadata's)
+            # name the device it was captured on, cuda for a cuda job
+            inputs.append(torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device))
     rec = _Recorder(gm)
     try:
         with mode:
