@@ -414,11 +414,23 @@ def load_traces(directory: str | os.PathLike) -> Trace:
 
 LANE_TID = {"compute": 0, "comm": 1}
 
+US_GRID = 1024
+"""``ts`` and ``dur`` are multiples of 1/1024 µs (about 1 ns): binary fractions, so a span's ``ts + dur`` is its
+end exactly in any double arithmetic and equals the ``ts`` of a span that starts where it ends. With decimal
+rounding (``round(x, 3)``) of ``ts`` and ``dur`` apart, adjacent spans (a forward and the idle after it) overlapped
+by a nanosecond or a float ulp, and viewers that nest slices by comparing ``ts + dur`` (speedscope: "Tried to end
+idle when F0 was on the top of the stack") broke the stacks."""
+
+
+def _grid_us(t_s: float) -> float:
+    """``t_s`` seconds as microseconds on the :data:`US_GRID` grid."""
+    return round(t_s * 1e6 * US_GRID) / US_GRID
+
 
 def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]:
     """The Trace Event Format (JSON object form) of ``trace``: one ``"ph": "X"`` complete event per span
-    (``ts``/``dur`` in microseconds, ``pid`` the rank, ``tid`` the lane: 0 compute, 1 communication, 2 the step
-    windows), ``idle`` spans included, ``"ph": "M"`` metadata naming processes and threads. ``predicted`` spans
+    (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane: 0 compute,
+    1 communication, 2 the step windows), ``idle`` spans included, ``"ph": "M"`` metadata naming processes and threads. ``predicted`` spans
     (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened by chrome://tracing and
     https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium project)."""
     events: list[dict[str, Any]] = []
@@ -426,8 +438,9 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
     def add(s: Span, pid: int, tid: int) -> None:
         args = {k: v for k, v in (("step", s.step), ("stage", s.stage), ("microbatch", s.microbatch)) if v is not None}
         args.update(s.args)
-        events.append({"name": s.label(), "cat": s.kind, "ph": "X", "ts": round(s.start_s * 1e6, 3),
-                       "dur": round(max(s.duration_s, 0.0) * 1e6, 3), "pid": pid, "tid": tid, "args": args})
+        ts_us, end_us = _grid_us(s.start_s), _grid_us(s.end_s)
+        events.append({"name": s.label(), "cat": s.kind, "ph": "X", "ts": ts_us, "dur": max(end_us - ts_us, 0.0),
+                       "pid": pid, "tid": tid, "args": args})
 
     for r in trace.ranks:
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
@@ -446,6 +459,9 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
                        "args": {"name": f"rank {r} (predicted)"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": 1000 + r, "tid": 0,
                        "args": {"sort_index": 1000 + r}})
+        for lane, tid in LANE_TID.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": 1000 + r, "tid": tid,
+                           "args": {"name": "communication" if lane == "comm" else lane}})
     for s in predicted:
         add(s, 1000 + s.rank, LANE_TID.get(s.lane, 0))
     return {"traceEvents": events, "displayTimeUnit": "ms",

@@ -51,13 +51,26 @@ def layer_rows(result: PlannerResult) -> list[tuple[str, str, int]]:
     """``(parameter pattern, placement per axis, how many parameters)`` rows: parameters whose names differ only
     in a layer index and that have the same placements are one row (``layers.*.attn.wq.weight``)."""
     names = list(result.plan.mesh)
+    spec = getattr(result.plan, "pipeline", None)
     rows: dict[tuple[str, str], int] = {}
     for pn in result.graph.params():
         pls = [repr(p) for p in result.plan.param_placements.get(pn.fqn, ())] or ["R"] * len(names)
         text = " ".join(f"{a}:{p}" for a, p in zip(names, pls))
+        if spec is not None:  # a pipeline plan: the stage holds it (not "pp:R"), then its stage's sub-mesh placement
+            inner = " ".join(f"{a}:{p}" for a, p in zip(names, pls) if a != "pp")
+            text = f"stage {stage_of_param(spec, pn.fqn or pn.name)}" + (f", {inner}" if inner else "")
         key = (_LAYER.sub(".*.", pn.fqn or pn.name), text)
         rows[key] = rows.get(key, 0) + 1
     return [(pattern, text, n) for (pattern, text), n in rows.items()]
+
+
+def stage_of_param(spec: Any, fqn: str) -> int | str:
+    """The index of the first stage of pipeline ``spec`` (:class:`~adaptdist.plan.PipelineSpec`) whose layers hold
+    parameter ``fqn`` (a tied weight: the first of its stages), or ``"?"``."""
+    for i, st in enumerate(spec.stages):
+        if any(fqn == layer or fqn.startswith(layer + ".") for layer in st.layers):
+            return i
+    return "?"
 
 
 def find_node(graph, name: str) -> str:

@@ -89,11 +89,27 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
     comm = ", ".join(f"{a} {1e3 * t:.3f} ms" for a, t in ev.communication_s.items())
     stats = "; ".join(f"{a}: {s.result.status}, gap {100 * s.result.gap:.2g}%, {s.result.num_variables} variables"
                       for a, s in result.axes.items())
-    console.print(f"automatic plan: mesh {mesh}, batch {'split over ' + plan.batch_axis if plan.batch_axis else 'replicated'}"
-                  f"; predicted step {1e3 * ev.step_s:.3f} ms per rank (compute {1e3 * ev.compute_s:.3f} ms, "
-                  f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
-                  f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
-                  f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    won = pipeline_won(result)
+    if won and result.pipeline.spmd_step_s is None:  # pipeline_only: no plan without stages fits
+        why = next((e for _, e in result.tried if isinstance(e, str)), "")
+        console.print(f"automatic plan: pipeline on mesh {mesh} (the stages below), predicted step "
+                      f"{1e3 * result.pipeline.step_s:.3f} ms; without stages: {why}")
+    elif won:  # ``predicted`` and ``candidate`` are the best plan without stages, which the pipeline beat
+        cand = result.candidate
+        console.print(f"automatic plan: pipeline on mesh {mesh} (the stages below), predicted step "
+                      f"{1e3 * result.pipeline.step_s:.3f} ms; the best plan without stages: mesh {cand}, batch "
+                      f"{'split over ' + cand.batch_axis if cand.batch_axis else 'replicated'}, predicted step "
+                      f"{1e3 * ev.step_s:.3f} ms per rank (compute {1e3 * ev.compute_s:.3f} ms, op overhead "
+                      f"{1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
+                      f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
+                      f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
+    else:
+        console.print(f"automatic plan: mesh {mesh}, batch "
+                      f"{'split over ' + plan.batch_axis if plan.batch_axis else 'replicated'}"
+                      f"; predicted step {1e3 * ev.step_s:.3f} ms per rank (compute {1e3 * ev.compute_s:.3f} ms, "
+                      f"op overhead {1e3 * ev.overhead_s:.3f} ms, communication {comm or 'none'}), memory "
+                      f"{ev.memory_bytes / 2**20:,.1f} MiB of {ev.capacity_bytes / 2**30:.1f} GiB per rank; "
+                      f"{len(result.tried)} mesh shapes in {sum(result.phases_s.values()):.1f} s ({stats})")
     if result.pipeline is not None:
         print_stage_plan(console, result.pipeline)
     if not result.calibrated:
@@ -109,7 +125,8 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
             else:
                 t.add_row(str(c), str(c.batch_axis or "-"), f"{1e3 * ev_or_why.step_s:.3f}",
                           f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
-                          f"{ev_or_why.memory_bytes / 2**20:,.1f}", "chosen" if c == result.candidate else "")
+                          f"{ev_or_why.memory_bytes / 2**20:,.1f}",
+                          ("best without stages" if won else "chosen") if c == result.candidate else "")
         console.print(t)
         fastest = min((e.step_s for _, e in result.tried if not isinstance(e, str)), default=ev.step_s)
         if fastest < ev.step_s:
@@ -118,7 +135,21 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
             console.print(f"(shapes predicted within {100 * TIE_TOLERANCE:.0f}% of the fastest count as ties, the "
                           "model is not that exact: the first in order wins, a batch axis before none and fewer axes "
                           "before more)")
-    if not layers:
+    if not layers and won:
+        from .explain import stage_of_param
+
+        held: dict = {}
+        for pn in result.graph.params():
+            k = stage_of_param(plan.pipeline, pn.fqn or pn.name)
+            held[k] = held.get(k, 0) + 1
+        sub = [i for i, a in enumerate(plan.mesh) if a != "pp"]
+        sharded = [f for f, p in plan.param_placements.items() if any(repr(p[i]) != "R" for i in sub if i < len(p))]
+        console.print("parameters: each on the stage that holds its layer ("
+                      + ", ".join(f"stage {k}: {n}" for k, n in held.items()) + ")"
+                      + (f"; sharded inside their stage: {', '.join(sharded[:6])}"
+                         + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
+                      + " (adaptdist plan shows the per-layer table)")
+    elif not layers:
         sharded = {f: "[" + ", ".join(map(repr, p)) + "]" for f, p in plan.param_placements.items()
                    if any(repr(x) != "R" for x in p)}
         total = len(result.graph.params())
@@ -126,7 +157,7 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                       + (f"; sharded: {', '.join(f'{f} {p}' for f, p in list(sharded.items())[:6])}"
                          + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
                       + " (adaptdist plan shows the per-layer table)")
-    if not any(any(repr(x) != "R" for x in p) for p in plan.param_placements.values()) \
+    if not won and not any(any(repr(x) != "R" for x in p) for p in plan.param_placements.values()) \
             and getattr(result.candidate, "batch_axis", None) is None:
         # a mesh named tp=2 that shards no parameter reads as tensor parallelism; say what it is
         split = split_nodes(plan)
@@ -141,11 +172,20 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                           "whole of the rest, and the collectives combine the shares; predicted so)")
     if layers:
         t = Table(title="parameter placements (per layer pattern)")
-        for col in ("parameters", "placement per mesh axis", "count"):
+        for col in ("parameters", "stage, placement in its sub-mesh" if won else "placement per mesh axis", "count"):
             t.add_column(col)
         for pattern, text, n in layer_rows(result):
             t.add_row(pattern, text, str(n))
         console.print(t)
+
+
+def pipeline_won(result: PlannerResult) -> bool:
+    """Whether ``result``'s plan is the inter-stage planner's pipeline (``--consider-pp`` chose it, or no plan
+    without stages fits): then ``result.predicted`` and ``result.candidate`` are the best plan without stages, if
+    any, not the plan's."""
+    from .stages import PipelineChoice
+
+    return isinstance(result.pipeline, PipelineChoice) and getattr(result.plan, "pipeline", None) is not None
 
 
 def split_nodes(plan: Any) -> list[str]:
