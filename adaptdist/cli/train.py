@@ -524,10 +524,18 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if evaluation is None:
             _load_trained(model, out, programs, pipeline)
         text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
-        console.rule("sample")
-        print(text)
-        console.rule()
+        print_sample(console, text)
     return 0
+
+
+def print_sample(console, text: str) -> None:
+    """The model file's generated ``text`` between two rules, its control characters escaped
+    (:func:`~adaptdist.console.printable_text`: a byte-level model's sample may hold ESC or BEL bytes)."""
+    from ..console import printable_text
+
+    console.rule("sample")
+    print(printable_text(text))
+    console.rule()
 
 
 def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console, begin) -> int:
