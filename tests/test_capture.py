@@ -173,3 +173,32 @@ def test_a_shape_bug_is_one_error_naming_the_module_without_fake_tensor_logs(cap
     assert "runs eagerly on this batch" in msg
     err = capfd.readouterr().err + "".join(r.getMessage() for r in caplog.records)
     assert "failed while attempting to run meta" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("model,batch,want,advice", [
+    # the model is a torch module itself: no frame of the user's code on the traceback
+    (lambda: torch.nn.Linear(16, 4), lambda: (torch.randn(8, 12), torch.randint(0, 4, (8,))),
+     "failed in the model's own forward (Linear(in_features=16, out_features=4", "model(*batch[:-1])"),
+    # torch's loss on a target of the wrong shape
+    (lambda: torch.nn.Linear(16, 4), lambda: (torch.randn(8, 16), torch.randint(0, 4, (8, 3))),
+     "failed in the loss function cross_entropy", "loss_fn(model(*batch[:-1]), batch[-1])"),
+    # one batch tensor too many for the model's forward
+    (lambda: torch.nn.Linear(16, 4), lambda: (torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,))),
+     "failed calling the model Linear on the batch's inputs", "every batch tensor but the last"),
+    # a nested torch module: its qualified name and class
+    (lambda: torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(30))),
+     lambda: (torch.randn(8, 16), torch.randint(0, 4, (8,))), "failed in module '0.1' (LayerNorm((30,)",
+     "that module receives"),
+])
+def test_a_failure_without_a_user_frame_names_the_part_that_failed(model, batch, want, advice):
+    """When every frame of the traceback is torch's, the CaptureError names the module (qualified name, class),
+    the model's own forward, the call of the model or the loss function, and what to check: never
+    "(no user frame)"."""
+    import torch.nn.functional as F
+
+    from adaptdist.errors import CaptureError
+
+    with pytest.raises(CaptureError) as e:
+        capture(model(), batch(), F.cross_entropy)
+    msg = str(e.value)
+    assert want in msg and advice in msg and "no user frame" not in msg, msg

@@ -31,3 +31,30 @@ def test_hugging_face_masks_capture_and_keep_the_batch_split(name, plan):
         # (the bool padding mask [B, T] is: transformers indexes it with arange(B))
         gathered = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
         assert all(n.meta["val"].dtype == torch.bool for n in gathered), [(n.name, n.meta["val"].dtype) for n in gathered]
+
+
+def test_gpt_neox_rotary_broadcast_dim_is_never_split_over_dp():
+    """GPT-NeoX's rotary cos/sin are [1, 1, T, D/H] (a size-1 broadcast batch dim): the planner on dp=2 must not
+    shard that dim (a rank would hold an empty slice and the lowering would give up on the planner's strategies,
+    departing with a warning). No strategy of the plan shards an input or output dim shorter than the axis; the
+    plan lowers as planned (no departure) and trains like eager."""
+    from adaptdist.mesh import Mesh
+    from adaptdist.passes.sharding_rules import shape, tensor_args
+    from adaptdist.placement import Shard
+
+    model, batch, loss_fn = zoo.get("hf-gptneox").build(4)
+    captured = capture(model, batch, loss_fn)
+    chosen = plan_auto(captured, FixedCluster.uniform([("h", 2)]), mesh=Mesh.parse("dp=2")).plan
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    short = []
+    for name, (st,) in chosen.node_strategies.items():
+        if st is None or name not in nodes:
+            continue
+        fx = nodes[name]
+        shapes = [shape(a) for _, a in tensor_args(fx)]
+        for p, s in zip(st.inputs, shapes):
+            if isinstance(p, Shard) and p.dim < len(s) and s[p.dim] < 2:
+                short.append((name, st.text(), s))
+    assert not short, short
+    progs = train_simulated(model, batch, loss_fn, 2, chosen, steps=2, lr=0.1)
+    assert progs[0].plan.lowered.departures == (), progs[0].plan.lowered.departures

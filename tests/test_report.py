@@ -208,3 +208,14 @@ def test_a_pipeline_report_has_its_collectives_time_memory_per_rank_and_stages_i
     assert row.busy_s == 2 * 4e-3 + 5e-4 and row.step_s == 0.010 and row.grads_bytes == 16
     assert "<td>1.500</td>" in render_report(title="t", manifest=MANIFEST, plan=_plan(), fqns=["w"], hosts=["h", "h"],
                                              estimate=None, pipeline_ranks=(row,))  # idle 10 - 8.5 ms
+
+
+def test_rank_row_state_bytes_is_documented_and_sums_the_state():
+    """RankRow.state_bytes: the sum of parameters, gradients and optimizer state, in bytes, and its docstring says
+    so (unit and the parts, for readers of the report's 'state MiB' column)."""
+    from adaptdist.compiler.pipeline_report import RankRow
+
+    row = RankRow(0, (0,), None, None, params_bytes=100, grads_bytes=80, optimizer_bytes=160)
+    assert row.state_bytes == 340
+    doc = RankRow.state_bytes.__doc__ or ""
+    assert "Bytes" in doc and all(k in doc for k in ("params_bytes", "grads_bytes", "optimizer_bytes")), doc

@@ -92,10 +92,10 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         torch.manual_seed(0)
         model, example, loss_fn = spec.build(batch_size, seq_len, data_path=getattr(args, "data", None))
         return compile_model(model, example, loss_fn, world_size, plan, options, mesh=mesh, cluster=on,
-                             optimizer=optimizer), example
+                             optimizer=optimizer), example, model
 
     if args.plan != "auto":
-        programs, example = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh, cluster)
+        programs, example, model = compile_at(args.batch_size, args.seq_len, cluster.world_size, args.mesh, cluster)
     from ..device_assignment import program_cluster
 
     est = estimate_programs(programs, program_cluster(programs[0].plan, cluster), optimizer, args.algorithm)
@@ -107,9 +107,9 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
                   f"{'calibrated' if calibrated else 'estimated (uncalibrated)'} figures")
     console.print(estimate_table(est))
     slow = max(est.ranks.values(), key=lambda r: r.step_s)
-    x0 = example[0]
-    tokens = not x0.is_floating_point() and x0.dim() >= 2
-    items, unit = (x0.numel(), "tokens") if tokens else (x0.shape[0], "samples")
+    from ..throughput import throughput_unit
+
+    unit, items = throughput_unit(example, model)
     console.print(f"predicted step {slow.step_s * 1e3:.3f} ms (slowest rank {slow.rank}: compute "
                   f"{slow.compute_s * 1e3:.3f} ms incl. optimizer {slow.optimizer_s * 1e3:.3f} ms, communication "
                   f"{slow.communication_s * 1e3:.3f} ms of which {slow.idle_s * 1e3:.3f} ms not hidden), "

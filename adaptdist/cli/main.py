@@ -472,9 +472,9 @@ def cmd_run(args) -> int:
     if not args.resume:  # (everything checked: only now is the previous run in --out replaced)
         _clear_previous_run(out, console)
     write_run_file(out, {**{k: getattr(args, k) for k in (*RUN_RESTORED, "steps")}, "artifacts": str(d)}, "running")
-    x0 = example["b0"]
-    tokens = not x0.is_floating_point() and x0.dim() >= 2
-    unit, items = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    from ..throughput import manifest_unit
+
+    unit, items = manifest_unit(manifest, [example["b0"]])
     world = manifest["world_size"]
     threads = max(1, (os.cpu_count() or 1) // world)
     cfg = TrainConfig(program_dir=str(d), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,

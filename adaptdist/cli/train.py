@@ -392,8 +392,10 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
 
     n_params = sum(p.numel() for p in model.parameters())
     x0 = example[0]
-    tokens = not x0.is_floating_point() and x0.dim() >= 2
-    unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    from ..throughput import throughput_unit
+
+    unit, items_per_step = throughput_unit(example, model)
+    tokens = unit == "tokens"
     console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}"
                   f"{f' (elastic: {elastic[0]} to {elastic[1]} ranks)' if elastic else ''}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
@@ -522,10 +524,18 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         if evaluation is None:
             _load_trained(model, out, programs, pipeline)
         text = sample(model, args.sample_bytes, seed=args.seed, **({"prompt": "\n"} if args.data else {}))
-        console.rule("sample")
-        print(text)
-        console.rule()
+        print_sample(console, text)
     return 0
+
+
+def print_sample(console, text: str) -> None:
+    """The model file's generated ``text`` between two rules, its control characters escaped
+    (:func:`~adaptdist.console.printable_text`: a byte-level model's sample may hold ESC or BEL bytes)."""
+    from ..console import printable_text
+
+    console.rule("sample")
+    print(printable_text(text))
+    console.rule()
 
 
 def train_async(args, spec, built, out: Path, cluster, choice, timeouts, console, begin) -> int:

@@ -196,15 +196,15 @@ def cmd_train_hosts(args, defaults: dict, console) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    example = spec.build(args.batch_size, args.seq_len, data_path=args.data)[1]
+    model, example, _ = spec.build(args.batch_size, args.seq_len, data_path=args.data)
     import dataclasses
 
     from ..runtime.batch_check import batch_shapes
 
     data = dataclasses.replace(data, batch_shapes=batch_shapes(example))  # every rank checks every batch against it
-    x0 = example[0]
-    tokens = not x0.is_floating_point() and x0.dim() >= 2
-    unit, items_per_step = ("tokens", x0.numel()) if tokens else ("samples", x0.shape[0])
+    from ..throughput import throughput_unit
+
+    unit, items_per_step = throughput_unit(example, model)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     cfg = TrainConfig(first_attempt=int(run.get("first_attempt", 0)), program_dir="", out_dir=str(out), data=data,
                       steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,

@@ -92,7 +92,10 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
     phases: dict[str, float] = {}
     torch.manual_seed(0)
     model, example, loss_fn = spec.build(batch_size, seq_len, data_path=data_path)
-    sizes = {"data": data_path, "param_shapes": {k: list(v.shape) for k, v in model.state_dict().items()}}
+    from ..throughput import throughput_unit
+
+    sizes = {"data": data_path, "param_shapes": {k: list(v.shape) for k, v in model.state_dict().items()},
+             "throughput_unit": throughput_unit(example, model)[0]}  # what `run` counts its throughput in
     t = time.perf_counter()
     captured = capture(model, example, loss_fn)
     phases["capture"] = time.perf_counter() - t

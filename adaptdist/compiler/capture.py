@@ -172,14 +172,63 @@ def tied_names(module: nn.Module, strip: int = 0) -> dict[str, str]:
     return {n[strip:]: k[strip:] for n, k in state_aliases(module).items() if n != k}
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch and adaptdist: the user's construct."""
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame outside torch and adaptdist: the user's construct (None: every frame is
+    torch's or adaptdist's, e.g. a model that is a torch module itself, or a torch loss function)."""
     frames = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(frames):
         f = fr.filename.replace("\\", "/")
         if "/torch/" not in f and "/adaptdist/compiler/" not in f and "<eval_with_key>" not in f:
             return f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
-    return "(no user frame)"
+    return None
+
+
+def _where(exc: BaseException, step: nn.Module) -> str:
+    """Where ``exc`` was raised in the step, for a message: ``at FILE:LINE in FN: CODE in module 'q' (Linear)``
+    (the user's frame, and the module whose forward was running); without a user frame (only torch's code on the
+    traceback), the part that failed by name: ``in module '2' (Linear(...))``, ``in the model's own forward
+    (Linear(...))``, ``in the loss function cross_entropy (called as loss_fn(model output, last batch tensor))``
+    or ``calling the model Net on the batch's inputs``."""
+    frame, module = _user_frame(exc), _failing_module(exc, step)
+    if frame is not None:
+        return f"at {frame}{module}"
+    if module:
+        return module.lstrip()
+    model = getattr(step, "model", None)
+    tb, in_model, in_module_forward = exc.__traceback__, False, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if model is not None and owner is model:
+            in_model = True
+            if tb.tb_frame.f_code.co_name == "forward":
+                in_module_forward = owner
+        tb = tb.tb_next
+    if in_module_forward is not None:
+        return f"in the model's own forward ({_short(model)})"
+    if in_model:
+        return f"calling the model {type(model).__name__} on the batch's inputs (its forward's arguments)"
+    loss_fn = getattr(step, "loss_fn", None)
+    if loss_fn is not None:
+        return (f"in the loss function {getattr(loss_fn, '__name__', None) or type(loss_fn).__name__} (called as "
+                "loss_fn(model output, last batch tensor))")
+    return "in the model"
+
+
+def _short(m: nn.Module) -> str:
+    """``repr(m)`` when it fits in 80 characters, else its class name."""
+    return repr(m) if len(repr(m)) <= 80 else type(m).__name__
+
+
+def _what_to_try(where: str) -> str:
+    """What to try after a failed eager run of the step, for the part ``where`` names."""
+    if where.startswith("in the loss function"):
+        return ("Check that loss_fn(model(*batch[:-1]), batch[-1]) runs eagerly on this batch: the factory's loss "
+                "takes the model's output and the batch's last tensor (the target), in that order")
+    if where.startswith("calling the model"):
+        return ("Check that model(*batch[:-1]) runs eagerly on this batch: every batch tensor but the last is an "
+                "argument of the model's forward")
+    return ("Check that the model runs eagerly on this batch (model(*batch[:-1])): the input shapes and dtypes "
+            "that module receives")
 
 
 def _failing_module(exc: BaseException, step: nn.Module) -> str:
@@ -194,8 +243,7 @@ def _failing_module(exc: BaseException, step: nn.Module) -> str:
         tb = tb.tb_next
     if found is None or not names[id(found)] or names[id(found)] == "model":
         return ""
-    return f" in module {names[id(found)]!r} ({found!r})" if len(repr(found)) <= 80 else \
-        f" in module {names[id(found)]!r} ({type(found).__name__})"
+    return f" in module {names[id(found)]!r} ({_short(found)})"
 
 
 def _torch_module_hint(exc: BaseException) -> str:
@@ -302,7 +350,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 _check_step(step, fake_batch, batch, name)
                 no_grad = (_params_without_gradient(step, fake_batch)
                            if "did not receive a gradient" in str(failure) else [])
-                raise _export_error(failure, name, no_grad) from failure
+                raise _export_error(failure, name, no_grad, step) from failure
         return _finish(gm, sig, step, batch, name, experts)
 
 
@@ -358,21 +406,20 @@ def _check_step(step: nn.Module, fake_batch: tuple, batch: tuple, name: str) -> 
     except Exception as e:  # the user's code failed: report where
         if _is_data_dependent(e):
             if "DynamicOutputShapeException" in f"{type(e).__name__} {e}":  # nonzero, torch.where(mask), x[mask]
-                raise CaptureError(data_dependent_message(name, f"at {_user_frame(e)} ({e})")) from e
+                raise CaptureError(data_dependent_message(name, f"{_where(e, step)} ({e})")) from e
             raise CaptureError(
-                f"cannot capture {name}: a tensor's values decide Python control flow or a shape at "
-                f"{_user_frame(e)}{_torch_module_hint(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
+                f"cannot capture {name}: a tensor's values decide Python control flow or a shape "
+                f"{_where(e, step)}{_torch_module_hint(e)} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}): a branch on data "
                 "(`if t.sum() > 0`, `t.item()`) or a data-dependent shape (`x[mask]`, `nonzero`). adaptdist train "
                 "captures one graph for every step, which would bake in what this example batch does, so it "
                 "refuses. Compute both sides and select with torch.where(cond, a, b) (or multiply by a mask), "
                 "decide from something fixed (a Python flag, a parameter's shape), or train with "
                 "torch.compile(model, backend='adaptdist'), where a branch on data is a graph break."
             ) from e
-        frame, module = _user_frame(e), _failing_module(e, step)
-        where = module if module and frame == "(no user frame)" else f" at {frame}{module}"
+        where = _where(e, step)
         raise CaptureError(
-            f"running {name} on the example batch {[list(t.shape) for t in batch]} failed{where}: "
-            f"{type(e).__name__}: {str(e).rstrip('.')}. Check that the model runs eagerly on this batch."
+            f"running {name} on the example batch {[list(t.shape) for t in batch]} failed {where}: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. {_what_to_try(where)}."
         ) from e
     _check_loss(loss, name)
 
@@ -404,7 +451,8 @@ def _is_data_dependent(e: BaseException) -> bool:
     return False
 
 
-def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> CaptureError:
+def _export_error(e: Exception, name: str, no_grad: list[str] | None = None, step: nn.Module | None = None
+                  ) -> CaptureError:
     msg = str(e).split("\n")[0]
     hint = "Try removing data-dependent Python control flow or in-place ops on inputs in that code."
     if "did not receive a gradient" in str(e):
@@ -418,7 +466,8 @@ def _export_error(e: Exception, name: str, no_grad: list[str] | None = None) -> 
             "on them (they are then kept as they are, as eager's optimizer skips a parameter whose .grad is "
             "None), or remove them from the model.")
     return CaptureError(
-        f"cannot capture {name} as one joint forward+backward graph; failed at {_user_frame(e)}: "
+        f"cannot capture {name} as one joint forward+backward graph; failed "
+        f"{_where(e, step) if step is not None else 'at ' + (_user_frame(e) or 'a frame of torch (no model code)')}: "
         f"{type(e).__name__}: {msg}. {hint}"
     )
 

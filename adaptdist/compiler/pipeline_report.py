@@ -46,6 +46,11 @@ class RankRow:
 
     @property
     def state_bytes(self) -> int:
+        """Bytes of training state this rank holds through the whole step, whatever the microbatch: its stages'
+        state tensors, parameters and buffers (``params_bytes``), the gradients of its trainable parameters
+        (``grads_bytes``) and the optimizer's state for them (``optimizer_bytes``: the optimizer's copies per
+        trainable parameter times its bytes; AdamW's two moments are 2x the gradients, plain SGD's 0). The
+        activations of the microbatches in flight come on top. The report's "state MiB" column."""
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
 

@@ -53,13 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {k for _, _, k in manifest.get("cluster_hosts", [])} or {"cpu"}
         from safetensors.torch import load_file
 
-        x0 = load_file(str(d / "example_batch.safetensors"))["b0"]
-        tokens = not x0.is_floating_point() and x0.dim() >= 2
+        from ..throughput import manifest_unit
+
+        unit, items = manifest_unit(manifest, [load_file(str(d / "example_batch.safetensors"))["b0"]])
         cfg = TrainConfig(program_dir=str(d), out_dir=args.out, data=data_spec(manifest, d, args.data, args.seed),
                           steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
                           threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                           timeout_s=args.timeout_s, backend="nccl" if kinds == {"cuda"} else "gloo",
-                          items_per_step=x0.numel() if tokens else x0.shape[0], unit="tokens" if tokens else "samples",
+                          items_per_step=items, unit=unit,
                           model_name=str(manifest.get("model")), rng=manifest.get("rng", "per-rank"))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         run_worker(cfg)

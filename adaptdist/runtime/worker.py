@@ -819,12 +819,14 @@ def loss_summary(losses: list[float]) -> tuple[dict[str, Any], str]:
 
 
 class _Progress:
-    """A rich progress bar on rank 0 (step, loss, tokens/s); off a terminal, a line ``step N/TOTAL`` at least every
+    """A rich progress bar on rank 0 (step, loss, and tok/s or samples/s: ``unit``); off a terminal, a line ``step N/TOTAL`` at least every
     10 steps and at every checkpoint."""
 
     def __init__(self, total: int, enabled: bool, unit: str = "tokens", start: int = 0):
         self.total, self.enabled, self.start = total, enabled, start
-        self.unit = "tok" if unit == "tokens" else unit
+        from ..throughput import short_unit
+
+        self.unit = short_unit(unit)
         self._p = None
         self._last_log = 0.0
 

@@ -289,7 +289,8 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
                        ) -> dict[str, list[Strategy]]:
     """Each node's candidate strategies on an axis of ``n`` ranks (list_strategies' candidates, memoized
     by node signature): batch inputs ``S(0)`` on the batch axis and ``R`` elsewhere; outputs never
-    sharded on a dim shorter than ``n`` (every rank would hold a sliver or nothing). With ``replicate_fallback``
+    sharded on a dim shorter than ``n`` (every rank would hold a sliver or nothing), nor inputs (a size-1
+    broadcast dim split over the axis: the op would fail on a rank's empty slice) unless no strategy is left. With ``replicate_fallback``
     an op with no strategy gathers its inputs and runs whole on every rank (the lowering's ``--replicate-fallback``).
 
     Raises:
@@ -319,6 +320,12 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
                 not isinstance(p, Shard) or (k < len(pn.out_shapes) and p.dim < len(pn.out_shapes[k])
                                              and pn.out_shapes[k][p.dim] >= n)
                 for k, p in enumerate(s.outputs))]
+            # nor an input split on a dim shorter than n (a size-1 broadcast dim, e.g. rotary cos/sin
+            # [1, 1, T, D] beside a batch-split query): the lowering would hand a rank an empty slice and
+            # the op would fail on its local shapes; unless that leaves the node nothing (the lowering's
+            # departure then stays the safety net)
+            fits = [s for s in keep if _inputs_fit(fx, s, n)]
+            keep = fits or keep
             if fx.target in _VIEWS:
                 keep = [st for st in keep if _view_shards_align(fx, st, n)]
             if not keep and fx.op == "call_function" and not tensor_args(fx):
@@ -332,6 +339,18 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
         out[name] = cache[key]
         gmeta.set_strategies(fx, out[name])  # a getitem's strategies are read from its producer's
     return out
+
+
+def _inputs_fit(node: torch.fx.Node, st: Strategy, n: int) -> bool:
+    """Whether every input ``st`` shards (``Shard(d)``) has at least ``n`` entries along ``d``, so that no rank
+    of an axis of ``n`` gets an empty slice (inputs in :func:`~adaptdist.passes.sharding_rules.tensor_args`
+    order; a non-tensor input, or a placement that is not a single Shard, is not checked)."""
+    for p, (_, a) in zip(st.inputs, tensor_args(node)):
+        if isinstance(p, Shard):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor) and (p.dim >= v.dim() or v.shape[p.dim] < n):
+                return False
+    return True
 
 
 def _chunk_bounds(size: int, n: int) -> list[int]:
