@@ -271,3 +271,88 @@ def test_restarts_and_resumes_keep_the_checkpoints_mode(folder):
         choose(mode="sync", resuming=True, resume_kind="async-hetero")
     with pytest.raises(UsageError, match="--mode sync one"):
         choose(mode="async-hetero", resuming=True, resume_kind="sync")
+
+
+# --- the synchronous candidate is the plan --mode sync runs ----------------------------------------------------------
+
+def _two_cpu_cluster(tmp_path) -> Path:
+    """tests/goldens/cluster_4cpu.yaml's first two ranks (figures written down: the plan does not depend on the
+    machine)."""
+    lines = (ROOT / "tests" / "goldens" / "cluster_4cpu.yaml").read_text().splitlines()
+    keep = [x for x in lines if "rank: 2" not in x and "rank: 3" not in x]
+    path = tmp_path / "cluster_2cpu.yaml"
+    path.write_text("\n".join(keep) + "\n")
+    return path
+
+
+@pytest.fixture()
+def big_folder(tmp_path):
+    """Tables big enough to be gathered under dp (passes/gather_embedding_rows.py: 64 KiB and more)."""
+    return ml.save(ml.generate(num_users=600, num_movies=1200, num_genres=6, num_ratings=3000, max_genres=3),
+                   tmp_path / "ml_big")
+
+
+def test_program_pricing_of_the_dp_programs_is_sync_cost(big_folder, tmp_path):
+    """program_sync_cost (the lowered programs' collectives, batch rows and gathered tables) gives sync_cost's step
+    for the data-parallel programs sync_cost describes (the users' and movies' tables gathered, the genres' in the
+    all_reduce), at 256 and 16 rows."""
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.cost_models.recsys import program_sync_cost
+    from adaptdist.lowering_options import LoweringOptions
+
+    cluster = load_file(_two_cpu_cluster(tmp_path))
+    for batch in (256, 16):
+        torch.manual_seed(0)
+        model, example, loss_fn = dlrm.factory(batch, 1, data_path=str(big_folder))
+        assert gathered_tables(recsys_shape(model, example, "adamw"), 2) == (True, True, False)
+        shape = recsys_shape(model, example, "adamw")
+        progs = compile_model(model, example, loss_fn, 2, ManualPlan.parse("dp", dlrm), LoweringOptions(),
+                              cluster=cluster, optimizer="adamw")
+        want, got = sync_cost(shape, cluster), program_sync_cost(shape, cluster, progs)
+        assert got.comm_s == pytest.approx(want.comm_s, rel=1e-9)
+        assert got.step_s == pytest.approx(want.step_s, rel=1e-3), (batch, got, want)
+
+
+@pytest.mark.parametrize("flags", [[], ["--mode", "sync"], ["--batch-size", "256"]])
+def test_the_mode_choice_prices_the_plan_that_plan_and_train_lower(big_folder, tmp_path, flags):
+    """resolve_mode plans and lowers the synchronous programs first and prices them; resolve_plan (the door of
+    `plan` and `train`) then hands the lowering that very plan, whose programs price the same as the candidate the
+    mode choice weighed (not a data-parallel stand-in: at 16 rows the planner replicates the batch)."""
+    from adaptdist.cli.common import lowering_options, resolve_plan
+    from adaptdist.cli.main import build_parser
+    from adaptdist.cli.modes import resolve_mode
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.planner.modes import mode_lines
+    from adaptdist.cost_models.recsys import program_sync_cost
+    from adaptdist.model_spec import ModelSpec
+
+    cluster_file = _two_cpu_cluster(tmp_path)
+    args = build_parser().parse_args(["plan", "builtin:dlrm", "--data", str(big_folder), "--cluster",
+                                      str(cluster_file), "--batch-size", "16", *flags])
+    cluster = load_file(cluster_file)
+    spec = ModelSpec.parse(args.model)
+    torch.manual_seed(0)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=args.data)
+    choice = resolve_mode(args, model, example, cluster, None, loss_fn=loss_fn)
+    priced, name = choice.candidates["sync on 2 ranks"], choice.sync_plan
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, _Quiet(), "adamw")
+    assert plan is args._sync_plan.plan  # not planned a second time
+    programs = compile_model(model, example, loss_fn, 2, plan, lowering_options(args, cluster), captured=captured,
+                             cluster=cluster, optimizer="adamw")
+    for r, p in programs.items():  # the programs the command lowers are the ones the mode choice priced
+        assert p.code == args._sync_plan.programs[r].code
+    assert program_sync_cost(recsys_shape(model, example, "adamw"), cluster, programs).step_s == priced.step_s
+    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    assert name.startswith(f"plan 'auto': mesh {mesh}")
+    assert any(line.startswith(f"  predicted sync on 2 ranks (plan 'auto': mesh {mesh}") for line in mode_lines(choice))
+    if args.batch_size == 16:  # the planner's choice: every rank the whole batch, no collective (not dp)
+        assert "batch replicated" in name and priced.comm_s[0] == 0
+        assert priced.step_s < sync_cost(recsys_shape(model, example, "adamw"), cluster).step_s
+
+
+class _Quiet:
+    def print(self, *a, **k):
+        pass
