@@ -356,3 +356,52 @@ def test_the_mode_choice_prices_the_plan_that_plan_and_train_lower(big_folder, t
 class _Quiet:
     def print(self, *a, **k):
         pass
+
+
+def test_the_dp_plans_table_gradients_travel_in_one_all_gather(big_folder, tmp_path):
+    """The automatic plan on dp=2 (builtin:dlrm, 256 rows) issues one all_gather a step: every table gradient built
+    from gathered rows takes them from it (the users' and movies' rows and ids merged:
+    passes/bucket_gathered_rows.py), and nothing else is gathered."""
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.planner.summary import run_planner
+    from adaptdist.cost_models.communication import functional_collective_kind
+    from adaptdist.lowering_options import LoweringOptions
+
+    cluster = load_file(_two_cpu_cluster(tmp_path))
+    torch.manual_seed(0)
+    model, example, loss_fn = dlrm.factory(256, 1, data_path=str(big_folder))
+    cg = capture(model, example, loss_fn)
+    plan = run_planner(cg, cluster, "dp=2", "adamw", None, pipeline=False).plan
+    progs = compile_model(model, example, loss_fn, 2, plan, LoweringOptions(), captured=cg, cluster=cluster,
+                          optimizer="adamw")
+    graph = progs[0].graph_module.graph
+    feeding = set()
+    for n in graph.find_nodes(op="call_function", target=torch.ops.aten.embedding_dense_backward.default):
+        seen, todo = set(), [n.args[1]]  # the ids (gathered with the rows: one buffer)
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op == "call_function" and functional_collective_kind(m.target) == "all_gather":
+                feeding.add(m)
+            else:
+                todo.extend(m.all_input_nodes)
+    assert len(feeding) == 1, progs[0].collectives()
+    (g,) = feeding
+    gathered = g.args[0].meta["val"].numel()
+    tables = [t for t in model.sparse_arch.tables if t.weight.numel() * 4 >= 65536]
+    assert gathered == len(tables) * 128 * (32 + 1), progs[0].collectives()  # rows [128, 32] and ids of each
+    # and no other all_gather: the genres bag (sum mode, per-sample weights) keeps the batch split, its weights are
+    # not gathered in forward and sliced back (its rule once asked for them replicated), nor its offsets in backward
+    assert [c for c in progs[0].collectives() if "all_gather" in c] == [
+        f"_c10d_functional.all_gather_into_tensor.default(adaptdist:dp, {gathered})"]
+    # and those programs train as eager does (loss, gradients, SGD-updated parameters), the genres' split bag included
+    from passutil import assert_sgd_equal, simulated_sgd
+    from reference import eager_sgd
+
+    _, hist, params, _ = simulated_sgd(model, example, loss_fn, 2, plan, 0.05, 2)
+    want_hist, want_params = eager_sgd(model, [example], loss_fn, 0.05, 2)
+    assert_sgd_equal(hist, params, want_hist, want_params)

@@ -326,6 +326,10 @@ def program_sync_cost(shape: RecsysShape, cluster: ClusterLike, programs: dict) 
     (:func:`~adaptdist.cost_models.communication.link_cost` over the group's ranks, shared memory where the program
     issues adaptdist's shared-memory ops or where :func:`shm_kernels_loaded`, as ``--comm auto`` lowers them). The
     step is the slowest rank's work plus rank 0's collectives.
+
+    Not modelled: a plan that replicates the batch but splits activations over a model-parallel axis (tp's ranks
+    each computing a share of the rows, then combining them) is priced as every rank doing all the rows, so it is
+    over-priced by up to the work it splits; its collectives are priced as issued.
     """
     import torch
 
