@@ -316,7 +316,8 @@ def program_sync_cost(shape: RecsysShape, cluster: ClusterLike, programs: dict) 
     :func:`async_cost`, not a data-parallel stand-in (:func:`sync_cost`).
 
     Per rank ``r``: the lookups, the dense forward + backward and the per-op overheads of :func:`sync_cost` on the
-    rank's own batch rows (``programs[r].batch_slice``: all of them when the plan replicates the batch), the dense
+    batch rows the rank looks up (its ``aten.embedding`` lookups' rows: its ``batch_slice`` under dp, all of them
+    when the plan replicates the batch and the work, a share when a model-parallel axis splits the rows), the dense
     table gradients and the optimizer over every parameter (the tables' gradients stay dense, as in eager), the
     bucket's copies in and out (``2 x 4`` bytes per all-reduced element) and, per all_gather the program issues, the
     gathered elements the rank did not hold accumulated (``2 x 4`` bytes each) and :data:`GATHER_SHARED_OPS` ops, and
@@ -327,9 +328,8 @@ def program_sync_cost(shape: RecsysShape, cluster: ClusterLike, programs: dict) 
     issues adaptdist's shared-memory ops or where :func:`shm_kernels_loaded`, as ``--comm auto`` lowers them). The
     step is the slowest rank's work plus rank 0's collectives.
 
-    Not modelled: a plan that replicates the batch but splits activations over a model-parallel axis (tp's ranks
-    each computing a share of the rows, then combining them) is priced as every rank doing all the rows, so it is
-    over-priced by up to the work it splits; its collectives are priced as issued.
+    The dense part is priced on the same rows as the lookups (a plan that splits the lookups' rows but runs the MLP
+    whole, or the reverse, is priced as if both were split alike).
     """
     import torch
 
@@ -371,7 +371,7 @@ def program_sync_cost(shape: RecsysShape, cluster: ClusterLike, programs: dict) 
     for r in ranks:
         d = cluster.device(r)
         bw = float(d.memory_bandwidth_bytes_per_s)
-        rows = programs[r].batch_slice[1]
+        rows = _rows_looked_up(programs[r].graph_module.graph, programs[r].batch_slice[1])
         lookups = _lookup_bytes(shape, rows) / bw + len(shape.table_rows) * SPARSE_OPS_PER_SHARD * _op_s(d)
         table_grad = (2 * shape.table_params * BYTES / bw + 2 * reduced * BYTES / bw
                       + gather_ops * _op_s(d) + gathered_extra * 2 * BYTES / bw)
@@ -401,3 +401,14 @@ def _gathered_table_gradients(graph) -> int:
                 break
             todo.extend(m.all_input_nodes)
     return count
+
+
+def _rows_looked_up(graph, default: int) -> int:
+    """The batch rows a rank program looks up: the largest leading dim of the ids of its forward ``aten.embedding``
+    lookups (``[rows, bag]`` after ``passes/embedding_bag.py``; ``[rows]`` for a plain embedding), else ``default``."""
+    import torch
+
+    rows = [n.args[1].meta["val"].shape[0] for n in graph.find_nodes(op="call_function",
+                                                                    target=torch.ops.aten.embedding.default)
+            if isinstance(n.args[1], torch.fx.Node) and n.args[1].meta["val"].dim() >= 1]
+    return max(rows) if rows else default
