@@ -271,3 +271,137 @@ def test_restarts_and_resumes_keep_the_checkpoints_mode(folder):
         choose(mode="sync", resuming=True, resume_kind="async-hetero")
     with pytest.raises(UsageError, match="--mode sync one"):
         choose(mode="async-hetero", resuming=True, resume_kind="sync")
+
+
+# --- the synchronous candidate is the plan --mode sync runs ----------------------------------------------------------
+
+def _two_cpu_cluster(tmp_path) -> Path:
+    """tests/goldens/cluster_4cpu.yaml's first two ranks (figures written down: the plan does not depend on the
+    machine)."""
+    lines = (ROOT / "tests" / "goldens" / "cluster_4cpu.yaml").read_text().splitlines()
+    keep = [x for x in lines if "rank: 2" not in x and "rank: 3" not in x]
+    path = tmp_path / "cluster_2cpu.yaml"
+    path.write_text("\n".join(keep) + "\n")
+    return path
+
+
+@pytest.fixture()
+def big_folder(tmp_path):
+    """Tables big enough to be gathered under dp (passes/gather_embedding_rows.py: 64 KiB and more)."""
+    return ml.save(ml.generate(num_users=600, num_movies=1200, num_genres=6, num_ratings=3000, max_genres=3),
+                   tmp_path / "ml_big")
+
+
+def test_program_pricing_of_the_dp_programs_is_sync_cost(big_folder, tmp_path):
+    """program_sync_cost (the lowered programs' collectives, batch rows and gathered tables) gives sync_cost's step
+    for the data-parallel programs sync_cost describes (the users' and movies' tables gathered, the genres' in the
+    all_reduce), at 256 and 16 rows."""
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.cost_models.recsys import program_sync_cost
+    from adaptdist.lowering_options import LoweringOptions
+
+    cluster = load_file(_two_cpu_cluster(tmp_path))
+    for batch in (256, 16):
+        torch.manual_seed(0)
+        model, example, loss_fn = dlrm.factory(batch, 1, data_path=str(big_folder))
+        assert gathered_tables(recsys_shape(model, example, "adamw"), 2) == (True, True, False)
+        shape = recsys_shape(model, example, "adamw")
+        progs = compile_model(model, example, loss_fn, 2, ManualPlan.parse("dp", dlrm), LoweringOptions(),
+                              cluster=cluster, optimizer="adamw")
+        want, got = sync_cost(shape, cluster), program_sync_cost(shape, cluster, progs)
+        assert got.comm_s == pytest.approx(want.comm_s, rel=1e-9)
+        assert got.step_s == pytest.approx(want.step_s, rel=1e-3), (batch, got, want)
+
+
+@pytest.mark.parametrize("flags", [[], ["--mode", "sync"], ["--batch-size", "256"]])
+def test_the_mode_choice_prices_the_plan_that_plan_and_train_lower(big_folder, tmp_path, flags):
+    """resolve_mode plans and lowers the synchronous programs first and prices them; resolve_plan (the door of
+    `plan` and `train`) then hands the lowering that very plan, whose programs price the same as the candidate the
+    mode choice weighed (not a data-parallel stand-in: at 16 rows the planner replicates the batch)."""
+    from adaptdist.cli.common import lowering_options, resolve_plan
+    from adaptdist.cli.main import build_parser
+    from adaptdist.cli.modes import resolve_mode
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.planner.modes import mode_lines
+    from adaptdist.cost_models.recsys import program_sync_cost
+    from adaptdist.model_spec import ModelSpec
+
+    cluster_file = _two_cpu_cluster(tmp_path)
+    args = build_parser().parse_args(["plan", "builtin:dlrm", "--data", str(big_folder), "--cluster",
+                                      str(cluster_file), "--batch-size", "16", *flags])
+    cluster = load_file(cluster_file)
+    spec = ModelSpec.parse(args.model)
+    torch.manual_seed(0)
+    model, example, loss_fn = spec.build(args.batch_size, args.seq_len, data_path=args.data)
+    choice = resolve_mode(args, model, example, cluster, None, loss_fn=loss_fn)
+    priced, name = choice.candidates["sync on 2 ranks"], choice.sync_plan
+    plan, captured = resolve_plan(args, spec, model, example, loss_fn, cluster, _Quiet(), "adamw")
+    assert plan is args._sync_plan.plan  # not planned a second time
+    programs = compile_model(model, example, loss_fn, 2, plan, lowering_options(args, cluster), captured=captured,
+                             cluster=cluster, optimizer="adamw")
+    for r, p in programs.items():  # the programs the command lowers are the ones the mode choice priced
+        assert p.code == args._sync_plan.programs[r].code
+    assert program_sync_cost(recsys_shape(model, example, "adamw"), cluster, programs).step_s == priced.step_s
+    mesh = ",".join(f"{a}={n}" for a, n in programs[0].mesh.items())
+    assert name.startswith(f"plan 'auto': mesh {mesh}")
+    assert any(line.startswith(f"  predicted sync on 2 ranks (plan 'auto': mesh {mesh}") for line in mode_lines(choice))
+    if args.batch_size == 16:  # the planner's choice: every rank the whole batch, no collective (not dp)
+        assert "batch replicated" in name and priced.comm_s[0] == 0
+        assert priced.step_s < sync_cost(recsys_shape(model, example, "adamw"), cluster).step_s
+
+
+class _Quiet:
+    def print(self, *a, **k):
+        pass
+
+
+def test_the_dp_plans_table_gradients_travel_in_one_all_gather(big_folder, tmp_path):
+    """The automatic plan on dp=2 (builtin:dlrm, 256 rows) issues one all_gather a step: every table gradient built
+    from gathered rows takes them from it (the users' and movies' rows and ids merged:
+    passes/bucket_gathered_rows.py), and nothing else is gathered."""
+    from adaptdist.cluster_file import load_cluster as load_file
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.compiler.planner.summary import run_planner
+    from adaptdist.cost_models.communication import functional_collective_kind
+    from adaptdist.lowering_options import LoweringOptions
+
+    cluster = load_file(_two_cpu_cluster(tmp_path))
+    torch.manual_seed(0)
+    model, example, loss_fn = dlrm.factory(256, 1, data_path=str(big_folder))
+    cg = capture(model, example, loss_fn)
+    plan = run_planner(cg, cluster, "dp=2", "adamw", None, pipeline=False).plan
+    progs = compile_model(model, example, loss_fn, 2, plan, LoweringOptions(), captured=cg, cluster=cluster,
+                          optimizer="adamw")
+    graph = progs[0].graph_module.graph
+    feeding = set()
+    for n in graph.find_nodes(op="call_function", target=torch.ops.aten.embedding_dense_backward.default):
+        seen, todo = set(), [n.args[1]]  # the ids (gathered with the rows: one buffer)
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m.op == "call_function" and functional_collective_kind(m.target) == "all_gather":
+                feeding.add(m)
+            else:
+                todo.extend(m.all_input_nodes)
+    assert len(feeding) == 1, progs[0].collectives()
+    (g,) = feeding
+    gathered = g.args[0].meta["val"].numel()
+    tables = [t for t in model.sparse_arch.tables if t.weight.numel() * 4 >= 65536]
+    assert gathered == len(tables) * 128 * (32 + 1), progs[0].collectives()  # rows [128, 32] and ids of each
+    # and no other all_gather: the genres bag (sum mode, per-sample weights) keeps the batch split, its weights are
+    # not gathered in forward and sliced back (its rule once asked for them replicated), nor its offsets in backward
+    assert [c for c in progs[0].collectives() if "all_gather" in c] == [
+        f"_c10d_functional.all_gather_into_tensor.default(adaptdist:dp, {gathered})"]
+    # and those programs train as eager does (loss, gradients, SGD-updated parameters), the genres' split bag included
+    from passutil import assert_sgd_equal, simulated_sgd
+    from reference import eager_sgd
+
+    _, hist, params, _ = simulated_sgd(model, example, loss_fn, 2, plan, 0.05, 2)
+    want_hist, want_params = eager_sgd(model, [example], loss_fn, 0.05, 2)
+    assert_sgd_equal(hist, params, want_hist, want_params)

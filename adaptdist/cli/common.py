@@ -11,10 +11,18 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
     ``auto`` runs the planner for ``cluster`` (printing its summary), anything else is a manual plan."""
     from ..annotations import ManualPlan
 
+    from ..compiler.planner.summary import print_summary
+    from .modes import planned_sync
+
+    sp = planned_sync(args, model, example)  # the plan the mode choice priced (--mode auto|sync of a recommender)
+    if sp is not None:
+        if sp.result is not None:
+            print_summary(console, sp.result, layers=layers)
+        return sp.plan, sp.captured
     if args.plan != "auto":
         return ManualPlan.parse(args.plan, spec.module()), None
     from ..compiler.capture import capture
-    from ..compiler.planner.summary import print_summary, run_planner
+    from ..compiler.planner.summary import run_planner
 
     captured = capture(model, example, loss_fn)
     result = run_planner(captured, cluster, args.mesh, optimizer, console,

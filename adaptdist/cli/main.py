@@ -288,7 +288,7 @@ def cmd_plan(args) -> int:
     model, loss_fn = apply_training_features(model, loss_fn, args.precision, args.activation_checkpointing)
     from .modes import print_mode, resolve_mode, write_mode_json
 
-    choice = resolve_mode(args, model, example, cluster, console)
+    choice = resolve_mode(args, model, example, cluster, console, loss_fn=loss_fn)
     if choice is not None:
         print_mode(choice, console)
         if choice.mode == "async-hetero":  # no compiled programs: the layout is the plan

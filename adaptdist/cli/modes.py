@@ -42,7 +42,7 @@ def _staleness(text: str) -> int:
 
 
 def resolve_mode(args, model, example, cluster, console, *, elastic=None, resuming: bool = False,
-                 resume_kind: str | None = None):
+                 resume_kind: str | None = None, loss_fn=None):
     """The :class:`~adaptdist.compiler.planner.modes.ModeChoice` of the flags, or None when the model has no
     embedding and dense parts and the mode was not forced (other models: the compiled programs, as ever).
 
@@ -50,6 +50,14 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
     ``--mesh``, a pipeline), an elastic run, or mixed precision. A resumed run (``resuming``) keeps the mode of
     its checkpoint (``resume_kind``: ``"async-hetero"`` for one of :mod:`adaptdist.runtime.hetero_checkpoint`,
     else ``"sync"``; None: no checkpoint, ``sync`` under auto).
+
+    The synchronous candidate is the plan ``--mode sync`` will run (given ``loss_fn``, one device kind ``cpu``,
+    and no flag that changes the captured graph or the programs' form: see :func:`_plan_sync_first`): planned (the
+    ILP under ``--plan auto``, else the manual plan) and lowered here, priced by
+    :func:`~adaptdist.cost_models.recsys.program_sync_cost` (the same terms as the asynchronous candidates'), and
+    kept on ``args._sync_plan`` so that :func:`adaptdist.cli.common.resolve_plan` hands the same plan to the
+    lowering of ``plan``/``train`` instead of planning again (an ILP tie could otherwise come out the other way).
+    Otherwise it is :func:`~adaptdist.cost_models.recsys.sync_cost` (data parallel), and the mode lines say so.
 
     Raises:
         UsageError: ``async-hetero`` with a model, a flag or a cluster it cannot run with; a mode forced against
@@ -101,12 +109,88 @@ def resolve_mode(args, model, example, cluster, console, *, elastic=None, resumi
         from ..cost_models.recsys import RecsysShape
 
         shape = RecsysShape((1,), 1, (1,), 0.0, 0.0, 0, 0, 1)
-    choice = choose_mode(shape, cluster, mode, staleness, dense, splittable=splittable)
+    sync = sync_plan = None
+    if mode != "async-hetero" and loss_fn is not None and _plan_sync_first(args, cluster, elastic, sync_flags):
+        sync, sync_plan = _priced_sync_plan(args, model, example, loss_fn, cluster, shape, optimizer)
+    choice = choose_mode(shape, cluster, mode, staleness, dense, splittable=splittable, sync=sync,
+                         sync_plan=sync_plan)
     if resumed_note:
         choice = dataclasses.replace(choice, reason=resumed_note)
     if sync_flags and getattr(args, "mode", "auto") == "auto":
         choice = dataclasses.replace(choice, reason=f"auto: {', '.join(sync_flags)} asks for the synchronous programs")
     return choice
+
+
+_GRAPH_FLAGS = ("--microbatches", "--stage-ranks", "--nproc MIN:MAX", "--precision bf16",
+                "--activation-checkpointing")
+
+
+def _plan_sync_first(args, cluster, elastic, sync_flags: list[str]) -> bool:
+    """Whether :func:`resolve_mode` plans and lowers the synchronous programs to price them: a cpu-only cluster (a
+    cuda job captures on the device, :func:`adaptdist.cli.train.on_capture_device`), no elastic range, no pipeline
+    flag and no flag that rewrites the model before capture (``_GRAPH_FLAGS``), no ``--consider-pp``."""
+    return (tuple(cluster.device_kinds) == ("cpu",) and elastic is None and cluster.world_size > 1
+            and not getattr(args, "consider_pp", False)
+            and not any(f.startswith(_GRAPH_FLAGS) for f in sync_flags))
+
+
+def _priced_sync_plan(args, model, example, loss_fn, cluster, shape, optimizer: str):
+    """Plan (``--plan``, the ILP when auto) and lower the synchronous programs of ``model`` as ``plan`` and
+    ``train`` do, and price them (:func:`~adaptdist.cost_models.recsys.program_sync_cost`); the plan is kept on
+    ``args._sync_plan`` for :func:`adaptdist.cli.common.resolve_plan`. Returns ``(cost, text naming the plan)``."""
+    from ..annotations import ManualPlan
+    from ..compiler.device_placement import parse_batch_split
+    from ..compiler.lowering import compile_model
+    from ..cost_models.recsys import program_sync_cost
+    from ..model_spec import ModelSpec
+    from .common import lowering_options
+
+    plan_arg = str(getattr(args, "plan", "auto"))
+    opt = str(getattr(args, "optimizer", "adamw")).replace("-", "_")
+    result = captured = None
+    if plan_arg == "auto":
+        from ..compiler.capture import capture
+        from ..compiler.planner.summary import run_planner
+
+        captured = capture(model, example, loss_fn)
+        result = run_planner(captured, cluster, getattr(args, "mesh", None), opt, None,
+                             replicate_fallback=bool(getattr(args, "replicate_fallback", False)), pipeline=False)
+        plan = result.plan
+    else:
+        plan = ManualPlan.parse(plan_arg, ModelSpec.parse(args.model).module())
+    programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args, cluster),
+                             mesh=getattr(args, "mesh", None) if captured is None else None, captured=captured,
+                             cluster=cluster, optimizer=opt,
+                             batch_split=parse_batch_split(getattr(args, "batch_split", None)))
+    from .pipeline_flags import is_pipeline
+
+    if is_pipeline(programs):  # a saved pipeline plan file: priced as data parallel (sync_cost)
+        return None, None
+    args._sync_plan = SyncPlan(model, example, plan, captured, result, programs)
+    p0 = programs[min(programs)]
+    mesh = ",".join(f"{a}={n}" for a, n in p0.mesh.items())
+    batch = f"batch split over {p0.plan.batch_axis}" if p0.plan.batch_axis else "batch replicated"
+    return program_sync_cost(shape, cluster, programs), f"plan {p0.plan.name!r}: mesh {mesh}, {batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """The synchronous plan :func:`resolve_mode` priced: for ``model`` and ``example`` (the objects), the plan, the
+    captured step and planner result (``--plan auto``; else None) and the lowered programs it priced."""
+
+    model: object
+    example: object
+    plan: object
+    captured: object
+    result: object
+    programs: dict
+
+
+def planned_sync(args, model, example):
+    """``args._sync_plan`` when :func:`resolve_mode` planned the synchronous programs of this very ``model`` and
+    ``example`` (the same objects), else None."""
+    sp = getattr(args, "_sync_plan", None)
+    return sp if sp is not None and sp.model is model and sp.example is example else None
 
 
 def print_mode(choice, console) -> None:

@@ -324,7 +324,7 @@ def cmd_train(args, defaults: dict) -> int:
 
     resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
     choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
-                          resuming=resume_src is not None, resume_kind=resume_kind)
+                          resuming=resume_src is not None, resume_kind=resume_kind, loss_fn=built[2])
     if resume_kind == "async-hetero":  # refused before anything is changed
         from ..runtime.hetero_checkpoint import check_meta
 

@@ -307,3 +307,108 @@ def async_cost(shape: RecsysShape, cluster: ClusterLike, roles: Sequence[str],
         # dense loop), which overlap the sparse ranks' update and next lookups
         step = max(max(own[r] for r in sparse) + max(chain.values()), max(own[r] + comm[r] for r in dense))
     return ModeCost("async-hetero", step, tuple(own), tuple(comm), shape.batch_size)
+
+
+def program_sync_cost(shape: RecsysShape, cluster: ClusterLike, programs: dict) -> ModeCost:
+    """The synchronous step of an already lowered plan (``programs``: :func:`~adaptdist.compiler.lowering.
+    compile_model`'s rank programs, whatever plan the planner chose: data parallel, a replicated batch, a mesh with
+    tp), priced with this module's terms, so that ``--mode auto`` weighs the programs ``--mode sync`` will run against
+    :func:`async_cost`, not a data-parallel stand-in (:func:`sync_cost`).
+
+    Per rank ``r``: the lookups, the dense forward + backward and the per-op overheads of :func:`sync_cost` on the
+    batch rows the rank looks up (its ``aten.embedding`` lookups' rows: its ``batch_slice`` under dp, all of them
+    when the plan replicates the batch and the work, a share when a model-parallel axis splits the rows), the dense
+    table gradients and the optimizer over every parameter (the tables' gradients stay dense, as in eager), the
+    bucket's copies in and out (``2 x 4`` bytes per all-reduced element) and, per all_gather the program issues, the
+    gathered elements the rank did not hold accumulated (``2 x 4`` bytes each) and :data:`GATHER_SHARED_OPS` ops, and
+    :data:`GATHER_OPS` per table gradient built from gathered rows (an ``embedding_dense_backward`` whose indices come
+    from a gather); the
+    collectives are the ones in the program's graph, each priced as :func:`sync_comm_s` prices its own
+    (:func:`~adaptdist.cost_models.communication.link_cost` over the group's ranks, shared memory where the program
+    issues adaptdist's shared-memory ops or where :func:`shm_kernels_loaded`, as ``--comm auto`` lowers them). The
+    step is the slowest rank's work plus rank 0's collectives.
+
+    The dense part is priced on the same rows as the lookups (a plan that splits the lookups' rows but runs the MLP
+    whole, or the reverse, is priced as if both were split alike).
+    """
+    import torch
+
+    from .. import _torch_compat as compat
+    from ..mesh import Mesh, base_group_name
+    from .communication import functional_collective_kind
+
+    ranks = sorted(programs)
+    p0 = programs[ranks[0]]
+    mesh = Mesh(tuple(p0.mesh.items()))
+    shm_default = shm_kernels_loaded()
+    comm = 0.0
+    reduced = gathered_extra = gathers = 0
+    for n in p0.graph_module.graph.nodes:
+        if n.op != "call_function":
+            continue
+        kind = functional_collective_kind(n.target)
+        if kind in (None, "wait"):
+            continue
+        args = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+        vals = [a.meta["val"] for a in args if isinstance(a, torch.fx.Node)]
+        n_bytes = sum(v.numel() * v.element_size() for v in vals)
+        axis = base_group_name(str(n.args[-1])).removeprefix("adaptdist:")
+        members = mesh.group(axis, ranks[0]) if axis in mesh.names else tuple(ranks)
+        p = len(members)
+        shm = shm_default or not compat.is_functional_collective(n.target)
+        c = link_cost(cluster, kind, members, shm=shm)
+        if kind == "all_gather":
+            comm += float(collective_time_s(kind, n_bytes * p, p, c.alpha_s, c.beta_s_per_byte))
+            gathered_extra += sum(v.numel() for v in vals) * (p - 1)
+            gathers += 1
+        else:
+            comm += float(collective_time_s(kind, n_bytes, p, c.alpha_s, c.beta_s_per_byte))
+            if kind == "all_reduce":
+                reduced += sum(v.numel() for v in vals)
+    tables = _gathered_table_gradients(p0.graph_module.graph) if gathers else 0
+    gather_ops = tables * GATHER_OPS + gathers * GATHER_SHARED_OPS
+    own = []
+    for r in ranks:
+        d = cluster.device(r)
+        bw = float(d.memory_bandwidth_bytes_per_s)
+        rows = _rows_looked_up(programs[r].graph_module.graph, programs[r].batch_slice[1])
+        lookups = _lookup_bytes(shape, rows) / bw + len(shape.table_rows) * SPARSE_OPS_PER_SHARD * _op_s(d)
+        table_grad = (2 * shape.table_params * BYTES / bw + 2 * reduced * BYTES / bw
+                      + gather_ops * _op_s(d) + gathered_extra * 2 * BYTES / bw)
+        own.append(lookups + table_grad + _dense_s(shape, d, rows)
+                   + _optimizer_s(shape, d, shape.dense_params + shape.table_params,
+                                  shape.dense_tensors + len(shape.table_rows)))
+    return ModeCost("sync", max(own) + comm, tuple(own), (comm,) * len(ranks), shape.batch_size)
+
+
+def _gathered_table_gradients(graph) -> int:
+    """How many ``embedding_dense_backward`` nodes of ``graph`` take their indices from an all_gather (a table
+    gradient built from the batch's gathered rows and ids: ``passes/gather_embedding_rows.py``)."""
+    import torch
+
+    from .communication import functional_collective_kind
+
+    count = 0
+    for n in graph.find_nodes(op="call_function", target=torch.ops.aten.embedding_dense_backward.default):
+        seen, todo = set(), [n.args[1]] if isinstance(n.args[1], torch.fx.Node) else []
+        while todo:
+            m = todo.pop()
+            if m in seen or len(seen) > 64:
+                continue
+            seen.add(m)
+            if m.op == "call_function" and functional_collective_kind(m.target) == "all_gather":
+                count += 1
+                break
+            todo.extend(m.all_input_nodes)
+    return count
+
+
+def _rows_looked_up(graph, default: int) -> int:
+    """The batch rows a rank program looks up: the largest leading dim of the ids of its forward ``aten.embedding``
+    lookups (``[rows, bag]`` after ``passes/embedding_bag.py``; ``[rows]`` for a plain embedding), else ``default``."""
+    import torch
+
+    rows = [n.args[1].meta["val"].shape[0] for n in graph.find_nodes(op="call_function",
+                                                                    target=torch.ops.aten.embedding.default)
+            if isinstance(n.args[1], torch.fx.Node) and n.args[1].meta["val"].dim() >= 1]
+    return max(rows) if rows else default

@@ -727,13 +727,28 @@ def embedding_bag(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
             return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
         return gather_all(node, pl, "an EmbeddingBag whose bags are not all of one length (or in max mode, or "
                                     "with padding_idx) reads the whole batch's offsets")
-    needs = {path: R for path, a in tensor_args(node) if a is not idx and isinstance(pl(a), Shard)
-             and not (backward and path == (0,))}
+    # the rewrite reads the ids, the weight, the per-sample weights ([T], aligned with the ids: split with them) and,
+    # in backward, the gradient; never the offsets nor the forward's offset2bag, bag_size, max_indices (asking for
+    # those replicated priced three all_gathers per table that no program runs, and made the split batch look dear)
+    psw = (10,) if backward else (6,)
+    unread = {(2,), (3,), (4,), (5,)} if backward else {(2,)}
+    needs = {}
+    for path, a in tensor_args(node):
+        if a is idx or path in unread or (backward and path == (0,)):
+            continue
+        if path == psw:
+            if pl(a) != p:
+                needs[path] = p
+        elif isinstance(pl(a), Shard):
+            needs[path] = R
     if backward:
         if pl(node.args[0]) != Shard(0):
             needs[(0,)] = Shard(0)
         return RuleResult(P, needs)
-    return RuleResult((Shard(0),) * len(gmeta.val(node)), needs)
+    # offset2bag, bag_size, max_indices: read by no op once the bag is rewritten; claimed whole (a sum bag's are empty,
+    # and an output split on a dim shorter than the ranks would drop the strategy: the bag would then run whole, its
+    # per-sample weights gathered)
+    return RuleResult((Shard(0),) + (R,) * (len(gmeta.val(node)) - 1), needs)
 
 
 def layer_norm(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:

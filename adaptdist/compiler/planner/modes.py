@@ -38,6 +38,9 @@ class ModeChoice:
     candidates: dict = field(default_factory=dict)
     reason: str = ""
     one_rank: ModeCost | None = None
+    sync_plan: str = ""
+    """What the ``sync`` candidate priced: the plan ``--mode sync`` runs (``"plan 'auto': mesh tp=2, batch
+    replicated"``), or ``"priced as data parallel"`` where it was not planned first."""
 
     @property
     def one_rank_faster(self) -> bool:
@@ -46,7 +49,8 @@ class ModeChoice:
 
     def describe(self) -> dict:
         """JSON fields for ``summary.json`` / ``adaptdist plan --out``."""
-        return {"mode": self.mode, "reason": self.reason, "predicted_step_s": self.cost.step_s,
+        return {"mode": self.mode, "reason": self.reason, "sync_plan": self.sync_plan,
+                "predicted_step_s": self.cost.step_s,
                 "predicted_samples_per_s": self.cost.items_per_s,
                 "candidates": {k: {"step_s": c.step_s, "samples_per_s": c.items_per_s}
                                for k, c in self.candidates.items()},
@@ -126,8 +130,8 @@ def _dense_candidates(cluster, world: int) -> list[tuple[int, ...]]:
 
 
 def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: int = 1,
-                dense_ranks: Sequence[int] | None = None, splittable: bool = True, sharding: str | None = None
-                ) -> ModeChoice:
+                dense_ranks: Sequence[int] | None = None, splittable: bool = True, sharding: str | None = None,
+                sync: ModeCost | None = None, sync_plan: str | None = None) -> ModeChoice:
     """The mode and layout to run (see the module docstring).
 
     Args:
@@ -137,16 +141,22 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
         max_staleness: K of the asynchronous mode.
         dense_ranks: ``--dense-ranks`` (fixes the async layout's dense ranks), or None for the planner's choice.
         splittable: the model has the two parts; False: only ``sync`` is possible.
+        sync: the synchronous candidate's prediction: the programs ``--mode sync`` will run, priced by
+            :func:`~adaptdist.cost_models.recsys.program_sync_cost` (``sync_plan`` names their plan, e.g. ``"plan
+            'auto': mesh tp=2, batch replicated"``); None: :func:`~adaptdist.cost_models.recsys.sync_cost`, data
+            parallel over every rank (the synchronous programs could not be planned first: see
+            :func:`adaptdist.cli.modes.resolve_mode`).
 
     Raises:
         UsageError: ``async-hetero`` asked for a model without the parts or on one rank; bad ``dense_ranks``.
     """
     world = cluster.world_size
-    sync = sync_cost(shape, cluster)
+    if sync is None:
+        sync, sync_plan = sync_cost(shape, cluster), "priced as data parallel"
     one = one_rank_cost(shape, cluster) if world > 1 else None
     candidates = {f"sync on {world} rank{'s' if world > 1 else ''}": sync}
     if mode == "sync":
-        return ModeChoice("sync", None, sync, candidates, "--mode sync", one)
+        return ModeChoice("sync", None, sync, candidates, "--mode sync", one, sync_plan)
     if not splittable or world < 2:
         if mode == "async-hetero":
             raise UsageError("--mode async-hetero needs a model with .sparse_arch and .dense_arch (as builtin:dlrm) and "
@@ -154,7 +164,7 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
                              "--mode async-hetero needs a model with .sparse_arch.tables and .dense_arch (as "
                              "builtin:dlrm's DLRM); use --mode sync")
         why = "one rank" if world < 2 else "the model has no separate embedding and dense parts"
-        return ModeChoice("sync", None, sync, candidates, f"auto: {why}", one)
+        return ModeChoice("sync", None, sync, candidates, f"auto: {why}", one, sync_plan)
     best: tuple[ModeCost, HeteroLayout] | None = None
     for dense in ([tuple(dense_ranks)] if dense_ranks else _dense_candidates(cluster, world)):
         layout = make_layout(world, dense, shape.table_rows, max_staleness, sharding)
@@ -167,12 +177,14 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
     if mode == "async-hetero":
         return ModeChoice("async-hetero", best[1], best[0], candidates,
                           "--mode async-hetero" + (" --dense-ranks" if dense_ranks else ", the planner's dense ranks"),
-                          one)
+                          one, sync_plan)
     if best[0].step_s < sync.step_s:
         return ModeChoice("async-hetero", best[1], best[0], candidates,
-                          f"auto: predicted {sync.step_s / best[0].step_s:.2f}x the samples/s of sync", one)
+                          f"auto: predicted {sync.step_s / best[0].step_s:.2f}x the samples/s of sync", one,
+                          sync_plan)
     return ModeChoice("sync", None, sync, candidates,
-                      f"auto: sync predicted {best[0].step_s / sync.step_s:.2f}x faster than the best async layout", one)
+                      f"auto: sync predicted {best[0].step_s / sync.step_s:.2f}x faster than the best async layout", one,
+                      sync_plan)
 
 
 def one_rank_cost(shape: RecsysShape, cluster) -> ModeCost:
@@ -187,7 +199,8 @@ def mode_lines(choice: ModeChoice) -> list[str]:
     """Lines for ``adaptdist plan``/``train``: the mode and why, each candidate's prediction, each rank's role."""
     lines = [f"execution mode: {choice.mode} ({choice.reason})"]
     for name, c in sorted(choice.candidates.items(), key=lambda kv: kv[1].step_s):
-        lines.append(f"  predicted {name}: {1e3 * c.step_s:.3f} ms per step, {c.items_per_s:,.0f} samples/s")
+        what = f" ({choice.sync_plan})" if name.startswith("sync") and choice.sync_plan else ""
+        lines.append(f"  predicted {name}{what}: {1e3 * c.step_s:.3f} ms per step, {c.items_per_s:,.0f} samples/s")
     if choice.one_rank is not None:
         o = choice.one_rank
         lines.append(f"  predicted one rank alone: {1e3 * o.step_s:.3f} ms per step, {o.items_per_s:,.0f} samples/s"

@@ -314,7 +314,8 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
             if rows_gathered:
                 # the lowering (passes/gather_embedding_rows.py) never leaves this gradient Partial over the
                 # batch: it gathers the rows and ids and builds it whole, which is the (R, ..., R) -> R strategy
-                # (an EmbeddingBag's backward gathers its offsets too here: a few bytes per row more than it runs)
+                # (an EmbeddingBag's backward: its gradient rows and ids gathered; its offsets and the forward's
+                # offset2bag, bag_size and max_indices are split or replicated as they come, as the rewrite reads none)
                 found = [s for s in found if not (isinstance(_out(s, 0), Partial) and Shard(0) in s.inputs[:2])]
             keep = [s for s in found if all(
                 not isinstance(p, Shard) or (k < len(pn.out_shapes) and p.dim < len(pn.out_shapes[k])
