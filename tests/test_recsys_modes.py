@@ -141,12 +141,37 @@ def test_auto_puts_the_dense_part_on_the_gpus_and_the_tables_on_the_cpu_hosts():
     assert choice.cost.step_s < choice.candidates["sync on 6 ranks"].step_s
 
 
+def test_the_cost_model_chooses_between_tables_by_rows_and_whole_tables():
+    """Row-wise shards cost each sparse rank a lookup and an update per table; whole tables one per table held. With
+    four equal tables on two sparse ranks the whole tables win. With four tables of near-equal rows but one read 400
+    times a row, whole tables balance the rows (the placement rule alone would keep them whole) but not the
+    lookups: rows win. The layout that runs is the cheaper candidate."""
+    from adaptdist.hetero_layout import shard_tables
+
+    cluster = FixedCluster.uniform([("h", 3)], "cpu", memory_bandwidth_bytes_per_s=1e10, op_overhead_s=2e-5)
+    kw = dict(dense_flops_per_row=2e4, dense_bytes_per_row=2e3, dense_params=9000, dense_ops=60, batch_size=256,
+              optimizer="sgd")
+    even = RecsysShape(table_rows=(1000,) * 4, dim=16, ids_per_row=(1,) * 4, **kw)
+    choice = choose_mode(even, cluster, "async-hetero", 1, dense_ranks=(2,))
+    rows, whole = (choice.candidates[f"async-hetero, dense ranks 2, {h}"] for h in ("tables by rows", "whole tables"))
+    assert whole.step_s < rows.step_s and choice.layout.sharding == "table" and choice.cost == whole
+    hot = RecsysShape(table_rows=(1000, 900, 900, 800), dim=64, ids_per_row=(400, 1, 1, 1), **kw)
+    assert shard_tables(hot.table_rows, [0, 1])[1] == "table"
+    choice = choose_mode(hot, cluster, "async-hetero", 1, dense_ranks=(2,))
+    rows, whole = (choice.candidates[f"async-hetero, dense ranks 2, {h}"] for h in ("tables by rows", "whole tables"))
+    assert rows.step_s < whole.step_s and choice.layout.sharding == "row" and choice.cost == rows
+    # fewer tables than sparse ranks: rows only
+    few = choose_mode(SHAPE, FixedCluster.uniform([("h", 5)], "cpu"), "async-hetero", 1, dense_ranks=(4,))
+    assert [k for k in few.candidates if k.startswith("async")] == ["async-hetero, dense ranks 4, tables by rows"]
+
+
 def test_auto_keeps_sync_where_the_dense_work_dominates():
     heavy = RecsysShape(table_rows=(50, 50), dim=8, ids_per_row=(1, 1), dense_flops_per_row=5e7,
                         dense_bytes_per_row=1e4, dense_params=10_000, dense_ops=60, batch_size=256)
     choice = choose_mode(heavy, FixedCluster.uniform([("h", 4)], "cpu"), "auto", 1)
     assert choice.mode == "sync" and choice.layout is None and "faster" in choice.reason
-    assert len(choice.candidates) == 4  # sync, and 1..3 dense ranks
+    # sync; 1..3 dense ranks with the tables by rows, and whole where there are as many tables as sparse ranks
+    assert len(choice.candidates) == 6, list(choice.candidates)
     forced = choose_mode(heavy, FixedCluster.uniform([("h", 4)], "cpu"), "async-hetero", 1, dense_ranks=(1, 3))
     assert forced.mode == "async-hetero" and forced.layout.roles == ("sparse", "dense", "sparse", "dense")
     one = choose_mode(SHAPE, FixedCluster.uniform([("h", 1)], "cpu"), "auto", 1)

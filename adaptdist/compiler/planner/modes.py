@@ -5,7 +5,9 @@ the cluster description.
 ``--mode auto`` weighs ``sync`` on every rank against ``async-hetero`` with each candidate set of dense ranks:
 on a cluster with accelerators and CPU ranks, the accelerators dense and the CPUs sparse (the paper's split);
 on one kind of device, the ``D`` fastest ranks dense for ``D = 1 .. N-1`` (CPU ranks standing in for
-accelerators). The cheapest predicted step wins; a tie goes to ``sync`` (no staleness). A model without the two
+accelerators), each with the tables sharded by rows and, where there are at least as many tables as sparse
+ranks, placed whole (:func:`~adaptdist.hetero_layout.shard_tables`). The cheapest predicted step wins; a tie goes
+to ``sync`` (no staleness), then to rows. A model without the two
 parts (:func:`adaptdist.runtime.async_hetero.check_model`), or a single rank, is always ``sync``.
 
 Beside them the prediction for *one rank* (the fastest device alone, no collective): where it beats the chosen mode,
@@ -167,12 +169,16 @@ def choose_mode(shape: RecsysShape, cluster, mode: str = "auto", max_staleness: 
         return ModeChoice("sync", None, sync, candidates, f"auto: {why}", one, sync_plan)
     best: tuple[ModeCost, HeteroLayout] | None = None
     for dense in ([tuple(dense_ranks)] if dense_ranks else _dense_candidates(cluster, world)):
-        layout = make_layout(world, dense, shape.table_rows, max_staleness, sharding)
-        shard_rows = [[(s.table, s.rows) for s in layout.shards_of(r)] for r in range(world)]
-        cost = async_cost(shape, cluster, layout.roles, shard_rows, max_staleness)
-        candidates[f"async-hetero, dense ranks {','.join(map(str, dense))}"] = cost
-        if best is None or cost.step_s < best[0].step_s:
-            best = (cost, layout)
+        # the tables by rows and, where there are enough tables, whole: the cheaper layout by the cost model
+        n_sparse = world - len(set(dense))
+        for how in ([sharding] if sharding else ["row"] + (["table"] if len(shape.table_rows) >= n_sparse else [])):
+            layout = make_layout(world, dense, shape.table_rows, max_staleness, how)
+            shard_rows = [[(s.table, s.rows) for s in layout.shards_of(r)] for r in range(world)]
+            cost = async_cost(shape, cluster, layout.roles, shard_rows, max_staleness)
+            tables = "tables by rows" if layout.sharding == "row" else "whole tables"
+            candidates[f"async-hetero, dense ranks {','.join(map(str, dense))}, {tables}"] = cost
+            if best is None or cost.step_s < best[0].step_s:
+                best = (cost, layout)
     assert best is not None
     if mode == "async-hetero":
         return ModeChoice("async-hetero", best[1], best[0], candidates,
