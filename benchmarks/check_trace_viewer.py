@@ -1,10 +1,12 @@
 """Open ``adaptdist train --trace``'s ``trace.json`` in real trace viewers in headless Chromium and save screenshots
 (issue 15 point 6). Outside CI: it needs Debian's ``chromium`` and, for the speedscope check, speedscope's static
-build (``npm pack speedscope@1.25.0`` and untar it; its ``package/dist/release`` is ``--speedscope``).
+build (``npm pack speedscope@1.25.0`` and untar it; its ``package/dist/release`` is ``--speedscope``), and for the
+DevTools check Chrome DevTools' frontend (``npm pack chrome-devtools-frontend@1.0.734346`` and untar it; its
+``package/front_end`` is ``--devtools``).
 
-    python benchmarks/check_trace_viewer.py RUN/trace.json --speedscope DIR --out DIR
+    python benchmarks/check_trace_viewer.py RUN/trace.json --speedscope DIR --devtools DIR --out DIR
 
-Two viewers:
+Three viewers:
 
 1. chrome://tracing. Recent Chromium redirects internal debug pages to chrome://debug-webuis-disabled unless the
    Local State pref ``internal_only_uis_enabled`` is true (what chrome://chrome-urls' "Enable internal debugging
@@ -18,9 +20,20 @@ Two viewers:
    "Tried to end X when Y was on the top of the stack", "Frame X was still open at end of profile"), checks that it
    lists one profile per (pid, tid) that has complete events, named from our ``process_name``/``thread_name``
    metadata, and saves one screenshot per profile (``n`` steps to the next one).
+3. Chrome DevTools' Performance panel (Chrome's own trace viewer for Trace Event Format JSON), from the npm package
+   ``chrome-devtools-frontend``. Versions after 2020 ship TypeScript sources that need DevTools' GN build; 1.0.734346
+   (Chromium r734346, the DevTools of Chrome 81) is the last one on the registry whose ``front_end`` runs unbuilt, so
+   it is served as is from 127.0.0.1 and opened at ``devtools_app.html?loadTimelineFromURL=/trace.json``. Our trace
+   has no Chrome metadata, so the panel takes its "generic trace" path: one group per process, one track per thread.
+   The script reads the panel's model back (tracks, their complete events and names, the time range), checks one
+   track per (pid, tid) with complete events, named from our metadata and holding all of them, and a finite time
+   range, expands every group and takes one screenshot. Console errors count except three that are not about the
+   trace: the app runs without a target ("This is a stub connection, can't dispatch message.", "No document") and
+   every non-Chrome trace lacks a browser main thread ("Failed to find browser main thread in trace, ...").
 
 Perfetto's UI and trace_processor are not available offline here (the ``perfetto`` wheel downloads
-trace_processor_shell at run time). Exit status 1 when a check fails. Chromium is driven over
+trace_processor_shell at run time; no npm package ``perfetto``, ``@perfetto/ui``, ``perfetto-ui`` or
+``@google/perfetto``). Exit status 1 when a check fails. Chromium is driven over
 ``--remote-debugging-pipe`` (CDP on file descriptors 3 and 4), so only the standard library is needed.
 """
 
@@ -248,10 +261,99 @@ def check_speedscope(chromium: str, trace: Path, speedscope: Path, work: Path, o
         srv.shutdown()
 
 
+DEVTOOLS_STATE_JS = """(() => { const P = self.Timeline && Timeline.TimelinePanel && Timeline.TimelinePanel.instance();
+  const pm = P && P._performanceModel; if (!pm) return null;
+  const tm = pm.timelineModel(), w = pm.window(), fc = P._flameChart._mainFlameChart;
+  const groups = (fc._rawTimelineData && fc._rawTimelineData.groups) || [];
+  if (EXPAND) groups.forEach((g, i) => { if (!g.expanded) fc._expandGroup(i, true); });
+  return {generic: tm.isGenericTrace(), min_ms: tm.minimumRecordTime(), max_ms: tm.maximumRecordTime(),
+    window_ms: [w.left, w.right], groups: groups.map(g => g.name),
+    tracks: tm.tracks().map(t => ({process: t.thread ? t.thread.process().name() : null,
+      pid: t.thread ? t.thread.process().id() : null, tid: t.thread ? t.thread.id() : null, name: t.name,
+      n_events: t.events.filter(e => e.phase === 'X').length,
+      names: [...new Set(t.events.filter(e => e.phase === 'X').map(e => e.name))].sort()})),
+    app_console: self.Common.console.messages().map(m => [m.level, m.text])}; })()"""
+
+# Console messages of the unbuilt DevTools app that are not about the trace: the app runs without a target
+# ("hosted mode"), so its stub connection refuses every protocol message and the DOM model finds no document;
+# a generic (non-Chrome) trace has no browser main thread, which TracingModel.browserMainThread logs as an error.
+DEVTOOLS_HOSTED_NOISE = ("This is a stub connection, can't dispatch message.", "No document")
+DEVTOOLS_GENERIC_TRACE = "Failed to find browser main thread in trace, some timeline features may be unavailable"
+
+
+def expected_devtools_tracks(doc: dict) -> list[tuple[str, int, int, str, int]]:
+    """(process name, pid, tid, thread name, number of complete events) per (pid, tid) with complete events."""
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    n: dict[tuple[int, int], int] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            n[(e["pid"], e["tid"])] = n.get((e["pid"], e["tid"]), 0) + 1
+    return [(procs.get(p, "?"), p, t, threads.get((p, t), "?"), k) for (p, t), k in sorted(n.items())]
+
+
+def check_devtools(chromium: str, trace: Path, front_end: Path, work: Path, out: Path) -> dict:
+    """Chrome DevTools' Performance panel from the unbuilt frontend: ``devtools_app.html?loadTimelineFromURL=``
+    with the trace served next to it; reads the panel's model back (tracks per thread, event counts and names, the
+    time range), expands every track group and screenshots the flame chart."""
+    site = work / "devtools_site"
+    site.mkdir()
+    (site / "front_end").symlink_to(front_end.resolve())
+    shutil.copy(trace, site / "trace.json")
+    doc = json.loads(trace.read_text())
+    want = expected_devtools_tracks(doc)
+    srv = _serve(site)
+    port = srv.server_address[1]
+    b = Browser(chromium, fresh_profile(work, "devtools"), work / "devtools.log")
+    try:  # a tall page, so that the flame chart holds every track (the predicted ranks' too) above the summary
+        b.page("Emulation.setDeviceMetricsOverride", {"width": 1600, "height": 1500, "deviceScaleFactor": 1,
+                                                      "mobile": False})
+        b.page("Page.navigate", {"url": f"http://127.0.0.1:{port}/front_end/devtools_app.html"
+                                        "?loadTimelineFromURL=/trace.json"})
+        state, end = None, time.monotonic() + 30
+        while time.monotonic() < end:
+            b.pump(1)
+            state = b.js(DEVTOOLS_STATE_JS.replace("EXPAND", "false"))
+            if state and state["tracks"]:
+                break
+        if not state or not state["tracks"]:
+            shot = out / "devtools_performance.png"
+            b.screenshot(shot)
+            return {"viewer": "devtools", "ok": False, "error": "no timeline model after 30 s", "state": state,
+                    "screenshot": str(shot), "console": b.console()}
+        b.js(DEVTOOLS_STATE_JS.replace("EXPAND", "true"))
+        b.pump(2)
+        state = b.js(DEVTOOLS_STATE_JS.replace("EXPAND", "false"))
+        shot = out / "devtools_performance.png"
+        b.screenshot(shot)
+        seen = sorted((t["process"], t["pid"], t["tid"], t["name"], t["n_events"]) for t in state["tracks"])
+        missing = [list(w) for w in want if w not in seen]
+        failed_loads = [e["params"]["entry"].get("url", "") for e in b.events if e.get("method") == "Log.entryAdded"
+                        and e["params"]["entry"]["level"] == "error"
+                        and "Failed to load resource" in e["params"]["entry"]["text"]]
+        console = b.console() + [tuple(m) for m in state["app_console"]]  # the page's and DevTools' own console
+        errors = [c for c in console if c[0] in ("error", "exception") and c[1] not in DEVTOOLS_HOSTED_NOISE
+                  and c[1] != DEVTOOLS_GENERIC_TRACE and not c[1].startswith("Failed to load resource")]
+        bad_range = not (state["min_ms"] == state["min_ms"] and state["max_ms"] == state["max_ms"]
+                         and state["window_ms"][1] is not None and state["max_ms"] > 0)
+        ok = not missing and not errors and not bad_range and all(w[3] != "?" for w in want)
+        return {"viewer": "devtools", "ok": ok, "screenshot": str(shot), "generic_trace": state["generic"],
+                "time_range_ms": [state["min_ms"], state["max_ms"]], "window_ms": state["window_ms"],
+                "bad_time_range": bad_range, "groups": state["groups"], "tracks": state["tracks"],
+                "tracks_missing": missing, "errors": errors, "failed_loads": failed_loads,
+                "generic_trace_notice": sum(c[1] == DEVTOOLS_GENERIC_TRACE for c in console),
+                "hosted_mode_noise": sum(c[1] in DEVTOOLS_HOSTED_NOISE for c in console)}
+    finally:
+        b.close()
+        srv.shutdown()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="trace.json written by adaptdist train --trace")
     ap.add_argument("--speedscope", type=Path, help="speedscope's dist/release folder (npm pack speedscope)")
+    ap.add_argument("--devtools", type=Path, help="chrome-devtools-frontend's unbuilt front_end folder (npm pack "
+                    "chrome-devtools-frontend@1.0.734346; newer versions ship TypeScript sources that need a build)")
     ap.add_argument("--out", type=Path, default=Path("trace_viewer_check"), help="screenshots and result.json")
     ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     args = ap.parse_args(argv)
@@ -262,6 +364,8 @@ def main(argv=None) -> int:
         results.append(check_chrome_tracing(args.chromium, args.trace.resolve(), work, args.out))
         if args.speedscope:
             results.append(check_speedscope(args.chromium, args.trace.resolve(), args.speedscope, work, args.out))
+        if args.devtools:
+            results.append(check_devtools(args.chromium, args.trace.resolve(), args.devtools, work, args.out))
     (args.out / "result.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0 if all(r["ok"] is not False for r in results) else 1

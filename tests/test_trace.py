@@ -106,6 +106,7 @@ def _check_trace_event_format(doc):
     for ev in doc["traceEvents"]:
         assert ev["ph"] in ("X", "M"), ev
         assert isinstance(ev["name"], str) and isinstance(ev["pid"], int) and isinstance(ev["tid"], int)
+        assert isinstance(ev["ts"], (int, float)), ev  # every event: DevTools' Performance panel reads ts of each
         if ev["ph"] == "X":
             xs += 1
             assert isinstance(ev["ts"], (int, float)) and isinstance(ev["dur"], (int, float)) and ev["dur"] >= 0
@@ -128,6 +129,35 @@ def test_chrome_trace_has_the_required_fields():
     send = next(e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "send")
     assert send["tid"] == 1
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1, 1000, 1001}
+
+
+def _devtools_record_span_ms(doc):
+    """What Chrome DevTools' Performance panel (``SDK.TracingModel.addEvents``, chrome-devtools-frontend 1.0.734346)
+    takes for the trace's time range: the least non-zero ``ts`` of the B/X/I events and the greatest
+    ``(ts + (dur || 0)) / 1000`` over every event, metadata included; JavaScript's ``undefined + 0`` is NaN."""
+    starts = [ev["ts"] / 1000 for ev in doc["traceEvents"] if ev.get("ts") and ev["ph"] in ("B", "X", "I")]
+    ends = [(ev.get("ts", float("nan")) + (ev.get("dur") or 0)) / 1000 for ev in doc["traceEvents"]]
+    hi = float("nan") if any(e != e for e in ends) else max(ends, default=0.0)  # Math.max: one NaN makes NaN
+    return min(starts, default=0.0), hi
+
+
+def test_chrome_trace_metadata_carry_ts_so_devtools_finds_the_trace_end():
+    """Metadata events carry ``"ts": 0`` and ``"cat": "__metadata"`` as Chrome's own traces do: without ``ts`` DevTools'
+    Performance panel computed the trace's end as NaN, showed no time window and threw "RangeError: Maximum call
+    stack size exceeded" (benchmarks/check_trace_viewer.py --devtools); each named thread has a sort index, so
+    every viewer lists compute, communication, steps in that order (DevTools sorted them by name)."""
+    trace = merge_traces([_recorded(0).to_dict(), _recorded(1).to_dict()])
+    pred = predicted_spmd_spans({0: (0.008, 0.001, 0.001), 1: (0.008, 0.001, 0.001)})
+    doc = json.loads(json.dumps(chrome_trace(trace, pred)))
+    metas = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    assert metas and all(e["ts"] == 0 and e["cat"] == "__metadata" for e in metas)
+    lo, hi = _devtools_record_span_ms(doc)
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert hi == pytest.approx(max(e["ts"] + e["dur"] for e in xs) / 1000) and lo >= 0
+    names = {(e["pid"], e["tid"]) for e in metas if e["name"] == "thread_name"}
+    order = {(e["pid"], e["tid"]): e["args"]["sort_index"] for e in metas if e["name"] == "thread_sort_index"}
+    assert set(order) == names and all(order[k] == k[1] for k in names)
+    assert {(e["pid"], e["tid"]) for e in xs} <= names
 
 
 def _unnested_slices(doc):

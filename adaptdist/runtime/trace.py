@@ -427,12 +427,22 @@ def _grid_us(t_s: float) -> float:
     return round(t_s * 1e6 * US_GRID) / US_GRID
 
 
+def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A ``"ph": "M"`` metadata event as Chrome's own JSON traces write it: with ``"ts": 0`` and
+    ``"cat": "__metadata"``. The format document's examples omit ``ts`` on metadata, but Chrome DevTools' Performance
+    panel (its ``TracingModel``) takes ``ts + dur`` of every event for the trace's end: without ``ts`` the end was NaN,
+    the panel's time window stayed empty and its summary threw "RangeError: Maximum call stack size exceeded"
+    (``benchmarks/check_trace_viewer.py --devtools``)."""
+    return {"name": name, "cat": "__metadata", "ph": "M", "ts": 0, "pid": pid, "tid": tid, "args": args}
+
+
 def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]:
     """The Trace Event Format (JSON object form) of ``trace``: one ``"ph": "X"`` complete event per span
     (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane: 0 compute,
-    1 communication, 2 the step windows), ``idle`` spans included, ``"ph": "M"`` metadata naming processes and threads. ``predicted`` spans
-    (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened by chrome://tracing and
-    https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium project)."""
+    1 communication, 2 the step windows), ``idle`` spans included, ``"ph": "M"`` metadata naming and ordering
+    processes and threads. ``predicted`` spans (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened
+    by chrome://tracing and https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium
+    project); see :func:`_meta` for what the metadata events carry beyond that document's examples."""
     events: list[dict[str, Any]] = []
 
     def add(s: Span, pid: int, tid: int) -> None:
@@ -442,11 +452,15 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
         events.append({"name": s.label(), "cat": s.kind, "ph": "X", "ts": ts_us, "dur": max(end_us - ts_us, 0.0),
                        "pid": pid, "tid": tid, "args": args})
 
+    def name_tracks(pid: int, process: str, lanes) -> None:
+        events.append(_meta("process_name", pid, 0, {"name": process}))
+        events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
+        for lane, tid in lanes:
+            events.append(_meta("thread_name", pid, tid, {"name": lane}))
+            events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+
     for r in trace.ranks:
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for lane, tid in (("compute", 0), ("communication", 1), ("steps", 2)):
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}})
+        name_tracks(r, f"rank {r}", (("compute", 0), ("communication", 1), ("steps", 2)))
     for s in trace.spans:
         add(s, s.rank, LANE_TID[s.lane])
     for r in trace.ranks:
@@ -455,13 +469,8 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
     for s in trace.steps:
         add(Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"}), s.rank, 2)
     for r in sorted({s.rank for s in predicted}):
-        events.append({"name": "process_name", "ph": "M", "pid": 1000 + r, "tid": 0,
-                       "args": {"name": f"rank {r} (predicted)"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": 1000 + r, "tid": 0,
-                       "args": {"sort_index": 1000 + r}})
-        for lane, tid in LANE_TID.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": 1000 + r, "tid": tid,
-                           "args": {"name": "communication" if lane == "comm" else lane}})
+        name_tracks(1000 + r, f"rank {r} (predicted)",
+                    [("communication" if lane == "comm" else lane, tid) for lane, tid in LANE_TID.items()])
     for s in predicted:
         add(s, 1000 + s.rank, LANE_TID.get(s.lane, 0))
     return {"traceEvents": events, "displayTimeUnit": "ms",
