@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -98,8 +99,6 @@ class RankProgram:
         if self._traced is None:
             specs = [(list(self.state[f].shape), self.state[f].dtype) for f in self.input_fqns]
             specs += [(shape, getattr(torch, dtype)) for shape, dtype in self.batch_specs]
-            from .runtime.devices import code_device
-
             self._traced = compat.trace_fake(self.module, specs, code_device(self.code))
         return self._traced
 
@@ -470,3 +469,12 @@ def check_model_file(manifest: dict, directory: str | Path) -> None:
     if got != want:
         raise ProgramLoadError(f"the model file {str(path)!r} changed since {str(directory)!r} was compiled (sha256 "
                                f"{got[:12]}..., the manifest holds {want[:12]}...); compile again, or restore the file")
+
+
+def code_device(code: str) -> torch.device:
+    """The device rank-program source names in its device arguments (the first one; cpu where it names none): the
+    device its inputs must be on for the code to trace (:func:`adaptdist.runtime.devices.retarget_code` writes them)."""
+    m = re.search(r"device\(type='(cpu|cuda|meta)'(?:, index=(\d+))?\)", code)
+    if m is None:
+        return torch.device("cpu")
+    return torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))

@@ -126,8 +126,8 @@ def test_costing_a_program_captured_on_cuda(tmp_path):
     from adaptdist import _torch_compat as compat
     from adaptdist.compiler.lowering import compile_model
     from adaptdist.cost_models.schedule import build_schedule, schedule_from_graph
-    from adaptdist.program import module_from_source
-    from adaptdist.runtime.devices import code_device, retarget_code
+    from adaptdist.program import code_device, module_from_source
+    from adaptdist.runtime.devices import retarget_code
     from models import tiny_gpt
 
     def step(x):  # an arange on the input's device, as position ids are

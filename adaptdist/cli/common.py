@@ -6,13 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def planned_sync(args, model, example):
+    """``args._sync_plan`` when :func:`adaptdist.cli.modes.resolve_mode` planned the synchronous programs of this very
+    ``model`` and ``example`` (the same objects), else None."""
+    sp = getattr(args, "_sync_plan", None)
+    return sp if sp is not None and sp.model is model and sp.example is example else None
+
+
 def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimizer: str, layers: bool = True):
     """``--plan`` as a plan object, and the captured step when the planner captured it (else None):
     ``auto`` runs the planner for ``cluster`` (printing its summary), anything else is a manual plan."""
     from ..annotations import ManualPlan
 
     from ..compiler.planner.summary import print_summary
-    from .modes import planned_sync
 
     sp = planned_sync(args, model, example)  # the plan the mode choice priced (--mode auto|sync of a recommender)
     if sp is not None:

@@ -186,13 +186,6 @@ class SyncPlan:
     programs: dict
 
 
-def planned_sync(args, model, example):
-    """``args._sync_plan`` when :func:`resolve_mode` planned the synchronous programs of this very ``model`` and
-    ``example`` (the same objects), else None."""
-    sp = getattr(args, "_sync_plan", None)
-    return sp if sp is not None and sp.model is model and sp.example is example else None
-
-
 def print_mode(choice, console) -> None:
     """Print the chosen mode, each candidate's predicted step and each rank's role to ``console``."""
     from ..compiler.planner.modes import mode_lines

@@ -149,15 +149,6 @@ def retarget_code(code: str, device: torch.device) -> str:
     return _DEVICE_LITERAL.sub(literal, code)
 
 
-def code_device(code: str) -> torch.device:
-    """The device rank-program source names in its device arguments (the first one; cpu where it names none):
-    the device its inputs must be on for the code to trace."""
-    m = re.search(r"device\(type='(cpu|cuda|meta)'(?:, index=(\d+))?\)", code)
-    if m is None:
-        return torch.device("cpu")
-    return torch.device(m.group(1), int(m.group(2))) if m.group(2) else torch.device(m.group(1))
-
-
 def program_on_device(program, device: torch.device):
     """A copy of the :class:`~adaptdist.program.RankProgram` ``program`` that runs on ``device``: its code's device
     arguments retargeted (:func:`retarget_code`, re-executed when they changed) and its constants moved. Its
