@@ -392,13 +392,14 @@ def cmd_compile(args) -> int:
     from ..console import report_console
     from ..compiler.device_placement import parse_batch_split
 
-    from ..compiler.artifacts import compile_artifacts
+    from ..compiler.artifacts import check_replaceable_artifacts, compile_artifacts
     from ..model_spec import ModelSpec
     from .pipeline_flags import pipeline_request
 
     console = report_console()
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
+    check_replaceable_artifacts(Path(args.out))  # a folder that is not adaptdist artifacts is refused first
     prepare_out_dir(args.out, "-o")
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
@@ -430,8 +431,8 @@ def cmd_run(args) -> int:
     from ..runtime.run_artifacts import check_data_fits, data_spec
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import TrainConfig, run_worker
-    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_resumable, lock_out_dir,
-                        write_run_file, write_summary)
+    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_replaceable,
+                        check_resumable, lock_out_dir, write_run_file, write_summary)
 
     RUN_RESTORED = ("lr", "optimizer", "seed", "data", "checkpoint_every", "keep", "max_restarts",
                     "collective_timeout_s")
@@ -440,6 +441,8 @@ def cmd_run(args) -> int:
     d = Path(args.artifacts)
     if not d.is_dir():
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    if not args.resume:
+        check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
     out = prepare_out_dir(args.out)
     manifest = read_manifest(d)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])

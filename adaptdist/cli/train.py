@@ -183,9 +183,41 @@ def lock_out_dir(out: Path):
     return f
 
 
-def _clear_previous_run(out: Path, console) -> None:
-    """A new run into ``out``: remove what a previous run wrote there (never anything else)."""
+def _is_run_file(f: Path) -> bool:
+    """``f`` is a ``run.json`` as :func:`write_run_file` writes it (the marker of an adaptdist run directory)."""
+    try:
+        run = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(run, dict) and "version" in run and isinstance(run.get("settings"), dict)
+
+
+def check_replaceable(out: Path, flag: str = "--out") -> list[str]:
+    """Before anything is created or written: the names of :data:`OUTPUTS` in ``out`` that a new run would remove
+    (empty when ``out`` does not exist or holds none of them).
+
+    Raises:
+        NotARunDirError: ``out`` holds some of those names but no adaptdist ``run.json``: it was never an
+            adaptdist run (or its marker is gone), so it may hold the user's own files; nothing is removed.
+    """
+    from ..errors import NotARunDirError
+
+    if not out.is_dir():
+        return []
     found = [name for name in OUTPUTS if (out / name).exists()]
+    if not found or _is_run_file(out / RUN_FILE):
+        return found
+    marker = (f"its {RUN_FILE} is not one adaptdist wrote" if (out / RUN_FILE).exists()
+              else f"no {RUN_FILE}, the file every adaptdist run writes first")
+    raise NotARunDirError(f"{flag} {str(out)!r} holds {', '.join(found)} but {marker}: it is not a previous "
+                          f"adaptdist run, so nothing in it is replaced or removed; pass another {flag} (a new or "
+                          "empty directory), or move or remove those files yourself")
+
+
+def _clear_previous_run(out: Path, console) -> None:
+    """A new run into ``out``: remove what a previous adaptdist run wrote there (never anything else; a directory
+    without the run's ``run.json`` is refused by :func:`check_replaceable`, which callers run before any work)."""
+    found = check_replaceable(out)
     if not found:
         return
     console.print(f"[yellow]{out} holds a previous run ({', '.join(found)}): replacing it (use --resume {out} to "
@@ -294,6 +326,8 @@ def cmd_train(args, defaults: dict) -> int:
         raise UsageError("--precision bf16 with --batch-norm sync is not supported yet (the synchronized BatchNorm "
                          "rewrite does not follow autocast's casts): use --batch-norm local, or --precision fp32")
     spec = ModelSpec.parse(args.model)
+    if resume_src is None or Path(args.out).resolve() != resume_src.resolve():
+        check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
     resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
