@@ -193,3 +193,54 @@ def test_compile_into_its_previous_artifacts_is_allowed(tmp_path):
     (out / "manifest.json").write_text('{"format_version": 3, "adaptdist_version": "0.1"}')
     check_replaceable_artifacts(out)  # no error
     check_replaceable_artifacts(tmp_path / "new")  # a new directory: no error
+
+
+def _saved_run(src, model, step):
+    """A run directory as ``train`` leaves it: run.json and a complete checkpoint after ``step`` steps."""
+    from adaptdist.runtime.checkpoint_store import commit, prepare
+
+    src.mkdir()
+    (src / "run.json").write_text(json.dumps({"version": 1, "state": "complete",
+                                              "settings": {"model": model, "batch_size": 4, "steps": step}}))
+    tmp = prepare(src / "checkpoints", step)
+    (tmp / "state.bin").write_bytes(b"state")
+    commit(tmp, {"step": step})
+
+
+@pytest.mark.parametrize("where", ["new_out", "in_place"])
+def test_a_refused_resume_creates_nothing(capsys, tmp_path, where):
+    """New-user report: a --resume refused for its --steps still created the --out folder with a .lock in it."""
+    src = tmp_path / "src"
+    _saved_run(src, f"{_model(tmp_path)}:f", 4)
+    before = _all_paths(src)
+    out = tmp_path / "new" / "out" if where == "new_out" else src
+    assert main(["train", "--resume", str(src), "--out", str(out), "--steps", "4", "--sample-bytes", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "is at step 4 already" in err and "pass --steps greater than 4" in err, err
+    assert not (tmp_path / "new").exists(), _all_paths(tmp_path)
+    assert _all_paths(src) == before  # no .lock
+
+
+def test_a_train_refused_after_the_lock_removes_what_it_created(capsys, tmp_path):
+    """A refusal after --out was created and locked (here: a factory returning no batch) leaves no empty folder
+    and no .lock behind; a folder that existed keeps its files and loses only the .lock this attempt made."""
+    bad = _model(tmp_path, "import torch\ndef f(batch_size, seq_len):\n    return torch.nn.Linear(2, 2)\n")
+    out = tmp_path / "a" / "b"
+    assert main(["train", f"{bad}:f", "--nproc", "1", "--steps", "1", "--out", str(out), "--sample-bytes", "0"]) == 2
+    assert "must return (model" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert main(["train", f"{bad}:f", "--nproc", "1", "--steps", "1", "--out", str(kept), "--sample-bytes", "0"]) == 2
+    assert _all_paths(kept) == ["notes.txt"]
+
+
+def test_a_refused_run_resume_creates_nothing(capsys, tmp_path):
+    art = tmp_path / "art"
+    art.mkdir()
+    out = tmp_path / "never"
+    assert main(["run", str(art), "--out", str(out), "--resume", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no run.json there" in err, err
+    assert not out.exists()

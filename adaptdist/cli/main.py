@@ -443,6 +443,12 @@ def cmd_run(args) -> int:
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
     if not args.resume:
         check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
+    else:  # a refused --resume creates nothing
+        _restored_args(args, args._defaults, RUN_RESTORED, args.out, "adaptdist run")
+        run_file = Path(args.out) / RUN_FILE
+        if Path(json.loads(run_file.read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():
+            raise UsageError(f"--resume: the run in {args.out!r} trained other artifacts than {str(d)!r}")
+        check_resumable(Path(args.out), args.steps, console)
     out = prepare_out_dir(args.out)
     manifest = read_manifest(d)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])
@@ -455,11 +461,6 @@ def cmd_run(args) -> int:
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far (artifacts are compiled on cpu); "
                          "`adaptdist train --cluster FILE` compiles for and trains on cuda ranks")
-    if args.resume:
-        _restored_args(args, args._defaults, RUN_RESTORED, str(out), "adaptdist run")
-        if Path(json.loads((out / RUN_FILE).read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():
-            raise UsageError(f"--resume: the run in {str(out)!r} trained other artifacts than {str(d)!r}")
-        check_resumable(out, args.steps, console)
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
     if args.data is None:

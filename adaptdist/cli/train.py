@@ -214,6 +214,27 @@ def check_replaceable(out: Path, flag: str = "--out") -> list[str]:
                           "empty directory), or move or remove those files yourself")
 
 
+def _to_be_created(out: Path) -> list[Path]:
+    """What :func:`~adaptdist.cli.common.prepare_out_dir` and :func:`lock_out_dir` will create for ``out`` (the
+    lock file, the directory and its missing parents, innermost first): :func:`_remove_created` takes them away
+    again when the command is refused before the run begins."""
+    made = [] if (out / ".lock").exists() else [out / ".lock"]
+    p = out
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+def _remove_created(out: Path, created: list[Path]) -> None:
+    """Undo :func:`_to_be_created`'s list, never removing a directory that is not empty."""
+    for p in created:
+        try:
+            p.unlink() if p.name == ".lock" and p.parent == out else p.rmdir()
+        except OSError:
+            return
+
+
 def _clear_previous_run(out: Path, console) -> None:
     """A new run into ``out``: remove what a previous adaptdist run wrote there (never anything else; a directory
     without the run's ``run.json`` is refused by :func:`check_replaceable`, which callers run before any work)."""
@@ -328,50 +349,53 @@ def cmd_train(args, defaults: dict) -> int:
     spec = ModelSpec.parse(args.model)
     if resume_src is None or Path(args.out).resolve() != resume_src.resolve():
         check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
+    # refused before anything is created (the --out folder, its .lock)
+    resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
+    created = _to_be_created(Path(args.out))
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
-    resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
-    resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
-    import torch
-
-    torch.manual_seed(args.seed)
-    # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
-    built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
-    settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
-    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
-                    mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
-                    dense_ranks=getattr(args, "dense_ranks", None))
     started = []
-
-    def begin() -> None:
-        """Called by :func:`_train` once everything is checked and compiled, right before its first write: only
-        then is the previous run in ``out`` replaced (a run that fails before leaves it whole)."""
-        if not resuming_here:
-            _clear_previous_run(out, console)
-            if resume_src is not None:
-                _take_checkpoints(resume_src, out, console)
-        # resuming in place: the stopped run's programs, weights and summary stay until their successors replace them
-        write_run_file(out, settings, "running")
-        started.append(True)
-
-    from .modes import resolve_mode
-
-    resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
-    choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
-                          resuming=resume_src is not None, resume_kind=resume_kind, loss_fn=built[2])
-    if resume_kind == "async-hetero":  # refused before anything is changed
-        from ..runtime.hetero_checkpoint import check_meta
-
-        tables = built[0].sparse_arch.tables
-        check_meta(resume_info.meta, resume_info.path, args.optimizer, [t.weight.shape[0] for t in tables],
-                   tables[0].embedding_dim)
-    args._mode_choice = choice
-    if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
-        raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode async-hetero "
-                         "(cpu ranks hold the embedding tables, cuda ranks the dense part, their messages crossing "
-                         "as CPU tensors); synchronous plans need one device kind: describe only the cpu or only "
-                         "the cuda ranks")
     try:
+        resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
+        import torch
+
+        torch.manual_seed(args.seed)
+        # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
+        built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
+        settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
+        settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
+                        mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
+                        dense_ranks=getattr(args, "dense_ranks", None))
+
+        def begin() -> None:
+            """Called by :func:`_train` once everything is checked and compiled, right before its first write: only
+            then is the previous run in ``out`` replaced (a run that fails before leaves it whole)."""
+            if not resuming_here:
+                _clear_previous_run(out, console)
+                if resume_src is not None:
+                    _take_checkpoints(resume_src, out, console)
+            # resuming in place: the stopped run's programs, weights and summary stay until their successors
+            # replace them
+            write_run_file(out, settings, "running")
+            started.append(True)
+
+        from .modes import resolve_mode
+
+        resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
+        choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
+                              resuming=resume_src is not None, resume_kind=resume_kind, loss_fn=built[2])
+        if resume_kind == "async-hetero":  # refused before anything is changed
+            from ..runtime.hetero_checkpoint import check_meta
+
+            tables = built[0].sparse_arch.tables
+            check_meta(resume_info.meta, resume_info.path, args.optimizer, [t.weight.shape[0] for t in tables],
+                       tables[0].embedding_dim)
+        args._mode_choice = choice
+        if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
+            raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode "
+                             "async-hetero (cpu ranks hold the embedding tables, cuda ranks the dense part, their "
+                             "messages crossing as CPU tensors); synchronous plans need one device kind: describe "
+                             "only the cpu or only the cuda ranks")
         if choice is not None and choice.mode == "async-hetero":
             return train_async(args, spec, built, out, cluster, choice, timeouts, console, begin)
         if choice is not None:
@@ -383,6 +407,9 @@ def cmd_train(args, defaults: dict) -> int:
     except BaseException:
         if started and json.loads((out / RUN_FILE).read_text()).get("state") == "running":
             _set_state(out, "failed")
+        if not started:  # refused before the run began: leave no trace of this attempt
+            lock.close()
+            _remove_created(out, created)
         raise
     finally:
         lock.close()
