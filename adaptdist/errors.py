@@ -40,6 +40,12 @@ class RuntimeLaunchError(AdaptdistError):
     """Worker processes failed to start or one of them failed."""
 
 
+class NotARunDirError(UsageError):
+    """An output directory holds files with the names adaptdist writes (``checkpoints/``, ``programs/``, ``rank0/``,
+    ...) but not the marker a previous adaptdist run or compile leaves (``run.json``, ``manifest.json``): it may be
+    the user's, so nothing in it is replaced; the message names the directory, what it holds and what to do."""
+
+
 class CheckpointError(AdaptdistError):
     """A checkpoint is missing, partial, corrupt (a checksum differs), or was written for another model; the
     message names the checkpoint directory, the file and what differs."""

@@ -75,3 +75,53 @@ def test_another_model_is_refused_naming_both(tmp_path):
         cs.check_same_model(meta, final, "other", {"w": [4, 3]})
     with pytest.raises(CheckpointError, match="lacks"):
         cs.check_same_model(meta, final, "other", {"w": [2, 3], "b": [3]})
+
+
+def test_a_checkpoint_begun_and_never_committed_is_named_on_resume(tmp_path):
+    """New-user report: with --async-checkpoint a rank killed after step 5 resumed from step 2, though the log
+    had said 'checkpoint .../step-00000004', and nothing said why step 4 was not used."""
+    _write(tmp_path, 2)
+    cs.prepare(tmp_path, 4)  # the asynchronous write of step 4, never committed (the ranks died first)
+    (cs.temporary_dir(tmp_path, 4) / "rank0").mkdir()
+    info = cs.latest_good(tmp_path)
+    assert info.step == 2
+    note = cs.resume_note(tmp_path, info)
+    assert note.startswith("checkpoint step-00000004 was not complete (its write was interrupted before its "
+                           "commit"), note
+    assert note.endswith(": resuming from step-00000002 (step 2)"), note
+    assert cs.unfinished_checkpoints(tmp_path) == [(4, cs.temporary_dir(tmp_path, 4))]
+
+
+def test_no_resume_note_when_nothing_later_was_begun(tmp_path):
+    cs.prepare(tmp_path, 2)  # an older unfinished write (left by a crash, before the newest committed one)
+    _write(tmp_path, 4)
+    assert cs.resume_note(tmp_path, cs.latest_good(tmp_path)) is None
+    assert cs.resume_note(tmp_path / "none", None) is None
+
+
+def test_an_uncommitted_first_checkpoint_says_the_run_starts_again(tmp_path):
+    cs.prepare(tmp_path, 2)
+    note = cs.resume_note(tmp_path, cs.latest_good(tmp_path))
+    assert "checkpoint step-00000002 was not complete" in note and "starting again from step 0" in note, note
+
+
+def test_the_worker_logs_why_it_resumes_from_an_older_checkpoint(tmp_path):
+    from adaptdist.runtime.worker import _newest_checkpoint
+
+    _write(tmp_path, 2)
+    cs.prepare(tmp_path, 4)
+    notes = []
+    path, meta = _newest_checkpoint(tmp_path, notes.append)
+    assert meta["step"] == 2 and path.endswith("step-00000002")
+    assert len(notes) == 1 and "step-00000004 was not complete" in notes[0], notes
+
+
+def test_the_progress_log_calls_only_a_committed_checkpoint_a_checkpoint():
+    from adaptdist.runtime.worker import checkpoint_line
+
+    begun = checkpoint_line(4, 8, "out/checkpoints/step-00000004", writing=True)
+    assert begun == ("step 4/8: writing checkpoint out/checkpoints/step-00000004 in the background (usable once "
+                     "committed, at the next checkpoint)")
+    assert checkpoint_line(6, 8, "out/checkpoints/step-00000004", committed_late=True) == \
+        "step 6/8: checkpoint out/checkpoints/step-00000004 committed"
+    assert checkpoint_line(2, 8, "out/checkpoints/step-00000002") == "step 2/8: checkpoint out/checkpoints/step-00000002"

@@ -386,6 +386,7 @@ def test_a_bad_factory_leaves_the_previous_run_in_out(capsys, tmp_path):
     out.mkdir()
     (out / "summary.json").write_text('{"steps": 3}')
     (out / "model.safetensors").write_bytes(b"weights of the previous run")
+    (out / "run.json").write_text('{"version": 1, "state": "complete", "settings": {}}')
     f = _model_file(tmp_path, """
         import torch
         def factory(batch_size, seq_len):

@@ -205,6 +205,27 @@ def test_asynchronous_checkpoints_resume_like_synchronous_ones(reference, tmp_pa
     assert resumed in (4, 6)  # step 6's was in flight or committed when the rank died; never a partial one
 
 
+@pytest.mark.timeout(240)
+def test_an_asynchronous_checkpoint_never_committed_is_named_on_restart(tmp_path, monkeypatch, capfd):
+    """New-user report: 'step 4/8: checkpoint .../step-00000004' was printed, a rank died at step 5, and the restart
+    resumed from step 2 with no word why. Now step 4's line says it is being written (committed at the next
+    checkpoint), and the restart says step 4's write was interrupted before its commit."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("COLUMNS", "1000")  # the ranks' log lines unwrapped
+    rc = _train(out, "--async-checkpoint", "--max-restarts", "1", env={"ADAPTDIST_INJECT_FAULT": "kill:1:5"},
+                monkeypatch=monkeypatch)
+    err = capfd.readouterr().err
+    assert rc == 0, err[-3000:]
+    assert json.loads((out / "summary.json").read_text())["resumes"][0]["step"] == 2
+    ckpts = out / "checkpoints"
+    assert f"step 4/8: writing checkpoint {ckpts / 'step-00000004'} in the background" in err, err[-3000:]
+    assert f"step 4/8: checkpoint {ckpts / 'step-00000002'} committed" in err, err[-3000:]
+    assert f"step 4/8: checkpoint {ckpts / 'step-00000004'}\n" not in err, err[-3000:]
+    assert ("checkpoint step-00000004 was not complete (its write was interrupted before its commit; an "
+            "asynchronous checkpoint is committed at the next checkpoint): resuming from step-00000002 (step 2)"
+            ) in err, err[-3000:]
+
+
 @pytest.mark.bench  # outside CI (-m bench): a LLaMA run of its own; the refusal itself: test_checkpoint_store.py
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_another_model_is_refused_before_launch(reference, tmp_path, capsys):

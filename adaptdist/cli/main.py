@@ -392,13 +392,14 @@ def cmd_compile(args) -> int:
     from ..console import report_console
     from ..compiler.device_placement import parse_batch_split
 
-    from ..compiler.artifacts import compile_artifacts
+    from ..compiler.artifacts import check_replaceable_artifacts, compile_artifacts
     from ..model_spec import ModelSpec
     from .pipeline_flags import pipeline_request
 
     console = report_console()
     cluster = _cluster(args)
     spec = ModelSpec.parse(args.model)
+    check_replaceable_artifacts(Path(args.out))  # a folder that is not adaptdist artifacts is refused first
     prepare_out_dir(args.out, "-o")
     t0 = time.perf_counter()
     res = compile_artifacts(spec, cluster, batch_size=args.batch_size, seq_len=args.seq_len, plan_arg=args.plan,
@@ -430,8 +431,8 @@ def cmd_run(args) -> int:
     from ..runtime.run_artifacts import check_data_fits, data_spec
     from ..runtime.timeouts import Timeouts
     from ..runtime.worker import TrainConfig, run_worker
-    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_resumable, lock_out_dir,
-                        write_run_file, write_summary)
+    from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_replaceable,
+                        check_resumable, lock_out_dir, write_run_file, write_summary)
 
     RUN_RESTORED = ("lr", "optimizer", "seed", "data", "checkpoint_every", "keep", "max_restarts",
                     "collective_timeout_s")
@@ -440,6 +441,14 @@ def cmd_run(args) -> int:
     d = Path(args.artifacts)
     if not d.is_dir():
         raise UsageError(f"{str(d)!r} is not a directory; pass the -o directory of `adaptdist compile`")
+    if not args.resume:
+        check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
+    else:  # a refused --resume creates nothing
+        _restored_args(args, args._defaults, RUN_RESTORED, args.out, "adaptdist run")
+        run_file = Path(args.out) / RUN_FILE
+        if Path(json.loads(run_file.read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():
+            raise UsageError(f"--resume: the run in {args.out!r} trained other artifacts than {str(d)!r}")
+        check_resumable(Path(args.out), args.steps, console)
     out = prepare_out_dir(args.out)
     manifest = read_manifest(d)
     cluster = load_cluster(args.cluster) if args.cluster else local_cluster(manifest["world_size"])
@@ -452,11 +461,6 @@ def cmd_run(args) -> int:
     if cluster.device_kind != "cpu":
         raise UsageError(f"{cluster!r}: `run` starts cpu (gloo) ranks only so far (artifacts are compiled on cpu); "
                          "`adaptdist train --cluster FILE` compiles for and trains on cuda ranks")
-    if args.resume:
-        _restored_args(args, args._defaults, RUN_RESTORED, str(out), "adaptdist run")
-        if Path(json.loads((out / RUN_FILE).read_text())["settings"].get("artifacts", "")).resolve() != d.resolve():
-            raise UsageError(f"--resume: the run in {str(out)!r} trained other artifacts than {str(d)!r}")
-        check_resumable(out, args.steps, console)
     timeouts = Timeouts.for_collective(args.collective_timeout_s)
     timeouts.check()
     if args.data is None:

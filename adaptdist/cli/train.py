@@ -183,9 +183,62 @@ def lock_out_dir(out: Path):
     return f
 
 
-def _clear_previous_run(out: Path, console) -> None:
-    """A new run into ``out``: remove what a previous run wrote there (never anything else)."""
+def _is_run_file(f: Path) -> bool:
+    """``f`` is a ``run.json`` as :func:`write_run_file` writes it (the marker of an adaptdist run directory)."""
+    try:
+        run = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(run, dict) and "version" in run and isinstance(run.get("settings"), dict)
+
+
+def check_replaceable(out: Path, flag: str = "--out") -> list[str]:
+    """Before anything is created or written: the names of :data:`OUTPUTS` in ``out`` that a new run would remove
+    (empty when ``out`` does not exist or holds none of them).
+
+    Raises:
+        NotARunDirError: ``out`` holds some of those names but no adaptdist ``run.json``: it was never an
+            adaptdist run (or its marker is gone), so it may hold the user's own files; nothing is removed.
+    """
+    from ..errors import NotARunDirError
+
+    if not out.is_dir():
+        return []
     found = [name for name in OUTPUTS if (out / name).exists()]
+    if not found or _is_run_file(out / RUN_FILE):
+        return found
+    marker = (f"its {RUN_FILE} is not one adaptdist wrote" if (out / RUN_FILE).exists()
+              else f"no {RUN_FILE}, the file every adaptdist run writes first")
+    raise NotARunDirError(f"{flag} {str(out)!r} holds {', '.join(found)} but {marker}: it is not a previous "
+                          f"adaptdist run, so nothing in it is replaced or removed; pass another {flag} (a new or "
+                          "empty directory), or move or remove those files yourself")
+
+
+def _to_be_created(out: Path) -> list[Path]:
+    """What :func:`~adaptdist.cli.common.prepare_out_dir` and :func:`lock_out_dir` will create for ``out`` (the
+    lock file, the directory and its missing parents, innermost first): :func:`_remove_created` takes them away
+    again when the command is refused before the run begins."""
+    made = [] if (out / ".lock").exists() else [out / ".lock"]
+    p = out
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    return made
+
+
+def _remove_created(out: Path, created: list[Path]) -> None:
+    """Undo :func:`_to_be_created`'s list, never removing a directory that is not empty."""
+    for p in created:
+        try:
+            p.unlink() if p.name == ".lock" and p.parent == out else p.rmdir()
+        except OSError:
+            return
+
+
+def _clear_previous_run(out: Path, console) -> None:
+    """A new run into ``out``: remove what a previous adaptdist run wrote there (never anything else; a directory
+    without the run's ``run.json`` is refused by :func:`check_replaceable`, which callers run before any work)."""
+    found = check_replaceable(out)
     if not found:
         return
     console.print(f"[yellow]{out} holds a previous run ({', '.join(found)}): replacing it (use --resume {out} to "
@@ -294,50 +347,55 @@ def cmd_train(args, defaults: dict) -> int:
         raise UsageError("--precision bf16 with --batch-norm sync is not supported yet (the synchronized BatchNorm "
                          "rewrite does not follow autocast's casts): use --batch-norm local, or --precision fp32")
     spec = ModelSpec.parse(args.model)
+    if resume_src is None or Path(args.out).resolve() != resume_src.resolve():
+        check_replaceable(Path(args.out))  # a folder that is not an adaptdist run is refused before any work
+    # refused before anything is created (the --out folder, its .lock)
+    resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
+    created = _to_be_created(Path(args.out))
     out = prepare_out_dir(args.out)
     lock = lock_out_dir(out)  # held until this process ends
-    resume_info = check_resumable(resume_src, args.steps, console) if resume_src is not None else None
-    resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
-    import torch
-
-    torch.manual_seed(args.seed)
-    # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
-    built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
-    settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
-    settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
-                    mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
-                    dense_ranks=getattr(args, "dense_ranks", None))
     started = []
-
-    def begin() -> None:
-        """Called by :func:`_train` once everything is checked and compiled, right before its first write: only
-        then is the previous run in ``out`` replaced (a run that fails before leaves it whole)."""
-        if not resuming_here:
-            _clear_previous_run(out, console)
-            if resume_src is not None:
-                _take_checkpoints(resume_src, out, console)
-        # resuming in place: the stopped run's programs, weights and summary stay until their successors replace them
-        write_run_file(out, settings, "running")
-        started.append(True)
-
-    from .modes import resolve_mode
-
-    resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
-    choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
-                          resuming=resume_src is not None, resume_kind=resume_kind, loss_fn=built[2])
-    if resume_kind == "async-hetero":  # refused before anything is changed
-        from ..runtime.hetero_checkpoint import check_meta
-
-        tables = built[0].sparse_arch.tables
-        check_meta(resume_info.meta, resume_info.path, args.optimizer, [t.weight.shape[0] for t in tables],
-                   tables[0].embedding_dim)
-    args._mode_choice = choice
-    if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
-        raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode async-hetero "
-                         "(cpu ranks hold the embedding tables, cuda ranks the dense part, their messages crossing "
-                         "as CPU tensors); synchronous plans need one device kind: describe only the cpu or only "
-                         "the cuda ranks")
     try:
+        resuming_here = resume_src is not None and out.resolve() == resume_src.resolve()
+        import torch
+
+        torch.manual_seed(args.seed)
+        # a bad factory (or, for one that reads --data, bad data) fails before the previous run is touched
+        built = spec.build(args.batch_size, args.seq_len, data_path=args.data)
+        settings = {k: getattr(args, k, None) for k in (*RESTORED, "steps")}
+        settings.update(nproc=list(elastic) if elastic else args.nproc, cluster=args.cluster,
+                        mode=getattr(args, "mode", "auto"), max_staleness=getattr(args, "max_staleness", None),
+                        dense_ranks=getattr(args, "dense_ranks", None))
+
+        def begin() -> None:
+            """Called by :func:`_train` once everything is checked and compiled, right before its first write: only
+            then is the previous run in ``out`` replaced (a run that fails before leaves it whole)."""
+            if not resuming_here:
+                _clear_previous_run(out, console)
+                if resume_src is not None:
+                    _take_checkpoints(resume_src, out, console)
+            # resuming in place: the stopped run's programs, weights and summary stay until their successors
+            # replace them
+            write_run_file(out, settings, "running")
+            started.append(True)
+
+        from .modes import resolve_mode
+
+        resume_kind = None if resume_info is None else resume_info.meta.get("kind", "sync")
+        choice = resolve_mode(args, built[0], built[1], cluster, console, elastic=elastic,
+                              resuming=resume_src is not None, resume_kind=resume_kind, loss_fn=built[2])
+        if resume_kind == "async-hetero":  # refused before anything is changed
+            from ..runtime.hetero_checkpoint import check_meta
+
+            tables = built[0].sparse_arch.tables
+            check_meta(resume_info.meta, resume_info.path, args.optimizer, [t.weight.shape[0] for t in tables],
+                       tables[0].embedding_dim)
+        args._mode_choice = choice
+        if len(cluster.device_kinds) > 1 and (choice is None or choice.mode != "async-hetero"):
+            raise UsageError(f"{cluster!r} mixes cpu and cuda ranks: `train` runs such a cluster in --mode "
+                             "async-hetero (cpu ranks hold the embedding tables, cuda ranks the dense part, their "
+                             "messages crossing as CPU tensors); synchronous plans need one device kind: describe "
+                             "only the cpu or only the cuda ranks")
         if choice is not None and choice.mode == "async-hetero":
             return train_async(args, spec, built, out, cluster, choice, timeouts, console, begin)
         if choice is not None:
@@ -349,6 +407,9 @@ def cmd_train(args, defaults: dict) -> int:
     except BaseException:
         if started and json.loads((out / RUN_FILE).read_text()).get("state") == "running":
             _set_state(out, "failed")
+        if not started:  # refused before the run began: leave no trace of this attempt
+            lock.close()
+            _remove_created(out, created)
         raise
     finally:
         lock.close()

@@ -55,6 +55,37 @@ class CompileResult:
     pipeline: bool = False
 
 
+ARTIFACT_NAMES = ("manifest.json", "example_batch.safetensors", "report.html")
+"""Files ``compile -o`` overwrites besides ``rank{r}/`` (``plan.json`` too, but that one may be the ``--plan`` file
+itself, put there on purpose: it is rewritten with the plan it holds)."""
+
+
+def check_replaceable_artifacts(out: Path, flag: str = "-o") -> None:
+    """Before any work: ``compile -o OUT`` overwrites ``rank{r}/`` and :data:`ARTIFACT_NAMES` only in a directory
+    that is new, holds none of them, or holds an adaptdist artifact manifest (a previous compile).
+
+    Raises:
+        NotARunDirError: ``out`` holds some of those names but no adaptdist ``manifest.json``; nothing is written.
+    """
+    from ..errors import NotARunDirError
+
+    if not out.is_dir():
+        return
+    found = [n for n in ARTIFACT_NAMES if (out / n).exists()]
+    found += sorted(p.name + "/" for p in out.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+    if not found:
+        return
+    try:
+        manifest = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and "format_version" in manifest and "adaptdist_version" in manifest:
+        return
+    raise NotARunDirError(f"{flag} {str(out)!r} holds {', '.join(found)} but no manifest.json of adaptdist "
+                          "artifacts: it is not a previous `adaptdist compile -o`, so nothing in it is overwritten; "
+                          f"pass another {flag} (a new or empty directory), or move or remove those files yourself")
+
+
 def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int, plan_arg: str, out_dir: str | Path,
                       optimizer: str = "adamw", mesh: str | None = None, console: Any = None,
                       options: Any = None, pipeline: Any = None, batch_split: Any = "auto",

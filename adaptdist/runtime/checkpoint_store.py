@@ -40,6 +40,7 @@ CHECKPOINT_FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 META_NAME = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_DIR = re.compile(r"^\.step-(\d{8,})\.tmp$")
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,36 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def unfinished_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The temporary directories under ``root`` (``.step-XXXXXXXX.tmp``: a write begun and never committed, e.g. an
+    asynchronous checkpoint whose ranks stopped before its commit), oldest first, as ``(step, path)``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _TMP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def resume_note(root: Path, chosen: "CheckpointInfo | None") -> str | None:
+    """Why a later checkpoint than ``chosen`` (the one a restart resumes from; None: it starts from step 0) is not
+    used, when its write was begun and never committed (a line for the log), else None. E.g.
+    ``checkpoint step-00000004 was not complete (its write was interrupted before its commit): resuming from
+    step-00000002 (step 2)``."""
+    from_step = chosen.step if chosen is not None else -1
+    later = [p for step, p in unfinished_checkpoints(root) if step > from_step]
+    if not later:
+        return None
+    names = ", ".join(p.name[1:-len(".tmp")] for p in later)
+    where = (f"resuming from {chosen.path.name} (step {chosen.step})" if chosen is not None
+             else "starting again from step 0 (no complete checkpoint)")
+    return (f"checkpoint {names} {'was' if len(later) == 1 else 'were'} not complete (its write was interrupted "
+            f"before its commit; an asynchronous checkpoint is committed at the next checkpoint): {where}")
 
 
 def prune(root: Path, keep: int) -> None:

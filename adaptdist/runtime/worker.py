@@ -332,9 +332,12 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
 def _newest_checkpoint(root: Path, note) -> tuple[str, dict] | str | None:
     """(path, meta) of the newest good checkpoint under ``root``, None when there is none, ``"unusable"`` when
     there are some but none passes its checks (each one named through ``note``)."""
-    from .checkpoint_store import latest_good, list_checkpoints
+    from .checkpoint_store import latest_good, list_checkpoints, resume_note
 
     info = latest_good(root, note)
+    why = resume_note(root, info)  # a later checkpoint begun and never committed (a rank died during its write)
+    if why is not None and (info is not None or not list_checkpoints(root)):
+        note(why)
     if info is not None:
         return str(info.path), info.meta
     return "unusable" if list_checkpoints(root) else None
@@ -556,7 +559,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 if cfg.checkpoint and (periodic or signum or done == cfg.steps):
                     t_save = time.perf_counter()
                     if pending is not None:  # the previous asynchronous checkpoint: commit it first
-                        pending.commit()
+                        bar.checkpoint(done, pending.commit(), committed_late=True)
                     asynchronous = cfg.async_checkpoint and not signum and done != cfg.steps
                     pending = _save(cfg, runner, program, device_mesh, rank, world, done, losses,
                                     async_group=async_group if asynchronous else None)
@@ -565,7 +568,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                         pending = None
                     checkpoint_times.append(time.perf_counter() - t_save)
                     status.update(step=done)
-                    bar.checkpoint(done, path)
+                    bar.checkpoint(done, path, writing=asynchronous)
                 if meter is not None and done == rebalance_at:
                     runner, program = _rebalance(cfg, runner, program, program_dir, meter, range(start + 1, done),
                                                  rank, world, events, trace)
@@ -660,6 +663,17 @@ def _rebalance(cfg: TrainConfig, runner: StepRunner, program: RankProgram, progr
     events.add("rebalance", **decision.to_doc(), programs=path, quiet=True)
     events.note(decision.line())
     return runner, program
+
+
+def checkpoint_line(step: int, total: int, path: Path, writing: bool = False, committed_late: bool = False) -> str:
+    """The progress log's line for a checkpoint at ``step`` of ``total`` (see ``_Progress.checkpoint``): only a
+    committed checkpoint is called one, so that the log never names a checkpoint a restart cannot use."""
+    if writing:
+        return (f"step {step}/{total}: writing checkpoint {path} in the background (usable once committed, at the "
+                "next checkpoint)")
+    if committed_late:
+        return f"step {step}/{total}: checkpoint {path} committed"
+    return f"step {step}/{total}: checkpoint {path}"
 
 
 class _Written:
@@ -854,10 +868,13 @@ class _Progress:
             self._last_log = time.monotonic()
             self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {items_per_s:,.0f} {self.unit}/s")
 
-    def checkpoint(self, step: int, path: Path) -> None:
-        """A checkpoint was written after ``step``: a log line (above the bar on a terminal)."""
-        if self.enabled:
-            self.console.print(f"step {step}/{self.total}: checkpoint {path}")
+    def checkpoint(self, step: int, path: Path, writing: bool = False, committed_late: bool = False) -> None:
+        """A log line (above the bar on a terminal) at ``step``: the checkpoint ``path`` is committed (usable by a
+        restart); ``writing``: an asynchronous one was begun, usable only once committed at the next checkpoint;
+        ``committed_late``: an asynchronous one begun earlier is committed now."""
+        if not self.enabled:
+            return
+        self.console.print(checkpoint_line(step, self.total, path, writing, committed_late))
 
     def __exit__(self, *exc):
         if self._p is not None:
