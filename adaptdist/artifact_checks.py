@@ -12,8 +12,8 @@
   ``program.json`` typed the same way, and the ranks agree with each other: one schedule and stage layout, each
   stage's sends matching its peer's receives, each gradient group's members holding the parameter;
 - the ranks' ``batch_slice`` rows partition the global batch: distinct slices do not overlap and cover rows
-  0..B-1 (B from ``example_batch.safetensors`` when present), and each rank's slice has the rows its
-  program's batch inputs have (an edited slice would otherwise train on the wrong rows, silently).
+  0..B-1 (B from ``example_batch.safetensors`` when present; pipeline programs: each stage's ranks partition it,
+  every stage the same rows), and each rank's slice has the rows its program's batch inputs have (an edited slice would otherwise train on the wrong rows, silently).
 
 All before any program is executed.
 """
@@ -266,12 +266,52 @@ def _global_rows(directory: Path, manifest: Mapping[str, Any]) -> int | None:
     return int(shape[0]) if shape else None
 
 
+def _rows_read(m: Mapping[str, Any]) -> tuple[tuple[int, int], ...]:
+    """The ``[start, end)`` row ranges a rank's program reads: its ``batch_slice``; a pipeline rank whose
+    ``microbatch_stride`` differs from its ``microbatch_rows`` (stages of different sizes) reads
+    ``[off + m*stride, off + m*stride + rows)`` of each microbatch ``m`` (:class:`~adaptdist.stage_program.
+    PipelineRankProgram`)."""
+    off, size = m["batch_slice"]
+    rows, stride = m.get("microbatch_rows", size), m.get("microbatch_stride") or 0
+    if not stride or stride == rows:
+        return ((off, off + size),)
+    return tuple((off + i * stride, off + i * stride + rows) for i in range(m["num_microbatches"]))
+
+
+def _partition_end(metas: Mapping[int, Mapping[str, Any]], where: str, whose: str) -> int:
+    """The rows the ranks' distinct row sets (:func:`_rows_read`) cover, from 0 without gap or overlap; returns the
+    end."""
+    sets = {r: _rows_read(m) for r, m in metas.items()}
+    ranges = sorted({rg for rs in sets.values() for rg in rs})
+    end = 0
+    for start, stop in ranges:
+        if start != end:
+            who = sorted(r for r, rs in sets.items() if (start, stop) in rs)
+            what = "overlaps the rows of another rank" if start < end else f"leaves rows {end}..{start - 1} to no rank"
+            raise ProgramLoadError(
+                f"{where}: rank(s) {who}{whose} read batch rows [{start}, {stop}), which {what}: the ranks' "
+                "batch_slice values must partition the batch; compile again")
+        end = stop
+    return end
+
+
+def _stage_groups(metas: Mapping[int, Mapping[str, Any]], manifest: Mapping[str, Any]) -> list[tuple[str, dict]]:
+    """The groups whose ranks together read the batch once: all ranks, or, for pipeline programs, each stage's
+    ranks (every stage runs the whole batch, split among its data-parallel ranks; stages may differ in size)."""
+    if manifest.get("kind") != PIPELINE_KIND or not metas:
+        return [("", dict(metas))]
+    stage_ranks = next(iter(metas.values()))["stage_ranks"]  # (check_pipeline_ranks: every rank's is the same)
+    return [(f" of stage {s}", {r: metas[r] for r in stage_ranks[s] if r in metas})
+            for s in sorted(stage_ranks, key=int)]
+
+
 def check_batch_partition(metas: Mapping[int, Mapping[str, Any]], directory: Path,
                           manifest: Mapping[str, Any]) -> None:
-    """The ranks' ``batch_slice`` rows partition the global batch (module docstring).
+    """The ranks' ``batch_slice`` rows partition the global batch (module docstring); for pipeline programs each
+    stage's ranks partition it.
 
     Raises:
-        ProgramLoadError: names the rank, its slice and what is wrong.
+        ProgramLoadError: names the rank, its slice (and stage) and what is wrong.
     """
     where = f"the programs in {str(directory)!r}"
     for r, m in sorted(metas.items()):
@@ -281,20 +321,18 @@ def check_batch_partition(metas: Mapping[int, Mapping[str, Any]], directory: Pat
                 raise ProgramLoadError(
                     f"{where}: rank {r}'s batch_slice [{off}, {size}] gives {size} rows, but its program takes "
                     f"batch input {i} with {shape[0]} rows (batch_specs); the slice was edited: compile again")
-    slices = sorted({tuple(m["batch_slice"]) for m in metas.values()})
-    end = 0
-    for off, size in slices:
-        if off != end:
-            who = sorted(r for r, m in metas.items() if tuple(m["batch_slice"]) == (off, size))
-            what = "overlaps the rows of another rank" if off < end else f"leaves rows {end}..{off - 1} to no rank"
-            raise ProgramLoadError(
-                f"{where}: rank(s) {who} read batch rows [{off}, {off + size}), which {what}: the ranks' "
-                "batch_slice values must partition the batch; compile again")
-        end = off + size
     rows = _global_rows(directory, manifest)
-    if rows is not None and end != rows:
-        raise ProgramLoadError(f"{where}: the ranks' batch slices cover rows 0..{end - 1}, but the global batch "
-                               f"(example_batch.safetensors) has {rows} rows; compile again")
+    first = None
+    for whose, group in _stage_groups(metas, manifest):
+        end = _partition_end(group, where, whose)
+        if rows is not None and end != rows:
+            raise ProgramLoadError(f"{where}: the batch slices of the ranks{whose} cover rows 0..{end - 1}, but the "
+                                   f"global batch (example_batch.safetensors) has {rows} rows; compile again")
+        if first is not None and end != first[1]:
+            raise ProgramLoadError(f"{where}: the ranks{whose} read batch rows 0..{end - 1}, but the ranks"
+                                   f"{first[0]} read rows 0..{first[1] - 1}; every stage runs the whole batch: "
+                                   "compile again")
+        first = first or (whose, end)
 
 
 def check_compile(directory: str | Path, manifest: Mapping[str, Any], check_meta: Any = None,

@@ -98,6 +98,9 @@ def check_pipeline_meta(meta: object, path: Path, rank: int, manifest: Mapping[s
         raise f.fail("batch_slice", f"must be [first row, rows] (integers >= 0), got {_short(sl)}")
     if sl[1] != mb * rows:
         raise f.fail("batch_slice", f"gives {sl[1]} rows, but num_microbatches x microbatch_rows is {mb} x {rows}")
+    stride = f.int("microbatch_stride", 0) if f.has("microbatch_stride") else 0
+    if 0 < stride < rows:
+        raise f.fail("microbatch_stride", f"is {stride}, fewer than microbatch_rows {rows} (0: contiguous rows)")
     if f.need("schedule") not in SCHEDULES:
         raise f.fail("schedule", f"must be one of {list(SCHEDULES)}, got {_short(f.need('schedule'))}")
     stages = f.need("stages")

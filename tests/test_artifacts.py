@@ -197,6 +197,24 @@ def test_run_resumes_from_its_checkpoint(artifacts, run_of_6_steps, tmp_path, mo
     assert summary["losses"] == json.loads((ref / "summary.json").read_text())["losses"]
 
 
+@pytest.mark.slow
+def test_a_clean_resume_is_no_restart(artifacts, run_of_6_steps, tmp_path, capfd):
+    """`run --steps 2`, then `--resume --steps 4` and `--resume --steps 6`: no launch is a restart (summary.json's
+    restarts stay empty and no rank says "(restart N)"; each resume was counted as one), and the losses are those of
+    a run that never stopped."""
+    out = tmp_path / "r"
+    assert main(["run", str(artifacts), "--steps", "2", "--optimizer", "sgd", "--checkpoint-every", "2",
+                 "--out", str(out)]) == 0
+    for steps in (4, 6):
+        capfd.readouterr()
+        assert main(["run", str(artifacts), "--steps", str(steps), "--out", str(out), "--resume"]) == 0
+        err = capfd.readouterr().err
+        assert "rank 0: pid" in err and "(restart" not in err and "adaptdist: restart" not in err, err
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["restarts"] == [] and summary["resumes"][-1]["step"] == steps - 2
+    assert summary["losses"] == json.loads((run_of_6_steps / "summary.json").read_text())["losses"]
+
+
 def test_run_notices_a_changed_model_file(artifacts, tmp_path, capsys):
     """The manifest holds the model file's sha256: an edited file (its data() feeds the run) is refused."""
     d = _copy(artifacts, tmp_path / "a")

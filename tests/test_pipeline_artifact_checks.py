@@ -132,3 +132,41 @@ def test_a_shared_memory_group_one_member_lacks_is_refused(compiles, tmp_path):
     p.write_text(json.dumps(meta))
     _fix_hashes(d)
     _refused(d, str(d / "rank0" / "program.json"), str(p), "shm_groups['adaptdist:grads[0,1]']")
+
+
+def test_stages_of_different_sizes_each_partition_the_batch(tmp_path):
+    """`--stage-ranks 2,1`, 2 microbatches of 6 rows: stage 0's two ranks read rows 0..2 and 6..8, and 3..5 and
+    9..11 (microbatch_stride 6), stage 1's one rank all 12; each stage's ranks cover the batch once, so the directory
+    loads (it was refused as an overlap); a stage whose ranks do not cover it, or cover other rows than another
+    stage's, is still refused naming the stage."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    progs = compile_model(m, (x, y), torch.nn.functional.mse_loss, 3, None,
+                          pipeline=PipelineOptions(microbatches=2, schedule="1f1b", stage_ranks=(2, 1)))
+    d = save_pipeline_programs(progs, tmp_path / "pp21")
+    metas = {r: json.loads((d / f"rank{r}" / "program.json").read_text()) for r in range(3)}
+    assert {r: (m["batch_slice"], m["microbatch_stride"]) for r, m in metas.items()} == {
+        0: ([0, 6], 6), 1: ([3, 6], 6), 2: ([0, 12], 6)}
+    check_artifacts(d, None)
+
+    def edited(name: str, **fields) -> Path:
+        bad = _copy(d, tmp_path / name)
+        p = bad / "rank1" / "program.json"
+        p.write_text(json.dumps({**metas[1], **fields}))
+        _fix_hashes(bad)
+        return bad
+
+    # rank 1 reads rank 0's rows: stage 0 leaves rows 3..5 to no rank
+    _refused(edited("same", batch_slice=[0, 6]), "rank(s) [0, 1] of stage 0", "leaves rows 3..5 to no rank")
+    _refused(edited("overlap", batch_slice=[2, 6]), "rank(s) [1] of stage 0", "[2, 5)", "overlaps")
+    # rank 1 reads its rows contiguously from row 6: stage 0 covers rows 0..2 and 6..11 (a gap)
+    _refused(edited("stride", batch_slice=[6, 6], microbatch_stride=0), "of stage 0", "leaves rows 3..5")
+    _refused(edited("short", microbatch_stride=2), "'microbatch_stride'", "fewer than microbatch_rows 3")
+    # stage 0's ranks cover rows 0..7 only (2 rows of each 4-row microbatch each), stage 1's rank rows 0..11
+    short = _copy(d, tmp_path / "fewer")
+    for r in (0, 1):
+        (short / f"rank{r}" / "program.json").write_text(json.dumps(
+            {**metas[r], "batch_slice": [2 * r, 4], "microbatch_rows": 2, "microbatch_stride": 4}))
+    _fix_hashes(short)
+    _refused(short, "of stage 1 read batch rows 0..11", "of stage 0 read rows 0..7")

@@ -256,6 +256,20 @@ def test_train_stage_ranks_on_three_ranks_equals_eager(tmp_path):
     assert [dict(s["mesh"]) for s in plan["pipeline"]["stages"]] == [{"dp": 2}, {}]
 
 
+@pytest.mark.slow
+def test_compile_stage_ranks_then_run_equals_eager(tmp_path):
+    """`adaptdist compile --plan pp --stage-ranks 2,1 --nproc 3` + `adaptdist run`: the directory loads (each stage's
+    ranks read the batch once; it was refused as overlapping rows) and summary.json's losses are eager's."""
+    from adaptdist.cli.main import main
+    from test_pipeline_cli import COMMON, LR, MODEL, _eager_losses, _losses
+
+    art, out = tmp_path / "art", tmp_path / "run"
+    assert main(["compile", MODEL, *COMMON, "--plan", "pp", "--stage-ranks", "2,1", "--nproc", "3", "--microbatches",
+                 "2", "-o", str(art)]) == 0
+    assert main(["run", str(art), "--optimizer", "sgd", "--lr", str(LR), "--out", str(out), "--steps", "2"]) == 0
+    assert _losses(out) == pytest.approx(_eager_losses(2), abs=1e-5)
+
+
 def test_the_planner_gives_a_faster_device_a_stage_of_its_own():
     """3 ranks, ranks 0 and 1 half as fast as rank 2: without --mesh the planner weighs stages of different sizes
     and puts the two slow ranks on one data-parallel stage and the fast one alone, with as many layers: predicted

@@ -430,7 +430,7 @@ def cmd_run(args) -> int:
     from ..runtime.launch import launch_local
     from ..runtime.run_artifacts import check_data_fits, data_spec
     from ..runtime.timeouts import Timeouts
-    from ..runtime.worker import TrainConfig, run_worker
+    from ..runtime.worker import TrainConfig, _next_attempt, run_worker
     from .train import (RUN_FILE, _clear_previous_run, _ended_early, _restored_args, check_replaceable,
                         check_resumable, lock_out_dir, write_run_file, write_summary)
 
@@ -481,7 +481,9 @@ def cmd_run(args) -> int:
     unit, items = manifest_unit(manifest, [example["b0"]])
     world = manifest["world_size"]
     threads = max(1, (os.cpu_count() or 1) // world)
-    cfg = TrainConfig(program_dir=str(d), out_dir=str(out), data=data, steps=args.steps, lr=args.lr,
+    # the attempts before this launch (a resumed run's) are not its restarts: count from the next one, as train does
+    cfg = TrainConfig(first_attempt=_next_attempt(str(out)), program_dir=str(d), out_dir=str(out), data=data,
+                      steps=args.steps, lr=args.lr,
                       optimizer=args.optimizer, seed=args.seed, threads_per_rank=threads,
                       timeout_s=timeouts.collective_s, backend=cluster.backend, items_per_step=items, unit=unit,
                       checkpoint_every=args.checkpoint_every, keep=args.keep, model_name=str(manifest.get("model")),
