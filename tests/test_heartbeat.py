@@ -250,3 +250,23 @@ def test_2d_mesh_kill_every_survivor_names_the_killed_rank(tmp_path):
         assert "most likely died" not in recs[r]["error"] and "waited --collective-timeout-s" not in recs[r]["error"]
     assert "frame #" not in log and "TCPStore.cpp" not in log, log[-3000:]
     assert "restart 1: rank 1 (pid" in log
+
+
+def test_a_killed_unreaped_process_is_not_alive():
+    import os
+    import signal
+    import subprocess
+    import time as _time
+
+    from adaptdist.runtime.heartbeat import _pid_alive
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _pid_alive(child.pid) and _pid_alive(os.getpid())
+        os.kill(child.pid, signal.SIGKILL)
+        _time.sleep(0.2)  # a zombie now: not reaped until wait()
+        assert not _pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not _pid_alive(child.pid)

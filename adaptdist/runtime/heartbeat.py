@@ -278,13 +278,18 @@ def compose_failure(me: int, step: int, own: OwnFailure, states: dict[int, PeerS
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # (EPERM: it exists)
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return True
 
 
 def read_records(status_dir: Path | None) -> dict[int, dict]:
