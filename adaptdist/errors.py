@@ -93,7 +93,19 @@ class PlanInfeasibleError(AdaptdistError):
 
 class CollectiveTimeoutError(RuntimeLaunchError):
     """A collective timed out or lost its connection; the message names the rank(s) that did not arrive, their
-    last step and how long ago it was, and the collective timeout."""
+    last step and how long ago it was, and the collective timeout.
+
+    Optional facts for the other ranks' diagnosis (:func:`adaptdist.runtime.heartbeat.named_timeout`):
+    ``peer_global_rank``, the peer this rank waited on (None: unknown); ``peer_lost``, whether that peer's
+    process ended or closed its connection (True) rather than stalled (False; None: unknown); ``dead_ranks``,
+    the ranks this rank found dead (killed without a word, not exited after a failure of their own)."""
+
+    def __init__(self, message: str, *, peer_global_rank: int | None = None, peer_lost: bool | None = None,
+                 dead_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.peer_global_rank = peer_global_rank
+        self.peer_lost = peer_lost
+        self.dead_ranks = tuple(dead_ranks)
 
 
 class ShmUnavailableError(UsageError):
@@ -108,10 +120,10 @@ class ShmPeerError(CollectiveTimeoutError):
 
     def __init__(self, message: str, group: str | None = None, peer_group_rank: int | None = None,
                  peer_global_rank: int | None = None, peer_pid: int | None = None):
-        super().__init__(message)
+        super().__init__(message, peer_global_rank=peer_global_rank,
+                         peer_lost=None if peer_global_rank is None else "its process is gone" in message)
         self.group = group
         self.peer_group_rank = peer_group_rank
-        self.peer_global_rank = peer_global_rank
         self.peer_pid = peer_pid
 
 

@@ -185,7 +185,8 @@ class PipelineStepRunner:
                 str(r) for r in ranks if r != self.program.rank)
             waited_s = time.monotonic() - t0
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if waited_s < 0.9 * self.timeout_s:  # not the timeout: the connection failed (a peer died)
+            lost = waited_s < 0.9 * self.timeout_s  # not the timeout: the connection failed (a peer died or exited)
+            if lost:
                 how, why, fix = (f"failed after {waited_s:.1f} s", f"{who} closed the connection (it died or exited)",
                                  "check its log for the first error")
             else:
@@ -193,7 +194,8 @@ class PipelineStepRunner:
                                  "check its log, or raise --collective-timeout-s")
             raise CollectiveTimeoutError(
                 f"rank {self.program.rank}: {what}{f' with rank {peer}' if peer is not None else ''} {how} ({text})"
-                f": {why} (pipeline schedule {self.program.schedule}); {fix}") from e
+                f": {why} (pipeline schedule {self.program.schedule}); {fix}",
+                peer_global_rank=peer, peer_lost=lost) from e
 
     def _post_sends(self, tensors: Sequence[torch.Tensor], routes, peer: int | None, a: Action, backward: bool,
                     pending: list) -> None:

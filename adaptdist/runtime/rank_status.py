@@ -61,8 +61,9 @@ def failure_of(out_dir: str | Path, attempt: int) -> str | None:
         except (OSError, ValueError):
             continue
     lost = ("Connection closed", "Connection reset", "Broken pipe", "its process is gone")  # a peer died: not a stall
-    stalls = sorted((r for r in records if r.get("error_type") == "CollectiveTimeoutError"
-                     and not any(t in (r.get("error") or "") for t in lost)), key=lambda r: r["time_s"])
+    stalls = sorted((r for r in records if r.get("error_type") == "CollectiveTimeoutError" and not r.get("peer_lost")
+                     and not r.get("dead_ranks") and not any(t in (r.get("error") or "") for t in lost)),
+                    key=lambda r: r["time_s"])
     if stalls:  # a peer waited out the collective timeout and named the rank that did not arrive
         r = stalls[0]
         return f"rank {r['rank']} timed out: {r['error']}"

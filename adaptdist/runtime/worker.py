@@ -507,7 +507,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 events.note("no re-balance of the batch rows: " + ("a pipeline plan" if not isinstance(runner, StepRunner)
                                                                  else f"{world} ranks, planned for "
                                                                       f"{cfg.rebalance_cluster.world_size}"))
-        heartbeat = Heartbeat(rank, world)
+        heartbeat = Heartbeat(rank, world, status_dir=status.path.parent)
         times: list[float] = []
         checkpoint_times: list[float] = []
         ends: list[float] = []  # each step's end, for the interval between steps (data loading included)
@@ -545,7 +545,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                             loss = runner.step(batch)
                     signum = stop.agreed(step + 1)
                 except Exception as e:
-                    named = named_timeout(e, heartbeat, step + 1)
+                    named = named_timeout(e, heartbeat, step + 1, waited_s=time.perf_counter() - t0)
                     if named is e:
                         raise
                     raise named from e
@@ -619,7 +619,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     except SystemExit:
         raise
     except BaseException as e:
-        status.update(state="failed", step=step, error=f"{type(e).__name__}: {e}"[:2000], error_type=type(e).__name__)
+        status.update(state="failed", step=step, error=f"{type(e).__name__}: {e}"[:2000], error_type=type(e).__name__,
+                      # what the other ranks' diagnosis reads (heartbeat.peer_states): whom this rank found dead
+                      dead_ranks=list(getattr(e, "dead_ranks", ())), peer_lost=getattr(e, "peer_lost", None))
         raise
     finally:
         stops.close()
