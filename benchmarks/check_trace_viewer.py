@@ -215,11 +215,17 @@ def _serve(root: Path):
     return srv
 
 
+def track_names(doc: dict) -> tuple[dict, dict]:
+    """The trace's metadata names: ``{pid: process name}`` and ``{(pid, tid): thread name}``."""
+    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    return procs, threads
+
+
 def expected_profiles(doc: dict) -> list[str]:
     """speedscope's profile names for our trace: one per (pid, tid) with complete events,
     ``"<process_name> (pid P), <thread_name> (tid T)"``."""
-    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    procs, threads = track_names(doc)
     keys = sorted({(e["pid"], e["tid"]) for e in doc["traceEvents"] if e["ph"] == "X"})
     return [f"{procs.get(p, '?')} (pid {p}), {threads.get((p, t), '?')} (tid {t})" for p, t in keys]
 
@@ -283,8 +289,7 @@ DEVTOOLS_GENERIC_TRACE = "Failed to find browser main thread in trace, some time
 
 def expected_devtools_tracks(doc: dict) -> list[tuple[str, int, int, str, int]]:
     """(process name, pid, tid, thread name, number of complete events) per (pid, tid) with complete events."""
-    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    procs, threads = track_names(doc)
     n: dict[tuple[int, int], int] = {}
     for e in doc["traceEvents"]:
         if e["ph"] == "X":

@@ -256,7 +256,6 @@ def test_a_killed_unreaped_process_is_not_alive():
     import os
     import signal
     import subprocess
-    import time as _time
 
     from adaptdist.runtime.heartbeat import _pid_alive
 
@@ -264,7 +263,7 @@ def test_a_killed_unreaped_process_is_not_alive():
     try:
         assert _pid_alive(child.pid) and _pid_alive(os.getpid())
         os.kill(child.pid, signal.SIGKILL)
-        _time.sleep(0.2)  # a zombie now: not reaped until wait()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # returns once it has died; leaves it a zombie
         assert not _pid_alive(child.pid)
     finally:
         child.kill()

@@ -143,32 +143,25 @@ def commit(tmp: Path, meta: Mapping[str, Any], keep: int | None = None) -> Path:
     return final
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """The checkpoint directories under ``root`` (complete or not, temporaries excluded), oldest first, as
-    ``(step, path)``."""
+def _step_dirs(root: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the directories under ``root`` whose name ``pattern`` matches (group 1: the step),
+    oldest first; none where ``root`` is not a directory."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name)) and p.is_dir())
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The checkpoint directories under ``root`` (complete or not, temporaries excluded), oldest first, as
+    ``(step, path)``."""
+    return _step_dirs(root, _STEP_DIR)
 
 
 def unfinished_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """The temporary directories under ``root`` (``.step-XXXXXXXX.tmp``: a write begun and never committed, e.g. an
     asynchronous checkpoint whose ranks stopped before its commit), oldest first, as ``(step, path)``."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _TMP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return _step_dirs(root, _TMP_DIR)
 
 
 def resume_note(root: Path, chosen: "CheckpointInfo | None") -> str | None:
