@@ -39,6 +39,20 @@ def test_restart_count_outside_agent(monkeypatch):
     assert restart_count() == 2
 
 
+def test_first_attempt_of_a_launch_under_torchrun(monkeypatch, tmp_path):
+    """`python -m adaptdist.runtime.run_artifacts` under torchrun: a second launch into the same --out starts at
+    the next attempt (not "restart 1"); an agent's restart of it keeps the launch's first attempt."""
+    from adaptdist.runtime.worker import first_attempt_of_launch
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert first_attempt_of_launch(str(tmp_path)) == 0
+    for a in (0, 1):
+        (tmp_path / "status" / f"attempt{a}").mkdir(parents=True)
+    assert first_attempt_of_launch(str(tmp_path)) == 2  # a new launch after two attempts
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert first_attempt_of_launch(str(tmp_path)) == 1  # the agent's first restart of a launch that began at 1
+
+
 def test_launch_local_refuses_bad_arguments():
     with pytest.raises(UsageError, match="nproc"):
         launch_local(restart_worker, (0, "kill"), 0)

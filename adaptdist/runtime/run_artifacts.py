@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from ..errors import AdaptdistError, RuntimeLaunchError
     from ..program import check_artifacts, check_model_file
-    from .worker import TrainConfig, run_worker
+    from .worker import TrainConfig, first_attempt_of_launch, run_worker
 
     try:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..throughput import manifest_unit
 
         unit, items = manifest_unit(manifest, [load_file(str(d / "example_batch.safetensors"))["b0"]])
-        cfg = TrainConfig(program_dir=str(d), out_dir=args.out, data=data_spec(manifest, d, args.data, args.seed),
+        cfg = TrainConfig(first_attempt=first_attempt_of_launch(args.out), program_dir=str(d), out_dir=args.out,
+                          data=data_spec(manifest, d, args.data, args.seed),
                           steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
                           threads_per_rank=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))),
                           timeout_s=args.timeout_s, backend="nccl" if kinds == {"cuda"} else "gloo",

@@ -350,6 +350,15 @@ def _next_attempt(out_dir: str) -> int:
     return max(found) + 1 if found else 0
 
 
+def first_attempt_of_launch(out_dir: str) -> int:
+    """The attempt number this launch started at, for a worker that torch's agent may have restarted: the next
+    attempt less the agent's restarts so far (``TORCHELASTIC_RESTART_COUNT``), so that a second launch into the
+    same ``--out`` is not reported as a restart of the first."""
+    from .launch import restart_count
+
+    return max(0, _next_attempt(out_dir) - restart_count())
+
+
 def _broadcast(value: Any, rank: int) -> Any:
     """Rank 0's ``value`` on every rank (a pickled object over the default group: our own ranks only)."""
     box = [value if rank == 0 else None]
