@@ -117,13 +117,13 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                       "machine's)[/]")
     if len(result.tried) > 1:
         t = Table(title="mesh shapes tried (predicted per rank)")
-        for col in ("mesh", "batch axis", "step ms", "communication ms", "memory MiB", ""):
+        for col in ("mesh", "batch axis", "what its plan splits", "step ms", "communication ms", "memory MiB", ""):
             t.add_column(col)
         for c, ev_or_why in result.tried:
             if isinstance(ev_or_why, str):
-                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", ev_or_why)
+                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", "-", ev_or_why)
             else:
-                t.add_row(str(c), str(c.batch_axis or "-"), f"{1e3 * ev_or_why.step_s:.3f}",
+                t.add_row(str(c), str(c.batch_axis or "-"), result.splits.get(c, "-"), f"{1e3 * ev_or_why.step_s:.3f}",
                           f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
                           f"{ev_or_why.memory_bytes / 2**20:,.1f}",
                           ("best without stages" if won else "chosen") if c == result.candidate else "")
