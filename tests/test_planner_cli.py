@@ -155,3 +155,16 @@ def test_the_table_of_shapes_says_what_each_plan_splits():
     rows = [line for line in console.export_text().splitlines() if line.startswith("│ tp=2")]
     assert len(rows) == 1 and "no parameter sharded on tp" in rows[0], rows
 
+
+def test_one_rank_plans_call_nothing_sharded(model_file, capsys):
+    """On one rank (mesh tp=1) every placement holds the whole tensor. The ILP broke a tie toward S(1) there, and
+    explain said "2 of 4 replicated on every axis; sharded: 0.weight [S(1)], 2.weight [S(1)]" (plan's table
+    tp:S(1), and "split their work over tp"): now Replicate, as the lowering holds them; one "rank 0 holds" column."""
+    assert main(["explain", "0.weight", model_file, "--mesh", "tp=1", "--batch-size", "64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "parameters: 4 of 4 replicated on every axis" in out and "sharded:" not in out, out
+    assert "split their work over tp" not in out and "S(1)]" not in out
+    assert main(["plan", model_file, "--mesh", "tp=1", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "tp:S(" not in out and "tp:R" in out, out
+    assert out.count("rank 0 holds") == 1, out

@@ -432,7 +432,9 @@ def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chose
 
     params = {}
     for pn in pg.params():
-        pls = tuple(place(pn.name, a) for a in names)
+        # on an axis of one rank every placement holds the whole tensor: Replicate, as the lowering holds it (a
+        # tie the ILP broke toward S(1) there once read "sharded" in plan and explain on one rank)
+        pls = tuple(place(pn.name, a) if c.mesh.size(a) > 1 else Replicate() for a in names)
         if any(not isinstance(p, Replicate) for p in pls):
             params[pn.fqn] = pls
     ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]
