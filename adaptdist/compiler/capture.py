@@ -350,6 +350,8 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 # find_unused_parameters. Captured as frozen inputs: no gradient, no optimizer state, left as they
                 # are by every optimizer, as eager's (whose .grad stays None); kept in the state and checkpoints
                 unused = _params_without_gradient(step, fake_batch)
+                if len(unused) == sum(1 for p in state.values() if isinstance(p, nn.Parameter) and p.requires_grad):
+                    unused = []  # the loss reaches no parameter: nothing to train (the error below says so)
                 if unused:
                     for f in unused:
                         state[f"model.{f}"].requires_grad_(False)
