@@ -85,6 +85,24 @@ class DataBranch(nn.Module):
         return self.b(h)
 
 
+class UnusedHead(nn.Module):
+    """Parameters the loss does not reach (DDP's find_unused_parameters): a pooler whose output the forward
+    computes and drops (dead code in the graph), and a head it never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.pooler = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+        self.spare = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        pooled = torch.tanh(self.pooler(h))  # computed, not in the loss (as BertModel's pooler under a token loss)
+        del pooled
+        return self.out(h)
+
+
 def _dense(model: nn.Module, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed + 1)
     return model, (torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g)), F.mse_loss
@@ -107,6 +125,11 @@ def frozen_block(batch: int = 6, seed: int = 0):
     return _dense(FrozenBlock(), batch, seed)
 
 
+def unused_head(batch: int = 6, seed: int = 0):
+    torch.manual_seed(seed)
+    return _dense(UnusedHead(), batch, seed)
+
+
 def shape_branch(batch: int = 6, seed: int = 0, wide: bool = True):
     torch.manual_seed(seed)
     return _dense(ShapeBranch(wide), batch, seed)
@@ -121,6 +144,7 @@ FACTORIES = {
     "linear_twice": linear_twice,
     "shared_weight": shared_weight,
     "frozen_block": frozen_block,
+    "unused_head": unused_head,
     "shape_wide": lambda batch: shape_branch(batch, wide=True),
     "shape_narrow": lambda batch: shape_branch(batch, wide=False),
 }

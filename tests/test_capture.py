@@ -86,7 +86,9 @@ def test_data_dependent_control_flow_names_the_construct():
     assert "Branchy" in str(e.value) and "x.sum() > 0" in str(e.value)
 
 
-def test_unused_parameter_says_what_to_try():
+def test_unused_parameter_is_captured_without_gradient_and_named(caplog):
+    """A parameter the loss does not reach (once a CaptureError) is a frozen input with no gradient output,
+    named in one logged line (tests/test_capture_edge_cases.py trains such a model against eager)."""
     class Unused(nn.Module):
         def __init__(self):
             super().__init__()
@@ -96,8 +98,14 @@ def test_unused_parameter_says_what_to_try():
         def forward(self, x):
             return self.used(x)
 
-    with pytest.raises(CaptureError, match="requires_grad=False"):
-        capture(Unused(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    with caplog.at_level("WARNING", logger="adaptdist.compiler"):
+        cg = capture(Unused(), (torch.randn(2, 4), torch.randn(2, 4)), F.mse_loss)
+    assert cg.param_fqns == ["used.weight", "used.bias"] and cg.unused_param_fqns == ["unused.weight", "unused.bias"]
+    assert cg.frozen_param_fqns == cg.unused_param_fqns and sorted(cg.grad_output_index) == sorted(cg.param_fqns)
+    assert [r.getMessage() for r in caplog.records if "no gradient" in r.getMessage()] == [
+        "adaptdist: 2 trainable parameter(s) of Unused receive no gradient from the loss (unused.weight, unused.bias): "
+        "trained as unused (as DDP's find_unused_parameters=True): no gradient, kept unchanged by the optimizer as "
+        "in eager (where their .grad stays None), saved in checkpoints"]
 
 
 def test_loss_of_a_model_that_updates_buffers_is_the_loss():

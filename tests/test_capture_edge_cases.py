@@ -7,6 +7,8 @@ torch.compile backend, each against single-process eager PyTorch (loss, gradient
   the other branch's numbers; ranks whose rows take different sides are refused on every rank, saying why),
   and a clear error under train's capture (the line, and what to try);
 - a frozen block (``requires_grad=False``) trains as in eager: unchanged, no gradient output or reduction;
+- parameters the loss does not reach (a pooler computed and dropped, a head never called, HF BertModel's pooler
+  under a token loss) train as under DDP's find_unused_parameters=True: no gradient, unchanged, one log line;
 - one parameter under several names (one module under two names, one weight assigned to two modules, HF
   T5's shared embedding) is one input with one sharding decision and one reduced gradient.
 
@@ -57,7 +59,9 @@ def eager_sgd(model, batches, loss_fn, lr, steps):
 
 STEPS, LR, TOL = 3, 0.5, 1e-5
 TP_PLANS = {"linear_twice": {"a.weight": "S(0)", "a.bias": "S(0)", "out.weight": "S(1)"},
-            "shared_weight": {"mid.weight": "S(0)", "mid.bias": "S(0)"}}
+            "shared_weight": {"mid.weight": "S(0)", "mid.bias": "S(0)"},
+            "unused_head": {"body.weight": "S(0)", "body.bias": "S(0)", "out.weight": "S(1)",
+                            "pooler.weight": "S(0)", "spare.weight": "S(1)"}}
 
 
 def _plan(name: str, model_name: str, factory_out, world: int):
@@ -155,18 +159,30 @@ def test_one_parameter_under_two_names_is_one_input_with_one_gradient(name, plan
         assert len(grads) == len(set(grads)) == len(dict(model.named_parameters()))
 
 
-def test_a_parameter_without_gradient_is_named():
-    class Unused(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.used, self.spare = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
-
-        def forward(self, x):
-            return self.used(x)
-
-    with pytest.raises(CaptureError, match=r"2 trainable parameter\(s\) receive no gradient.*spare\.weight, spare\.bias"
-                                           r".*requires_grad=False"):
-        capture(Unused(), (torch.randn(4, 6), torch.randn(4, 3)), F.mse_loss)
+@pytest.mark.parametrize("plan", ["dp", "fsdp", "tp", "auto"])
+def test_unused_parameters_train_like_eager_and_stay_unchanged(plan, caplog):
+    """Parameters the loss does not reach (a pooler computed and dropped, a head never called; once a
+    CaptureError: "receive no gradient from the loss") train as under DDP's find_unused_parameters=True: one
+    logged line names them; 2 simulated ranks, 3 SGD steps: loss, the used parameters' gradients and updated
+    shards equal eager's, and the unused ones are left as they are (eager's .grad stays None: SGD skips them)."""
+    model, batch, loss_fn = FACTORIES["unused_head"](6)
+    unused = ["pooler.weight", "pooler.bias", "spare.weight", "spare.bias"]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with caplog.at_level("WARNING", logger="adaptdist.compiler"):
+        cg = capture(model, batch, loss_fn)
+    assert cg.unused_param_fqns == unused and not set(unused) & set(cg.param_fqns)
+    assert set(unused) <= set(cg.input_fqns)  # still state: kept, saved
+    lines = [r.getMessage() for r in caplog.records if "receive no gradient" in r.getMessage()]
+    assert len(lines) == 1 and "pooler.weight, pooler.bias, spare.weight, spare.bias" in lines[0], lines
+    assert all(p.requires_grad for p in model.parameters())  # the user's model is left as it was
+    progs = train_simulated(model, batch, loss_fn, 2, _plan(plan, "unused_head", (model, batch, loss_fn), 2))
+    for p in progs.values():
+        assert set(unused) <= set(p.input_fqns) and not set(unused) & set(p.param_fqns)
+        assert not [r for r in p.output_roles if r.removeprefix("grad:") in unused]
+    _, final = eager_sgd(model, [batch], loss_fn, LR, STEPS)
+    for n in unused:  # eager leaves them too (train_simulated compared every parameter with eager's)
+        assert torch.equal(final[n], start[n]), n
+    assert not torch.equal(final["body.weight"], start["body.weight"])
 
 
 # ---------------------------------------------------------------- the torch.compile backend
@@ -205,7 +221,8 @@ def test_backend_branch_on_data_is_a_graph_break_and_follows_the_data():
 
 CASES = [dict(model="shared_weight", plan="dp", batch=6), dict(model="shared_weight", plan="fsdp", batch=6),
          dict(model="shared_weight", plan="auto", batch=6), dict(model="frozen_block", plan="fsdp", batch=6),
-         dict(model="shape_wide", plan="fsdp", batch=6)]  # in CI; ALL_CASES outside it (-m bench)
+         dict(model="shape_wide", plan="fsdp", batch=6), dict(model="unused_head", plan="dp", batch=6),
+         dict(model="unused_head", plan="fsdp", batch=6)]  # in CI; ALL_CASES outside it (-m bench)
 ALL_CASES = [dict(model=m, plan=p, batch=6) for m in ("linear_twice", "shared_weight", "frozen_block")
              for p in ("dp", "fsdp", "auto")] + [dict(model=m, plan="fsdp", batch=6) for m in ("shape_wide", "shape_narrow")]
 
@@ -302,6 +319,62 @@ def test_hf_t5_with_labels_other_plans_simulated(plan):
 
     model, batch, loss_fn = factory(4, 6)
     train_simulated(model, batch, loss_fn, 2, _plan(plan, "t5", (model, batch, loss_fn), 2), steps=2, lr=0.1)
+
+
+# ---------------------------------------------------------------- HF BertModel's pooler: unused parameters
+
+
+@pytest.mark.parametrize("plan", ["fsdp"])
+def test_hf_bert_pooler_unused_under_a_token_loss_simulated(plan):
+    """BertModel(add_pooling_layer=True) with a loss on last_hidden_state: the pooler gets no gradient (once a
+    CaptureError); 2 simulated ranks, 2 SGD steps equal eager, the pooler unchanged."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    from hf_bert_pooler_model import UNUSED, factory
+
+    model, batch, loss_fn = factory(4, 6)
+    progs = train_simulated(model, batch, loss_fn, 2, _plan(plan, "bert", (model, batch, loss_fn), 2), steps=2, lr=0.1)
+    named = dict(model.named_parameters())
+    for p in progs.values():
+        assert not set(UNUSED) & set(p.param_fqns) and set(UNUSED) <= set(p.input_fqns)
+    _, final = eager_sgd(model, [batch], loss_fn, 0.1, 2)
+    assert all(torch.equal(final[f], named[f].detach()) for f in UNUSED)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hf_bert_pooler_unused_trains_checkpoints_and_resumes_under_train(tmp_path, caplog):
+    """``adaptdist train tests/hf_bert_pooler_model.py:factory`` on 2 gloo ranks (dp), 2 SGD steps with a
+    checkpoint each, then resumed for a third: one line names the unused pooler; losses and weights equal eager's;
+    the checkpoint and model.safetensors hold the pooler, unchanged."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from adaptdist.cli import main
+    from hf_bert_pooler_model import UNUSED, factory
+
+    out = tmp_path / "run"
+    file = Path(__file__).with_name("hf_bert_pooler_model.py")
+    common = ["--threads-per-rank", "1", "--timeout-s", "120"]
+    with caplog.at_level("WARNING", logger="adaptdist.compiler"):
+        assert main(["train", f"{file}:factory", "--nproc", "2", "--plan", "dp", "--batch-size", "4", "--seq-len",
+                     "6", "--steps", "2", "--lr", "0.1", "--optimizer", "sgd", "--sample-bytes", "0", "--out", str(out),
+                     "--checkpoint-every", "1", *common]) == 0
+    lines = [r.getMessage() for r in caplog.records if "receive no gradient" in r.getMessage()]
+    assert len(lines) == 1 and "(bert.pooler.dense.weight, bert.pooler.dense.bias)" in lines[0], lines
+    ckpt = sorted((out / "checkpoints").glob("step-*"))[-1]
+    keys = set(dcp.FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata)
+    assert {f"model.{f}" for f in UNUSED} <= keys, sorted(keys)
+    assert main(["train", "--resume", str(out), "--steps", "3", "--nproc", "2", *common]) == 0
+    model, batch, loss_fn = factory(4, 6)
+    start = {f: p.detach().clone() for f, p in model.named_parameters()}
+    history, final = eager_sgd(model, [batch], loss_fn, 0.1, 3)
+    assert json.loads((out / "summary.json").read_text())["losses"] == pytest.approx([h[0] for h in history], abs=1e-5)
+    weights = load_file(str(out / "model.safetensors"))
+    for f, p in final.items():
+        torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)
+    for f in UNUSED:
+        assert torch.equal(weights[f], start[f]), f
 
 
 def test_filling_a_slice_of_the_batch_lowers_like_eager():

@@ -260,7 +260,9 @@ def test_bad_plan_files(capsys, tmp_path, body, expect):
 
 def test_tp_degree_must_divide_heads(capsys, tmp_path):
     msg = run_cli(capsys, tmp_path, "--plan", "tp", "--nproc", "4", "--batch-size", "2", "--seq-len", "8")
-    assert "number of ranks must divide the number of heads (6 here)" in msg
+    assert "number of ranks on mesh axis 'tp' (4 ranks) must divide the number of heads (6 here)" in msg
+    assert "use 2 or 3 or 6 ranks there" in msg and "--plan dp or fsdp" in msg
+    assert "batch size" not in msg  # once advised: the heads' split does not depend on it
 
 
 # Non-finite numbers and out-of-range seeds are refused by the parser, naming the flag, on every subcommand

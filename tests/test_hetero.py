@@ -86,6 +86,56 @@ def test_pin_to_cpus_applies_and_refuses_missing_core():
     assert pin_to_cpus(None, 0) is None
 
 
+@pytest.mark.parametrize("command", ["plan", "estimate", "compile", "train"])
+def test_a_core_missing_here_is_refused_when_the_file_is_loaded(command, tmp_path, capsys):
+    """``cpus: [N]`` with no core N on this machine: plan, estimate, compile and train refuse the cluster file as
+    they load it (once: plan passed and train failed only at launch, in the rank), naming the file, the device
+    and the cores available."""
+    import yaml
+
+    from adaptdist.cli import main
+
+    have = available_cpus()
+    missing = max(have) + 5
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cluster_doc([dev(0, cpus=[have[0]]), dev(1, cpus=[missing])])))
+    argv = [command, "builtin:gpt", "--cluster", str(f), "--plan", "dp", "--batch-size", "4", "--seq-len", "8"]
+    argv += {"compile": ["-o", str(tmp_path / "art")], "train": ["--steps", "1", "--out", str(tmp_path / "run")]
+             }.get(command, [])
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "DeviceUnavailableError" in err and f"cluster file {str(f)!r}: device 1" in err, err
+    assert f"hosts[0].devices[1].cpus" in err and f"cpus [{missing}]" in err, err
+    assert f"cores available here are {have[0]}" in err and f"({len(have)})" in err, err
+    assert not (tmp_path / "art").exists() and not (tmp_path / "run").exists()
+
+
+def test_cores_of_other_hosts_are_not_checked(tmp_path):
+    """A device of another host (any name but localhost, a loopback address or this machine's) may name cores
+    this machine lacks: only local devices can be checked."""
+    import socket
+
+    import yaml
+
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.errors import DeviceUnavailableError
+    from adaptdist.runtime.affinity import is_this_host
+
+    missing = max(available_cpus()) + 5
+    other = "adaptdist-other-host"
+    assert not is_this_host(other) and is_this_host("localhost") and is_this_host(socket.gethostname())
+    hosts = [{"name": "localhost", "devices": [dev(0)]}, {"name": other, "devices": [dev(1, cpus=[missing])]}]
+    links = [{"tier": "intra_host", "bandwidth_bytes_per_s": 1.5e9, "latency_s": 2e-4},
+             {"tier": "inter_host", "bandwidth_bytes_per_s": 1e8, "latency_s": 1e-3}]
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cluster_doc(None, links, hosts)))
+    assert load_cluster(f).device(1).cpus == (missing,)
+    hosts[1]["name"] = socket.gethostname()  # this machine under its own name: checked
+    f.write_text(yaml.safe_dump(cluster_doc(None, links, hosts)))
+    with pytest.raises(DeviceUnavailableError, match=rf"device 1 .*host {socket.gethostname()!r}.*cpus \[{missing}\]"):
+        load_cluster(f)
+
+
 # --- splits ---------------------------------------------------------------------------------------------
 
 def test_proportional_and_balanced_rows():
@@ -249,6 +299,8 @@ def test_plan_command_shows_each_devices_load(tmp_path, capsys):
 
     from adaptdist.cli import main
 
+    if not {0, 1} <= set(available_cpus()):
+        pytest.skip("needs cores 0 and 1 (a cluster file naming a missing core is refused as it is loaded)")
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(cluster_doc([dev(0, 2e10, cpus=[0]), dev(1, 2e10, cpus=[0]), dev(2, 4e10, cpus=[1])])))
     out = tmp_path / "plan.json"

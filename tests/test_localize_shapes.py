@@ -50,3 +50,17 @@ def test_training_batch_norm_on_one_rank_is_allowed():
     model, batch, loss_fn = convnet(4, batch_norm=True)
     progs, outs = simulate(model, batch, loss_fn, 1)
     assert progs[0].output_roles[0].startswith("buffer:")  # running stats are updated
+
+
+def test_whole_groups_advice_names_the_axis_and_what_to_change():
+    """A shard that does not hold whole groups of a view: on a model axis (heads under tensor parallelism) the
+    advice is ranks that divide the heads or another plan (it once said to change the batch size, which does not
+    change how the heads split); on the axis that splits the batch, the batch size is part of the answer."""
+    from adaptdist.passes.localize_shapes import _whole_groups_advice
+
+    tp = _whole_groups_advice(6, PassContext(axis_size=4, batch_size=8, mesh_axis="tp", shard_batch=False))
+    assert tp == ("With tensor parallelism over attention heads the number of ranks on mesh axis 'tp' (4 ranks) must "
+                  "divide the number of heads (6 here): use 2 or 3 or 6 ranks there, or a plan that does not shard the "
+                  "heads (e.g. --plan dp or fsdp)")
+    dp = _whole_groups_advice(4, PassContext(axis_size=3, batch_size=8, mesh_axis="dp", shard_batch=True))
+    assert "mesh axis 'dp' (3 ranks) splits the batch" in dp and "batch size" in dp and "heads" not in dp

@@ -138,10 +138,12 @@ def test_consider_pp_where_the_pipeline_wins_says_so_and_explains_from_the_stage
     assert "the best plan without stages: mesh dp=2" in out and "the pipeline is chosen" in out
     assert "mesh pp=2, batch replicated" not in out and "replicated on every axis" not in out
     assert "parameters: each on the stage that holds its layer (stage 0: 4, stage 1: 4)" in out
-    assert "held by stage 0: layers 0..1 (blocks.0 .. blocks.1), ranks [0]" in out
+    # the layer range named as `plan` names it (explain said "layers 0..1 (blocks.0 .. blocks.1)")
+    assert "held by stage 0: layers blocks.0 .. blocks.1 (2), ranks [0]" in out
     assert "the stage-level choice: schedule" in out
     assert main(["plan", model, "--cluster", cluster, "--consider-pp", "--batch-size", "128"]) == 0
     out = capsys.readouterr().out
+    assert "stage 0: layers blocks.0 .. blocks.1 (2), ranks [0]" in " ".join(out.split())
     assert "pp:R" not in out and "stage, placement in its sub-mesh" in out
     rows = [" ".join(ln.replace("│", " ").split()) for ln in out.splitlines() if "blocks.*.fc" in ln]
     assert sorted(rows) == ["blocks.*.fc.bias stage 0 2", "blocks.*.fc.bias stage 1 2",
@@ -162,6 +164,6 @@ def test_consider_pp_on_two_hosts_of_two_explains_from_the_stages_ilp(tmp_path, 
     tried = [ln for ln in raw.splitlines() if ln.startswith("│ dp=")]  # the SPMD shapes: none is "chosen"
     assert len(tried) == 2 and sum("best without stages" in ln for ln in tried) == 1
     assert not any("chosen" in ln for ln in tried)
-    assert "held by stage 0: layers 0..1 (blocks.0 .. blocks.1), ranks [0, 1], sub-mesh tp=2" in out
-    assert "the stage's intra-stage ILP decision" in out
+    assert "held by stage 0: layers blocks.0 .. blocks.1 (2), ranks [0, 1], sub-mesh tp=2" in out
+    assert "the stage's intra-stage ILP decision (layers blocks.0 .. blocks.1 (2) on tp=2" in out
     assert "on stage 0's mesh axis tp (2 ranks)" in out and "chosen" in out and "why:" in out

@@ -336,3 +336,56 @@ def test_a_constant_mask_over_the_whole_batch_is_one_slice_for_every_microbatch(
     batch = (torch.randn(8, 6, 8), torch.randn(8, 3))
     progs = compile_model(m, batch, F.mse_loss, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
     check_against_eager(progs, batch, eager(m, batch, F.mse_loss))
+
+
+class PooledMLP(DeepMLP):
+    """DeepMLP with parameters the loss does not reach: a pooler read by the forward (its output dropped) and a
+    head it never calls (BertModel's pooler under a token loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pooler = nn.Linear(16, 4)
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                pooled = self.pooler(x)
+                del pooled
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+@pytest.mark.parametrize("mesh", [None, "pp=2,dp=2"])
+def test_unused_parameters_are_held_by_a_stage_unchanged(mesh, tmp_path):
+    """Parameters the loss does not reach (once a CaptureError; then dropped from every stage's state, so from
+    checkpoints and model.safetensors): one stage holds each, no gradient, unchanged after the step; the used
+    ones equal eager; they survive a save and load of the programs."""
+    from adaptdist.stage_program_io import load_pipeline_program, save_pipeline_programs
+
+    torch.manual_seed(0)
+    m = PooledMLP()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
+    loss_fn = lambda out, t: F.cross_entropy(out, t)  # noqa: E731
+    ref = copy.deepcopy(m)
+    loss = loss_fn(ref(batch[0]), batch[1])
+    loss.backward()
+    used = {f: p for f, p in ref.named_parameters() if p.grad is not None}
+    unused = {f: p.detach() for f, p in ref.named_parameters() if p.grad is None}
+    assert sorted(unused) == ["pooler.bias", "pooler.weight", "spare.bias", "spare.weight"]
+    expected = (loss.detach(), {f: p.grad for f, p in used.items()}, {f: (p - LR * p.grad).detach() for f, p in used.items()})
+    world = 4 if mesh else 2
+    progs = compile_model(m, batch, loss_fn, world, None, mesh=mesh, pipeline=PipelineOptions(stages=2, microbatches=2))
+    sim = check_against_eager(progs, batch, expected)
+    for f, want in unused.items():
+        holders = [r for r, p in progs.items() if f in p.state]
+        assert holders and all(f not in progs[r].param_fqns for r in holders), (f, holders)
+        for r in holders:
+            # held as state, kept out of the optimizer (as eager's SGD skips a parameter whose .grad is None)
+            assert torch.equal(progs[r].state[f], want) and f not in sim.grads[r] and f not in sim.params[r], (r, f)
+    d = save_pipeline_programs(progs, tmp_path / "programs")
+    loaded = {r: load_pipeline_program(d, r, world_size=world) for r in progs}
+    assert all(set(loaded[r].state) == set(progs[r].state) for r in progs)

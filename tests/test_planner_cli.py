@@ -125,3 +125,46 @@ def test_a_tp_mesh_that_shards_only_activations_does_not_say_no_split():
     out = " ".join(console.export_text().split())
     assert "no split: every rank runs the whole step" not in out
     assert "no parameter is sharded and the input batch is replicated, but" in out and "split their work over tp" in out
+
+
+def test_the_table_of_shapes_says_what_each_plan_splits():
+    """The built-in GPT on 2 ranks: the planner's tp=2 shape splits every row-wise op's work over tp and shards no
+    parameter, which is data parallelism under another axis name, so it is predicted as dp=2 is. The table of
+    shapes tried listed the tp=2 row with dp=2's numbers and nothing else, reading as tensor parallelism that
+    happened to cost the same; it now says what each row's plan splits."""
+    from rich.console import Console
+
+    from adaptdist.calibrate.local import local_cluster
+    from adaptdist.compiler.capture import capture
+    from adaptdist.compiler.planner.search import plan_auto
+    from adaptdist.compiler.planner.summary import print_summary
+    from adaptdist.model_spec import ModelSpec
+
+    import torch
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = ModelSpec.parse("builtin:gpt").build(16, 128)  # `adaptdist plan --nproc 2`'s model
+    result = plan_auto(capture(model, batch, loss_fn), local_cluster(2))
+    by_mesh = {str(c): ev for c, ev in result.tried}
+    assert set(by_mesh) == {"dp=2", "tp=2"}
+    splits = {str(c): w for c, w in result.splits.items()}
+    assert splits["dp=2"] == "batch over dp"
+    assert splits["tp=2"].startswith("no parameter sharded on tp: ") and "(as data parallel)" in splits["tp=2"]
+    console = Console(record=True, width=300)
+    print_summary(console, result)
+    rows = [line for line in console.export_text().splitlines() if line.startswith("│ tp=2")]
+    assert len(rows) == 1 and "no parameter sharded on tp" in rows[0], rows
+
+
+def test_one_rank_plans_call_nothing_sharded(model_file, capsys):
+    """On one rank (mesh tp=1) every placement holds the whole tensor. The ILP broke a tie toward S(1) there, and
+    explain said "2 of 4 replicated on every axis; sharded: 0.weight [S(1)], 2.weight [S(1)]" (plan's table
+    tp:S(1), and "split their work over tp"): now Replicate, as the lowering holds them; one "rank 0 holds" column."""
+    assert main(["explain", "0.weight", model_file, "--mesh", "tp=1", "--batch-size", "64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "parameters: 4 of 4 replicated on every axis" in out and "sharded:" not in out, out
+    assert "split their work over tp" not in out and "S(1)]" not in out
+    assert main(["plan", model_file, "--mesh", "tp=1", "--batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "tp:S(" not in out and "tp:R" in out, out
+    assert out.count("rank 0 holds") == 1, out

@@ -85,10 +85,19 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
     """:func:`adaptdist.cluster_file.load_cluster`, schema version 1 files getting this machine's estimated
     figures (:func:`estimated_cluster`).
 
+    The ``cpus`` of this machine's devices are checked against the cores that exist here
+    (:func:`~adaptdist.runtime.affinity.check_local_cpus`), so that plan, estimate, compile and train refuse a
+    missing core alike, before any work.
+
     Raises:
         ClusterSpecError: as :func:`adaptdist.cluster_file.load_cluster`.
+        DeviceUnavailableError: a device of this machine pinned to a core that does not exist here.
     """
-    return cluster_file.load_cluster(path, estimated_cluster)
+    from ..runtime.affinity import check_local_cpus
+
+    cluster = cluster_file.load_cluster(path, estimated_cluster)
+    check_local_cpus(cluster, str(path))
+    return cluster
 
 
 def uncalibrated_note(cluster: Cluster) -> str | None:

@@ -332,14 +332,16 @@ def cmd_plan(args) -> int:
     console.print(f"plan {p0.plan.name!r} for {spec.text} on {cluster!r}: mesh {mesh}; batch "
                   f"{'split on dim 0 over ' + batch_axis if batch_axis else 'replicated'}")
     table = Table(title="parameters")
-    for col in ("parameter", "global shape", "placement", "rank 0 holds", f"rank {cluster.world_size - 1} holds"):
+    one = cluster.world_size == 1  # one rank: one column of what it holds
+    for col in ("parameter", "global shape", "placement", "rank 0 holds") + (
+            () if one else (f"rank {cluster.world_size - 1} holds",)):
         table.add_column(col)
     last = programs[cluster.world_size - 1]
     for f in p0.input_fqns:
         pls = p0.state_placements.get(f)
         text = " ".join(f"{a}:{p}" for a, p in zip(p0.mesh, pls)) if pls else "R"
-        table.add_row(f, str(p0.global_shapes[f]), text,
-                      str(list(p0.state[f].shape)), str(list(last.state[f].shape)))
+        table.add_row(f, str(p0.global_shapes[f]), text, str(list(p0.state[f].shape)),
+                      *(() if one else (str(list(last.state[f].shape)),)))
     console.print(table)
     from ..compiler.expert_lists import expert_lines
 

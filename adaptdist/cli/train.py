@@ -17,7 +17,6 @@ import math
 import os
 import pickle
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -339,7 +338,9 @@ def cmd_train(args, defaults: dict) -> int:
     timeouts.check()
     cluster = _cluster(args)
     check_local_devices(cluster)
-    if len(cluster.hosts) > 1 or cluster.hosts[0].name not in ("localhost", "127.0.0.1", socket.gethostname()):
+    from ..runtime.affinity import is_this_host
+
+    if len(cluster.hosts) > 1 or not is_this_host(cluster.hosts[0].name):
         raise UsageError(f"{cluster!r}: `train` launches ranks on this machine only so far; describe one host "
                          "named localhost")
     nproc = cluster.world_size

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,6 +37,8 @@ from ..errors import CaptureError
 from .expert_lists import ExpertLists, batched_experts, fold_stack_of_unbind, probe_expert_lists
 from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
+
+log = logging.getLogger("adaptdist.compiler")
 
 
 @dataclass
@@ -57,6 +60,9 @@ class CapturedGraph:
         stacked: {stacked name: [the E user names]} for experts written as a ModuleList, captured as one
             ``[E, ...]`` parameter (``moe.experts.*.fc.weight``; :mod:`.expert_lists`).
         notes: one line per ModuleList of identical modules not captured as experts, saying why.
+        unused_param_fqns: trainable parameters the loss does not reach (no gradient: eager's ``.grad`` stays
+            None); captured as frozen inputs (also in ``frozen_param_fqns``), so every optimizer leaves them as
+            they are, as eager's does.
     """
 
     gm: torch.fx.GraphModule
@@ -72,6 +78,7 @@ class CapturedGraph:
     tied: dict[str, str] = field(default_factory=dict)
     stacked: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    unused_param_fqns: list[str] = field(default_factory=list)
 
     @property
     def input_fqns(self) -> list[str]:
@@ -300,9 +307,10 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
         CapturedGraph with global (unsharded) shapes in ``node.meta["val"]``.
 
     Raises:
-        CaptureError: bad batch, a loss that is not a scalar, an unused trainable
-            parameter, or a construct the tracer cannot follow; names the module
-            and the source line, and says what to try.
+        CaptureError: bad batch, a loss that is not a scalar, or a construct the tracer
+            cannot follow; names the module and the source line, and says what to try.
+            A trainable parameter the loss does not reach is no error: it is captured as
+            frozen (``CapturedGraph.unused_param_fqns``) and named in one logged line.
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
@@ -336,6 +344,22 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 failure = None
             except Exception as e:
                 failure = e
+            unused: list[str] = []
+            if failure is not None and "did not receive a gradient" in str(failure):
+                # parameters the loss does not reach (a pooler, a head this loss skips): DDP's
+                # find_unused_parameters. Captured as frozen inputs: no gradient, no optimizer state, left as they
+                # are by every optimizer, as eager's (whose .grad stays None); kept in the state and checkpoints
+                unused = _params_without_gradient(step, fake_batch)
+                if len(unused) == sum(1 for p in state.values() if isinstance(p, nn.Parameter) and p.requires_grad):
+                    unused = []  # the loss reaches no parameter: nothing to train (the error below says so)
+                if unused:
+                    for f in unused:
+                        state[f"model.{f}"].requires_grad_(False)
+                    try:
+                        gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
+                        failure = None
+                    except Exception as e:
+                        failure = e
             if failure is not None and experts.lists:  # batching the experts failed: capture them as they are
                 why = f"{type(failure).__name__}: {(str(failure).splitlines() or [''])[0][:200]}"
                 experts = ExpertLists(notes=experts.notes + [
@@ -351,7 +375,19 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                 no_grad = (_params_without_gradient(step, fake_batch)
                            if "did not receive a gradient" in str(failure) else [])
                 raise _export_error(failure, name, no_grad, step) from failure
-        return _finish(gm, sig, step, batch, name, experts)
+        captured = _finish(gm, sig, step, batch, name, experts)
+    if unused:
+        captured.unused_param_fqns = [f for f in unused if f in captured.frozen_param_fqns]
+        log.warning("adaptdist: %s", unused_params_line(name, captured.unused_param_fqns))
+    return captured
+
+
+def unused_params_line(name: str, unused: list[str], source: str = "the loss") -> str:
+    """The one line that says which trainable parameters of model ``name`` ``source`` does not reach."""
+    shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+    return (f"{len(unused)} trainable parameter(s) of {name} receive no gradient from {source} ({shown}): "
+            "trained as unused (as DDP's find_unused_parameters=True): no gradient, kept unchanged by the "
+            "optimizer as in eager (where their .grad stays None), saved in checkpoints")
 
 
 @contextlib.contextmanager

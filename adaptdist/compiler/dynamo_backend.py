@@ -414,6 +414,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                 fold_stack_of_unbind(captured.gm)
             for note in experts.notes:
                 log.info("adaptdist: %s", note)
+            if captured.unused_param_fqns and rank == 0:
+                from .capture import unused_params_line
+
+                log.warning("adaptdist: %s", unused_params_line(f"the compiled graph at {frame_key or '?'}",
+                                                                captured.unused_param_fqns, "its outputs"))
     except (RankDivergenceError, CollectiveTimeoutError):  # raised on every rank already
         raise
     except Exception as e:  # every failure is told to every rank, so none waits in a collective

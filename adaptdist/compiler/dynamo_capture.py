@@ -402,9 +402,20 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                  .requires_grad_(i.requires_grad) for i in inputs if i.kind == "input"]
         batch += [torch.empty((world_size, *outputs[k].shape), dtype=outputs[k].dtype, device=outputs[k].device)
                   for k in tangent_outputs]
+    unused: list[str] = []
     with _gc_paused(), mode, compat.sdpa_math_only(), compat.autocast_disabled():
         try:
-            joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
+            try:
+                joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
+            except Exception as e:
+                # parameters the outputs do not reach (a pooler whose output is dropped): as DDP's
+                # find_unused_parameters, frozen for this graph: no gradient (.grad stays None, as in eager)
+                unused = _params_without_gradient(step, batch) if "did not receive a gradient" in str(e) else []
+                if not unused:
+                    raise
+                for f in unused:
+                    step.state.get_parameter(f).requires_grad_(False)
+                joint, sig = compat.aot_export_joint(step, tuple(batch), loss_index=0)
         except Exception as e:
             msg = str(e).split("\n")[0].rstrip(".")
             hint = _vmap_capture_hint(msg.lower(), _autograd_function_sites(gm))
@@ -413,7 +424,21 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
     by_name = {n.name: n for n in joint.graph.output_node().args[0] if isinstance(n, torch.fx.Node)}
     recompute_regions(joint, [by_name[n] for n in list(sig.user_outputs[1:]) + list(sig.buffers_to_mutate)
                               if n in by_name], by_name[sig.user_outputs[0]])
-    return _finish(joint, sig, len(outputs), world_size, per_rank), tangent_outputs
+    captured = _finish(joint, sig, len(outputs), world_size, per_rank)
+    captured.unused_param_fqns = [f for f in unused if f in captured.frozen_param_fqns]
+    return captured, tangent_outputs
+
+
+def _params_without_gradient(step: nn.Module, batch: Sequence[torch.Tensor]) -> list[str]:
+    """The parameters of the all-ranks ``step`` that require grad but get none from its loss (run on the fake
+    ``batch``); [] when that run fails (the export's error is the one to report)."""
+    params = {n: p for n, p in step.state.named_parameters() if p.requires_grad}
+    try:
+        loss = step(*batch)[0]
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    except Exception:  # noqa: BLE001
+        return []
+    return [n for n, g in zip(params, grads) if g is None]
 
 
 RNN_OPS = ("rnn_tanh", "rnn_relu", "gru", "lstm")

@@ -517,7 +517,10 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
             for a, _ in model_axes:
                 if gmeshes[g] is not None and a in gmeshes[g].names:
                     groups[Mesh.group_name(a)] = tuple(group_ranks[g][x] for x in gmeshes[g].group(a, j))
-            names = sorted({f for p in stages for f in p.state_names}, key=b.order.index)
+            # the state its stages read, and the state they hold without reading it (a parameter the loss does not
+            # reach, a frozen tensor no op uses): kept, updated by nothing, saved in checkpoints
+            names = sorted({f for p in stages for f in p.state_names}
+                           | {f for f, hs in b.holders.items() if hs & mine and f in b.order}, key=b.order.index)
             vm = vm_of[dps[g]]
             placements = {f: tuple("R" if a == batch_axis else pl[vm.index(a)] for a in intra_g)
                           for f, pl in b.state_placements.items() if f in names}

@@ -224,7 +224,7 @@ def _intervals(gm: torch.fx.GraphModule, ctx: PassContext, rank: int) -> dict[to
             src = ivs[node.args[0]]
             ivs[node] = src[node.args[1]] if isinstance(src, tuple) and isinstance(src[0], tuple) else src
         else:
-            ivs[node] = _op_interval(node, p, ivs)
+            ivs[node] = _op_interval(node, p, ivs, ctx)
     return ivs
 
 
@@ -257,7 +257,7 @@ def shape_at(a: torch.fx.Node) -> int:
     return a.meta["val"].shape[p.dim]
 
 
-def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
+def _op_interval(node: torch.fx.Node, p: Any, ivs: dict, ctx: PassContext | None = None) -> Any:
     src, (s, e) = _first_interval(node, ivs)
     if isinstance(p, tuple):
         # each output takes the interval of a sharded input of the same size on that dim
@@ -281,12 +281,25 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict) -> Any:
             raise UnsupportedOpError(
                 f"view node {node.name!r}{' in ' + gmeta.module_of(node) if gmeta.module_of(node) else ''} "
                 f"splits a sharded dim of size {n_in} into {n_out} groups of {k} ({gmeta.shape_str(src)} -> "
-                f"{gmeta.shape_str(node)}), but this rank's shard [{s}, {e}) does not hold whole groups. With "
-                f"tensor parallelism over attention heads the number of ranks must divide the number of heads "
-                f"({n_out} here); otherwise change the number of ranks, the batch size, or the plan"
-            )
+                f"{gmeta.shape_str(node)}), but this rank's shard [{s}, {e}) does not hold whole groups. "
+                + _whole_groups_advice(n_out, ctx))
         return (s // k, e // k)
     return (s, e)
+
+
+def _whole_groups_advice(groups: int, ctx: PassContext | None) -> str:
+    """What to try when a rank's shard does not hold whole groups of a view (``groups`` of them): on a model axis
+    (tensor parallelism: the groups are attention heads) a number of ranks dividing the heads, or a plan that does
+    not shard them; on the axis that splits the batch, where the groups are rows, the batch size too."""
+    axis = f"mesh axis {ctx.mesh_axis!r} ({ctx.axis_size} ranks)" if ctx is not None else "the mesh axis"
+    fits = [d for d in range(2, groups + 1) if groups % d == 0]
+    if ctx is not None and ctx.shard_batch:
+        return (f"{axis} splits the batch: each rank's rows must be whole groups; choose a batch size and a number of "
+                f"ranks that split it into whole groups, or another plan")
+    return (f"With tensor parallelism over attention heads the number of ranks on {axis} must divide the number "
+            f"of heads ({groups} here)"
+            + (f": use {' or '.join(map(str, fits))} ranks there" if fits else "")
+            + ", or a plan that does not shard the heads (e.g. --plan dp or fsdp)")
 
 
 _FILLS = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,

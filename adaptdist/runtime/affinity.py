@@ -8,9 +8,19 @@ it, so each computes at about half its speed: the heterogeneity ``benchmarks/ben
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 
-from ..errors import ClusterSpecError
+from ..errors import ClusterSpecError, DeviceUnavailableError
+
+LOOPBACK_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
+"""Host names that always mean this machine (besides its own ``socket.gethostname()``)."""
+
+
+def is_this_host(name: str) -> bool:
+    """Whether a cluster file's host ``name`` is this machine: ``localhost``, a loopback address, or this machine's
+    host name (the names ``adaptdist train`` launches ranks for; any other names another host)."""
+    return name in LOOPBACK_HOST_NAMES or name == socket.gethostname()
 
 
 def available_cpus() -> tuple[int, ...]:
@@ -49,6 +59,42 @@ def pin_to_cpus(cpus: Sequence[int] | None, rank: int, *, set_threads: bool = Tr
 
         torch.set_num_threads(len(want))
     return len(want)
+
+
+def check_local_cpus(cluster, source: str) -> None:
+    """That every ``cpus`` core id of a device on this machine's hosts (:func:`is_this_host`) exists for this process
+    (:func:`available_cpus`), when the cluster file ``source`` is loaded: a missing core is refused here, by plan,
+    estimate, compile and train alike, not first at launch. Devices of other hosts are not checked (their cores are
+    not visible from here).
+
+    Raises:
+        DeviceUnavailableError: names the file, the device (rank, host, field), its cpus, the missing cores and the
+            cores available.
+    """
+    have = available_cpus()
+    for i, h in enumerate(cluster.hosts):
+        if not is_this_host(h.name):
+            continue
+        for j, d in enumerate(h.devices):
+            bad = sorted(set(d.cpus or ()) - set(have))
+            if bad:
+                raise DeviceUnavailableError(
+                    f"cluster file {source!r}: device {d.rank} (field 'hosts[{i}].devices[{j}].cpus', host {h.name!r}, "
+                    f"this machine) pins its rank to cpus {list(d.cpus)}, but core{'s' if len(bad) > 1 else ''} "
+                    f"{', '.join(map(str, bad))} {'do' if len(bad) > 1 else 'does'} not exist for this process: the "
+                    f"cores available here are {_ranges(have)} ({len(have)}). Edit that device's 'cpus' to cores "
+                    "among those, or drop 'cpus'")
+
+
+def _ranges(cores: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    for c in cores:
+        if out and out[-1].split("-")[-1] == str(c - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ", ".join(out)
 
 
 def cpus_of_ranks(cluster, rank_to_device: Sequence[int] | None = None) -> tuple[tuple[int, ...] | None, ...]:

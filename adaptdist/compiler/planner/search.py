@@ -118,6 +118,7 @@ class PlannerResult:
     chosen: dict[str, dict[str, Strategy]] = field(default_factory=dict)
     calibrated: bool = True
     pipeline: Any = None  # the inter-stage planner's PipelineChoice, or why it gave none (str): stages.with_pipeline
+    splits: dict[MeshCandidate, str] = field(default_factory=dict)  # each costed shape: what its plan splits, in words
 
     @property
     def solve_s(self) -> float:
@@ -360,6 +361,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
                 tried.append((c, f"infeasible ({e})"))
                 del found[c]
     feasible = []
+    what: dict[MeshCandidate, str] = {}
     for c in candidates:
         if c not in found:
             continue
@@ -369,6 +371,7 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
             continue
         tried.append((c, ev))
         feasible.append((c, ev, sols, chosen))
+        what[c] = what_it_splits(pg, c, chosen)
     if feasible:
         fastest = min(f[1].step_s for f in feasible)
         # shapes predicted within TIE_TOLERANCE of the fastest are ties: the first in canonical order wins
@@ -384,7 +387,31 @@ def plan_auto(captured: CapturedGraph, cluster: Any, *, mesh: Mesh | None = None
     log.info("planner: mesh %s, batch axis %s, predicted %.2f ms per step, %.2f GiB per rank (%d shapes, %.2f s)",
              c.mesh, c.batch_axis, 1e3 * ev.step_s, ev.memory_bytes / 2**30, len(tried), sum(phases.values()))
     return PlannerResult(plan, c, ev, sols, tried, phases, pg, chosen,
-                         calibrated=bool(getattr(cluster, "calibrated", True)))
+                         calibrated=bool(getattr(cluster, "calibrated", True)), splits=what)
+
+
+def what_it_splits(pg: PlanningGraph, c: MeshCandidate, chosen: Mapping[str, Mapping[str, Strategy]]) -> str:
+    """What the plan of shape ``c`` (its axes' ``chosen`` strategies) splits, in words for the table of shapes tried:
+    ``batch over dp``, ``3 parameters sharded on tp``, and for a model axis that shards no parameter but whose nodes
+    split their work (their activations' batch dim: data parallelism under that axis's name) ``no parameter
+    sharded on tp: 443 of 497 ops split their rows (as data parallel)``, or ``nothing split``."""
+    from .problem import splits
+
+    ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]
+    parts = [f"batch over {c.batch_axis}"] if c.batch_axis and c.mesh.size(c.batch_axis) > 1 else []
+    for a in c.mesh.names:
+        if a == c.batch_axis or c.mesh.size(a) == 1:
+            continue
+        per = chosen.get(a, {})
+        sharded = sum(1 for pn in pg.params() if (s := per.get(pn.name)) is not None and s.outputs
+                      and s.outputs[0] is not None and not isinstance(s.outputs[0], Replicate))
+        if sharded:
+            parts.append(f"{sharded} parameter{'s' if sharded != 1 else ''} sharded on {a}")
+            continue
+        split = sum(1 for n in ops if (s := per.get(n)) is not None and splits(s))
+        parts.append(f"no parameter sharded on {a}: {split} of {len(ops)} ops split their work (as data parallel)"
+                     if split else f"nothing split on {a}")
+    return "; ".join(parts) or "nothing split"
 
 
 def _warm_from_plan(previous: Plan | None) -> dict[str, dict[str, Strategy]] | None:
@@ -405,7 +432,9 @@ def _to_plan(captured: CapturedGraph, pg: PlanningGraph, c: MeshCandidate, chose
 
     params = {}
     for pn in pg.params():
-        pls = tuple(place(pn.name, a) for a in names)
+        # on an axis of one rank every placement holds the whole tensor: Replicate, as the lowering holds it (a
+        # tie the ILP broke toward S(1) there once read "sharded" in plan and explain on one rank)
+        pls = tuple(place(pn.name, a) if c.mesh.size(a) > 1 else Replicate() for a in names)
         if any(not isinstance(p, Replicate) for p in pls):
             params[pn.fqn] = pls
     ops = [n for n in pg.nodes if pg.nodes[n].kind == "op"]

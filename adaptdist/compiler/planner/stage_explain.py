@@ -52,19 +52,19 @@ class StageExplanation:
         """The stage that holds the node, as lines (the per-axis tables are the caller's)."""
         st = self.stage
         mesh = ",".join(f"{a}={n}" for a, n in self.mesh.items()) or "one rank"
-        first, end = self.layer_range
-        names = self.layer_names[0] if len(self.layer_names) == 1 else f"{self.layer_names[0]} .. {self.layer_names[-1]}"
+        from .stages import layer_range_text
+
+        names = layer_range_text(self.layer_names)  # as `adaptdist plan` names the stage's layers
         where = f"model chunk {self.chunk} of " if self.chunk is not None else ""
         label = self.node if self.name == self.node else f"{self.name} ({self.node})"
-        out = [f"{label} is in layer {self.layer}, held by {where}stage {st.index}: layers {first}..{end - 1} "
-               f"({names}), ranks {list(st.ranks)}, sub-mesh {mesh}"
+        out = [f"{label} is in layer {self.layer}, held by {where}stage {st.index}: layers {names}, ranks {list(st.ranks)}, sub-mesh {mesh}"
                + (f", batch split over {self.batch_axis}" if self.batch_axis and self.mesh.get(self.batch_axis, 1) > 1
                   else "")]
         if self.why_no_ilp:
             out.append(f"its placement inside the stage: {self.why_no_ilp}")
         else:
             comm = ", ".join(f"{a} {1e3 * t:.3f} ms" for a, t in self.communication_s.items()) or "none"
-            out.append(f"its placement is the stage's intra-stage ILP decision (layers {first}..{end - 1} on "
+            out.append(f"its placement is the stage's intra-stage ILP decision (layers {names} on "
                        f"{mesh}, re-solved here as the stage coster solved it): stage step {1e3 * self.step_s:.3f} ms "
                        f"for the whole batch (compute {1e3 * self.compute_s:.3f} ms, communication {comm})")
         return out

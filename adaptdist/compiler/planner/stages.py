@@ -1144,6 +1144,11 @@ def _ms(s: float) -> str:
     return f"{1e3 * s:.3f} ms"
 
 
+def layer_range_text(layers: Sequence[str]) -> str:
+    """A stage's layers as ``plan`` and ``explain`` both name them: ``tok_emb .. blocks.1 (4)``, ``ln_f (1)``."""
+    return (layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]}") + f" ({len(layers)})"
+
+
 def stage_plan_lines(choice: PipelineChoice) -> list[str]:
     """The stage plan as lines for ``adaptdist plan`` / ``explain``: stages, layer ranges, sub-meshes, predicted
     per-stage times, the bubble, why this schedule, and the comparison with the best SPMD plan."""
@@ -1153,9 +1158,8 @@ def stage_plan_lines(choice: PipelineChoice) -> list[str]:
              f"gradient sync {_ms(sync)}; bubble {_ms(choice.bubble_s)} ({100 * choice.bubble_fraction:.1f}% of the "
              "pipeline)"]
     for s in choice.stages:
-        layers = s.layers[0] if len(s.layers) == 1 else f"{s.layers[0]} .. {s.layers[-1]}"
         mesh = ",".join(f"{a}={n}" for a, n in s.mesh.items())
-        lines.append(f"  stage {s.index}: layers {layers} ({len(s.layers)}), ranks {list(s.ranks)} (mesh {mesh}); "
+        lines.append(f"  stage {s.index}: layers {layer_range_text(s.layers)}, ranks {list(s.ranks)} (mesh {mesh}); "
                      f"per microbatch F {_ms(s.forward_s)}, B {_ms(s.backward_s)}, W {_ms(s.weight_s)}; gradient "
                      f"sync {_ms(s.grad_sync_s)}; memory {_size(s.memory_bytes)} of {_size(s.capacity_bytes)} "
                      f"({s.source})")

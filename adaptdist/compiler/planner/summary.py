@@ -117,13 +117,13 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                       "machine's)[/]")
     if len(result.tried) > 1:
         t = Table(title="mesh shapes tried (predicted per rank)")
-        for col in ("mesh", "batch axis", "step ms", "communication ms", "memory MiB", ""):
+        for col in ("mesh", "batch axis", "what its plan splits", "step ms", "communication ms", "memory MiB", ""):
             t.add_column(col)
         for c, ev_or_why in result.tried:
             if isinstance(ev_or_why, str):
-                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", ev_or_why)
+                t.add_row(str(c), str(c.batch_axis or "-"), "-", "-", "-", "-", ev_or_why)
             else:
-                t.add_row(str(c), str(c.batch_axis or "-"), f"{1e3 * ev_or_why.step_s:.3f}",
+                t.add_row(str(c), str(c.batch_axis or "-"), result.splits.get(c, "-"), f"{1e3 * ev_or_why.step_s:.3f}",
                           f"{1e3 * sum(ev_or_why.communication_s.values()):.3f}",
                           f"{ev_or_why.memory_bytes / 2**20:,.1f}",
                           ("best without stages" if won else "chosen") if c == result.candidate else "")
@@ -158,7 +158,7 @@ def print_summary(console: Any, result: PlannerResult, layers: bool = True) -> N
                          + (f" and {len(sharded) - 6} more" if len(sharded) > 6 else "") if sharded else "")
                       + " (adaptdist plan shows the per-layer table)")
     if not won and not any(any(repr(x) != "R" for x in p) for p in plan.param_placements.values()) \
-            and getattr(result.candidate, "batch_axis", None) is None:
+            and getattr(result.candidate, "batch_axis", None) is None and plan.world_size > 1:
         # a mesh named tp=2 that shards no parameter reads as tensor parallelism; say what it is
         split = split_nodes(plan)
         if not split:
@@ -193,7 +193,9 @@ def split_nodes(plan: Any) -> list[str]:
     (:func:`~.problem.splits`: a Shard input or output, or a Partial output), in graph order."""
     from .problem import splits
 
-    return [n for n, sts in plan.node_strategies.items() if any(s is not None and splits(s) for s in sts)]
+    sizes = list(plan.mesh.values())  # an axis of one rank splits nothing, whatever its strategies say
+    return [n for n, sts in plan.node_strategies.items()
+            if any(s is not None and splits(s) and sizes[i] > 1 for i, s in enumerate(sts) if i < len(sizes))]
 
 
 def print_stage_plan(console: Any, stages: Any) -> None:
