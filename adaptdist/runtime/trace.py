@@ -412,8 +412,11 @@ def load_traces(directory: str | os.PathLike) -> Trace:
 
 # ---- Chrome trace (Trace Event Format)
 
-LANE_INDEX = {"compute": 0, "comm": 1, "steps": 2}
-"""A rank's lanes in display order (their ``thread_sort_index``): compute, communication, the step windows."""
+TIDS_PER_PID = 100
+
+LANE_INDEX = {"compute": 0, "comm": 1, "steps": TIDS_PER_PID - 2}
+"""A rank's lanes in display order (their ``thread_sort_index`` and their ``tid`` order): compute, communication
+(then 2, 3, ... for further communication lanes, :func:`nesting_lanes`), the step windows last."""
 
 US_GRID = 8
 """``ts`` and ``dur`` are multiples of 1/8 µs (125 ns). Two viewers' arithmetic constrains the grid:
@@ -430,15 +433,40 @@ US_GRID = 8
 
 1/8 µs = 125 ns is the finest grid that is both (1000 = 8 * 125); the clock's spans are micro- to milliseconds."""
 
-TIDS_PER_PID = 10
-
-
 def track_tid(pid: int, lane: int) -> int:
-    """The ``tid`` of lane ``lane`` (:data:`LANE_INDEX`) of process ``pid``: ``10 * pid + lane + 1``, unique in the
-    whole trace and never 0. Perfetto's importer takes ``tid`` as a system-wide thread id, as Linux's are (Chrome's
-    own traces write OS thread ids): with tids 0, 1, 2 in every process it merged rank 1's compute slices into
-    another process's thread and dropped them as overlapping; tid 0 it takes for the process's main thread."""
+    """The ``tid`` of lane ``lane`` of process ``pid``: ``100 * pid + lane + 1``, unique in the whole trace and
+    never 0. Lanes: :data:`LANE_INDEX` (compute 0, communication 1, steps 98), and 2, 3, ... for the further
+    communication lanes of :func:`nesting_lanes` (at most 96 of them; more share the last). Perfetto's importer
+    takes ``tid`` as a system-wide thread id, as Linux's are (Chrome's own traces write OS thread ids): with tids
+    0, 1, 2 in every process it merged rank 1's compute slices into another process's thread and dropped them as
+    overlapping; tid 0 it takes for the process's main thread."""
     return TIDS_PER_PID * pid + lane + 1
+
+
+def nesting_lanes(intervals: Sequence[tuple[float, float]]) -> list[int]:
+    """A sub-lane (0, 1, ...) per ``(start, end)`` interval such that on each sub-lane any two intervals nest or
+    are disjoint (touching allowed), the first sub-lane taking all it can (greedy by start, longest first). Trace
+    viewers require that of the complete events of one thread: Perfetto drops an event that starts inside another
+    and ends after it (``slice_drop_overlapping_complete_event``), speedscope warns "Tried to end X when Y was on the
+    top of the stack". Collectives in flight together do that on the communication lane: data parallelism's gradient
+    buckets, issued one after another and waited in the same order, each span from its issue to the end of its
+    wait (9 per rank of a 3-step 2-rank DP run: Perfetto dropped 18 of 190 slices)."""
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1]))
+    stacks: list[list[float]] = []  # per sub-lane, the ends of the intervals still open
+    out = [0] * len(intervals)
+    for i in order:
+        start, end = intervals[i]
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                break
+        else:
+            lane, stack = len(stacks), []
+            stacks.append(stack)
+        stack.append(end)
+        out[i] = lane
+    return out
 
 
 def _grid_us(t_s: float) -> float:
@@ -458,7 +486,8 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]:
     """The Trace Event Format (JSON object form) of ``trace``: one ``"ph": "X"`` complete event per span
     (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane's
-    :func:`track_tid`: ``10 * pid + 1`` compute, ``+ 2`` communication, ``+ 3`` the step windows), ``idle`` spans
+    :func:`track_tid`: ``100 * pid + 1`` compute, ``+ 2`` communication, ``+ 3, + 4, ...`` further communication
+    lanes for collectives in flight together (:func:`nesting_lanes`), ``+ 99`` the step windows), ``idle`` spans
     included, ``"ph": "M"`` metadata naming and ordering processes and threads. ``predicted`` spans
     (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened by chrome://tracing and
     https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium project); see :func:`_meta`
@@ -472,29 +501,39 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
         events.append({"name": s.label(), "cat": s.kind, "ph": "X", "ts": ts_us, "dur": max(end_us - ts_us, 0.0),
                        "pid": pid, "tid": tid, "args": args})
 
-    def name_tracks(pid: int, process: str, lanes) -> None:
+    def name_tracks(pid: int, process: str, lanes: Sequence[int]) -> None:
+        """Process and thread metadata; ``lanes``: the lane indices with events (Perfetto lists empty threads)."""
         events.append(_meta("process_name", pid, track_tid(pid, 0), {"name": process}))
         events.append(_meta("process_sort_index", pid, track_tid(pid, 0), {"sort_index": pid}))
-        for lane, index in lanes:
-            events.append(_meta("thread_name", pid, track_tid(pid, index), {"name": lane}))
-            events.append(_meta("thread_sort_index", pid, track_tid(pid, index), {"sort_index": index}))
+        for i in sorted(set(lanes)):
+            name = {LANE_INDEX["compute"]: "compute", LANE_INDEX["comm"]: "communication",
+                    LANE_INDEX["steps"]: "steps"}.get(i, f"communication #{i}")
+            events.append(_meta("thread_name", pid, track_tid(pid, i), {"name": name}))
+            events.append(_meta("thread_sort_index", pid, track_tid(pid, i), {"sort_index": i}))
+
+    def add_all(pid: int, spans: Sequence[Span], steps: Sequence[Span] = ()) -> list[int]:
+        """``spans`` of one process on their lanes, ``steps`` on the steps lane; communication spans that would
+        overlap one another go on further lanes (:func:`nesting_lanes`). Returns the lane indices used."""
+        lanes = [LANE_INDEX.get(s.lane, 0) for s in spans]
+        comm = [i for i, s in enumerate(spans) if s.lane == "comm"]
+        sub = nesting_lanes([(_grid_us(spans[i].start_s), _grid_us(spans[i].end_s)) for i in comm])
+        for i, k in zip(comm, sub):
+            lanes[i] = LANE_INDEX["comm"] + min(k, LANE_INDEX["steps"] - 2)
+        for s, i in zip(spans, lanes):
+            add(s, pid, track_tid(pid, i))
+        for s in steps:
+            add(s, pid, track_tid(pid, LANE_INDEX["steps"]))
+        return lanes + [LANE_INDEX["steps"]] * bool(steps)
 
     for r in trace.ranks:
-        name_tracks(r, f"rank {r}", (("compute", 0), ("communication", 1), ("steps", 2)))
-    for s in trace.spans:
-        add(s, s.rank, track_tid(s.rank, LANE_INDEX[s.lane]))
-    for r in trace.ranks:
-        for s in idle_spans([x for x in trace.spans if x.rank == r], [x for x in trace.steps if x.rank == r]):
-            add(s, r, track_tid(r, LANE_INDEX["compute"]))
-    for s in trace.steps:
-        add(Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"}), s.rank,
-            track_tid(s.rank, LANE_INDEX["steps"]))
-    for r in sorted({s.rank for s in predicted}):  # only the lanes the prediction has (Perfetto lists empty ones)
-        lanes = {LANE_INDEX.get(s.lane, 0) for s in predicted if s.rank == r}
-        name_tracks(1000 + r, f"rank {r} (predicted)",
-                    [("communication" if lane == "comm" else lane, i) for lane, i in LANE_INDEX.items() if i in lanes])
-    for s in predicted:
-        add(s, 1000 + s.rank, track_tid(1000 + s.rank, LANE_INDEX.get(s.lane, 0)))
+        mine = [x for x in trace.spans if x.rank == r]
+        steps = [Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"})
+                 for s in trace.steps if s.rank == r]
+        lanes = add_all(r, mine + idle_spans(mine, [x for x in trace.steps if x.rank == r]), steps)
+        name_tracks(r, f"rank {r}", [LANE_INDEX["compute"], LANE_INDEX["comm"], LANE_INDEX["steps"]] + lanes)
+    for r in sorted({s.rank for s in predicted}):
+        lanes = add_all(1000 + r, [s for s in predicted if s.rank == r])
+        name_tracks(1000 + r, f"rank {r} (predicted)", lanes)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "adaptdist", "clock_alignment": trace.alignment}}
 
