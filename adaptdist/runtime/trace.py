@@ -433,6 +433,7 @@ US_GRID = 8
 
 1/8 µs = 125 ns is the finest grid that is both (1000 = 8 * 125); the clock's spans are micro- to milliseconds."""
 
+
 def track_tid(pid: int, lane: int) -> int:
     """The ``tid`` of lane ``lane`` of process ``pid``: ``100 * pid + lane + 1``, unique in the whole trace and
     never 0. Lanes: :data:`LANE_INDEX` (compute 0, communication 1, steps 98), and 2, 3, ... for the further
