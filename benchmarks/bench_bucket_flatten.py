@@ -1,100 +1,93 @@
-"""Is a fused C++ gradient-bucket flatten/unflatten worth shipping? It must beat torch's own, into a
-preallocated bucket: ``torch.cat(views, out=bucket)`` and ``torch._foreach_copy_(bucket_views, grads)`` to
-flatten, ``torch._foreach_copy_(grads, bucket_views)`` to unflatten (issue 16: a kernel that does not win is
-removed, not kept).
+"""A gradient bucket's flatten + all_reduce on shared memory: ``torch.cat`` + ``shm_all_reduce_start`` (what the dp
+lowering emits today) vs the fused ``shm_flatten_all_reduce_start`` (the gradients copied straight into the rank's
+registered input region, then the all_reduce reads them in place: no copy-in), each waited with ``shm_wait``.
+Issue 16 point 2's "fused gradient-bucket flatten, kept only if it beats torch's own".
 
-The candidate is built here (torch.utils.cpp_extension.load_inline, needs ninja and a C++ compiler): one op
-that memcpys each contiguous tensor into (out of) the flat buffer at running offsets -- the least a fused
-kernel can do. Cases: a GPT-2-like bucket (mixed sizes, 25 MiB), 1000 small tensors (1 KiB each), 64 large
-ones (1 MiB each). Single thread; median of --reps timed loops.
+    .venv/bin/python benchmarks/bench_bucket_flatten.py [--ranks 2 4] [--rounds 3] [--min-time-s 0.4]
 
-    .venv/bin/python benchmarks/bench_bucket_flatten.py [--reps 7]
+Buckets (float32): 16 MiB in 8 tensors, 1 MiB in 64 tensors. Per call: the slowest rank's mean over a timed loop;
+the two forms alternate per round. Prints the load average before and after (this machine is shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-SOURCE = r"""
-#include <torch/extension.h>
-#include <cstring>
-void flatten_into(std::vector<at::Tensor> ts, at::Tensor out) {
-  char* dst = static_cast<char*>(out.data_ptr());
-  for (auto& t : ts) { size_t b = t.numel() * t.element_size(); std::memcpy(dst, t.data_ptr(), b); dst += b; }
-}
-void unflatten_from(at::Tensor flat, std::vector<at::Tensor> ts) {
-  const char* src = static_cast<const char*>(flat.data_ptr());
-  for (auto& t : ts) { size_t b = t.numel() * t.element_size(); std::memcpy(t.data_ptr(), src, b); src += b; }
-}
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flatten_into", &flatten_into);
-  m.def("unflatten_from", &unflatten_from);
-}
-"""
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+BUCKETS = {"16MiB/8": (16 << 20, 8), "1MiB/64": (1 << 20, 64)}
 
 
-def _cases() -> dict[str, list[int]]:
-    gpt2 = []
-    for _ in range(12):  # per layer: ln, attn qkv (+bias), proj (+bias), ln, mlp fc (+bias), proj (+bias), 768 wide
-        gpt2 += [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072, 3072 * 768, 768]
-    numel, bucket = 0, []
-    for n in gpt2:  # first 25 MiB
-        if (numel + n) * 4 > 25 << 20:
-            break
-        bucket.append(n)
-        numel += n
-    return {"gpt2_bucket_25MiB": bucket, "1000x1KiB": [256] * 1000, "64x1MiB": [1 << 18] * 64}
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    fn()
+def _time(fn, min_time_s: float) -> float:
+    for _ in range(2):
+        fn()
+    dist.barrier()
     t0 = time.perf_counter()
     fn()
-    iters = max(3, int(0.2 / max(time.perf_counter() - t0, 1e-7)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    est = torch.tensor([time.perf_counter() - t0])
+    dist.broadcast(est, 0)
+    iters = int(max(3, min(2000, min_time_s / max(float(est), 1e-7))))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t = torch.tensor([(time.perf_counter() - t0) / iters])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank: int, world: int, rounds: int, min_time_s: float) -> list[dict]:
+    from adaptdist.kernels import shm
+
+    group = shm.init_group(dist.group.WORLD, name="bucket", timeout_s=300)
+    ops = torch.ops.adaptdist
+    rows = []
+    for label, (size_bytes, k) in BUCKETS.items():
+        per = size_bytes // 4 // k
+        grads = [torch.randn(per // 16, 16) for _ in range(k)]
+        want = ops.shm_wait(ops.shm_all_reduce_start(torch.cat([g.reshape(-1) for g in grads]), "sum", group.name))
+        got = ops.shm_wait(ops.shm_flatten_all_reduce_start(grads, 0, "sum", group.name))
+        assert torch.equal(got, want), "fused result differs from cat + all_reduce"
+        del want, got
+
+        def cat_form():
+            ops.shm_wait(ops.shm_all_reduce_start(torch.cat([g.reshape(-1) for g in grads]), "sum", group.name))
+
+        def fused_form():
+            ops.shm_wait(ops.shm_flatten_all_reduce_start(grads, 0, "sum", group.name))
+
+        for rnd in range(rounds):
+            rows.append({"bucket": label, "round": rnd, "ranks": world, "cat_s": _time(cat_form, min_time_s),
+                         "fused_s": _time(fused_form, min_time_s)})
+    return rows
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-time-s", type=float, default=0.4)
     args = ap.parse_args(argv)
-    from torch.utils.cpp_extension import load_inline
+    import shm_workers
 
-    torch.set_num_threads(1)
-    ext = load_inline("adaptdist_bench_flatten", cpp_sources=SOURCE, extra_cflags=["-O3"],
-                      build_directory=tempfile.mkdtemp(prefix="adaptdist-flatten-"), verbose=False)
-    print(f"load average: {os.getloadavg()}")
-    print(f"{'case':<20}{'tensors':>8}{'MiB':>7} | flatten us: {'cat(out=)':>10}{'foreach':>10}{'C++':>10}"
-          f"{'C++/best':>9} | unflatten us: {'foreach':>10}{'C++':>10}{'C++/best':>9}")
-    for name, sizes in _cases().items():
-        grads = [torch.randn(n) for n in sizes]
-        flat = torch.empty(sum(sizes))
-        views = list(torch.split(flat, sizes))
-        src_views = [g.view(-1) for g in grads]
-        t_cat = _time(lambda: torch.cat(src_views, out=flat), args.reps)
-        t_fe = _time(lambda: torch._foreach_copy_(views, grads), args.reps)
-        t_cpp = _time(lambda: ext.flatten_into(grads, flat), args.reps)
-        ext.flatten_into(grads, flat)
-        assert torch.equal(flat, torch.cat(src_views))
-        u_fe = _time(lambda: torch._foreach_copy_(grads, views), args.reps)
-        u_cpp = _time(lambda: ext.unflatten_from(flat, grads), args.reps)
-        print(f"{name:<20}{len(sizes):>8}{sum(sizes) * 4 / 2**20:>7.1f} | {'':>12}{t_cat * 1e6:>10.1f}"
-              f"{t_fe * 1e6:>10.1f}{t_cpp * 1e6:>10.1f}{t_cpp / min(t_cat, t_fe):>9.2f} | {'':>14}{u_fe * 1e6:>10.1f}"
-              f"{u_cpp * 1e6:>10.1f}{u_cpp / u_fe:>9.2f}")
-    print("C++/best < 1 means the fused kernel is faster than torch's best way")
+    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}  (nproc {os.cpu_count()})")
+    print(f"{'bucket':<9}{'n':>2}{'round':>6} | {'cat+start us':>13}{'fused us':>10} | {'fused/cat':>9}")
+    for n in args.ranks:
+        res = shm_workers.run_ranks(worker, n, (args.rounds, args.min_time_s), timeout_s=900)
+        if 0 not in res or isinstance(res[0], dict):
+            raise SystemExit(f"{n} ranks failed: {res}")
+        for r in res[0]:
+            print(f"{r['bucket']:<9}{r['ranks']:>2}{r['round']:>6} | {r['cat_s'] * 1e6:>13.1f}{r['fused_s'] * 1e6:>10.1f}"
+                  f" | {r['fused_s'] / r['cat_s']:>9.2f}")
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

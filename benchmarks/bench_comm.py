@@ -10,6 +10,10 @@ warm-up). Reported: latency (us), algorithm bandwidth and bus bandwidth, with nc
 them: one core's `torch.Tensor.copy_` of the same S (bandwidth = S / t), the physical limit of moving S
 bytes once. Ratios: shm busbw / gloo busbw, and shm busbw / memcpy bandwidth.
 
+The row ``all_reduce[reg]`` (with ``all_reduce`` in --ops) is the shm all_reduce whose input already lies in the
+rank's registered input region (``shm.input_buffer``, as NCCL's user-buffer registration: no copy-in); its gloo
+column is the same gloo all_reduce as the plain row's. The plain ``all_reduce`` row copies its input in.
+
     .venv/bin/python benchmarks/bench_comm.py [--ranks 2 4] [--sizes 4K 1M 16M 64M] [--min-time-s 0.3]
         [--ops all_reduce ...] [--slot-bytes N] [--spin-us US] [--json out.json]
 
@@ -33,12 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+REGISTERED = "all_reduce[reg]"  # the all_reduce of an input in the registered region (no copy-in)
 SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20}
 
 
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw factor (doc/PERFORMANCE.md)."""
     if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_reduce", REGISTERED):
         return 2 * (n - 1) / n
     if op == "broadcast":
         return 1.0
@@ -57,6 +64,10 @@ def _calls(op: str, n: int, size_bytes: int, group, rank: int):
         out = torch.empty(elems // n)
         return (lambda: group.reduce_scatter(x)), (lambda: dist.reduce_scatter_tensor(out, x))
     x = torch.randn(elems)
+    if op == REGISTERED:
+        buf = group.input_buffer(elems)
+        buf.copy_(x)
+        return (lambda: group.all_reduce(buf)), (lambda: dist.all_reduce(x))
     if op == "all_reduce":
         return (lambda: group.all_reduce(x)), (lambda: dist.all_reduce(x))
     if op == "all_to_all":
@@ -94,6 +105,7 @@ def bench_worker(rank: int, world: int, ops: list[str], sizes: list[str], min_ti
     group = shm.init_group(dist.group.WORLD, name="bench", timeout_s=300, slot_bytes=slot_bytes,
                            spin_us=spin_us)
     rows = []
+    ops = [o for op in ops for o in ((op, REGISTERED) if op == "all_reduce" else (op,))]
     for op in ops:
         for size in sizes:
             s_bytes = SIZES[size]
@@ -151,7 +163,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"{n} ranks failed: {res}")
         rows += res[0]
     load_after = os.getloadavg()
-    print(f"{'op':<15}{'n':>2}{'size':>5} | {'shm us':>9}{'gloo us':>10} | {'shm busbw':>10}{'gloo busbw':>11}"
+    print(f"{'op':<16}{'n':>2}{'size':>5} | {'shm us':>9}{'gloo us':>10} | {'shm busbw':>10}{'gloo busbw':>11}"
           f"{'memcpy':>8} GB/s | {'shm/gloo':>8}{'shm/memcpy':>11}")
     for r in rows:
         algbw_shm = r["size_bytes"] / r["shm_s"]
@@ -159,7 +171,7 @@ def main(argv=None) -> None:
         r["shm_busbw_bytes_per_s"] = algbw_shm * r["factor"]
         r["gloo_busbw_bytes_per_s"] = algbw_gloo * r["factor"]
         r["memcpy_bytes_per_s"] = memcpy[r["size"]]
-        print(f"{r['op']:<15}{r['ranks']:>2}{r['size']:>5} | {r['shm_s'] * 1e6:>9.1f}{r['gloo_s'] * 1e6:>10.1f} | "
+        print(f"{r['op']:<16}{r['ranks']:>2}{r['size']:>5} | {r['shm_s'] * 1e6:>9.1f}{r['gloo_s'] * 1e6:>10.1f} | "
               f"{r['shm_busbw_bytes_per_s'] / 1e9:>10.2f}{r['gloo_busbw_bytes_per_s'] / 1e9:>11.2f}"
               f"{memcpy[r['size']] / 1e9:>8.2f}      | {r['shm_busbw_bytes_per_s'] / r['gloo_busbw_bytes_per_s']:>8.2f}"
               f"{r['shm_busbw_bytes_per_s'] / memcpy[r['size']]:>11.2f}")

@@ -12,6 +12,8 @@
 //   all_reduce pipelines over its parity buffer and buffers 2-4, one barrier per chunk (see there).
 //   outputs: group_size regions of kSharedOutBytes, rank r's all_reduce outputs (tensors whose memory is
 //   the segment, so that the peers write their reduced slices straight into them; touched as used).
+//   inputs: group_size regions of kSharedInBytes, rank r's registered all_reduce inputs (tensors the caller
+//   fills, _shm_group_input_buffer; the peers read them in place, so the copy-in is skipped; touched as used).
 //
 // Synchronisation: rank r's arrival counter counts the barriers it has entered (it names who is missing),
 // and the group's `arrivals` counts every rank's entries: all ranks entered their k-th barrier once it
@@ -70,7 +72,7 @@
 
 namespace adaptdist_shm {
 
-constexpr uint64_t kMagic = 0x33304d4853444441ULL;  // "ADDSHM03" (03: shared all_reduce output regions)
+constexpr uint64_t kMagic = 0x34304d4853444441ULL;  // "ADDSHM04" (04: registered all_reduce input regions)
 constexpr int kMaxRanks = 64;
 constexpr size_t kAlign = 64;
 constexpr int kBuffers = 5;  // slice boundaries on cache lines: no false sharing between owners
@@ -86,6 +88,9 @@ constexpr size_t kReuseBytes = size_t(256) << 10;  // all_reduce outputs from th
 // touched). Outputs up to this size from kReuseBytes on live there when the region is free; the peers then
 // write the reduced slices into them directly (no copy-out pass: 14 instead of 18 x S bytes moved by 4 ranks).
 constexpr size_t kSharedOutBytes = size_t(64) << 20;
+// Each rank's registered input region (as NCCL's user-buffer registration): an all_reduce whose input lies in it,
+// at the same offset on every rank, is reduced straight from the ranks' regions (no copy-in into the slots).
+constexpr size_t kSharedInBytes = size_t(64) << 20;
 
 struct alignas(64) RankInfo {
   std::atomic<int32_t> pid;
@@ -97,6 +102,7 @@ struct alignas(64) Counter {
   std::atomic<uint32_t> seq;        // barriers entered by this rank
   std::atomic<uint64_t> sig[2];     // signature of the collective in each half (mismatch check)
   std::atomic<uint32_t> shared[2];  // whether this rank's all_reduce output in each half is its shared region
+  std::atomic<uint64_t> reg[2];     // registered all_reduce input in each half: its offset in the region + 1, or 0
 };
 
 struct Header {
@@ -325,12 +331,13 @@ struct Group {
   Header* hdr = nullptr;
   char* data = nullptr;
   char* outs = nullptr;  // the ranks' shared output regions
+  char* ins = nullptr;   // the ranks' registered input regions
   uint32_t seq = 0;  // barriers this rank entered (mirrors its counter)
   uint64_t use = 0;  // uses so far (half = use % 2)
   std::mutex mu;     // one collective at a time per group in this process
   // Phase times of the chunked all_reduce (ns, accumulated; read and reset by _shm_group_profile):
-  // copy-in, reduce, copy-out, barrier waits, whole calls, calls.
-  int64_t prof[6] = {0, 0, 0, 0, 0, 0};
+  // copy-in, reduce, copy-out, barrier waits, whole calls, calls, calls that read registered inputs in place.
+  int64_t prof[7] = {0, 0, 0, 0, 0, 0, 0};
   std::mutex out_mu;  // guards output_block: a started all_reduce allocates on the caller's thread
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
   std::shared_ptr<SharedOutput> shared_output;  // this rank's region of `outs`
@@ -339,6 +346,7 @@ struct Group {
   char* slot(int buf, int r) const { return data + (size_t(buf) * size + size_t(r)) * slot_bytes; }
   char* half_base(int buf) const { return data + size_t(buf) * size * slot_bytes; }
   char* out_region(int r) const { return outs + size_t(r) * kSharedOutBytes; }
+  char* in_region(int r) const { return ins + size_t(r) * kSharedInBytes; }
 
   ~Group() {
     comm.reset();
@@ -926,12 +934,26 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   // parity buffer if there is one chunk), which the next collective writes only after its first barrier.
   // A shared output region is written by peers only between the first and the last barrier of a call whose
   // owner declared it (its tensor was free then); the owner returns after the last barrier.
+  //
+  // Registered input (the input lies in this rank's input region, _shm_group_input_buffer): each rank says
+  // before the first barrier where (offset + 1, or 0). When every rank's input is registered at the same offset
+  // (the signature already matched dtype and size) and every output is its shared region, the call is two
+  // barriers: after the first, rank r reduces slice r of the whole tensor straight from every rank's input
+  // region (the same summation order) into every rank's output; after the second (every peer finished reading
+  // this rank's input and writing its output) it returns. Otherwise the ranks agree, from the same published
+  // words, to run the pipeline; a rank that skipped chunk 0's copy-in (registered) copies it in after the first
+  // barrier, and every rank then enters one extra barrier before the pipeline's reductions, so they all stay in
+  // step.
   const int64_t chunk = int64_t(std::min(g.slot_bytes, g.chunk_bytes) / es);
   const int64_t nchunks = (numel + chunk - 1) / chunk;
   std::vector<std::vector<int64_t>> bounds(3);
   UseGuard use(g, sig);
   const bool mine_shared = op_ == g.out_region(g.rank);
   g.hdr->counters[g.rank].shared[use.half].store(mine_shared ? 1 : 0, std::memory_order_relaxed);
+  const char* in_base = g.in_region(g.rank);
+  const bool reg_in = xp >= in_base && xp + bytes <= in_base + kSharedInBytes;
+  const uint64_t reg_word = reg_in ? uint64_t(xp - in_base) + 1 : 0;
+  g.hdr->counters[g.rank].reg[use.half].store(reg_word, std::memory_order_relaxed);
   std::vector<char> peer_shared(n, 0);  // read after the first barrier
   bool slot_results = false;            // some peer's output is private: results also go to the slots
   auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
@@ -943,16 +965,20 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     g.prof[k] += t - t_phase;
     t_phase = t;
   };
+  auto copy_in = [&](int64_t j) {
+    const int64_t off = j * chunk;
+    auto& b = bounds[j % 3];
+    char* mine = g.slot(in_buf(j), g.rank);
+    for (int r = 0; r < n; ++r) {
+      if (r == g.rank || b[r + 1] == b[r]) continue;
+      memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+    }
+  };
   for (int64_t j = 0; j <= nchunks + 1; ++j) {
-    if (j < nchunks) {  // copy chunk j in
+    if (j < nchunks) {  // copy chunk j in (chunk 0 of a registered input: only if the ranks fall back, below)
       const int64_t off = j * chunk, len = std::min(chunk, numel - off);
-      auto& b = bounds[j % 3];
-      slice_bounds(len, n, es, b);
-      char* mine = g.slot(in_buf(j), g.rank);
-      for (int r = 0; r < n; ++r) {
-        if (r == g.rank || b[r + 1] == b[r]) continue;
-        memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
-      }
+      slice_bounds(len, n, es, bounds[j % 3]);
+      if (j > 0 || !reg_in) copy_in(j);
     }
     lap(0);
     if (j >= 1 && j <= nchunks) {  // reduce my slice of chunk j-1 (its inputs are in since barrier j-1)
@@ -986,10 +1012,42 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
       barrier(g, op, start);
       if (j == 0) {
         use.check(op, x);
+        bool any_reg = reg_in, all_reg = reg_in;
         for (int q = 0; q < n; ++q) {
           if (q == g.rank) continue;
           peer_shared[q] = char(g.hdr->counters[q].shared[use.half].load(std::memory_order_relaxed) != 0);
           slot_results = slot_results || !peer_shared[q];
+          const uint64_t w = g.hdr->counters[q].reg[use.half].load(std::memory_order_relaxed);
+          any_reg = any_reg || w != 0;
+          all_reg = all_reg && w == reg_word;
+        }
+        if (all_reg && mine_shared && !slot_results) {  // every input registered at one offset, outputs shared
+          lap(3);
+          const size_t off_bytes = size_t(reg_word - 1);
+          std::vector<int64_t> b;
+          slice_bounds(numel, n, es, b);
+          const int64_t s0 = b[g.rank], s1 = b[g.rank + 1];
+          if (s1 > s0) {
+            for (int r = 0; r < n; ++r) srcs[r] = g.in_region(r) + off_bytes + size_t(s0) * es;
+            const size_t at = size_t(s0) * es;
+            Dests d;
+            d.add(op_ + at, stream);
+            for (int q = 0; q < n; ++q)
+              if (q != g.rank) d.add(g.out_region(q) + at, stream);
+            reduce_to(dt, srcs.data(), n, s1 - s0, d, rop);
+          }
+          lap(1);
+          barrier(g, op, start);  // peers done reading this rank's input and writing its output
+          lap(3);
+          g.prof[4] += now_ns() - t_call;
+          g.prof[5] += 1;
+          g.prof[6] += 1;
+          return out;
+        }
+        if (any_reg) {  // fall back to the pipeline on every rank: chunk 0's copy-in, then one more barrier
+          if (reg_in) copy_in(0);
+          lap(0);
+          barrier(g, op, start);
         }
       }
     }
@@ -1212,6 +1270,13 @@ static at::Tensor broadcast_meta(const at::Tensor& input, int64_t, c10::string_v
 
 static at::Tensor wait_meta(const at::Tensor& input) { return at::empty_like(input); }
 
+static at::Tensor flatten_all_reduce_meta(at::TensorList inputs, int64_t, c10::string_view, c10::string_view) {
+  TORCH_CHECK_VALUE(!inputs.empty(), "adaptdist shm: shm_flatten_all_reduce_start needs at least one tensor");
+  c10::SymInt total = 0;
+  for (const auto& t : inputs) total = total + t.sym_numel();
+  return at::empty_symint({total}, inputs[0].options());
+}
+
 // ---------------------------------------------------------------------------------------------
 // group management (called by adaptdist/kernels/shm.py)
 
@@ -1232,7 +1297,8 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   }
   const size_t data_offset = (sizeof(Header) + 4095) / 4096 * 4096;
   const size_t outs_offset = data_offset + kBuffers * size_t(group_size) * size_t(slot_bytes);
-  const size_t map_bytes = outs_offset + size_t(group_size) * kSharedOutBytes;
+  const size_t ins_offset = outs_offset + size_t(group_size) * kSharedOutBytes;
+  const size_t map_bytes = ins_offset + size_t(group_size) * kSharedInBytes;
   int fd = -1;
   if (create) {
     fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -1281,6 +1347,7 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   g->hdr = static_cast<Header*>(p);
   g->data = static_cast<char*>(p) + data_offset;
   g->outs = static_cast<char*>(p) + outs_offset;
+  g->ins = static_cast<char*>(p) + ins_offset;
   g->shared_output = std::make_shared<SharedOutput>();
   g->shared_output->map = g->map;
   g->shared_output->data = g->out_region(int(group_rank));
@@ -1360,13 +1427,15 @@ static std::vector<int64_t> group_pids(c10::string_view group_name) {
 }
 
 // Phase times (s) of the chunked all_reduce since the last call: copy-in, reduce, copy-out, barrier
-// waits, whole calls, and the number of calls; resets them. For benchmarks/profile_shm.py.
+// waits, whole calls, the number of calls, and how many of them read registered inputs in place (no copy-in);
+// resets them. For benchmarks/profile_shm.py and the tests.
 static std::vector<double> group_profile(c10::string_view group_name) {
   auto gp = find_group(std::string(group_name));
   std::lock_guard<std::mutex> lock(gp->mu);
   std::vector<double> out;
   for (int k = 0; k < 5; ++k) out.push_back(double(gp->prof[k]) * 1e-9);
   out.push_back(double(gp->prof[5]));
+  out.push_back(double(gp->prof[6]));
   std::fill(std::begin(gp->prof), std::end(gp->prof), 0);
   return out;
 }
@@ -1497,6 +1566,73 @@ static at::Tensor all_reduce_start(const at::Tensor& input, c10::string_view red
       [x, rop, name](at::Tensor out) { return all_reduce_cpu(x, rop, name, out); });
 }
 
+// A tensor of `numel` elements of `dtype` on this rank's registered input region at `offset_bytes` (see
+// kSharedInBytes): an all_reduce of it (or of a contiguous part of it) at the same offset and size on every rank
+// reads it in place. The tensor keeps the segment mapped after its group is destroyed.
+static at::Tensor input_region_tensor(Group& g, int64_t offset_bytes, int64_t numel, at::ScalarType dtype) {
+  const int64_t es = int64_t(c10::elementSize(dtype));
+  TORCH_CHECK_VALUE(numel >= 0 && offset_bytes >= 0 && offset_bytes % 64 == 0, "adaptdist shm: input buffer of ",
+                    group_desc(g), ": offset_bytes ", offset_bytes, " must be a non-negative multiple of 64 and numel ",
+                    numel, " non-negative");
+  TORCH_CHECK_VALUE(uint64_t(offset_bytes) + uint64_t(numel) * uint64_t(es) <= kSharedInBytes,
+                    "adaptdist shm: input buffer of ", group_desc(g), ": ", numel, " elements of ", dtype, " (",
+                    numel * es, " bytes) at offset ", offset_bytes, " exceed the rank's input region of ",
+                    kSharedInBytes, " bytes");
+  std::shared_ptr<Mapping> keep = g.map;
+  return at::for_blob(g.in_region(g.rank) + offset_bytes, {numel})
+      .deleter([keep](void*) {})
+      .options(at::TensorOptions().dtype(dtype))
+      .make_tensor();
+}
+
+static at::Tensor group_input_buffer(c10::string_view group_name, int64_t offset_bytes, int64_t numel,
+                                     at::ScalarType dtype) {
+  auto gp = find_group(std::string(group_name));
+  return input_region_tensor(*gp, offset_bytes, numel, dtype);
+}
+
+static int64_t group_input_region_bytes(c10::string_view group_name) {
+  find_group(std::string(group_name));
+  return int64_t(kSharedInBytes);
+}
+
+// A gradient bucket's flatten and all_reduce in one op: the inputs (one dtype), flattened and concatenated in
+// order, are copied straight into this rank's registered input region at input_offset_bytes (this copy replaces
+// torch.cat's), and the all_reduce of that 1-d tensor is started there (shm_all_reduce_start; wait with shm_wait).
+// Every rank must pass the same offset. Where the bucket does not fit the region (or the group has one rank) it
+// is torch.cat + shm_all_reduce_start, as before. The caller must not start another collective on the same
+// bytes of the region before this one's shm_wait returned (the lowering gives each bucket of a step its own
+// offset).
+static at::Tensor flatten_all_reduce_start(at::TensorList inputs, int64_t input_offset_bytes,
+                                           c10::string_view reduce_op, c10::string_view group_name) {
+  TORCH_CHECK_VALUE(!inputs.empty(), "adaptdist shm: shm_flatten_all_reduce_start needs at least one tensor");
+  const at::ScalarType dt = inputs[0].scalar_type();
+  int64_t total = 0;
+  for (const auto& t : inputs) {
+    TORCH_CHECK_TYPE(t.scalar_type() == dt, "adaptdist shm: shm_flatten_all_reduce_start takes tensors of one dtype, "
+                     "got ", dt, " and ", t.scalar_type());
+    check_dtype(t, "all_reduce", true);
+    total += t.numel();
+  }
+  parse_op(std::string(reduce_op));
+  auto gp = find_group(std::string(group_name));
+  const uint64_t bytes = uint64_t(total) * c10::elementSize(dt);
+  if (gp->size > 1 && input_offset_bytes >= 0 && input_offset_bytes % 64 == 0 &&
+      uint64_t(input_offset_bytes) + bytes <= kSharedInBytes) {
+    at::Tensor flat = input_region_tensor(*gp, input_offset_bytes, total, dt);
+    int64_t pos = 0;
+    for (const auto& t : inputs) {
+      const int64_t k = t.numel();
+      if (k > 0) flat.narrow(0, pos, k).view(t.sizes()).copy_(t);
+      pos += k;
+    }
+    return all_reduce_start(flat, reduce_op, group_name);
+  }
+  std::vector<at::Tensor> flats;
+  for (const auto& t : inputs) flats.push_back(t.reshape({-1}));
+  return all_reduce_start(at::cat(flats), reduce_op, group_name);
+}
+
 static at::Tensor all_gather_start(const at::Tensor& input, int64_t group_size, c10::string_view group_name) {
   check_dtype(input, "all_gather", false);
   at::Tensor x = input.contiguous();
@@ -1553,7 +1689,7 @@ static at::Tensor shm_wait(const at::Tensor& tensor) {
   return tensor;
 }
 
-static int64_t abi_version() { return 3; }  // adaptdist/kernels/__init__.py ABI_VERSION
+static int64_t abi_version() { return 4; }  // adaptdist/kernels/__init__.py ABI_VERSION
 
 }  // namespace adaptdist_shm
 
@@ -1573,6 +1709,9 @@ TORCH_LIBRARY(adaptdist, m) {
   m.def("shm_all_gather_into_tensor_start(Tensor input, int group_size, str group_name) -> Tensor");
   m.def("shm_reduce_scatter_tensor_start(Tensor input, str reduce_op, int group_size, str group_name) -> Tensor");
   m.def("shm_wait(Tensor tensor) -> Tensor");
+  // A gradient bucket's flatten (into the registered input region at input_offset_bytes) and started all_reduce.
+  m.def("shm_flatten_all_reduce_start(Tensor[] inputs, int input_offset_bytes, str reduce_op, str group_name) "
+        "-> Tensor");
   // Group management (not traced: called by adaptdist.kernels.shm); catch-all kernels.
   m.def("_shm_group_attach(str group_name, str segment, int group_rank, int group_size, int global_rank, "
         "int slot_bytes, float timeout_s, int spin_ns, bool create) -> ()",
@@ -1583,6 +1722,9 @@ TORCH_LIBRARY(adaptdist, m) {
   m.def("_shm_group_pids(str group_name) -> int[]", &adaptdist_shm::group_pids);
   m.def("_shm_group_profile(str group_name) -> float[]", &adaptdist_shm::group_profile);
   m.def("_shm_group_set_comm_thread(str group_name, bool on) -> ()", &adaptdist_shm::group_set_comm_thread);
+  m.def("_shm_group_input_buffer(str group_name, int offset_bytes, int numel, ScalarType dtype) -> Tensor",
+        &adaptdist_shm::group_input_buffer);
+  m.def("_shm_group_input_region_bytes(str group_name) -> int", &adaptdist_shm::group_input_region_bytes);
   m.def("_abi_version() -> int", &adaptdist_shm::abi_version);
 }
 
@@ -1596,6 +1738,7 @@ TORCH_LIBRARY_IMPL(adaptdist, CPU, m) {
   m.impl("shm_all_gather_into_tensor_start", &adaptdist_shm::all_gather_start);
   m.impl("shm_reduce_scatter_tensor_start", &adaptdist_shm::reduce_scatter_start);
   m.impl("shm_wait", &adaptdist_shm::shm_wait);
+  m.impl("shm_flatten_all_reduce_start", &adaptdist_shm::flatten_all_reduce_start);
 }
 
 TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {
@@ -1608,4 +1751,5 @@ TORCH_LIBRARY_IMPL(adaptdist, Meta, m) {
   m.impl("shm_all_gather_into_tensor_start", &adaptdist_shm::all_gather_meta);
   m.impl("shm_reduce_scatter_tensor_start", &adaptdist_shm::reduce_scatter_meta);
   m.impl("shm_wait", &adaptdist_shm::wait_meta);
+  m.impl("shm_flatten_all_reduce_start", &adaptdist_shm::flatten_all_reduce_meta);
 }

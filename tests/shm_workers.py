@@ -313,6 +313,141 @@ def correctness_worker(rank: int, world: int, sizes: list[int]) -> dict:
             "segments": segments(os.environ["MASTER_PORT"])}
 
 
+def _registered_calls(group) -> int:
+    """all_reduce calls of ``group`` since the last read that read registered inputs in place (kernel counter)."""
+    return int(torch.ops.adaptdist._shm_group_profile(group.name)[6])
+
+
+def _check_registered(group, pg, sizes, failures: list[str], tag: str) -> int:
+    """all_reduce of an input in the registered input region (blocking and started), every dtype, op and size,
+    equals the documented rank-order result, the copy-in path's result bitwise, and gloo's within rounding; the
+    input is left unchanged; every call over 32 KiB took the in-place path (kernel counter)."""
+    ops = torch.ops.adaptdist
+    n, me = group.group_size, group.group_rank
+    cases = 0
+    expected_fast = 0
+    _registered_calls(group)
+    for di, dtype in enumerate(DTYPES):
+        for si, numel in enumerate(sizes):
+            xs = _inputs(5000 + di * 100 + si, n, numel, dtype, "c")
+            buf = group.input_buffer(numel, dtype, offset_bytes=64 * si)
+            buf.copy_(xs[me])
+            what = f"{tag} registered {dtype} numel={numel}"
+            for op in ("sum", "avg", "max"):
+                ref = _reference_reduce(xs, op)
+                plain = group.all_reduce(xs[me], op).clone()  # the copy-in path
+                got = group.all_reduce(buf, op)
+                if not (torch.equal(got, ref) and torch.equal(got, plain)):
+                    failures.append(f"all_reduce {op} {what}: not bitwise the copy-in path's / rank-order result")
+                del got
+                got = ops.shm_wait(ops.shm_all_reduce_start(buf, op, group.name))
+                if not torch.equal(got, ref):
+                    failures.append(f"all_reduce_start {op} {what}: not the rank-order result")
+                del got
+                if op != "avg":
+                    g = xs[me].clone()
+                    dist.all_reduce(g, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=pg)
+                    if not _close(ref, g, xs):
+                        failures.append(f"all_reduce {op} {what}: differs from gloo beyond rounding")
+                if not torch.equal(buf, xs[me]):
+                    failures.append(f"all_reduce {op} {what}: the registered input was changed")
+                expected_fast += 2 if numel * buf.element_size() > 32 * 1024 else 0
+                cases += 2
+    fast = _registered_calls(group)
+    if fast != expected_fast:
+        failures.append(f"{tag}: {fast} all_reduces read registered inputs in place, expected {expected_fast}")
+    return cases
+
+
+def _check_registered_mismatch(group, failures: list[str], tag: str) -> int:
+    """Registration that the ranks do not share falls back to the copy-in path on every rank, with the right
+    result: only rank 0 registered; different offsets per rank; registered inputs but rank 0's output held
+    (private); then all registered at one offset again (the in-place path)."""
+    n, me = group.group_size, group.group_rank
+    numel = (1 << 16) + 3
+    xs = _inputs(6100, n, numel, torch.float32, "c")
+    ref = _reference_reduce(xs, "sum")
+    cases = 0
+    _registered_calls(group)
+    variants = (("only rank 0 registered", me == 0, 0, False, 0),
+                ("offsets differ per rank", True, 64 * me, False, 0),
+                ("rank 0's output held", True, 128, True, 0),
+                ("all registered at one offset", True, 192, False, 1))
+    for what, registered, offset, hold, want_fast in variants:
+        held = group.all_reduce(xs[me]) if hold else None  # a collective: every rank calls it
+        if me != 0:
+            held = None  # only rank 0 holds its output, so its next one is private
+        if registered:
+            x = group.input_buffer(numel, torch.float32, offset_bytes=offset)
+            x.copy_(xs[me])
+        else:
+            x = xs[me]
+        got = group.all_reduce(x)
+        if not torch.equal(got, ref):
+            failures.append(f"{tag} registration mismatch ({what}): wrong result")
+        del got, held
+        fast = _registered_calls(group)
+        if fast != want_fast:
+            failures.append(f"{tag} registration mismatch ({what}): {fast} in-place calls, expected {want_fast}")
+        cases += 1
+    return cases
+
+
+def _check_flatten(group, failures: list[str], tag: str) -> int:
+    """shm_flatten_all_reduce_start (a bucket's flatten into the registered region + started all_reduce) equals
+    torch.cat + shm_all_reduce_start bitwise: two buckets in flight at once (their own offsets; the second's output
+    is private since the first holds the shared one), non-contiguous and 0-d gradients, bfloat16, and a bucket
+    that does not fit the region (cat + all_reduce)."""
+    ops = torch.ops.adaptdist
+    me = group.group_rank
+    cases = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(6200 + me)
+        b1 = [torch.randn(300, 257, generator=gen).to(dtype), torch.randn(1001, generator=gen).to(dtype),
+              torch.randn((), generator=gen).to(dtype), torch.randn(64, 33, generator=gen).to(dtype).t()]
+        b2 = [torch.randn(5, generator=gen).to(dtype), torch.randn(40, 41, generator=gen).to(dtype)]
+        off2 = (sum(t.numel() for t in b1) * b1[0].element_size() + 63) // 64 * 64
+        f1 = ops.shm_flatten_all_reduce_start(b1, 0, "sum", group.name)
+        f2 = ops.shm_flatten_all_reduce_start(b2, off2, "avg", group.name)
+        r1 = ops.shm_wait(f1).clone()
+        r2 = ops.shm_wait(f2).clone()
+        del f1, f2
+        for got, bucket, op, what in ((r1, b1, "sum", "bucket 1"), (r2, b2, "avg", "bucket 2")):
+            want = ops.shm_wait(ops.shm_all_reduce_start(torch.cat([t.reshape(-1) for t in bucket]), op, group.name))
+            if not torch.equal(got, want):
+                failures.append(f"{tag} flatten_all_reduce {dtype} {what}: not bitwise cat + all_reduce")
+            cases += 1
+        too_far = (64 << 20) - 64  # does not fit: cat + all_reduce
+        got = ops.shm_wait(ops.shm_flatten_all_reduce_start(b1, too_far, "sum", group.name))
+        if not torch.equal(got, r1):
+            failures.append(f"{tag} flatten_all_reduce {dtype}: the cat fall-back differs")
+        cases += 1
+    return cases
+
+
+def registered_worker(rank: int, world: int, sizes: list[int]) -> dict:
+    """Registered-input all_reduce (issue 16 point 5) on the world group and, on 4 ranks, on two pairs at once
+    ({0,1} and {2,3}, both named 'pair'), with the comm thread off and on."""
+    from adaptdist.kernels import shm
+
+    failures: list[str] = []
+    cases = 0
+    world_g = shm.init_group(dist.group.WORLD, name="world", timeout_s=60, comm_thread=False)
+    groups = [(world_g, dist.group.WORLD, f"world({world})")]
+    if world == 4:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        groups.append((shm.init_group(pairs[rank // 2], name="pair", timeout_s=60, comm_thread=False),
+                       pairs[rank // 2], "pair"))
+    for on in (False, True):
+        for g, pg, tag in groups:
+            torch.ops.adaptdist._shm_group_set_comm_thread(g.name, on)
+            tag = f"{tag} comm_thread={on}"
+            cases += _check_registered(g, pg, sizes, failures, tag)
+            cases += _check_registered_mismatch(g, failures, tag)
+            cases += _check_flatten(g, failures, tag)
+    return {"failures": failures, "cases": cases, "segments": segments(os.environ["MASTER_PORT"])}
+
+
 def fault_worker(rank: int, world: int, stall_timeout_s: float) -> dict:
     """3 ranks. (1) group 'stall' (timeout ``stall_timeout_s``): rank 2 sleeps past it while ranks 0 and 1 wait
     in an all_reduce. (2) group 'main': rank 2 SIGKILLs itself; ranks 0 and 1 then start all_reduces on the group's

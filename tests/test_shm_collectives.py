@@ -55,3 +55,25 @@ def test_stalled_and_killed_peers_are_named_within_the_timeout():
         assert out["segments"] == []
     assert res[0]["killed"][3] == res[1]["killed"][3]
     assert w.segments(port) == []  # after the crash too
+
+
+# 0, 1, odd, 1 MiB (float32) and over 4 MiB for every dtype (the non-temporal-store path)
+REGISTERED_SIZES = [0, 1, 1001, 1 << 18, (1 << 21) + 13]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_registered_input_all_reduce_equals_the_copy_in_path(world):
+    """Issue 16 point 5: an all_reduce whose input is in the registered input region (shm.input_buffer) reads it in
+    place and gives bitwise the copy-in path's result (float32/bfloat16/float16, sum/avg/max, blocking and started,
+    comm thread off and on, two pairs at once on 4 ranks); mismatched registration falls back on every rank; the
+    fused bucket op equals cat + all_reduce bitwise."""
+    port = w.free_port()
+    res = w.run_ranks(w.registered_worker, world, (REGISTERED_SIZES,), timeout_s=540, port=port)
+    assert sorted(res) == list(range(world)), res
+    for rank, out in res.items():
+        assert "error" not in out, out.get("error")
+        assert out["failures"] == [], (rank, out["failures"][:20])
+        assert out["cases"] >= 200
+        assert out["segments"] == []
+    assert w.segments(port) == []

@@ -205,3 +205,43 @@ def test_started_collectives_complete_at_the_wait_in_order(tmp_path, monkeypatch
         assert ops.shm_wait(ops.shm_all_reduce_start(meta, "sum", "any")).shape == (4, 3)
     finally:
         dist.destroy_process_group()
+
+
+@needs_kernels
+def test_input_buffer_bounds_and_the_flatten_op_on_one_rank(tmp_path, monkeypatch):
+    """``shm.input_buffer``: a tensor on the rank's registered input region, persistent between calls; sizes or
+    offsets outside the 64 MiB region raise UsageError naming the group, the size and the limit (the op itself a
+    ValueError). ``shm_flatten_all_reduce_start`` on one rank returns the flattened bucket (cat's result), also
+    where it does not fit the region; its Meta kernel gives the 1-d shape."""
+    import torch.distributed as dist
+
+    from adaptdist.errors import UsageError
+
+    monkeypatch.setenv("MASTER_PORT", "0")
+    ops = torch.ops.adaptdist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        g = shm.init_group(name="reg", timeout_s=10.0)
+        b = g.input_buffer(1000, torch.bfloat16, offset_bytes=128)
+        assert b.shape == (1000,) and b.dtype == torch.bfloat16 and b.is_contiguous()
+        b.fill_(3)
+        assert torch.equal(shm.input_buffer("reg", 1000, torch.bfloat16, 128), b)  # the same memory
+        assert torch.equal(g.all_reduce(b), b)
+        with pytest.raises(UsageError, match=r"group 'reg'.*\(67108868 bytes\) at offset 0.*67108864 bytes"):
+            g.input_buffer((16 << 20) + 1)
+        with pytest.raises(UsageError, match="'reg'.*multiple of 64"):
+            g.input_buffer(10, offset_bytes=32)
+        with pytest.raises(ValueError, match="group 'reg'.*exceed the rank's input region of 67108864 bytes"):
+            ops._shm_group_input_buffer("reg", 64 << 20, 1, torch.float32)
+        ts = [torch.randn(3, 5), torch.randn(7), torch.randn(()), torch.randn(4, 3).t()]
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        for offset in (0, 4096, (64 << 20) - 64):  # the last does not fit: cat + all_reduce
+            assert torch.equal(ops.shm_wait(ops.shm_flatten_all_reduce_start(ts, offset, "sum", "reg")), flat)
+        with pytest.raises(TypeError, match="one dtype"):
+            ops.shm_flatten_all_reduce_start([torch.ones(2), torch.ones(2, dtype=torch.float16)], 0, "sum", "reg")
+        meta = [torch.empty(4, 3, device="meta"), torch.empty(5, device="meta")]
+        assert ops.shm_flatten_all_reduce_start(meta, 0, "sum", "reg").shape == (17,)
+        g.destroy()
+        assert torch.equal(b, torch.full((1000,), 3, dtype=torch.bfloat16))  # still mapped after the group is gone
+    finally:
+        dist.destroy_process_group()

@@ -33,7 +33,7 @@ from ..errors import ShmUnavailableError
 
 LIBRARY_NAME = "_kernels.so"
 ENV_VAR = "ADAPTDIST_KERNELS"
-ABI_VERSION = 3
+ABI_VERSION = 4
 """What ``torch.ops.adaptdist._abi_version()`` must return: bumped when an op's schema changes or an op is added
 (2: ``_shm_group_set_comm_thread``; 3: the ``*_start`` ops and ``shm_wait``)."""
 

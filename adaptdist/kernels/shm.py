@@ -30,6 +30,21 @@ With the group's comm thread on, a started collective is queued on it behind the
 and the caller computes on; with it off it completes before the start returns (``shm_wait`` then returns at once).
 Read a started output only through its ``shm_wait``, and do not write the input before it.
 
+Registered inputs (as NCCL's user-buffer registration): each rank of a group has a 64 MiB input region in the
+group's segment (virtual: pages are allocated as they are touched); :func:`input_buffer` returns a tensor on it.
+An all_reduce (blocking or started) over 32 KiB whose input is a contiguous tensor in that region, at the same
+offset and size on every rank, skips the copy-in: the rank that reduces slice r reads it straight from every
+peer's region (same summation order, bitwise the same results), when every rank's output is its shared output
+region (the usual case; otherwise, or when only some ranks registered, or at different offsets, every rank falls
+back to the copy-in path, consistently). Peers read a rank's region between the collective's first and last
+barrier: do not write the input before the call (or its ``shm_wait``) returned. The dp lowering's fused op::
+
+    torch.ops.adaptdist.shm_flatten_all_reduce_start(Tensor[] inputs, int input_offset_bytes, str reduce_op,
+                                                     str group_name) -> Tensor
+        the inputs (one dtype) flattened and concatenated into the input region at input_offset_bytes (a multiple
+        of 64; the same on every rank), then shm_all_reduce_start of that 1-d tensor; where it does not fit the
+        region: torch.cat + shm_all_reduce_start. Wait with shm_wait before writing the same bytes again.
+
 All ranks of a group must call the same ops in the same order with the same dtypes and sizes (a mismatch
 is detected and raised, naming the peer); inputs may be non-contiguous. all_gather, all_to_all and
 broadcast also take float64 and integer/bool tensors (they only move bytes).
@@ -89,8 +104,8 @@ the calling thread while that thread has nothing queued: a hand-over costs two t
 such a call. Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
-ranks, touched as used), a header, and one 64 MiB output region per rank (virtual: pages are allocated as
-outputs touch them). Payloads larger than a slot move in slot-sized chunks; payloads up to
+ranks, touched as used), a header, one 64 MiB output region and one 64 MiB registered-input region per rank
+(virtual: pages are allocated as they are touched). Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
 slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
 reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in, writing the
@@ -122,6 +137,7 @@ SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "adaptdist-"
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_TIMEOUT_S = 120.0
+INPUT_REGION_BYTES = 64 << 20  # each rank's registered-input region (csrc: kSharedInBytes)
 _ERROR_TAG = "adaptdist shm:"
 _PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
 _GROUP_RE = re.compile(r"group '([^']*)'")
@@ -240,12 +256,39 @@ class ShmGroup:
         """``src`` is a group rank."""
         return _call(_ops().shm_broadcast, tensor, src, self.name)
 
+    def input_buffer(self, numel: int, dtype: Any = None, offset_bytes: int = 0):
+        """:func:`input_buffer` of this group."""
+        return input_buffer(self.name, numel, dtype, offset_bytes)
+
     def pids(self) -> list[int]:
         return list(_ops()._shm_group_pids(self.name))
 
     def destroy(self) -> None:
         """Unmap the segment on this rank (idempotent); the name can then be used again."""
         destroy_group(self.name)
+
+
+def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: int = 0):
+    """A 1-d tensor of ``numel`` elements of ``dtype`` (default float32) on this rank's registered input region of
+    group ``group_name``, ``offset_bytes`` into it (a multiple of 64). Filling it and calling ``shm_all_reduce`` /
+    ``shm_all_reduce_start`` on it (or on a contiguous part of it), at the same offset and size on every rank,
+    skips the all_reduce's copy-in. Its contents persist between calls; it stays valid (the segment mapped) after
+    the group is destroyed. Raises UsageError when ``offset_bytes`` is not a non-negative multiple of 64, or the
+    buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel < 0 or offset_bytes < 0 or offset_bytes % 64:
+        raise UsageError(f"input_buffer of shared-memory group '{group_name}': offset_bytes={offset_bytes} must be a "
+                         f"non-negative multiple of 64 and numel={numel} non-negative")
+    size_bytes = numel * itemsize
+    if offset_bytes + size_bytes > INPUT_REGION_BYTES:
+        raise UsageError(f"input_buffer of shared-memory group '{group_name}': {numel} elements of {dtype} "
+                         f"({size_bytes} bytes) at offset {offset_bytes} exceed the rank's input region of "
+                         f"{INPUT_REGION_BYTES} bytes; use a smaller buffer (or a plain tensor: the all_reduce "
+                         "then copies it in)")
+    return _ops()._shm_group_input_buffer(group_name, int(offset_bytes), int(numel), dtype)
 
 
 def destroy_group(name: str) -> None:
