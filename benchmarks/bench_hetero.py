@@ -543,6 +543,10 @@ def main() -> int:
                         if r0["fixed_point"] is not None else None),
         "predicted_step_ms_fixed_point": (1e3 * (max(r0["fixed_point"]["measured_s"]) + max(
             x.communication_s for x in preds["fixed"].ranks.values())) if r0["fixed_point"] is not None else None),
+        # ...and of the even split from the same measurements (each rank's time per row at the fixed point's rows)
+        "predicted_step_ms_fixed_point_even": (1e3 * (max(t / n * e for t, n, e in zip(
+            r0["fixed_point"]["measured_s"], r0["fixed_point"]["rows"], rows["even"])) + max(
+            x.communication_s for x in preds["even"].ranks.values())) if r0["fixed_point"] is not None else None),
         "in_run_gflops": [res[r]["in_run_gflops"] for r in range(3)],
         "own_compute_ms": {k: [1e3 * res[r]["own_compute_s"][k] for r in range(3)] for k in ("hetero", "even")},
         "compute_only_speedup": max(res[r]["own_compute_s"]["even"] for r in range(3))
@@ -598,8 +602,9 @@ def main() -> int:
               f"measurements, {'settled' if r0['fixed_point']['converged'] else 'not settled'}) rows {rows['fixed']}: "
               f"measured {med['fixed'] * 1e3:.1f} vs even {med['even'] * 1e3:.1f} ms/step = "
               f"{med['even'] / med['fixed']:.3f}x; predicted (its measured compute + the cost model's communication) "
-              f"{out['predicted_step_ms_fixed_point']:.1f} ms, (the cost model on the profile) "
-              f"{out['predicted_step_ms']['fixed']:.1f} ms")
+              f"{out['predicted_step_ms_fixed_point']:.1f} ms vs even {out['predicted_step_ms_fixed_point_even']:.1f} ms "
+              f"= {out['predicted_step_ms_fixed_point_even'] / out['predicted_step_ms_fixed_point']:.3f}x; (the cost "
+              f"model on the profile) {out['predicted_step_ms']['fixed']:.1f} ms")
         for line in r0["fixed_point"]["lines"]:
             print(f"  {line}")
     if "adaptive" in med:
@@ -610,9 +615,11 @@ def main() -> int:
     print(f"steps back to back (no barrier per step; median of {args.reps} blocks): even / hetero "
           f"{out['speedup_measured_blocks']:.3f}x, even / adaptive {out['speedup_measured_blocks_adaptive'] or 0:.3f}x")
     for k, v in out["repetitions_speedup"].items():
+        own = (f" (cost model on the profile); {out['predicted_step_ms_fixed_point_even'] / out['predicted_step_ms_fixed_point']:.3f}x "
+               "from the fixed point's own measurements") if k == "fixed" else ""
         print(f"interleaved repetitions (A B B A, back to back), even / {k}: {v}: {sum(x >= 1.25 for x in v)} of "
               f"{len(v)} >= 1.25, median {statistics.median(v):.3f}x; predicted "
-              f"{preds['even'].step_s / preds[k].step_s:.3f}x")
+              f"{preds['even'].step_s / preds[k].step_s:.3f}x{own}")
     print(f"per repetition, the share of each core used by others: {out['repetitions_others_share']}")
     print(f"per step, lone rank's compute / the core-0 ranks' mean: {out['per_step_compute_ratio']}")
     print(f"CPU share per rank (cpu / wall per step): {out['per_rank_cpu_share']}; /proc/stat over the run: "
