@@ -12,7 +12,7 @@ and ``hetero`` (``place_on_devices``: rows by each device's measured speed, abou
 ``adaptive``: hetero re-balanced in the run (``adaptdist.runtime.rebalance``, what ``train`` does), and a fourth,
 ``fixed``: the profiled split re-measured at its own rows and re-split until it stops moving
 (``adaptdist.device_assignment.fixed_point_rows``, at most ``--fixed-rounds`` measurements of ``--fixed-steps``
-steps, each rank's compute = step minus waits, all ranks at once; each round logged), since a rank's speed per row
+steps after as many untimed ones, each rank's compute = step minus waits, all ranks at once; each round logged), since a rank's speed per row
 depends on its rows (RESULTS.md, "bench_hetero with twice the rows"). Its prediction: the compute it measured at
 its final rows plus the cost model's communication. They run in ONE process group. The target's figure: ``--reps`` interleaved repetitions, each blocks A B B A (then B A A B) of
 ``--steps`` steps of each plan back to back (no barrier per step, as a training loop), one ratio per repetition
@@ -140,6 +140,9 @@ def worker(cfg: dict) -> dict:
                 return [g[0] for g in got]
 
             fixed_log: list[dict] = []
+            for _ in range(cfg["fixed_steps"]):  # warm the processes first: a fresh rank's first window is slow
+                dist.barrier()
+                current["runner"].step(batch)
             res_fp = fixed_point_rows(cfg["rows"], current["rows"], measure, max_rounds=cfg["fixed_rounds"],
                                       min_gain=cfg["fixed_min_gain"])
             if res_fp.rows != current["rows"]:  # not settled: the best measured split
