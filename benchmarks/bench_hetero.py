@@ -128,10 +128,11 @@ def worker(cfg: dict) -> dict:
                                    runner=StepRunner(load_program(answer[0], rank, world_size=3), "sgd", 1e-3))
                 meter = ComputeMeter(current["runner"])
                 k = cfg["fixed_steps"]
-                for i in range(k):
-                    dist.barrier()
+                dist.barrier()
+                for i in range(k):  # back to back, as the timed blocks and a training loop run (no barrier a step)
                     with meter.step(i):
                         current["runner"].step(batch)
+                dist.barrier()
                 own = compute_summary(meter, range(1, k))  # the first step after a swap warms up
                 meter.detach()
                 got: list = [None] * 3
