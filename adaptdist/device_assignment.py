@@ -9,7 +9,9 @@ The planner treats the mesh as uniform; this module adds what the devices' diffe
 * :func:`rank_capacities`: each device's measured FLOP/s, memory and throughput relative to the fastest one
   -- the per-device speed/memory model the data-parallel split here and a pipeline stage DP can both use.
 * :func:`balanced_rows`: the integer split of ``total`` rows minimizing the slowest rank's predicted time,
-  within each rank's row limit (memory); :func:`proportional_rows` the plain proportional one.
+  within each rank's row limit (memory); :func:`proportional_rows` the plain proportional one;
+  :func:`fixed_point_rows`: the split re-measured at its own rows until it stops moving (speeds per row that
+  depend on the rows).
 * :func:`map_ranks`: the communication-heaviest mesh axes on the fastest links (a greedy grouping of devices
   by link bandwidth, heaviest axis first, kept only where it beats the identity mapping);
   :func:`permuted_cluster`: the cluster seen by program rank (device ``rank_to_device[r]`` as rank r), which
@@ -171,6 +173,107 @@ def balanced_rows(total: int, time_of_rows: Sequence[Callable[[int], float]],
         if caps[i] is None or rows[i] < caps[i]:
             heapq.heappush(heap, (time_of_rows[i](rows[i] + 1), i))
     return tuple(rows)
+
+
+@dataclass(frozen=True)
+class FixedPointSplit:
+    """The rows :func:`fixed_point_rows` settled on, and every round it measured.
+
+    Attributes:
+        rows: rows per rank (a split that was measured: the last one, or the best one when it did not settle).
+        rounds: per round, the rows measured and each rank's measured seconds for them.
+        converged: whether the split stopped moving (the next split's predicted gain under ``min_gain``).
+    """
+
+    rows: tuple[int, ...]
+    rounds: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...]
+    converged: bool
+
+    @property
+    def measured_s(self) -> tuple[float, ...]:
+        """Each rank's measured seconds for :attr:`rows`."""
+        return next(t for r, t in reversed(self.rounds) if r == self.rows)
+
+    def lines(self) -> list[str]:
+        """One line per round: rows, measured ms per rank, the slowest over the fastest."""
+        return [f"round {i + 1}: rows {list(r)} -> measured [{', '.join(f'{1e3 * x:.1f}' for x in t)}] ms "
+                f"(slowest / fastest {max(t) / min(t):.3f})" for i, (r, t) in enumerate(self.rounds)] + [
+                f"{'settled' if self.converged else 'not settled; kept the best measured'}: rows {list(self.rows)}"]
+
+
+def fixed_point_rows(total: int, rows: Sequence[int], measure_s: Callable[[tuple[int, ...]], Sequence[float]],
+                     max_rows: Sequence[int | None] | None = None, max_rounds: int = 3,
+                     min_gain: float = 0.01, max_step: float = 0.25) -> FixedPointSplit:
+    """Rows per rank that equalize the ranks' *measured* times when a rank's speed per row depends on its rows.
+
+    A split in proportion to speeds measured at one size overshoots where the speed per row falls with the rows
+    (a CPU rank whose activations leave its cache: benchmarks/RESULTS.md, "bench_hetero with twice the rows").
+    So: measure every rank at the rows it would get (``measure_s(rows)``: seconds per rank, all ranks at once),
+    model each rank at its speed per row *at that split* (``t_i(n) = t_i * n / rows_i``; from the second round, the
+    line through its last two measurements, :func:`_local_model`), re-split with
+    :func:`balanced_rows` (within ``max_rows``), and repeat until the split stops moving -- the next split's
+    predicted gain (slowest measured / slowest predicted) under ``1 + min_gain`` -- or ``max_rounds``
+    measurements were taken. A round moves no rank's rows by more than ``max_step`` of them (the move is
+    shortened along its direction: one noisy measurement cannot send the split far). At the fixed point the measured times are equal (within ``min_gain``). The first,
+    proportional step converges when the time per row changes more slowly than the rows
+    (``|d ln(t/n) / d ln n| < 1``); the secant steps after it as Newton's method does.
+
+    ``rows``: the first split to measure (every rank > 0 rows; e.g. :func:`proportional_rows` by a profile).
+    Returns the last measured split when it settled, else the measured split whose slowest rank was fastest.
+
+    Raises:
+        UsageError: ``rows`` do not add up to ``total`` or hold a rank with 0 rows; a measurement is not positive
+            or has the wrong length; ``max_rounds`` < 1.
+    """
+    cur = tuple(int(r) for r in rows)
+    if sum(cur) != total or any(r <= 0 for r in cur) or max_rounds < 1:
+        raise UsageError(f"fixed_point_rows: start rows {list(cur)} must add up to {total}, each > 0, "
+                         f"with max_rounds >= 1 (got {max_rounds})")
+    rounds: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
+    for _ in range(max_rounds):
+        t = tuple(float(x) for x in measure_s(cur))
+        if len(t) != len(cur) or not all(x > 0 and math.isfinite(x) for x in t):
+            raise UsageError(f"fixed_point_rows: need a positive time per rank for rows {list(cur)}, got {list(t)}")
+        rounds.append((cur, t))
+        models = [_local_model(i, rounds) for i in range(len(cur))]
+        nxt = _shortened(cur, balanced_rows(total, models, max_rows), max_step)
+        predicted = max(m(n) for m, n in zip(models, nxt))
+        if nxt == cur or max(t) <= (1.0 + min_gain) * predicted:
+            return FixedPointSplit(cur, tuple(rounds), True)
+        if any(n == 0 for n in nxt):
+            break  # a rank left without rows cannot be measured; keep the best measured split
+        cur = nxt
+    best = min(rounds, key=lambda rt: max(rt[1]))
+    return FixedPointSplit(best[0], tuple(rounds), False)
+
+
+def _shortened(cur: tuple[int, ...], nxt: tuple[int, ...], max_step: float) -> tuple[int, ...]:
+    """``cur`` moved toward ``nxt`` so that no rank's rows change by more than ``max_step`` of ``cur``'s (same
+    total; rounded by largest remainder)."""
+    alpha = min([1.0] + [max_step * c / abs(n - c) for c, n in zip(cur, nxt) if n != c])
+    if alpha >= 1.0:
+        return nxt
+    x = [c + alpha * (n - c) for c, n in zip(cur, nxt)]
+    out = [math.floor(v) for v in x]
+    for i in sorted(range(len(x)), key=lambda i: out[i] - x[i])[:sum(cur) - sum(out)]:
+        out[i] += 1
+    return tuple(out)
+
+
+def _local_model(i: int, rounds: Sequence[tuple[tuple[int, ...], tuple[float, ...]]]) -> Callable[[int], float]:
+    """Rank ``i``'s seconds for ``n`` rows near its last measured split: through the last measurement, with the
+    slope of the line through the last two (a secant: how its time grows with its rows there) when they lie 2% of
+    the rows or more apart and that slope is within 0.5x-2x the time per row measured last; else in proportion
+    to the rows (the time per row of the last split: a secant outside that range is the measurements' noise)."""
+    n1, t1 = rounds[-1][0][i], rounds[-1][1][i]
+    per_row = t1 / n1
+    slope = per_row
+    if len(rounds) > 1:
+        n0, t0 = rounds[-2][0][i], rounds[-2][1][i]
+        secant = (t1 - t0) / (n1 - n0) if abs(n1 - n0) >= 0.02 * n1 else 0.0
+        if 0.5 * per_row <= secant <= 2.0 * per_row:
+            slope = secant
+    return lambda n: max(t1 + slope * (n - n1), 0.0)
 
 
 # --- rank mapping ----------------------------------------------------------------------------------

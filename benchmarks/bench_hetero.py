@@ -9,8 +9,12 @@ wide-batch MLP (``WideBatchMLP``: 6 x Linear(256, 256) + ReLU, 395k parameters, 
 
 Two program sets of the same plan (dp on 3 ranks) are compiled: ``even`` (torch.chunk: 1366/1366/1364 rows)
 and ``hetero`` (``place_on_devices``: rows by each device's measured speed, about 1024/1024/2048), and a third,
-``adaptive``: hetero re-balanced in the run (``adaptdist.runtime.rebalance``, what ``train`` does). They run in
-ONE process group. The target's figure: ``--reps`` interleaved repetitions, each blocks A B B A (then B A A B) of
+``adaptive``: hetero re-balanced in the run (``adaptdist.runtime.rebalance``, what ``train`` does), and a fourth,
+``fixed``: the profiled split re-measured at its own rows and re-split until it stops moving
+(``adaptdist.device_assignment.fixed_point_rows``, at most ``--fixed-rounds`` measurements of ``--fixed-steps``
+steps after as many untimed ones, each rank's compute = step minus waits, all ranks at once; each round logged), since a rank's speed per row
+depends on its rows (RESULTS.md, "bench_hetero with twice the rows"). Its prediction: the compute it measured at
+its final rows plus the cost model's communication. They run in ONE process group. The target's figure: ``--reps`` interleaved repetitions, each blocks A B B A (then B A A B) of
 ``--steps`` steps of each plan back to back (no barrier per step, as a training loop), one ratio per repetition
 (even's seconds / the plan's). Beside it: barrier-timed steps (rank 0's wall time between two barriers), the
 predicted step time of each plan (the cost model on the measured cluster), per rank and step its compute (step
@@ -18,7 +22,8 @@ minus waits on collectives), waits and CPU / wall (are the two ranks on core 0 g
 per repetition the share other processes took (/proc/stat minus our ranks' CPU), and the all_reduce alone.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_hetero.py [--rows 4096] [--width 256] [--layers 6]
-        [--steps 16] [--reps 5] [--barrier-reps 1] [--measure-steps 10] [--quick-profile]
+        [--steps 16] [--reps 5] [--barrier-reps 1] [--measure-steps 10] [--rebalance-rounds 1]
+        [--fixed-rounds 3] [--fixed-steps 16] [--fixed-min-gain 0.02] [--quick-profile]
 """
 
 from __future__ import annotations
@@ -98,6 +103,56 @@ def worker(cfg: dict) -> dict:
             local_batches[name] = tuple(t.narrow(0, off, n).contiguous() for t in batch)
 
         from adaptdist.runtime.trace import TraceRecorder
+
+        fixed_point = None
+        if cfg["fixed_rounds"]:
+            # the fixed point (adaptdist.device_assignment.fixed_point_rows): start from the profiled split, measure
+            # every rank's compute at the rows it gets (the 3-rank programs, steps minus waits, all ranks at once),
+            # re-split by the speed per row measured at those rows, lower again, until the split stops moving
+            from adaptdist.device_assignment import fixed_point_rows
+            from adaptdist.runtime.rebalance import ComputeMeter, compute_summary
+
+            current = {"dir": cfg["dirs"]["hetero"]}
+            got0: list = [None] * 3
+            dist.all_gather_object(got0, runners["hetero"].program.batch_slice[1])
+            current["rows"] = tuple(got0)
+            current["runner"] = StepRunner(load_program(current["dir"], rank, world_size=3), "sgd", 1e-3)
+
+            def measure(rows: tuple[int, ...]) -> list[float]:
+                if rows != current["rows"]:
+                    answer: list = [None]
+                    if rank == 0:
+                        answer[0] = _lower_rows(cfg, rows, f"fixed{len(fixed_log)}")
+                    dist.broadcast_object_list(answer, src=0)
+                    current.update(rows=rows, dir=answer[0],
+                                   runner=StepRunner(load_program(answer[0], rank, world_size=3), "sgd", 1e-3))
+                meter = ComputeMeter(current["runner"])
+                k = cfg["fixed_steps"]
+                dist.barrier()
+                for i in range(k):  # back to back, as the timed blocks and a training loop run (no barrier a step)
+                    with meter.step(i):
+                        current["runner"].step(batch)
+                dist.barrier()
+                own = compute_summary(meter, range(1, k))  # the first step after a swap warms up
+                meter.detach()
+                got: list = [None] * 3
+                dist.all_gather_object(got, own)
+                fixed_log.append({"rows": list(rows), "compute_s": [g[0] for g in got], "noise": [g[1] for g in got]})
+                return [g[0] for g in got]
+
+            fixed_log: list[dict] = []
+            for _ in range(cfg["fixed_steps"]):  # warm the processes first: a fresh rank's first window is slow
+                dist.barrier()
+                current["runner"].step(batch)
+            res_fp = fixed_point_rows(cfg["rows"], current["rows"], measure, max_rounds=cfg["fixed_rounds"],
+                                      min_gain=cfg["fixed_min_gain"])
+            if res_fp.rows != current["rows"]:  # not settled: the best measured split
+                measure(res_fp.rows)
+            fixed_point = {"rows": list(res_fp.rows), "converged": res_fp.converged, "rounds": fixed_log,
+                           "measured_s": list(res_fp.measured_s), "lines": res_fp.lines(), "dir": current["dir"]}
+            if rank == 0:
+                print("rank 0: fixed point of the split:\n  " + "\n  ".join(res_fp.lines()), flush=True)
+            runners["fixed"] = StepRunner(load_program(current["dir"], rank, world_size=3), "sgd", 1e-3)
 
         rebalances = []
         if cfg["rebalance_rounds"]:
@@ -231,7 +286,7 @@ def worker(cfg: dict) -> dict:
                            "wait_s": [waits.get(s.step, 0.0) for s in steps], **per_step[name]}
         from adaptdist.runtime.worker import program_transports
 
-        return {"times": times, "blocks": blocks, "reps": reps, "block_cores": block_cores, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
+        return {"times": times, "blocks": blocks, "reps": reps, "block_cores": block_cores, "split": split, "transports": program_transports(runners["hetero"].program), "rebalances": rebalances, "fixed_point": fixed_point, "all_reduce_s": statistics.median(comm), "threads": torch.get_num_threads(),
                 "in_run_gflops": in_run_gflops, "own_compute_s": {k: statistics.median(v) for k, v in own.items()},
                 "affinity": sorted(os.sched_getaffinity(0)), "process_cpu_s": time.process_time()}
     finally:
@@ -261,6 +316,24 @@ def _decide_and_lower(cfg: dict, directory: str, measured_s: list[float], noise:
     new = compile_model(model, batch, loss_fn, 3, programs[0].plan, opts, cluster=cluster,
                         optimizer="sgd", batch_split=decision.rows_after)
     return decision, str(save_programs(new, Path(cfg["tmp"]) / f"adaptive{round_}"))
+
+
+def _lower_rows(cfg: dict, rows: tuple[int, ...], name: str) -> str:
+    """Rank 0: the dp programs lowered with ``rows`` per rank on the measured cluster (the one door:
+    compile_model with explicit rows), saved under ``name``; their directory."""
+    from adaptdist.calibrate.local import load_cluster
+    from adaptdist.comm_transport import rank_hosts
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.lowering_options import LoweringOptions
+    from adaptdist.program import load_program, save_programs
+
+    cluster = load_cluster(cfg["cluster_file"])
+    plan = load_program(cfg["dirs"]["hetero"], 0, world_size=3).plan
+    model, batch, loss_fn = build(cfg["rows"], cfg["width"], cfg["layers"])
+    opts = LoweringOptions(comm=cfg["comm"], hosts=rank_hosts(cluster))
+    new = compile_model(model, batch, loss_fn, 3, plan, opts, cluster=cluster, optimizer="sgd",
+                        batch_split=tuple(rows))
+    return str(save_programs(new, Path(cfg["tmp"]) / name))
 
 
 # --------------------------------------------------------------------------- driver
@@ -343,6 +416,13 @@ def main() -> int:
                     help="re-balances of the 'adaptive' set (0: no adaptive set; the runtime's default is 1)")
     ap.add_argument("--measure-steps", type=int, default=10,
                     help="steps before each re-balance (the first not measured; train's --rebalance-after auto)")
+    ap.add_argument("--fixed-rounds", type=int, default=3,
+                    help="measurements of the 'fixed' set's fixed point (0: no fixed set): the profiled split "
+                         "re-measured at its own rows and re-split until it stops moving")
+    ap.add_argument("--fixed-steps", type=int, default=16,
+                    help="steps measured per round of the fixed point (the first not counted)")
+    ap.add_argument("--fixed-min-gain", type=float, default=0.02,
+                    help="the fixed point stops when the next split's predicted gain is under 1 + this")
     ap.add_argument("--quick-profile", action="store_true", help="short profile windows (noisier figures)")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--json", metavar="FILE", help="also write the numbers here")
@@ -408,11 +488,19 @@ def main() -> int:
         cfg = dict(cpus=[cluster.device(r).cpus for r in range(3)], dirs=sets, local_dirs=local_dirs, batch_file=str(tmp / "batch.safetensors"),
                    warmup=args.warmup, steps=args.steps, reps=args.reps, barrier_reps=args.barrier_reps, timeout_s=args.timeout_s,
                    num_params=num_params, rebalance_rounds=args.rebalance_rounds, measure_steps=args.measure_steps,
+                   fixed_rounds=args.fixed_rounds, fixed_steps=args.fixed_steps, fixed_min_gain=args.fixed_min_gain,
                    cluster_file=str(tmp / "measured.yaml"), rows=args.rows, width=args.width, layers=args.layers,
                    tmp=str(tmp), comm=args.comm)
         t0, cpu0 = time.perf_counter(), _proc_stat_cpu()
         res = launch_local(worker, (cfg,), 3)
         run_s, cpu1 = time.perf_counter() - t0, _proc_stat_cpu()
+        fp = res[0]["fixed_point"]
+        if fp is not None:  # the fixed point's programs, priced as the others (the cost model on the profile)
+            from adaptdist.program import load_program
+
+            fx = {r: load_program(fp["dir"], r, world_size=3) for r in range(3)}
+            preds["fixed"] = estimate_programs(fx, cluster, "sgd")
+            rows["fixed"] = [p.batch_slice[1] for p in fx.values()]
         done = [d for d in res[0]["rebalances"] if d.get("applied")]
         if done:  # the adaptive set's last programs, priced as the others
             from adaptdist.program import load_program
@@ -453,6 +541,16 @@ def main() -> int:
         "speedup_measured_adaptive": med["even"] / med["adaptive"] if "adaptive" in med else None,
         "speedup_predicted_adaptive": preds["even"].step_s / preds["adaptive"].step_s if "adaptive" in preds else None,
         "rebalances": r0["rebalances"],
+        # the fixed point: each round's rows and measured compute per rank; its own prediction of the step is the
+        # compute measured at its final rows plus the cost model's communication
+        "fixed_point": ({k: v for k, v in r0["fixed_point"].items() if k != "dir"}
+                        if r0["fixed_point"] is not None else None),
+        "predicted_step_ms_fixed_point": (1e3 * (max(r0["fixed_point"]["measured_s"]) + max(
+            x.communication_s for x in preds["fixed"].ranks.values())) if r0["fixed_point"] is not None else None),
+        # ...and of the even split from the same measurements (each rank's time per row at the fixed point's rows)
+        "predicted_step_ms_fixed_point_even": (1e3 * (max(t / n * e for t, n, e in zip(
+            r0["fixed_point"]["measured_s"], r0["fixed_point"]["rows"], rows["even"])) + max(
+            x.communication_s for x in preds["even"].ranks.values())) if r0["fixed_point"] is not None else None),
         "in_run_gflops": [res[r]["in_run_gflops"] for r in range(3)],
         "own_compute_ms": {k: [1e3 * res[r]["own_compute_s"][k] for r in range(3)] for k in ("hetero", "even")},
         "compute_only_speedup": max(res[r]["own_compute_s"]["even"] for r in range(3))
@@ -503,6 +601,16 @@ def main() -> int:
           f"rows, all at once, slowest rank) {out['compute_only_speedup']:.3f}x; gradient all_reduce alone {out['all_reduce_ms_measured']:.2f} ms "
           f"({100 * r0['all_reduce_s'] / med['hetero']:.1f}% of the hetero step); load average "
           f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
+    if "fixed" in med:
+        print(f"fixed point (profiled rows re-measured at their own rows and re-split, {len(r0['fixed_point']['rounds'])} "
+              f"measurements, {'settled' if r0['fixed_point']['converged'] else 'not settled'}) rows {rows['fixed']}: "
+              f"measured {med['fixed'] * 1e3:.1f} vs even {med['even'] * 1e3:.1f} ms/step = "
+              f"{med['even'] / med['fixed']:.3f}x; predicted (its measured compute + the cost model's communication) "
+              f"{out['predicted_step_ms_fixed_point']:.1f} ms vs even {out['predicted_step_ms_fixed_point_even']:.1f} ms "
+              f"= {out['predicted_step_ms_fixed_point_even'] / out['predicted_step_ms_fixed_point']:.3f}x; (the cost "
+              f"model on the profile) {out['predicted_step_ms']['fixed']:.1f} ms")
+        for line in r0["fixed_point"]["lines"]:
+            print(f"  {line}")
     if "adaptive" in med:
         print(f"adaptive (profiled rows, re-balanced in the run after {args.measure_steps} steps) rows "
               f"{rows['adaptive']}: measured {med['adaptive'] * 1e3:.1f} vs even {med['even'] * 1e3:.1f} ms/step = "
@@ -511,9 +619,11 @@ def main() -> int:
     print(f"steps back to back (no barrier per step; median of {args.reps} blocks): even / hetero "
           f"{out['speedup_measured_blocks']:.3f}x, even / adaptive {out['speedup_measured_blocks_adaptive'] or 0:.3f}x")
     for k, v in out["repetitions_speedup"].items():
+        own = (f" (cost model on the profile); {out['predicted_step_ms_fixed_point_even'] / out['predicted_step_ms_fixed_point']:.3f}x "
+               "from the fixed point's own measurements") if k == "fixed" else ""
         print(f"interleaved repetitions (A B B A, back to back), even / {k}: {v}: {sum(x >= 1.25 for x in v)} of "
               f"{len(v)} >= 1.25, median {statistics.median(v):.3f}x; predicted "
-              f"{preds['even'].step_s / preds[k].step_s:.3f}x")
+              f"{preds['even'].step_s / preds[k].step_s:.3f}x{own}")
     print(f"per repetition, the share of each core used by others: {out['repetitions_others_share']}")
     print(f"per step, lone rank's compute / the core-0 ranks' mean: {out['per_step_compute_ratio']}")
     print(f"CPU share per rank (cpu / wall per step): {out['per_rank_cpu_share']}; /proc/stat over the run: "

@@ -17,8 +17,8 @@ from adaptdist.cluster import Cluster, Device, Host, Link
 from adaptdist.cluster_file import cluster_from_dict, cluster_to_dict
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model, resolve_plan
-from adaptdist.device_assignment import (DeviceAssignment, balanced_rows, map_ranks, permuted_cluster,
-                                         proportional_rows, rank_capacities)
+from adaptdist.device_assignment import (DeviceAssignment, balanced_rows, fixed_point_rows, map_ranks,
+                                         permuted_cluster, proportional_rows, rank_capacities)
 from adaptdist.errors import ClusterSpecError, PlanInfeasibleError, UsageError
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.mesh import Mesh
@@ -148,6 +148,62 @@ def test_proportional_and_balanced_rows():
 
 
 # --- rank mapping ----------------------------------------------------------------------------------------
+
+def _cache_bound_ranks(n: int, base_s_per_row: float, cache_rows: int = 2000) -> float:
+    """A fake rank whose time per row grows with its rows (activations leaving its cache): 1x up to
+    ``cache_rows``, then up to 1.4x at twice that."""
+    return n * base_s_per_row * (1.0 + 0.4 * min(max(n - cache_rows, 0) / cache_rows, 1.0))
+
+
+def test_fixed_point_rows_equalizes_times_where_the_proportional_split_does_not():
+    # two ranks sharing a core (2 s per 1000 rows) and one alone (1 s per 1000 rows), 8192 rows; the lone rank
+    # slows per row beyond 2000 rows. A profile at small sizes sees speeds 1:1:2.
+    per_row = (2e-3, 2e-3, 1e-3)
+    measure = lambda rows: [_cache_bound_ranks(n, p) for n, p in zip(rows, per_row)]  # noqa: E731
+    calls = []
+
+    def counted(rows):
+        calls.append(rows)
+        return measure(rows)
+
+    start = proportional_rows(8192, [1, 1, 2])
+    t0 = measure(start)
+    assert max(t0) / min(t0) > 1.25  # the old split: the lone rank overshoots by a quarter and more
+    res = fixed_point_rows(8192, start, counted, max_rounds=3, min_gain=0.01)
+    t = measure(res.rows)
+    assert res.converged and len(res.rounds) <= 3 and calls[0] == start
+    assert max(t) / min(t) < 1.02  # equal measured times at the fixed point
+    assert max(t) < max(t0) / 1.1 and sum(res.rows) == 8192 and res.rows[2] < start[2]
+    # the best split by brute force over the lone rank's rows (the two others split the rest evenly)
+    best = min(max(measure((a - a // 2, a // 2, 8192 - a))) for a in range(2, 8191))
+    assert max(t) <= 1.02 * best
+    assert res.measured_s == tuple(measure(res.rows)) and "settled" in res.lines()[-1]
+
+
+def test_fixed_point_rows_moves_at_most_max_step_per_round():
+    seen = []
+
+    def measure(rows):
+        seen.append(rows)
+        return [1.0, 1.0, 10.0]  # rank 2 looks 10x slow: the split wants to move most of its rows away
+
+    fixed_point_rows(900, (300, 300, 300), measure, max_rounds=2, max_step=0.1)
+    assert seen[1] != seen[0] and sum(seen[1]) == 900
+    assert all(abs(b - a) <= 0.1 * a + 1 for a, b in zip(seen[0], seen[1]))
+
+
+def test_fixed_point_rows_stops_at_once_when_balanced_and_checks_inputs():
+    res = fixed_point_rows(8, (2, 2, 4), lambda rows: [1.0, 1.0, 1.0])
+    assert res.rows == (2, 2, 4) and res.converged and len(res.rounds) == 1
+    with pytest.raises(UsageError):
+        fixed_point_rows(8, (2, 2, 3), lambda rows: [1.0] * 3)
+    with pytest.raises(UsageError):
+        fixed_point_rows(8, (2, 2, 4), lambda rows: [1.0, 0.0, 1.0])
+    # a measurement that keeps moving (alternating speeds): not settled, the best measured split is kept
+    flip = iter([[1.0, 2.0], [1.5, 1.2], [1.0, 2.0]])
+    res = fixed_point_rows(100, (50, 50), lambda rows: next(flip), max_rounds=3)
+    assert not res.converged and len(res.rounds) == 3 and res.rows == res.rounds[1][0]
+
 
 def test_mapping_puts_heaviest_axis_inside_a_host():
     # hosts a: devices 0, 2; b: devices 1, 3 (interleaved): identity would put tp pairs (0,1), (2,3) across hosts
