@@ -46,6 +46,10 @@ SHM_START_OPS = {
 }
 """The collectives that can also be started and waited for later (``torch.ops.adaptdist.shm_wait``), as a functional
 collective and its ``wait_tensor``: the caller computes on while the group's comm thread carries them."""
+SHM_FLATTEN_OP = "shm_flatten_all_reduce_start"
+"""A gradient bucket's flatten (``torch.cat`` of 1-d tensors) fused with its started all_reduce: the tensors are
+copied straight into the rank's registered input region (the all_reduce then skips its copy-in); waited for with
+``shm_wait`` (:func:`adaptdist.passes.use_shm_collectives.use_shm_collectives`)."""
 SHM_WAIT_OP = "shm_wait"
 
 _SHM_CALL = re.compile(r"torch\.ops\.adaptdist\.(shm_\w+)\.default\(.*?'([^']+)'\)")
@@ -137,12 +141,12 @@ def _adaptdist_op_name(target) -> str | None:
 def is_shm_collective(target) -> bool:
     """Whether ``target`` is one of adaptdist's shared-memory collective ops (``torch.ops.adaptdist.shm_*``), complete
     on return or started (:data:`SHM_START_OPS`); not ``shm_wait``."""
-    return _adaptdist_op_name(target) in (*SHM_OPS.values(), *SHM_START_OPS.values())
+    return _adaptdist_op_name(target) in (*SHM_OPS.values(), *SHM_START_OPS.values(), SHM_FLATTEN_OP)
 
 
 def is_shm_started(target) -> bool:
     """Whether ``target`` is a started shared-memory collective (complete only at its ``shm_wait``)."""
-    return _adaptdist_op_name(target) in SHM_START_OPS.values()
+    return _adaptdist_op_name(target) in (*SHM_START_OPS.values(), SHM_FLATTEN_OP)
 
 
 def is_shm_wait(target) -> bool:

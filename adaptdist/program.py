@@ -120,7 +120,8 @@ class RankProgram:
         out = []
         for n in gm.graph.nodes:
             if n.op == "call_function" and (compat.is_functional_collective(n.target) or is_shm_collective(n.target)):
-                out.append(f"{n.target}({n.args[-1]}, {n.args[0].meta['val'].numel()})")
+                ins = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]  # a fused bucket: a list
+                out.append(f"{n.target}({n.args[-1]}, {sum(a.meta['val'].numel() for a in ins)})")
         return out
 
     def __str__(self) -> str:

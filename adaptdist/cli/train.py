@@ -283,6 +283,8 @@ def write_summary(out: Path, result: dict, wall_s: float, **fields) -> tuple[dic
                               if e["event"] == "rebalance"], "complete": True}
     if result.get("transports") is not None:  # mesh axis -> shm | gloo | none (the collectives' transport)
         summary["transports"] = result["transports"]
+    if result.get("shm_all_reduce") is not None:  # rank 0's large shm all_reduces, and those read in place
+        summary["shm_all_reduce"] = result["shm_all_reduce"]
     tmp = out / f"summary.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.replace(out / "summary.json")

@@ -34,10 +34,10 @@ class CollectiveCall:
 def collective_calls(program: RankProgram) -> list[CollectiveCall]:
     """The ordered collectives of ``program`` (functional collectives, and adaptdist's shared-memory ones under
     the functional collective's name and the mesh axis's group name they carry; waits excluded)."""
-    from ..comm_transport import SHM_OPS, SHM_START_OPS, is_shm_collective
+    from ..comm_transport import SHM_FLATTEN_OP, SHM_OPS, SHM_START_OPS, is_shm_collective
     from ..mesh import base_group_name
 
-    functional_of = {v: k for ops in (SHM_OPS, SHM_START_OPS) for k, v in ops.items()}
+    functional_of = {v: k for ops in (SHM_OPS, SHM_START_OPS) for k, v in ops.items()} | {SHM_FLATTEN_OP: "all_reduce"}
     calls = []
     for n in program.graph_module.graph.nodes:
         if n.op != "call_function":

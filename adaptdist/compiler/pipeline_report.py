@@ -93,7 +93,9 @@ def pipeline_comm_rows(program: Any) -> tuple[CommRow, ...]:
                     continue
                 group = get_group(n) or next((a for a in n.args if isinstance(a, str) and ":" in a), "?")
                 src = n.args[0] if n.args else None
-                add(kind, str(group), f"stage {st.stage} {g}", m, m * _nbytes(getattr(src, "meta", {}).get("val")))
+                srcs = src if isinstance(src, (list, tuple)) else [src]  # a fused bucket flatten takes a list
+                add(kind, str(group), f"stage {st.stage} {g}", m,
+                    m * sum(_nbytes(getattr(a, "meta", {}).get("val")) for a in srcs))
         routed = " (routed)" if st.routes is not None else ""
         if st.send_to is not None:
             add("send", f"rank {st.send_to}{routed}", f"stage {st.stage} activations", m * len(st.send_specs),

@@ -53,6 +53,7 @@ _SHM_KINDS = {"shm_all_reduce": "all_reduce", "shm_all_gather_into_tensor": "all
               "shm_reduce_scatter_tensor": "reduce_scatter", "shm_all_to_all_single": "all_to_all",
               "shm_broadcast": "broadcast", "shm_all_reduce_start": "all_reduce",
               "shm_all_gather_into_tensor_start": "all_gather", "shm_reduce_scatter_tensor_start": "reduce_scatter",
+              "shm_flatten_all_reduce_start": "all_reduce",
               "shm_wait": "wait"}
 
 

@@ -301,6 +301,25 @@ def group_names() -> list[str]:
     return list(_ops()._shm_group_names())
 
 
+def all_reduce_counts() -> dict[str, int] | None:
+    """Over this process's shared-memory groups, since the last reading: the all_reduces the pipelined kernel
+    carried (inputs over 32 KiB) and how many of them read registered inputs in place (``in_place``: no copy-in;
+    :func:`input_buffer`, a gradient bucket flattened by ``shm_flatten_all_reduce_start``). Reads and resets the
+    groups' profile counters (``_shm_group_profile``). None without kernels or groups."""
+    try:
+        names = group_names()
+    except Exception:  # noqa: BLE001 -- kernels not loaded
+        return None
+    if not names:
+        return None
+    calls = in_place = 0
+    for name in names:
+        prof = _ops()._shm_group_profile(name)
+        calls += int(prof[5])
+        in_place += int(prof[6])
+    return {"calls": calls, "in_place": in_place}
+
+
 def _destroy_all() -> None:
     try:
         for name in group_names():

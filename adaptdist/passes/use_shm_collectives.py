@@ -15,6 +15,10 @@ collective, as gloo's worker thread does for a functional collective; with it of
 return. Everything before this pass
 (planner, passes, consistency checks, cost model) sees the functional collectives unchanged.
 
+An all_reduce of a gradient bucket (``aten.cat`` of 1-d tensors) becomes ``adaptdist.shm_flatten_all_reduce_start``:
+the cat's copy goes straight into the rank's registered input region and the all_reduce skips its copy-in
+(:func:`_fuse_bucket_flattens`).
+
 Stays on gloo (left as is): an ``all_to_all_single`` with uneven splits; an ``all_reduce`` /
 ``reduce_scatter_tensor`` whose reduce op the kernels lack (only sum, avg, max) or whose dtype they do not
 reduce (only float32, bfloat16, float16); a ``broadcast`` (its ``src`` is a global rank, the kernel's a group
@@ -25,9 +29,10 @@ Before/after (a gradient bucket on ``dp``, local shapes)::
     all_reduce = _c10d_functional.all_reduce(cat, 'sum', 'adaptdist:dp')      # f32[2112]
     wait_tensor = _c10d_functional.wait_tensor(all_reduce)
     split = aten.split_with_sizes(wait_tensor, [2048, 64])
-    # becomes (rank 0 of dp=2)
-    shm_all_reduce = adaptdist.shm_all_reduce(cat, 'sum', 'adaptdist:dp[0,1]')    # f32[2112]
-    split = aten.split_with_sizes(shm_all_reduce, [2048, 64])
+    # becomes (rank 0 of dp=2; the cat's inputs flattened into the registered input region at offset 0)
+    shm_flatten = adaptdist.shm_flatten_all_reduce_start([reshape, reshape_1], 0, 'sum', 'adaptdist:dp[0,1]')
+    shm_wait = adaptdist.shm_wait(shm_flatten)                                   # f32[2112]
+    split = aten.split_with_sizes(shm_wait, [2048, 64])
 """
 
 from __future__ import annotations
@@ -111,6 +116,50 @@ def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: Mapping[str, str] 
         graph.erase_node(node)
         changed = True
     if changed:
+        _fuse_bucket_flattens(graph)
         graph.lint()
         gm.recompile()
     return gm, changed
+
+
+def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
+    """Each all_reduce of a gradient bucket (``aten.cat`` of 1-d tensors, used by nothing else) becomes
+    ``adaptdist.shm_flatten_all_reduce_start(tensors, offset, ...)`` (and, where it was complete on return, its
+    ``shm_wait`` right after): the bucket is flattened straight into this
+    rank's registered input region, so the all_reduce skips its copy-in. Each bucket of the graph gets its own
+    64-byte-aligned offset in its group's region (every started op is waited for before the graph returns, so a
+    slot is free again at the next run); buckets past the region's end keep ``cat``. The ranks of a group lower the
+    same buckets in the same order, hence pass the same offsets (a mismatch only costs the copy-in: the kernel
+    falls back on every rank)."""
+    from ..comm_transport import SHM_FLATTEN_OP
+    from ..kernels.shm import INPUT_REGION_BYTES
+
+    start, whole = torch.ops.adaptdist.shm_all_reduce_start.default, torch.ops.adaptdist.shm_all_reduce.default
+    flatten = getattr(torch.ops.adaptdist, SHM_FLATTEN_OP).default
+    offsets: dict[str, int] = {}
+    for node in list(graph.nodes):
+        if node.target is not start and node.target is not whole:
+            continue
+        cat = node.args[0]
+        if not (isinstance(cat, torch.fx.Node) and cat.target is torch.ops.aten.cat.default and len(cat.users) == 1
+                and (len(cat.args) < 2 or cat.args[1] in (0, -1))):
+            continue
+        parts = list(cat.args[0])
+        vals = [p.meta.get("val") if isinstance(p, torch.fx.Node) else None for p in parts]
+        if not vals or any(not isinstance(v, torch.Tensor) or v.dim() != 1 for v in vals):
+            continue
+        group = str(node.args[-1])
+        size_bytes = sum(v.numel() * v.element_size() for v in vals)
+        offset = offsets.get(group, 0)
+        if offset + size_bytes > INPUT_REGION_BYTES:
+            continue
+        offsets[group] = offset + -(-size_bytes // 64) * 64
+        with graph.inserting_before(node):
+            fused = graph.call_function(flatten, (parts, offset, *node.args[1:]))
+            done = fused if node.target is start else graph.call_function(torch.ops.adaptdist.shm_wait.default,
+                                                                          (fused,))
+        fused.meta = dict(node.meta)
+        done.meta = dict(node.meta)
+        node.replace_all_uses_with(done)
+        graph.erase_node(node)
+        graph.erase_node(cat)

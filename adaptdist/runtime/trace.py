@@ -566,7 +566,7 @@ def instrument_collectives(gm: Any, recorder: TraceRecorder, forward_outputs: Se
             continue
         kind = compat.functional_collective_kind(n.target)
         if kind is None and is_shm_started(n.target):  # issued here, waited on at its shm_wait
-            kind = str(n.target.name()).split("::")[-1].removesuffix("_start")
+            kind = str(n.target.name()).split("::")[-1].removesuffix("_start").replace("flatten_", "")
         elif kind is None and is_shm_wait(n.target):
             kind = "wait"
         if kind is None and is_shm_collective(n.target):  # complete on return: issued, then waited on, by one call
@@ -587,10 +587,11 @@ def instrument_collectives(gm: Any, recorder: TraceRecorder, forward_outputs: Se
         if kind != "wait":
             k = len(recorder._collectives)  # ids unique over every program instrumented for this recorder
             root[n] = k
-            val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+            ins = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]  # a fused flatten: a list
+            vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in ins]
             info = {"name": n.name, "op": kind, "group": str(n.args[-1])}
-            if val is not None and hasattr(val, "numel"):
-                info["bytes"] = int(val.numel() * val.element_size())
+            if vals and all(v is not None and hasattr(v, "numel") for v in vals):
+                info["bytes"] = int(sum(v.numel() * v.element_size() for v in vals))
             recorder._collectives[k] = info
             with graph.inserting_before(n):
                 graph.call_function(point, ("issue", k))

@@ -181,6 +181,8 @@ class StepRunner:
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
+        # drop the last step's gradients first: a shared-memory all_reduce output region is reused only once free
+        self.last_grads = {}
         try:
             batch = self.program.local_batch(global_batch)
             if self.device.type != "cpu":
@@ -300,6 +302,16 @@ def program_transports(program: Any) -> dict[str, str]:
     if not isinstance(code, str) or not isinstance(names, dict):
         return {a: "none" if int(n) == 1 else "gloo" for a, n in dict(mesh).items()}
     return transports_of_code(code, names, mesh)
+
+
+def _shm_all_reduce_counts(program: Any) -> dict[str, int] | None:
+    """This rank's large shared-memory all_reduces of the run and how many read their inputs in place
+    (:func:`adaptdist.kernels.shm.all_reduce_counts`); None when no axis is on shared memory."""
+    if "shm" not in program_transports(program).values():
+        return None
+    from ..kernels.shm import all_reduce_counts
+
+    return all_reduce_counts()
 
 
 def describe_program(program: RankProgram) -> str:
@@ -619,6 +631,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             "events": events.read(),
             "stop_signal": stop.requested,  # a SIGTERM/SIGINT this rank got after its last step began (noted)
             "transports": program_transports(program),
+            "shm_all_reduce": _shm_all_reduce_counts(program),
         }
         if rank == 0:  # the launcher's copy (an elastic job's ranks are not its children)
             tmp = Path(cfg.out_dir) / "result.json.tmp"
