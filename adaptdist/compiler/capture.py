@@ -546,7 +546,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     ranked = order_placeholders(graph, set(frozen))
     by_fqn = {gmeta.get_fqn(p): p for p in placeholders}
     summed = sum_cast_gradients_in_low_precision(gm, {by_fqn[f]: grad_of[f] for f in trainable})
-    grad_of.update({gmeta.get_fqn(p): g for p, g in summed.items()})  # a parameter used twice under autocast
+    grad_of.update({gmeta.get_fqn(p): g for p, g in summed.items()})  # a parameter used twice, autocast
     new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(
