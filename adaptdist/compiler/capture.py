@@ -35,6 +35,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
 from .expert_lists import ExpertLists, batched_experts, fold_stack_of_unbind, probe_expert_lists
+from .autocast_grad_sums import sum_cast_gradients_in_low_precision
 from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
 
@@ -543,6 +544,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     trainable = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) in grad_of]
     frozen = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) == "param" and gmeta.get_fqn(p) not in grad_of]
     ranked = order_placeholders(graph, set(frozen))
+    by_fqn = {gmeta.get_fqn(p): p for p in placeholders}
+    summed = sum_cast_gradients_in_low_precision(gm, {by_fqn[f]: grad_of[f] for f in trainable})
+    grad_of.update({gmeta.get_fqn(p): g for p, g in summed.items()})  # a parameter used twice, autocast
     new_outs = mutated + [loss_node] + [grad_of[f] for f in trainable]
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(
