@@ -371,7 +371,7 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     try:
         with local_run():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir,
-                                                                  max_restarts)
+                                                        max_restarts)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:
@@ -746,7 +746,7 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
     try:
         with _env(env, override=True), _kept_signal_handlers():
             return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir,
-                                                                  max_restarts)
+                                                        max_restarts)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:
