@@ -133,3 +133,12 @@ def stop_worker(out_dir: str, steps: int, step_s: float, term_rank: int = -1, te
                 raise SystemExit(stop_exit_code(sig))
     dist.destroy_process_group()
     return {"finished": True}
+
+
+def data_error_worker(same: bool) -> None:
+    """Every rank raises DataError (as each rank's loader does on a batch of the wrong size): the same message
+    on every rank when ``same``, else one naming the rank."""
+    from adaptdist.errors import DataError
+
+    rank = int(os.environ["RANK"])
+    raise DataError("batch 2 has 5 rows, expected 7" if same else f"rank {rank}'s shard is empty")

@@ -112,9 +112,10 @@ def test_run_takes_the_compiled_shapes_from_the_artifacts(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_train_refuses_a_smaller_later_batch_on_the_ranks(capsys, tmp_path):
+def test_train_refuses_a_smaller_later_batch_on_the_ranks(capfd, tmp_path):
     """End to end (2 ranks): step 2's batch of 5 rows where 6 were compiled fails with the DataError, before any
-    step trains on it (it used to train with the mean divided by 6)."""
+    step trains on it (it used to train with the mean divided by 6). The error is printed once, naming both
+    ranks (each rank and then the launcher used to print it: three times); capfd sees the ranks' stderr too."""
     from adaptdist.cli import main
 
     f = tmp_path / "small.py"
@@ -130,7 +131,8 @@ def test_train_refuses_a_smaller_later_batch_on_the_ranks(capsys, tmp_path):
     """))
     rc = main(["train", f"{f}:f", "--nproc", "2", "--plan", "dp", "--batch-size", "6", "--steps", "3", "--out",
                str(tmp_path / "out"), "--sample-bytes", "0", "--threads-per-rank", "1"])
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert rc == 2, err
     assert "DataError" in err and "for step 2, batch element 0 as float32 [5, 4]" in err, err
+    assert err.count("for step 2, batch element 0") == 1 and "failed: DataError" in err, err
     assert "step 2/3" not in err

@@ -203,3 +203,49 @@ def test_elastic_stop_passes_sigterm_and_every_rank_stops_after_the_same_step(tm
     assert codes == [143, 143], codes
     stopped = {r["rank"]: r.get("stopped_at") for r in _attempts(tmp_path)}
     assert len(stopped) == 2 and None not in stopped.values() and len(set(stopped.values())) == 1, stopped
+
+
+def _failed(reports: dict[int, str], tmp_path, killed: tuple[int, ...] = ()) -> str:
+    """The launcher's message for workers that reported ``reports`` (rank -> ``Type: message``) and exited 1,
+    and ``killed`` ranks that the agent stopped (SIGTERM) before they reported anything."""
+    from types import SimpleNamespace
+
+    from adaptdist.runtime.launch import _child_failure_error
+
+    for r, text in reports.items():
+        (tmp_path / f"{r}.0.txt").write_text(f"{100.0 + r!r}\n{text}")
+    failures = {r: SimpleNamespace(exitcode=1, message="", timestamp=100, error_file_data={}) for r in reports}
+    failures.update({r: SimpleNamespace(exitcode=-15, message="", timestamp=101, error_file_data={}) for r in killed})
+    return str(_child_failure_error(SimpleNamespace(failures=failures), 0, str(tmp_path)))
+
+
+def test_the_same_error_of_several_ranks_is_named_once_with_its_ranks(tmp_path):
+    same = "DataError: batch 2 has 5 rows, expected 7"
+    msg = _failed({0: same, 1: same, 2: "RuntimeError: Connection closed by peer"}, tmp_path, killed=(3,))
+    assert msg.startswith(f"ranks 0, 1 failed: {same} (no restarts allowed") and msg.count("DataError") == 1, msg
+    assert "Connection closed" not in msg and "also failed" not in msg, msg  # a lost peer is a consequence
+
+
+def test_different_errors_of_their_own_are_each_named(tmp_path):
+    msg = _failed({0: "DataError: rank 0's shard is empty", 1: "DataError: rank 1's shard is empty"}, tmp_path)
+    assert msg.startswith("rank 0 failed: DataError: rank 0's shard is empty; rank 1 also failed: DataError: "
+                          "rank 1's shard is empty (no restarts"), msg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("same", [True, False])
+def test_an_error_every_rank_reports_is_printed_once(same, capfd):
+    from launch_workers import data_error_worker
+
+    with pytest.raises(RuntimeLaunchError) as info:
+        launch_local(data_error_worker, (same,), 2)
+    msg = str(info.value)
+    err = capfd.readouterr().err
+    assert "DataError" not in err, err  # the workers leave it to the launcher's one message
+    # (a rank the agent stops before it reports is not named: the unit tests above fix the wording)
+    if same:
+        assert "failed: DataError: batch 2 has 5 rows, expected 7 (no restarts" in msg, msg
+        assert msg.count("DataError") == 1, msg
+    else:  # each rank's own error, once
+        assert "shard is empty" in msg and msg.count("DataError") == msg.count("shard is empty"), msg

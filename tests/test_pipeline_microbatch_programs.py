@@ -4,6 +4,8 @@ zero-filled expert buffer) train under pp equal to eager, in one process (simula
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 
 from adaptdist.compiler.lowering import compile_model
 from adaptdist.compiler.pipeline_lowering import PipelineOptions, _program_difference
-from test_pipeline_lowering import check_against_eager, eager
+from test_pipeline_lowering import LR, check_against_eager, eager
 
 V = 50
 
@@ -247,3 +249,62 @@ def test_rows_cut_from_a_whole_batch_value_are_named_with_the_fix():
     for part in ("differs between microbatches 0 and 1", "(index_put)", "over the whole batch", "torch.arange(batch)",
                  "F.cross_entropy", "--plan dp"):
         assert part in msg, (part, msg)
+
+
+class RepeatedPositions(nn.Module):
+    """HF Whisper's decoder positions: ``arange(T).unsqueeze(0).repeat(B, 1)`` indexing a learned table
+    (``weight[position_ids]``, aten.index), whose backward is an accumulating index_put into zeros."""
+    def __init__(self, d=8, t_max=16):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.pos = nn.Parameter(torch.randn(t_max, d) * 0.3)
+        self.layers = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.head = nn.Linear(d, V)
+
+    def forward(self, x):
+        position_ids = torch.arange(x.shape[1]).unsqueeze(0).repeat(x.shape[0], 1)
+        h = self.emb(x) + self.pos[position_ids]
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_positions_repeated_over_the_batch_run_one_microbatch_program():
+    torch.manual_seed(1234)
+    model = RepeatedPositions()
+    batch = _batch(6, 8)
+    expected = eager(model, batch, ce)
+    progs = compile_model(model, batch, ce, 2, None, pipeline=PipelineOptions(stages=2, microbatches=3))
+    check_against_eager(progs, batch, expected)
+
+
+class HFWhisper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.WhisperConfig(
+            vocab_size=V, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=8,
+            max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+            decoder_start_token_id=1, eos_token_id=2, bos_token_id=1)
+        cfg._attn_implementation = "eager"
+        self.m = transformers.WhisperForConditionalGeneration(cfg)
+
+    def forward(self, feats, ids):
+        return self.m(input_features=feats, decoder_input_ids=ids).logits
+
+
+def test_hf_whisper_trains_under_pp_equal_to_eager():
+    torch.manual_seed(0)
+    model = HFWhisper()
+    g = torch.Generator().manual_seed(3)
+    x, y = _batch(4, 8)
+    batch = (torch.randn(4, 8, 16, generator=g), x, y.clamp(min=0))
+    ref = copy.deepcopy(model)
+    loss = ce(ref(*batch[:-1]), batch[-1])
+    loss.backward()
+    named = {f: p for f, p in ref.named_parameters() if p.requires_grad}  # the encoder's positions are frozen
+    expected = (loss.detach(), {f: p.grad for f, p in named.items()},
+                {f: (p - LR * p.grad).detach() for f, p in named.items()})
+    progs = compile_model(model, batch, ce, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    check_against_eager(progs, batch, expected)

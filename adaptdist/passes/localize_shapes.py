@@ -340,7 +340,8 @@ def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
     or an expand of a size-1 (or absent) dim (the backward of a sum/mean), through clones and dtype copies, and
     through elementwise ops (arithmetic, comparisons, logic, ``where``) whose other operands are numbers or
     broadcast along ``dim`` (the backward of a mean: that expand divided by the row count; a mask built from
-    positions), and through an embedding of such indices (positions expanded over the batch). Then
+    positions), through a ``repeat`` of a size-1 (or new leading) dim, and through an embedding or a
+    one-index ``table[idx]`` of such indices (positions repeated over the batch: Whisper's decoder). Then
     a rank slice of ``x`` along ``dim`` may take rows [0, n) on every rank (the pipeline's microbatches run one
     program: their slices must not depend on the microbatch's offset)."""
     if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
@@ -359,7 +360,22 @@ def _rows_alike(x: Any, dim: int, depth: int = 8) -> bool:
     if x.target is aten.embedding.default:  # [*indices, D]: a row of indices' dims is a row of the output
         idx = x.args[1]
         v = idx.meta.get("val") if isinstance(idx, torch.fx.Node) else None
-        return isinstance(v, torch.Tensor) and dim < v.dim() and _rows_alike(idx, dim, depth - 1)
+        return (isinstance(v, torch.Tensor) and dim < v.dim()
+                and (_rows_alike(idx, dim, depth - 1) or _constant_rows_alike(idx, dim)))
+    if x.target is aten.index.Tensor:  # table[idx] (Whisper's decoder positions): [*idx, *table.shape[1:]]
+        indices = x.args[1]
+        if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+            return False
+        v = indices[0].meta.get("val")
+        return (isinstance(v, torch.Tensor) and dim < v.dim()
+                and (_rows_alike(indices[0], dim, depth - 1) or _constant_rows_alike(indices[0], dim)))
+    if x.target is aten.repeat.default:  # src.repeat(reps): leading new dims repeat src whole
+        src, reps = x.args[0], x.args[1]
+        v = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor):
+            return False
+        lead = len(reps) - v.dim()
+        return dim < lead or v.shape[dim - lead] == 1 or _rows_alike(src, dim - lead, depth - 1)
     if x.target in _ELEMENTWISE:
         out_rank = x.meta["val"].dim()
         tensors = [a for a in x.args if isinstance(a, torch.fx.Node)]

@@ -1518,7 +1518,7 @@ def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
     if not ok:
         if isinstance(px, Shard):
             return gather_all(node, pl, "the sharded dim is indexed (or after an indexed one)")
-        return None  # other forms: DTensor's strategies
+        return _index_put_rows(node, pl)  # None for other forms: DTensor's strategies
     d = shard.dim
     needs: dict[ArgPath, Placement] = {}
     for path, p in (((0,), px), ((2,), pv)):
@@ -1526,6 +1526,33 @@ def index_put_tensor(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
             needs[path] = Shard(d)
     needs.update({(1, j): R for j in pos if not isinstance(pl(node.args[1][j]), Replicate)})
     return RuleResult(Shard(d), needs)
+
+
+_ZERO_FILLS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+
+
+def _index_put_rows(node: torch.fx.Node, pl: PlacementOf) -> RuleResult | None:
+    """index_put(zeros [V, ...], [idx], values [*idx, ...], accumulate=True), ``values`` sharded on an index dim
+    ``k`` (the backward of ``table[idx]`` with positions repeated over the batch: Whisper's decoder): each rank
+    adds its rows of ``values`` at its rows of ``idx`` (a local slice where ``idx`` is replicated), the sum over
+    ranks is the whole gradient: ``Partial("sum")``. Needs the base to be zeros (else each rank would add it);
+    other forms: None."""
+    x, indices, values = node.args[0], node.args[1], node.args[2]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if (not accumulate or not isinstance(x, torch.fx.Node) or x.target not in _ZERO_FILLS
+            or len(indices) != 1 or not isinstance(indices[0], torch.fx.Node)):
+        return None
+    idx = indices[0]
+    px, pi, pv = pl(x), pl(idx), pl(values)
+    nd = len(shape(idx))
+    if (not isinstance(px, Replicate) or not isinstance(pv, Shard) or pv.dim >= nd
+            or len(shape(values)) != nd + len(shape(x)) - 1 or shape(idx)[pv.dim] != shape(values)[pv.dim]):
+        return None
+    if pi == pv:
+        return RuleResult(P)
+    if isinstance(pi, Replicate):
+        return RuleResult(P, {(1, 0): pv})
+    return None
 
 
 def batched_core(*cores: int) -> Callable[[torch.fx.Node, PlacementOf], RuleResult | None]:

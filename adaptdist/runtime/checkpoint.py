@@ -66,6 +66,27 @@ def ordered_device_mesh(device_mesh, program: RankProgram):
     return DeviceMesh(device_mesh.device_type, ranks, mesh_dim_names=tuple(order))
 
 
+def gather_full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``t`` (a DTensor from :func:`as_global`, collective over its mesh) as a plain
+    tensor on every rank; ``t`` itself when it is not a DTensor. Gathers one mesh axis at a time, innermost
+    first (``[S(0), S(0)] -> [S(0), R] -> [R, R]``): DTensor's ``full_tensor()`` of a dim sharded on two axes
+    plans both all_gathers in one redistribute and logs (once per process, on rank 0 of a 2-D mesh) that "2
+    sequential all_gather operations ... may give inconsistent results between ranks due to different reduction
+    orders". That warning is about reductions; an all_gather copies bytes and reduces nothing, so the result was
+    exact either way: gathering axis by axis gives the same tensor with the same collectives and no warning
+    (torch/distributed/tensor/_redistribute.py, ``_warn_flatten_optimization_not_possible``)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    placements = list(t.placements)
+    for k in reversed(range(len(placements))):
+        if not isinstance(placements[k], Replicate):
+            placements[k] = Replicate()
+            t = t.redistribute(t.device_mesh, placements)
+    return t.to_local()
+
+
 def as_global(t: torch.Tensor, fqn: str, program: RankProgram, device_mesh, ordered_mesh=None) -> torch.Tensor:
     """``t`` (this rank's shard of state ``fqn``) as a DTensor over ``device_mesh`` (torch's
     DeviceMesh for the program's mesh), or ``t`` itself when the state is replicated. Uneven

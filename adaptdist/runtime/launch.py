@@ -234,9 +234,20 @@ def _child_failure_error(e: Any, max_restarts: int, report_dir: str | None = Non
         signum = signals.pop()
         return RunInterruptedError(
             f"rank(s) {', '.join(map(str, sorted(failures)))} stopped on {signal.Signals(signum).name}", signum)
-    root = _root_failure(failures, _read_reports(report_dir))
+    reports = _read_reports(report_dir)
+    root = _root_failure(failures, reports)
     restarts = f"after {max_restarts} restart(s), all allowed" if max_restarts else "no restarts allowed"
-    return RuntimeLaunchError(f"rank {root.rank} failed: {root.reason} ({restarts}; {restart_advice})")
+    # every rank that reported the same error (a DataError each rank's loader raises alike) is named once here:
+    # the workers no longer print the errors they report (:func:`_worker_main`)
+    same = sorted({root.rank} | {r for r, (message, _) in reports.items() if message == root.reason})
+    who = f"rank {root.rank}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+    others: dict[str, list[int]] = {}  # other errors of their own (not a lost peer), which no worker printed
+    for r, (message, _) in sorted(reports.items()):
+        if r not in same and not _Failure(r, message, 0.0).consequence:
+            others.setdefault(message, []).append(r)
+    also = "".join(f"; rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} also failed: {m}"
+                   for m, rs in others.items())
+    return RuntimeLaunchError(f"{who} failed: {root.reason}{also} ({restarts}; {restart_advice})")
 
 
 FINISHED_AFTER_STOP_EXIT_S = 3.0
@@ -260,10 +271,13 @@ def _exit_unless_collected(after_s: float) -> None:
 
 
 def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store_s: float | None,
-                 report_dir: str | None = None) -> Any:
+                 report_dir: str | None = None, max_restarts: int = 0) -> Any:
     """What each worker of :func:`launch_local` runs: ``fn(*args)`` under our ``init_process_group`` defaults.
     An exception is first reported to ``report_dir/RANK.ATTEMPT.txt`` (time, then ``Type: message``), before
-    the process group is destroyed (which its peers notice at once)."""
+    the process group is destroyed (which its peers notice at once). An adaptdist error is printed as one line
+    (``rank N: Type: message``) only where the launcher will not: no report written, or an attempt that
+    ``max_restarts`` restarts again (the launcher reports the last attempt's errors only); else each rank
+    and then the launcher would print the same message."""
     from .script_runner import die_with_parent, init_defaults
 
     die_with_parent()
@@ -277,6 +291,7 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
             return ret
         except BaseException as e:
             code = e.code if isinstance(e, SystemExit) else None
+            reported = False
             if report_dir is not None and (not isinstance(e, SystemExit) or (isinstance(code, int) and code)):
                 # an exit with a code is a failure of its own too (torch's agent may record only the peer that
                 # lost its connection to it)
@@ -284,6 +299,7 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
                 name = os.path.join(report_dir, f"{os.environ.get('RANK', 0)}.{restart_count()}.txt")
                 with contextlib.suppress(OSError), open(name, "w") as f:
                     f.write(f"{time.time()!r}\n{text}".strip())
+                    reported = restart_count() >= max_restarts  # the last attempt: the launcher prints it
             # an undestroyed gloo group's threads abort the exit (SIGABRT), hiding why this rank failed
             if dist.is_initialized():
                 with contextlib.suppress(Exception):
@@ -291,7 +307,8 @@ def _worker_main(fn: Callable[..., Any], args: tuple, collective_s: float, store
             from ..errors import AdaptdistError
 
             if isinstance(e, AdaptdistError):  # a user-facing error: one line (reported above), not a traceback
-                print(f"rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                if not reported:
+                    print(f"rank {os.environ.get('RANK', '?')}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
             raise
 
@@ -353,7 +370,8 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
                             max_restarts, timeouts, monitor_interval_s)
     try:
         with local_run():
-            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir,
+                                                        max_restarts)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:
@@ -727,7 +745,8 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
     where = f"this host ({local_addr}, {'holds' if store is not None else 'joined'} the rendezvous at {endpoint})"
     try:
         with _env(env, override=True), _kept_signal_handlers():
-            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir)
+            return elastic_launch(config, _worker_main)(fn, args, timeouts.collective_s, None, report_dir,
+                                                        max_restarts)
     except ChildFailedError as e:
         raise _child_failure_error(e, max_restarts, report_dir, restart_advice) from None
     except SignalException as e:

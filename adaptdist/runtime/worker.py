@@ -759,7 +759,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     from safetensors.torch import save_file
 
     from ..state_layout import unstack_state
-    from .checkpoint import as_global, ordered_device_mesh
+    from .checkpoint import as_global, gather_full, ordered_device_mesh
 
     out = Path(cfg.out_dir)
     program = runner.program
@@ -780,7 +780,7 @@ def _write_weights(cfg: TrainConfig, runner: StepRunner, rank: int, device_mesh)
     # rank's state.safetensors, which can differ between ranks when shard sizes differ
     names = list(program.input_fqns) + sorted(set(runner.state) - set(program.input_fqns))
     model = {f: as_global(runner.state[f], f, program, device_mesh, ordered) for f in names}
-    full = {f: (t.full_tensor() if hasattr(t, "full_tensor") else t) for f, t in model.items()}  # collective
+    full = {f: gather_full(t) for f, t in model.items()}  # collective
     full = unstack_state(full, program.stacked)  # ModuleList experts under the user's names (expert_lists.py)
     if rank == 0:
         tmp = out / "model.safetensors.tmp"
