@@ -228,3 +228,21 @@ def test_fsdp_packed_qkv_view_equals_eager(world):
     _, hist, params, _ = simulated_sgd(model, batch, loss_fn, world, "fsdp", 0.1, 3)
     want_hist, want_params = eager_sgd(model, [batch], loss_fn, 0.1, 3)
     assert_sgd_equal(hist, params, want_hist, want_params, tol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=1,tp=3"])
+def test_manual_tp_on_packed_qkv_gathers_before_the_view(mesh):
+    """A plan file sharding the packed projections column-parallel (S(0) on tp): on 2 tp ranks 3 x 16 outputs
+    are not whole groups (used to raise in localize_shapes), on 3 the 2 x 8 heads are not; every rank's loss and
+    gradient shards equal eager."""
+    from adaptdist.annotations import ManualPlan
+    from passutil import check_mesh_against_eager
+
+    torch.manual_seed(0)
+    model = _PackedQKV()
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(6, 5, 16, generator=g), torch.randint(0, 5, (6, 5), generator=g))
+    plan = ManualPlan("packed", ("dp", "tp"), "dp", tuple((f, ("R", "S(0)")) for f in (
+        "qkv.weight", "qkv.bias", "mha.in_proj_weight", "mha.in_proj_bias", "heads.weight", "heads.bias")))
+    check_mesh_against_eager(model, batch, lambda o, y: torch.nn.functional.cross_entropy(o.reshape(-1, 5), y.reshape(-1)),
+                             mesh, plan)
