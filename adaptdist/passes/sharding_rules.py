@@ -243,8 +243,8 @@ def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 def _view_out_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], d: int) -> int | None:
     """The output dim that carries sharded input dim ``d``: the outermost dim of its merged
-    group (``[B, T] -> [B*T]``) or of its split (``[B*T] -> [B, T]``; localization checks
-    that every rank's shard splits evenly)."""
+    group (``[B, T] -> [B*T]``) or of its split (``[B*T] -> [B, T]``; :func:`view` keeps the
+    shard there only when every rank's shard holds whole groups)."""
     prefix = math.prod(in_shape[:d])
     n = in_shape[d]
     for od in range(len(out_shape)):
