@@ -62,5 +62,36 @@ def test_whole_groups_advice_names_the_axis_and_what_to_change():
     assert tp == ("With tensor parallelism over attention heads the number of ranks on mesh axis 'tp' (4 ranks) must "
                   "divide the number of heads (6 here): use 2 or 3 or 6 ranks there, or a plan that does not shard the "
                   "heads (e.g. --plan dp or fsdp)")
-    dp = _whole_groups_advice(4, PassContext(axis_size=3, batch_size=8, mesh_axis="dp", shard_batch=True))
+    import torch
+    from adaptdist import graph_meta as gmeta
+
+    b = torch.fx.Graph().placeholder("b")
+    gmeta.set_role(b, "batch")
+    dp = _whole_groups_advice(4, PassContext(axis_size=3, batch_size=8, mesh_axis="dp", shard_batch=True), b)
     assert "mesh axis 'dp' (3 ranks) splits the batch" in dp and "batch size" in dp and "heads" not in dp
+    # (hfix9a) a shard the batch axis got from a redistribution, not from the batch: no batch-size advice
+    other = _whole_groups_advice(2, PassContext(axis_size=3, batch_size=8, mesh_axis="dp", shard_batch=True))
+    assert "not by splitting the batch" in other and "use 2 ranks there" in other and "heads" not in other
+
+
+def test_whole_groups_advice_names_the_parameter_an_fsdp_axis_sharded():
+    """(hfix9a) Under --plan fsdp the dim came from a parameter's dim-0 shard, not from attention heads under
+    tensor parallelism: the advice names the parameter, its placement and the axis, and does not talk of heads."""
+    import torch
+    from adaptdist import graph_meta as gmeta
+    from adaptdist.passes.localize_shapes import _whole_groups_advice
+    from adaptdist.placement import Shard
+
+    g = torch.fx.Graph()
+    w, b = g.placeholder("w"), g.placeholder("b")
+    w.meta["val"], b.meta["val"] = torch.empty(48, 16), torch.empty(7, 16)
+    gmeta.set_role(w, "param", "mha.in_proj_weight")
+    gmeta.set_role(b, "batch")
+    gmeta.set_placements(w, (Shard(0),))
+    gmeta.set_placements(b, (Shard(0),))
+    fsdp = _whole_groups_advice(3, PassContext(axis_size=2, batch_size=7, mesh_axis="dp", shard_batch=True), w)
+    assert "parameter 'mha.in_proj_weight' (float32[48, 16]), placed S(0) on mesh axis 'dp' (2 ranks)" in fsdp
+    assert "fsdp" in fsdp and "use 3 ranks there" in fsdp and "--plan dp" in fsdp
+    assert "heads" not in fsdp and "batch size" not in fsdp
+    rows = _whole_groups_advice(4, PassContext(axis_size=3, batch_size=8, mesh_axis="dp", shard_batch=True), b)
+    assert "splits the batch" in rows and "batch size" in rows and "parameter" not in rows

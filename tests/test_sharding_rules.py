@@ -129,3 +129,120 @@ def test_random_ops_never_draw_a_replicated_value_on_every_rank(target, args):
     assert (res.out[0] if isinstance(res.out, tuple) else res.out) == Shard(1) and list(res.needs.values()) == [Shard(1)]
     res = run(n, [Shard(0)])
     assert (res.out[0] if isinstance(res.out, tuple) else res.out) == Shard(0) and not res.needs
+
+
+# ---------------------------------------------------------------- a view splitting a shard into groups (hfix9a)
+# A packed q/k/v projection's output [.., 3E] chunked over 2 ranks ([0, 1.5E)) does not split into 3 groups of
+# E: the rule must gather it (every plan lowers through this rule), and the planner must not be offered the
+# shard-keeping strategy; on 3 ranks the chunks are whole groups and the shard survives.
+
+def _param_then_view(groups, k, rows=4):
+    """``view(add(x, w), [rows, groups, k])`` with ``w`` a [groups*k] parameter placeholder (x replicated)."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"], w.meta["val"] = torch.empty(rows, groups * k), torch.empty(groups * k)
+    add = g.call_function(aten.add.Tensor, (x, w))
+    add.meta["val"] = torch.empty(rows, groups * k)
+    v = g.call_function(aten.view.default, (add, [rows, groups, k]))
+    v.meta["val"] = torch.empty(rows, groups, k)
+    return v, add, x, w
+
+
+@pytest.mark.parametrize("world,keeps", [(2, False), (3, True), (4, False), (1, True)])
+def test_view_splitting_a_chunked_dim_keeps_the_shard_only_on_whole_groups(world, keeps):
+    v, add, x, w = _param_then_view(3, 16)
+    pls = {x: R, w: Shard(0), add: Shard(1)}
+    res = apply_rule(v, lambda a: pls[a], world)
+    if keeps:
+        assert res.out == Shard(1) and not res.needs
+    else:
+        assert res.out == R and res.needs == {(0,): R}
+
+
+def test_view_splitting_a_merged_batch_keeps_the_shard_whatever_the_rows():
+    # [7, 8, 16] batch S(0) -> [56, 16] -> [7, 8, 16]: 7 rows over 2 ranks (4 + 3) are whole groups of 8
+    g = torch.fx.Graph()
+    b = g.placeholder("b")
+    b.meta["val"] = torch.empty(7, 8, 16)
+    m = g.call_function(aten.view.default, (b, [56, 16]))
+    m.meta["val"] = torch.empty(56, 16)
+    v = g.call_function(aten.view.default, (m, [7, 8, 16]))
+    v.meta["val"] = torch.empty(7, 8, 16)
+    pls = {b: Shard(0), m: Shard(0)}
+    assert apply_rule(v, lambda a: pls[a], 2).out == Shard(0)
+    assert apply_rule(v, lambda a: pls[a], 3).out == Shard(0)
+
+
+def test_planner_is_not_offered_a_view_that_splits_a_shard_into_broken_groups():
+    from adaptdist.passes.context import PassContext
+    from adaptdist.passes.list_strategies import node_strategies
+    v, *_ = _param_then_view(3, 16)
+
+    def offered(world):  # (inputs, outputs) of every strategy, DTensor's and ours
+        return [(s.inputs, s.outputs) for s in node_strategies(v, PassContext(axis_size=world, batch_size=4))]
+
+    keep = ((Shard(1),), (Shard(1),))
+    assert keep not in offered(2) and keep not in offered(4)
+    assert keep in offered(3)
+
+
+class _PackedQKV(torch.nn.Module):
+    """A packed q/k/v Linear viewed into [B, T, 3, D] (as GPT-2's c_attn or nn.MultiheadAttention's in_proj),
+    nn.MultiheadAttention (its own packed in_proj viewed into 3 groups), a Linear viewed into 2 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.heads = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        b, t = x.shape[0], x.shape[1]
+        q, k, v = self.qkv(x).view(b, t, 3, 16).unbind(2)
+        h = torch.nn.functional.scaled_dot_product_attention(q, k, v) + x
+        a, _ = self.mha(h, h, h, need_weights=False)
+        h = h + a
+        # 16 outputs viewed into 2 heads of 8: chunked over 3 ranks ([0, 6)) they are not whole heads
+        q = self.heads(h).view(b, t, 2, 8).transpose(1, 2)
+        s = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return self.out(h + s.transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_packed_qkv_view_equals_eager(world):
+    """``--plan fsdp`` on 2 and 3 ranks: 48 = 3 x 16 outputs chunked over 2 ranks, and 16 = 2 x 8 over 3, are not
+    whole groups (both used to raise UnsupportedOpError in localize_shapes: fsdp's dim-0 weight shards were used
+    column-parallel up to the view); loss, gradients and SGD-updated parameters equal eager."""
+    from passutil import assert_sgd_equal, simulated_sgd
+    from reference import eager_sgd
+
+    torch.manual_seed(0)
+    model = _PackedQKV()
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(7, 6, 16, generator=g), torch.randint(0, 5, (7, 6), generator=g))
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 5), y.reshape(-1), reduction="sum") / 10
+
+    _, hist, params, _ = simulated_sgd(model, batch, loss_fn, world, "fsdp", 0.1, 3)
+    want_hist, want_params = eager_sgd(model, [batch], loss_fn, 0.1, 3)
+    assert_sgd_equal(hist, params, want_hist, want_params, tol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=1,tp=3"])
+def test_manual_tp_on_packed_qkv_gathers_before_the_view(mesh):
+    """A plan file sharding the packed projections column-parallel (S(0) on tp): on 2 tp ranks 3 x 16 outputs
+    are not whole groups (used to raise in localize_shapes), on 3 the 2 x 8 heads are not; every rank's loss and
+    gradient shards equal eager."""
+    from adaptdist.annotations import ManualPlan
+    from passutil import check_mesh_against_eager
+
+    torch.manual_seed(0)
+    model = _PackedQKV()
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randn(6, 5, 16, generator=g), torch.randint(0, 5, (6, 5), generator=g))
+    plan = ManualPlan("packed", ("dp", "tp"), "dp", tuple((f, ("R", "S(0)")) for f in (
+        "qkv.weight", "qkv.bias", "mha.in_proj_weight", "mha.in_proj_bias", "heads.weight", "heads.bias")))
+    check_mesh_against_eager(model, batch, lambda o, y: torch.nn.functional.cross_entropy(o.reshape(-1, 5), y.reshape(-1)),
+                             mesh, plan)

@@ -30,7 +30,7 @@ from ..errors import UnsupportedOpError
 from ..placement import Partial, Placement, Replicate, Shard
 from ..strategy import Strategy
 from .context import PassContext
-from .sharding_rules import RuleResult, _arg, dtensor_node_strategies, rule_for, tensor_args
+from .sharding_rules import RuleResult, _arg, call_rule, dtensor_node_strategies, rule_for, tensor_args
 
 R = Replicate()
 
@@ -40,7 +40,7 @@ def _candidates(node: torch.fx.Node) -> list[Placement]:
     return [Shard(d) for d in range(nd)] + [Partial()]
 
 
-def _from_rule(node: torch.fx.Node) -> list[Strategy]:
+def _from_rule(node: torch.fx.Node, mesh_size: int | None = None) -> list[Strategy]:
     rule = rule_for(node)
     if rule is None:
         return []
@@ -57,7 +57,7 @@ def _from_rule(node: torch.fx.Node) -> list[Strategy]:
     found: list[Strategy] = []
     for trial in trials:
         try:
-            res: RuleResult | None = rule(node, lambda a, t=trial: t.get(a, R))
+            res: RuleResult | None = call_rule(rule, node, lambda a, t=trial: t.get(a, R), mesh_size)
         except UnsupportedOpError:
             continue
         if res is None:
@@ -100,7 +100,7 @@ def node_strategies(node: torch.fx.Node, ctx: PassContext) -> list[Strategy]:
                 out.append(s)
         return out
     torch_side = dtensor_node_strategies(node, ctx.axis_size) or []
-    rule_side = _from_rule(node)
+    rule_side = _from_rule(node, ctx.axis_size)
     if node.target == torch.ops.aten.embedding_dense_backward.default and not _arg(node, 4, "scale_grad_by_freq", False):
         # each rank's own rows of a vocabulary-parallel table; valid together with its forward lookup
         # reading a table sharded S(0) (the vocab_parallel_embedding pass rewrites both)

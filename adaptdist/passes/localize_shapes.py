@@ -282,17 +282,48 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict, ctx: PassContext | None
                 f"view node {node.name!r}{' in ' + gmeta.module_of(node) if gmeta.module_of(node) else ''} "
                 f"splits a sharded dim of size {n_in} into {n_out} groups of {k} ({gmeta.shape_str(src)} -> "
                 f"{gmeta.shape_str(node)}), but this rank's shard [{s}, {e}) does not hold whole groups. "
-                + _whole_groups_advice(n_out, ctx))
+                + _whole_groups_advice(n_out, ctx, _shard_source(src, ivs)))
         return (s // k, e // k)
     return (s, e)
 
 
-def _whole_groups_advice(groups: int, ctx: PassContext | None) -> str:
-    """What to try when a rank's shard does not hold whole groups of a view (``groups`` of them): on a model axis
-    (tensor parallelism: the groups are attention heads) a number of ranks dividing the heads, or a plan that does
-    not shard them; on the axis that splits the batch, where the groups are rows, the batch size too."""
+def _shard_source(node: torch.fx.Node, ivs: dict) -> torch.fx.Node | None:
+    """The placeholder (a parameter or a batch input) whose shard ``node``'s interval comes from: the chain of
+    first sharded inputs :func:`_first_interval` follows; None when it starts elsewhere (a rank slice)."""
+    cur = node
+    for _ in range(100_000):
+        if cur.op == "placeholder":
+            return cur
+        nxt = next((a for _, a in tensor_args(cur) if a in ivs and isinstance(placement_of(a), Shard)), None)
+        if nxt is None:
+            return None
+        cur = nxt
+    return None
+
+
+def _whole_groups_advice(groups: int, ctx: PassContext | None, source: torch.fx.Node | None = None) -> str:
+    """What to try when a rank's shard does not hold whole groups of a view (``groups`` of them), by what
+    sharded the dim (``source``, see :func:`_shard_source`): a parameter on the axis that splits the batch (fsdp's
+    dim-0 shards used in place) names the parameter and the ways out; a shard of unknown source (a reduce-scatter,
+    a local slice) on that axis says so; on a model axis (tensor parallelism: the groups are attention heads) a
+    number of ranks dividing the heads, or a plan that does not shard them; the batch (a batch input), where the
+    groups are rows, the batch size too."""
     axis = f"mesh axis {ctx.mesh_axis!r} ({ctx.axis_size} ranks)" if ctx is not None else "the mesh axis"
     fits = [d for d in range(2, groups + 1) if groups % d == 0]
+    use = f"use {' or '.join(map(str, fits))} ranks there" if fits else f"no number of ranks above 1 divides {groups}"
+    if source is not None and gmeta.get_role(source) != "batch" and gmeta.get_fqn(source):
+        fqn, p = gmeta.get_fqn(source), placement_of(source)
+        how = ("the plan shards it on the axis that also splits the batch (fsdp), and this step uses its shard in "
+               "place" if ctx is not None and ctx.shard_batch else "the plan shards it there")
+        return (f"The dim comes from parameter {fqn!r} ({gmeta.shape_str(source)}), placed {p!r} on {axis}: {how}. "
+                f"Its {groups} groups must split whole over the ranks: {use}; or keep {fqn!r} replicated on that "
+                f"axis (a plan file's params: R there), or --plan dp. Please report it too: the planner should "
+                f"have gathered it before this view")
+    if source is None and ctx is not None and ctx.shard_batch:
+        return (f"The plan sharded this dim on {axis} (the axis that splits the batch) by a redistribution (a "
+                f"reduce-scatter or a local slice), not by splitting the batch; its {groups} groups must split whole "
+                f"over the ranks: {use}, or --plan dp. Please report it too: the planner should have gathered it "
+                "before this view")
     if ctx is not None and ctx.shard_batch:
         return (f"{axis} splits the batch: each rank's rows must be whole groups; choose a batch size and a number of "
                 f"ranks that split it into whole groups, or another plan")

@@ -243,8 +243,8 @@ def dropout(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
 
 def _view_out_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], d: int) -> int | None:
     """The output dim that carries sharded input dim ``d``: the outermost dim of its merged
-    group (``[B, T] -> [B*T]``) or of its split (``[B*T] -> [B, T]``; localization checks
-    that every rank's shard splits evenly)."""
+    group (``[B, T] -> [B*T]``) or of its split (``[B*T] -> [B, T]``; :func:`view` keeps the
+    shard there only when every rank's shard holds whole groups)."""
     prefix = math.prod(in_shape[:d])
     n = in_shape[d]
     for od in range(len(out_shape)):
@@ -255,15 +255,122 @@ def _view_out_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], d: int)
     return None
 
 
-def view(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-    """view/reshape: a shard survives when the sharded dim is the outermost of a merged group."""
+_SPLITTING_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+
+
+def shard_origin(a: torch.fx.Node, pl: PlacementOf, limit: int = 10_000) -> list[torch.fx.Node] | None:
+    """The chain of sharded values ``a``'s shard comes from, as lowering gives it its rows
+    (``localize_shapes``: every op takes the interval of its first sharded input, views rescale it):
+    from a placeholder (a parameter, chunked like ``torch.chunk``, or the batch) to ``a``. None when the
+    chain does not start at a placeholder under ``pl`` (the planner's listing, which places only the
+    node's own inputs; or a value made sharded from whole inputs)."""
+    chain = [a]
+    cur = a
+    while cur.op != "placeholder":
+        if len(chain) > limit:
+            return None
+        nxt = next((x for _, x in tensor_args(cur) if isinstance(pl(x), Shard)), None)
+        if nxt is None:
+            return None
+        chain.append(nxt)
+        cur = nxt
+    return chain[::-1]
+
+
+def shard_boundaries(a: torch.fx.Node, pl: PlacementOf, mesh_size: int) -> list[tuple[int, int]] | None:
+    """Every rank's ``[start, end)`` of ``a``'s sharded dim over ``mesh_size`` ranks, as lowering will give
+    them (:func:`shard_origin`; the batch taken as split like ``torch.chunk``); None when unknown."""
+    from ..placement import chunk_interval
+
+    chain = shard_origin(a, pl)
+    if chain is None or any(not isinstance(pl(n), Shard) for n in chain):
+        return None
+    origin = chain[0]
+    n0 = shape(origin)[pl(origin).dim]
+    ivs = [chunk_interval(n0, mesh_size, r) for r in range(mesh_size)]
+    prev = n0
+    for n in chain[1:]:
+        size = shape(n)[pl(n).dim]
+        if n.target in _SPLITTING_VIEWS and size != prev:
+            if size > prev:
+                k = size // max(prev, 1)
+                ivs = [(s * k, e * k) for s, e in ivs]
+            else:
+                k = prev // size
+                if any(s % k or e % k for s, e in ivs):
+                    return None  # already split unevenly upstream (its own rule gathers it)
+                ivs = [(s // k, e // k) for s, e in ivs]
+        prev = size
+    return ivs
+
+
+def view(node: torch.fx.Node, pl: PlacementOf, mesh_size: int | None = None) -> RuleResult:
+    """view/reshape: a shard survives when the sharded dim is the outermost of a merged group, or when the
+    view splits it into groups (``[B*T] -> [B, T]``, ``[.., H*D] -> [.., H, D]``) of which every rank's shard
+    over ``mesh_size`` ranks holds whole ones (:func:`shard_boundaries`: e.g. a packed q/k/v projection's
+    ``3E`` outputs chunked over 2 ranks do not split into 3 groups of ``E``); else the input is gathered."""
     p = pl(node.args[0])
     if not isinstance(p, Shard):
         return RuleResult(p)
-    od = _view_out_dim(shape(node.args[0]), shape(node), p.dim)
+    in_shape = shape(node.args[0])
+    od = _view_out_dim(in_shape, shape(node), p.dim)
     if od is None:
         return gather_all(node, pl, f"the view splits sharded dim {p.dim} into several dims")
+    n_in, n_out = in_shape[p.dim], shape(node)[od]
+    if mesh_size and mesh_size > 1 and n_out < n_in:
+        k = n_in // max(n_out, 1)
+        # a merge of a leading dim (the batch) with inner dims of k elements splits back into whole groups
+        # whatever rows each rank holds of that dim; else the rows lowering will give each rank, or, where
+        # those are unknown (the planner's listing places only this node's input), a shard chunked on this dim
+        ivs = [] if _merged_from_batch_like(node.args[0], p.dim, k) else shard_boundaries(node.args[0], pl, mesh_size)
+        if ivs is None:
+            from ..placement import chunk_interval
+
+            ivs = [chunk_interval(n_in, mesh_size, r) for r in range(mesh_size)]
+        if any(s % k or e % k for s, e in ivs):
+            return gather_all(node, pl, f"the view splits sharded dim {p.dim} (size {n_in}) into {n_out} groups of "
+                                        f"{k}, and the ranks' shards {ivs} over {mesh_size} ranks do not hold whole "
+                                        "groups")
     return RuleResult(Shard(od))
+
+
+view.takes_mesh_size = True
+
+
+def _merged_from_batch_like(a: torch.fx.Node, dim: int, k: int) -> bool:
+    """Whether ``a``'s dim ``dim`` is, by the graph's own views, a merge of a leading dim with inner dims
+    of ``k`` (or a multiple of ``k``) elements each (``[B, T, D] -> [B*T, D]``, through ops that keep the
+    shape): then its shard, whatever rows each rank holds of the leading dim, splits back into whole
+    groups of ``k``."""
+    cur, d = a, dim
+    for _ in range(64):
+        if cur.op != "call_function":
+            return False
+        if cur.target in _SPLITTING_VIEWS:
+            src = cur.args[0]
+            if not isinstance(src, torch.fx.Node):
+                return False
+            src_shape, out_shape = shape(src), shape(cur)
+            prefix = math.prod(out_shape[:d])
+            # the input dims merged into output dim d
+            acc, j = 1, 0
+            while j < len(src_shape) and acc < prefix:
+                acc *= src_shape[j]
+                j += 1
+            if acc != prefix or j >= len(src_shape):
+                return False
+            inner = out_shape[d] // max(src_shape[j], 1)
+            if src_shape[j] * inner == out_shape[d] and inner > 1:
+                return inner % k == 0
+            if src_shape[j] == out_shape[d]:
+                cur, d = src, j
+                continue
+            return False
+        ins = [x for _, x in tensor_args(cur) if len(shape(x)) > d and shape(x)[d] == shape(cur)[d]]
+        if not ins:
+            return False
+        cur = ins[0]
+    return False
 
 
 def transpose(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
@@ -2129,6 +2236,14 @@ def rule_for(node: torch.fx.Node) -> Callable[[torch.fx.Node, PlacementOf], Rule
     return None
 
 
+def call_rule(rule: Callable, node: torch.fx.Node, pl: PlacementOf, mesh_size: int | None) -> RuleResult | None:
+    """``rule(node, pl)``, with ``mesh_size`` for the rules whose answer depends on how many ranks share the
+    axis (``takes_mesh_size``: a view splitting a shard into groups)."""
+    if getattr(rule, "takes_mesh_size", False):
+        return rule(node, pl, mesh_size=mesh_size)
+    return rule(node, pl)
+
+
 def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> RuleResult:
     """Placement of ``node``'s output(s) along one mesh axis of ``mesh_size`` ranks given its inputs'.
 
@@ -2148,7 +2263,7 @@ def apply_rule(node: torch.fx.Node, pl: PlacementOf, mesh_size: int = 2) -> Rule
         return RuleResult(tuple(R for _ in v) if isinstance(v, (tuple, list)) else R)
     rule = rule_for(node)
     if rule is not None:
-        res = rule(node, pl)
+        res = call_rule(rule, node, pl, mesh_size)
         if res is not None:
             return res
     ins = [pl(a) for _, a in tensor_args(node)]
