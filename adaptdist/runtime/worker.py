@@ -176,13 +176,17 @@ class StepRunner:
         self.opt = make_optimizer(optimizer, self.params, lr)
         self.grad_slots = [program.output_roles.index(f"grad:{f}") for f in program.param_fqns]
         self.last_grads: dict[str, torch.Tensor] = {}
+        # with an axis on shared memory, drop the last step's gradients before the next step: an all_reduce output
+        # region is reused (and a registered bucket read in place) only once free. Not on gloo: there it cost the
+        # busiest rank 3-5 ms more CPU a step (bench_dp 2x32, 2026-12-04 17:36; benchmarks/RESULTS.md)
+        self.drop_grads_first = "shm" in program_transports(program).values()
         self.buffer_slots = [(i, r.split(":", 1)[1]) for i, r in enumerate(program.output_roles)
                              if r.startswith("buffer:")]
 
     def step(self, global_batch: tuple[torch.Tensor, ...]) -> float:
         """One training step on this rank's rows of ``global_batch``; returns the (global) loss."""
-        # drop the last step's gradients first: a shared-memory all_reduce output region is reused only once free
-        self.last_grads = {}
+        if self.drop_grads_first:
+            self.last_grads = {}
         try:
             batch = self.program.local_batch(global_batch)
             if self.device.type != "cpu":
