@@ -2,7 +2,8 @@
 
 Each iteration every rank draws the same (seeded) op, dtype, size (0 .. --max-mib of float32, log-uniform, odd sizes
 included, some non-contiguous) and group (the world, or the two pairs {0,1},{2,3} at once); results are
-checked against the documented float32 rank-order reference (exact) or, for the data-movement ops, against
+checked against the documented float32 rank-order reference (exact; all_reduce also with its input in the
+registered input region and as the fused bucket flatten) or, for the data-movement ops, against
 the inputs (exact). Every 500 iterations each rank records its RSS; at the end /dev/shm must hold no
 segment of the job, its private RSS (RssAnon) must not grow (beyond --rss-slack-mib between the first and last
 quarter) and no iteration may hang (every rank runs under the collective timeout and the whole under --timeout-s).
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+OPS = ("all_reduce", "all_reduce_registered", "flatten_all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+       "broadcast")
 
 
 def _rss_bytes() -> tuple[int, int]:
@@ -74,6 +76,20 @@ def stress_worker(rank: int, world: int, iters: int, max_mib: float, seed: int) 
         red = rng.choice(("sum", "avg", "max"))
         if op == "all_reduce":
             ok = torch.equal(grp.all_reduce(x, red), w._reference_reduce(xs, red))
+        elif op in ("all_reduce_registered", "flatten_all_reduce"):
+            # the input in the rank's registered region (same draws on every rank: the same offset), read in place
+            # where every output is its shared region; a bucket flattened into it by the fused op
+            offset = 64 * rng.randrange((32 << 20) // 64)
+            flat = x.contiguous().reshape(-1)
+            if op == "all_reduce_registered":
+                buf = grp.input_buffer(flat.numel(), dtype, offset)
+                buf.copy_(flat)
+                out = grp.all_reduce(buf, red)
+            else:
+                pieces = list(flat.split(max(1, flat.numel() // 3 + 1))) or [flat]
+                out = torch.ops.adaptdist.shm_wait(
+                    torch.ops.adaptdist.shm_flatten_all_reduce_start(pieces, offset, red, grp.name))
+            ok = torch.equal(out, w._reference_reduce(xs, red).reshape(-1))
         elif op == "all_gather":
             ok = torch.equal(grp.all_gather(x), torch.cat([t.contiguous().reshape(-1) for t in xs]).reshape(
                 (n * x.shape[0],) + tuple(x.shape[1:])))
