@@ -101,7 +101,7 @@ struct alignas(64) RankInfo {
 struct alignas(64) Counter {
   std::atomic<uint32_t> seq;        // barriers entered by this rank
   std::atomic<uint64_t> sig[2];     // signature of the collective in each half (mismatch check)
-  std::atomic<uint32_t> shared[2];  // whether this rank's all_reduce output in each half is its shared region
+  std::atomic<uint32_t> shared[2];  // this rank's all_reduce output in each half: its offset in the shared region + 1, or 0
   std::atomic<uint64_t> reg[2];     // registered all_reduce input in each half: its offset in the region + 1, or 0
 };
 
@@ -213,11 +213,29 @@ struct Mapping {
   }
 };
 
-// This rank's shared output region (see kSharedOutBytes); in use while a tensor on it is alive.
+// This rank's shared output region (see kSharedOutBytes): the [begin, end) byte ranges of the output tensors alive
+// on it. Each output takes the range at the offset of its registered input (0 for other inputs), when free, so
+// that the buckets of a step in flight together each have their own.
 struct SharedOutput {
   std::shared_ptr<Mapping> map;
   char* data = nullptr;
-  std::atomic<bool> in_use{false};
+  std::mutex mu;  // the deleter may run on any thread
+  std::vector<std::pair<size_t, size_t>> used;
+  bool take(size_t b, size_t e) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& u : used)
+      if (b < u.second && u.first < e) return false;
+    used.emplace_back(b, e);
+    return true;
+  }
+  void release(size_t b) {
+    std::lock_guard<std::mutex> lock(mu);
+    for (size_t i = 0; i < used.size(); ++i)
+      if (used[i].first == b) {
+        used.erase(used.begin() + long(i));
+        return;
+      }
+  }
 };
 
 // A thread of the group's own that runs its collectives while the calling thread sleeps (as gloo runs its
@@ -848,12 +866,14 @@ static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
   const size_t bytes = size_t(x.numel()) * x.element_size();
   std::lock_guard<std::mutex> out_lock(g.out_mu);
   std::shared_ptr<SharedOutput> so = g.shared_output;
-  if (g.size > 1 && bytes >= kReuseBytes && bytes <= kSharedOutBytes && so &&
-      !so->in_use.load(std::memory_order_acquire)) {
-    so->in_use.store(true, std::memory_order_relaxed);
+  // a registered input's output goes at the same offset of the output region (each bucket its own range)
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const char* in_base = g.in_region(g.rank);
+  const size_t roff = (xp >= in_base && xp + bytes <= in_base + kSharedInBytes) ? size_t(xp - in_base) : 0;
+  if (g.size > 1 && bytes >= kReuseBytes && roff + bytes <= kSharedOutBytes && so && so->take(roff, roff + bytes)) {
     // The tensor keeps the mapping: it stays valid after the group is destroyed.
-    return at::for_blob(so->data, x.sizes())
-        .deleter([so](void*) { so->in_use.store(false, std::memory_order_release); })
+    return at::for_blob(so->data + roff, x.sizes())
+        .deleter([so, roff](void*) { so->release(roff); })
         .options(x.options())
         .resizeable_storage()
         .allocator(c10::GetCPUAllocator())
@@ -948,13 +968,15 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   const int64_t nchunks = (numel + chunk - 1) / chunk;
   std::vector<std::vector<int64_t>> bounds(3);
   UseGuard use(g, sig);
-  const bool mine_shared = op_ == g.out_region(g.rank);
-  g.hdr->counters[g.rank].shared[use.half].store(mine_shared ? 1 : 0, std::memory_order_relaxed);
+  const char* out_base = g.out_region(g.rank);
+  const bool mine_shared = op_ >= out_base && op_ + bytes <= out_base + kSharedOutBytes;
+  g.hdr->counters[g.rank].shared[use.half].store(mine_shared ? uint32_t(op_ - out_base) + 1 : 0,
+                                                 std::memory_order_relaxed);
   const char* in_base = g.in_region(g.rank);
   const bool reg_in = xp >= in_base && xp + bytes <= in_base + kSharedInBytes;
   const uint64_t reg_word = reg_in ? uint64_t(xp - in_base) + 1 : 0;
   g.hdr->counters[g.rank].reg[use.half].store(reg_word, std::memory_order_relaxed);
-  std::vector<char> peer_shared(n, 0);  // read after the first barrier
+  std::vector<uint32_t> peer_shared(n, 0);  // each peer's output offset in its shared region + 1, or 0 (after barrier 1)
   bool slot_results = false;            // some peer's output is private: results also go to the slots
   auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
   const bool stream = bytes >= kStreamBytes;
@@ -992,7 +1014,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
         Dests d;
         d.add(op_ + at, stream);
         for (int q = 0; q < n; ++q)
-          if (q != g.rank && peer_shared[q]) d.add(g.out_region(q) + at, stream);
+          if (q != g.rank && peer_shared[q]) d.add(g.out_region(q) + (peer_shared[q] - 1) + at, stream);
         if (slot_results) d.add(const_cast<char*>(srcs[(g.rank + 1) % n]), false);
         reduce_to(dt, srcs.data(), n, s1 - s0, d, rop);
       }
@@ -1015,7 +1037,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
         bool any_reg = reg_in, all_reg = reg_in;
         for (int q = 0; q < n; ++q) {
           if (q == g.rank) continue;
-          peer_shared[q] = char(g.hdr->counters[q].shared[use.half].load(std::memory_order_relaxed) != 0);
+          peer_shared[q] = g.hdr->counters[q].shared[use.half].load(std::memory_order_relaxed);
           slot_results = slot_results || !peer_shared[q];
           const uint64_t w = g.hdr->counters[q].reg[use.half].load(std::memory_order_relaxed);
           any_reg = any_reg || w != 0;
@@ -1033,7 +1055,7 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
             Dests d;
             d.add(op_ + at, stream);
             for (int q = 0; q < n; ++q)
-              if (q != g.rank) d.add(g.out_region(q) + at, stream);
+              if (q != g.rank) d.add(g.out_region(q) + (peer_shared[q] - 1) + at, stream);
             reduce_to(dt, srcs.data(), n, s1 - s0, d, rop);
           }
           lap(1);
@@ -1574,7 +1596,8 @@ static at::Tensor input_region_tensor(Group& g, int64_t offset_bytes, int64_t nu
   TORCH_CHECK_VALUE(numel >= 0 && offset_bytes >= 0 && offset_bytes % 64 == 0, "adaptdist shm: input buffer of ",
                     group_desc(g), ": offset_bytes ", offset_bytes, " must be a non-negative multiple of 64 and numel ",
                     numel, " non-negative");
-  TORCH_CHECK_VALUE(uint64_t(offset_bytes) + uint64_t(numel) * uint64_t(es) <= kSharedInBytes,
+  TORCH_CHECK_VALUE(uint64_t(offset_bytes) <= kSharedInBytes &&  // (no overflow of numel * es)
+                        uint64_t(numel) <= (kSharedInBytes - uint64_t(offset_bytes)) / uint64_t(es),
                     "adaptdist shm: input buffer of ", group_desc(g), ": ", numel, " elements of ", dtype, " (",
                     numel * es, " bytes) at offset ", offset_bytes, " exceed the rank's input region of ",
                     kSharedInBytes, " bytes");

@@ -395,8 +395,8 @@ def _check_registered_mismatch(group, failures: list[str], tag: str) -> int:
 
 def _check_flatten(group, failures: list[str], tag: str) -> int:
     """shm_flatten_all_reduce_start (a bucket's flatten into the registered region + started all_reduce) equals
-    torch.cat + shm_all_reduce_start bitwise: two buckets in flight at once (their own offsets; the second's output
-    is private since the first holds the shared one), non-contiguous and 0-d gradients, bfloat16, and a bucket
+    torch.cat + shm_all_reduce_start bitwise: two buckets in flight at once (their own offsets; float32: each output
+    at its own range of the shared output region, both read in place), non-contiguous and 0-d gradients, bfloat16, and a bucket
     that does not fit the region (cat + all_reduce)."""
     ops = torch.ops.adaptdist
     me = group.group_rank
@@ -405,13 +405,20 @@ def _check_flatten(group, failures: list[str], tag: str) -> int:
         gen = torch.Generator().manual_seed(6200 + me)
         b1 = [torch.randn(300, 257, generator=gen).to(dtype), torch.randn(1001, generator=gen).to(dtype),
               torch.randn((), generator=gen).to(dtype), torch.randn(64, 33, generator=gen).to(dtype).t()]
-        b2 = [torch.randn(5, generator=gen).to(dtype), torch.randn(40, 41, generator=gen).to(dtype)]
+        b2 = [torch.randn(5, generator=gen).to(dtype), torch.randn(400, 201, generator=gen).to(dtype)]
         off2 = (sum(t.numel() for t in b1) * b1[0].element_size() + 63) // 64 * 64
+        _registered_calls(group)
         f1 = ops.shm_flatten_all_reduce_start(b1, 0, "sum", group.name)
         f2 = ops.shm_flatten_all_reduce_start(b2, off2, "avg", group.name)
         r1 = ops.shm_wait(f1).clone()
         r2 = ops.shm_wait(f2).clone()
         del f1, f2
+        # float32: both buckets >= 256 KiB, each output at its own range of the shared region: both read in place;
+        # bfloat16: both under 256 KiB, outputs private: both fall back
+        fast, want_fast = _registered_calls(group), (2 if dtype == torch.float32 else 0)
+        if fast != want_fast:
+            failures.append(f"{tag} flatten_all_reduce {dtype}: {fast} of 2 buckets in flight read in place, "
+                            f"expected {want_fast}")
         for got, bucket, op, what in ((r1, b1, "sum", "bucket 1"), (r2, b2, "avg", "bucket 2")):
             want = ops.shm_wait(ops.shm_all_reduce_start(torch.cat([t.reshape(-1) for t in bucket]), op, group.name))
             if not torch.equal(got, want):

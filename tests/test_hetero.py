@@ -23,7 +23,7 @@ from adaptdist.errors import ClusterSpecError, PlanInfeasibleError, UsageError
 from adaptdist.lowering_options import LoweringOptions
 from adaptdist.mesh import Mesh
 from adaptdist.plan import Plan
-from adaptdist.runtime.affinity import available_cpus, cpus_of_ranks, pin_to_cpus
+from adaptdist.runtime.affinity import available_cpus, cpus_of_ranks, online_cpus, pin_to_cpus
 from adaptdist.runtime.simulate import simulate_ranks
 from models import mlp, tiny_gpt
 from reference import eager_sgd
@@ -95,7 +95,7 @@ def test_a_core_missing_here_is_refused_when_the_file_is_loaded(command, tmp_pat
 
     from adaptdist.cli import main
 
-    have = available_cpus()
+    have = online_cpus()
     missing = max(have) + 5
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(cluster_doc([dev(0, cpus=[have[0]]), dev(1, cpus=[missing])])))
@@ -106,8 +106,28 @@ def test_a_core_missing_here_is_refused_when_the_file_is_loaded(command, tmp_pat
     err = capsys.readouterr().err
     assert "DeviceUnavailableError" in err and f"cluster file {str(f)!r}: device 1" in err, err
     assert f"hosts[0].devices[1].cpus" in err and f"cpus [{missing}]" in err, err
-    assert f"cores available here are {have[0]}" in err and f"({len(have)})" in err, err
+    assert "cores online here are" in err and f"({len(have)})" in err, err
     assert not (tmp_path / "art").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_pinned_process_loading_the_cluster_file_sees_every_online_core(tmp_path):
+    """A rank already pinned to one core (the torch.compile backend loads the cluster file in every rank) accepts
+    a file whose other devices pin other cores of this machine: the check is against the online cores."""
+    import yaml
+
+    from adaptdist.calibrate.local import load_cluster
+
+    cores = online_cpus()
+    if len(cores) < 2 or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs two online cores and sched_setaffinity")
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(cluster_doc([dev(0, cpus=[cores[0]]), dev(1, cpus=[cores[1]])])))
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cores[0]})
+        assert load_cluster(f).device(1).cpus == (cores[1],)
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_cores_of_other_hosts_are_not_checked(tmp_path):
@@ -121,7 +141,7 @@ def test_cores_of_other_hosts_are_not_checked(tmp_path):
     from adaptdist.errors import DeviceUnavailableError
     from adaptdist.runtime.affinity import is_this_host
 
-    missing = max(available_cpus()) + 5
+    missing = max(online_cpus()) + 5
     other = "adaptdist-other-host"
     assert not is_this_host(other) and is_this_host("localhost") and is_this_host(socket.gethostname())
     hosts = [{"name": "localhost", "devices": [dev(0)]}, {"name": other, "devices": [dev(1, cpus=[missing])]}]

@@ -159,6 +159,20 @@ def test_view_splitting_a_chunked_dim_keeps_the_shard_only_on_whole_groups(world
         assert res.out == R and res.needs == {(0,): R}
 
 
+def test_view_copy_splits_a_shard_as_view_does():
+    """``view_copy`` takes view's rule with the mesh size (it kept a shard view gathers, which lowering refused)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(12)
+    outs = {}
+    for op in (aten.view.default, aten.view_copy.default):
+        outs[op] = g.call_function(op, (x, [3, 4]))
+        outs[op].meta["val"] = torch.empty(3, 4)
+    pls = {x: Shard(0)}
+    got = {op: apply_rule(n, lambda a: pls[a], 2).out for op, n in outs.items()}
+    assert got[aten.view.default] == R and got[aten.view_copy.default] == R, got
+
+
 def test_view_splitting_a_merged_batch_keeps_the_shard_whatever_the_rows():
     # [7, 8, 16] batch S(0) -> [56, 16] -> [7, 8, 16]: 7 rows over 2 ranks (4 + 3) are whole groups of 8
     g = torch.fx.Graph()

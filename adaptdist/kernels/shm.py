@@ -35,8 +35,9 @@ group's segment (virtual: pages are allocated as they are touched); :func:`input
 An all_reduce (blocking or started) over 32 KiB whose input is a contiguous tensor in that region, at the same
 offset and size on every rank, skips the copy-in: the rank that reduces slice r reads it straight from every
 peer's region (same summation order, bitwise the same results), when every rank's output is its shared output
-region (the usual case; otherwise, or when only some ranks registered, or at different offsets, every rank falls
-back to the copy-in path, consistently). Peers read a rank's region between the collective's first and last
+region (outputs of 256 KiB to 64 MiB, :data:`SHARED_OUTPUT_MIN_BYTES`, each at its registered input's offset of
+the output region while no live output overlaps that range; otherwise, or when only some ranks registered, or at
+different offsets, every rank falls back to the copy-in path, consistently, at the cost of one more barrier). Peers read a rank's region between the collective's first and last
 barrier: do not write the input before the call (or its ``shm_wait``) returned. The dp lowering's fused op::
 
     torch.ops.adaptdist.shm_flatten_all_reduce_start(Tensor[] inputs, int input_offset_bytes, str reduce_op,
@@ -138,6 +139,7 @@ SEGMENT_PREFIX = "adaptdist-"
 DEFAULT_SLOT_BYTES = 4 << 20
 DEFAULT_TIMEOUT_S = 120.0
 INPUT_REGION_BYTES = 64 << 20  # each rank's registered-input region (csrc: kSharedInBytes)
+SHARED_OUTPUT_MIN_BYTES = 256 << 10  # all_reduce outputs from this size on go to the shared region (csrc: kReuseBytes)
 _ERROR_TAG = "adaptdist shm:"
 _PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
 _GROUP_RE = re.compile(r"group '([^']*)'")

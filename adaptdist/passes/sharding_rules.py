@@ -1391,10 +1391,11 @@ class _AsOp:
 
 def as_op(target: Any, rule: Callable[[torch.fx.Node, PlacementOf], RuleResult]) -> Callable:
     """The rule of ``target`` applied to an op that computes the same values (``view_copy`` -> ``view``)."""
-    def apply(node: torch.fx.Node, pl: PlacementOf) -> RuleResult:
-        return rule(_AsOp(node, target), pl)  # type: ignore[arg-type]
+    def apply(node: torch.fx.Node, pl: PlacementOf, **kw: Any) -> RuleResult:
+        return rule(_AsOp(node, target), pl, **kw)  # type: ignore[arg-type]
 
     apply.__doc__ = f"As {target}: {rule.__doc__}"
+    apply.takes_mesh_size = getattr(rule, "takes_mesh_size", False)  # type: ignore[attr-defined]
     return apply
 
 

@@ -29,10 +29,12 @@ Before/after (a gradient bucket on ``dp``, local shapes)::
     all_reduce = _c10d_functional.all_reduce(cat, 'sum', 'adaptdist:dp')      # f32[2112]
     wait_tensor = _c10d_functional.wait_tensor(all_reduce)
     split = aten.split_with_sizes(wait_tensor, [2048, 64])
-    # becomes (rank 0 of dp=2; the cat's inputs flattened into the registered input region at offset 0)
+    # becomes (rank 0 of dp=2)
+    shm_all_reduce = adaptdist.shm_all_reduce(cat, 'sum', 'adaptdist:dp[0,1]')    # f32[2112]
+    split = aten.split_with_sizes(shm_all_reduce, [2048, 64])
+    # and a bucket of 256 KiB or more (f32[65600]) is flattened into the registered input region at its offset
     shm_flatten = adaptdist.shm_flatten_all_reduce_start([reshape, reshape_1], 0, 'sum', 'adaptdist:dp[0,1]')
-    shm_wait = adaptdist.shm_wait(shm_flatten)                                   # f32[2112]
-    split = aten.split_with_sizes(shm_wait, [2048, 64])
+    shm_wait = adaptdist.shm_wait(shm_flatten)
 """
 
 from __future__ import annotations
@@ -128,11 +130,12 @@ def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
     ``shm_wait`` right after): the bucket is flattened straight into this
     rank's registered input region, so the all_reduce skips its copy-in. Each bucket of the graph gets its own
     64-byte-aligned offset in its group's region (every started op is waited for before the graph returns, so a
-    slot is free again at the next run); buckets past the region's end keep ``cat``. The ranks of a group lower the
+    slot is free again at the next run; its output takes the same range of the shared output region); buckets under
+256 KiB (whose outputs are private: nothing to read in place) or past the region's end keep ``cat``. The ranks of a group lower the
     same buckets in the same order, hence pass the same offsets (a mismatch only costs the copy-in: the kernel
     falls back on every rank)."""
     from ..comm_transport import SHM_FLATTEN_OP
-    from ..kernels.shm import INPUT_REGION_BYTES
+    from ..kernels.shm import INPUT_REGION_BYTES, SHARED_OUTPUT_MIN_BYTES
 
     start, whole = torch.ops.adaptdist.shm_all_reduce_start.default, torch.ops.adaptdist.shm_all_reduce.default
     flatten = getattr(torch.ops.adaptdist, SHM_FLATTEN_OP).default
@@ -146,12 +149,15 @@ def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
             continue
         parts = list(cat.args[0])
         vals = [p.meta.get("val") if isinstance(p, torch.fx.Node) else None for p in parts]
-        if not vals or any(not isinstance(v, torch.Tensor) or v.dim() != 1 for v in vals):
-            continue
+        dtype = cat.meta["val"].dtype
+        if not vals or any(not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype != dtype for v in vals):
+            continue  # (cat promotes mixed dtypes; the fused op takes one)
         group = str(node.args[-1])
         size_bytes = sum(v.numel() * v.element_size() for v in vals)
         offset = offsets.get(group, 0)
-        if offset + size_bytes > INPUT_REGION_BYTES:
+        # a smaller bucket's output is private: every rank would fall back (one more barrier), and one of 32 KiB
+        # or less would lose the complete-on-return call's inline path
+        if size_bytes < SHARED_OUTPUT_MIN_BYTES or offset + size_bytes > INPUT_REGION_BYTES:
             continue
         offsets[group] = offset + -(-size_bytes // 64) * 64
         with graph.inserting_before(node):

@@ -31,6 +31,22 @@ def available_cpus() -> tuple[int, ...]:
         return tuple(range(os.cpu_count() or 1))
 
 
+def online_cpus() -> tuple[int, ...]:
+    """The core ids this machine has online (``/sys/devices/system/cpu/online``; else ``range(os.cpu_count())``),
+    whatever this process's own affinity (a rank already pinned to one core still sees the others)."""
+    try:
+        text = open("/sys/devices/system/cpu/online").read().strip()
+        cores: list[int] = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+        if cores:
+            return tuple(sorted(cores))
+    except (OSError, ValueError):
+        pass
+    return tuple(range(os.cpu_count() or 1))
+
+
 def pin_to_cpus(cpus: Sequence[int] | None, rank: int, *, set_threads: bool = True) -> int | None:
     """Pin this process to ``cpus`` and set torch's thread count to ``len(cpus)``; returns that count (None:
     ``cpus`` is None, nothing changed).
@@ -62,8 +78,9 @@ def pin_to_cpus(cpus: Sequence[int] | None, rank: int, *, set_threads: bool = Tr
 
 
 def check_local_cpus(cluster, source: str) -> None:
-    """That every ``cpus`` core id of a device on this machine's hosts (:func:`is_this_host`) exists for this process
-    (:func:`available_cpus`), when the cluster file ``source`` is loaded: a missing core is refused here, by plan,
+    """That every ``cpus`` core id of a device on this machine's hosts (:func:`is_this_host`) exists on this machine
+    (:func:`online_cpus`: not this process's affinity, which an already pinned rank loading the file has narrowed),
+    when the cluster file ``source`` is loaded: a missing core is refused here, by plan,
     estimate, compile and train alike, not first at launch. Devices of other hosts are not checked (their cores are
     not visible from here).
 
@@ -71,7 +88,7 @@ def check_local_cpus(cluster, source: str) -> None:
         DeviceUnavailableError: names the file, the device (rank, host, field), its cpus, the missing cores and the
             cores available.
     """
-    have = available_cpus()
+    have = online_cpus()
     for i, h in enumerate(cluster.hosts):
         if not is_this_host(h.name):
             continue
@@ -81,8 +98,8 @@ def check_local_cpus(cluster, source: str) -> None:
                 raise DeviceUnavailableError(
                     f"cluster file {source!r}: device {d.rank} (field 'hosts[{i}].devices[{j}].cpus', host {h.name!r}, "
                     f"this machine) pins its rank to cpus {list(d.cpus)}, but core{'s' if len(bad) > 1 else ''} "
-                    f"{', '.join(map(str, bad))} {'do' if len(bad) > 1 else 'does'} not exist for this process: the "
-                    f"cores available here are {_ranges(have)} ({len(have)}). Edit that device's 'cpus' to cores "
+                    f"{', '.join(map(str, bad))} {'do' if len(bad) > 1 else 'does'} not exist on this machine: the "
+                    f"cores online here are {_ranges(have)} ({len(have)}). Edit that device's 'cpus' to cores "
                     "among those, or drop 'cpus'")
 
 
