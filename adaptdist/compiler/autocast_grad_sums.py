@@ -23,10 +23,11 @@ Before/after (``shared``: a Linear(37, 37) used twice under bf16 autocast; ``arg
     add_10 = aten.add(t_13, t_17)                         # bf16[37, 37]
     _to_copy_31 = aten._to_copy(add_10, dtype=f32)        # f32[37, 37], the weight's gradient
 
-Other terms of the gradient (a use of the parameter outside autocast, in float32) are added after the cast
-sum, in their order. Not distinguished: a parameter a user casts explicitly twice (``w.bfloat16()`` in two
-places), whose eager gradient sums in float32; this fold sums it in bf16 too (the graph does not say which
-casts autocast made).
+Other terms of the gradient (a use of the parameter outside autocast, in float32) keep their order; the cast
+sum takes the place of the last cast term. Not distinguished: a parameter a user casts explicitly twice
+(``w.bfloat16()`` in two places), whose eager gradient sums in float32; and casts in two separate autocast
+regions (eager's cast cache is cleared when the outer region exits, so eager sums those in float32 too): this
+fold sums both in bf16 (the graph does not say which casts autocast made, nor in which region).
 """
 
 from __future__ import annotations

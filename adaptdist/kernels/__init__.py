@@ -35,7 +35,8 @@ LIBRARY_NAME = "_kernels.so"
 ENV_VAR = "ADAPTDIST_KERNELS"
 ABI_VERSION = 4
 """What ``torch.ops.adaptdist._abi_version()`` must return: bumped when an op's schema changes or an op is added
-(2: ``_shm_group_set_comm_thread``; 3: the ``*_start`` ops and ``shm_wait``)."""
+(2: ``_shm_group_set_comm_thread``; 3: the ``*_start`` ops and ``shm_wait``; 4: registered inputs,
+``_shm_group_input_buffer`` and ``shm_flatten_all_reduce_start``)."""
 
 
 @dataclass(frozen=True)
