@@ -1,6 +1,6 @@
 """A gradient bucket's flatten + all_reduce on shared memory: ``torch.cat`` + ``shm_all_reduce_start`` (what the dp
-lowering emits today) vs the fused ``shm_flatten_all_reduce_start`` (the gradients copied straight into the rank's
-registered input region, then the all_reduce reads them in place: no copy-in), each waited with ``shm_wait``.
+lowering emitted before it used the fused op) vs the fused ``shm_flatten_all_reduce_start`` (the gradients copied
+straight into the rank's registered input region, then the all_reduce reads them in place: no copy-in), each waited with ``shm_wait``.
 Issue 16 point 2's "fused gradient-bucket flatten, kept only if it beats torch's own".
 
     .venv/bin/python benchmarks/bench_bucket_flatten.py [--ranks 2 4] [--rounds 3] [--min-time-s 0.4]
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,29 +21,14 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 BUCKETS = {"16MiB/8": (16 << 20, 8), "1MiB/64": (1 << 20, 64)}
 
 
-def _time(fn, min_time_s: float) -> float:
-    for _ in range(2):
-        fn()
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    est = torch.tensor([time.perf_counter() - t0])
-    dist.broadcast(est, 0)
-    iters = int(max(3, min(2000, min_time_s / max(float(est), 1e-7))))
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t = torch.tensor([(time.perf_counter() - t0) / iters])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def worker(rank: int, world: int, rounds: int, min_time_s: float) -> list[dict]:
+    from bench_comm import _time  # the slowest rank's mean per call, as bench_comm times its collectives
+
     from adaptdist.kernels import shm
 
     group = shm.init_group(dist.group.WORLD, name="bucket", timeout_s=300)
@@ -65,8 +49,8 @@ def worker(rank: int, world: int, rounds: int, min_time_s: float) -> list[dict]:
             ops.shm_wait(ops.shm_flatten_all_reduce_start(grads, 0, "sum", group.name))
 
         for rnd in range(rounds):
-            rows.append({"bucket": label, "round": rnd, "ranks": world, "cat_s": _time(cat_form, min_time_s),
-                         "fused_s": _time(fused_form, min_time_s)})
+            rows.append({"bucket": label, "round": rnd, "ranks": world, "cat_s": _time(cat_form, min_time_s, world),
+                         "fused_s": _time(fused_form, min_time_s, world)})
     return rows
 
 

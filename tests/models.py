@@ -57,6 +57,17 @@ class ConvNet(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+def wide_mlp(batch_size: int = 4, seq_len: int = 1, seed: int = 0):
+    """Linear(256, 1024), Tanh, Linear(1024, 1024), Tanh, Linear(1024, 4) with cross-entropy: 5 MiB of float32
+    gradients, several of the default 2 MiB gradient buckets (each over 256 KiB but the last layer's).
+    ``seq_len`` is unused (the CLI's factory signature)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
+    g = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(batch_size, 256, generator=g), torch.randint(0, 4, (batch_size,), generator=g)), \
+        F.cross_entropy
+
+
 def convnet(batch_size: int = 5, batch_norm: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     model = ConvNet(batch_norm)

@@ -155,18 +155,7 @@ def test_compile_writes_the_programs_train_runs(tmp_path):
     """`adaptdist compile` and `adaptdist train` lower with the same LoweringOptions defaults (one gradient
     bucket size), so for the same model, ranks and plan they write identical rank programs. The model's
     5 MiB of gradients fill several of the default 2 MiB buckets (25 MiB, the old compile default, would be one)."""
-    f = tmp_path / "wide.py"
-    f.write_text(textwrap.dedent("""
-        import torch, torch.nn as nn, torch.nn.functional as F
-
-        def factory(batch_size, seq_len):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
-            g = torch.Generator().manual_seed(1)
-            return model, (torch.randn(batch_size, 256, generator=g), torch.randint(0, 4, (batch_size,), generator=g)), \\
-                F.cross_entropy
-    """))
-    common = [f"{f}:factory", "--nproc", "2", "--batch-size", "4", "--plan", "dp"]
+    common = [f"{Path(__file__).parent / 'models.py'}:wide_mlp", "--nproc", "2", "--batch-size", "4", "--plan", "dp"]
     assert main(["compile", *common, "-o", str(tmp_path / "compiled")]) == 0
     assert main(["train", *common, "--steps", "1", "--sample-bytes", "0", "--out", str(tmp_path / "trained")]) == 0
     for r in range(2):

@@ -180,6 +180,33 @@ def _unnested_slices(doc):
     return bad
 
 
+def _two_rank_records(start_s, rank_offset_s, steps, microbatches, idle_s, forward_s, backward_s, optimizer=None):
+    """Two ranks' recorded pipeline steps (per microbatch: idle, F, then B around a send to the other rank; an
+    optimizer span per step when ``optimizer`` is given), each rank's clock starting at ``start_s + rank *
+    rank_offset_s``; the durations (s) come from the callables. Returns the ranks' ``to_dict()`` records."""
+    recs = []
+    for rank in (0, 1):
+        clk = Clock()
+        clk.t = start_s + rank * rank_offset_s
+        rec = TraceRecorder(rank, clock=clk)
+        rec.set_origin()
+        for step in range(steps):
+            with rec.step(step):
+                for mb in range(microbatches):
+                    clk.t += idle_s()
+                    with rec.span("F", stage=rank, microbatch=mb):
+                        clk.t += forward_s()
+                    with rec.span("B", stage=rank, microbatch=mb):
+                        h = rec.begin("send", stage=rank, microbatch=mb, peer=1 - rank)
+                        clk.t += backward_s()
+                        rec.end(h)
+                if optimizer is not None:
+                    with rec.span("optimizer"):
+                        clk.t += optimizer()
+        recs.append(rec.to_dict())
+    return recs
+
+
 def test_chrome_trace_adjacent_spans_nest_exactly_and_every_track_is_named():
     """A pipeline rank's forward, backward and the idle between them touch end to start at arbitrary clock values:
     the Chrome trace keeps them touching exactly (``ts + dur`` of one equals the next's ``ts`` as doubles), where
@@ -189,26 +216,9 @@ def test_chrome_trace_adjacent_spans_nest_exactly_and_every_track_is_named():
     import random
 
     rng = random.Random(0)
-    recs = []
-    for rank in (0, 1):
-        clk = Clock()
-        clk.t = 1234.567891 + rank * 0.0001234567
-        rec = TraceRecorder(rank, clock=clk)
-        rec.set_origin()
-        for step in range(3):
-            with rec.step(step):
-                for mb in range(4):
-                    clk.t += rng.uniform(1e-4, 3e-3)  # idle
-                    with rec.span("F", stage=rank, microbatch=mb):
-                        clk.t += rng.uniform(1e-3, 3e-2)
-                    with rec.span("B", stage=rank, microbatch=mb):
-                        h = rec.begin("send", stage=rank, microbatch=mb, peer=1 - rank)
-                        clk.t += rng.uniform(1e-3, 3e-2)
-                        rec.end(h)
-                with rec.span("optimizer"):
-                    clk.t += rng.uniform(1e-4, 1e-3)
-        recs.append(rec.to_dict())
-    trace = merge_traces(recs)
+    trace = merge_traces(_two_rank_records(1234.567891, 0.0001234567, 3, 4, lambda: rng.uniform(1e-4, 3e-3),
+                                           lambda: rng.uniform(1e-3, 3e-2), lambda: rng.uniform(1e-3, 3e-2),
+                                           optimizer=lambda: rng.uniform(1e-4, 1e-3)))
     pred = predicted_pipeline_spans({0: [(0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)],
                                      1: [(1, "F", 0), (1, "B", 0), (1, "F", 1), (1, "B", 1)]},
                                     {(0, "F"): 0.0123456789, (0, "B"): 0.0234567891, (1, "F"): 0.0111111113,
@@ -268,24 +278,8 @@ def test_chrome_trace_opens_in_perfetto_without_dropped_slices():
     of 220 slices of a 2-rank pipeline trace were dropped), and every (pid, lane) has its own ``tid`` (with tids 0,
     1, 2 in every process Perfetto merged rank 1's compute into another thread). Spans at clock values whose
     nanoseconds end in .5 are the hard case for rounding apart."""
-    recs = []
-    for rank in (0, 1):
-        clk = Clock()
-        clk.t = 100.0000000005 + rank * 1.0000000015
-        rec = TraceRecorder(rank, clock=clk)
-        rec.set_origin()
-        for step in range(2):
-            with rec.step(step):
-                for mb in range(3):
-                    clk.t += 0.0010000000005
-                    with rec.span("F", stage=rank, microbatch=mb):
-                        clk.t += 0.0020000000015
-                    with rec.span("B", stage=rank, microbatch=mb):
-                        h = rec.begin("send", stage=rank, microbatch=mb, peer=1 - rank)
-                        clk.t += 0.0030000000025
-                        rec.end(h)
-        recs.append(rec.to_dict())
-    trace = merge_traces(recs)
+    trace = merge_traces(_two_rank_records(100.0000000005, 1.0000000015, 2, 3, lambda: 0.0010000000005,
+                                           lambda: 0.0020000000015, lambda: 0.0030000000025))
     pred = predicted_pipeline_spans({0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "F", 0), (1, "B", 0)]},
                                     {(0, "F"): 0.0123456785, (0, "B"): 0.0234567895, (1, "F"): 0.0111111115,
                                      (1, "B"): 0.0222222225}, p2p_s=1.234565e-4)

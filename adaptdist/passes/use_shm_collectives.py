@@ -125,47 +125,61 @@ def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: Mapping[str, str] 
 
 
 def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
-    """Each all_reduce of a gradient bucket (``aten.cat`` of 1-d tensors, used by nothing else) becomes
-    ``adaptdist.shm_flatten_all_reduce_start(tensors, offset, ...)`` (and, where it was complete on return, its
-    ``shm_wait`` right after): the bucket is flattened straight into this
-    rank's registered input region, so the all_reduce skips its copy-in. Each bucket of the graph gets its own
-    64-byte-aligned offset in its group's region (every started op is waited for before the graph returns, so a
-    slot is free again at the next run; its output takes the same range of the shared output region); buckets under
-256 KiB (whose outputs are private: nothing to read in place) or past the region's end keep ``cat``. The ranks of a group lower the
-    same buckets in the same order, hence pass the same offsets (a mismatch only costs the copy-in: the kernel
-    falls back on every rank)."""
+    """Each all_reduce of 256 KiB or more becomes ``adaptdist.shm_flatten_all_reduce_start(tensors, offset, ...)``
+    (and, where it was complete on return, its ``shm_wait`` right after): a gradient bucket's parts (``aten.cat`` of
+    1-d tensors used by nothing else: the cat goes) or the one tensor are copied straight into this rank's
+    registered input region, so the all_reduce skips its copy-in (a tensor of another shape is viewed back after its
+    wait). Each all_reduce of the graph gets its own 64-byte-aligned offset in its group's region (every started op
+    is waited for before the graph returns, so a slot is free again at the next run), and its output the same range
+    of the shared output region, so all of them read in place. Smaller ones (their outputs are private: every rank
+    would fall back at the cost of one more barrier; those of 32 KiB or less would lose the inline path) and those
+    past the region's end stay as they are. The ranks of a group lower the same collectives in the same order, hence
+    pass the same offsets (a mismatch only costs the copy-in: the kernel falls back on every rank)."""
     from ..comm_transport import SHM_FLATTEN_OP
     from ..kernels.shm import INPUT_REGION_BYTES, SHARED_OUTPUT_MIN_BYTES
 
     start, whole = torch.ops.adaptdist.shm_all_reduce_start.default, torch.ops.adaptdist.shm_all_reduce.default
+    wait_op = torch.ops.adaptdist.shm_wait.default
     flatten = getattr(torch.ops.adaptdist, SHM_FLATTEN_OP).default
     offsets: dict[str, int] = {}
     for node in list(graph.nodes):
         if node.target is not start and node.target is not whole:
             continue
-        cat = node.args[0]
-        if not (isinstance(cat, torch.fx.Node) and cat.target is torch.ops.aten.cat.default and len(cat.users) == 1
-                and (len(cat.args) < 2 or cat.args[1] in (0, -1))):
+        inp = node.args[0]
+        val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
             continue
-        parts = list(cat.args[0])
+        is_cat = (inp.target is torch.ops.aten.cat.default and len(inp.users) == 1
+                  and (len(inp.args) < 2 or inp.args[1] in (0, -1)))
+        parts = list(inp.args[0]) if is_cat else [inp]
         vals = [p.meta.get("val") if isinstance(p, torch.fx.Node) else None for p in parts]
-        dtype = cat.meta["val"].dtype
-        if not vals or any(not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype != dtype for v in vals):
+        if any(not isinstance(v, torch.Tensor) or v.dtype != val.dtype or (is_cat and v.dim() != 1) for v in vals):
             continue  # (cat promotes mixed dtypes; the fused op takes one)
         group = str(node.args[-1])
-        size_bytes = sum(v.numel() * v.element_size() for v in vals)
+        size_bytes = val.numel() * val.element_size()
         offset = offsets.get(group, 0)
-        # a smaller bucket's output is private: every rank would fall back (one more barrier), and one of 32 KiB
-        # or less would lose the complete-on-return call's inline path
         if size_bytes < SHARED_OUTPUT_MIN_BYTES or offset + size_bytes > INPUT_REGION_BYTES:
             continue
         offsets[group] = offset + -(-size_bytes // 64) * 64
+        flat_val = val.new_empty((val.numel(),))
         with graph.inserting_before(node):
             fused = graph.call_function(flatten, (parts, offset, *node.args[1:]))
-            done = fused if node.target is start else graph.call_function(torch.ops.adaptdist.shm_wait.default,
-                                                                          (fused,))
-        fused.meta = dict(node.meta)
-        done.meta = dict(node.meta)
+            fused.meta = {**node.meta, "val": flat_val}
+            done = fused
+            if node.target is whole:
+                done = graph.call_function(wait_op, (fused,))
+                done.meta = {**node.meta, "val": flat_val}
         node.replace_all_uses_with(done)
         graph.erase_node(node)
-        graph.erase_node(cat)
+        if is_cat:
+            graph.erase_node(inp)
+        if val.dim() == 1:
+            continue
+        # the result is flat: view it back to the tensor's shape where it is complete (after its wait)
+        ends = [done] if node.target is whole else [u for u in fused.users if u.target is wait_op]
+        for end in ends:
+            end.meta = {**end.meta, "val": flat_val}
+            with graph.inserting_after(end):
+                shaped = graph.call_function(torch.ops.aten.view.default, (end, list(val.shape)))
+            shaped.meta = {**node.meta, "val": val}
+            end.replace_all_uses_with(shaped, delete_user_cb=lambda u, s=shaped: u is not s)
