@@ -361,22 +361,32 @@ def _check_registered(group, pg, sizes, failures: list[str], tag: str) -> int:
 
 def _check_registered_mismatch(group, failures: list[str], tag: str) -> int:
     """Registration that the ranks do not share falls back to the copy-in path on every rank, with the right
-    result: only rank 0 registered; different offsets per rank; registered inputs but rank 0's output held
-    (private); then all registered at one offset again (the in-place path)."""
+    result: only rank 0 registered; different offsets per rank; registered inputs but rank 0's output range held
+    by the output of an earlier call at that offset (so its output is private); then all registered at one offset
+    again (the in-place path), also while every rank holds a plain all_reduce's output (it takes the top of the
+    output region, out of the way)."""
     n, me = group.group_size, group.group_rank
     numel = (1 << 16) + 3
     xs = _inputs(6100, n, numel, torch.float32, "c")
     ref = _reference_reduce(xs, "sum")
     cases = 0
     _registered_calls(group)
-    variants = (("only rank 0 registered", me == 0, 0, False, 0),
-                ("offsets differ per rank", True, 64 * me, False, 0),
-                ("rank 0's output held", True, 128, True, 0),
-                ("all registered at one offset", True, 192, False, 1))
+    variants = (("only rank 0 registered", me == 0, 0, None, 0),
+                ("offsets differ per rank", True, 64 * me, None, 0),
+                ("rank 0's output held", True, 128, "registered", 0),
+                ("all registered at one offset", True, 192, None, 1),
+                ("a plain output held", True, 0, "plain", 1))
     for what, registered, offset, hold, want_fast in variants:
-        held = group.all_reduce(xs[me]) if hold else None  # a collective: every rank calls it
-        if me != 0:
-            held = None  # only rank 0 holds its output, so its next one is private
+        held = None
+        if hold == "registered":  # a collective: every rank calls it; only rank 0 keeps the output (its range)
+            hx = group.input_buffer(numel, torch.float32, offset_bytes=offset)
+            hx.copy_(xs[me])
+            held = group.all_reduce(hx)
+            if me != 0:
+                held = None
+        elif hold == "plain":
+            held = group.all_reduce(xs[me].clone())
+        _registered_calls(group)  # count the call below only
         if registered:
             x = group.input_buffer(numel, torch.float32, offset_bytes=offset)
             x.copy_(xs[me])

@@ -269,9 +269,10 @@ def test_collectives_with_work_before_their_wait_are_started_and_waited_for():
 @needs_kernels
 def test_gradient_buckets_are_flattened_into_the_registered_input_region():
     """A started all_reduce of a bucket of 256 KiB or more (``cat`` of 1-d tensors used by nothing else) becomes
-    ``shm_flatten_all_reduce_start`` at its own 64-byte-aligned offset of the group's region; a cat with another user
-    and a smaller bucket stay; the cost model, the consistency checks and the trace count it as the all_reduce of the bucket's bytes;
-    the graph computes what cat + all_reduce did (one rank)."""
+    ``shm_flatten_all_reduce_start`` at its own 64-byte-aligned offset of the group's region; a cat with another
+    user, a smaller bucket and the all_reduce of a tensor without a cat stay; the cost model, the consistency checks
+    and the trace count it as the all_reduce of the bucket's bytes; the graph computes what cat + all_reduce did
+    (one rank)."""
     from adaptdist.comm_transport import is_shm_started
     from adaptdist.cost_models.communication import functional_collective_kind
 
@@ -283,6 +284,8 @@ def test_gradient_buckets_are_flattened_into_the_registered_input_region():
         x = g.placeholder(f"x{i}")
         x.meta["val"] = torch.empty(n)
         xs.append(x)
+    whole = g.placeholder("x5")  # one 2-d tensor of 280,000 bytes, no cat: stays (copy-in of the peers' slices only)
+    whole.meta["val"] = torch.empty(100, 700)
     starts, outs = [], []
     for parts in ((xs[0], xs[1]), (xs[2],), (xs[3], xs[4]), (xs[3],)):
         cat = g.call_function(aten.cat.default, (list(parts),))
@@ -292,6 +295,9 @@ def test_gradient_buckets_are_flattened_into_the_registered_input_region():
         starts.append(c)
         if parts == (xs[3], xs[4]):
             outs.append(cat)  # this cat has another user: it stays
+    c = g.call_function(c10d.all_reduce.default, (whole, "sum", "adaptdist:dp"))
+    c.meta["val"] = whole.meta["val"]
+    starts.append(c)
     work = g.call_function(aten.mul.Tensor, (xs[0], xs[0]))  # between the issues and the waits
     work.meta["val"] = torch.empty(sizes[0])
     outs.append(work)
@@ -308,7 +314,7 @@ def test_gradient_buckets_are_flattened_into_the_registered_input_region():
     assert [a.name for a in fused[0].args[0]] == ["x0", "x1"] and [a.name for a in fused[1].args[0]] == ["x2"]
     # the 40-byte bucket (its output private) and the one-part bucket under 256 KiB keep cat + all_reduce
     assert sum(n.target is aten.cat.default for n in gm.graph.nodes) == 2
-    assert sum(n.target is shm.shm_all_reduce_start.default for n in gm.graph.nodes) == 2
+    assert sum(n.target is shm.shm_all_reduce_start.default for n in gm.graph.nodes) == 3
     assert is_shm_started(fused[0].target) and is_shm_collective(fused[0].target)
     assert functional_collective_kind(fused[0].target) == "all_reduce"
 
@@ -319,9 +325,9 @@ def test_gradient_buckets_are_flattened_into_the_registered_input_region():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         kshm.init_group(name="fl", comm_thread=True, timeout_s=10.0, job_key="test_flatten")
-        ts = [torch.randn(n) for n in sizes]
+        ts = [torch.randn(n) for n in sizes] + [torch.randn(100, 700)]
         got = gm(*ts)
-        want = (torch.cat(ts[3:]), ts[0] * ts[0], torch.cat(ts[:2]), ts[2], torch.cat(ts[3:]), ts[3])
+        want = (torch.cat(ts[3:5]), ts[0] * ts[0], torch.cat(ts[:2]), ts[2], torch.cat(ts[3:5]), ts[3], ts[5])
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         kshm.destroy_group("fl")
     finally:

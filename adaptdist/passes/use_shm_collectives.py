@@ -125,16 +125,19 @@ def use_shm_collectives(gm: torch.fx.GraphModule, shm_groups: Mapping[str, str] 
 
 
 def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
-    """Each all_reduce of 256 KiB or more becomes ``adaptdist.shm_flatten_all_reduce_start(tensors, offset, ...)``
-    (and, where it was complete on return, its ``shm_wait`` right after): a gradient bucket's parts (``aten.cat`` of
-    1-d tensors used by nothing else: the cat goes) or the one tensor are copied straight into this rank's
-    registered input region, so the all_reduce skips its copy-in (a tensor of another shape is viewed back after its
-    wait). Each all_reduce of the graph gets its own 64-byte-aligned offset in its group's region (every started op
-    is waited for before the graph returns, so a slot is free again at the next run), and its output the same range
-    of the shared output region, so all of them read in place. Smaller ones (their outputs are private: every rank
-    would fall back at the cost of one more barrier; those of 32 KiB or less would lose the inline path) and those
-    past the region's end stay as they are. The ranks of a group lower the same collectives in the same order, hence
-    pass the same offsets (a mismatch only costs the copy-in: the kernel falls back on every rank)."""
+    """Each all_reduce of a gradient bucket of 256 KiB or more (``aten.cat`` of 1-d tensors used by nothing else)
+    becomes ``adaptdist.shm_flatten_all_reduce_start(parts, offset, ...)`` (and, where it was complete on return,
+    its ``shm_wait`` right after): the parts are copied straight into this rank's registered input region in place
+    of the cat's copy, so the all_reduce skips its copy-in. Each such all_reduce of the graph gets its own
+    64-byte-aligned offset in its group's region (every started op is waited for before the graph returns, so a slot
+    is free again at the next run), and its output the same range of the shared output region, so all of them read
+    in place. An all_reduce of one tensor stays as it is: copying all of it into the region costs more than the
+    copy-in of the peers' slices it saves (16 MiB on 2 ranks: 2.84 ms vs 1.70 ms, 4 ranks 9.7 vs 5.6 ms;
+    benchmarks/RESULTS.md, 2026-12-04); its output takes the top of the shared output region, out of the buckets'
+    way. Smaller buckets (their outputs are private: every rank would fall back at the cost of one more barrier;
+    those of 32 KiB or less would lose the inline path) and those past the region's end stay as they are. The ranks
+    of a group lower the same collectives in the same order, hence pass the same offsets (a mismatch only costs the
+    copy-in: the kernel falls back on every rank)."""
     from ..comm_transport import SHM_FLATTEN_OP
     from ..kernels.shm import INPUT_REGION_BYTES, SHARED_OUTPUT_MIN_BYTES
 
@@ -149,11 +152,13 @@ def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
         val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor):
             continue
-        is_cat = (inp.target is torch.ops.aten.cat.default and len(inp.users) == 1
-                  and (len(inp.args) < 2 or inp.args[1] in (0, -1)))
-        parts = list(inp.args[0]) if is_cat else [inp]
+        is_cat = (isinstance(inp, torch.fx.Node) and inp.target is torch.ops.aten.cat.default
+                  and len(inp.users) == 1 and (len(inp.args) < 2 or inp.args[1] in (0, -1)))
+        if not is_cat:
+            continue
+        parts = list(inp.args[0])
         vals = [p.meta.get("val") if isinstance(p, torch.fx.Node) else None for p in parts]
-        if any(not isinstance(v, torch.Tensor) or v.dtype != val.dtype or (is_cat and v.dim() != 1) for v in vals):
+        if any(not isinstance(v, torch.Tensor) or v.dtype != val.dtype or v.dim() != 1 for v in vals):
             continue  # (cat promotes mixed dtypes; the fused op takes one)
         group = str(node.args[-1])
         size_bytes = val.numel() * val.element_size()
@@ -171,15 +176,4 @@ def _fuse_bucket_flattens(graph: torch.fx.Graph) -> None:
                 done.meta = {**node.meta, "val": flat_val}
         node.replace_all_uses_with(done)
         graph.erase_node(node)
-        if is_cat:
-            graph.erase_node(inp)
-        if val.dim() == 1:
-            continue
-        # the result is flat: view it back to the tensor's shape where it is complete (after its wait)
-        ends = [done] if node.target is whole else [u for u in fused.users if u.target is wait_op]
-        for end in ends:
-            end.meta = {**end.meta, "val": flat_val}
-            with graph.inserting_after(end):
-                shaped = graph.call_function(torch.ops.aten.view.default, (end, list(val.shape)))
-            shaped.meta = {**node.meta, "val": val}
-            end.replace_all_uses_with(shaped, delete_user_cb=lambda u, s=shaped: u is not s)
+        graph.erase_node(inp)
