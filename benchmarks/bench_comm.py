@@ -43,8 +43,6 @@ SIZES = {"4K": 4 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20}
 
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw factor (doc/PERFORMANCE.md)."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
     if op in ("all_reduce", REGISTERED):
         return 2 * (n - 1) / n
     if op == "broadcast":
