@@ -215,6 +215,60 @@ def test_train_precision_bf16_linear_used_twice_is_eager_bf16_bit_for_bit():
         assert torch.equal(params[n].detach(), p.detach()), n
 
 
+class _UnbiasedLinearUsedTwice(torch.nn.Module):
+    """:class:`_LinearUsedTwice` without biases: the backend's all-ranks capture (vmap) splits a biased ``addmm``
+    into ``mm`` + ``add`` (one bf16 rounding more than eager, see the module docstring), so only an unbiased
+    model can equal eager bit for bit through it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.inp = torch.nn.Linear(13, 37, bias=False)
+        self.shared = torch.nn.Linear(37, 37, bias=False)
+        self.out = torch.nn.Linear(37, 5, bias=False)
+
+    def forward(self, x):
+        h = self.shared(torch.relu(self.inp(x)))
+        h = self.shared(torch.nn.functional.gelu(h)) + h
+        return self.out(h)
+
+
+@pytest.mark.timeout(300)
+def test_backend_bf16_linear_used_twice_is_eager_bf16_bit_for_bit():
+    """The torch.compile backend on one rank under ``torch.autocast("cpu", torch.bfloat16)``, a Linear used twice:
+    loss, every gradient and the SGD-updated parameters of 3 steps equal eager's bit for bit. The backend's joint
+    graph cast the weight once per use and summed the two gradients' float32 casts (``shared.weight``'s gradient
+    1.0e-4 off at step 1, every value off from step 2); its capture now sums them in bf16 as eager's cast cache
+    makes autograd do (``compiler/autocast_grad_sums.py``, as the train/compile capture does)."""
+    import adaptdist
+
+    g = torch.Generator().manual_seed(99)
+    x, y = torch.randn(7, 13, generator=g), torch.randint(0, 5, (7,), generator=g)
+
+    def run(model, fn):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = []
+        for _ in range(3):
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(fn(x), y)
+            loss.backward()
+            steps.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        return steps, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    eager = _UnbiasedLinearUsedTwice()
+    want, want_params = run(eager, eager)
+    model = _UnbiasedLinearUsedTwice()
+    got, got_params = run(model, torch.compile(model, backend=adaptdist.backend(plan="dp"), fullgraph=True))
+    for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(loss, want_loss), (step, float(loss), float(want_loss))
+        for n, w in want_grads.items():
+            assert torch.equal(grads[n], w), (step, n, float((grads[n] - w).abs().max()))
+    for n, w in want_params.items():
+        assert torch.equal(got_params[n], w), n
+
+
 def test_bf16_activations_halve_the_estimate():
     """The cost model counts the bf16 activations at 2 bytes: the peak-memory estimate's activations under
     --precision bf16 are well under float32's (not half: autocast keeps the residual stream, LayerNorm and

@@ -42,6 +42,7 @@ from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..errors import CaptureError
 from .capture import CapturedGraph, _gc_paused, order_placeholders, set_input_roles
+from .autocast_grad_sums import sum_cast_gradients_in_low_precision
 from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
 
@@ -564,6 +565,9 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int,
     params = [gmeta.get_fqn(p) for p in graph.find_nodes(op="placeholder") if gmeta.get_role(p) == "param"]
     trainable = [f for f in params if f in grad_of]
     frozen = [f for f in params if f not in grad_of]
+    by_fqn = {gmeta.get_fqn(p): p for p in graph.find_nodes(op="placeholder") if gmeta.get_role(p) == "param"}
+    summed = sum_cast_gradients_in_low_precision(gm, {by_fqn[f]: grad_of[f] for f in trainable})
+    grad_of.update({gmeta.get_fqn(p): g for p, g in summed.items()})  # a parameter used twice, autocast (as capture)
     # updated buffers: those updated in place the same on every rank (num_batches_tracked += 1), then rank 0's
     # new value of those each rank updates from its rows (the step's last outputs)
     mutated = {b[strip:]: by_name[o] for o, b in sig.buffers_to_mutate.items()}
