@@ -1,4 +1,7 @@
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from adaptdist.compiler.capture import capture
 from adaptdist.compiler.lowering import compile_model
@@ -7,7 +10,7 @@ from adaptdist.annotations import ManualPlan
 from adaptdist.placement import Shard
 from adaptdist.plan import Plan, graph_fingerprint
 from adaptdist.program import load_program, save_programs
-from models import mlp
+from models import mlp, tiny_gpt
 
 
 def test_plan_round_trips_through_json_and_the_program_directory(tmp_path):
@@ -103,3 +106,60 @@ def test_every_field_is_type_checked_on_load(field, value, match):
 
     with pytest.raises(UsageError, match="plan 'f.json': " + match):
         Plan.from_json(json.dumps(doc), "f.json")
+
+
+def _gathered_params(program) -> dict[str, bool]:
+    """Each trainable parameter of a rank program -> whether an all_gather reads it (through layout ops, pads and
+    bucket cats) rather than an op using its local shard."""
+    passthrough = ("view", "t.default", "reshape", "constant_pad", "cat", "_to_copy", "clone", "detach", "transpose",
+                   "permute", "flatten")
+    out = {}
+    phs = list(program.module.graph.find_nodes(op="placeholder"))
+    for fqn, node in zip(program.input_fqns, phs):
+        if fqn not in program.param_fqns:
+            continue
+        seen, todo, gathered = set(), [node], False
+        while todo and not gathered:
+            for user in todo.pop().users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                gathered |= "all_gather" in str(user.target)
+                if any(p in str(user.target) for p in passthrough):
+                    todo.append(user)
+        out[fqn] = gathered
+    return out
+
+
+class _MultiheadAttentionLM(nn.Module):
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.ln(self.emb(x))
+        return self.head(h + self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_fsdp_fixes_where_parameters_live_and_each_op_how_it_uses_a_shard():
+    """README's --plan fsdp: every trainable parameter is stored sharded; the built-in GPT all-gathers every weight
+    where it is used but its position table (looked up shard by shard, the rows all-reduced), while behind nn.MultiheadAttention(batch_first=True) (its transpose and merge of the batch and
+    sequence dims gather the activation) a Linear computes on its local weight shard, tensor-parallel style."""
+    model, batch, loss_fn = tiny_gpt(4)
+    prog = compile_model(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))[0]
+    assert all(isinstance(p[0], Shard) for p in prog.plan.param_placements.values())
+    gathered = _gathered_params(prog)
+    assert [f for f, g in gathered.items() if not g] == ["pos_emb.weight"], gathered  # looked up shard by shard
+    assert sum(gathered.values()) == len(prog.param_fqns) - 1 > 10
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 32, (4, 6))
+    prog = compile_model(_MultiheadAttentionLM(), (x, x.roll(1, 1)),
+                         lambda o, y: F.cross_entropy(o.reshape(-1, 32), y.reshape(-1)), 2, ManualPlan.parse("fsdp"))[0]
+    assert all(isinstance(p[0], Shard) for p in prog.plan.param_placements.values())
+    gathered = _gathered_params(prog)
+    assert gathered["emb.weight"] and gathered["ln.weight"], gathered
+    assert not gathered["attn.in_proj_weight"] and not gathered["head.weight"], gathered
