@@ -1,7 +1,7 @@
 """The one place adaptdist touches torch's private APIs.
 
 A torch upgrade that moves one of these should break this file only.
-Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 63 private names this
+Checked against torch 2.13.0 (every name: ``benchmarks/device_check_compat.py`` resolves the 66 private names this
 file reaches, 0 missing).
 
 torch 2.11 (the GPU machine of ``benchmarks/device_check.sh``), for the names on the paths that script runs
@@ -27,6 +27,9 @@ async-hetero (notes/issue17_verification.md). What differs there:
 - The backend's eager-call guard and Dynamo hooks (``set_code_exec_strategy``, ``FrameExecStrategy``,
   ``innermost_backend``, ``_is_in_optimized_module``, ``_autocast_supported_devices``): resolve on 2.11, and
   tests/test_dynamo_backend.py's one-process tests pass there.
+- The capture's record of each node's user source (:func:`aot_export_joint`'s ``source_root``: aot's
+  ``graph_capture.make_fx`` and ``_aot_export_function``, ``fx.traceback.preserve_node_meta``; added 2026-12-04):
+  not run on 2.11; a missing name records nothing (errors then name only the node).
 - DTensor on 2.11 registers 4 single-mesh-dim strategies (2.13: 1,013); the rest come from the full strategy
   functions (584): the ILP's candidate strategies may differ (``--plan auto`` only; not on the script's paths).
 """
@@ -38,6 +41,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import sys
 import traceback
 from typing import Any, Callable
@@ -55,19 +59,155 @@ from .kernels import load as _load_kernels
 _load_kernels()
 
 
-def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0):
+def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0,
+                     source_root: torch.nn.Module | None = None):
     """Export ``module(*args)`` and its backward as one functional ATen graph.
 
     Returns ``(GraphModule, GraphSignature)``; the signature lists parameters,
     buffers, user inputs, buffer mutations, the loss output and which output is
     which parameter's gradient. Source: ``torch._functorch.aot_autograd.aot_export_module``.
 
-    Node stack traces are recorded by ``_fast_fx_stack_traces`` (same text, a fraction of the cost).
+    Node stack traces are recorded by ``_fast_fx_stack_traces`` (same text, a fraction of the cost). Each node
+    records where in user code it came from under :data:`SOURCE_META` when ``source_root`` is given (the
+    user's model, whose submodules' paths it names).
     """
     from torch._functorch.aot_autograd import aot_export_module
 
-    with _fast_fx_stack_traces():
-        return aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
+    sources = _first_trace_sources(source_root) if source_root is not None else contextlib.nullcontext([])
+    with _fast_fx_stack_traces(), sources as first:
+        gm, sig = aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
+    _copy_sources(gm, first)
+    return gm, sig
+
+
+# node.meta key: where in user code a node of a captured joint graph came from, ``(module path, module class name,
+# file, line, code)`` (module path '' for the root's own forward, LOSS_PATH outside it; file '' when unknown); see
+# :func:`aot_export_joint`
+SOURCE_META = "adaptdist.source"
+LOSS_PATH = "<loss>"
+_RETRACED_LINE = re.compile(r"^\s*(\w+) = ")
+_ADAPTDIST_COMPILER = os.path.join("adaptdist", "compiler") + os.sep
+
+
+@contextlib.contextmanager
+def _first_trace_sources(root: torch.nn.Module):
+    """Within: aot_export_module's first trace (``make_fx`` of the joint forward+backward, in
+    ``torch._functorch._aot_autograd.graph_capture``) records each node's user stack trace and module stack (under
+    ``fx_traceback.preserve_node_meta``, the modules pushed by forward hooks; backward nodes get their forward
+    node's module through ``seq_nr``, as aot copies it). Its graph is appended to the yielded list. aot then
+    re-traces that graph by calling it, which loses both (the re-trace's stack traces point into its generated
+    code, one line per first-trace node); :func:`_copy_sources` maps them back. A torch without these names:
+    nothing is recorded."""
+    import torch._functorch.aot_autograd as aot_autograd
+    import torch.fx.traceback as fx_traceback
+
+    first: list[torch.fx.GraphModule] = []
+    try:
+        import torch._functorch._aot_autograd.graph_capture as graph_capture
+    except ImportError:
+        graph_capture = None
+    real_export = getattr(aot_autograd, "_aot_export_function", None)
+    real_make_fx = getattr(graph_capture, "make_fx", None)
+    if real_export is None or real_make_fx is None or not hasattr(fx_traceback, "has_preserved_node_meta"):
+        yield first
+        return
+    paths: dict[int, str] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    stack: list[tuple[str, tuple[str, type]]] = []
+
+    def push(mod: torch.nn.Module, args: Any) -> None:
+        path = paths.get(id(mod))
+        if path is not None and fx_traceback.has_preserved_node_meta():
+            stack.append((path, (path, type(mod))))
+            fx_traceback.current_meta["nn_module_stack"] = dict(stack)
+
+    def pop(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if stack and stack[-1][0] == paths.get(id(mod)):
+            stack.pop()
+            if stack:
+                fx_traceback.current_meta["nn_module_stack"] = dict(stack)
+            else:
+                fx_traceback.current_meta.pop("nn_module_stack", None)
+
+    def make_fx(*a: Any, **k: Any) -> Callable:
+        k.setdefault("record_stack_traces", True)
+        trace = real_make_fx(*a, **k)
+
+        def traced(*args: Any) -> Any:
+            from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+            with fx_traceback.preserve_node_meta():
+                hooks = [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
+                try:
+                    return trace(*args)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                    stack.clear()
+        return traced
+
+    def export(*a: Any, **k: Any) -> Any:
+        out = real_export(*a, **k)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.fx.GraphModule):
+            first.append(out[0])
+        return out
+
+    graph_capture.make_fx, aot_autograd._aot_export_function = make_fx, export
+    try:
+        yield first
+    finally:
+        graph_capture.make_fx, aot_autograd._aot_export_function = real_make_fx, real_export
+
+
+def _user_frame(stack_trace: str | None) -> tuple[str, int, str] | None:
+    """The innermost frame of a recorded stack trace outside torch and adaptdist's compiler: (file, line, code)
+    (for a torch module, the line that called it)."""
+    frames = _traceback_frames(stack_trace or "")
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [f for f in frames if _ADAPTDIST_COMPILER not in f[0] and not f[0].startswith(torch_dir)]
+    return frames[-1] if frames else None
+
+
+def _traceback_frames(text: str) -> list[tuple[str, int, str]]:
+    """``(file, line, code)`` of each frame of a formatted stack trace, outermost first."""
+    return [(f, int(n), code.strip())
+            for f, n, code in re.findall(r'File "([^"]+)", line (\d+), in \S+\n([^\n]*)', text)]
+
+
+def _copy_sources(gm: torch.fx.GraphModule, first: list[torch.fx.GraphModule]) -> None:
+    """Give each node of the re-traced joint graph ``gm`` the :data:`SOURCE_META` of the first-trace node its
+    stack trace names (the re-trace's stack trace ends in that node's line of generated code, ``name = ...``).
+    A backward node takes its forward node's (the first forward node of its ``seq_nr``); a forward node outside
+    every module of the root (whose own forward is module path '') is the loss function's (:data:`LOSS_PATH`)."""
+    if not first:
+        return
+    nodes = [n for n in first[-1].graph.nodes if n.op == "call_function"]
+    fwd: dict[int, torch.fx.Node] = {}
+    for n in nodes:
+        if n.meta.get("partitioner_tag") != "is_backward" and n.meta.get("seq_nr") is not None:
+            fwd.setdefault(n.meta["seq_nr"], n)
+    tracked = any(n.meta.get("nn_module_stack") for n in nodes)  # the module hooks saw the model's forward
+    source: dict[str, tuple] = {}
+    for n in nodes:
+        f = fwd.get(n.meta.get("seq_nr")) if n.meta.get("partitioner_tag") == "is_backward" else n
+        if f is None:
+            continue
+        stack = f.meta.get("nn_module_stack") or {}
+        frame = _user_frame(n.meta.get("stack_trace")) or _user_frame(f.meta.get("stack_trace"))
+        if stack:
+            path, cls = list(stack.values())[-1]
+        elif tracked:
+            path, cls = LOSS_PATH, None
+        else:
+            path, cls = "", None
+        if frame is None and not stack and not tracked:
+            continue
+        source[n.name] = (path, getattr(cls, "__name__", ""), *(frame or ("", 0, "")))
+    for n in gm.graph.nodes:
+        lines = (n.meta.get("stack_trace") or "").rstrip().splitlines()
+        m = _RETRACED_LINE.match(lines[-1]) if lines else None
+        if m and m.group(1) in source:
+            n.meta[SOURCE_META] = source[m.group(1)]
 
 
 class _FrameWalkTraceback:

@@ -220,6 +220,21 @@ def module_of(node: torch.fx.Node) -> str:
     return f"{path} ({cls_name})"
 
 
+def source_of(node: torch.fx.Node) -> str:
+    """Where in user code ``node`` came from, for error messages: "in module `layers.1` (Block) (model.py:57:
+    `x = ...`)" ('' if unknown; from the capture, ``_torch_compat.SOURCE_META``)."""
+    src = node.meta.get("adaptdist.source")
+    if not src:
+        return ""
+    path, cls, file, line, code = src
+    where = f" ({file.rsplit('/', 1)[-1]}:{line}: `{code}`)" if file else ""
+    if path == "<loss>":  # _torch_compat.LOSS_PATH
+        return "in the loss function" + where
+    if path:
+        return f"in module `{path}`" + (f" ({cls})" if cls else "") + where
+    return (f"in the model's own forward ({cls})" if cls else "in the model's forward") + where
+
+
 def set_output_roles(output_node: torch.fx.Node, roles: list[str]) -> None:
     assert output_node.op == "output" and len(roles) == len(output_node.args[0])
     output_node.meta[OUTPUT_ROLES] = list(roles)

@@ -246,8 +246,8 @@ def test_rows_cut_from_a_whole_batch_value_are_named_with_the_fix():
         compile_model(_sequential_mlp(), _rows(), lambda o, t: -o.log_softmax(-1)[torch.arange(o.shape[0]), t].mean(),
                       2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
     msg = str(e.value)
-    for part in ("differs between microbatches 0 and 1", "(index_put)", "over the whole batch", "torch.arange(batch)",
-                 "F.cross_entropy", "--plan dp"):
+    for part in ("differs between microbatches 0 and 1", "in the loss function", "(index_put)", "over the whole batch",
+                 "torch.arange(batch)", "F.cross_entropy", "--plan dp"):
         assert part in msg, (part, msg)
 
 
@@ -308,3 +308,48 @@ def test_hf_whisper_trains_under_pp_equal_to_eager():
                 {f: (p - LR * p.grad).detach() for f, p in named.items()})
     progs = compile_model(model, batch, ce, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
     check_against_eager(progs, batch, expected)
+
+
+class ReversedRows(nn.Module):
+    """Reads its rows in reverse batch order (a gather along the batch dim with an index built from
+    torch.arange(batch)): each microbatch's program shifts that index by its own row offset."""
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        idx = torch.arange(x.shape[0]).flip(0)[:, None].expand(x.shape)
+        return torch.tanh(self.lin(x).gather(0, idx))
+
+
+class RowsModel(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d), ReversedRows(d)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_microbatch_difference_names_the_module_and_source_line():
+    """The generic refusal (not a cut of a whole-batch value) names the user's module path and file:line, found
+    through the capture's record of each node's source (the node that differs is the lowering's shifted index,
+    which has none: its nearest neighbour's)."""
+    import inspect
+
+    from adaptdist.errors import PipelineError
+
+    torch.manual_seed(0)
+    with pytest.raises(PipelineError) as e:
+        compile_model(RowsModel(), _rows(), F.cross_entropy, 2, None,
+                      pipeline=PipelineOptions(stages=2, microbatches=2))
+    msg = str(e.value)
+    lines, first = inspect.getsourcelines(ReversedRows.forward)
+    line = first + next(i for i, t in enumerate(lines) if "idx = torch.arange" in t)
+    for part in ("differs between microbatches 0 and 1", "in module `layers.1` (ReversedRows)",
+                 f"(test_pipeline_microbatch_programs.py:{line}: `idx = torch.arange(x.shape[0]).flip(0)",
+                 "(a value that depends on the microbatch's rows"):
+        assert part in msg, (part, msg)

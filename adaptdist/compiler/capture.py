@@ -341,7 +341,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
             # of a successful export is checked on its graph, in _finish).
             experts = probe_expert_lists(step, fake_batch, strip=len("model."))
             try:
-                gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
+                gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, 0, model)
                 failure = None
             except Exception as e:
                 failure = e
@@ -357,7 +357,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                     for f in unused:
                         state[f"model.{f}"].requires_grad_(False)
                     try:
-                        gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
+                        gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, 0, model)
                         failure = None
                     except Exception as e:
                         failure = e
@@ -367,7 +367,7 @@ def capture(model: nn.Module, batch: tuple, loss_fn: Callable) -> CapturedGraph:
                     f"{el.prefix[len('model.'):]} ({el.size} identical modules) is not sharded as experts: running "
                     f"them batched failed ({why})" for el in experts.lists])
                 try:
-                    gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, loss_index=0)
+                    gm, sig = compat.aot_export_joint(_EachParameterOnce(step, experts), fake_batch, 0, model)
                     failure = None
                 except Exception as e:
                     failure = e

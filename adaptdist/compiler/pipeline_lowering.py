@@ -624,8 +624,10 @@ def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) ->
     name = x.split(" = ")[0] if " = " in x else "?"
     rng = "; ops drawing random numbers per row (--rng global) make such a difference: use --rng per-rank" \
         if any(t in x for t in ("rand", "bernoulli", "dropout")) else ""
-    head = (f"the step's program differs between microbatches 0 and 1 at node {name!r}: microbatch 0 runs "
-            f"`{x.split(';')[0]}`, microbatch 1 runs `{y.split(';')[0]}`")
+    where = _user_source(gm0, name)
+    head = (f"the step's program differs between microbatches 0 and 1 at node {name!r}"
+            f"{' ' + where if where else ''}: microbatch 0 runs `{x.split(';')[0]}`, microbatch 1 runs "
+            f"`{y.split(';')[0]}`")
     whole = _whole_batch_source(gm0, name)
     if whole is not None and not rng:
         return (f"{head}: each microbatch cuts its own rows out of {whole}, a value the step computes over the whole "
@@ -635,6 +637,22 @@ def _program_difference(gm0: torch.fx.GraphModule, gm1: torch.fx.GraphModule) ->
                 "or use a plan without pp (--plan dp, tp, fsdp)")
     return (f"{head} (a value that depends on the microbatch's rows, not only on its data){rng}; pipeline "
             "microbatches run one program: use a plan without pp (--plan dp, tp, fsdp)")
+
+
+def _user_source(gm: torch.fx.GraphModule, name: str, limit: int = 4) -> str:
+    """Where in user code node ``name`` of ``gm`` came from (:func:`graph_meta.source_of`): its own capture
+    record, else that of the nearest node within ``limit`` edges that has one (inputs before users: what it
+    computes from), since a lowering pass's node (a shifted index, a slice) has none; '' when none is found."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    seen, frontier = set(), [node] if node is not None else []
+    for _ in range(limit + 1):
+        for n in frontier:
+            found = gmeta.source_of(n)
+            if found:
+                return found
+        seen.update(frontier)
+        frontier = [m for n in frontier for m in [*n.all_input_nodes, *n.users] if m not in seen]
+    return ""
 
 
 def _whole_batch_source(gm: torch.fx.GraphModule, name: str) -> str | None:
