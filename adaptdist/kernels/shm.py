@@ -105,8 +105,13 @@ the calling thread while that thread has nothing queued: a hand-over costs two t
 such a call. Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
-ranks, touched as used), a header, one 64 MiB output region and one 64 MiB registered-input region per rank
-(virtual: pages are allocated as they are touched). Payloads larger than a slot move in slot-sized chunks; payloads up to
+ranks), a header, one 64 MiB output region and one 64 MiB registered-input region per rank. /dev/shm is a tmpfs,
+where touching a page past its space kills the process (SIGBUS; Docker's default is 64 MiB for everything), so
+nothing is touched before it is reserved (fallocate): the header and slots when the group is made
+(:func:`segment_fixed_bytes`; no room: :class:`~adaptdist.errors.ShmCapacityError` on every rank, naming /dev/shm's
+size and free bytes and what to try), and a region's range (1 MiB granules) before its first use: without room an
+all_reduce's output is private memory, the fused flatten is ``torch.cat`` + all_reduce (the same results), and
+:func:`input_buffer` raises ShmCapacityError. Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
 slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
 reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in, writing the
@@ -131,7 +136,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShmPeerError, UsageError
+from ..errors import AdaptdistError, ShmCapacityError, ShmPeerError, UsageError
 from . import require
 
 SHM_DIR = Path("/dev/shm")
@@ -141,6 +146,10 @@ DEFAULT_TIMEOUT_S = 120.0
 INPUT_REGION_BYTES = 64 << 20  # each rank's registered-input region (csrc: kSharedInBytes)
 SHARED_OUTPUT_MIN_BYTES = 256 << 10  # all_reduce outputs from this size on go to the shared region (csrc: kReuseBytes)
 _ERROR_TAG = "adaptdist shm:"
+_CAPACITY_TAG = "[shm_capacity]"  # csrc: kCapacityTag, in errors caused by too little /dev/shm
+_NEEDED_RE = re.compile(r"\[needed_bytes=(\d+)\]")
+HEADER_BYTES = 64 << 10  # at least the segment's header (csrc: sizeof(Header), rounded up to 4096: about 12 KiB)
+SLOT_BUFFERS = 5  # csrc: kBuffers
 _PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
 _GROUP_RE = re.compile(r"group '([^']*)'")
 
@@ -199,12 +208,39 @@ def remove_stale_segments(job_key: str | None = None, shm_dir: Path = SHM_DIR) -
     return removed
 
 
-def translate_error(exc: BaseException) -> ShmPeerError | None:
+def segment_fixed_bytes(group_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
+    """(At most) the bytes of /dev/shm a group of ``group_size`` ranks reserves when it is made: its header and
+    ``5 * group_size * slot_bytes`` of slots. Its output and input regions (64 MiB a rank each) are reserved as
+    used, and used only where /dev/shm has room (else private memory: the results are the same)."""
+    return HEADER_BYTES + SLOT_BUFFERS * int(group_size) * int(slot_bytes)
+
+
+def shm_space(shm_dir: Path = SHM_DIR) -> tuple[int, int] | None:
+    """``(size_bytes, free_bytes)`` of ``shm_dir`` (/dev/shm), or None where it cannot be read."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _capacity_error(text: str) -> ShmCapacityError:
+    group = _GROUP_RE.search(text)
+    needed = _NEEDED_RE.search(text)
+    body = text[text.index(_ERROR_TAG):] if _ERROR_TAG in text else text
+    body = body.replace(_CAPACITY_TAG, "").strip()
+    return ShmCapacityError(body, group.group(1) if group else None, int(needed.group(1)) if needed else None)
+
+
+def translate_error(exc: BaseException) -> AdaptdistError | None:
     """The typed error for an exception raised by a ``torch.ops.adaptdist.shm_*`` op (None if not one):
-    ``ShmPeerError`` with the peer's group rank, global rank and pid when the message names them."""
+    ``ShmCapacityError`` where /dev/shm had too little space; else ``ShmPeerError`` with the peer's group rank,
+    global rank and pid when the message names them."""
     text = str(exc)
     if _ERROR_TAG not in text or isinstance(exc, (TypeError, ValueError)):
         return None
+    if _CAPACITY_TAG in text:
+        return _capacity_error(text)
     peer = _PEER_RE.search(text)
     group = _GROUP_RE.search(text)
     ranks = [int(v) for v in peer.groups()] if peer else [None, None, None]
@@ -276,7 +312,9 @@ def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: i
     ``shm_all_reduce_start`` on it (or on a contiguous part of it), at the same offset and size on every rank,
     skips the all_reduce's copy-in. Its contents persist between calls; it stays valid (the segment mapped) after
     the group is destroyed. Raises UsageError when ``offset_bytes`` is not a non-negative multiple of 64, or the
-    buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit."""
+    buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit;
+    ShmCapacityError when /dev/shm has no space left for the buffer's bytes (reserved here, once: a later touch
+    cannot fail), naming the group, /dev/shm's size and free bytes, and what to try."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -290,7 +328,7 @@ def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: i
                          f"({size_bytes} bytes) at offset {offset_bytes} exceed the rank's input region of "
                          f"{INPUT_REGION_BYTES} bytes; use a smaller buffer (or a plain tensor: the all_reduce "
                          "then copies it in)")
-    return _ops()._shm_group_input_buffer(group_name, int(offset_bytes), int(numel), dtype)
+    return _call(_ops()._shm_group_input_buffer, group_name, int(offset_bytes), int(numel), dtype)
 
 
 def destroy_group(name: str) -> None:
@@ -354,8 +392,9 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     made bench_tp's step 2x faster, and on a quiet one the hand-over would add two thread wake-ups per call;
     ``$ADAPTDIST_SHM_COMM_THREAD`` = 1 or 0 overrides that default).
 
-    Raises ShmUnavailableError (kernels not loaded), UsageError (ranks on different hosts, bad
-    arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
+    Raises ShmUnavailableError (kernels not loaded), ShmCapacityError (/dev/shm has too little space left for
+    the group's header and slots, :func:`segment_fixed_bytes`; on every rank), UsageError (ranks on different
+    hosts, bad arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
     """
     require("a shared-memory group (init_group)")
     import torch.distributed as dist
@@ -396,9 +435,12 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
                                   spin_ns, True)
             message[0] = ("ok", segment)
         except Exception as exc:  # noqa: BLE001 -- tell the peers, then raise the same everywhere
-            message[0] = ("error", f"{type(exc).__name__}: {exc}")
+            text = str(exc)
+            message[0] = ("capacity", text) if _CAPACITY_TAG in text else ("error", f"{type(exc).__name__}: {text}")
     dist.broadcast_object_list(message, src=global_ranks[0], group=pg)
     status, payload = message[0]
+    if status == "capacity":
+        raise _capacity_error(payload)
     if status != "ok":
         raise UsageError(f"shared-memory group '{name}': group rank 0 (global rank {global_ranks[0]}) could not "
                          f"create its segment: {payload}")
