@@ -444,7 +444,7 @@ static std::string group_desc(const Group& g) {
   return os.str();
 }
 
-// "/dev/shm (a tmpfs of S bytes, F free)": for the errors that lack of space causes.
+// "/dev/shm (S bytes, F free)": for the errors that lack of space causes.
 static std::string shm_space_desc() {
   struct statvfs vs;
   std::ostringstream os;
@@ -1767,9 +1767,9 @@ static int64_t group_input_region_bytes(c10::string_view group_name) {
 // order, are copied straight into this rank's registered input region at input_offset_bytes (this copy replaces
 // torch.cat's), and the all_reduce of that 1-d tensor is started there (shm_all_reduce_start; wait with shm_wait).
 // Every rank must pass the same offset. Where the bucket does not fit the region, /dev/shm has no space left for
-// its range, or the group has one rank, it is torch.cat + shm_all_reduce_start (bitwise the same result). The caller must not start another collective on the same
-// bytes of the region before this one's shm_wait returned (the lowering gives each bucket of a step its own
-// offset).
+// its range, or the group has one rank, it is torch.cat + shm_all_reduce_start (bitwise the same result). The caller
+// must not start another collective on the same bytes of the region before this one's shm_wait returned (the
+// lowering gives each bucket of a step its own offset).
 static at::Tensor flatten_all_reduce_start(at::TensorList inputs, int64_t input_offset_bytes,
                                            c10::string_view reduce_op, c10::string_view group_name) {
   TORCH_CHECK_VALUE(!inputs.empty(), "adaptdist shm: shm_flatten_all_reduce_start needs at least one tensor");

@@ -60,14 +60,16 @@ _RANKS_SCRIPT = textwrap.dedent(r"""
         from adaptdist.errors import ShmCapacityError
         from adaptdist.kernels import shm
         dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-        out = {"rank": rank}
+        out = {"rank": rank, "free_before": os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize}
         try:
             g = shm.init_group(dist.group.WORLD, name="cap", timeout_s=60)
         except ShmCapacityError as e:
             out["create_error"] = {"type": type(e).__name__, "msg": str(e), "group": e.group,
                                    "needed": e.needed_bytes}
+            dist.destroy_process_group()  # (a live gloo group at exit may abort the interpreter's teardown)
             print("RESULT " + json.dumps(out), flush=True)
             return
+        out["slot_bytes"] = g.slot_bytes
         ops = torch.ops.adaptdist
         n = 4 << 20  # 16 MiB of float32
         x = torch.arange(n, dtype=torch.float32) * (rank + 1) / n
@@ -132,24 +134,27 @@ def _ranks(tmp_path, size_mib: int):
 
 @needs_namespace
 def test_group_without_room_for_its_slots_is_a_typed_error_on_every_rank(tmp_path):
-    """/dev/shm of 32 MiB, 2 ranks (header and slots: 40 MiB): ShmCapacityError naming the group, /dev/shm's size
-    and free bytes, the bytes needed and what to try, on both ranks; no crash, no segment left."""
-    for res in _ranks(tmp_path, 32):
+    """/dev/shm of 8 MiB, 2 ranks (header and the smallest slots: 10 MiB): ShmCapacityError naming the group,
+    /dev/shm's size and free bytes, the bytes needed and what to try, on both ranks; no crash, no segment left."""
+    for res in _ranks(tmp_path, 8):
         err = res["create_error"]
         assert err["type"] == "ShmCapacityError" and err["group"] == "cap"
-        assert err["needed"] >= 40 << 20
+        assert err["needed"] >= 10 << 20
         msg = err["msg"]
-        assert "/dev/shm (" in msg and str(32 << 20) in msg and "free" in msg
+        assert "/dev/shm (" in msg and str(8 << 20) in msg and "free" in msg
         assert str(err["needed"]) in msg and "--comm gloo" in msg and "--shm-size" in msg
 
 
 @needs_namespace
-def test_room_for_the_slots_only_falls_back_with_equal_results(tmp_path):
-    """/dev/shm of 48 MiB, 2 ranks: the group is made (40 MiB of slots reserved); a 16 MiB all_reduce (no room for
-    its shared output) and the fused flatten of a 16 MiB bucket (no room in the input region) fall back and equal
-    the sum; an input_buffer of 16 MiB is a ShmCapacityError, one of 256 KiB works in place."""
-    for res in _ranks(tmp_path, 48):
+@pytest.mark.parametrize("size_mib,slot_mib", [(20, 1), (36, 1)])
+def test_room_for_the_slots_only_falls_back_with_equal_results(tmp_path, size_mib, slot_mib):
+    """/dev/shm of 20 or 36 MiB, 2 ranks: the group is made with 1 MiB slots (10 MiB reserved). Then a 16 MiB
+    all_reduce (no room for its shared output; on 36 MiB, room for one rank's only) and the fused flatten of a 16 MiB
+    bucket (no room in the input region) fall back and equal the sum; an input_buffer of 16 MiB is a
+    ShmCapacityError, one of 256 KiB works in place."""
+    for res in _ranks(tmp_path, size_mib):
         assert "create_error" not in res, res
+        assert res["slot_bytes"] == slot_mib << 20, res
         assert res["all_reduce_equal"] and res["all_reduce_again_equal"], res
         assert res["flatten_equal"] and res["all_gather_ok"], res
         err = res["input_buffer_error"]
@@ -170,10 +175,10 @@ def _train(tmp_path, size_mib: int):
 
 @pytest.mark.slow
 @needs_namespace
-@pytest.mark.parametrize("size_mib,transport", [(48, "shm"), (24, "gloo")])
+@pytest.mark.parametrize("size_mib,transport", [(24, "shm"), (8, "gloo")])
 def test_train_comm_auto_on_small_dev_shm_equals_eager(tmp_path, size_mib, transport):
-    """`adaptdist train --comm auto` on a 48 MiB /dev/shm: shared memory (its buckets partly fall back to private
-    memory); on 24 MiB: gloo, with one warning saying why. Eager's losses either way."""
+    """`adaptdist train --comm auto` on a 24 MiB /dev/shm: shared memory (1 MiB slots; its buckets partly fall back to
+    private memory); on 8 MiB: gloo, with one warning saying why. Eager's losses either way."""
     from tests.test_comm_shm import LR, STEPS, _eager
 
     assert STEPS == 3 and LR == 2e-3
@@ -186,19 +191,19 @@ def test_train_comm_auto_on_small_dev_shm_equals_eager(tmp_path, size_mib, trans
 
 
 def test_comm_auto_keeps_axes_on_shm_while_their_groups_fit_dev_shm(caplog):
-    """fit_shm_space: dp=2,tp=2 needs 2 groups of 2 ranks per axis (about 80 MiB of slots per axis); with room for
+    """fit_shm_space: dp=2,tp=2 needs 2 groups of 2 ranks per axis (about 20 MiB of the smallest slots); with room for
     one axis the first stays on shm and the second goes to gloo with one warning naming it, /dev/shm's free bytes
     and what to try; with room for none, both; unreadable space changes nothing."""
     import logging
 
     from adaptdist.comm_transport import fit_shm_space
-    from adaptdist.kernels.shm import segment_fixed_bytes
+    from adaptdist.kernels.shm import MIN_SLOT_BYTES, segment_fixed_bytes
     from adaptdist.mesh import Mesh
 
     mesh = Mesh.parse("dp=2,tp=2")
     both = {"dp": "shm", "tp": "shm"}
-    per_axis = 2 * segment_fixed_bytes(2)
-    assert per_axis >= 80 << 20
+    per_axis = 2 * segment_fixed_bytes(2, MIN_SLOT_BYTES)
+    assert per_axis >= 20 << 20
     with caplog.at_level(logging.WARNING, logger="adaptdist.compiler"):
         assert fit_shm_space(mesh, both, space=(1 << 30, 3 * per_axis)) == both
     assert not caplog.records
@@ -209,6 +214,25 @@ def test_comm_auto_keeps_axes_on_shm_while_their_groups_fit_dev_shm(caplog):
     assert "'tp'" in msg and "'dp'" not in msg and str(per_axis + 1) in msg and "--shm-size" in msg
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="adaptdist.compiler"):
-        assert fit_shm_space(mesh, both, space=(64 << 20, 60 << 20)) == {"dp": "gloo", "tp": "gloo"}
+        assert fit_shm_space(mesh, both, space=(64 << 20, per_axis - 1)) == {"dp": "gloo", "tp": "gloo"}
     assert len(caplog.records) == 1
     assert fit_shm_space(mesh, {"dp": "gloo", "tp": "none"}, space=(0, 0)) == {"dp": "gloo", "tp": "none"}
+    # the pipeline's all-or-nothing check: room for two groups of 2 ranks, not three
+    from adaptdist.comm_transport import shm_space_fits
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="adaptdist.compiler"):
+        assert shm_space_fits([2, 2], "the pipeline's 2 groups", space=(1 << 30, per_axis))
+        assert not shm_space_fits([2, 2, 2], "the pipeline's 3 groups", space=(1 << 30, per_axis))
+    assert len(caplog.records) == 1 and "the pipeline's 3 groups" in caplog.records[0].getMessage()
+
+
+def test_default_slot_halves_to_fit_dev_shm():
+    """The default 4 MiB slot halves (to 1 MiB at least) until a group's slots take at most a quarter of /dev/shm's
+    free bytes, leaving room for the groups made after it."""
+    from adaptdist.kernels.shm import DEFAULT_SLOT_BYTES, MIN_SLOT_BYTES, fitting_slot_bytes
+
+    assert fitting_slot_bytes(2, space=(1 << 30, 1 << 30)) == DEFAULT_SLOT_BYTES
+    assert fitting_slot_bytes(2, space=(200 << 20, 100 << 20)) == 2 << 20  # 20 MiB of slots <= 25 MiB
+    assert fitting_slot_bytes(4, space=(64 << 20, 64 << 20)) == MIN_SLOT_BYTES  # Docker's default: 20 MiB of slots
+    assert fitting_slot_bytes(2, space=(8 << 20, 8 << 20)) == MIN_SLOT_BYTES  # too small even so: init_group raises

@@ -108,8 +108,9 @@ Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (defau
 ranks), a header, one 64 MiB output region and one 64 MiB registered-input region per rank. /dev/shm is a tmpfs,
 where touching a page past its space kills the process (SIGBUS; Docker's default is 64 MiB for everything), so
 nothing is touched before it is reserved (fallocate): the header and slots when the group is made
-(:func:`segment_fixed_bytes`; no room: :class:`~adaptdist.errors.ShmCapacityError` on every rank, naming /dev/shm's
-size and free bytes and what to try), and a region's range (1 MiB granules) before its first use: without room an
+(:func:`segment_fixed_bytes`; without ``slot_bytes`` the slot halves, down to 1 MiB, until the slots take at most a
+quarter of /dev/shm's free bytes: :func:`fitting_slot_bytes`; no room even so: :class:`~adaptdist.errors.ShmCapacityError` on every rank, naming
+/dev/shm's size and free bytes and what to try), and a region's range (1 MiB granules) before its first use: without room an
 all_reduce's output is private memory, the fused flatten is ``torch.cat`` + all_reduce (the same results), and
 :func:`input_buffer` raises ShmCapacityError. Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
@@ -142,12 +143,13 @@ from . import require
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "adaptdist-"
 DEFAULT_SLOT_BYTES = 4 << 20
+MIN_SLOT_BYTES = 1 << 20  # the default slot halves down to this where /dev/shm is small (the all_reduce's chunk)
 DEFAULT_TIMEOUT_S = 120.0
 INPUT_REGION_BYTES = 64 << 20  # each rank's registered-input region (csrc: kSharedInBytes)
 SHARED_OUTPUT_MIN_BYTES = 256 << 10  # all_reduce outputs from this size on go to the shared region (csrc: kReuseBytes)
 _ERROR_TAG = "adaptdist shm:"
 _CAPACITY_TAG = "[shm_capacity]"  # csrc: kCapacityTag, in errors caused by too little /dev/shm
-_NEEDED_RE = re.compile(r"\[needed_bytes=(\d+)\]")
+_NEEDED_RE = re.compile(r" ?\[needed_bytes=(\d+)\]")
 HEADER_BYTES = 64 << 10  # at least the segment's header (csrc: sizeof(Header), rounded up to 4096: about 12 KiB)
 SLOT_BUFFERS = 5  # csrc: kBuffers
 _PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
@@ -210,9 +212,25 @@ def remove_stale_segments(job_key: str | None = None, shm_dir: Path = SHM_DIR) -
 
 def segment_fixed_bytes(group_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
     """(At most) the bytes of /dev/shm a group of ``group_size`` ranks reserves when it is made: its header and
-    ``5 * group_size * slot_bytes`` of slots. Its output and input regions (64 MiB a rank each) are reserved as
+    ``5 * group_size * slot_bytes`` of slots (made without ``slot_bytes``, at least ``slot_bytes=MIN_SLOT_BYTES``:
+    :func:`fitting_slot_bytes`). Its output and input regions (64 MiB a rank each) are reserved as
     used, and used only where /dev/shm has room (else private memory: the results are the same)."""
     return HEADER_BYTES + SLOT_BUFFERS * int(group_size) * int(slot_bytes)
+
+
+def fitting_slot_bytes(group_size: int, space: tuple[int, int] | None = None) -> int:
+    """The slot size of a group of ``group_size`` ranks made without ``slot_bytes``: DEFAULT_SLOT_BYTES, halved
+    (down to MIN_SLOT_BYTES, the pipelined all_reduce's chunk: only all_gather, reduce_scatter, all_to_all and
+    broadcast then take more, smaller steps) while its slots take more than a quarter of /dev/shm's free bytes
+    (``space``: ``(size_bytes, free_bytes)``; None: :func:`shm_space`), so that the groups made after it (the
+    other axes', the other jobs') still find room for theirs: ``--comm auto`` counts MIN_SLOT_BYTES per group."""
+    space = space if space is not None else shm_space()
+    slot = DEFAULT_SLOT_BYTES
+    if space is None:
+        return slot
+    while slot > MIN_SLOT_BYTES and 4 * segment_fixed_bytes(group_size, slot) > space[1]:
+        slot //= 2
+    return slot
 
 
 def shm_space(shm_dir: Path = SHM_DIR) -> tuple[int, int] | None:
@@ -228,7 +246,7 @@ def _capacity_error(text: str) -> ShmCapacityError:
     group = _GROUP_RE.search(text)
     needed = _NEEDED_RE.search(text)
     body = text[text.index(_ERROR_TAG):] if _ERROR_TAG in text else text
-    body = body.replace(_CAPACITY_TAG, "").strip()
+    body = _NEEDED_RE.sub("", body.replace(_CAPACITY_TAG, "")).strip()
     return ShmCapacityError(body, group.group(1) if group else None, int(needed.group(1)) if needed else None)
 
 
@@ -378,14 +396,16 @@ def group_on_one_host(process_group: Any = None) -> bool:
 
 
 def init_group(process_group: Any = None, *, name: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               job_key: str | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
+               job_key: str | None = None, slot_bytes: int | None = None,
                spin_us: float | None = None, comm_thread: bool | None = None) -> ShmGroup:
     """Create the shared-memory group of ``process_group``'s ranks (default: the world); call on each of them.
 
     ``process_group``: an initialised torch.distributed group (gloo) used for the rendezvous only.
     ``name``: the group's name for the ops (default ``process_group.group_name``); unique in this process.
     ``timeout_s``: the collective timeout (a stalled peer is named after it). ``job_key``: part of the
-    segment's name (default ``$MASTER_PORT``). ``slot_bytes``: per-rank chunk (multiple of 4096).
+    segment's name (default ``$MASTER_PORT``). ``slot_bytes``: per-rank chunk (multiple of 4096; default:
+    DEFAULT_SLOT_BYTES, smaller where /dev/shm has too little room for it, :func:`fitting_slot_bytes`, as group
+    rank 0 finds it).
     ``spin_us``: how long a waiting rank spins before it sleeps. ``comm_thread``: run this rank's collectives of
     the group on a thread of its own while the caller sleeps, as gloo does (default: when the host is busier than
     its cores as the group is made: 1-minute load average >= cores, or more ranks than cores; on such a host it
@@ -406,7 +426,7 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     name = name if name is not None else pg.group_name
     if timeout_s <= 0:
         raise UsageError(f"init_group: timeout_s must be positive, got {timeout_s}")
-    if slot_bytes < 4096 or slot_bytes % 4096:
+    if slot_bytes is not None and (slot_bytes < 4096 or slot_bytes % 4096):
         raise UsageError(f"init_group: slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
     if spin_us is None:
         # More ranks than cores: a waiting rank holds the core a missing peer needs, so it sleeps at once
@@ -430,10 +450,12 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     if group_rank == 0:
         remove_stale_segments(job)
         segment = f"/{SEGMENT_PREFIX}{job}-{os.getpid()}-{secrets.token_hex(4)}-{_sanitize(name, 64)}"
+        if slot_bytes is None:
+            slot_bytes = fitting_slot_bytes(group_size)
         try:
             ops._shm_group_attach(name, segment, 0, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
                                   spin_ns, True)
-            message[0] = ("ok", segment)
+            message[0] = ("ok", (segment, slot_bytes))
         except Exception as exc:  # noqa: BLE001 -- tell the peers, then raise the same everywhere
             text = str(exc)
             message[0] = ("capacity", text) if _CAPACITY_TAG in text else ("error", f"{type(exc).__name__}: {text}")
@@ -444,7 +466,7 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     if status != "ok":
         raise UsageError(f"shared-memory group '{name}': group rank 0 (global rank {global_ranks[0]}) could not "
                          f"create its segment: {payload}")
-    segment = payload
+    segment, slot_bytes = payload
     if group_rank != 0:
         ops._shm_group_attach(name, segment, group_rank, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
                               spin_ns, False)
