@@ -163,12 +163,14 @@ def test_room_for_the_slots_only_falls_back_with_equal_results(tmp_path, size_mi
         assert res["small_registered_equal"], res
 
 
-def _train(tmp_path, size_mib: int):
+def _train(tmp_path, size_mib: int, comm: str = "auto", ok: bool = True):
     out = tmp_path / "o"
     code = ("import sys; from adaptdist.cli import main; sys.exit(main(['train', 'tests/models.py:wide_mlp', "
-            "'--nproc', '2', '--batch-size', '8', '--plan', 'dp', '--comm', 'auto', '--sample-bytes', '0', "
+            f"'--nproc', '2', '--batch-size', '8', '--plan', 'dp', '--comm', {comm!r}, '--sample-bytes', '0', "
             f"'--out', {str(out)!r}, '--steps', '3', '--optimizer', 'sgd', '--lr', '2e-3']))")
     proc = _run_small_shm(size_mib, ["-c", code], timeout_s=600)
+    if not ok:
+        return None, proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "summary.json").read_text()), proc
 
@@ -188,6 +190,22 @@ def test_train_comm_auto_on_small_dev_shm_equals_eager(tmp_path, size_mib, trans
     assert summary["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     warned = (proc.stdout + proc.stderr).count("/dev/shm has")
     assert warned == (1 if transport == "gloo" else 0), proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@needs_namespace
+def test_train_comm_shm_on_too_small_dev_shm_is_a_typed_error():
+    """`--comm shm` (explicit) on an 8 MiB /dev/shm: the run stops with ShmCapacityError naming the group, /dev/shm's
+    size and what to try; no traceback, no rank killed by a signal."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        _, proc = _train(Path(d), 8, comm="shm", ok=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode > 0, text[-3000:]
+    assert "ShmCapacityError" in text and "adaptdist:dp[0,1]" in text and str(8 << 20) in text, text[-3000:]
+    assert "--shm-size" in text and "Traceback" not in text, text[-3000:]
+    assert "SIGBUS" not in text and "signal" not in text, text[-3000:]
 
 
 def test_comm_auto_keeps_axes_on_shm_while_their_groups_fit_dev_shm(caplog):

@@ -108,11 +108,12 @@ Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (defau
 ranks), a header, one 64 MiB output region and one 64 MiB registered-input region per rank. /dev/shm is a tmpfs,
 where touching a page past its space kills the process (SIGBUS; Docker's default is 64 MiB for everything), so
 nothing is touched before it is reserved (fallocate): the header and slots when the group is made
-(:func:`segment_fixed_bytes`; without ``slot_bytes`` the slot halves, down to 1 MiB, until the slots take at most a
-quarter of /dev/shm's free bytes: :func:`fitting_slot_bytes`; no room even so: :class:`~adaptdist.errors.ShmCapacityError` on every rank, naming
-/dev/shm's size and free bytes and what to try), and a region's range (1 MiB granules) before its first use: without room an
-all_reduce's output is private memory, the fused flatten is ``torch.cat`` + all_reduce (the same results), and
-:func:`input_buffer` raises ShmCapacityError. Payloads larger than a slot move in slot-sized chunks; payloads up to
+(:func:`segment_fixed_bytes`; without ``slot_bytes`` the slot halves, down to 1 MiB, until the slots take at most
+a quarter of /dev/shm's free bytes: :func:`fitting_slot_bytes`; no room even so:
+:class:`~adaptdist.errors.ShmCapacityError` on every rank, naming /dev/shm's size and free bytes and what to try),
+and a region's range (1 MiB granules) before its first use: without room an all_reduce's output is private memory,
+the fused flatten is ``torch.cat`` + all_reduce (the same results), and :func:`input_buffer` raises
+ShmCapacityError. Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
 slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
 reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in, writing the
