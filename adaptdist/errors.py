@@ -113,6 +113,19 @@ class ShmUnavailableError(UsageError):
     built or could not be loaded on this machine; the message gives the load error and what to try."""
 
 
+class ShmCapacityError(ShmUnavailableError):
+    """/dev/shm (a tmpfs) has too little space left for a shared-memory group: its header and slots when the group
+    is made, or a registered input buffer (:func:`adaptdist.kernels.shm.input_buffer`). The message names the group,
+    /dev/shm's size and free bytes, the bytes needed, and what to try (``--comm gloo``; ``--comm auto`` falls back to
+    gloo by itself; a bigger /dev/shm, e.g. ``docker run --shm-size=1g``). ``group``: the group's name (None where
+    the message did not say); ``needed_bytes``: the bytes asked for (None where unknown)."""
+
+    def __init__(self, message: str, group: str | None = None, needed_bytes: int | None = None):
+        super().__init__(message)
+        self.group = group
+        self.needed_bytes = needed_bytes
+
+
 class ShmPeerError(CollectiveTimeoutError):
     """A shared-memory collective failed because a peer died, stalled past the collective timeout or issued
     another collective. ``group`` is the group's name; ``peer_group_rank``, ``peer_global_rank`` and

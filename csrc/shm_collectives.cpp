@@ -40,6 +40,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -91,6 +92,16 @@ constexpr size_t kSharedOutBytes = size_t(64) << 20;
 // Each rank's registered input region (as NCCL's user-buffer registration): an all_reduce whose input lies in it,
 // at the same offset on every rank, is reduced straight from the ranks' regions (no copy-in into the slots).
 constexpr size_t kSharedInBytes = size_t(64) << 20;
+// /dev/shm is a tmpfs: a page of the segment is allocated when first touched, and a touch past the space left
+// raises SIGBUS (Docker's default /dev/shm is 64 MiB, shared by every group and job of the container). So nothing
+// is touched before it is reserved with fallocate (whose failure is an error code, not a signal): the header and
+// the slots when the group is made (rank 0; ENOSPC: a typed error), a range of an output or input region before
+// its first use, in granules of kReserveGranule (one bit each of a region's mask; the syscall is paid once).
+constexpr size_t kReserveGranule = size_t(1) << 20;
+static_assert(kSharedOutBytes / kReserveGranule <= 64 && kSharedInBytes / kReserveGranule <= 64,
+              "a region's reserved granules fit one 64-bit mask");
+// In the messages of errors caused by too little /dev/shm: adaptdist/kernels/shm.py raises ShmCapacityError for them.
+constexpr const char* kCapacityTag = "[shm_capacity]";
 
 struct alignas(64) RankInfo {
   std::atomic<int32_t> pid;
@@ -363,6 +374,17 @@ struct Group {
   size_t slot_bytes = 0;
   size_t chunk_bytes = kAllReduceChunkBytes;  // the pipelined all_reduce's chunk ($ADAPTDIST_SHM_CHUNK_BYTES)
   size_t map_bytes = 0;
+  int fd = -1;             // the segment's, kept open to reserve the regions' ranges (reserve_region)
+  std::atomic<bool> no_fallocate{false};  // the file system of /dev/shm has no fallocate: nothing is reserved
+  size_t outs_offset = 0;  // the regions' offsets in the segment (file offsets for fallocate)
+  size_t ins_offset = 0;
+  std::mutex reserve_mu;                  // the slow path of reserve_region
+  std::atomic<uint64_t> out_reserved{0};  // this rank's output region: granules reserved (bit k: granule k)
+  std::atomic<uint64_t> in_reserved{0};   // this rank's input region: the same
+  // The last failed reservation (under reserve_mu): its missing bytes and when (s); a request missing as many bytes
+  // within a second fails at once, without the syscall (a full /dev/shm would cost an fallocate every call).
+  size_t failed_bytes = 0;
+  double failed_at_s = -1e9;
   bool creator = false;
   bool unlinked = false;
   std::shared_ptr<Mapping> map;
@@ -390,6 +412,7 @@ struct Group {
     comm.reset();
     map.reset();  // unmaps unless an output tensor still uses the shared region
     if (creator && !unlinked) shm_unlink(segment.c_str());
+    if (fd >= 0) close(fd);
   }
 };
 
@@ -419,6 +442,65 @@ static std::string group_desc(const Group& g) {
   os << "group '" << g.name << "' (" << g.size << " ranks; this is group rank " << g.rank << ", global rank "
      << g.global_rank << ", pid " << getpid() << ")";
   return os.str();
+}
+
+// "/dev/shm (S bytes, F free)": for the errors that lack of space causes.
+static std::string shm_space_desc() {
+  struct statvfs vs;
+  std::ostringstream os;
+  if (statvfs("/dev/shm", &vs) == 0)
+    os << "/dev/shm (" << uint64_t(vs.f_blocks) * vs.f_frsize << " bytes, " << uint64_t(vs.f_bavail) * vs.f_frsize
+       << " free)";
+  else
+    os << "/dev/shm (size unknown: " << strerror(errno) << ")";
+  return os.str();
+}
+
+static std::string capacity_advice() {
+  return "; use gloo for this group (--comm gloo, or --comm auto, which falls back to gloo where /dev/shm is too "
+         "small), or give /dev/shm more space (e.g. `docker run --shm-size=1g`, or `mount -o remount,size=1g "
+         "/dev/shm`) ";
+}
+
+// Reserve [b, e) of this rank's output (out) or input region in the segment (fallocate: tmpfs allocates the pages
+// now, so touching them later cannot raise SIGBUS), rounded out to granules; granules reserved before are skipped
+// (the fast path: two loads and a mask). Returns 0, or the errno of the failure (ENOSPC: /dev/shm is full; the
+// range is then not used: peers write into an output range, so the owner reserves it before it declares it).
+static int reserve_region(Group& g, bool out, size_t b, size_t e) {
+  if (e <= b || g.no_fallocate.load(std::memory_order_relaxed)) return 0;
+  const size_t g0 = b / kReserveGranule, g1 = (e + kReserveGranule - 1) / kReserveGranule;
+  const uint64_t want = (g1 - g0 >= 64 ? ~uint64_t(0) : ((uint64_t(1) << (g1 - g0)) - 1)) << g0;
+  std::atomic<uint64_t>& mask = out ? g.out_reserved : g.in_reserved;
+  if ((mask.load(std::memory_order_acquire) & want) == want) return 0;
+  std::lock_guard<std::mutex> lock(g.reserve_mu);
+  const uint64_t have = mask.load(std::memory_order_relaxed);
+  if ((have & want) == want) return 0;
+  const size_t base = (out ? g.outs_offset + size_t(g.rank) * kSharedOutBytes
+                           : g.ins_offset + size_t(g.rank) * kSharedInBytes);
+  // one call over the span of missing granules (ones reserved in between are kept: fallocate leaves them be)
+  size_t lo = g0, hi = g1;
+  while (lo < hi && (have >> lo & 1)) ++lo;
+  while (hi > lo && (have >> (hi - 1) & 1)) --hi;
+  const size_t missing = (hi - lo) * kReserveGranule;
+  const double t = now_s();
+  if (missing >= g.failed_bytes && t - g.failed_at_s < 1.0) return ENOSPC;
+  int err = 0;
+  while (fallocate(g.fd, 0, off_t(base + lo * kReserveGranule), off_t((hi - lo) * kReserveGranule)) != 0) {
+    err = errno;
+    if (err != EINTR) break;
+    err = 0;
+  }
+  if (err == EOPNOTSUPP) {  // not a tmpfs: pages come as touched, as before reservations existed
+    g.no_fallocate = true;
+    err = 0;
+  }
+  if (err == 0) {
+    mask.fetch_or(want, std::memory_order_release);
+  } else {
+    g.failed_bytes = missing;
+    g.failed_at_s = t;
+  }
+  return err;
 }
 
 [[noreturn]] static void throw_abort(const Group& g, const char* op) {
@@ -898,6 +980,10 @@ static at::Tensor reusable_output(Group& g, const at::Tensor& x) {
              so->take(size_t(xp - in_base), size_t(xp - in_base) + bytes))
       roff = size_t(xp - in_base);
   }
+  if (roff != SIZE_MAX && reserve_region(g, true, roff, roff + bytes) != 0) {
+    so->release(roff);  // no space on /dev/shm for it: a private output (the peers never see this range)
+    roff = SIZE_MAX;
+  }
   if (roff != SIZE_MAX) {
     // The tensor keeps the mapping: it stays valid after the group is destroyed.
     return at::for_blob(so->data + roff, x.sizes())
@@ -1350,6 +1436,7 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   const size_t ins_offset = outs_offset + size_t(group_size) * kSharedOutBytes;
   const size_t map_bytes = ins_offset + size_t(group_size) * kSharedInBytes;
   int fd = -1;
+  bool no_fallocate = false;
   if (create) {
     fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     TORCH_CHECK(fd >= 0, "adaptdist shm: cannot create shared-memory segment /dev/shm", seg, ": ", strerror(errno));
@@ -1360,18 +1447,38 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
       TORCH_CHECK(false, "adaptdist shm: cannot size /dev/shm", seg, " to ", map_bytes, " bytes: ", strerror(e),
                   " (is /dev/shm large enough? `df -h /dev/shm`)");
     }
+    // What every collective touches (the header, the slots), reserved now: a full /dev/shm is this error, not a
+    // SIGBUS at some later first touch. The regions are reserved as used (reserve_region).
+    int e = 0;
+    while (fallocate(fd, 0, 0, off_t(outs_offset)) != 0) {
+      e = errno;
+      if (e != EINTR) break;
+      e = 0;
+    }
+    if (e == EOPNOTSUPP) no_fallocate = true;  // not a tmpfs (no reservations there: pages come as touched)
+    if (e != 0 && e != EOPNOTSUPP) {
+      const std::string space = shm_space_desc();  // before the unlink gives the partial reservation back
+      close(fd);
+      shm_unlink(seg.c_str());
+      TORCH_CHECK(false, "adaptdist shm: cannot create shared-memory group '", name, "' (", group_size,
+                  " ranks, slot ", slot_bytes, " bytes): its header and slots need ", outs_offset, " bytes of ",
+                  space, " and reserving them failed: ", strerror(e), " [needed_bytes=", outs_offset, "]",
+                  capacity_advice(), kCapacityTag);
+    }
   } else {
     fd = shm_open(seg.c_str(), O_RDWR, 0600);
     TORCH_CHECK(fd >= 0, "adaptdist shm: cannot open shared-memory segment /dev/shm", seg, " of group '", name,
                 "': ", strerror(errno), " (its creator, group rank 0, may have died or not be on this host)");
     struct stat st;
-    TORCH_CHECK(fstat(fd, &st) == 0 && size_t(st.st_size) == map_bytes, "adaptdist shm: /dev/shm", seg,
+    const bool size_ok = fstat(fd, &st) == 0 && size_t(st.st_size) == map_bytes;
+    if (!size_ok) close(fd);
+    TORCH_CHECK(size_ok, "adaptdist shm: /dev/shm", seg,
                 " has the wrong size for group '", name, "' (", group_size, " ranks, slot ", slot_bytes, " bytes)");
   }
   void* p = mmap(nullptr, map_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int e = errno;
-  close(fd);
   if (p == MAP_FAILED) {
+    close(fd);
     if (create) shm_unlink(seg.c_str());
     TORCH_CHECK(false, "adaptdist shm: cannot map /dev/shm", seg, ": ", strerror(e));
   }
@@ -1385,6 +1492,10 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
   g->spin_ns = spin_ns;
   g->slot_bytes = size_t(slot_bytes);
   g->map_bytes = map_bytes;
+  g->fd = fd;
+  g->no_fallocate = no_fallocate;
+  g->outs_offset = outs_offset;
+  g->ins_offset = ins_offset;
   // For tuning measurements (benchmarks/RESULTS.md): every rank of a group must set the same value.
   if (const char* cb = getenv("ADAPTDIST_SHM_CHUNK_BYTES")) {
     const long long v = atoll(cb);
@@ -1629,6 +1740,11 @@ static at::Tensor input_region_tensor(Group& g, int64_t offset_bytes, int64_t nu
                     "adaptdist shm: input buffer of ", group_desc(g), ": ", numel, " elements of ", dtype, " (",
                     numel * es, " bytes) at offset ", offset_bytes, " exceed the rank's input region of ",
                     kSharedInBytes, " bytes");
+  const int err = reserve_region(g, false, size_t(offset_bytes), size_t(offset_bytes) + size_t(numel * es));
+  TORCH_CHECK(err == 0, "adaptdist shm: input buffer of ", group_desc(g), ": cannot reserve ", numel * es,
+              " bytes at offset ", offset_bytes, " of its registered input region in ", shm_space_desc(), ": ",
+              strerror(err), capacity_advice(), "; or pass a plain tensor to the all_reduce (it then copies it in) ",
+              kCapacityTag);
   std::shared_ptr<Mapping> keep = g.map;
   return at::for_blob(g.in_region(g.rank) + offset_bytes, {numel})
       .deleter([keep](void*) {})
@@ -1650,10 +1766,10 @@ static int64_t group_input_region_bytes(c10::string_view group_name) {
 // A gradient bucket's flatten and all_reduce in one op: the inputs (one dtype), flattened and concatenated in
 // order, are copied straight into this rank's registered input region at input_offset_bytes (this copy replaces
 // torch.cat's), and the all_reduce of that 1-d tensor is started there (shm_all_reduce_start; wait with shm_wait).
-// Every rank must pass the same offset. Where the bucket does not fit the region (or the group has one rank) it
-// is torch.cat + shm_all_reduce_start, as before. The caller must not start another collective on the same
-// bytes of the region before this one's shm_wait returned (the lowering gives each bucket of a step its own
-// offset).
+// Every rank must pass the same offset. Where the bucket does not fit the region, /dev/shm has no space left for
+// its range, or the group has one rank, it is torch.cat + shm_all_reduce_start (bitwise the same result). The caller
+// must not start another collective on the same bytes of the region before this one's shm_wait returned (the
+// lowering gives each bucket of a step its own offset).
 static at::Tensor flatten_all_reduce_start(at::TensorList inputs, int64_t input_offset_bytes,
                                            c10::string_view reduce_op, c10::string_view group_name) {
   TORCH_CHECK_VALUE(!inputs.empty(), "adaptdist shm: shm_flatten_all_reduce_start needs at least one tensor");
@@ -1669,7 +1785,8 @@ static at::Tensor flatten_all_reduce_start(at::TensorList inputs, int64_t input_
   auto gp = find_group(std::string(group_name));
   const uint64_t bytes = uint64_t(total) * c10::elementSize(dt);
   if (gp->size > 1 && input_offset_bytes >= 0 && input_offset_bytes % 64 == 0 &&
-      uint64_t(input_offset_bytes) + bytes <= kSharedInBytes) {
+      uint64_t(input_offset_bytes) + bytes <= kSharedInBytes &&
+      reserve_region(*gp, false, size_t(input_offset_bytes), size_t(input_offset_bytes + bytes)) == 0) {
     at::Tensor flat = input_region_tensor(*gp, input_offset_bytes, total, dt);
     char* base = static_cast<char*>(flat.data_ptr());
     const size_t es = c10::elementSize(dt);

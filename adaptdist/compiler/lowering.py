@@ -350,12 +350,13 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     """The lowering's last, per-rank pass: collectives of mesh axes on shared memory
     (:func:`~adaptdist.comm_transport.axis_transports` of ``options.comm`` and ``options.hosts``) become
     ``torch.ops.adaptdist.shm_*`` (``passes/use_shm_collectives.py``); each changed program's source is written
-    again. Runs after the consistency checks, which see the functional collectives.
+    again. Runs after the consistency checks, which see the functional collectives. Under ``auto`` an axis whose
+    groups /dev/shm has no room for stays on gloo (:func:`~adaptdist.comm_transport.fit_shm_space`, one warning).
 
     Raises:
         ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
     """
-    from ..comm_transport import axis_transports, mesh_rank_hosts
+    from ..comm_transport import axis_transports, fit_shm_space, mesh_rank_hosts
     from ..mesh import shm_group_name
     from ..passes.use_shm_collectives import use_shm_collectives
     from .codegen import rewrite_source
@@ -367,6 +368,8 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     transports = axis_transports(mesh, options.comm, mesh_rank_hosts(plan, options.hosts),
                                  what="comm='shm' (--comm shm)" if options.front_end == "cli"
                                  else "adaptdist.backend(comm='shm')")
+    if options.comm == "auto":  # a /dev/shm too small for the groups' slots: gloo, with one warning
+        transports = fit_shm_space(mesh, transports)
     axes = [a for a, t in transports.items() if t == "shm"]
     for program in programs.values():
         # named by this rank's group's ranks (mesh rank = global rank: the runtime's DeviceMesh is row-major)

@@ -546,7 +546,9 @@ def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: Lowe
     collectives become ``torch.ops.adaptdist.shm_*`` on ``adaptdist:<axis>[ranks]``, in copies of the stage
     modules, which ranks of other groups share) and the runtime's reductions (``batch_group``: the data-parallel
     peers, ``adaptdist:<batch axis>[ranks]``; a tied weight's ``grad_groups``: ``adaptdist:grads[ranks]``); every
-    such group is listed in ``shm_groups``. Sends and receives between stages stay on gloo.
+    such group is listed in ``shm_groups``. Sends and receives between stages stay on gloo. Under ``auto``, where
+    /dev/shm cannot hold every such group's slots, all stay on gloo (one warning,
+    :func:`~adaptdist.comm_transport.shm_space_fits`).
 
     Raises:
         ShmUnavailableError: ``options.comm == "shm"`` without the kernels.
@@ -588,6 +590,12 @@ def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: Lowe
                                            backward_weight=renamed(st.backward_weight, names))
                        for st in prog.stages)
         out[r] = dataclasses.replace(prog, stages=stages, shm_groups=shm)
+    if options.comm == "auto":  # a /dev/shm too small for every group's slots: all on gloo, with one warning
+        from ..comm_transport import shm_space_fits
+
+        groups = {n: key for prog in out.values() for n, key in prog.shm_groups.items()}
+        if groups and not shm_space_fits([len(k) for k in groups.values()], f"the pipeline's {len(groups)} groups"):
+            return programs
     return out
 
 

@@ -105,8 +105,15 @@ the calling thread while that thread has nothing queued: a hand-over costs two t
 such a call. Errors raised on that thread are re-raised to the caller unchanged.
 
 Memory: each group maps ``5 * group_size * slot_bytes`` bytes of /dev/shm (default slot 4 MiB: 80 MiB for 4
-ranks, touched as used), a header, one 64 MiB output region and one 64 MiB registered-input region per rank
-(virtual: pages are allocated as they are touched). Payloads larger than a slot move in slot-sized chunks; payloads up to
+ranks), a header, one 64 MiB output region and one 64 MiB registered-input region per rank. /dev/shm is a tmpfs,
+where touching a page past its space kills the process (SIGBUS; Docker's default is 64 MiB for everything), so
+nothing is touched before it is reserved (fallocate): the header and slots when the group is made
+(:func:`segment_fixed_bytes`; without ``slot_bytes`` the slot halves, down to 1 MiB, until the slots take at most
+a quarter of /dev/shm's free bytes: :func:`fitting_slot_bytes`; no room even so:
+:class:`~adaptdist.errors.ShmCapacityError` on every rank, naming /dev/shm's size and free bytes and what to try),
+and a region's range (1 MiB granules) before its first use: without room an all_reduce's output is private memory,
+the fused flatten is ``torch.cat`` + all_reduce (the same results), and :func:`input_buffer` raises
+ShmCapacityError. Payloads larger than a slot move in slot-sized chunks; payloads up to
 32 KiB take one barrier (every rank reduces all of it). A larger all_reduce pipelines 1 MiB chunks (at most a
 slot; they stay in the caches between a rank's copy-in and its peers' reads), one barrier per chunk: each rank
 reduces its slice of chunk k (one SSE2 pass for float32 and bfloat16) while chunk k+1 comes in, writing the
@@ -131,16 +138,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShmPeerError, UsageError
+from ..errors import AdaptdistError, ShmCapacityError, ShmPeerError, UsageError
 from . import require
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "adaptdist-"
 DEFAULT_SLOT_BYTES = 4 << 20
+MIN_SLOT_BYTES = 1 << 20  # the default slot halves down to this where /dev/shm is small (the all_reduce's chunk)
 DEFAULT_TIMEOUT_S = 120.0
 INPUT_REGION_BYTES = 64 << 20  # each rank's registered-input region (csrc: kSharedInBytes)
 SHARED_OUTPUT_MIN_BYTES = 256 << 10  # all_reduce outputs from this size on go to the shared region (csrc: kReuseBytes)
 _ERROR_TAG = "adaptdist shm:"
+_CAPACITY_TAG = "[shm_capacity]"  # csrc: kCapacityTag, in errors caused by too little /dev/shm
+_NEEDED_RE = re.compile(r" ?\[needed_bytes=(\d+)\]")
+HEADER_BYTES = 64 << 10  # at least the segment's header (csrc: sizeof(Header), rounded up to 4096: about 12 KiB)
+SLOT_BUFFERS = 5  # csrc: kBuffers
 _PEER_RE = re.compile(r"\[peer_group_rank=(-?\d+) peer_global_rank=(-?\d+) peer_pid=(-?\d+)\]")
 _GROUP_RE = re.compile(r"group '([^']*)'")
 
@@ -199,12 +211,55 @@ def remove_stale_segments(job_key: str | None = None, shm_dir: Path = SHM_DIR) -
     return removed
 
 
-def translate_error(exc: BaseException) -> ShmPeerError | None:
+def segment_fixed_bytes(group_size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
+    """(At most) the bytes of /dev/shm a group of ``group_size`` ranks reserves when it is made: its header and
+    ``5 * group_size * slot_bytes`` of slots (made without ``slot_bytes``, at least ``slot_bytes=MIN_SLOT_BYTES``:
+    :func:`fitting_slot_bytes`). Its output and input regions (64 MiB a rank each) are reserved as
+    used, and used only where /dev/shm has room (else private memory: the results are the same)."""
+    return HEADER_BYTES + SLOT_BUFFERS * int(group_size) * int(slot_bytes)
+
+
+def fitting_slot_bytes(group_size: int, space: tuple[int, int] | None = None) -> int:
+    """The slot size of a group of ``group_size`` ranks made without ``slot_bytes``: DEFAULT_SLOT_BYTES, halved
+    (down to MIN_SLOT_BYTES, the pipelined all_reduce's chunk: only all_gather, reduce_scatter, all_to_all and
+    broadcast then take more, smaller steps) while its slots take more than a quarter of /dev/shm's free bytes
+    (``space``: ``(size_bytes, free_bytes)``; None: :func:`shm_space`), so that the groups made after it (the
+    other axes', the other jobs') still find room for theirs: ``--comm auto`` counts MIN_SLOT_BYTES per group."""
+    space = space if space is not None else shm_space()
+    slot = DEFAULT_SLOT_BYTES
+    if space is None:
+        return slot
+    while slot > MIN_SLOT_BYTES and 4 * segment_fixed_bytes(group_size, slot) > space[1]:
+        slot //= 2
+    return slot
+
+
+def shm_space(shm_dir: Path = SHM_DIR) -> tuple[int, int] | None:
+    """``(size_bytes, free_bytes)`` of ``shm_dir`` (/dev/shm), or None where it cannot be read."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _capacity_error(text: str) -> ShmCapacityError:
+    group = _GROUP_RE.search(text)
+    needed = _NEEDED_RE.search(text)
+    body = text[text.index(_ERROR_TAG):] if _ERROR_TAG in text else text
+    body = _NEEDED_RE.sub("", body.replace(_CAPACITY_TAG, "")).strip()
+    return ShmCapacityError(body, group.group(1) if group else None, int(needed.group(1)) if needed else None)
+
+
+def translate_error(exc: BaseException) -> AdaptdistError | None:
     """The typed error for an exception raised by a ``torch.ops.adaptdist.shm_*`` op (None if not one):
-    ``ShmPeerError`` with the peer's group rank, global rank and pid when the message names them."""
+    ``ShmCapacityError`` where /dev/shm had too little space; else ``ShmPeerError`` with the peer's group rank,
+    global rank and pid when the message names them."""
     text = str(exc)
     if _ERROR_TAG not in text or isinstance(exc, (TypeError, ValueError)):
         return None
+    if _CAPACITY_TAG in text:
+        return _capacity_error(text)
     peer = _PEER_RE.search(text)
     group = _GROUP_RE.search(text)
     ranks = [int(v) for v in peer.groups()] if peer else [None, None, None]
@@ -276,7 +331,9 @@ def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: i
     ``shm_all_reduce_start`` on it (or on a contiguous part of it), at the same offset and size on every rank,
     skips the all_reduce's copy-in. Its contents persist between calls; it stays valid (the segment mapped) after
     the group is destroyed. Raises UsageError when ``offset_bytes`` is not a non-negative multiple of 64, or the
-    buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit."""
+    buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit;
+    ShmCapacityError when /dev/shm has no space left for the buffer's bytes (reserved here, once: a later touch
+    cannot fail), naming the group, /dev/shm's size and free bytes, and what to try."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -290,7 +347,7 @@ def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: i
                          f"({size_bytes} bytes) at offset {offset_bytes} exceed the rank's input region of "
                          f"{INPUT_REGION_BYTES} bytes; use a smaller buffer (or a plain tensor: the all_reduce "
                          "then copies it in)")
-    return _ops()._shm_group_input_buffer(group_name, int(offset_bytes), int(numel), dtype)
+    return _call(_ops()._shm_group_input_buffer, group_name, int(offset_bytes), int(numel), dtype)
 
 
 def destroy_group(name: str) -> None:
@@ -340,22 +397,25 @@ def group_on_one_host(process_group: Any = None) -> bool:
 
 
 def init_group(process_group: Any = None, *, name: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               job_key: str | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
+               job_key: str | None = None, slot_bytes: int | None = None,
                spin_us: float | None = None, comm_thread: bool | None = None) -> ShmGroup:
     """Create the shared-memory group of ``process_group``'s ranks (default: the world); call on each of them.
 
     ``process_group``: an initialised torch.distributed group (gloo) used for the rendezvous only.
     ``name``: the group's name for the ops (default ``process_group.group_name``); unique in this process.
     ``timeout_s``: the collective timeout (a stalled peer is named after it). ``job_key``: part of the
-    segment's name (default ``$MASTER_PORT``). ``slot_bytes``: per-rank chunk (multiple of 4096).
+    segment's name (default ``$MASTER_PORT``). ``slot_bytes``: per-rank chunk (multiple of 4096; default:
+    DEFAULT_SLOT_BYTES, smaller where /dev/shm has too little room for it, :func:`fitting_slot_bytes`, as group
+    rank 0 finds it).
     ``spin_us``: how long a waiting rank spins before it sleeps. ``comm_thread``: run this rank's collectives of
     the group on a thread of its own while the caller sleeps, as gloo does (default: when the host is busier than
     its cores as the group is made: 1-minute load average >= cores, or more ranks than cores; on such a host it
     made bench_tp's step 2x faster, and on a quiet one the hand-over would add two thread wake-ups per call;
     ``$ADAPTDIST_SHM_COMM_THREAD`` = 1 or 0 overrides that default).
 
-    Raises ShmUnavailableError (kernels not loaded), UsageError (ranks on different hosts, bad
-    arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
+    Raises ShmUnavailableError (kernels not loaded), ShmCapacityError (/dev/shm has too little space left for
+    the group's header and slots, :func:`segment_fixed_bytes`; on every rank), UsageError (ranks on different
+    hosts, bad arguments), ShmPeerError (a rank did not attach within ``timeout_s``).
     """
     require("a shared-memory group (init_group)")
     import torch.distributed as dist
@@ -367,7 +427,7 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     name = name if name is not None else pg.group_name
     if timeout_s <= 0:
         raise UsageError(f"init_group: timeout_s must be positive, got {timeout_s}")
-    if slot_bytes < 4096 or slot_bytes % 4096:
+    if slot_bytes is not None and (slot_bytes < 4096 or slot_bytes % 4096):
         raise UsageError(f"init_group: slot_bytes must be a positive multiple of 4096, got {slot_bytes}")
     if spin_us is None:
         # More ranks than cores: a waiting rank holds the core a missing peer needs, so it sleeps at once
@@ -391,18 +451,23 @@ def init_group(process_group: Any = None, *, name: str | None = None, timeout_s:
     if group_rank == 0:
         remove_stale_segments(job)
         segment = f"/{SEGMENT_PREFIX}{job}-{os.getpid()}-{secrets.token_hex(4)}-{_sanitize(name, 64)}"
+        if slot_bytes is None:
+            slot_bytes = fitting_slot_bytes(group_size)
         try:
             ops._shm_group_attach(name, segment, 0, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
                                   spin_ns, True)
-            message[0] = ("ok", segment)
+            message[0] = ("ok", (segment, slot_bytes))
         except Exception as exc:  # noqa: BLE001 -- tell the peers, then raise the same everywhere
-            message[0] = ("error", f"{type(exc).__name__}: {exc}")
+            text = str(exc)
+            message[0] = ("capacity", text) if _CAPACITY_TAG in text else ("error", f"{type(exc).__name__}: {text}")
     dist.broadcast_object_list(message, src=global_ranks[0], group=pg)
     status, payload = message[0]
+    if status == "capacity":
+        raise _capacity_error(payload)
     if status != "ok":
         raise UsageError(f"shared-memory group '{name}': group rank 0 (global rank {global_ranks[0]}) could not "
                          f"create its segment: {payload}")
-    segment = payload
+    segment, slot_bytes = payload
     if group_rank != 0:
         ops._shm_group_attach(name, segment, group_rank, group_size, dist.get_rank(), slot_bytes, float(timeout_s),
                               spin_ns, False)
