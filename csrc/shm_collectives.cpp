@@ -740,8 +740,8 @@ static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t le
 // float32 with 256- and 512-bit vectors (AVX2, AVX-512F), chosen at run time (__builtin_cpu_supports) where the
 // compiler can target them; the SSE2 loop above stays for every other x86-64. Lane-wise the same IEEE operations
 // in the same rank order as the SSE2 and scalar code (add, or the max rule; avg's one division): bitwise the same
-// results. Measured on this host's bandwidth-bound 16 MiB calls: a few per cent (benchmarks/RESULTS.md, 2026-12-04
-// 20:xx), from fewer instructions per cache line while the loads of the peers' slots and the own input are in flight.
+// results. Measured on this host's bandwidth-bound 16 MiB calls: a few per cent at most, in paired runs only
+// (benchmarks/RESULTS.md, "copy-in (plain tensor) path", 2026-12-04): fewer instructions per cache line.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ADAPTDIST_WIDE_SIMD 1
 template <RedOp OP>
