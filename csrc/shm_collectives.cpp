@@ -637,15 +637,15 @@ struct Dests {
     nt[k] = stream;
     ++k;
   }
-  // Non-temporal stores need 16-byte alignment: the kernels align on the first such destination, so one whose
-  // address differs from it modulo 16 takes ordinary stores.
-  int first_nt() {
+  // Non-temporal stores of `align` bytes (16: SSE2, 32: AVX2, 64: AVX-512) need that alignment: the kernels align
+  // on the first such destination, so one whose address differs from it modulo `align` takes ordinary stores.
+  int first_nt(uintptr_t align = 16) {
     int f = -1;
     for (int d = 0; d < k; ++d) {
       if (!nt[d]) continue;
       if (f < 0)
         f = d;
-      else if (((reinterpret_cast<uintptr_t>(p[d]) - reinterpret_cast<uintptr_t>(p[f])) & 15) != 0)
+      else if (((reinterpret_cast<uintptr_t>(p[d]) - reinterpret_cast<uintptr_t>(p[f])) & (align - 1)) != 0)
         nt[d] = false;
     }
     return f;
@@ -839,6 +839,131 @@ static void reduce_bf16_sse2(const c10::BFloat16* const* srcs, int n, int64_t le
   if (f >= 0) _mm_sfence();
 }
 
+// float32 with 256- and 512-bit vectors (AVX2, AVX-512F), chosen at run time (__builtin_cpu_supports) where the
+// compiler can target them; the SSE2 loop above stays for every other x86-64. Lane-wise the same IEEE operations
+// in the same rank order as the SSE2 and scalar code (add, or the max rule; avg's one division): bitwise the same
+// results. Measured on this host's bandwidth-bound 16 MiB calls: a few per cent at most, in paired runs only
+// (benchmarks/RESULTS.md, "copy-in (plain tensor) path", 2026-12-04): fewer instructions per cache line.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ADAPTDIST_WIDE_SIMD 1
+template <RedOp OP>
+__attribute__((target("avx2"))) static inline __m256 red8(__m256 acc, __m256 x) {
+  if constexpr (OP == RedOp::Max) {
+    const __m256 take = _mm256_or_ps(_mm256_cmp_ps(x, acc, _CMP_GT_OS), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(acc, x, take);
+  } else {
+    return _mm256_add_ps(acc, x);
+  }
+}
+
+template <RedOp OP>
+__attribute__((target("avx2"))) static void reduce_f32_avx2(const float* const* srcs, int n, int64_t len, Dests d) {
+  const int f = d.first_nt(32);  // 32-byte non-temporal stores need 32-byte alignment
+  int64_t i = 0;
+  if (f >= 0)
+    for (; i < len && (reinterpret_cast<uintptr_t>(d.p[f] + i * 4) & 31) != 0; ++i) reduce_scalar(srcs, n, i, d, OP);
+  const __m256 nv = _mm256_set1_ps(float(n));
+  for (; i + 32 <= len; i += 32) {  // two cache lines per step
+    const float* s0 = srcs[0] + i;
+    __m256 a0 = _mm256_loadu_ps(s0), a1 = _mm256_loadu_ps(s0 + 8), a2 = _mm256_loadu_ps(s0 + 16),
+           a3 = _mm256_loadu_ps(s0 + 24);
+    for (int r = 1; r < n; ++r) {
+      const float* s = srcs[r] + i;
+      a0 = red8<OP>(a0, _mm256_loadu_ps(s));
+      a1 = red8<OP>(a1, _mm256_loadu_ps(s + 8));
+      a2 = red8<OP>(a2, _mm256_loadu_ps(s + 16));
+      a3 = red8<OP>(a3, _mm256_loadu_ps(s + 24));
+    }
+    if constexpr (OP == RedOp::Avg) {
+      a0 = _mm256_div_ps(a0, nv);
+      a1 = _mm256_div_ps(a1, nv);
+      a2 = _mm256_div_ps(a2, nv);
+      a3 = _mm256_div_ps(a3, nv);
+    }
+    for (int k = 0; k < d.k; ++k) {
+      float* o = reinterpret_cast<float*>(d.p[k] + size_t(i) * 4);
+      if (d.nt[k]) {
+        _mm256_stream_ps(o, a0);
+        _mm256_stream_ps(o + 8, a1);
+        _mm256_stream_ps(o + 16, a2);
+        _mm256_stream_ps(o + 24, a3);
+      } else {
+        _mm256_storeu_ps(o, a0);
+        _mm256_storeu_ps(o + 8, a1);
+        _mm256_storeu_ps(o + 16, a2);
+        _mm256_storeu_ps(o + 24, a3);
+      }
+    }
+  }
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, d, OP);
+  if (f >= 0) _mm_sfence();
+}
+
+template <RedOp OP>
+__attribute__((target("avx512f"))) static inline __m512 red16(__m512 acc, __m512 x) {
+  if constexpr (OP == RedOp::Max) {
+    const __mmask16 take = _mm512_cmp_ps_mask(x, acc, _CMP_GT_OS) | _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(take, acc, x);
+  } else {
+    return _mm512_add_ps(acc, x);
+  }
+}
+
+template <RedOp OP>
+__attribute__((target("avx512f"))) static void reduce_f32_avx512(const float* const* srcs, int n, int64_t len,
+                                                                 Dests d) {
+  const int f = d.first_nt(64);
+  int64_t i = 0;
+  if (f >= 0)
+    for (; i < len && (reinterpret_cast<uintptr_t>(d.p[f] + i * 4) & 63) != 0; ++i) reduce_scalar(srcs, n, i, d, OP);
+  const __m512 nv = _mm512_set1_ps(float(n));
+  for (; i + 32 <= len; i += 32) {
+    const float* s0 = srcs[0] + i;
+    __m512 a0 = _mm512_loadu_ps(s0), a1 = _mm512_loadu_ps(s0 + 16);
+    for (int r = 1; r < n; ++r) {
+      const float* s = srcs[r] + i;
+      a0 = red16<OP>(a0, _mm512_loadu_ps(s));
+      a1 = red16<OP>(a1, _mm512_loadu_ps(s + 16));
+    }
+    if constexpr (OP == RedOp::Avg) {
+      a0 = _mm512_div_ps(a0, nv);
+      a1 = _mm512_div_ps(a1, nv);
+    }
+    for (int k = 0; k < d.k; ++k) {
+      float* o = reinterpret_cast<float*>(d.p[k] + size_t(i) * 4);
+      if (d.nt[k]) {
+        _mm512_stream_ps(o, a0);
+        _mm512_stream_ps(o + 16, a1);
+      } else {
+        _mm512_storeu_ps(o, a0);
+        _mm512_storeu_ps(o + 16, a1);
+      }
+    }
+  }
+  for (; i < len; ++i) reduce_scalar(srcs, n, i, d, OP);
+  if (f >= 0) _mm_sfence();
+}
+#endif
+
+// The float32 kernel's vector width: the widest this CPU has, or $ADAPTDIST_SHM_SIMD (sse2, avx2, avx512; read once,
+// for side-by-side measurements and the tests that check every width gives the same bits) where the CPU has it.
+enum class Simd { Sse2, Avx2, Avx512 };
+static Simd f32_simd() {
+  static const Simd s = [] {
+#if defined(ADAPTDIST_WIDE_SIMD)
+    const bool has512 = __builtin_cpu_supports("avx512f"), has2 = __builtin_cpu_supports("avx2");
+    const char* e = getenv("ADAPTDIST_SHM_SIMD");
+    const std::string want = e ? e : "";
+    if (want == "sse2") return Simd::Sse2;
+    if (want == "avx2") return has2 ? Simd::Avx2 : Simd::Sse2;
+    return has512 ? Simd::Avx512 : has2 ? Simd::Avx2 : Simd::Sse2;
+#else
+    return Simd::Sse2;
+#endif
+  }();
+  return s;
+}
+
 template <template <RedOp> class K, typename... A>
 static void with_op(RedOp op, A... a) {
   if (op == RedOp::Sum)
@@ -850,7 +975,14 @@ static void with_op(RedOp op, A... a) {
 }
 template <RedOp OP>
 struct F32Kernel {
-  static void run(const float* const* s, int n, int64_t len, const Dests* d) { reduce_f32_sse2<OP>(s, n, len, *d); }
+  static void run(const float* const* s, int n, int64_t len, const Dests* d) {
+#if defined(ADAPTDIST_WIDE_SIMD)
+    const Simd w = f32_simd();
+    if (w == Simd::Avx512) return reduce_f32_avx512<OP>(s, n, len, *d);
+    if (w == Simd::Avx2) return reduce_f32_avx2<OP>(s, n, len, *d);
+#endif
+    reduce_f32_sse2<OP>(s, n, len, *d);
+  }
 };
 template <RedOp OP>
 struct BF16Kernel {
