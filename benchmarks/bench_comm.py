@@ -8,7 +8,9 @@ warm-up). Reported: latency (us), algorithm bandwidth and bus bandwidth, with nc
 (all_gather: the output; reduce_scatter: the input), algbw = S / t, busbw = algbw x factor with factor
 2(n-1)/n for all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast. Beside
 them: one core's `torch.Tensor.copy_` of the same S (bandwidth = S / t), the physical limit of moving S
-bytes once. Ratios: shm busbw / gloo busbw, and shm busbw / memcpy bandwidth.
+bytes once; and ``x n``: the same copy made by all n ranks at once (each rank's bandwidth, the slowest's: what a
+core gets while the others move data too, as they do inside a collective). Ratios: shm busbw / gloo busbw, shm
+busbw / memcpy bandwidth, and shm busbw / the ``x n`` bandwidth.
 
 The row ``all_reduce[reg]`` (with ``all_reduce`` in --ops) is the shm all_reduce whose input already lies in the
 rank's registered input region (``shm.input_buffer``, as NCCL's user-buffer registration: no copy-in); its gloo
@@ -104,6 +106,13 @@ def bench_worker(rank: int, world: int, ops: list[str], sizes: list[str], min_ti
                            spin_us=spin_us)
     rows = []
     ops = [o for op in ops for o in ((op, REGISTERED) if op == "all_reduce" else (op,))]
+    # every rank copying S at the same time (the slowest rank's mean): what the memory system gives a core while
+    # the others move data too, as they do in a collective
+    together_s = {}
+    for size in sizes:
+        src, dst = torch.randn(SIZES[size] // 4), torch.empty(SIZES[size] // 4)
+        together_s[size] = _time(lambda: dst.copy_(src), min_time_s, world)
+        del src, dst
     for op in ops:
         for size in sizes:
             s_bytes = SIZES[size]
@@ -111,7 +120,7 @@ def bench_worker(rank: int, world: int, ops: list[str], sizes: list[str], min_ti
             t_gloo = _time(gloo_call, min_time_s, world)
             t_shm = _time(shm_call, min_time_s, world)
             rows.append({"op": op, "ranks": world, "size": size, "size_bytes": s_bytes, "shm_s": t_shm,
-                         "gloo_s": t_gloo, "factor": bus_factor(op, world)})
+                         "gloo_s": t_gloo, "factor": bus_factor(op, world), "memcpy_together_s": together_s[size]})
             del shm_call, gloo_call
     return rows
 
@@ -162,17 +171,19 @@ def main(argv=None) -> None:
         rows += res[0]
     load_after = os.getloadavg()
     print(f"{'op':<16}{'n':>2}{'size':>5} | {'shm us':>9}{'gloo us':>10} | {'shm busbw':>10}{'gloo busbw':>11}"
-          f"{'memcpy':>8} GB/s | {'shm/gloo':>8}{'shm/memcpy':>11}")
+          f"{'memcpy':>8}{'x n':>7} GB/s | {'shm/gloo':>8}{'shm/memcpy':>11}{'/ x n':>7}")
     for r in rows:
         algbw_shm = r["size_bytes"] / r["shm_s"]
         algbw_gloo = r["size_bytes"] / r["gloo_s"]
         r["shm_busbw_bytes_per_s"] = algbw_shm * r["factor"]
         r["gloo_busbw_bytes_per_s"] = algbw_gloo * r["factor"]
         r["memcpy_bytes_per_s"] = memcpy[r["size"]]
+        r["memcpy_together_bytes_per_s"] = together = r["size_bytes"] / r["memcpy_together_s"]
         print(f"{r['op']:<16}{r['ranks']:>2}{r['size']:>5} | {r['shm_s'] * 1e6:>9.1f}{r['gloo_s'] * 1e6:>10.1f} | "
               f"{r['shm_busbw_bytes_per_s'] / 1e9:>10.2f}{r['gloo_busbw_bytes_per_s'] / 1e9:>11.2f}"
-              f"{memcpy[r['size']] / 1e9:>8.2f}      | {r['shm_busbw_bytes_per_s'] / r['gloo_busbw_bytes_per_s']:>8.2f}"
-              f"{r['shm_busbw_bytes_per_s'] / memcpy[r['size']]:>11.2f}")
+              f"{memcpy[r['size']] / 1e9:>8.2f}{together / 1e9:>7.2f}      | "
+              f"{r['shm_busbw_bytes_per_s'] / r['gloo_busbw_bytes_per_s']:>8.2f}"
+              f"{r['shm_busbw_bytes_per_s'] / memcpy[r['size']]:>11.2f}{r['shm_busbw_bytes_per_s'] / together:>7.2f}")
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "memcpy_bytes_per_s": memcpy, "load_before": load_before,
