@@ -282,8 +282,8 @@ def check_kernels(manifest: dict, directory: str | os.PathLike) -> None:
     from .kernels import require
 
     axes = [a for a, t in (manifest.get("transports") or {}).items() if t == "shm"]
-    require(f"{str(directory)!r} (compiled with shared-memory collectives on mesh axes {axes}; compile it again "
-            "with --comm gloo to run it here)")
+    require(f"{str(directory)!r} (compiled with shared-memory collectives on mesh axes {axes})",
+            "Compile it again with --comm gloo to run it here")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:

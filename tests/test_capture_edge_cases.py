@@ -475,3 +475,13 @@ def test_weight_norm_sharded_on_its_kept_dim_stays_local_under_fsdp():
                                 torch.nn.Tanh(), torch.nn.Linear(6, 3))
     batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
     train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))
+
+
+def test_a_parameter_changed_in_the_forward_is_named():
+    """nn.Embedding(max_norm=...) renormalizes its weight in place during the forward: the refusal names the module
+    and what to write instead, and the user's weight is left as it was."""
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8, max_norm=1.0), torch.nn.Flatten(), torch.nn.Linear(48, 3))
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CaptureError, match=r"changed in place inside the forward .*max_norm.*: 0\).*after each"):
+        capture(model, (torch.randint(0, 20, (4, 6)), torch.randint(0, 3, (4,))), F.cross_entropy)
+    assert torch.equal(model[0].weight.detach(), before)

@@ -76,7 +76,8 @@ def test_shm_artifacts_say_so_and_run_refuses_them_without_kernels(shm_artifacts
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ShmUnavailableError" in proc.stderr or "shared-memory" in proc.stderr, proc.stderr[-2000:]
-    assert "disabled by ADAPTDIST_KERNELS=0" in proc.stderr and "--comm gloo" in proc.stderr
+    assert "disabled by ADAPTDIST_KERNELS=0" in proc.stderr and "Compile it again with --comm gloo" in proc.stderr
+    assert "--comm auto|gloo" not in proc.stderr  # (run has no --comm)
     assert not (shm_artifacts.parent / "refused" / "status").exists()  # no rank started
 
 

@@ -9,7 +9,7 @@ import torch
 
 from adaptdist.cli import main
 from adaptdist.cli import zoo as zoo_cli
-from adaptdist.errors import AdaptdistError, UsageError
+from adaptdist.errors import AdaptdistError, CaptureError, UsageError
 from adaptdist.models import zoo
 
 
@@ -70,6 +70,8 @@ def test_errors_are_reported_by_their_root_and_first_line():
     assert zoo_cli.error_line(zoo_cli.root_error(outer)) == (
         "CaptureError: cannot capture x (rank 1, capturing the compiled graph)")
     assert zoo_cli._compile_stage(inner) == "capture"
+    typed = CaptureError("capturing the compiled graph failed on rank 1: cannot capture x\nmore")  # (its own type)
+    assert zoo_cli.error_line(typed) == "CaptureError: cannot capture x (rank 1, capturing the compiled graph)"
     rec = {}
     zoo_cli.judge(rec, {"loss": 0.0, "param": 0.5}, 1e-5, random=False, missing=[])
     assert rec["outcome"] == "differs" and "param" in rec["error"]  # wrong numbers are never "equal"
@@ -157,3 +159,13 @@ def test_hugging_face_swin_under_a_batch_split_equals_eager_without_gathering():
             torch.testing.assert_close(grads[f], g, atol=1e-5, rtol=0, msg=f)
     for f, p in want_params.items():
         torch.testing.assert_close(params[f], p, atol=1e-5, rtol=0, msg=f)
+
+
+def test_an_error_told_by_another_rank_keeps_its_type():
+    """The backend raises a rank's adaptdist error on every rank as its own type (``except CaptureError`` works);
+    other types stay AdaptdistError with their name in the text."""
+    from adaptdist.compiler.dynamo_backend import _error_type
+
+    assert _error_type("CaptureError: cannot capture x") == (CaptureError, "cannot capture x")
+    assert _error_type("ValueError: bad") == (AdaptdistError, "ValueError: bad")
+    assert _error_type("no type here") == (AdaptdistError, "no type here")

@@ -109,10 +109,14 @@ def error_line(e: BaseException, limit: int = 400) -> str:
     """``Type: first line of the message`` (at most ``limit`` characters)."""
     text = str(e).strip().splitlines()
     line = f"{type(e).__name__}: {text[0] if text else ''}"
-    # the backend's "capturing the compiled graph failed on rank 0: CaptureError: ...": the rank's own error
+    # the backend's "CaptureError: capturing the compiled graph failed on rank 0: ..." (an adaptdist error keeps
+    # its type on every rank) or "AdaptdistError: ... failed on rank 0: ValueError: ...": the rank's own error
     m = re.match(r"AdaptdistError: (.*?) failed on rank (\d+): (\w+): (.*)$", line)
+    t = re.match(r"(\w+): (.*?) failed on rank (\d+): (.*)$", line)
     if m:
         line = f"{m.group(3)}: {m.group(4)} (rank {m.group(2)}, {m.group(1)})"
+    elif t:
+        line = f"{t.group(1)}: {t.group(4)} (rank {t.group(3)}, {t.group(2)})"
     return line if len(line) <= limit else line[:limit - 3] + "..."
 
 

@@ -502,6 +502,16 @@ def _export_error(e: Exception, name: str, no_grad: list[str] | None = None, ste
             + ": the loss does not depend on them. Set requires_grad=False "
             "on them (they are then kept as they are, as eager's optimizer skips a parameter whose .grad is "
             "None), or remove them from the model.")
+    if "requires gradients, and received a mutation" in str(e):
+        renorm = [n.removeprefix("model.") for n, m in (step.named_modules() if step is not None else ())
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+        return CaptureError(
+            f"cannot capture {name}: a trainable parameter is changed in place inside the forward"
+            + (f" (nn.Embedding(max_norm=...) renormalizes its weight in the forward: {', '.join(renorm)})"
+               if renorm else "") + "; adaptdist captures the step as a function of the parameters, which the "
+            "optimizer alone updates. Drop max_norm and renormalize after each optimizer step (under "
+            "torch.no_grad()), or do the in-place change on a copy (weight = self.weight * scale)."
+            f" ({type(e).__name__}: {msg})")
     return CaptureError(
         f"cannot capture {name} as one joint forward+backward graph; failed "
         f"{_where(e, step) if step is not None else 'at ' + (_user_frame(e) or 'a frame of torch (no model code)')}: "

@@ -349,9 +349,27 @@ def _agree(what: str, value_or_error: str, rank: int, group: Any) -> list[str]:
     failed = [(r, t) for r, t in enumerate(texts) if t.startswith("error: ")]
     if failed:
         r, t = failed[0]
-        raise AdaptdistError(f"{what} failed on rank {r}: {t.removeprefix('error: ')}"
-                             + ("" if r == rank else " (this rank stopped with it, so no rank waits)"))
+        cls, text = _error_type(t.removeprefix("error: "))
+        raise cls(f"{what} failed on rank {r}: {text}"
+                  + ("" if r == rank else " (this rank stopped with it, so no rank waits)"))
     return texts
+
+
+def _error_type(text: str) -> tuple[type[AdaptdistError], str]:
+    """``"CaptureError: msg"`` -> (CaptureError, ``"msg"``): an adaptdist error told by another rank is raised on
+    every rank as its own type (so ``except CaptureError`` catches it), other types as AdaptdistError with the
+    type's name kept in the text."""
+    from .. import errors
+
+    name, sep, rest = text.partition(": ")
+    cls = getattr(errors, name, None) if sep and name.isidentifier() else None
+    if isinstance(cls, type) and issubclass(cls, AdaptdistError):
+        try:
+            cls(rest)  # (a type whose constructor takes more than the message stays AdaptdistError)
+        except TypeError:
+            return AdaptdistError, text
+        return cls, rest
+    return AdaptdistError, text
 
 
 # --- the compile -----------------------------------------------------------------------------------

@@ -113,8 +113,9 @@ def load_error() -> str | None:
     return load().error
 
 
-def require(what: str = "comm='shm'") -> None:
-    """Raise :class:`ShmUnavailableError` unless the kernels are loaded; ``what`` names the request."""
+def require(what: str = "comm='shm'", advice: str = "Use comm='auto' or comm='gloo' (--comm auto|gloo)") -> None:
+    """Raise :class:`ShmUnavailableError` unless the kernels are loaded; ``what`` names the request, ``advice`` the
+    first thing to try (the command's own option)."""
     result = load()
     if not result.loaded:
         disabled = result.path is None  # ADAPTDIST_KERNELS=0/off
@@ -122,4 +123,4 @@ def require(what: str = "comm='shm'") -> None:
                "build the kernels (`pip install -e .` with cmake and a C++ compiler installed)")
         raise ShmUnavailableError(
             f"{what} needs adaptdist's C++ shared-memory kernels, which are unavailable here: {result.error}. "
-            f"Use comm='auto' or comm='gloo' (--comm auto|gloo), or {fix}.")
+            f"{advice}, or {fix}.")
