@@ -257,6 +257,8 @@ def reorder_batch_inner_merges(gm: torch.fx.GraphModule) -> int:
                     regions.fail(u)
                 regions.union(u, a)
     bad = {regions.find(b) for b in regions.bad}
+    if not {regions.find(v) for v in seeds} - bad:
+        return 0
     # a region is worth it where a batch split (dp sweep) reads some merge's input Shard(1), none sharded otherwise
     from ..placement import Replicate, Shard
 
@@ -305,7 +307,7 @@ def _call(g: torch.fx.Graph, target: Any, args: tuple, like: torch.fx.Node, kwar
     (source, module stack) taken from ``like``."""
     n = g.call_function(target, args, kwargs or {})
     for key, value in like.meta.items():
-        if key != "val":
+        if key not in ("val", "tensor_meta", "example_value"):
             n.meta[key] = value
     fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     n.meta["val"] = target(*fake, **(kwargs or {}))
