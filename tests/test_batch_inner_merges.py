@@ -134,3 +134,19 @@ def test_encoder_under_adaptdist_train_like_eager(plan, tmp_path):
     weights = load_file(str(out / "model.safetensors"))
     for f, p in final.items():
         torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+@pytest.mark.parametrize("batch_size,world", [(5, 2), (7, 3), (4, 3)])
+def test_encoder_with_uneven_batch_keeps_the_split(plan, batch_size, world):
+    """Uneven rows (5 on 2 ranks: 3 + 2; 4 on 3: 2 + 2 + 0): numbers as eager's, and no activation gathered: the
+    per-head view [B*H, T, hd] -> [B, H, T, hd] finds each rank's rows through the LayerNorm before the attention
+    (a multi-output op's getitem: sharding_rules.shard_origin; once it fell back to torch.chunk's rows of B*H and
+    gathered q, k and v)."""
+    progs = train_simulated(*encoder(batch_size, T), world, _plan(plan, "encoder", None, world))
+    coll = _collectives(progs[0])
+    assert "all_to_all_single" not in coll, coll
+    assert all(re.fullmatch(r"f32\[\d+\]", s) for s in coll.get("all_gather_into_tensor", [])), coll
+    chunk = [len(c) for c in torch.arange(batch_size).chunk(world)] + [0] * world
+    for r, p in progs.items():
+        assert _row_counts(p) <= {chunk[r] * T}, (r, _row_counts(p))
