@@ -200,3 +200,29 @@ def hf_llama(batch_size: int = 4, seq_len: int = 8, seed: int = 0):
     x = torch.randint(0, 32, (batch_size, seq_len), generator=g)
     y = torch.randint(0, 32, (batch_size, seq_len), generator=g)
     return model, (x, y), lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+
+class _TransformerEncoder(nn.Module):
+    """nn.TransformerEncoderLayer(batch_first=True) x 2 and a head: nn.MultiheadAttention merges [T, B, D] into rows."""
+
+    def __init__(self, d: int = 16, nhead: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(d, nhead, dim_feedforward=2 * d, dropout=0.0,
+                                                                batch_first=True) for _ in range(2)])
+        self.head = nn.Linear(d, 6)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def transformer_encoder(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
+    torch.manual_seed(seed)
+    model = _TransformerEncoder(d_model, nhead)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch_size, seq_len, 8, generator=g)
+    y = torch.randint(0, 6, (batch_size, seq_len), generator=g)
+    return model, (x, y), lambda o, t: F.cross_entropy(o.reshape(-1, 6), t.reshape(-1))

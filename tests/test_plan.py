@@ -146,8 +146,10 @@ class _MultiheadAttentionLM(nn.Module):
 
 def test_fsdp_fixes_where_parameters_live_and_each_op_how_it_uses_a_shard():
     """README's --plan fsdp: every trainable parameter is stored sharded; the built-in GPT all-gathers every weight
-    where it is used but its position table (looked up shard by shard, the rows all-reduced), while behind nn.MultiheadAttention(batch_first=True) (its transpose and merge of the batch and
-    sequence dims gather the activation) a Linear computes on its local weight shard, tensor-parallel style."""
+    where it is used but its position table (looked up shard by shard, the rows all-reduced), and so does a model
+    with nn.MultiheadAttention(batch_first=True): its merge of [T, B, D] into [T*B, D] rows keeps the batch split
+    (compiler/batch_inner_merges.py; once it gathered the activation and a Linear behind it computed on its weight
+    shard, tensor-parallel style)."""
     model, batch, loss_fn = tiny_gpt(4)
     prog = compile_model(model, batch, loss_fn, 2, ManualPlan.parse("fsdp"))[0]
     assert all(isinstance(p[0], Shard) for p in prog.plan.param_placements.values())
@@ -161,5 +163,4 @@ def test_fsdp_fixes_where_parameters_live_and_each_op_how_it_uses_a_shard():
                          lambda o, y: F.cross_entropy(o.reshape(-1, 32), y.reshape(-1)), 2, ManualPlan.parse("fsdp"))[0]
     assert all(isinstance(p[0], Shard) for p in prog.plan.param_placements.values())
     gathered = _gathered_params(prog)
-    assert gathered["emb.weight"] and gathered["ln.weight"], gathered
-    assert not gathered["attn.in_proj_weight"] and not gathered["head.weight"], gathered
+    assert all(gathered.values()), gathered

@@ -37,6 +37,7 @@ from ..errors import CaptureError
 from .expert_lists import ExpertLists, batched_experts, fold_stack_of_unbind, probe_expert_lists
 from .autocast_grad_sums import sum_cast_gradients_in_low_precision
 from .batch_arange_index import fold_batch_arange_index
+from .batch_inner_merges import reorder_batch_inner_merges
 from .strided_views import fold_contiguous_as_strided
 
 log = logging.getLogger("adaptdist.compiler")
@@ -564,6 +565,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, step: nn.Module, batch: tuple, n
     )
     fold_contiguous_as_strided(gm)  # as_strided ops that are reshapes (Swin's pooler): shardable as views
     fold_batch_arange_index(gm)  # HF masks' m[arange(B), kv]: row b from row b, the batch split kept
+    reorder_batch_inner_merges(gm)  # nn.MultiheadAttention(batch_first=True)'s [T*B, D] rows: batch outer
     graph.eliminate_dead_code()
     if stacked:
         fold_stack_of_unbind(gm)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -269,7 +270,11 @@ def shard_origin(a: torch.fx.Node, pl: PlacementOf, limit: int = 10_000) -> list
     while cur.op != "placeholder":
         if len(chain) > limit:
             return None
-        nxt = next((x for _, x in tensor_args(cur) if isinstance(pl(x), Shard)), None)
+        src = cur
+        if cur.target is operator.getitem and isinstance(cur.args[0], torch.fx.Node) \
+                and isinstance(pl(cur.args[0]), (tuple, list)):
+            src = cur.args[0]  # an output of a multi-output op (layer norm's): its rows are its first sharded input's
+        nxt = next((x for _, x in tensor_args(src) if isinstance(pl(x), Shard)), None)
         if nxt is None:
             return None
         chain.append(nxt)
