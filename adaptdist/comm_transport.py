@@ -91,13 +91,13 @@ def fit_shm_space(mesh: Mesh, transports: Mapping[str, str], space: tuple[int, i
                   ) -> dict[str, str]:
     """``transports`` (of ``--comm auto``) with the shm axes whose groups /dev/shm has no room for put on gloo, with
     one warning naming them, /dev/shm's size and free bytes, and what to try. Each group reserves its header and
-    slots when made (:func:`adaptdist.kernels.shm.segment_fixed_bytes`; a full /dev/shm makes that a
-    ShmCapacityError, never a crash; its slots shrink to MIN_SLOT_BYTES where /dev/shm is small, so that is what is
-    counted); the axes are kept in mesh order while they fit. ``space``:
+    slots when made (a full /dev/shm makes that a ShmCapacityError, never a crash; their slots shrink towards
+    MIN_SLOT_BYTES where /dev/shm is small: :func:`adaptdist.kernels.shm.groups_fixed_bytes` counts what they take,
+    made in mesh order); the axes are kept in mesh order while they fit. ``space``:
     ``(size_bytes, free_bytes)`` (None: :func:`adaptdist.kernels.shm.shm_space` of /dev/shm; unreadable: unchanged).
     The ranks' output and input regions are reserved as used and fall back to private memory without room, so they
     are not counted."""
-    from .kernels.shm import MIN_SLOT_BYTES, segment_fixed_bytes, shm_space
+    from .kernels.shm import groups_fixed_bytes, shm_space
 
     axes = [a for a, t in transports.items() if t == "shm"]
     if not axes:
@@ -106,11 +106,13 @@ def fit_shm_space(mesh: Mesh, transports: Mapping[str, str], space: tuple[int, i
     if space is None:
         return dict(transports)
     size, free = space
-    out, used, dropped = dict(transports), 0, []
+    out, dropped = dict(transports), []
+    sizes: list[int] = []
     for axis in axes:
-        need = sum(segment_fixed_bytes(len(g), MIN_SLOT_BYTES) for g in mesh.groups(axis))
-        if used + need <= free:
-            used += need
+        kept = groups_fixed_bytes(sizes, free)
+        need = groups_fixed_bytes(sizes + [len(g) for g in mesh.groups(axis)], free) - kept
+        if kept + need <= free:
+            sizes += [len(g) for g in mesh.groups(axis)]
         else:
             out[axis] = "gloo"
             dropped.append(f"{axis!r} ({len(mesh.groups(axis))} group(s) of {mesh.size(axis)} ranks: {need} bytes)")
@@ -124,13 +126,15 @@ def fit_shm_space(mesh: Mesh, transports: Mapping[str, str], space: tuple[int, i
 
 def shm_space_fits(group_sizes: Sequence[int], what: str, space: tuple[int, int] | None = None) -> bool:
     """Whether /dev/shm (``space``: ``(size_bytes, free_bytes)``; None: read it) has room for the slots of groups of
-    ``group_sizes`` ranks (:func:`adaptdist.kernels.shm.segment_fixed_bytes`); if not, one warning naming ``what``,
+    ``group_sizes`` ranks (:func:`adaptdist.kernels.shm.groups_fixed_bytes`); if not, one warning naming ``what``,
     the bytes, and what to try. Unreadable: True."""
-    from .kernels.shm import MIN_SLOT_BYTES, segment_fixed_bytes, shm_space
+    from .kernels.shm import groups_fixed_bytes, shm_space
 
     space = space if space is not None else shm_space()
-    need = sum(segment_fixed_bytes(n, MIN_SLOT_BYTES) for n in group_sizes)
-    if space is None or need <= space[1]:
+    if space is None:
+        return True
+    need = groups_fixed_bytes(group_sizes, space[1])
+    if need <= space[1]:
         return True
     log.warning("adaptdist: --comm auto puts %s on gloo, not shared memory: their slots need %d bytes and /dev/shm "
                 "has %d bytes free of %d. For shared-memory collectives give /dev/shm more space (e.g. `docker run "

@@ -58,6 +58,9 @@ class LoweringOptions:
             and ``hosts`` is known), ``"shm"`` (required: ShmUnavailableError without the kernels) or ``"gloo"``.
         hosts: the host name of each rank of the plan's mesh (index = mesh rank), from the cluster the programs
             will run on; None: unknown (``auto`` then keeps gloo; ``shm`` assumes one host).
+        shm_space: ``(size_bytes, free_bytes)`` of /dev/shm that ``auto`` fits the shared-memory groups into, the
+            same on every rank (the backend lowers on each rank: rank 0's reading, agreed, so that no two ranks of a
+            group choose different transports); None: read it where the lowering runs.
 
     Raises:
         UsageError: a bucket size below 1 byte, an unknown front end, rng mode, batch_norm mode or comm mode,
@@ -75,6 +78,7 @@ class LoweringOptions:
     batch_norm: str = "local"
     comm: str = "auto"
     hosts: tuple[str, ...] | None = None
+    shm_space: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("grad_bucket_bytes", "gather_bucket_bytes"):
@@ -101,6 +105,10 @@ class LoweringOptions:
         if self.comm not in COMM_MODES:
             raise UsageError(f"LoweringOptions.comm must be one of {COMM_MODES} (--comm, adaptdist.backend(comm=...)), "
                              f"got {self.comm!r}")
+        if self.shm_space is not None and (not isinstance(self.shm_space, tuple) or len(self.shm_space) != 2
+                                           or not all(isinstance(v, int) and v >= 0 for v in self.shm_space)):
+            raise UsageError(f"LoweringOptions.shm_space must be (size_bytes, free_bytes) or None, got "
+                             f"{self.shm_space!r}")
         if self.hosts is not None and (not isinstance(self.hosts, tuple)
                                        or not all(isinstance(h, str) and h for h in self.hosts)):
             raise UsageError(f"LoweringOptions.hosts must be a tuple of host names (one per rank) or None, "

@@ -133,6 +133,10 @@ struct Header {
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "signatures must be lock-free");
 
+// fallocate's errors that mean "no reservations here" rather than "no room": not a tmpfs (EOPNOTSUPP), or a seccomp
+// filter refusing the call (ENOSYS, EPERM; some container sandboxes). Pages then come as touched.
+static bool fallocate_unsupported(int err) { return err == EOPNOTSUPP || err == ENOSYS || err == EPERM; }
+
 static double now_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -490,7 +494,7 @@ static int reserve_region(Group& g, bool out, size_t b, size_t e) {
     if (err != EINTR) break;
     err = 0;
   }
-  if (err == EOPNOTSUPP) {  // not a tmpfs: pages come as touched, as before reservations existed
+  if (fallocate_unsupported(err)) {  // not a tmpfs, or a sandbox refusing it: pages come as touched, as before
     g.no_fallocate = true;
     err = 0;
   }
@@ -956,6 +960,8 @@ static Simd f32_simd() {
     const std::string want = e ? e : "";
     if (want == "sse2") return Simd::Sse2;
     if (want == "avx2") return has2 ? Simd::Avx2 : Simd::Sse2;
+    if (!want.empty() && want != "avx512")
+      TORCH_WARN("adaptdist shm: ADAPTDIST_SHM_SIMD=", want, " is not one of sse2, avx2, avx512: using the widest");
     return has512 ? Simd::Avx512 : has2 ? Simd::Avx2 : Simd::Sse2;
 #else
     return Simd::Sse2;
@@ -1587,8 +1593,8 @@ static void group_attach(c10::string_view group_name, c10::string_view segment, 
       if (e != EINTR) break;
       e = 0;
     }
-    if (e == EOPNOTSUPP) no_fallocate = true;  // not a tmpfs (no reservations there: pages come as touched)
-    if (e != 0 && e != EOPNOTSUPP) {
+    if (fallocate_unsupported(e)) no_fallocate = true;  // (no reservations there: pages come as touched)
+    if (e != 0 && !fallocate_unsupported(e)) {
       const std::string space = shm_space_desc();  // before the unlink gives the partial reservation back
       close(fd);
       shm_unlink(seg.c_str());

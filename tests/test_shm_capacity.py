@@ -254,3 +254,47 @@ def test_default_slot_halves_to_fit_dev_shm():
     assert fitting_slot_bytes(2, space=(200 << 20, 100 << 20)) == 2 << 20  # 20 MiB of slots <= 25 MiB
     assert fitting_slot_bytes(4, space=(64 << 20, 64 << 20)) == MIN_SLOT_BYTES  # Docker's default: 20 MiB of slots
     assert fitting_slot_bytes(2, space=(8 << 20, 8 << 20)) == MIN_SLOT_BYTES  # too small even so: init_group raises
+
+
+def _rank_hosts_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import adaptdist.kernels.shm as kshm
+    from adaptdist.compiler import dynamo_backend
+
+    # rank 1 reads /dev/shm later, after its peers made their groups: it would see less room
+    kshm.shm_space = (lambda: (64 << 20, 1 << 20)) if rank == 1 else (lambda: (64 << 20, 60 << 20))
+    hosts, comm, space = dynamo_backend._rank_hosts("auto", rank, dist.group.WORLD)
+    return {"hosts": list(hosts), "comm": comm, "space": list(space)}
+
+
+@pytest.mark.timeout(120)
+def test_backend_ranks_fit_dev_shm_with_rank_0s_reading():
+    """The backend lowers on every rank: `--comm auto` fits the groups into rank 0's reading of /dev/shm, agreed by
+    every rank, not each rank's own (one reading after its peers made their groups chose gloo for an axis they put on
+    shared memory: a hang)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shm_workers import run_ranks
+
+    res = run_ranks(_rank_hosts_worker, 2, timeout_s=100)
+    assert res[0]["space"] == res[1]["space"] == [64 << 20, 60 << 20], res
+    assert res[0]["comm"] == res[1]["comm"] == "auto" and res[0]["hosts"] == res[1]["hosts"], res
+
+
+def test_comm_auto_counts_the_slots_creation_will_take():
+    """With room for every group at the smallest slots, the first groups made still take larger ones while /dev/shm
+    is roomy (fitting_slot_bytes): dp=4,tp=4 (8 groups of 4 ranks) with a little more than 8 groups' smallest slots
+    free does not fit both axes, so `--comm auto` keeps one on gloo rather than promising shared memory that the last
+    group's creation refuses (ShmCapacityError)."""
+    from adaptdist.comm_transport import fit_shm_space
+    from adaptdist.kernels.shm import MIN_SLOT_BYTES, fitting_slot_bytes, groups_fixed_bytes, segment_fixed_bytes
+    from adaptdist.mesh import Mesh
+
+    mesh = Mesh.parse("dp=4,tp=4")
+    smallest = 8 * segment_fixed_bytes(4, MIN_SLOT_BYTES)
+    free = smallest + (1 << 20)
+    assert fitting_slot_bytes(4, (0, free)) > MIN_SLOT_BYTES  # the first group's slots are larger
+    assert groups_fixed_bytes([4] * 8, free) > free
+    assert fit_shm_space(mesh, {"dp": "shm", "tp": "shm"}, space=(1 << 30, free)) == {"dp": "shm", "tp": "gloo"}
+    # simulated creation in that order fits: what the kept axis takes is within the free bytes
+    assert groups_fixed_bytes([4] * 4, free) <= free

@@ -199,11 +199,14 @@ class AdaptdistBackend:
 
             require("adaptdist.backend(comm='shm')")
 
-    def lowering_options(self, hosts: tuple[str, ...] | None = None, comm: str | None = None) -> LoweringOptions:
+    def lowering_options(self, hosts: tuple[str, ...] | None = None, comm: str | None = None,
+                         shm_space: tuple[int, int] | None = None) -> LoweringOptions:
         """The :class:`~adaptdist.lowering_options.LoweringOptions` of these arguments; ``hosts``: each rank's host
-        (:func:`_rank_hosts`), ``comm``: overrides :attr:`comm` (gloo where a rank lacks the kernels)."""
+        (:func:`_rank_hosts`), ``comm``: overrides :attr:`comm` (gloo where a rank lacks the kernels),
+        ``shm_space``: /dev/shm's (size, free) bytes every rank agreed on."""
         return LoweringOptions.from_mb(self.bucket_mb, replicate_fallback=self.replicate_fallback, front_end="backend",
-                                       rng=self.rng, batch_norm=self.batch_norm, comm=comm or self.comm, hosts=hosts)
+                                       rng=self.rng, batch_norm=self.batch_norm, comm=comm or self.comm, hosts=hosts,
+                                       shm_space=shm_space)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         with advice_fitting("backend"):  # errors advise this backend's arguments, not the command's flags
@@ -324,23 +327,33 @@ def _all_gather_text(text: str, group: Any) -> list[str]:
     return graph_agreement.all_gather_text(text, group)
 
 
-def _rank_hosts(comm: str, rank: int, group: Any) -> tuple[tuple[str, ...] | None, str | None]:
-    """(Collective over ``group``) each rank's host name, and the comm mode the lowering takes: ``comm``, or gloo
+def _rank_hosts(comm: str, rank: int, group: Any
+                ) -> tuple[tuple[str, ...] | None, str | None, tuple[int, int] | None]:
+    """(Collective over ``group``) each rank's host name, the comm mode the lowering takes: ``comm``, or gloo
     under ``auto`` when some rank cannot load the kernels (every rank must lower alike) or the world's backend is
-    not gloo. ``(None, None)`` under ``gloo``."""
+    not gloo; and rank 0's reading of /dev/shm's (size, free) bytes, which every rank's lowering fits its
+    shared-memory groups into (read by each rank at its own moment, a rank lowering after its peers made their
+    groups would see less room and put an axis on gloo while they put it on shm: a hang).
+    ``(None, None, None)`` under ``gloo``."""
     if comm == "gloo":
-        return None, None
+        return None, None, None
     if comm == "auto" and dist.get_backend() != "gloo":  # the kernels move CPU tensors: nccl's stay on nccl
-        return None, "gloo"
+        return None, "gloo", None
     import socket
 
     from ..kernels import available
+    from ..kernels.shm import shm_space
 
-    texts = _agree("finding the ranks' hosts", f"{int(available())} {socket.gethostname()}", rank, group)
-    hosts = tuple(t.partition(" ")[2] or "?" for t in texts)
-    if comm == "auto" and not all(t.startswith("1 ") for t in texts):
-        return hosts, "gloo"
-    return hosts, comm
+    space = shm_space() or (-1, -1)
+    texts = _agree("finding the ranks' hosts", f"{int(available())} {space[0]} {space[1]} {socket.gethostname()}",
+                   rank, group)
+    fields = [t.split(" ", 3) for t in texts]
+    hosts = tuple((f[3] if len(f) > 3 else "") or "?" for f in fields)
+    size, free = (int(fields[0][1]), int(fields[0][2])) if len(fields[0]) > 3 else (-1, -1)
+    agreed = (size, free) if size >= 0 else None
+    if comm == "auto" and not all(f[0] == "1" for f in fields):
+        return hosts, "gloo", agreed
+    return hosts, comm, agreed
 
 
 def _agree(what: str, value_or_error: str, rank: int, group: Any) -> list[str]:
@@ -473,9 +486,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
     plan = _plan(captured, inputs, config, world, rank, control)
     from .lowering import lower, resolve_plan
 
-    hosts, comm = _rank_hosts(config.comm, rank, control) if distributed else (None, None)
+    hosts, comm, shm_space = _rank_hosts(config.comm, rank, control) if distributed else (None, None, None)
     programs = lower(captured, resolve_plan(plan, captured, world, config.mesh if not isinstance(plan, Plan) else None),
-                     config.lowering_options(hosts, comm))
+                     config.lowering_options(hosts, comm, shm_space))
     program = programs[rank]
     io = _rank_io(programs, rank, world)
     step_layouts, expert_rows = _member_layouts(_layouts(program, programs, cap_inputs), experts, inputs, rank)

@@ -369,7 +369,7 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
                                  what="comm='shm' (--comm shm)" if options.front_end == "cli"
                                  else "adaptdist.backend(comm='shm')")
     if options.comm == "auto":  # a /dev/shm too small for the groups' slots: gloo, with one warning
-        transports = fit_shm_space(mesh, transports)
+        transports = fit_shm_space(mesh, transports, options.shm_space)
     axes = [a for a, t in transports.items() if t == "shm"]
     for program in programs.values():
         # named by this rank's group's ranks (mesh rank = global rank: the runtime's DeviceMesh is row-major)

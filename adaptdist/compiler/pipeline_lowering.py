@@ -594,7 +594,8 @@ def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: Lowe
         from ..comm_transport import shm_space_fits
 
         groups = {n: key for prog in out.values() for n, key in prog.shm_groups.items()}
-        if groups and not shm_space_fits([len(k) for k in groups.values()], f"the pipeline's {len(groups)} groups"):
+        if groups and not shm_space_fits([len(k) for k in groups.values()], f"the pipeline's {len(groups)} groups",
+                                         options.shm_space):
             return programs
     return out
 

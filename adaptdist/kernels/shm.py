@@ -136,7 +136,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import AdaptdistError, ShmCapacityError, ShmPeerError, UsageError
 from . import require
@@ -232,6 +232,18 @@ def fitting_slot_bytes(group_size: int, space: tuple[int, int] | None = None) ->
     while slot > MIN_SLOT_BYTES and 4 * segment_fixed_bytes(group_size, slot) > space[1]:
         slot //= 2
     return slot
+
+
+def groups_fixed_bytes(group_sizes: Sequence[int], free_bytes: int) -> int:
+    """The bytes of /dev/shm groups of ``group_sizes`` ranks reserve when made one after another (in that order) from
+    ``free_bytes`` free: each takes :func:`fitting_slot_bytes` of what the ones before it left (the first ones may
+    take larger slots than MIN_SLOT_BYTES while /dev/shm has room), so ``--comm auto`` counts what creation will
+    take, not MIN_SLOT_BYTES for every group."""
+    used = 0
+    for n in group_sizes:
+        slot = fitting_slot_bytes(int(n), (0, max(0, free_bytes - used)))
+        used += segment_fixed_bytes(int(n), slot)
+    return used
 
 
 def shm_space(shm_dir: Path = SHM_DIR) -> tuple[int, int] | None:
@@ -333,7 +345,10 @@ def input_buffer(group_name: str, numel: int, dtype: Any = None, offset_bytes: i
     the group is destroyed. Raises UsageError when ``offset_bytes`` is not a non-negative multiple of 64, or the
     buffer would not fit the region's INPUT_REGION_BYTES (64 MiB), naming the group, size and limit;
     ShmCapacityError when /dev/shm has no space left for the buffer's bytes (reserved here, once: a later touch
-    cannot fail), naming the group, /dev/shm's size and free bytes, and what to try."""
+    cannot fail), naming the group, /dev/shm's size and free bytes, and what to try. That error is this rank's
+    alone (no collective is entered): peers that got their buffers and call the all_reduce wait for this rank until
+    the group's timeout (ShmPeerError); a caller of several ranks should agree on the outcome first, or use
+    ``shm_flatten_all_reduce_start``, which falls back on every rank together."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
