@@ -85,6 +85,16 @@ constexpr size_t kStreamBytes = size_t(4) << 20;
 // 16 MiB): 1 MiB chunks do the same work in 60-75% of the time 4 MiB chunks take.
 constexpr size_t kAllReduceChunkBytes = size_t(1) << 20;
 constexpr size_t kReuseBytes = size_t(256) << 10;  // all_reduce outputs from this size on are reused
+// The copy-in of a large (kStreamBytes or more) all_reduce from a plain tensor into the slots: which stores win
+// depends on where the host put the ranks' cores. Sharing a cache, ordinary stores leave the lines there for the
+// peer to read (non-temporal ones 10-15% slower); apart (the VM's vCPUs on different CCDs: whole runs in that
+// mode), a peer reads a line another core just wrote only across the fabric, and non-temporal stores through
+// memory took 1.10 ms where ordinary ones took 3.7-4.9 (2 ranks, 16 MiB; benchmarks/RESULTS.md, 2026-12-04 21:2x).
+// So each rank measures: the first kCopyinProbe calls of every kCopyinCycle alternate the two kinds, and the rest
+// use the one whose calls took less time per byte. Each rank decides alone: the kind changes no byte of any result,
+// only this rank's stores.
+constexpr int64_t kCopyinCycle = 512;
+constexpr int64_t kCopyinProbe = 16;
 // Each rank's region of the segment for its all_reduce outputs (virtual: tmpfs allocates pages as they are
 // touched). Outputs up to this size from kReuseBytes on live there when the region is free; the peers then
 // write the reduced slices into them directly (no copy-out pass: 14 instead of 18 x S bytes moved by 4 ranks).
@@ -402,6 +412,12 @@ struct Group {
   // Phase times of the chunked all_reduce (ns, accumulated; read and reset by _shm_group_profile):
   // copy-in, reduce, copy-out, barrier waits, whole calls, calls, calls that read registered inputs in place.
   int64_t prof[7] = {0, 0, 0, 0, 0, 0, 0};
+  // The large all_reduce's copy-in store kind (see kCopyinCycle): calls so far, the probe window's call time per
+  // MiB summed and counted per kind (0: memcpy, 1: non-temporal), and the kind chosen from it.
+  int64_t copyin_calls = 0;
+  int64_t copyin_ns_per_mib[2] = {0, 0};
+  int64_t copyin_n[2] = {0, 0};
+  bool copyin_nt = false;
   std::mutex out_mu;  // guards output_block: a started all_reduce allocates on the caller's thread
   std::shared_ptr<OutputBlock> output_block;  // all_reduce's large outputs (reusable_output)
   std::shared_ptr<SharedOutput> shared_output;  // this rank's region of `outs`
@@ -1232,6 +1248,13 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
   bool slot_results = false;            // some peer's output is private: results also go to the slots
   auto in_buf = [&](int64_t c) { return c == 0 ? use.half : int(2 + (c - 1) % 3); };
   const bool stream = bytes >= kStreamBytes;
+  const int64_t cycle = stream ? g.copyin_calls++ % kCopyinCycle : -1;
+  if (cycle == 0) {
+    g.copyin_ns_per_mib[0] = g.copyin_ns_per_mib[1] = 0;
+    g.copyin_n[0] = g.copyin_n[1] = 0;
+  }
+  const bool probing = cycle >= 0 && cycle < kCopyinProbe;
+  const bool nt_copy = stream && (probing ? cycle % 2 == 1 : g.copyin_nt);
   const int64_t t_call = now_ns();
   int64_t t_phase = t_call;
   auto lap = [&](int k) {
@@ -1245,7 +1268,10 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     char* mine = g.slot(in_buf(j), g.rank);
     for (int r = 0; r < n; ++r) {
       if (r == g.rank || b[r + 1] == b[r]) continue;
-      memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+      if (nt_copy)
+        stream_copy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
+      else
+        memcpy(mine + b[r] * es, xp + (off + b[r]) * es, size_t(b[r + 1] - b[r]) * es);
     }
   };
   for (int64_t j = 0; j <= nchunks + 1; ++j) {
@@ -1327,8 +1353,15 @@ static at::Tensor all_reduce_cpu(const at::Tensor& input, c10::string_view reduc
     }
     lap(3);
   }
-  g.prof[4] += now_ns() - t_call;
+  const int64_t took = now_ns() - t_call;
+  g.prof[4] += took;
   g.prof[5] += 1;
+  if (probing) {  // (a call that read registered inputs in place returned above: no copy-in to time)
+    g.copyin_ns_per_mib[nt_copy] += int64_t(double(took) * double(1 << 20) / double(bytes));
+    g.copyin_n[nt_copy] += 1;
+    if (cycle == kCopyinProbe - 1 && g.copyin_n[0] > 0 && g.copyin_n[1] > 0)
+      g.copyin_nt = g.copyin_ns_per_mib[1] * g.copyin_n[0] < g.copyin_ns_per_mib[0] * g.copyin_n[1];
+  }
   return out;
 }
 
