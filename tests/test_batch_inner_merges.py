@@ -114,13 +114,10 @@ def test_batch_outer_merges_are_left_alone(monkeypatch):
 def test_encoder_under_adaptdist_train_like_eager(plan, tmp_path):
     """``adaptdist train tests/models.py:transformer_encoder`` on 2 gloo ranks: 3 SGD steps give eager's losses and
     parameters (model.safetensors)."""
-    import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
     from adaptdist.cli import main
-    from test_capture_edge_cases import eager_sgd
+    from test_capture_edge_cases import assert_train_equals_eager_sgd
 
     out = tmp_path / "run"
     file = Path(__file__).with_name("models.py")
@@ -128,12 +125,7 @@ def test_encoder_under_adaptdist_train_like_eager(plan, tmp_path):
                "--seq-len", "5", "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--sample-bytes", "0",
                "--out", str(out), "--threads-per-rank", "1", "--timeout-s", "120"])
     assert rc == 0
-    model, batch, loss_fn = transformer_encoder(4, 5)
-    history, final = eager_sgd(model, [batch], loss_fn, 0.1, 3)
-    assert json.loads((out / "summary.json").read_text())["losses"] == pytest.approx([h[0] for h in history], abs=1e-5)
-    weights = load_file(str(out / "model.safetensors"))
-    for f, p in final.items():
-        torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)
+    assert_train_equals_eager_sgd(out, *transformer_encoder(4, 5), 0.1, 3)
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])

@@ -64,6 +64,19 @@ TP_PLANS = {"linear_twice": {"a.weight": "S(0)", "a.bias": "S(0)", "out.weight":
                             "pooler.weight": "S(0)", "spare.weight": "S(1)"}}
 
 
+
+def assert_train_equals_eager_sgd(out, model, batch, loss_fn, lr: float, steps: int, tol: float = 1e-5) -> None:
+    """The ``adaptdist train --optimizer sgd --lr lr --steps steps`` run in directory ``out`` (its summary.json's losses,
+    its model.safetensors) equals :func:`eager_sgd` of ``model`` on ``batch`` to ``tol`` (absolute; relative for
+    parameters too)."""
+    from safetensors.torch import load_file
+
+    history, final = eager_sgd(model, [batch], loss_fn, lr, steps)
+    assert json.loads((out / "summary.json").read_text())["losses"] == pytest.approx([h[0] for h in history], abs=tol)
+    weights = load_file(str(out / "model.safetensors"))
+    for f, p in final.items():
+        torch.testing.assert_close(weights[f], p, atol=tol, rtol=tol, msg=f)
+
 def _plan(name: str, model_name: str, factory_out, world: int):
     if name == "auto":
         return plan_auto(capture(*factory_out), FixedCluster.uniform([("h", world)])).plan
@@ -291,8 +304,6 @@ def test_hf_t5_with_labels_trains_under_train_like_eager(tmp_path):
     """``adaptdist train tests/hf_t5_model.py:factory`` on 2 gloo ranks (dp): 3 SGD steps give eager's losses
     and parameters (once a capture error: T5's ``shared.weight`` is never read under that name)."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    from safetensors.torch import load_file
-
     from adaptdist.cli import main
     from hf_t5_model import factory
 
@@ -302,12 +313,7 @@ def test_hf_t5_with_labels_trains_under_train_like_eager(tmp_path):
                "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--sample-bytes", "0", "--out", str(out),
                "--threads-per-rank", "1", "--timeout-s", "60"])
     assert rc == 0
-    model, batch, loss_fn = factory(4, 6)
-    history, final = eager_sgd(model, [batch], loss_fn, 0.1, 3)
-    assert json.loads((out / "summary.json").read_text())["losses"] == pytest.approx([h[0] for h in history], abs=1e-5)
-    weights = load_file(str(out / "model.safetensors"))
-    for f, p in final.items():
-        torch.testing.assert_close(weights[f], p, atol=1e-5, rtol=1e-5, msg=f)
+    assert_train_equals_eager_sgd(out, *factory(4, 6), 0.1, 3)
 
 
 @pytest.mark.parametrize("plan", ["fsdp", pytest.param("auto", marks=pytest.mark.bench)])

@@ -277,11 +277,7 @@ def reorder_batch_inner_merges(gm: torch.fx.GraphModule) -> int:
         a, b = seeds[v]
         x = v.args[0]
         rest = list(_shape(v)[1:])
-        with g.inserting_before(v):
-            x1 = _call(g, aten.reshape.default, (x, [a, b, *rest]), v)
-            x2 = _call(g, aten.transpose.int, (x1, 0, 1), v)
-            x3 = _call(g, aten.clone.default, (x2,), v, {"memory_format": torch.contiguous_format})
-        v.args = (x3, [b * a, *rest], *v.args[2:])
+        v.args = (_swap_outer(g, x, a, b, rest, v), [b * a, *rest], *v.args[2:])
         rewritten += 1
     for e, r in exits.items():
         if regions.find(r) not in chosen:
@@ -289,11 +285,7 @@ def reorder_batch_inner_merges(gm: torch.fx.GraphModule) -> int:
         a, b = regions.ab[r]
         y = e.args[0]
         rest = list(_shape(y)[1:])
-        with g.inserting_before(e):
-            y1 = _call(g, aten.reshape.default, (y, [b, a, *rest]), e)
-            y2 = _call(g, aten.transpose.int, (y1, 0, 1), e)
-            y3 = _call(g, aten.clone.default, (y2,), e, {"memory_format": torch.contiguous_format})
-        e.args = (y3, *e.args[1:])
+        e.args = (_swap_outer(g, y, b, a, rest, e), *e.args[1:])
     if rewritten:
         log.info("reordered %d merge(s) of rows with the batch inside, the batch outer", rewritten)
         g.lint()
@@ -312,3 +304,14 @@ def _call(g: torch.fx.Graph, target: Any, args: tuple, like: torch.fx.Node, kwar
     fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
     n.meta["val"] = target(*fake, **(kwargs or {}))
     return n
+
+
+def _swap_outer(g: torch.fx.Graph, x: torch.fx.Node, p: int, q: int, rest: list, before: torch.fx.Node
+                ) -> torch.fx.Node:
+    """Nodes, inserted before ``before``, that read ``x`` as ``[p, q, *rest]`` and give it as a contiguous
+    ``[q, p, *rest]`` (reshape, transpose(0, 1), clone): a merge's rows reordered to (b, t) on the way in, and back
+    on the way out."""
+    with g.inserting_before(before):
+        x1 = _call(g, aten.reshape.default, (x, [p, q, *rest]), before)
+        x2 = _call(g, aten.transpose.int, (x1, 0, 1), before)
+        return _call(g, aten.clone.default, (x2,), before, {"memory_format": torch.contiguous_format})
