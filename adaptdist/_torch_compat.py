@@ -1270,3 +1270,28 @@ def _quiet_logger(name: str, level_at_least: int = logging.ERROR):
         yield
     finally:
         log.setLevel(level)
+
+
+def stop_rendezvous_heartbeats(timeout_s: float = 5.0) -> int:
+    """Stop this process's rendezvous keep-alive timers (torch elastic's ``RendezvousKeepAliveTimer_*`` threads);
+    returns how many were running.
+
+    torch's ``launch_agent`` leaves its rendezvous handler open when the agent stops on a signal (to keep the
+    rendezvous usable for scaling), so the handler's timer goes on beating against the rendezvous store. Once the
+    launcher's store is gone each beat logs a c10d "Failed to recv" warning with a C++ stack, after the launcher's
+    own last line. The timer keeps its stop event in the context it passes its thread (torch 2.13's
+    ``_PeriodicTimer``); a thread of another shape is left alone."""
+    import threading
+
+    stopped = 0
+    for t in threading.enumerate():
+        if not t.name.startswith("RendezvousKeepAliveTimer_"):
+            continue
+        ctx = (getattr(t, "_args", None) or (None,))[0]
+        stop_event = getattr(ctx, "stop_event", None)
+        if stop_event is None:
+            continue
+        stop_event.set()
+        t.join(timeout_s)
+        stopped += 1
+    return stopped

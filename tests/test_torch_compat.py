@@ -1,6 +1,8 @@
 """adaptdist/_torch_compat.py's fallbacks for a torch that lacks a newer private name (torch 2.11 on the GPU
 machine of benchmarks/device_check.sh): each fallback run here with the newer name taken away."""
 
+import time
+
 import torch
 
 from adaptdist import _torch_compat as compat
@@ -56,3 +58,26 @@ def test_elastic_launch_config_sets_the_grace_where_torch_takes_one(monkeypatch)
     assert compat.torchrun_shutdown_timeout_args(12.4) == []
     cfg = compat.elastic_launch_config(12.4, min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="r")
     assert cfg == OldLaunchConfig(1, 1, 2, "r")
+
+
+def test_stop_rendezvous_heartbeats_stops_torch_elastics_keep_alive_timer():
+    """torch's own timer class, named as its rendezvous handler names it: stopped and joined, no beat after."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    beats = []
+    timer = _PeriodicTimer(timedelta(seconds=0.01), lambda: beats.append(1))
+    timer.set_name("RendezvousKeepAliveTimer_0")
+    timer.start()
+    deadline = time.monotonic() + 10
+    while not beats:
+        assert time.monotonic() < deadline, "the timer never beat"
+        time.sleep(0.01)
+    assert compat.stop_rendezvous_heartbeats() == 1
+    assert not any(t.name == "RendezvousKeepAliveTimer_0" for t in threading.enumerate())
+    n = len(beats)
+    time.sleep(0.05)
+    assert len(beats) == n
+    assert compat.stop_rendezvous_heartbeats() == 0

@@ -381,6 +381,9 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, *, max_restart
     finally:
         import shutil
 
+        from .. import _torch_compat as compat
+
+        compat.stop_rendezvous_heartbeats()  # left beating after a SignalException; the store goes next
         shutil.rmtree(report_dir, ignore_errors=True)
         del store
 
@@ -763,6 +766,9 @@ def launch_hosts(fn: Callable[..., Any], args: tuple, nproc_per_node: int, min_n
     finally:
         import shutil
 
+        from .. import _torch_compat as compat
+
+        compat.stop_rendezvous_heartbeats()  # left beating after a SignalException
         shutil.rmtree(report_dir, ignore_errors=True)
         if store is not None:
             _linger(store, timeouts)
