@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as e:
+        from .. import _torch_compat as compat
+
+        compat.stop_rendezvous_heartbeats()  # torch leaves it beating after a signal; the store may go first
         print(f"adaptdist: agent {os.getpid()} stopped its workers on {signal.Signals(e.sigval).name}",
               file=sys.stderr)
         return 128 + int(e.sigval)
