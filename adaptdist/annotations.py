@@ -7,7 +7,7 @@ import fnmatch
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 
 from .errors import UsageError
@@ -165,15 +165,16 @@ class ManualPlan:
         return self.axis_placements(shapes, trainable)[self.mesh_axes[0]]
 
     @staticmethod
-    def parse(text: str, model_module=None):
-        """``dp``, ``fsdp``, ``tp`` or ``dp,tp`` (``tp`` uses the model file's ``TP_PLAN`` globs), ``ep``
+    def parse(text: str, model_module=None, model: Any = None):
+        """``dp``, ``fsdp``, ``tp`` or ``dp,tp`` (``tp`` uses the model file's ``TP_PLAN`` globs, else the tensor-parallel
+        plan a Hugging Face ``model`` carries: :func:`adaptdist.hf_tp_plan.hf_tp_plan`), ``ep``
         (expert parallelism: a one-axis mesh ``ep`` splitting the batch, the model file's ``EP_PLAN`` globs
         sharding the stacked experts' weights on their expert dim), a YAML file, or a saved ``plan.json``
         (returned as a :class:`~adaptdist.plan.Plan`).
 
         Raises:
-            UsageError: an unknown preset, a model without ``TP_PLAN`` for ``tp`` (``EP_PLAN`` for ``ep``), or a bad file
-                (names the field).
+            UsageError: an unknown preset, a model without ``TP_PLAN`` (nor a Hugging Face plan) for ``tp``
+                (``EP_PLAN`` for ``ep``), or a bad file (names the field).
         """
         presets = {"dp": ("dp",), "fsdp": ("fsdp",), "tp": ("tp",), "dp,tp": ("dp", "tp")}
         key = text.replace(" ", "")
@@ -187,7 +188,7 @@ class ManualPlan:
             if "tp" in parts:
                 k = axes.index("tp")
                 params = tuple((g, tuple(p if i == k else "R" for i in range(len(axes))))
-                               for g, p in _tp_plan(model_module).items())
+                               for g, p in _tp_plan(model_module, model).items())
             return ManualPlan(key, axes, batch, params, fsdp_axis="dp" if "fsdp" in parts else None)
         if "," in text:
             raise UsageError(f"--plan {text!r}: the multi-axis preset is dp,tp; for other meshes "
@@ -250,11 +251,17 @@ def fsdp_dim(shape: tuple[int, ...], n: int) -> int | None:
     return max(ok, key=lambda d: (shape[d], -d)) if ok else None
 
 
-def _tp_plan(model_module) -> dict:
+def _tp_plan(model_module, model: Any = None) -> dict:
     tp = getattr(model_module, "TP_PLAN", None)
+    if tp is None and model is not None:
+        from .hf_tp_plan import hf_tp_plan
+
+        tp = hf_tp_plan(model) or None  # a transformers model's own plan (model._tp_plan)
     if tp is None:
-        raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement}; this model file "
-                         "defines none: add one, or pass --plan FILE.yaml")
+        raise UsageError("--plan tp uses the model file's TP_PLAN = {glob: placement} (or, for a Hugging Face "
+                         f"model, the plan it carries){'' if model is None else f'; {type(model).__name__} carries none'}"
+                         " and this model file defines none: add one, e.g. {'blocks.*.fc.weight': 'S(0)', "
+                         "'blocks.*.fc_out.weight': 'S(1)'}, or pass --plan FILE.yaml")
     if not isinstance(tp, dict):
         raise UsageError(f"the model file's TP_PLAN is a {type(tp).__name__}; it must be a dict "
                          "{glob: placement}, e.g. {'fc1.weight': 'S(0)', 'fc2.weight': 'S(1)'}")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import adaptdist
 import adaptdist.models.gpt as gpt_module
 from adaptdist.annotations import ManualPlan
-from models import mlp, tiny_gpt
+from models import hf_llama, mlp, tiny_gpt
 
 def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
     """A Hugging Face GPT-2 built from a small config (random weights, no download), in eval mode (no
@@ -89,6 +89,7 @@ FACTORIES = {
     "hf_gpt2": hf_gpt2,
     "scalar_loss": scalar_loss,
     "hf_bert": hf_bert,
+    "hf_llama": lambda batch: hf_llama(batch, 8),
 }
 
 
@@ -99,9 +100,10 @@ SEEDED = {  # the same models, built from another seed: each rank's own initial 
 
 
 def make_plan(model: str, plan: str):
-    """A plan argument for adaptdist.backend: presets that need the model's TP globs get them."""
-    if plan in ("tp", "dp,tp"):
-        return ManualPlan.parse(plan, gpt_module if model == "gpt" else None)
+    """A plan argument for adaptdist.backend: the GPT's tp presets as ManualPlan.parse gives them; other models'
+    as the string, which the backend resolves from the compiled module (a Hugging Face model's own plan)."""
+    if plan in ("tp", "dp,tp") and model == "gpt":
+        return ManualPlan.parse(plan, gpt_module)
     return plan
 
 

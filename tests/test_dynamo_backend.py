@@ -34,6 +34,7 @@ CASES = {
 
 
 HF_GPT2_CASES = [dict(model="hf_gpt2", plan="dp", batch=4), dict(model="hf_gpt2", plan="auto", batch=4)]
+HF_LLAMA_TP_CASES = [dict(model="hf_llama", plan="tp", batch=4)]  # plan="tp": the model's own (HF) plan
 HF_BERT_CASES = [dict(model="hf_bert", plan="dp", batch=4), dict(model="hf_bert", plan="fsdp", batch=4)]
 SCALAR_CASES = [dict(model="scalar_loss", plan="auto", batch=6), dict(model="scalar_loss", plan="dp", batch=6)]
 SHM_CASES = [dict(model="mlp", plan="dp", batch=6, comm="shm"), dict(model="mlp", plan="fsdp", batch=6, comm="shm")]
@@ -64,6 +65,7 @@ def _suite_parts(world: int) -> list[tuple[str, str, tuple]]:
     if HAS_TRANSFORMERS:
         parts += [("hf_gpt2", "backend_sgd_worker", (HF_GPT2_CASES, STEPS, LR)),
                   ("hf_bert", "backend_sgd_worker", (HF_BERT_CASES, STEPS, LR)),
+                  ("hf_llama_tp", "backend_sgd_worker", (HF_LLAMA_TP_CASES, STEPS, LR)),
                   ("retrace_llama", "hf_retrace_worker", ("llama", "fsdp", LR)),
                   ("retrace_gpt2", "hf_retrace_worker", ("gpt2", "dp", LR))]
     return parts + [("teardown", "teardown_worker", ())]  # last: it destroys the process group
@@ -161,6 +163,19 @@ def test_hugging_face_gpt2_through_the_backend(ranks2):
     """A Hugging Face GPT-2 (its own attention, masks, a ModelOutput) on 2 ranks, dp and the automatic plan."""
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
     _assert_cases_equal_eager(HF_GPT2_CASES, _part(ranks2, "hf_gpt2"), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SUITE_TIMEOUT_S)
+def test_hugging_face_llama_with_its_own_tp_plan_through_the_backend(ranks2):
+    """``adaptdist.backend(plan="tp")`` on a Hugging Face LLaMA (GQA) whose file defines no TP_PLAN: the model's
+    own plan (q/k/v, gate/up column-parallel, o/down row-parallel) shards the weights; 2 ranks equal eager."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    results = _part(ranks2, "hf_llama_tp")
+    _assert_cases_equal_eager(HF_LLAMA_TP_CASES, results, 2)
+    model = FACTORIES["hf_llama"](4)[0]
+    full_numel = sum(p.numel() for p in model.parameters())
+    assert results[0][0]["local_numel"] < full_numel, (results[0][0]["local_numel"], full_numel)
 
 
 @pytest.mark.slow
@@ -464,7 +479,6 @@ def test_symbolic_shapes_are_refused_clearly():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(plan="nonsense"), "plan='nonsense'"),
-    (dict(plan="tp"), "ManualPlan.parse"),
     (dict(plan=5), "takes 'auto'"),
     (dict(cluster="missing.yaml"), "no such file"),
     (dict(cluster=5), "cluster file path"),

@@ -26,7 +26,7 @@ def resolve_plan(args, spec, model, example, loss_fn, cluster, console, optimize
             print_summary(console, sp.result, layers=layers)
         return sp.plan, sp.captured
     if args.plan != "auto":
-        return ManualPlan.parse(args.plan, spec.module()), None
+        return ManualPlan.parse(args.plan, spec.module(), model), None
     from ..compiler.capture import capture
     from ..compiler.planner.summary import run_planner
 

@@ -86,7 +86,10 @@ def cmd_estimate(args: argparse.Namespace, cluster: Any) -> int:
         plan = ManualPlan(name="auto", mesh_axes=tuple(auto.mesh), batch_axis=auto.batch_axis,
                           params=tuple((f, tuple(map(repr, p))) for f, p in auto.param_placements.items()))
     else:
-        plan = ManualPlan.parse(args.plan, module)
+        hf = "tp" in args.plan.replace(" ", "").split(",") and getattr(module, "TP_PLAN", None) is None
+        torch.manual_seed(0)
+        model = spec.build(args.batch_size, args.seq_len, getattr(args, "data", None))[0] if hf else None
+        plan = ManualPlan.parse(args.plan, module, model)  # tp without TP_PLAN: the model's own (Hugging Face) plan
 
     def compile_at(batch_size: int, seq_len: int, world_size: int, mesh: str | None, on=None):
         torch.manual_seed(0)

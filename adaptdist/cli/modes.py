@@ -157,7 +157,7 @@ def _priced_sync_plan(args, model, example, loss_fn, cluster, shape, optimizer: 
                              replicate_fallback=bool(getattr(args, "replicate_fallback", False)), pipeline=False)
         plan = result.plan
     else:
-        plan = ManualPlan.parse(plan_arg, ModelSpec.parse(args.model).module())
+        plan = ManualPlan.parse(plan_arg, ModelSpec.parse(args.model).module(), model)
     programs = compile_model(model, example, loss_fn, cluster.world_size, plan, lowering_options(args, cluster),
                              mesh=getattr(args, "mesh", None) if captured is None else None, captured=captured,
                              cluster=cluster, optimizer=opt,

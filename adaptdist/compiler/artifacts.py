@@ -140,7 +140,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
             captured, cluster, cluster.world_size, mesh=mesh, microbatches=pipeline.microbatches,
             schedule=pipeline.schedule, optimizer=optimizer, stage_ranks=getattr(pipeline, "stage_ranks", None),
             inner=mesh_preset(mesh, spec.module()) if plan_arg in ("pp", "auto")
-            else ManualPlan.parse(plan_arg, spec.module()))
+            else ManualPlan.parse(plan_arg, spec.module(), model))
         if console is not None:
             from rich.markup import escape
 
@@ -155,7 +155,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
             print_summary(console, planner)
         plan, mesh = planner.plan, None
     else:
-        plan = ManualPlan.parse(plan_arg, spec.module())
+        plan = ManualPlan.parse(plan_arg, spec.module(), model)
     phases["planning"] = time.perf_counter() - t
     timings: dict[str, float] = {}
     programs = compile_model(model, example, loss_fn, cluster.world_size, plan, options, mesh=mesh, captured=captured,

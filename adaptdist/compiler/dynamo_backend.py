@@ -69,9 +69,10 @@ class AdaptdistBackend:
         cluster: an :class:`~adaptdist.cluster.Cluster`, a cluster file path, or None (the local machine
             with the world size's ranks).
         plan: ``"auto"`` (the planner), ``"dp"``, ``"fsdp"``, ``"ep"`` (the ``EP_PLAN`` globs of the compiled module's
-            file: stacked experts sharded on their expert dim, tokens moved by all_to_all), ``"dp,tp"``/``"tp"`` as a
-            :class:`~adaptdist.annotations.ManualPlan` (``ManualPlan.parse("tp", model_module)``), a plan
-            file path (YAML annotations or a saved ``plan.json``), or a :class:`~adaptdist.plan.Plan`.
+            file: stacked experts sharded on their expert dim, tokens moved by all_to_all), ``"dp,tp"``/``"tp"`` (the
+            ``TP_PLAN`` globs of that file, else a Hugging Face module's own plan; or pass
+            ``ManualPlan.parse("tp", model_module)``), a plan file path (YAML annotations or a saved ``plan.json``),
+            or a :class:`~adaptdist.plan.Plan`.
         constraints: the planner's pins and forbidden axes (:class:`~adaptdist.compiler.planner.Constraints`
             or a mapping with ``pins``/``forbid``).
         mesh: a fixed mesh (``"dp=2,tp=2"``) for ``auto`` or a manual plan.
@@ -147,12 +148,8 @@ class AdaptdistBackend:
         _refuse_pipeline(self.plan, self.mesh)  # issue 15: pipeline plans run under `adaptdist train` only
         if isinstance(self.plan, str):
             key = self.plan.replace(" ", "")
-            if key in ("tp", "dp,tp"):
-                raise UsageError(f"adaptdist.backend(plan={self.plan!r}) needs the model's tensor-parallel globs: pass "
-                                 f"plan=ManualPlan.parse({self.plan!r}, module) with a module defining TP_PLAN = "
-                                 "{'blocks.*.fc.weight': 'S(0)', ...}, or a plan file")
-            if key == "ep":
-                self.plan = "ep"  # the EP_PLAN of the compiled model's module file, found at compile (_model_ep_plan)
+            if key in ("ep", "tp", "dp,tp"):
+                self.plan = key  # the globs of the compiled model's module file (or its own HF plan), found at compile
             elif key != "auto":
                 try:
                     self.plan = ManualPlan.parse(self.plan)
@@ -611,8 +608,8 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     earlier = [i.layout for i in inputs if i.layout is not None]
     if earlier:
         return _plan_of_sharded(captured, earlier)
-    if config.plan == "ep":
-        return _model_ep_plan()
+    if config.plan in ("ep", "tp", "dp,tp"):
+        return _model_plan(config.plan)
     if isinstance(config.plan, (Plan, ManualPlan)):
         return config.plan  # checked by AdaptdistBackend.__post_init__: otherwise "auto"
     distributed = dist.is_available() and dist.is_initialized()
@@ -629,12 +626,15 @@ def _plan(captured: Any, inputs: list[GraphInput], config: AdaptdistBackend, wor
     return Plan.from_json(text, "the automatic plan")  # rank 0 logs it with the compiled graph
 
 
-def _model_ep_plan() -> Any:
+def _model_plan(key: str) -> Any:
     """``plan="ep"``: the ``ep`` preset with the ``EP_PLAN`` globs of the file defining the compiled module's class
-    (``adaptdist/models/moe.py``'s for its MoEModel), as ``adaptdist train --plan ep`` reads the model file's.
+    (``adaptdist/models/moe.py``'s for its MoEModel), as ``adaptdist train --plan ep`` reads the model file's;
+    ``"tp"``/``"dp,tp"``: that file's ``TP_PLAN``, else the compiled module's own Hugging Face plan
+    (:func:`adaptdist.hf_tp_plan.hf_tp_plan`).
 
     Raises:
-        UsageError: the compiled code is not a module's forward, or its file defines no ``EP_PLAN`` (says what to pass).
+        UsageError: the compiled code is not a module's forward, or neither its file nor the module gives the
+            plan's globs (says what to pass).
     """
     import sys
 
@@ -645,14 +645,16 @@ def _model_ep_plan() -> Any:
         wrapper = compat.dynamo_compiled_wrapper()
         root = wrapper._orig_mod if wrapper is not None else None
     module = sys.modules.get(type(root).__module__) if root is not None else None
+    globs = "EP_PLAN" if key == "ep" else "TP_PLAN"
     if module is None:
-        raise UsageError("adaptdist.backend(plan='ep') reads EP_PLAN from the file of the compiled module's class, and "
-                         "the compiled code is not a module's forward: pass plan=ManualPlan.parse('ep', model_module)")
+        raise UsageError(f"adaptdist.backend(plan={key!r}) reads {globs} from the file of the compiled module's class, "
+                         f"and the compiled code is not a module's forward: pass plan=ManualPlan.parse({key!r}, "
+                         "model_module)")
     try:
-        return ManualPlan.parse("ep", module)
+        return ManualPlan.parse(key, module, root)
     except UsageError as e:
-        raise UsageError(f"adaptdist.backend(plan='ep') on {type(root).__name__} ({module.__name__}): {e}; or pass "
-                         "plan=ManualPlan.parse('ep', model_module)") from None
+        raise UsageError(f"adaptdist.backend(plan={key!r}) on {type(root).__name__} ({module.__name__}): {e}; or pass "
+                         f"plan=ManualPlan.parse({key!r}, model_module)") from None
 
 
 def _check_same_rng_state(rank: int, control: Any) -> None:

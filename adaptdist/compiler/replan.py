@@ -230,7 +230,7 @@ class ProgramSource:
 
             plan = run_planner(captured, cluster, None, self.optimizer).plan
         else:
-            plan = ManualPlan.parse(self.plan, spec.module())
+            plan = ManualPlan.parse(self.plan, spec.module(), model)
         try:
             from ..comm_transport import rank_hosts
 
