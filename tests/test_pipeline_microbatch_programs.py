@@ -141,6 +141,10 @@ def test_square_of_mean_refused_naming_the_value():
                       pipeline=PipelineOptions(stages=2, microbatches=3))
     msg = str(e.value)
     assert "BatchNorm statistics)" not in msg and "aten.div.Tensor" in msg and "pow" in msg and "sum" in msg
+    # where in the loss the batch mean is taken: ce's line (the capture's record of the mean's division)
+    import inspect
+    line = inspect.getsourcelines(ce)[1] + 1
+    assert f"in the loss function (test_pipeline_microbatch_programs.py:{line}: `return F.cross_entropy(" in msg, msg
 
 
 def test_mesh_preset_takes_the_model_files_tp_plan():
