@@ -29,7 +29,10 @@ async-hetero (notes/issue17_verification.md). What differs there:
   tests/test_dynamo_backend.py's one-process tests pass there.
 - The capture's record of each node's user source (:func:`aot_export_joint`'s ``source_root``: aot's
   ``graph_capture.make_fx`` and ``_aot_export_function``, ``fx.traceback.preserve_node_meta``; added 2026-12-04):
-  not run on 2.11; a missing name records nothing (errors then name only the node).
+  not run on 2.11; a missing name records nothing (errors then name only the node). Its innermost user frame
+  (an op in a helper function, a method not named forward, the loss function) comes through
+  ``fx.proxy.TracerBase._filter_traceback_frames`` (a torch without it: the forward's line that called the
+  helper, no line for the loss, as torch records).
 - DTensor on 2.11 registers 4 single-mesh-dim strategies (2.13: 1,013); the rest come from the full strategy
   functions (584): the ILP's candidate strategies may differ (``--plan auto`` only; not on the script's paths).
 """
@@ -86,7 +89,6 @@ def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0,
 SOURCE_META = "adaptdist.source"
 LOSS_PATH = "<loss>"
 _RETRACED_LINE = re.compile(r"^\s*(\w+) = ")
-_ADAPTDIST_COMPILER = os.path.join("adaptdist", "compiler") + os.sep
 
 
 @contextlib.contextmanager
@@ -97,8 +99,15 @@ def _first_trace_sources(root: torch.nn.Module):
     node's module through ``seq_nr``, as aot copies it). Its graph is appended to the yielded list. aot then
     re-traces that graph by calling it, which loses both (the re-trace's stack traces point into its generated
     code, one line per first-trace node); :func:`_copy_sources` maps them back. A torch without these names:
-    nothing is recorded."""
+    nothing is recorded.
+
+    make_fx's tracer keeps only the frames named ``forward`` of a node's stack trace
+    (``TracerBase._filter_traceback_frames`` under ``_record_forward_stack_traces_only``), so an op in a helper
+    function, a method not named forward or the loss function would name only the line that called it (or, for
+    the loss, no line). Within the first trace the filter also keeps the innermost frame of the user's code
+    (:func:`_innermost_user_frame`), so that frame is the one :func:`_user_frame` finds."""
     import torch._functorch.aot_autograd as aot_autograd
+    import torch.fx.proxy as fx_proxy
     import torch.fx.traceback as fx_traceback
 
     first: list[torch.fx.GraphModule] = []
@@ -130,6 +139,17 @@ def _first_trace_sources(root: torch.nn.Module):
             else:
                 fx_traceback.current_meta.pop("nn_module_stack", None)
 
+    tracer_base = getattr(fx_proxy, "TracerBase", None)
+    real_filter = getattr(tracer_base, "_filter_traceback_frames", None)
+
+    def keep_user_frame(self: Any, summary: traceback.StackSummary) -> traceback.StackSummary:
+        kept = real_filter(self, summary)
+        user = _innermost_user_frame(summary)
+        if user is None or any(f is user for f in kept):
+            return kept
+        ids = {id(f) for f in kept}
+        return traceback.StackSummary.from_list([f for f in summary if f is user or id(f) in ids])
+
     def make_fx(*a: Any, **k: Any) -> Callable:
         k.setdefault("record_stack_traces", True)
         trace = real_make_fx(*a, **k)
@@ -138,9 +158,13 @@ def _first_trace_sources(root: torch.nn.Module):
             from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
             with fx_traceback.preserve_node_meta():
                 hooks = [register_module_forward_pre_hook(push), register_module_forward_hook(pop, always_call=True)]
+                if real_filter is not None:
+                    tracer_base._filter_traceback_frames = keep_user_frame
                 try:
                     return trace(*args)
                 finally:
+                    if real_filter is not None:
+                        tracer_base._filter_traceback_frames = real_filter
                     for h in hooks:
                         h.remove()
                     stack.clear()
@@ -160,12 +184,51 @@ def _first_trace_sources(root: torch.nn.Module):
 
 
 def _user_frame(stack_trace: str | None) -> tuple[str, int, str] | None:
-    """The innermost frame of a recorded stack trace outside torch and adaptdist's compiler: (file, line, code)
+    """The innermost frame of a recorded stack trace in the user's code (:func:`_code_kind`): (file, line, code)
     (for a torch module, the line that called it)."""
-    frames = _traceback_frames(stack_trace or "")
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    frames = [f for f in frames if _ADAPTDIST_COMPILER not in f[0] and not f[0].startswith(torch_dir)]
+    frames = [f for f in _traceback_frames(stack_trace or "") if _code_kind(f[0]) == "user"]
     return frames[-1] if frames else None
+
+
+_ADAPTDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STEP_CODE = (os.path.join(_ADAPTDIST_DIR, "compiler") + os.sep, os.path.abspath(__file__))
+_LIBRARY_CODE = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+                 os.path.dirname(os.path.abspath(os.__file__)) + os.sep)  # torch, Python's standard library
+_code_kinds: dict[str, str] = {}
+
+
+def _code_kind(filename: str) -> str:
+    """Whose code ``filename`` is: "step" (adaptdist's compiler, which calls the model and the loss function, and
+    this file), "library" (torch, Python's standard library, the rest of adaptdist but its built-in models,
+    generated code such as ``<eval_with_key>.3``) or "user" (the model's and the loss's files, wherever they
+    are: a script, a package such as transformers, adaptdist/models)."""
+    kind = _code_kinds.get(filename)
+    if kind is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        if path.startswith(_STEP_CODE[0]) or path == _STEP_CODE[1]:
+            kind = "step"
+        elif path.startswith("<") or (path.startswith(_ADAPTDIST_DIR)
+                                      and not path.startswith(os.path.join(_ADAPTDIST_DIR, "models") + os.sep)):
+            kind = "library"
+        elif path.startswith(_LIBRARY_CODE[0]) or (path.startswith(_LIBRARY_CODE[1])
+                                                   and "-packages" + os.sep not in path[len(_LIBRARY_CODE[1]):]):
+            kind = "library"
+        else:
+            kind = "user"
+        _code_kinds[filename] = kind
+    return kind
+
+
+def _innermost_user_frame(summary: traceback.StackSummary) -> traceback.FrameSummary | None:
+    """The innermost frame of ``summary`` (outermost first) in the user's code, looking outward no further than
+    adaptdist's step (whose callers, e.g. a script calling ``compile_model``, are not the traced code)."""
+    for f in reversed(summary):
+        kind = _code_kind(f.filename)
+        if kind == "user":
+            return f
+        if kind == "step":
+            return None
+    return None
 
 
 def _traceback_frames(text: str) -> list[tuple[str, int, str]]:

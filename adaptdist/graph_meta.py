@@ -235,6 +235,16 @@ def source_of(node: torch.fx.Node) -> str:
     return (f"in the model's own forward ({cls})" if cls else "in the model's forward") + where
 
 
+def where_of(node: torch.fx.Node) -> str:
+    """`` in module `layers.1` (Block) (model.py:57: `x = ...`)``: where ``node`` came from, for an error naming it
+    (:func:`source_of`, else :func:`module_of`; '' if unknown)."""
+    where = source_of(node)
+    if where:
+        return " " + where
+    mod = module_of(node)
+    return f" in {mod}" if mod else ""
+
+
 def set_output_roles(output_node: torch.fx.Node, roles: list[str]) -> None:
     assert output_node.op == "output" and len(roles) == len(output_node.args[0])
     output_node.meta[OUTPUT_ROLES] = list(roles)

@@ -128,3 +128,37 @@ def test_plan_file_advice_is_rewritten_whole_for_the_backend():
     assert text.endswith("pass adaptdist.backend(plan='FILE.yaml') with a mesh axis ep"), text
     assert advice_for("or --plan dp,tp", "backend") == "or adaptdist.backend(plan='dp,tp')"
     assert advice_for("train with --plan fsdp.", "backend") == "train with adaptdist.backend(plan='fsdp')."
+
+
+def _distances(h):
+    return torch.cdist(h, h)  # no sharding rule
+
+
+class _DistancesInAHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _distances(self.lin(x))
+
+
+@pytest.mark.parametrize("where", ["model", "loss"])
+def test_no_sharding_rule_names_the_users_module_and_line(where):
+    """The refusal names the op's module and the line of the user's code that ran it, here in a free function
+    the forward (or the loss function) calls (before: only the node; the captured graph has no nn_module_stack)."""
+    import inspect
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    if where == "model":
+        cg = capture(nn.Sequential(_DistancesInAHelper()), (x, torch.randn(6, 6)), F.mse_loss)
+    else:
+        cg = capture(nn.Linear(4, 4), (x, torch.randn(6, 6)), lambda out, y: F.mse_loss(_distances(out), y))
+    lines, first = inspect.getsourcelines(_distances)
+    line = first + next(i for i, t in enumerate(lines) if "# no sharding rule" in t)
+    with pytest.raises(UnsupportedOpError, match="no sharding rule") as e:
+        lower(cg, resolve_plan(ManualPlan.parse("dp"), cg, 2), LoweringOptions())
+    where_part = "in module `0` (_DistancesInAHelper)" if where == "model" else "in the loss function"
+    assert f"at node '_cdist_forward' {where_part} (test_error_advice.py:{line}: `return torch.cdist(h, h)" \
+        in str(e.value), str(e.value)

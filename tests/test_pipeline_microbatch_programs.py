@@ -141,6 +141,10 @@ def test_square_of_mean_refused_naming_the_value():
                       pipeline=PipelineOptions(stages=2, microbatches=3))
     msg = str(e.value)
     assert "BatchNorm statistics)" not in msg and "aten.div.Tensor" in msg and "pow" in msg and "sum" in msg
+    # where in the loss the batch mean is taken: ce's line (the capture's record of the mean's division)
+    import inspect
+    line = inspect.getsourcelines(ce)[1] + 1
+    assert f"in the loss function (test_pipeline_microbatch_programs.py:{line}: `return F.cross_entropy(" in msg, msg
 
 
 def test_mesh_preset_takes_the_model_files_tp_plan():
@@ -352,4 +356,53 @@ def test_microbatch_difference_names_the_module_and_source_line():
     for part in ("differs between microbatches 0 and 1", "in module `layers.1` (ReversedRows)",
                  f"(test_pipeline_microbatch_programs.py:{line}: `idx = torch.arange(x.shape[0]).flip(0)",
                  "(a value that depends on the microbatch's rows"):
+        assert part in msg, (part, msg)
+
+
+def reversed_rows(h):
+    return h.gather(0, torch.arange(h.shape[0]).flip(0)[:, None].expand(h.shape))  # rows reversed (helper)
+
+
+class RowsInAHelper(nn.Module):
+    """ReversedRows's op written in a free function or a method its forward calls."""
+    def __init__(self, d=16, method=False):
+        super().__init__()
+        self.lin, self.method = nn.Linear(d, d), method
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.tanh(self.reverse(h) if self.method else reversed_rows(h))
+
+    def reverse(self, h):
+        idx = torch.arange(h.shape[0]).flip(0)[:, None].expand(h.shape)  # rows reversed (method)
+        return h.gather(0, idx)
+
+
+def reversed_rows_loss(out, target):
+    return F.cross_entropy(reversed_rows(out), target.flip(0))
+
+
+@pytest.mark.parametrize("where", ["helper", "method", "loss"])
+def test_microbatch_difference_names_the_line_in_a_helper_method_or_loss(where):
+    """The differing op written in a free function or a method the forward calls, or in the loss function: the
+    message names that line, the innermost of the user's code (before: the forward's line that called it, or, for
+    the loss, no line: torch's stack traces keep only frames named forward)."""
+    import inspect
+
+    from adaptdist.errors import PipelineError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), RowsInAHelper(method=where == "method"), nn.Linear(16, 4))
+    loss = F.cross_entropy
+    if where == "loss":
+        model, loss = _sequential_mlp(), reversed_rows_loss
+    fn = RowsInAHelper.reverse if where == "method" else reversed_rows
+    marker = "# rows reversed (method)" if where == "method" else "# rows reversed (helper)"
+    lines, first = inspect.getsourcelines(fn)
+    line = first + next(i for i, t in enumerate(lines) if marker in t)
+    with pytest.raises(PipelineError) as e:
+        compile_model(model, _rows(), loss, 2, None, pipeline=PipelineOptions(stages=2, microbatches=2))
+    msg = str(e.value)
+    where_part = "in the loss function" if where == "loss" else "in module `1` (RowsInAHelper)"
+    for part in ("differs between microbatches 0 and 1", f"{where_part} (test_pipeline_microbatch_programs.py:{line}: "):
         assert part in msg, (part, msg)

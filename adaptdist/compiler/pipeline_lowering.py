@@ -664,6 +664,12 @@ def _user_source(gm: torch.fx.GraphModule, name: str, limit: int = 4) -> str:
     return ""
 
 
+def _where_near(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """`` in the loss function (loss.py:7: `...`)``: :func:`_user_source` of ``node``, for a message naming it."""
+    where = _user_source(gm, node.name)
+    return " " + where if where else ""
+
+
 def _whole_batch_source(gm: torch.fx.GraphModule, name: str) -> str | None:
     """When node ``name`` of ``gm`` is a rank slice of the batch dim (dim 0: each microbatch's rows of a value
     every microbatch holds whole), the op that made that value (``index_put``); else None."""
@@ -737,7 +743,8 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             users = sorted({f"{u.name} ({u.target})" for u in res.users})
             raise PipelineError(
                 f"the step needs the {n.args[1]} over the whole batch of node {x.name!r} ({x.target}, "
-                f"{gmeta.shape_str(x)}), computed from parameters or activations (all_reduce at {n.name!r}, used by "
+                f"{gmeta.shape_str(x)}){_where_near(gm, x)}, computed from parameters or activations (all_reduce at "
+                f"{n.name!r}, used by "
                 f"{', '.join(users[:3]) or 'the outputs'}{'...' if len(users) > 3 else ''}): a pipeline runs each "
                 "microbatch's forward and backward apart, so that total is not known in time. This happens where "
                 "the loss is not a sum or mean of per-sample terms (a function of the batch mean such as its square, "
@@ -755,8 +762,8 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
                 graph.erase_node(n)
             normalizers.append((ph, how, op))
             continue
-        raise PipelineError(f"the step's {kind} at node {n.name!r} over the batch (of {x.name!r}) cannot be split "
-                            "into pipeline microbatches; use a plan without pp")
+        raise PipelineError(f"the step's {kind} at node {n.name!r} over the batch (of {x.name!r}"
+                            f"{_where_near(gm, x)}) cannot be split into pipeline microbatches; use a plan without pp")
     prologue = _prologue(gm, batch_phs, normalizers, M, rows) if normalizers else None  # before the count is dead
     graph.eliminate_dead_code()
     gm.recompile()

@@ -190,10 +190,11 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         x = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
         if node.target in VALUED or x is None:
             raise UnsupportedOpError(
-                f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}) draws random numbers for a sharded "
-                f"value ({placement_of(node)!r} on mesh axis {ctx.mesh_axis}); rng='global' draws each random tensor "
-                "whole on every rank, which this op cannot do from its shard. Use rng='per-rank' (--rng per-rank, "
-                "adaptdist.backend(rng='per-rank')), or draw with torch.rand_like and compare instead")
+                f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}){gmeta.where_of(node)} draws random "
+                f"numbers for a sharded value ({placement_of(node)!r} on mesh axis {ctx.mesh_axis}); rng='global' "
+                "draws each random tensor whole on every rank, which this op cannot do from its shard. Use "
+                "rng='per-rank' (--rng per-rank, adaptdist.backend(rng='per-rank')), or draw with torch.rand_like "
+                "and compare instead")
         if node.target in DROPOUT:
             changed |= _rewrite_dropout(graph, node, x, d, ctx)
             continue

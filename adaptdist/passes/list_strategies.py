@@ -124,7 +124,8 @@ def list_strategies(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.f
         if not found and node.op == "call_function":
             if tensor_args(node) and not ctx.replicate_fallback:
                 raise UnsupportedOpError(
-                    f"op {node.target} at node {node.name!r} ({', '.join(gmeta.shape_str(a) for _, a in tensor_args(node))})"
+                    f"op {node.target} at node {node.name!r}{gmeta.where_of(node)} "
+                    f"({', '.join(gmeta.shape_str(a) for _, a in tensor_args(node))})"
                     " has no sharding strategy in DTensor nor in adaptdist/passes/sharding_rules.py; pass "
                     "--replicate-fallback to run it whole on every rank"
                 )

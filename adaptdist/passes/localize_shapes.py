@@ -279,7 +279,7 @@ def _op_interval(node: torch.fx.Node, p: Any, ivs: dict, ctx: PassContext | None
         k = n_in // n_out
         if s % k or e % k:
             raise UnsupportedOpError(
-                f"view node {node.name!r}{' in ' + gmeta.module_of(node) if gmeta.module_of(node) else ''} "
+                f"view node {node.name!r}{gmeta.where_of(node)} "
                 f"splits a sharded dim of size {n_in} into {n_out} groups of {k} ({gmeta.shape_str(src)} -> "
                 f"{gmeta.shape_str(node)}), but this rank's shard [{s}, {e}) does not hold whole groups. "
                 + _whole_groups_advice(n_out, ctx, _shard_source(src, ivs)))

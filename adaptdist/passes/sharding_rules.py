@@ -77,9 +77,8 @@ def unsupported(node: torch.fx.Node, pl: PlacementOf, why: str) -> UnsupportedOp
     """The UnsupportedOpError for ``node``, naming op, node, module, input shapes and placements."""
     args = ", ".join(f"{a.name}: {gmeta.shape_str(a)} {pl(a)!r}" for _, a in tensor_args(node)
                      if "val" in a.meta or a.op != "get_attr")  # not torch.cond's branches (subgraphs)
-    where = gmeta.module_of(node)
     return UnsupportedOpError(
-        f"op {node.target} at node {node.name!r}{' in ' + where if where else ''} has no sharding rule for "
+        f"op {node.target} at node {node.name!r}{gmeta.where_of(node)} has no sharding rule for "
         f"inputs ({args}): {why}. Rewrite that part of the model with supported ops, or pass "
         "--replicate-fallback to gather its inputs and run it whole on every rank (see "
         f"adaptdist/passes/sharding_rules.py).{_grouped_mm_hint(node)}"

@@ -334,8 +334,9 @@ def strategies_on_axis(pg: PlanningGraph, n: int, batch_axis: bool, cache: dict,
             if not keep and fx.op == "call_function" and replicate_fallback:
                 keep = [Strategy((R,) * len(tensor_args(fx)), (R,), "adaptdist")]  # gathered, run whole
             if not keep and fx.op == "call_function":
-                raise UnsupportedOpError(f"op {fx.target} at node {name!r} ({gmeta.shape_str(fx)}) has no sharding "
-                                         "strategy the planner can use; see adaptdist/passes/sharding_rules.py")
+                raise UnsupportedOpError(f"op {fx.target} at node {name!r}{gmeta.where_of(fx)} ({gmeta.shape_str(fx)}) "
+                                         "has no sharding strategy the planner can use; see "
+                                         "adaptdist/passes/sharding_rules.py")
             cache[key] = keep
         out[name] = cache[key]
         gmeta.set_strategies(fx, out[name])  # a getitem's strategies are read from its producer's
