@@ -471,3 +471,68 @@ def test_backend_comm_auto_falls_back_to_gloo_when_the_group_cannot_be_made(tmp_
     text = proc.stdout + proc.stderr
     assert text.count("--comm auto puts mesh axis 'dp' on gloo") == 1, text[-3000:]
     assert "bytes free of 8388608, the group needed" in text, text[-3000:]
+
+
+_REUSE_SCRIPT = textwrap.dedent(r"""
+    import json, os, sys
+    sys.path.insert(0, "tests")
+
+    def free():
+        st = os.statvfs("/dev/shm")
+        return st.f_bavail * st.f_frsize
+
+    def worker(rank, world):
+        import gc
+        import torch, torch.distributed as dist
+        from adaptdist.kernels import shm
+        out = {"free0": free(), "rounds": []}
+        for i in range(5):
+            g = shm.init_group(dist.group.WORLD, name=f"r{i}", timeout_s=60)
+            x = torch.ones(1 << 20)  # 4 MiB: its output takes the shared output region (reserved as used)
+            y = g.all_reduce(x)
+            b = g.input_buffer(1 << 18)  # 1 MiB of the registered input region
+            b.fill_(1.0)
+            z = g.all_reduce(b)
+            ok = bool(torch.equal(y, x * 2) and torch.equal(z, b * 2))
+            dist.barrier()
+            used = free()
+            g.destroy()
+            dist.barrier()
+            kept = free()  # a tensor on the segment keeps it mapped: reserved still
+            del y, z, b
+            gc.collect()
+            dist.barrier()
+            out["rounds"].append({"ok": ok, "used": used, "kept": kept, "after": free(), "slot": g.slot_bytes})
+        return out
+
+    if __name__ == "__main__":
+        from shm_workers import run_ranks
+        res = run_ranks(worker, 2, timeout_s=200)
+        print("SUMMARY " + json.dumps({str(r): v if "error" not in v else {"error": v["error"][-2000:]}
+                                       for r, v in res.items()}))
+""")
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(300)
+def test_destroyed_groups_give_their_reservations_back(tmp_path):
+    """/dev/shm of 24 MiB, 2 ranks, five groups made, used and destroyed one after another: each reserves its header
+    and slots and, as used, ranges of the shared output and registered input regions (more than half of /dev/shm in
+    all); while a tensor on the segment lives (an all_reduce's output, an input_buffer) the reservation stays, and
+    once the group is destroyed on every rank and those tensors are gone /dev/shm is as free as before, so the next
+    group is made (not a ShmCapacityError)."""
+    script = tmp_path / "reuse.py"
+    script.write_text(_REUSE_SCRIPT)
+    proc = _run_small_shm(24, [str(script)], timeout_s=280)
+    assert "SUMMARY " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.split("SUMMARY ", 1)[1])
+    assert sorted(out) == ["0", "1"], out
+    for res in out.values():
+        assert "error" not in res, res
+        assert len(res["rounds"]) == 5, res
+        for r in res["rounds"]:
+            assert r["ok"], res
+            assert res["free0"] - r["used"] >= 14 << 20, res  # slots and header (>10 MiB) and the used ranges
+            assert r["kept"] <= r["used"] + (1 << 20), res  # tensors alive on the segment: still reserved
+            assert r["after"] == res["free0"], res  # all given back
