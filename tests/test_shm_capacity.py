@@ -536,3 +536,37 @@ def test_destroyed_groups_give_their_reservations_back(tmp_path):
             assert res["free0"] - r["used"] >= 14 << 20, res  # slots and header (>10 MiB) and the used ranges
             assert r["kept"] <= r["used"] + (1 << 20), res  # tensors alive on the segment: still reserved
             assert r["after"] == res["free0"], res  # all given back
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(900)
+def test_run_of_comm_auto_pipeline_on_too_small_dev_shm_falls_back_to_gloo(tmp_path):
+    """A pipeline (pp=2,tp=2, 4 ranks) compiled with `--comm auto` where /dev/shm had room (the stages' tp collectives
+    on shared memory), run where it has 8 MiB: its groups cannot be made, so every rank puts all of them on gloo (all
+    or nothing, as the lowering decides for pipelines; one warning) and trains bitwise as the `--comm gloo` artifacts."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_file = tmp_path / "m.py"  # tiny_gpt with the built-in GPT's TP_PLAN
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          "from models import tiny_gpt  # noqa: F401\nfrom adaptdist.models.gpt import TP_PLAN  # noqa\n")
+    common = [f"{model_file}:tiny_gpt", "--batch-size", "8", "--seq-len", "8", "--plan", "tp", "--mesh", "pp=2,tp=2",
+              "--microbatches", "2", "--schedule", "gpipe"]
+    runs = {}
+    for comm in ("auto", "gloo"):
+        art, out = tmp_path / f"art_{comm}", tmp_path / f"run_{comm}"
+        proc = _run_small_shm(1024, ["-m", "adaptdist.cli", "compile", *common, "--comm", comm, "-o", str(art)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = _run_cli(8, ["run", str(art), "--out", str(out), "--steps", "2", "--optimizer", "sgd", "--lr", "0.1"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        runs[comm] = (json.loads((out / "summary.json").read_text()), load_file(str(out / "model.safetensors")), proc)
+    assert json.loads((tmp_path / "art_auto" / "manifest.json").read_text())["transports"] == {"pp": "gloo", "tp": "shm"}
+    summary, params, proc = runs["auto"]
+    text = proc.stdout + proc.stderr
+    assert summary["transports"] == {"pp": "gloo", "tp": "gloo"}
+    assert text.count("--comm auto puts the pipeline's") == 1 and "bytes free of 8388608" in text, text[-3000:]
+    assert summary["losses"] == runs["gloo"][0]["losses"]
+    assert params.keys() == runs["gloo"][1].keys()
+    for name, p in params.items():
+        assert torch.equal(p, runs["gloo"][1][name]), name

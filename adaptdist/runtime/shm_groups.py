@@ -182,13 +182,40 @@ def use_gloo_for_axes(program: Any, shortfalls: Mapping[str, ShmShortfall]) -> N
             for k, v in program.constants.items():
                 setattr(program.module, k, v)
             program._traced = None
-    if dist.is_initialized() and dist.get_rank() == 0:
-        log.warning("adaptdist: --comm auto puts mesh axis %s on gloo, not shared memory: %s. For shared-memory "
-                    "collectives give /dev/shm more space (e.g. `docker run --shm-size=1g`); --comm gloo silences this",
-                    ", ".join(repr(a) for a in shortfalls), "; ".join(
-                        f"the shared-memory group of {a!r} could not be made as the run started: /dev/shm had "
-                        f"{s.free_bytes} bytes free of {s.size_bytes}, the group needed {s.needed_bytes}"
-                        for a, s in shortfalls.items()))
+    warn_gloo_fallback({f"mesh axis {a!r}": s for a, s in shortfalls.items()})
+
+
+def gloo_module(module: Any, gloo_names: Mapping[str, str]) -> Any:
+    """``module`` (a GraphModule, or a loaded program's exec'd source: traced first) with its shared-memory collectives
+    on the groups of ``gloo_names`` put back on gloo (:func:`~adaptdist.passes.use_gloo_collectives.use_gloo_collectives`);
+    ``module`` itself where it has none."""
+    import torch.fx
+
+    from ..passes.use_gloo_collectives import use_gloo_collectives
+
+    if not gloo_names:
+        return module
+    gm = module if isinstance(module, torch.fx.GraphModule) else torch.fx.symbolic_trace(module)
+    if gm is not module:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            node.type = None  # (the source's shape annotations, "f32[4, 16]", are no types)
+    gm, changed = use_gloo_collectives(gm, gloo_names)
+    return gm if changed else module
+
+
+def warn_gloo_fallback(shortfalls: Mapping[str, ShmShortfall]) -> None:
+    """One warning (on global rank 0): ``--comm auto`` puts each of ``shortfalls`` (a description, ``"mesh axis
+    'dp'"`` -> why) on gloo, naming /dev/shm's free and total bytes and the bytes the group needed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    log.warning("adaptdist: --comm auto puts %s on gloo, not shared memory: %s. For shared-memory collectives give "
+                "/dev/shm more space (e.g. `docker run --shm-size=1g`); --comm gloo silences this",
+                ", ".join(shortfalls), "; ".join(
+                    f"a shared-memory group of {what} could not be made as the run started: /dev/shm had "
+                    f"{s.free_bytes} bytes free of {s.size_bytes}, the group needed {s.needed_bytes}"
+                    for what, s in shortfalls.items()))
 
 
 def make_shm_groups(wanted: Iterable[str], candidates: Sequence[tuple[str, Any]], timeout_s: float | None,

@@ -336,12 +336,12 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
     loaded, every process group made, the view of its state gathered (:mod:`adaptdist.stage_program_io`, :mod:`.pipeline_programs`)."""
     import dataclasses
 
-    from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups_or_gloo
     from ..stage_program_io import load_pipeline_program
     from .pipeline_programs import checkpoint_view, describe_pipeline, stage_device_mesh
 
     program = load_pipeline_program(program_dir, rank, world_size=world)
-    groups = setup_pipeline_groups(program, cfg.timeout_s)
+    program, groups = setup_pipeline_groups_or_gloo(program, cfg.timeout_s)  # --comm auto: gloo where /dev/shm is full
     runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
                                 max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
     view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program),
