@@ -64,6 +64,9 @@ class RankProgram:
         global_shapes: fqn -> global (unsharded) shape of each state tensor.
         plan: the :class:`~adaptdist.plan.Plan` the program was lowered from (``plan.json``).
         constants: tensor constants the code reads as attributes.
+        comm: the ``--comm`` it was lowered under (``"auto"``, ``"shm"``, ``"gloo"``; ``""``: not recorded, programs
+            saved before it was): under ``auto`` an axis whose shared-memory group cannot be made at the start goes
+            to gloo (:func:`adaptdist.runtime.worker.register_mesh_groups`); otherwise that is an error.
     """
 
     rank: int
@@ -86,6 +89,7 @@ class RankProgram:
     state_placements: dict[str, list[str]] = field(default_factory=dict)
     global_shapes: dict[str, list[int]] = field(default_factory=dict)
     plan: Any = None
+    comm: str = ""
     _traced: torch.fx.GraphModule | None = field(default=None, repr=False)
 
     def __call__(self, *args: torch.Tensor):
@@ -144,6 +148,7 @@ class RankProgram:
             "batch_specs": [[list(shape), dtype] for shape, dtype in self.batch_specs],
             "state_placements": self.state_placements,
             "global_shapes": self.global_shapes,
+            **({"comm": self.comm} if self.comm else {}),
         }
 
 
@@ -393,7 +398,7 @@ def load_program(directory: str | os.PathLike, rank: int, world_size: int | None
         state=state, constants=constants, tied=meta.get("tied", {}), stacked=meta.get("stacked", {}),
         batch_specs=[(list(shape), dtype) for shape, dtype in meta["batch_specs"]],
         state_placements=meta.get("state_placements", {}), global_shapes=meta.get("global_shapes", {}),
-        plan=plan,
+        plan=plan, comm=meta.get("comm") if isinstance(meta.get("comm"), str) else "",
     )
 
 

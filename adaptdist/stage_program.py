@@ -212,6 +212,7 @@ class PipelineRankProgram:
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     microbatch_stride: int = 0
     shm_groups: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    comm: str = ""  # the --comm it was lowered under ("": not recorded); auto: a group not made at the start -> gloo
 
     def transports(self) -> dict[str, str]:
         """Each axis of the plan's mesh -> how its communication travels on this rank: ``"gloo"`` (``pp``: sends

@@ -118,6 +118,8 @@ def save_pipeline_programs(programs: dict[int, PipelineRankProgram], directory: 
         }
         if prog.shm_groups:  # groups on adaptdist's shared-memory kernels (--comm auto|shm)
             meta["shm_groups"] = {g: list(rs) for g, rs in prog.shm_groups.items()}
+        if prog.comm:  # the --comm it was lowered under: auto falls back to gloo where a group cannot be made
+            meta["comm"] = prog.comm
         if prog.stacked:  # ModuleList experts held stacked: their user names (model.safetensors)
             meta["stacked"] = {f: list(ms) for f, ms in prog.stacked.items()}
         (rd / "program.py").write_text("\n\n".join(sources))
@@ -218,7 +220,8 @@ def load_pipeline_program(directory: str | os.PathLike, rank: int, world_size: i
         param_fqns=tuple(meta["param_fqns"]), global_shapes={f: tuple(s) for f, s in meta["global_shapes"].items()},
         state_placements={f: tuple(p) for f, p in meta["state_placements"].items()}, loss_rank=meta["loss_rank"],
         plan=plan, stacked=_stacked(meta, meta_path),
-        shm_groups={g: tuple(rs) for g, rs in (meta.get("shm_groups") or {}).items()})
+        shm_groups={g: tuple(rs) for g, rs in (meta.get("shm_groups") or {}).items()},
+        comm=meta.get("comm") if isinstance(meta.get("comm"), str) else "")
 
 
 def _stacked(meta: dict, path: Path) -> dict[str, tuple[str, ...]]:

@@ -187,6 +187,8 @@ def test_train_comm_auto_on_small_dev_shm_equals_eager(tmp_path, size_mib, trans
     want_losses, _ = _eager(ROOT / "tests" / "models.py", "wide_mlp")
     summary, proc = _train(tmp_path, size_mib)
     assert summary["transports"] == {"dp": transport}
+    # the programs say they were lowered under --comm auto (a group not made at the start then falls back to gloo)
+    assert json.loads((tmp_path / "o" / "programs" / "rank0" / "program.json").read_text())["comm"] == "auto"
     assert summary["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
     warned = (proc.stdout + proc.stderr).count("/dev/shm has")
     assert warned == (1 if transport == "gloo" else 0), proc.stderr[-3000:]
@@ -298,3 +300,273 @@ def test_comm_auto_counts_the_slots_creation_will_take():
     assert fit_shm_space(mesh, {"dp": "shm", "tp": "shm"}, space=(1 << 30, free)) == {"dp": "shm", "tp": "gloo"}
     # simulated creation in that order fits: what the kept axis takes is within the free bytes
     assert groups_fixed_bytes([4] * 4, free) <= free
+
+
+def _partial_capacity_worker(rank: int, world: int) -> dict:
+    """dp=2,tp=2 on 4 ranks: the shared-memory group of dp over ranks [1, 3] cannot be made (a ShmCapacityError as
+    /dev/shm full at that moment makes it, on both of its ranks), the others can."""
+    import torch.distributed as dist
+
+    import adaptdist.kernels.shm as kshm
+    from adaptdist.errors import ShmCapacityError
+    from adaptdist.runtime import shm_groups
+
+    real = kshm.init_group
+
+    def init_group(pg, **kw):
+        if kw.get("name") == "adaptdist:dp[1,3]":
+            dist.barrier(group=pg)  # (as the real one: a collective of the group before it raises)
+            raise ShmCapacityError("adaptdist shm: /dev/shm full", "adaptdist:dp[1,3]", 10 << 20)
+        return real(pg, **kw)
+
+    kshm.init_group = init_group
+    groups = {"dp": dist.new_group([0, 2]), "dp1": dist.new_group([1, 3]),
+              "tp": dist.new_group([0, 1]), "tp1": dist.new_group([2, 3])}
+    mine = {"dp": groups["dp" if rank in (0, 2) else "dp1"], "tp": groups["tp" if rank in (0, 1) else "tp1"]}
+    names = {"dp": "adaptdist:dp", "tp": "adaptdist:tp"}
+    dp = "[0,2]" if rank in (0, 2) else "[1,3]"
+    tp = "[0,1]" if rank in (0, 1) else "[2,3]"
+    code = (f"x = torch.ops.adaptdist.shm_all_reduce.default(a, 'sum', 'adaptdist:dp{dp}')\n"
+            f"y = torch.ops.adaptdist.shm_all_reduce.default(b, 'sum', 'adaptdist:tp{tp}')\n")
+    made, gloo = shm_groups.setup_shm_groups_or_gloo(code, names, mine.__getitem__, 60, fall_back=True)
+    out = {"made": made, "gloo": {a: [s.needed_bytes, s.free_bytes, s.size_bytes] for a, s in gloo.items()},
+           "live": kshm.group_names()}
+    for name in kshm.group_names():
+        kshm.destroy_group(name)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_comm_auto_ranks_agree_to_put_an_axis_on_gloo_when_one_of_its_groups_cannot_be_made():
+    """dp=2,tp=2: only the dp group of ranks 1 and 3 finds no room in /dev/shm. Under `--comm auto` every rank (0 and 2
+    too, whose own dp group was made) puts dp on gloo and destroys its dp group; tp stays on shared memory."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from shm_workers import run_ranks
+
+    res = run_ranks(_partial_capacity_worker, 4, timeout_s=200)
+    assert sorted(res) == [0, 1, 2, 3], res
+    for rank, r in res.items():
+        assert "error" not in r, r
+        tp = "[0,1]" if rank in (0, 1) else "[2,3]"
+        assert r["gloo"].keys() == {"dp"} and r["gloo"]["dp"][0] == 10 << 20, r
+        assert r["made"] == [f"adaptdist:tp{tp}"] and r["live"] == [f"adaptdist:tp{tp}"], r
+
+
+def _run_cli(size_mib: int, argv: list[str]):
+    code = f"import sys; from adaptdist.cli import main; sys.exit(main({argv!r}))"
+    return _run_small_shm(size_mib, ["-c", code], timeout_s=600)
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(900)
+def test_run_of_comm_auto_artifacts_on_too_small_dev_shm_falls_back_to_gloo(tmp_path):
+    """Artifacts compiled with `--comm auto` where /dev/shm had room (dp on shared memory), run where it has 8 MiB:
+    the group cannot be made as the run starts, so both ranks put dp on gloo (one warning naming the axis, /dev/shm's
+    free bytes and the bytes needed) and train bitwise as the artifacts compiled with `--comm gloo` do (the same
+    collectives in the same order). Compiled with `--comm shm`, the same run stops with ShmCapacityError."""
+    import torch
+    from safetensors.torch import load_file
+
+    common = ["tests/models.py:wide_mlp", "--nproc", "2", "--batch-size", "8", "--plan", "dp"]
+    arts = {}
+    for comm in ("auto", "gloo", "shm"):
+        arts[comm] = tmp_path / f"art_{comm}"
+        proc = _run_small_shm(1024, ["-m", "adaptdist.cli", "compile", *common, "--comm", comm, "-o", str(arts[comm])])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((arts["auto"] / "manifest.json").read_text())["transports"] == {"dp": "shm"}
+    steps = ["--steps", "3", "--optimizer", "sgd", "--lr", "2e-3"]
+    runs = {}
+    for comm in ("auto", "gloo"):
+        out = tmp_path / f"run_{comm}"
+        proc = _run_cli(8, ["run", str(arts[comm]), "--out", str(out), *steps])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        runs[comm] = (json.loads((out / "summary.json").read_text()), load_file(str(out / "model.safetensors")), proc)
+    summary, params, proc = runs["auto"]
+    text = proc.stdout + proc.stderr
+    assert summary["transports"] == {"dp": "gloo"}
+    assert text.count("--comm auto puts mesh axis 'dp' on gloo") == 1, text[-3000:]
+    import re
+
+    needed = re.search(r"bytes free of 8388608, the group needed (\d+)", text)
+    assert needed and int(needed.group(1)) >= 10 << 20, text[-3000:]  # header and 2 ranks' smallest slots
+    assert summary["losses"] == runs["gloo"][0]["losses"]  # bitwise: the same reductions in the same order
+    assert params.keys() == runs["gloo"][1].keys()
+    for name, p in params.items():
+        assert torch.equal(p, runs["gloo"][1][name]), name
+    proc = _run_cli(8, ["run", str(arts["shm"]), "--out", str(tmp_path / "run_shm"), *steps])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode > 0 and "ShmCapacityError" in text and "adaptdist:dp[0,1]" in text, text[-3000:]
+    assert "Traceback" not in text and "on gloo" not in text, text[-3000:]
+
+
+_BACKEND_SCRIPT = textwrap.dedent(r"""
+    import json, sys
+    sys.path.insert(0, "tests")
+
+    def worker(rank, world, comm):
+        import torch, torch.nn as nn, torch.nn.functional as F
+        import adaptdist
+        from adaptdist.compiler import dynamo_backend
+        from adaptdist.kernels import shm
+
+        real = dynamo_backend._rank_hosts
+
+        def roomy(*args, **kwargs):  # the lowering sees a roomy /dev/shm: as if it filled up right after
+            hosts, mode, _space = real(*args, **kwargs)
+            return hosts, mode, (1 << 30, 1 << 30)
+
+        dynamo_backend._rank_hosts = roomy
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 4))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+        step = torch.compile(model, backend=adaptdist.backend(plan="dp", comm=comm), dynamic=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            loss = F.cross_entropy(step(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "groups": shm.group_names()}
+
+    if __name__ == "__main__":
+        import torch
+        from shm_workers import run_ranks
+        out = {}
+        for comm in ("auto", "gloo"):
+            res = run_ranks(worker, 2, (comm,), timeout_s=240)
+            out[comm] = {r: v if "error" in v else {"losses": v["losses"], "groups": v["groups"]}
+                         for r, v in res.items()}
+            if comm == "auto" and all("error" not in v for v in res.values()):
+                auto = res
+            elif comm == "gloo" and "auto" in dir():
+                out["params_equal"] = [all(torch.equal(auto[r]["params"][n], res[r]["params"][n])
+                                           for n in res[r]["params"]) for r in sorted(res)]
+        print("SUMMARY " + json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(600)
+def test_backend_comm_auto_falls_back_to_gloo_when_the_group_cannot_be_made(tmp_path):
+    """torch.compile(backend=adaptdist.backend(comm="auto")), 2 ranks, dp: the lowering saw room in /dev/shm for dp's
+    group, but /dev/shm (8 MiB) has none when the group is made: both ranks put dp on gloo (one warning) and train
+    bitwise as comm="gloo" does (losses and SGD-updated parameters on each rank); no shared-memory group is left."""
+    script = tmp_path / "backend_ranks.py"
+    script.write_text(_BACKEND_SCRIPT)
+    proc = _run_small_shm(8, [str(script)], timeout_s=560)
+    assert "SUMMARY " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.split("SUMMARY ", 1)[1])
+    for comm in ("auto", "gloo"):
+        assert sorted(out[comm]) == ["0", "1"] and all("error" not in v for v in out[comm].values()), out
+        assert all(v["groups"] == [] for v in out[comm].values()), out
+    assert [out["auto"][r]["losses"] for r in "01"] == [out["gloo"][r]["losses"] for r in "01"]
+    assert out["params_equal"] == [True, True], out
+    text = proc.stdout + proc.stderr
+    assert text.count("--comm auto puts mesh axis 'dp' on gloo") == 1, text[-3000:]
+    assert "bytes free of 8388608, the group needed" in text, text[-3000:]
+
+
+_REUSE_SCRIPT = textwrap.dedent(r"""
+    import json, os, sys
+    sys.path.insert(0, "tests")
+
+    def free():
+        st = os.statvfs("/dev/shm")
+        return st.f_bavail * st.f_frsize
+
+    def worker(rank, world):
+        import gc
+        import torch, torch.distributed as dist
+        from adaptdist.kernels import shm
+        out = {"free0": free(), "rounds": []}
+        for i in range(5):
+            g = shm.init_group(dist.group.WORLD, name=f"r{i}", timeout_s=60)
+            x = torch.ones(1 << 20)  # 4 MiB: its output takes the shared output region (reserved as used)
+            y = g.all_reduce(x)
+            b = g.input_buffer(1 << 18)  # 1 MiB of the registered input region
+            b.fill_(1.0)
+            z = g.all_reduce(b)
+            ok = bool(torch.equal(y, x * 2) and torch.equal(z, b * 2))
+            dist.barrier()
+            used = free()
+            g.destroy()
+            dist.barrier()
+            kept = free()  # a tensor on the segment keeps it mapped: reserved still
+            del y, z, b
+            gc.collect()
+            dist.barrier()
+            out["rounds"].append({"ok": ok, "used": used, "kept": kept, "after": free(), "slot": g.slot_bytes})
+        return out
+
+    if __name__ == "__main__":
+        from shm_workers import run_ranks
+        res = run_ranks(worker, 2, timeout_s=200)
+        print("SUMMARY " + json.dumps({str(r): v if "error" not in v else {"error": v["error"][-2000:]}
+                                       for r, v in res.items()}))
+""")
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(300)
+def test_destroyed_groups_give_their_reservations_back(tmp_path):
+    """/dev/shm of 24 MiB, 2 ranks, five groups made, used and destroyed one after another: each reserves its header
+    and slots and, as used, ranges of the shared output and registered input regions (more than half of /dev/shm in
+    all); while a tensor on the segment lives (an all_reduce's output, an input_buffer) the reservation stays, and
+    once the group is destroyed on every rank and those tensors are gone /dev/shm is as free as before, so the next
+    group is made (not a ShmCapacityError)."""
+    script = tmp_path / "reuse.py"
+    script.write_text(_REUSE_SCRIPT)
+    proc = _run_small_shm(24, [str(script)], timeout_s=280)
+    assert "SUMMARY " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.split("SUMMARY ", 1)[1])
+    assert sorted(out) == ["0", "1"], out
+    for res in out.values():
+        assert "error" not in res, res
+        assert len(res["rounds"]) == 5, res
+        for r in res["rounds"]:
+            assert r["ok"], res
+            assert res["free0"] - r["used"] >= 14 << 20, res  # slots and header (>10 MiB) and the used ranges
+            assert r["kept"] <= r["used"] + (1 << 20), res  # tensors alive on the segment: still reserved
+            assert r["after"] == res["free0"], res  # all given back
+
+
+@pytest.mark.slow
+@needs_namespace
+@pytest.mark.timeout(900)
+def test_run_of_comm_auto_pipeline_on_too_small_dev_shm_falls_back_to_gloo(tmp_path):
+    """A pipeline (pp=2,tp=2, 4 ranks) compiled with `--comm auto` where /dev/shm had room (the stages' tp collectives
+    on shared memory), run where it has 8 MiB: its groups cannot be made, so every rank puts all of them on gloo (all
+    or nothing, as the lowering decides for pipelines; one warning) and trains bitwise as the `--comm gloo` artifacts."""
+    import torch
+    from safetensors.torch import load_file
+
+    model_file = tmp_path / "m.py"  # tiny_gpt with the built-in GPT's TP_PLAN
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+                          "from models import tiny_gpt  # noqa: F401\nfrom adaptdist.models.gpt import TP_PLAN  # noqa\n")
+    common = [f"{model_file}:tiny_gpt", "--batch-size", "8", "--seq-len", "8", "--plan", "tp", "--mesh", "pp=2,tp=2",
+              "--microbatches", "2", "--schedule", "gpipe"]
+    runs = {}
+    for comm in ("auto", "gloo"):
+        art, out = tmp_path / f"art_{comm}", tmp_path / f"run_{comm}"
+        proc = _run_small_shm(1024, ["-m", "adaptdist.cli", "compile", *common, "--comm", comm, "-o", str(art)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = _run_cli(8, ["run", str(art), "--out", str(out), "--steps", "2", "--optimizer", "sgd", "--lr", "0.1"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        runs[comm] = (json.loads((out / "summary.json").read_text()), load_file(str(out / "model.safetensors")), proc)
+    assert json.loads((tmp_path / "art_auto" / "manifest.json").read_text())["transports"] == {"pp": "gloo", "tp": "shm"}
+    summary, params, proc = runs["auto"]
+    text = proc.stdout + proc.stderr
+    assert summary["transports"] == {"pp": "gloo", "tp": "gloo"}
+    assert text.count("--comm auto puts the pipeline's") == 1 and "bytes free of 8388608" in text, text[-3000:]
+    assert summary["losses"] == runs["gloo"][0]["losses"]
+    assert params.keys() == runs["gloo"][1].keys()
+    for name, p in params.items():
+        assert torch.equal(p, runs["gloo"][1][name]), name

@@ -332,3 +332,42 @@ def test_gradient_buckets_are_flattened_into_the_registered_input_region():
         kshm.destroy_group("fl")
     finally:
         dist.destroy_process_group()
+
+
+@needs_kernels
+def test_axes_put_back_on_gloo_at_the_start_carry_the_gloo_lowerings_collectives(tmp_path):
+    """--comm auto, an axis whose shared-memory group cannot be made as the run starts: use_gloo_for_axes rewrites
+    the program so that axis's collectives are the ones `--comm gloo` lowers (same ops, order, groups and sizes; a
+    fused bucket flatten becomes cat + all_reduce + wait), the other axes' stay on shared memory; for a lowered
+    program (a GraphModule: the torch.compile backend's) and a loaded one (exec'd source: run, train)."""
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.lowering import compile_model
+    from adaptdist.program import load_program, save_programs
+    from adaptdist.runtime.shm_groups import ShmShortfall, use_gloo_for_axes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 4))
+    plan = ManualPlan(name="dp,tp", mesh_axes=("dp", "tp"), batch_axis="dp",
+                      params=(("0.weight", ("R", "S(0)")), ("0.bias", ("R", "S(0)")), ("2.weight", ("R", "S(1)"))))
+    batch = (torch.randn(8, 64), torch.randint(0, 4, (8,)))
+
+    def lower(comm):
+        return compile_model(model, batch, F.cross_entropy, 4, plan, LoweringOptions(comm=comm, hosts=("h",) * 4),
+                             mesh="dp=2,tp=2")
+
+    auto, gloo = lower("auto"), lower("gloo")
+    assert all(p.comm == "auto" for p in auto.values()) and all(p.comm == "gloo" for p in gloo.values())
+    assert any("shm_flatten_all_reduce_start" in p.code for p in auto.values())  # a bucket of 256 KiB or more
+    save_programs(auto, tmp_path / "auto")
+    short = ShmShortfall(10 << 20, 8 << 20, 8 << 20)
+    for r in range(4):
+        loaded = load_program(tmp_path / "auto", r, 4)
+        assert loaded.comm == "auto"
+        for prog in (auto[r], loaded):
+            use_gloo_for_axes(prog, {"dp": short})
+            assert transports_of_code(prog.code, prog.group_names, prog.mesh) == {"dp": "gloo", "tp": "shm"}
+            dp = [c for c in prog.collectives() if "adaptdist:dp" in c]
+            assert dp == [c for c in gloo[r].collectives() if "adaptdist:dp" in c] and dp, (r, dp)
+            use_gloo_for_axes(prog, {"tp": short})
+            assert prog.collectives() == gloo[r].collectives(), r
+            assert "adaptdist.shm_" not in prog.code

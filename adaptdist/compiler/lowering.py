@@ -361,6 +361,8 @@ def _use_transports(programs: dict[int, RankProgram], options: LoweringOptions) 
     from ..passes.use_shm_collectives import use_shm_collectives
     from .codegen import rewrite_source
 
+    for program in programs.values():
+        program.comm = options.comm  # auto: the runtime may still put an axis on gloo (register_mesh_groups)
     if not programs or options.comm == "gloo":
         return programs
     plan = next(iter(programs.values())).plan

@@ -589,7 +589,7 @@ def _use_shm(programs: dict[int, PipelineRankProgram], plan: Plan, options: Lowe
                                            backward_input=renamed(st.backward_input, names),
                                            backward_weight=renamed(st.backward_weight, names))
                        for st in prog.stages)
-        out[r] = dataclasses.replace(prog, stages=stages, shm_groups=shm)
+        out[r] = dataclasses.replace(prog, stages=stages, shm_groups=shm, comm=options.comm)
     if options.comm == "auto":  # a /dev/shm too small for every group's slots: all on gloo, with one warning
         from ..comm_transport import shm_space_fits
 

@@ -55,7 +55,7 @@ import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,9 +76,50 @@ def _needed_groups(program: PipelineRankProgram) -> set[tuple[int, ...]]:
     return groups
 
 
-def setup_pipeline_groups(program: PipelineRankProgram, timeout_s: float | None = None) -> dict[tuple[int, ...], Any]:
+def setup_pipeline_groups_or_gloo(program: PipelineRankProgram, timeout_s: float | None = None
+                                  ) -> tuple[PipelineRankProgram, dict[tuple[int, ...], Any]]:
+    """:func:`setup_pipeline_groups`, and the program to run: under ``--comm auto`` (``program.comm``), where some
+    rank could not make one of its shared-memory groups (ShmCapacityError: /dev/shm filled after the lowering's check,
+    or the artifacts compiled where it was larger), every rank puts all of them on gloo (all or nothing, as the
+    lowering's :func:`~adaptdist.comm_transport.shm_space_fits`): agreed by one all_gather over the world
+    (:func:`~adaptdist.runtime.shm_groups.agree_on_shortfalls`, bounded by ``timeout_s``), its groups destroyed, its
+    stage programs' collectives rewritten for gloo and ``shm_groups`` emptied (the runtime's reductions then take
+    gloo), with one warning. Other programs: ``(program, setup_pipeline_groups(program, timeout_s))``."""
+    import dataclasses
+
+    if program.comm != "auto":  # (the same on every rank: lowered together)
+        return program, setup_pipeline_groups(program, timeout_s)
+    from ..mesh import base_group_name
+    from .shm_groups import ShmShortfall, agree_on_shortfalls, gloo_module, warn_gloo_fallback
+
+    failed: dict[str, ShmShortfall] = {}
+    groups = setup_pipeline_groups(program, timeout_s, on_capacity=lambda n, e: failed.setdefault(n, ShmShortfall.of(e)))
+    agreed = agree_on_shortfalls(["pipeline"], {"pipeline": next(iter(failed.values()))} if failed else {}, timeout_s)
+    if not agreed:
+        return program, groups
+    from ..kernels.shm import destroy_group, group_names
+
+    live = set(group_names())
+    for name in program.shm_groups:
+        if name in live:
+            destroy_group(name)
+    gloo = {n: base_group_name(n) for n in program.shm_groups}
+    stages = tuple(dataclasses.replace(st, forward=gloo_module(st.forward, gloo),
+                                       backward_input=gloo_module(st.backward_input, gloo),
+                                       backward_weight=gloo_module(st.backward_weight, gloo))
+                   for st in program.stages)
+    warn_gloo_fallback({f"the pipeline's {len(program.shm_groups)} groups on this host": agreed["pipeline"]})
+    return dataclasses.replace(program, stages=stages, shm_groups={}), groups
+
+
+def setup_pipeline_groups(program: PipelineRankProgram, timeout_s: float | None = None,
+                          on_capacity: Callable[[str, Exception], None] | None = None
+                          ) -> dict[tuple[int, ...], Any]:
     """(Collective over all ranks) create every process group any rank's program needs and register this rank's
     intra-stage collective groups under their names (``adaptdist:<axis>``).
+
+    ``on_capacity(name, error)``: a shared-memory group /dev/shm has no room for is not made and reported to it, not
+    raised (:func:`setup_pipeline_groups_or_gloo`).
 
     Returns:
         ``{ranks: ProcessGroup}`` for the groups this rank belongs to (ranks sorted ascending), plus ``()`` -> the
@@ -102,7 +143,7 @@ def setup_pipeline_groups(program: PipelineRankProgram, timeout_s: float | None 
 
         order = sorted(program.shm_groups.items(), key=lambda kv: (tuple(kv[1]), kv[0]))
         make_shm_groups([n for n, _ in order], [(n, out[tuple(sorted(rs))]) for n, rs in order], timeout_s,
-                        lambda unknown: "this rank's groups")
+                        lambda unknown: "this rank's groups", on_capacity=on_capacity)
     return out
 
 

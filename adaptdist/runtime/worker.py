@@ -275,10 +275,12 @@ def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | 
     """Build torch's DeviceMesh for the program's mesh and register this rank's group of each axis
     under the name the program's collectives use; returns the DeviceMesh. The axes whose collectives the program
     carries through shared memory (``torch.ops.adaptdist.shm_*``) get their shared-memory group too
-    (:func:`~adaptdist.runtime.shm_groups.setup_shm_groups`, collective timeout ``timeout_s``)."""
+    (:func:`~adaptdist.runtime.shm_groups.setup_shm_groups`, collective timeout ``timeout_s``); under ``--comm auto``
+    (``program.comm``) an axis whose group /dev/shm has no room for goes to gloo on every rank, with one warning, and
+    the program is rewritten for it (:func:`~adaptdist.runtime.shm_groups.use_gloo_for_axes`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .shm_groups import setup_shm_groups
+    from .shm_groups import setup_shm_groups_or_gloo, use_gloo_for_axes
 
     names = tuple(program.mesh)
     device = device_type or ("cuda" if backend == "nccl" else "cpu")  # the rank's tensors' device type
@@ -289,7 +291,9 @@ def register_mesh_groups(program: RankProgram, backend: str, timeout_s: float | 
 
     for axis, name in program.group_names.items():
         compat.register_process_group(name, group(axis))
-    setup_shm_groups(program.code, program.group_names, group, timeout_s)
+    _, gloo_axes = setup_shm_groups_or_gloo(program.code, program.group_names, group, timeout_s,
+                                            fall_back=getattr(program, "comm", "") == "auto")
+    use_gloo_for_axes(program, gloo_axes)
     return mesh
 
 
@@ -332,12 +336,12 @@ def _pipeline_runner(program_dir: str, rank: int, world: int, cfg: "TrainConfig"
     loaded, every process group made, the view of its state gathered (:mod:`adaptdist.stage_program_io`, :mod:`.pipeline_programs`)."""
     import dataclasses
 
-    from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups
+    from .pipeline_executor import PipelineStepRunner, setup_pipeline_groups_or_gloo
     from ..stage_program_io import load_pipeline_program
     from .pipeline_programs import checkpoint_view, describe_pipeline, stage_device_mesh
 
     program = load_pipeline_program(program_dir, rank, world_size=world)
-    groups = setup_pipeline_groups(program, cfg.timeout_s)
+    program, groups = setup_pipeline_groups_or_gloo(program, cfg.timeout_s)  # --comm auto: gloo where /dev/shm is full
     runner = PipelineStepRunner(program, cfg.optimizer, cfg.lr, groups, timeout_s=cfg.timeout_s,
                                 max_grad_norm=cfg.max_grad_norm, make_optimizer=make_optimizer)
     view = dataclasses.replace(checkpoint_view(program), description=describe_pipeline(program),
