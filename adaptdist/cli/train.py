@@ -58,6 +58,29 @@ def nproc_range(text: str):
     return nums[0] if len(nums) == 1 else (nums[0], nums[1])
 
 
+def _rebase_paths(args, run_cwd: str | None) -> None:
+    """The run's relative file paths (model file, --data, a plan or cluster file), recorded as typed, made to name
+    the same files from another working directory: each taken relative to ``run_cwd`` (the directory the run was
+    started in) where it names a file there and none here."""
+    if not run_cwd:
+        return
+    base = Path(run_cwd)
+
+    def rebased(path: str) -> str:
+        p = Path(path)
+        return str(base / p) if not p.is_absolute() and not p.exists() and (base / p).exists() else path
+
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and not model.startswith("builtin:"):
+        file, sep, factory = model.rpartition(":")
+        if sep and file:
+            args.model = f"{rebased(file)}:{factory}"
+    for key in ("data", "plan", "cluster"):
+        value = getattr(args, key, None)
+        if isinstance(value, str) and value:
+            setattr(args, key, rebased(value))
+
+
 def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, directory: str | None = None,
                    command: str = "adaptdist train") -> None:
     """``--resume DIR``: take the run's settings from ``DIR/run.json`` into ``args`` (in place).
@@ -92,6 +115,7 @@ def _restored_args(args, defaults: dict, keys: tuple[str, ...] = RESTORED, direc
     if hasattr(args, "nproc") and args.nproc is None and args.cluster is None:
         args.nproc = settings.get("nproc")
         args.cluster = settings.get("cluster")
+    _rebase_paths(args, run.get("cwd"))
     if isinstance(getattr(args, "nproc", None), list):
         args.nproc = tuple(args.nproc)
     if isinstance(getattr(args, "nproc", None), int) and getattr(args, "mesh", None):
@@ -262,8 +286,8 @@ def _take_checkpoints(src: Path, out: Path, console) -> None:
 def write_run_file(out: Path, settings: dict, state: str) -> None:
     """``OUT/run.json`` with the run's ``settings`` and ``state`` (running, complete, interrupted, failed)."""
     tmp = out / f"{RUN_FILE}.{os.getpid()}.tmp"  # several hosts' launchers may write it
-    tmp.write_text(json.dumps({"version": RUN_FILE_VERSION, "state": state, "settings": settings}, indent=1,
-                              default=list))
+    tmp.write_text(json.dumps({"version": RUN_FILE_VERSION, "state": state, "settings": settings,
+                               "cwd": os.getcwd()}, indent=1, default=list))  # (what relative paths there mean)
     tmp.replace(out / RUN_FILE)
 
 
