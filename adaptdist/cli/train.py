@@ -487,6 +487,11 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
     console.print(f"model {spec.text}: {type(model).__name__}, {n_params:,} parameters; {cluster!r}"
                   f"{f' (elastic: {elastic[0]} to {elastic[1]} ranks)' if elastic else ''}; "
                   f"global batch {' x '.join(map(str, x0.shape)) if tokens else x0.shape[0]}")
+    rows = x0.shape[0] if isinstance(x0, torch.Tensor) and x0.dim() else None
+    if rows is not None and rows != args.batch_size and not has_data:
+        console.print(f"[yellow]warning: {spec.text}({args.batch_size}, {args.seq_len}) returned an example batch of "
+                      f"{rows} rows, not --batch-size {args.batch_size}: training on its {rows} rows (the factory "
+                      "sizes the batch; pass batch_size on to it)[/]")
     t0 = time.perf_counter()
     from .pipeline_flags import compile_pipeline_or_none
 
@@ -605,8 +610,9 @@ def _train(args, spec, built: tuple, out: Path, cluster, nproc: int, elastic, re
         console.print(f"evaluation: {evaluation[1]}")
     bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
     if bad is not None:
-        console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; "
-                      "training diverged: lower --lr[/]")
+        why = ("before any update, so no learning rate caused it: check the batch (NaN or inf inputs) and the "
+               "model's initial weights" if bad == 0 and not summary.get("resumes") else "training diverged: lower --lr")
+        console.print(f"[red]warning: the loss became {losses[bad]} at step {bad + 1}; {why}[/]")
     sample = getattr(module, "sample", None)
     if args.sample_bytes > 0 and callable(sample):
         if evaluation is None:
