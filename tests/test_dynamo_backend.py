@@ -684,3 +684,11 @@ def test_ranks_that_diverge_after_the_first_step_stop_with_a_typed_error(ranks2)
         shape = results[r]["shape"][0]
         assert "Dynamo compiles this frame again" in shape and "drop_last=True" in shape, shape
         assert "L['x'] is float32[4, 12] on rank 0 but float32[3, 12] on rank 1" in shape, shape
+
+
+def test_a_skipped_frame_in_an_installed_package_is_told_apart_from_the_users():
+    from adaptdist.compiler.dynamo_backend import _in_installed_package
+
+    lib = "recursively_install_hooks (/venv/lib/python3.11/site-packages/transformers/utils/output_capturing.py line 156)"
+    assert _in_installed_package(lib)
+    assert not _in_installed_package("forward (/home/me/model.py line 12)")

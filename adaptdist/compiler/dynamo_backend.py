@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import re
 import time
 import warnings
@@ -288,6 +289,10 @@ def refuse_skipped_frames(_args: Any = None) -> None:
         from .capture import data_dependent_message
 
         advice = data_dependent_message("The model", f"(Dynamo: {cause})")
+    elif frame and _in_installed_package(frame.group(1)):  # a library's loop (transformers' hooks): not the user's
+        advice = (f"Dynamo's reason: {cause}. That loop is in an installed package, not in your code: train this model "
+                  "with adaptdist train (it captures forward and backward in one graph without Dynamo), or ask the "
+                  "package to avoid the graph break")
     else:
         advice = (f"Dynamo's reason: {cause}. Remove that graph break from the loop (see TORCH_LOGS=graph_breaks), "
                   "or train with adaptdist train, which captures one graph or says what stops it")
@@ -295,6 +300,12 @@ def refuse_skipped_frames(_args: Any = None) -> None:
         f"torch.compile skipped {frame.group(1) if frame else 'a frame'} and runs it eagerly, uncompiled: a graph "
         f"break inside a for/while loop. On {dist.get_world_size()} ranks the gradients of the parameters it uses "
         f"would never be reduced across ranks (each rank would train its own model), so adaptdist stops. {advice}"))
+
+
+def _in_installed_package(frame_text: str) -> bool:
+    """Whether Dynamo's ``name (FILE line N)`` of a skipped frame names a file of an installed package
+    (site-packages/dist-packages), not the user's code."""
+    return any(f"{os.sep}{d}{os.sep}" in frame_text for d in ("site-packages", "dist-packages"))
 
 
 def destroy_process_groups_at_exit() -> None:
