@@ -18,7 +18,7 @@ import torch.distributed as dist
 import adaptdist
 import adaptdist.models.gpt as gpt_module
 from adaptdist.annotations import ManualPlan
-from models import hf_llama, mlp, tiny_gpt
+from models import hf_llama, mlp, self_attention, tiny_gpt, transformer_encoder
 
 def hf_gpt2(batch: int, seq_len: int = 8, seed: int = 0):
     """A Hugging Face GPT-2 built from a small config (random weights, no download), in eval mode (no
@@ -90,6 +90,9 @@ FACTORIES = {
     "scalar_loss": scalar_loss,
     "hf_bert": hf_bert,
     "hf_llama": lambda batch: hf_llama(batch, 8),
+    # nn.MultiheadAttention(batch_first=True) merges [T, B, D] into rows, the batch inside (batch_inner_merges)
+    "encoder": lambda batch: transformer_encoder(batch, 5, d_model=16),
+    "mha": lambda batch: self_attention(batch, 5, d_model=16),
 }
 
 

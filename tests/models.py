@@ -219,6 +219,30 @@ class _TransformerEncoder(nn.Module):
         return self.head(h)
 
 
+class _SelfAttention(nn.Module):
+    """A plain nn.MultiheadAttention(batch_first=True) between two Linears (its [T, B, D] merged into rows)."""
+
+    def __init__(self, d: int = 16, nhead: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.mha = nn.MultiheadAttention(d, nhead, batch_first=True)
+        self.head = nn.Linear(d, 6)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.mha(h, h, h, need_weights=False)
+        return self.head(a)
+
+
+def self_attention(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
+    torch.manual_seed(seed)
+    model = _SelfAttention(d_model, nhead)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch_size, seq_len, 8, generator=g)
+    y = torch.randint(0, 6, (batch_size, seq_len), generator=g)
+    return model, (x, y), lambda o, t: F.cross_entropy(o.reshape(-1, 6), t.reshape(-1))
+
+
 def transformer_encoder(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
     torch.manual_seed(seed)
     model = _TransformerEncoder(d_model, nhead)

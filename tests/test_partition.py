@@ -42,3 +42,52 @@ def test_nothing_the_forward_does_not_need_runs_in_it():
     backward_ops = [str(n.target) for n in sp.backward.graph.nodes if n.op == "call_function"]
     assert "aten.tanh_backward.default" in backward_ops
     assert "aten.tanh.default" not in backward_ops  # saved by the forward, not recomputed
+
+
+def test_backend_backward_drops_the_unread_loss_and_its_all_reduce():
+    """The torch.compile backend's joint program returns the capture's scalar ``sum <out, tangent>``, never read:
+    drop_backward_outputs removes it from the backward part, with its scalar all_reduce under dp (before: 2
+    all_reduces in the backward, the loss's and the gradients' bucket; after: 1); ones_like(loss), the backward's
+    seed, becomes a constant, so the loss is not computed at all. The other outputs are unchanged (run on 1 rank)."""
+    import torch.nn as nn
+
+    from adaptdist.annotations import ManualPlan
+    from adaptdist.compiler.dynamo_capture import capture_all_ranks, classify_inputs
+    from adaptdist.compiler.lowering import lower, resolve_plan
+    from adaptdist.compiler.partition import drop_backward_outputs
+    from adaptdist.lowering_options import LoweringOptions
+
+    seen = {}
+
+    def capture_only(gm, example_inputs):
+        seen["c"], _ = capture_all_ranks(gm, classify_inputs(gm, example_inputs), seen["world"])
+        return gm.forward
+
+    def backend_split(world):
+        seen["world"] = world
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        torch.compile(model, backend=capture_only, dynamic=False)(torch.randn(4, 6))
+        prog = lower(seen["c"], resolve_plan(ManualPlan.parse("dp"), seen["c"], world), LoweringOptions())[0]
+        return prog, split_forward_backward(prog.graph_module, ("out:", "buffer:"))
+
+    _, sp = backend_split(2)
+    def reduces(gm):  # the all_reduces' shapes
+        return [list(n.meta["val"].shape) for n in gm.graph.nodes if "all_reduce" in str(n.target)]
+
+    assert reduces(sp.backward) == [[], [83]], reduces(sp.backward)
+    dropped = drop_backward_outputs(sp, ("loss",))
+    assert "loss" not in dropped.backward_roles and reduces(dropped.backward) == [[83]], reduces(dropped.backward)
+    assert "ones_like" not in dropped.backward.code
+
+    prog, sp = backend_split(1)
+    args = [torch.randn(p.meta["val"].shape) for p in prog.graph_module.graph.find_nodes(op="placeholder")]
+    fw = sp.forward(*[args[i] for i in sp.forward_inputs])
+    saved = fw[len(sp.forward_roles):]
+    want = dict(zip(sp.backward_roles, sp.backward(*saved, *[args[i] for i in sp.backward_inputs])))
+    dropped = drop_backward_outputs(sp, ("loss",))
+    got = dict(zip(dropped.backward_roles, dropped.backward(*saved, *[args[i] for i in dropped.backward_inputs])))
+    assert set(got) == set(want) - {"loss"}
+    for role, value in got.items():
+        torch.testing.assert_close(value, want[role], rtol=0, atol=0, msg=role)

@@ -53,7 +53,7 @@ from .failed_compiles import announce_failed_compile
 from .expert_lists import fold_stack_of_unbind
 from ..runtime.eager_parameters import GraphRuns
 from .graphless_calls import guard_eager_module_calls, refuse_skipped_rnn_frame
-from .partition import split_forward_backward
+from .partition import drop_backward_outputs, split_forward_backward
 
 log = logging.getLogger(__name__)
 
@@ -527,6 +527,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
         # by torch's group name, not the group object (CompiledStep.process_groups says why)
         groups = {name: compat.resolve_process_group(name).group_name for name in program.group_names.values()}
     split = split_forward_backward(program.graph_module, ("out:", "buffer:"))  # buffers: updated by the forward
+    split = drop_backward_outputs(split, ("loss",))  # the capture's sum <out, tangent>: never read (dp: an all_reduce)
     step = _compiled_step(split, program, step_layouts, inputs, tangent_outputs, io, world, rank, cap_inputs, experts,
                           expert_rows)
     step.process_groups = groups

@@ -45,6 +45,7 @@ from .capture import CapturedGraph, _gc_paused, order_placeholders, set_input_ro
 from .autocast_grad_sums import sum_cast_gradients_in_low_precision
 from .batch_arange_index import fold_batch_arange_index
 from .strided_views import fold_contiguous_as_strided
+from .unit_scalings import fold_unit_scalings
 
 _SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
 
@@ -582,6 +583,7 @@ def _finish(gm: torch.fx.GraphModule, sig: Any, n_outputs: int, world_size: int,
     out_node.args = (tuple(new_outs),)
     gmeta.set_output_roles(out_node, roles)
     ranked = order_placeholders(graph, set(frozen))
+    fold_unit_scalings(gm)  # vmap's addmm: mul(bias, 1), which hid each bias from fsdp's bucketed gathers
     fold_contiguous_as_strided(gm)  # as_strided ops that are reshapes (Swin's pooler): shardable as views
     fold_batch_arange_index(gm)  # HF masks' m[arange(B), kv]: row b from row b, the batch split kept
     graph.eliminate_dead_code()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .. import _torch_compat as compat
 from .. import graph_meta as gmeta
 from ..program import SplitProgram
 
@@ -85,3 +86,40 @@ def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Nod
     new = graph.node_copy(node, lambda a: env[a])
     new.meta = dict(node.meta)
     return new
+
+
+def drop_backward_outputs(split: SplitProgram, roles: tuple[str, ...]) -> SplitProgram:
+    """``split`` with the backward part's outputs whose role is in ``roles`` removed, and what only they needed
+    dropped from the backward (functional collectives included); its inputs (saved values,
+    placeholders) are unchanged.
+
+    Why: the torch.compile backend's joint program returns the capture's scalar "loss", ``sum_k <out_k,
+    tangent_k>`` (:mod:`adaptdist.compiler.dynamo_capture`), which only made the export differentiate; its value
+    is never read, yet under dp the backward computed it every step with a scalar all_reduce."""
+    keep = [j for j, r in enumerate(split.backward_roles) if r not in roles]
+    if len(keep) == len(split.backward_roles):
+        return split
+    gm = split.backward
+    out = gm.graph.output_node()
+    outs = list(out.args[0])
+    out.args = (tuple(outs[j] for j in keep),)
+    for n in list(gm.graph.nodes):  # the backward's seed ones_like(loss) reads only the loss's shape: a constant
+        v = n.meta.get("val")
+        if (n.op == "call_function" and n.target is torch.ops.aten.ones_like.default and isinstance(v, torch.Tensor)
+                and v.is_contiguous()):
+            with gm.graph.inserting_before(n):
+                ones = gm.graph.call_function(torch.ops.aten.full.default, (list(v.shape), 1),
+                                              {"dtype": v.dtype, "device": v.device})
+            ones.meta = dict(n.meta)
+            n.replace_all_uses_with(ones)
+            gm.graph.erase_node(n)
+    for n in reversed(list(gm.graph.nodes)):
+        # unused: pure ops, and functional collectives with their waits (fx counts them impure; they only return
+        # a new tensor); an op that mutates an input (a shared-memory collective's out=) stays
+        if n.op == "call_function" and not n.users and (
+                not n.is_impure() or compat.functional_collective_kind(n.target) is not None):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return SplitProgram(split.forward, gm, split.forward_inputs, split.backward_inputs, split.forward_roles,
+                        [split.backward_roles[j] for j in keep], split.num_saved)
