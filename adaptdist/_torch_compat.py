@@ -33,6 +33,10 @@ async-hetero (notes/issue17_verification.md). What differs there:
   (an op in a helper function, a method not named forward, the loss function) comes through
   ``fx.proxy.TracerBase._filter_traceback_frames`` (a torch without it: the forward's line that called the
   helper, no line for the loss, as torch records).
+- The capture of a model with an RNN (:func:`aot_export_joint`; added 2026-12-04): ``torch.backends.mkldnn.enabled``
+  (public) set False around the export (``torch._decomp``'s LSTM decomposition reads it), and aot's ``create_graph_signature`` (in
+  ``torch._functorch.aot_autograd``'s namespace, looked up with ``getattr``: absent, nothing is wrapped) wrapped
+  to give repeated gradient outputs their own node. Not run on 2.11.
 - DTensor on 2.11 registers 4 single-mesh-dim strategies (2.13: 1,013); the rest come from the full strategy
   functions (584): the ILP's candidate strategies may differ (``--plan auto`` only; not on the script's paths).
 """
@@ -77,10 +81,96 @@ def aot_export_joint(module: torch.nn.Module, args: tuple, loss_index: int = 0,
     from torch._functorch.aot_autograd import aot_export_module
 
     sources = _first_trace_sources(source_root) if source_root is not None else contextlib.nullcontext([])
-    with _fast_fx_stack_traces(), sources as first:
+    rnn = _unfused_rnns(module, source_root)
+    with _fast_fx_stack_traces(), _distinct_joint_outputs(), rnn, sources as first:
         gm, sig = aot_export_module(module, args, trace_joint=True, output_loss_index=loss_index)
     _copy_sources(gm, first)
     return gm, sig
+
+
+def _unfused_rnns(*modules: torch.nn.Module | None) -> Any:
+    """Context manager: where one of ``modules`` holds an ``nn.RNNBase`` (nn.RNN, nn.GRU, nn.LSTM), the capture
+    runs with ``torch.backends.mkldnn.enabled`` False, so that every ``aten.lstm`` decomposes into its cells' ATen
+    ops (mm, addmm, sigmoid, tanh, ...), which the planner has sharding rules for.
+
+    Under aot's tracing ``aten.lstm`` runs torch's Python decomposition (``torch._decomp.decompositions.lstm_impl``);
+    its ``select_one_layer_lstm_function`` picks oneDNN's fused layer (``aten.mkldnn_rnn_layer`` and, for the
+    backward, ``mkldnn_rnn_layer_backward``) for a CPU float layer without projections whose *input* does not
+    require grad (meant for inference, but a first layer fed the batch qualifies while its weights train): the
+    planner has no rule for that op, and its backward returns one tensor as the gradient of both biases (see
+    :func:`_distinct_joint_outputs`). On CUDA it never picks oneDNN; GRU and RNN have no fused path there.
+    Elsewhere: nothing changes."""
+    if not any(isinstance(m, torch.nn.RNNBase) for root in modules if root is not None for m in root.modules()):
+        return contextlib.nullcontext()
+    return _mkldnn_off()
+
+
+@contextlib.contextmanager
+def _mkldnn_off():
+    """Within: ``torch.backends.mkldnn.enabled`` is False (only that flag: ``torch.backends.mkldnn.flags()`` also
+    resets TF32 and determinism, and warns on CPU builds)."""
+    prior = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = False
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = prior
+
+
+@contextlib.contextmanager
+def _distinct_joint_outputs():
+    """Within: before aot_export_module builds the joint graph's signature, every output node that the graph
+    returns more than once is returned, the second time on, as a fresh ``aten.clone`` of it
+    (:func:`_clone_repeated_outputs`).
+
+    aot's ``create_graph_signature`` (``torch._functorch._aot_autograd.input_output_analysis``) maps gradients to
+    parameters in a dict keyed by the gradient output's node name, so two parameters whose gradients are the same
+    node (nn.LSTM's ``bias_ih_l*`` and ``bias_hh_l*``: the gates add both biases, so ATen's LSTM backward returns
+    one tensor for both) collapse into one entry and aot_export_module fails with ``len(gradients_to_parameters)=5
+    + len(gradients_to_user_inputs)=0 != len(backward_output_names)=6``. A torch without that name: nothing
+    changes."""
+    import torch._functorch.aot_autograd as aot_autograd
+
+    real = getattr(aot_autograd, "create_graph_signature", None)
+    if real is None:
+        yield
+        return
+
+    def create_graph_signature(fx_g: Any, *a: Any, **k: Any) -> Any:
+        if isinstance(fx_g, torch.fx.GraphModule):
+            _clone_repeated_outputs(fx_g)
+        return real(fx_g, *a, **k)
+
+    aot_autograd.create_graph_signature = create_graph_signature
+    try:
+        yield
+    finally:
+        aot_autograd.create_graph_signature = real
+
+
+def _clone_repeated_outputs(gm: torch.fx.GraphModule) -> int:
+    """Make each output of ``gm`` a distinct node: the second and later occurrences of a node among the outputs
+    become ``aten.clone.default`` of it (its meta copied: ``val``, stack trace). Returns how many were cloned."""
+    out = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if out is None or not isinstance(out.args[0], (tuple, list)):
+        return 0
+    seen: set[torch.fx.Node] = set()
+    values = list(out.args[0])
+    cloned = 0
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.fx.Node):
+            continue
+        if v in seen:
+            with gm.graph.inserting_before(out):
+                c = gm.graph.call_function(torch.ops.aten.clone.default, (v,))
+            c.meta = dict(v.meta)
+            values[i] = c
+            cloned += 1
+        seen.add(v)
+    if cloned:
+        out.args = (type(out.args[0])(values),) + tuple(out.args[1:])
+        gm.recompile()
+    return cloned
 
 
 # node.meta key: where in user code a node of a captured joint graph came from, ``(module path, module class name,

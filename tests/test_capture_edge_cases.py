@@ -491,3 +491,141 @@ def test_a_parameter_changed_in_the_forward_is_named():
     with pytest.raises(CaptureError, match=r"changed in place inside the forward .*max_norm.*: 0\).*after each"):
         capture(model, (torch.randint(0, 20, (4, 6)), torch.randint(0, 3, (4,))), F.cross_entropy)
     assert torch.equal(model[0].weight.detach(), before)
+
+
+# ---------------------------------------------------------------- nn.LSTM under adaptdist train's capture
+
+
+class _LSTMHead(torch.nn.Module):
+    """An ``nn.LSTM`` and a linear head on its outputs' mean over time (or its last step)."""
+
+    def __init__(self, batch_first: bool = True, use_last: bool = False, **lstm):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(5, 6, batch_first=batch_first, **lstm)
+        width = (lstm.get("proj_size") or 6) * (2 if lstm.get("bidirectional") else 1)
+        self.head = torch.nn.Linear(width, 3)
+        self.time_dim, self.use_last = (1 if batch_first else 0), use_last
+
+    def forward(self, x):
+        h, _ = self.rnn(x if self.time_dim == 1 else x.transpose(0, 1))
+        h = h.select(self.time_dim, -1) if self.use_last else h.mean(self.time_dim)
+        return self.head(h)
+
+
+LSTM_VARIANTS = {"uni": {}, "bi_last": {"bidirectional": True, "use_last": True},
+                 "two_layers_seq_first": {"num_layers": 2, "batch_first": False},
+                 "bi_two_layers_proj": {"bidirectional": True, "num_layers": 2, "proj_size": 4}}
+
+
+def _lstm_case(variant: str):
+    torch.manual_seed(0)
+    model = _LSTMHead(**LSTM_VARIANTS[variant])
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(6, 4, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+
+
+@pytest.mark.parametrize("variant", list(LSTM_VARIANTS))
+def test_lstm_trains_like_eager_under_dp_and_fsdp(variant):
+    """nn.LSTM (new-user report: none could be captured; aot_export_module failed with ``len(gradients_to_parameters)
+    =5 + len(gradients_to_user_inputs)=0 != len(backward_output_names)=6``, which the capture reported as
+    data-dependent control flow): torch's LSTM decomposition gives a CPU layer whose input does not require grad
+    (the first, fed the batch) oneDNN's fused ``mkldnn_rnn_layer``, whose backward returns one tensor as the
+    gradient of both biases. The capture now decomposes it into the cells' ops (mm, sigmoid, tanh, ...):
+    uni/bidirectional, 1 and 2 layers, batch_first both, proj_size (not fused: passed before) train as eager
+    (loss, every gradient shard, SGD-updated shards) under dp and fsdp on 2 simulated ranks."""
+    model, batch = _lstm_case(variant)
+    mkldnn = torch.backends.mkldnn.enabled
+    targets = {str(n.target) for n in capture(model, batch, F.cross_entropy).gm.graph.nodes}
+    assert torch.backends.mkldnn.enabled == mkldnn  # restored
+    assert not any("rnn" in t or "lstm" in t for t in targets), sorted(targets)
+    assert "aten.sigmoid.default" in targets and "aten.tanh.default" in targets
+    train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("dp"))
+    progs = train_simulated(model, batch, F.cross_entropy, 2, ManualPlan.parse("fsdp"))
+    assert any("S(0)" in repr(p) or "Shard(0)" in repr(p) for p in progs[0].state_placements.values())
+
+
+class _PackedLSTM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(5, 6, batch_first=True)
+
+    def forward(self, x):
+        lengths = torch.tensor([4, 3, 3, 2, 2, 1])
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        return torch.nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0].mean(1)
+
+
+def test_a_packed_sequence_is_refused_saying_to_pass_the_padded_batch():
+    """pack_padded_sequence's shapes depend on the lengths: refused naming the line and the op, saying to run the
+    RNN on the padded batch and mask (it said to write an MoE with dense dispatch)."""
+    model, batch = _PackedLSTM(), (torch.randn(6, 4, 5), torch.randn(6, 6))
+    with pytest.raises(CaptureError) as e:
+        capture(model, batch, F.mse_loss)
+    text = str(e.value)
+    assert "_PackedLSTM packs a batch of sequences for an RNN" in text and "pack_padded_sequence(x, lengths" in text
+    assert "aten._pack_padded_sequence" in text and "Pass the padded batch to the RNN" in text
+    assert "MoE" not in text
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled),
+                    reason="torch without oneDNN (its CPU LSTM is not fused)")
+def test_two_parameters_with_one_gradient_node_are_exported():
+    """The root of the LSTM report at the exporter: oneDNN's LSTM backward returns one tensor as ``bias_ih_l0``'s
+    and ``bias_hh_l0``'s gradient, and aot_export_module's signature (a dict keyed by the gradient's node name)
+    loses one (AssertionError). ``aot_export_joint`` returns the second occurrence as a clone: every parameter
+    has its own gradient output, equal to the other."""
+    from torch._functorch.aot_autograd import aot_export_module
+    from adaptdist import _torch_compat as compat
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(5, 6)
+
+        def forward(self, x):
+            return (self.rnn(x)[0].sum(),)
+
+    step, x = Step(), torch.randn(4, 3, 5)
+    with pytest.raises(AssertionError, match="gradients_to_parameters"):
+        aot_export_module(step, (x,), trace_joint=True, output_loss_index=0)
+    with compat._distinct_joint_outputs():
+        gm, sig = aot_export_module(step, (x,), trace_joint=True, output_loss_index=0)
+    grads = sig.backward_signature.gradients_to_parameters
+    assert sorted(grads.values()) == sorted(n for n, _ in step.named_parameters())
+    outs = gm(*[p.detach() for p in step.parameters()], x)
+    names = [n.name for n in next(iter(reversed(gm.graph.nodes))).args[0]]
+    by_param = {grads[n]: o for n, o in zip(names, outs) if n in grads}
+    assert sorted(by_param) == sorted(grads.values())
+    torch.testing.assert_close(by_param["rnn.bias_ih_l0"], by_param["rnn.bias_hh_l0"], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bidirectional_lstm_trains_under_train_like_eager(tmp_path):
+    """``adaptdist train`` of a 2-layer bidirectional batch_first LSTM on 2 gloo ranks (fsdp): 3 SGD steps give
+    eager's losses and parameters (it was a CaptureError on every LSTM)."""
+    from adaptdist.cli import main
+
+    file = tmp_path / "lstm_model.py"
+    file.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.rnn = torch.nn.LSTM(5, 6, num_layers=2, batch_first=True, bidirectional=True)\n"
+        "        self.head = torch.nn.Linear(12, 3)\n"
+        "    def forward(self, x):\n"
+        "        return self.head(self.rnn(x)[0].mean(1))\n"
+        "def factory(batch_size=6, seq_len=4):\n"
+        "    torch.manual_seed(0); g = torch.Generator().manual_seed(1)\n"
+        "    return M(), (torch.randn(6, 4, 5, generator=g), torch.randint(0, 3, (6,), generator=g)), F.cross_entropy\n")
+    out = tmp_path / "run"
+    rc = main(["train", f"{file}:factory", "--nproc", "2", "--plan", "fsdp", "--batch-size", "6", "--seq-len", "4",
+               "--steps", "3", "--lr", "0.1", "--optimizer", "sgd", "--sample-bytes", "0", "--out", str(out),
+               "--threads-per-rank", "1", "--timeout-s", "60"])
+    assert rc == 0
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lstm_model", file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert_train_equals_eager_sgd(out, *mod.factory(), 0.1, 3)

@@ -418,6 +418,12 @@ def _check_loss(loss: Any, name: str) -> None:
 def data_dependent_message(name: str, where: str) -> str:
     """What to say about an op whose output shape depends on the data (``nonzero``, ``torch.where(mask)``,
     ``masked_select``, ``unique``; Mixtral-style per-expert token selection) in model ``name`` at ``where``."""
+    if "pack_padded_sequence" in where or "pack_sequence" in where:  # aten._pack_padded_sequence
+        return (f"{name} packs a batch of sequences for an RNN {where}: a PackedSequence's shapes depend on the "
+                "lengths (data), and adaptdist plans and lowers static shapes only. Pass the padded batch to the "
+                "RNN itself (no pack_padded_sequence; a bidirectional RNN's reverse direction then reads the "
+                "padding too), then mask the padded steps where you use its outputs (a mean over the valid steps: (h * mask).sum(1) / mask.sum(1); each row's "
+                "last valid step: h.gather(1, (lengths - 1).view(-1, 1, 1).expand(-1, 1, h.shape[-1])))")
     return (f"{name} has an op whose output shape depends on the data {where}: adaptdist plans and lowers "
             "static shapes only, so it cannot compile data-dependent token counts (e.g. an MoE that picks each "
             "expert's tokens with torch.where / nonzero, then index_add_). Write it with static shapes: dense "
@@ -513,6 +519,15 @@ def _export_error(e: Exception, name: str, no_grad: list[str] | None = None, ste
             "optimizer alone updates. Drop max_norm and renormalize after each optimizer step (under "
             "torch.no_grad()), or do the in-place change on a copy (weight = self.weight * scale)."
             f" ({type(e).__name__}: {msg})")
+    if "gradients_to_parameters" in msg and "backward_output_names" in msg:
+        # aot's signature keys gradients by node name: two parameters given one gradient node collapse into one.
+        # aot_export_joint clones such repeats (nn.LSTM's biases under oneDNN); one reaching here is some other op
+        rnns = [f"{n.removeprefix('model.')} ({type(m).__name__})" for n, m in
+                (step.named_modules() if step is not None else ()) if isinstance(m, nn.RNNBase)]
+        hint = ("The exporter gave two parameters one gradient tensor (a fused kernel's backward"
+                + (f"; this model's RNNs: {', '.join(rnns)}" if rnns else "") + "), which its signature cannot "
+                "tell apart: a bug in adaptdist's capture (adaptdist/_torch_compat.py aot_export_joint), not in "
+                "your code; please report it with the model.")
     return CaptureError(
         f"cannot capture {name} as one joint forward+backward graph; failed "
         f"{_where(e, step) if step is not None else 'at ' + (_user_frame(e) or 'a frame of torch (no model code)')}: "
