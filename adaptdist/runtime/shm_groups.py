@@ -161,7 +161,7 @@ def use_gloo_for_axes(program: Any, shortfalls: Mapping[str, ShmShortfall]) -> N
     import torch.distributed as dist
     import torch.fx
 
-    from ..compiler.codegen import rewrite_source
+    from ..program_source import rewrite_source
     from ..mesh import base_group_name
     from ..passes.use_gloo_collectives import use_gloo_collectives
 
