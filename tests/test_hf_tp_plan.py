@@ -110,3 +110,22 @@ def test_backend_plan_tp_on_a_module_without_any_plan_says_what_to_pass():
     f = torch.compile(nn.Sequential(nn.Linear(4, 4)), backend=adaptdist.backend(plan="tp"))
     with pytest.raises(Exception, match="Sequential carries none.*ManualPlan.parse"):
         f(torch.randn(2, 4))
+
+
+def test_pipeline_stages_take_the_models_own_plan_for_a_tp_axis():
+    """``--plan tp --mesh pp=2,tp=2`` (inner_plan) and ``--plan pp|auto --mesh pp=2,tp=2`` (mesh_preset) on a model
+    file without TP_PLAN: the Hugging Face model's plan inside the stages; without a model, as before."""
+    from pathlib import Path
+
+    from adaptdist.cli.pipeline_flags import inner_plan
+    from adaptdist.compiler.pipeline_lowering import mesh_preset
+    from adaptdist.model_spec import ModelSpec
+
+    spec = ModelSpec.parse(f"{Path(__file__).with_name('models.py')}:hf_llama")
+    model = hf_llama()[0]
+    for plan in ("tp", "pp"):
+        inner = inner_plan(types.SimpleNamespace(plan=plan, mesh="pp=2,tp=2"), spec, model)
+        assert inner.mesh_axes == ("tp",) and dict(inner.params)["model.model.layers.0.mlp.down_proj.weight"] == ("S(1)",)
+    assert mesh_preset("pp=2,tp=2", spec.module()) is None  # no model: each stage's ILP places them
+    with pytest.raises(UsageError, match="defines none"):
+        inner_plan(types.SimpleNamespace(plan="tp", mesh="pp=2,tp=2"), spec)

@@ -129,16 +129,16 @@ def pipeline_options(args, world_size: int) -> Any:
                            microbatches=getattr(args, "microbatches", None), schedule=schedule, stages_per_rank=v)
 
 
-def inner_plan(args, spec) -> Any:
+def inner_plan(args, spec, model: Any = None) -> Any:
     """The plan inside the stages for ``--plan``: None for ``pp`` and ``auto`` (the mesh's other axes as a preset),
-    else the manual plan or plan file."""
+    else the manual plan or plan file (``tp`` without the file's TP_PLAN: ``model``'s own Hugging Face plan)."""
     from ..annotations import ManualPlan
 
     if args.plan in ("pp", "auto"):
         from ..compiler.pipeline_lowering import mesh_preset
 
-        return mesh_preset(getattr(args, "mesh", None), spec.module())  # a tp axis: the model file's TP_PLAN
-    return ManualPlan.parse(args.plan, spec.module())
+        return mesh_preset(getattr(args, "mesh", None), spec.module(), model)  # a tp axis: TP_PLAN, else the model's
+    return ManualPlan.parse(args.plan, spec.module(), model)
 
 
 def is_pipeline(programs: dict) -> bool:
@@ -221,7 +221,7 @@ def compile_pipeline_or_none(args, spec, model, example, loss_fn, world_size: in
     try:
         decision = choose_pipeline_plan(captured, cluster, world_size, mesh=args.mesh,
                                         microbatches=getattr(args, "microbatches", None),
-                                        schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec),
+                                        schedule=getattr(args, "schedule", None), inner=inner_plan(args, spec, model),
                                         optimizer=str(getattr(args, "optimizer", "adamw")).replace("-", "_"),
                                         stage_ranks=getattr(args, "stage_ranks", None))
         if console is not None:

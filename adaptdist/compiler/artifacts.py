@@ -139,7 +139,7 @@ def compile_artifacts(spec: Any, cluster: Any, *, batch_size: int, seq_len: int,
         decision = choose_pipeline_plan(
             captured, cluster, cluster.world_size, mesh=mesh, microbatches=pipeline.microbatches,
             schedule=pipeline.schedule, optimizer=optimizer, stage_ranks=getattr(pipeline, "stage_ranks", None),
-            inner=mesh_preset(mesh, spec.module()) if plan_arg in ("pp", "auto")
+            inner=mesh_preset(mesh, spec.module(), model) if plan_arg in ("pp", "auto")
             else ManualPlan.parse(plan_arg, spec.module(), model))
         if console is not None:
             from rich.markup import escape

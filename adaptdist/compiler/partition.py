@@ -103,7 +103,7 @@ def drop_backward_outputs(split: SplitProgram, roles: tuple[str, ...]) -> SplitP
     out = gm.graph.output_node()
     outs = list(out.args[0])
     out.args = (tuple(outs[j] for j in keep),)
-    for n in list(gm.graph.nodes):  # the backward's seed ones_like(loss) reads only the loss's shape: a constant
+    for n in list(gm.graph.nodes):  # every ones_like (the seed ones_like(loss) among them) reads only a shape: a constant
         v = n.meta.get("val")
         if (n.op == "call_function" and n.target is torch.ops.aten.ones_like.default and isinstance(v, torch.Tensor)
                 and v.is_contiguous()):

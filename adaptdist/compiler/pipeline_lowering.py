@@ -308,12 +308,12 @@ def _stage_ranks_plan(plan: "ManualPlan | None", captured: CapturedGraph, world_
                 graph_fingerprint=graph_fingerprint(captured.gm), name="pp+dp", pipeline=spec)
 
 
-def mesh_preset(mesh: str | None, model_module: Any) -> Any:
+def mesh_preset(mesh: str | None, model_module: Any, model: Any = None) -> Any:
     """The inner plan of ``--plan pp`` (or ``auto``) on ``--mesh pp=...,tp=...``: the preset the mesh's other axes
-    name, with the model file's ``TP_PLAN`` (``EP_PLAN``) for a ``tp`` (``ep``) axis; None where those axes need
-    no model file (``dp`` alone, or no other axis: the lowering's own preset), or where the model file has no
-    ``TP_PLAN`` (``EP_PLAN``) for them: the inter-stage planner then places the parameters as each stage's ILP
-    chose (:func:`adaptdist.compiler.planner.stages.pipeline_plan`).
+    name, with the model file's ``TP_PLAN`` (else ``model``'s own Hugging Face plan) for a ``tp`` axis and its
+    ``EP_PLAN`` for an ``ep`` axis; None where those axes need no model file (``dp`` alone, or no other axis: the
+    lowering's own preset), or where neither gives them: the inter-stage planner then places the parameters as
+    each stage's ILP chose (:func:`adaptdist.compiler.planner.stages.pipeline_plan`).
 
     Raises:
         UsageError: as :meth:`ManualPlan.parse` (a model file without ``TP_PLAN`` for a tp axis).
@@ -323,11 +323,15 @@ def mesh_preset(mesh: str | None, model_module: Any) -> Any:
         return None
     from ..annotations import ManualPlan
 
-    if ("tp" in axes and getattr(model_module, "TP_PLAN", None) is None) or \
-            ("ep" in axes and getattr(model_module, "EP_PLAN", None) is None):
+    if "tp" in axes and getattr(model_module, "TP_PLAN", None) is None:
+        from ..hf_tp_plan import hf_tp_plan
+
+        if model is None or not hf_tp_plan(model):
+            return None
+    if "ep" in axes and getattr(model_module, "EP_PLAN", None) is None:
         return None
     key = "dp,tp" if axes == {"dp", "tp"} else ",".join(sorted(axes))
-    return ManualPlan.parse(key, model_module)
+    return ManualPlan.parse(key, model_module, model)
 
 
 # ------------------------------------------------------------------------------------------------------ lowering

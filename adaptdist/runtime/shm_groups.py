@@ -29,7 +29,7 @@ log = logging.getLogger("adaptdist.runtime")
 
 
 def setup_shm_groups(code: str, group_names: Mapping[str, str], process_group: Callable[[str], Any],
-                     timeout_s: float | None = None, *, fall_back: bool = False) -> list[str]:
+                     timeout_s: float | None = None) -> list[str]:
     """Create the shared-memory groups that ``code`` (a program's source) names; returns their names.
 
     Args:
@@ -37,8 +37,6 @@ def setup_shm_groups(code: str, group_names: Mapping[str, str], process_group: C
         group_names: mesh axis -> group name, in mesh order (``RankProgram.group_names``).
         process_group: axis -> this rank's gloo process group of that axis.
         timeout_s: the collective timeout of the shm ops (None: the kernels' default, 120 s).
-        fall_back: (``--comm auto``) a group /dev/shm has no room for is no error: use
-            :func:`setup_shm_groups_or_gloo`, which says which axes then go to gloo.
 
     A group of that name made before in this process (an earlier attempt's, or an earlier graph's over the same
     ranks) is destroyed first. Programs compiled before groups were named by their ranks name the axis's group
@@ -46,12 +44,13 @@ def setup_shm_groups(code: str, group_names: Mapping[str, str], process_group: C
 
     Raises:
         ShmUnavailableError: the program uses the kernels and they are unavailable here.
-        ShmCapacityError: /dev/shm has no room for a group's header and slots (not with ``fall_back``).
+        ShmCapacityError: /dev/shm has no room for a group's header and slots (``--comm auto`` falls back to gloo
+            instead through :func:`setup_shm_groups_or_gloo`).
         UsageError: an axis's ranks are not on one host (the shm groups cannot join them).
         ShmPeerError: a peer did not attach within the timeout.
         ProgramLoadError: the code names a group that is none of its axes' groups.
     """
-    return setup_shm_groups_or_gloo(code, group_names, process_group, timeout_s, fall_back=fall_back)[0]
+    return setup_shm_groups_or_gloo(code, group_names, process_group, timeout_s)[0]
 
 
 def setup_shm_groups_or_gloo(code: str, group_names: Mapping[str, str], process_group: Callable[[str], Any],
@@ -158,21 +157,15 @@ def use_gloo_for_axes(program: Any, shortfalls: Mapping[str, ShmShortfall]) -> N
     bytes its group needed."""
     if not shortfalls:
         return
-    import torch.distributed as dist
     import torch.fx
 
-    from ..program_source import rewrite_source
     from ..mesh import base_group_name
-    from ..passes.use_gloo_collectives import use_gloo_collectives
+    from ..program_source import rewrite_source
 
     gloo = {n: base_group_name(n) for n in shm_groups_in_code(program.code)
             if any(base_group_name(n) == program.group_names.get(a) for a in shortfalls)}
     loaded = not isinstance(program.module, torch.fx.GraphModule)
-    gm = torch.fx.symbolic_trace(program.module) if loaded else program.module
-    if loaded:
-        for node in gm.graph.find_nodes(op="placeholder"):
-            node.type = None  # (the source's shape annotations, "f32[4, 16]", are no types)
-    gm, changed = use_gloo_collectives(gm, gloo)
+    gm, changed = _to_gloo(program.module, gloo)
     if changed:
         program.code = rewrite_source(program.code, gm)
         if loaded:  # as load_program makes it: the source exec'd, its constants set
@@ -189,18 +182,23 @@ def gloo_module(module: Any, gloo_names: Mapping[str, str]) -> Any:
     """``module`` (a GraphModule, or a loaded program's exec'd source: traced first) with its shared-memory collectives
     on the groups of ``gloo_names`` put back on gloo (:func:`~adaptdist.passes.use_gloo_collectives.use_gloo_collectives`);
     ``module`` itself where it has none."""
+    if not gloo_names:
+        return module
+    gm, changed = _to_gloo(module, gloo_names)
+    return gm if changed else module
+
+
+def _to_gloo(module: Any, gloo_names: Mapping[str, str]) -> tuple[Any, bool]:
+    """(``module`` as a GraphModule with the shared-memory collectives of ``gloo_names`` on gloo, whether any was)."""
     import torch.fx
 
     from ..passes.use_gloo_collectives import use_gloo_collectives
 
-    if not gloo_names:
-        return module
     gm = module if isinstance(module, torch.fx.GraphModule) else torch.fx.symbolic_trace(module)
     if gm is not module:
         for node in gm.graph.find_nodes(op="placeholder"):
             node.type = None  # (the source's shape annotations, "f32[4, 16]", are no types)
-    gm, changed = use_gloo_collectives(gm, gloo_names)
-    return gm if changed else module
+    return use_gloo_collectives(gm, gloo_names)
 
 
 def warn_gloo_fallback(shortfalls: Mapping[str, ShmShortfall]) -> None:
@@ -248,7 +246,7 @@ def make_shm_groups(wanted: Iterable[str], candidates: Sequence[tuple[str, Any]]
         try:
             init_group(pg, name=name, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S))
         except ShmCapacityError as e:
-            if on_capacity is None:
+            if on_capacity is None or name in have:  # (a group an earlier graph's program uses is gone: stop)
                 raise
             on_capacity(name, e)
             failed.append(name)
