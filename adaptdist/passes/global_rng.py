@@ -43,11 +43,13 @@ one process on the whole batch would draw it once).
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 
 from .. import graph_meta as gmeta
+from ..compiler.eager_batch import EAGER_BATCH
 from ..errors import UnsupportedOpError
 from ..placement import Replicate, Shard
 from .context import PassContext
@@ -129,6 +131,47 @@ def _whole(graph: torch.fx.Graph, like: torch.Tensor, contiguous: bool) -> torch
     return node
 
 
+def _eager_loc(node: torch.fx.Node, d: int) -> tuple | None:
+    """The backend's per-rank batch location ``(dim, outer, rows)`` of random op ``node`` (sharded on its rank dim
+    ``d``) when it is not the outermost factor after the rank dim (:mod:`adaptdist.compiler.eager_batch`), else
+    None (drawing the joint tensor whole is then eager's draw)."""
+    loc = node.meta.get(EAGER_BATCH)
+    if not isinstance(loc, tuple) or d != 0 or (loc[0] == 0 and loc[1] == 1):
+        return None
+    return loc
+
+
+def _whole_in_eager_order(graph: torch.fx.Graph, op: Any, like: torch.Tensor, args: tuple, kwargs: dict,
+                          loc: tuple) -> torch.fx.Node:
+    """``op`` drawn whole in eager's shape, the ranks' rows then moved to dim 0: ``like`` is the joint value
+    ``[W, *s]`` (rank dim 0), one rank's batch is at ``loc = (k, outer, rows)`` of ``s``; one process on the whole
+    batch draws ``s`` with dim ``k`` ``W`` times larger (rank ``r``'s rows after rank ``r - 1``'s, within each
+    of the ``outer`` blocks). Drawn contiguous (what eager's dropout draws: ``bernoulli_`` on an ``empty_like`` of
+    a contiguous activation), viewed ``[*s[:k], outer, W, s[k] / outer, *s[k+1:]]``, ``W`` moved to the front
+    and made contiguous ``[W, *s]``: replicated, every rank holds every rank's draw."""
+    world, s = int(like.shape[0]), [int(v) for v in like.shape[1:]]
+    k, outer, _ = loc
+    eager = list(s)
+    eager[k] *= world
+    strides, acc = [], 1
+    for v in reversed(eager):
+        strides.append(acc)
+        acc *= max(v, 1)
+    whole = graph.call_function(aten.empty_strided.default, (eager, strides[::-1]),
+                                {"dtype": like.dtype, "device": like.device, "pin_memory": False})
+    mode = getattr(like, "fake_mode", None)
+    with mode if mode is not None else torch.no_grad():
+        whole.meta["val"] = torch.empty_strided(eager, strides[::-1], dtype=like.dtype, device=like.device)
+    gmeta.set_placements(whole, (Replicate(),))
+    full = add_op(graph, op, (whole, *args), Replicate(), kwargs=dict(kwargs))
+    gmeta.mark_global_rng(full)
+    split = add_op(graph, aten.view.default, (full, [*s[:k], outer, world, s[k] // outer, *s[k + 1:]]), Replicate())
+    order = [k + 1] + [i for i in range(len(s) + 2) if i != k + 1]
+    moved = add_op(graph, aten.permute.default, (split, order), Replicate())
+    flat = add_op(graph, aten.clone.default, (moved,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
+    return add_op(graph, aten.view.default, (flat, [world, *s]), Replicate())
+
+
 def _keep_rows(graph: torch.fx.Graph, full: torch.fx.Node, dim: int, align: torch.fx.Node, ctx: PassContext
                ) -> torch.fx.Node:
     """This rank's interval of ``full`` on ``dim``: a rank slice aligned with ``align`` (made contiguous when
@@ -185,9 +228,14 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         if node.op != "call_function" or node.target not in RANDOM_OPS:
             continue
         d = _sharded_dim(placement_of(node))
-        if d is None:
-            continue  # replicated: every rank draws the same whole tensor from the same generator state
         x = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if d is None:
+            # replicated: every rank draws the same whole tensor from the same generator state; under the
+            # backend, in the order one process on the whole batch draws it when its batch is not outermost
+            loc = _eager_loc(node, 0)
+            if loc is not None and x is not None and node.target in FILL_LIKE | DROPOUT:
+                changed |= _redraw_replicated(graph, node, x, loc)
+            continue
         if node.target in VALUED or x is None:
             raise UnsupportedOpError(
                 f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}){gmeta.where_of(node)} draws random "
@@ -198,15 +246,68 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         if node.target in DROPOUT:
             changed |= _rewrite_dropout(graph, node, x, d, ctx)
             continue
+        loc = _eager_loc(node, d)
+        if loc is not None:
+            _check_layout(node, x, loc)
         with graph.inserting_before(node):
-            whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
-            full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
-        gmeta.mark_global_rng(full)
+            if loc is not None:
+                full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
+            else:
+                whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
+                full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
+                gmeta.mark_global_rng(full)
         local = _keep_rows(graph, full, d, _align_target(x, node, d), ctx)
         node.replace_all_uses_with(local)
         graph.erase_node(node)
         changed = True
     return gm, changed
+
+
+def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, loc: tuple) -> bool:
+    """A replicated random op of the backend's joint graph (``[W, *s]``, rank dim 0) whose batch rows are at
+    ``loc`` of ``s``, not outermost: drawn whole in eager's order instead (:func:`_whole_in_eager_order`);
+    returns whether it rewrote (a ``train=False`` dropout draws nothing)."""
+    _check_layout(node, x, loc)
+    if node.target in DROPOUT:
+        p = float(node.args[1])
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if train is False:
+            return False
+        p1m = 1.0 - p
+        with graph.inserting_before(node):
+            mask_f = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
+            out = add_op(graph, aten.mul.Tensor, (add_op(graph, aten.mul.Tensor, (x, mask_f), Replicate()),
+                                                  0.0 if p1m == 0 else 1.0 / p1m), Replicate())
+            mask = add_op(graph, aten.ne.Scalar, (mask_f, 0), Replicate())
+        for user in list(node.users):
+            assert user.target is operator.getitem, f"native_dropout {node.name} used by {user.name} without getitem"
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        return True
+    with graph.inserting_before(node):
+        full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
+    node.replace_all_uses_with(full)
+    graph.erase_node(node)
+    return True
+
+
+def _check_layout(node: torch.fx.Node, x: torch.fx.Node, loc: tuple) -> None:
+    """Refuse what :func:`_whole_in_eager_order` cannot draw in eager's order: a random op other than
+    ``bernoulli``/dropout (which draw in index order) filling a non-contiguous tensor (drawn in its memory order,
+    which one process's tensor on the whole batch need not share).
+
+    Raises:
+        UnsupportedOpError: naming the node, op and shape.
+    """
+    v = x.meta["val"]
+    if node.target in DROPOUT or node.target is aten.bernoulli.p or v.is_contiguous():
+        return
+    raise UnsupportedOpError(
+        f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}){gmeta.where_of(node)} draws random numbers "
+        f"like a non-contiguous tensor whose batch rows are on dim {loc[0]} of each rank's shape; rng='global' under "
+        "the backend cannot tell the order one process on the whole batch would draw them in. Make the input "
+        "contiguous first (.contiguous()), or use rng='per-rank', or adaptdist train --rng global")
 
 
 def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> bool:
@@ -219,10 +320,14 @@ def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Nod
     p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     sp = Shard(d)
+    loc = _eager_loc(node, d)
     with graph.inserting_before(node):
-        whole = _whole(graph, x.meta["val"], contiguous=True)
-        full = add_op(graph, aten.bernoulli.p, (whole, p1m), Replicate())
-    gmeta.mark_global_rng(full)
+        if loc is not None:
+            full = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
+        else:
+            whole = _whole(graph, x.meta["val"], contiguous=True)
+            full = add_op(graph, aten.bernoulli.p, (whole, p1m), Replicate())
+            gmeta.mark_global_rng(full)
     mask_f = _keep_rows(graph, full, d, x, ctx)
     with graph.inserting_before(node):
         masked = add_op(graph, aten.mul.Tensor, (x, mask_f), sp)
