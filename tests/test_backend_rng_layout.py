@@ -138,9 +138,34 @@ def test_batch_locations_follow_views_permutes_matmuls_and_reductions():
         c = torch.randn_like(x.reshape(24, 5)[:, :2])  # a slice of the rows' dim: unknown
         d = torch.rand_like(t.mean(1))  # reduced over the rows: unknown
         e = torch.rand_like(x.unsqueeze(0).expand(2, 3, 5, 8))  # expand: batch on dim 1
-        return a, b, c, d, e
+        q, k = (x @ w).split(4, dim=-1)  # attention: scores [3, 5, 5] softmaxed on the last dim
+        s = torch.softmax(q @ torch.cat([torch.zeros(3, 4, 0), k.transpose(1, 2)], -1), -1)
+        return a, b, c, d, e, F.dropout(s, 0.1, True)
 
-    assert _locations(f, x, w) == [(1, 1, 3), (0, 5, 3), UNKNOWN, UNKNOWN, (1, 1, 3)]
+    assert _locations(f, x, w) == [(1, 1, 3), (0, 5, 3), UNKNOWN, UNKNOWN, (1, 1, 3), (0, 1, 3)]
+
+
+def test_a_draw_whose_rows_cannot_be_followed_is_named_in_a_warning(caplog):
+    """A random op on a value reduced over the rows (its batch location unknown) keeps the rank-major draw, and the
+    capture says so, naming it: never a silently different number."""
+
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):  # x [B, 5, 8]
+            h = self.lin(x)
+            return h + torch.rand_like(h.mean(0))
+
+    def capture_only(gm, example_inputs):
+        capture_all_ranks(gm, classify_inputs(gm, example_inputs), 2, rng="global")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="adaptdist.compiler"):
+        torch.compile(Pooled(), backend=capture_only, dynamic=False)(torch.randn(3, 5, 8))
+    assert any("cannot tell where the batch rows are in the random draws" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow

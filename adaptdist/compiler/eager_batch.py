@@ -87,6 +87,20 @@ def _loc_of(node: torch.fx.Node, locs: dict) -> Any:
     name = _packet(node)
     first, loc = batched[0]
     src = _shape(first)
+    if name == "native_layer_norm":  # (out, mean, rstd): getitem keeps out's location when the rows stay
+        return loc if first is node.args[0] else UNKNOWN
+    if name == "embedding" and first is node.args[1]:  # rows of indices -> rows of vectors
+        return loc if len(batched) == 1 else UNKNOWN
+    if name in ("split", "split_with_sizes") and first is node.args[0]:  # pieces along another dim keep the rows
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        return loc if dim % len(src) != loc[0] else UNKNOWN
+    if name == "cat":  # along another dim, of pieces with the rows at one place (an empty past: skipped, as torch does)
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+        pieces = [a for a in node.args[0] if isinstance(a, torch.fx.Node)]
+        if dim != loc[0] and all(locs.get(a) == loc or (locs.get(a) == NO_BATCH and math.prod(_shape(a) or (1,)) == 0)
+                                 for a in pieces) and len(out) == len(src):
+            return loc
+        return UNKNOWN
     if name in _RANDOM_PACKETS or name in _LIKE:
         return loc if first is node.args[0] else UNKNOWN
     if out is None:
@@ -104,6 +118,10 @@ def _loc_of(node: torch.fx.Node, locs: dict) -> Any:
         return (loc[0] + shift, *loc[1:]) if out[loc[0] + shift] == src[loc[0]] else UNKNOWN
     if name in _VIEWS:
         return _view_loc(loc, src, out) if len(batched) == 1 else UNKNOWN
+    if name in ("bmm", "baddbmm") and loc[0] == 0 and all(g == loc for _, g in batched):
+        return loc  # q @ k^T of attention: both operands' rows on dim 0
+    if name in ("_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax") and len(batched) == 1:
+        return loc if node.args[1] % len(src) != loc[0] else UNKNOWN
     if name in ("mm", "bmm", "addmm", "baddbmm", "convolution"):
         lhs = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "convolution": 0}[name]
         keep = {"mm": (0,), "bmm": (0, 1), "addmm": (0,), "baddbmm": (0, 1), "convolution": (0,)}[name]
@@ -137,11 +155,16 @@ def batch_locations(traced: torch.fx.GraphModule, user_input: Sequence[bool]) ->
         locs[ph] = (0, 1, s[0]) if is_user and s else NO_BATCH
     out = []
     for node in traced.graph.nodes:
+        if node.op == "get_attr":
+            locs[node] = NO_BATCH  # a constant (a causal mask): the same for every rank's rows
         if node.op != "call_function":
             continue
         if node.target is __import__("operator").getitem:
             src = locs.get(node.args[0], UNKNOWN)
-            locs[node] = src if (src is NO_BATCH or _packet(node.args[0]) == "native_dropout") else UNKNOWN
+            keeps = _packet(node.args[0]) in ("native_dropout", "split", "split_with_sizes") or (
+                _packet(node.args[0]) == "native_layer_norm" and node.args[1] == 0 and isinstance(src, tuple)
+                and src[0] < len(_shape(node.args[0])) - len(node.args[0].args[1]))
+            locs[node] = src if (src is NO_BATCH or keeps) else UNKNOWN
             continue
         try:
             locs[node] = _loc_of(node, locs)
@@ -173,6 +196,9 @@ def annotate_eager_batch(gm: torch.fx.GraphModule, inputs: Sequence[Any], joint:
         log.info("adaptdist: cannot trace one rank's graph to place its random draws: %s", e)
         return 0
     if len(locs) != len(joint_random):
+        log.warning("adaptdist: rng='global': one rank's graph has %d random ops and the step's %d; each is drawn as "
+                    "if its batch rows were its outermost dim, which differs from one process's numbers where they "
+                    "are not", len(locs), len(joint_random))
         return 0
     known = 0
     for n, loc, s in zip(joint_random, locs, shapes):
@@ -182,4 +208,9 @@ def annotate_eager_batch(gm: torch.fx.GraphModule, inputs: Sequence[Any], joint:
             known += 1
         elif loc is NO_BATCH:
             n.meta[EAGER_BATCH] = NO_BATCH
+    unknown = [n.name for n in joint_random if n.meta[EAGER_BATCH] is UNKNOWN]
+    if unknown:
+        log.warning("adaptdist: rng='global': cannot tell where the batch rows are in the random draws %s; each is "
+                    "drawn as if they were its outermost dim, which differs from one process's numbers where they are "
+                    "not (adaptdist train --rng global follows them exactly)", ", ".join(unknown))
     return known
