@@ -30,6 +30,14 @@ Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds row 6):
     mul = aten.mul.Tensor(aten.mul.Tensor(x, slice_1), 1.111)  # the dropout output, S(0)
     ne = aten.ne.Scalar(slice_1, 0)                            # the mask, S(0)
 
+Under the torch.compile backend the joint graph draws ``[W, *s]`` (rank dim 0, one rank's shape ``s``); one
+process on the whole batch draws ``s`` with the batch ``W`` times larger. Where the batch is the outermost
+factor of ``s`` the orders agree; where it is not (dropout on a time-major ``[L, B, D]``), the capture records
+where it is (:mod:`adaptdist.compiler.eager_batch`, node meta ``adaptdist.eager_batch``) and the op is drawn in
+eager's shape, its ranks' rows moved to dim 0 (:func:`_whole_in_eager_order`), replicated or then sliced. A draw
+whose rows the capture cannot follow keeps the rank-major draw, and the capture logs a warning naming it; a
+``rand_like``-style draw (memory order) on a non-contiguous value with the batch not outermost is refused.
+
 Cost: every rank draws the whole tensor, ``world`` times its shard's random numbers per random op (and
 holds the whole mask for a moment); measured in the README.
 
