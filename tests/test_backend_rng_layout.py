@@ -45,6 +45,10 @@ class Layouts(nn.Module):
             return F.dropout(h.reshape(-1, 8), 0.3, True)
         if self.kind == "batch_first":  # [B, L, 8]: the case that was already right
             return F.dropout(h.transpose(0, 1).contiguous(), 0.3, True)
+        if self.kind == "strided_batch_first":  # [B, L, 8] not contiguous: CPU dropout fills it in memory order
+            return F.dropout(h.transpose(0, 1), 0.3, True)
+        if self.kind == "strided_batch_last":  # [L, 8, B] not contiguous, the batch on dim 2
+            return F.dropout(h.transpose(1, 2), 0.3, True)
         if self.kind == "rand_like":  # noise drawn in memory order on a contiguous [L, B, 8]
             return h + torch.rand_like(h)
         if self.kind == "two_draws":  # the generator must advance as eager's between draws
@@ -89,19 +93,23 @@ def _eager(model: nn.Module, x: torch.Tensor):
 
 def _as_ranks(out: torch.Tensor, kind: str, world: int) -> torch.Tensor:
     """Eager's output on the whole batch as the backend stacks it: ``[W, *one rank's]``."""
-    if kind == "batch_first":
-        return out.view(world, ROWS, *out.shape[1:])
+    if kind in ("batch_first", "strided_batch_first"):
+        return out.reshape(world, ROWS, *out.shape[1:])
+    if kind == "strided_batch_last":
+        return out.reshape(L, 8, world, ROWS).permute(2, 0, 1, 3)
     if kind == "flat_time_major":
         return out.view(L, world, ROWS, 8).permute(1, 0, 2, 3).reshape(world, L * ROWS, 8)
     return out.view(L, world, ROWS, 8).permute(1, 0, 2, 3)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind", ["time_major", "flat_time_major", "batch_first", "rand_like", "two_draws"])
+@pytest.mark.parametrize("kind", ["time_major", "flat_time_major", "batch_first", "strided_batch_first",
+                                  "strided_batch_last", "rand_like", "two_draws"])
 def test_backend_global_draws_equal_eager_whatever_the_batch_dim(kind, world):
     """Every element's random number equals single-process eager's on the whole batch (dropout masks bit for bit,
-    values to float rounding), and every rank's generator ends where eager's does. Before the fix, time_major,
-    flat_time_major, rand_like and two_draws drew the same numbers on other elements."""
+    values to float rounding), and every rank's generator ends where eager's does. Before the fix, all but
+    batch_first drew the same numbers on other elements (CPU's bernoulli_ fills a permuted tensor in memory
+    order: strided_batch_first was wrong with the batch on dim 0 too)."""
     torch.manual_seed(0)
     model = Layouts(kind)
     x = torch.randn(world * ROWS, 3, L, 1, generator=torch.Generator().manual_seed(1))
@@ -117,6 +125,7 @@ def test_backend_global_draws_equal_eager_whatever_the_batch_dim(kind, world):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert same and torch.equal(end, ref_end)
     expected = {"time_major": (1, 1, ROWS), "flat_time_major": (0, L, ROWS), "batch_first": (0, 1, ROWS),
+                "strided_batch_first": (0, 1, ROWS), "strided_batch_last": (2, 1, ROWS),
                 "rand_like": (1, 1, ROWS), "two_draws": (1, 1, ROWS)}[kind]
     assert notes and all(n == expected for n in notes), notes
 

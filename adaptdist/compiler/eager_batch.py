@@ -35,6 +35,11 @@ EAGER_BATCH = "adaptdist.eager_batch"
 """Node meta of a joint-graph random op: ``(dim, outer, rows)`` of one rank's shape (:func:`annotate_eager_batch`),
 or ``None`` where the location is not known."""
 
+EAGER_ORDER = "adaptdist.eager_order"
+"""Node meta of a joint-graph random op: one rank's dims from outermost to innermost in memory, as the tensor it
+fills is laid out in one rank's graph (``empty_like`` keeps a permuted layout; CPU's ``bernoulli_`` and
+``uniform_`` fill in memory order), or the identity where that tensor is not dense."""
+
 NO_BATCH = "no batch"  # a value the same for every rank's rows (parameters, constants)
 UNKNOWN = None
 
@@ -61,6 +66,25 @@ def _shape(n: Any) -> tuple[int, ...] | None:
     v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
     v = v[0] if isinstance(v, (tuple, list)) and v else v  # native_dropout: (output, mask)
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def memory_order(v: torch.Tensor) -> tuple[int, ...]:
+    """``v``'s dims from outermost to innermost in memory when it is non-overlapping and dense (what
+    ``empty_like``'s preserve_format keeps), else the identity (``empty_like`` then makes it contiguous)."""
+    size, stride = list(v.shape), list(v.stride())
+    order = sorted(range(v.dim()), key=lambda i: (-stride[i] if size[i] != 1 else 0, i))
+    order = [i for i in order if size[i] != 1]
+    acc = 1
+    for i in reversed(order):
+        if stride[i] != acc:
+            return tuple(range(v.dim()))
+        acc *= size[i]
+    # size-1 dims take any place; keep them where they are relative to the identity
+    ones = [i for i in range(v.dim()) if size[i] == 1]
+    out, it = [], iter(order)
+    for i in range(v.dim()):
+        out.append(i if i in ones else next(it))
+    return tuple(out)
 
 
 def _view_loc(loc: tuple, src: tuple[int, ...], dst: tuple[int, ...]) -> Any:
@@ -191,7 +215,11 @@ def annotate_eager_batch(gm: torch.fx.GraphModule, inputs: Sequence[Any], joint:
             args = [torch.empty(i.global_shape, dtype=i.dtype, device=i.device) for i in inputs]
             traced = compat.retrace_aten(gm, args)
         locs = batch_locations(traced, [i.kind == "input" for i in inputs])
-        shapes = [_shape(n) for n in traced.graph.nodes if n.op == "call_function" and is_random(n)]
+        per_rank = [n for n in traced.graph.nodes if n.op == "call_function" and is_random(n)]
+        shapes = [_shape(n) for n in per_rank]
+        firsts = [n.args[0].meta.get("val") if n.args and isinstance(n.args[0], torch.fx.Node) else None
+                  for n in per_rank]
+        orders = [memory_order(v) if isinstance(v, torch.Tensor) else None for v in firsts]
     except Exception as e:  # noqa: BLE001
         log.info("adaptdist: cannot trace one rank's graph to place its random draws: %s", e)
         return 0
@@ -201,10 +229,11 @@ def annotate_eager_batch(gm: torch.fx.GraphModule, inputs: Sequence[Any], joint:
                     "are not", len(locs), len(joint_random))
         return 0
     known = 0
-    for n, loc, s in zip(joint_random, locs, shapes):
+    for n, loc, s, order in zip(joint_random, locs, shapes, orders):
         js = _shape(n)
         if isinstance(loc, tuple) and js is not None and s is not None and js == (world, *s):
             n.meta[EAGER_BATCH] = loc
+            n.meta[EAGER_ORDER] = order if order is not None else tuple(range(len(s)))
             known += 1
         elif loc is NO_BATCH:
             n.meta[EAGER_BATCH] = NO_BATCH

@@ -35,8 +35,9 @@ process on the whole batch draws ``s`` with the batch ``W`` times larger. Where 
 factor of ``s`` the orders agree; where it is not (dropout on a time-major ``[L, B, D]``), the capture records
 where it is (:mod:`adaptdist.compiler.eager_batch`, node meta ``adaptdist.eager_batch``) and the op is drawn in
 eager's shape, its ranks' rows moved to dim 0 (:func:`_whole_in_eager_order`), replicated or then sliced. A draw
-whose rows the capture cannot follow keeps the rank-major draw, and the capture logs a warning naming it; a
-``rand_like``-style draw (memory order) on a non-contiguous value with the batch not outermost is refused.
+whose rows the capture cannot follow keeps the rank-major draw, and the capture logs a warning naming it. CPU's
+``bernoulli_`` and ``uniform_`` fill a tensor in memory order, so the draw also keeps the layout one rank's graph
+gives the tensor it fills (a dropout of a permuted activation: ``empty_like`` keeps its strides).
 
 Cost: every rank draws the whole tensor, ``world`` times its shard's random numbers per random op (and
 holds the whole mask for a moment); measured in the README.
@@ -57,7 +58,7 @@ import torch
 import torch.fx
 
 from .. import graph_meta as gmeta
-from ..compiler.eager_batch import EAGER_BATCH
+from ..compiler.eager_batch import EAGER_BATCH, EAGER_ORDER
 from ..errors import UnsupportedOpError
 from ..placement import Replicate, Shard
 from .context import PassContext
@@ -140,42 +141,54 @@ def _whole(graph: torch.fx.Graph, like: torch.Tensor, contiguous: bool) -> torch
 
 
 def _eager_loc(node: torch.fx.Node, d: int) -> tuple | None:
-    """The backend's per-rank batch location ``(dim, outer, rows)`` of random op ``node`` (sharded on its rank dim
-    ``d``) when it is not the outermost factor after the rank dim (:mod:`adaptdist.compiler.eager_batch`), else
-    None (drawing the joint tensor whole is then eager's draw)."""
+    """``((dim, outer, rows), order)`` for a random op of the backend's joint graph (sharded on its rank dim ``d``,
+    or replicated: ``d`` 0) whose draw differs from eager's drawn rank-major: one rank's batch rows are not its
+    outermost factor, or the tensor it fills is laid out otherwise than contiguous (``order``: one rank's dims,
+    outermost first in memory; :mod:`adaptdist.compiler.eager_batch`); else None."""
     loc = node.meta.get(EAGER_BATCH)
-    if not isinstance(loc, tuple) or d != 0 or (loc[0] == 0 and loc[1] == 1):
+    if not isinstance(loc, tuple) or d != 0:
         return None
-    return loc
+    order = tuple(node.meta.get(EAGER_ORDER) or ())
+    if loc[0] == 0 and loc[1] == 1 and order == tuple(range(len(order))):
+        return None
+    return loc, order
 
 
 def _whole_in_eager_order(graph: torch.fx.Graph, op: Any, like: torch.Tensor, args: tuple, kwargs: dict,
-                          loc: tuple) -> torch.fx.Node:
-    """``op`` drawn whole in eager's shape, the ranks' rows then moved to dim 0: ``like`` is the joint value
-    ``[W, *s]`` (rank dim 0), one rank's batch is at ``loc = (k, outer, rows)`` of ``s``; one process on the whole
-    batch draws ``s`` with dim ``k`` ``W`` times larger (rank ``r``'s rows after rank ``r - 1``'s, within each
-    of the ``outer`` blocks). Drawn contiguous (what eager's dropout draws: ``bernoulli_`` on an ``empty_like`` of
-    a contiguous activation), viewed ``[*s[:k], outer, W, s[k] / outer, *s[k+1:]]``, ``W`` moved to the front
-    and made contiguous ``[W, *s]``: replicated, every rank holds every rank's draw."""
+                          where: tuple) -> torch.fx.Node:
+    """``op`` drawn whole as one process on the whole batch draws it, the ranks' rows then moved to dim 0:
+    ``like`` is the joint value ``[W, *s]`` (rank dim 0); ``where = ((k, outer, rows), order)``: one rank's batch
+    is at ``k`` of ``s`` and the tensor it fills is laid out in ``order`` (dims outermost first). One process
+    draws ``s`` with dim ``k`` ``W`` times larger (rank ``r``'s rows after rank ``r - 1``'s within each of the
+    ``outer`` blocks), filling it in memory order (CPU's ``bernoulli_``/``uniform_``): drawn contiguous with its
+    dims in memory order (functional ``bernoulli.p`` returns a contiguous tensor whatever its input's strides),
+    permuted back and made contiguous, viewed ``[*s[:k], outer, W, s[k] / outer,
+    *s[k+1:]]``, ``W`` moved to the front and made contiguous ``[W, *s]``: replicated, every rank holds every
+    rank's draw."""
+    (k, outer, _), order = where
     world, s = int(like.shape[0]), [int(v) for v in like.shape[1:]]
-    k, outer, _ = loc
+    order = list(order) if sorted(order) == list(range(len(s))) else list(range(len(s)))
     eager = list(s)
     eager[k] *= world
+    mem = [eager[i] for i in order]  # the eager tensor's dims in memory order: drawn contiguous in that shape
     strides, acc = [], 1
-    for v in reversed(eager):
+    for v in reversed(mem):
         strides.append(acc)
         acc *= max(v, 1)
-    whole = graph.call_function(aten.empty_strided.default, (eager, strides[::-1]),
+    whole = graph.call_function(aten.empty_strided.default, (mem, strides[::-1]),
                                 {"dtype": like.dtype, "device": like.device, "pin_memory": False})
     mode = getattr(like, "fake_mode", None)
     with mode if mode is not None else torch.no_grad():
-        whole.meta["val"] = torch.empty_strided(eager, strides[::-1], dtype=like.dtype, device=like.device)
+        whole.meta["val"] = torch.empty_strided(mem, strides[::-1], dtype=like.dtype, device=like.device)
     gmeta.set_placements(whole, (Replicate(),))
     full = add_op(graph, op, (whole, *args), Replicate(), kwargs=dict(kwargs))
     gmeta.mark_global_rng(full)
+    if order != list(range(len(s))):  # back to the eager tensor's dim order
+        full = add_op(graph, aten.permute.default, (full, [order.index(i) for i in range(len(s))]), Replicate())
+        full = add_op(graph, aten.clone.default, (full,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
     split = add_op(graph, aten.view.default, (full, [*s[:k], outer, world, s[k] // outer, *s[k + 1:]]), Replicate())
-    order = [k + 1] + [i for i in range(len(s) + 2) if i != k + 1]
-    moved = add_op(graph, aten.permute.default, (split, order), Replicate())
+    perm = [k + 1] + [i for i in range(len(s) + 2) if i != k + 1]
+    moved = add_op(graph, aten.permute.default, (split, perm), Replicate())
     flat = add_op(graph, aten.clone.default, (moved,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
     return add_op(graph, aten.view.default, (flat, [world, *s]), Replicate())
 
@@ -255,8 +268,6 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
             changed |= _rewrite_dropout(graph, node, x, d, ctx)
             continue
         loc = _eager_loc(node, d)
-        if loc is not None:
-            _check_layout(node, x, loc)
         with graph.inserting_before(node):
             if loc is not None:
                 full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
@@ -275,7 +286,6 @@ def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.N
     """A replicated random op of the backend's joint graph (``[W, *s]``, rank dim 0) whose batch rows are at
     ``loc`` of ``s``, not outermost: drawn whole in eager's order instead (:func:`_whole_in_eager_order`);
     returns whether it rewrote (a ``train=False`` dropout draws nothing)."""
-    _check_layout(node, x, loc)
     if node.target in DROPOUT:
         p = float(node.args[1])
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
@@ -298,24 +308,6 @@ def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.N
     node.replace_all_uses_with(full)
     graph.erase_node(node)
     return True
-
-
-def _check_layout(node: torch.fx.Node, x: torch.fx.Node, loc: tuple) -> None:
-    """Refuse what :func:`_whole_in_eager_order` cannot draw in eager's order: a random op other than
-    ``bernoulli``/dropout (which draw in index order) filling a non-contiguous tensor (drawn in its memory order,
-    which one process's tensor on the whole batch need not share).
-
-    Raises:
-        UnsupportedOpError: naming the node, op and shape.
-    """
-    v = x.meta["val"]
-    if node.target in DROPOUT or node.target is aten.bernoulli.p or v.is_contiguous():
-        return
-    raise UnsupportedOpError(
-        f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}){gmeta.where_of(node)} draws random numbers "
-        f"like a non-contiguous tensor whose batch rows are on dim {loc[0]} of each rank's shape; rng='global' under "
-        "the backend cannot tell the order one process on the whole batch would draw them in. Make the input "
-        "contiguous first (.contiguous()), or use rng='per-rank', or adaptdist train --rng global")
 
 
 def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> bool:
