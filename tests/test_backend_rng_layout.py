@@ -208,3 +208,42 @@ def test_backend_time_major_dropout_on_gloo_equals_eager(plan, world):
         for f, p in model.state_dict().items():
             torch.testing.assert_close(results[r]["params"][f], p, atol=1e-5, rtol=1e-5, msg=f"rank {r} {f}")
         assert torch.equal(results[r]["rng"], end), r
+
+
+class TransposedDrop(nn.Module):
+    """Dropout of a transposed activation ``[B, L, 8]`` (not contiguous: memory order L, B, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+
+    def forward(self, x):  # x [B, L, 6]
+        h = torch.sigmoid(self.a(x.transpose(0, 1))) + 0.1  # [L, B, 8]
+        return F.dropout(h.transpose(0, 1), 0.4, True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adaptdist_train_global_dropout_of_a_transposed_activation_equals_eager(world):
+    """adaptdist train's capture (the whole batch, one process's shapes) with rng="global" on simulated ranks: CPU's
+    dropout fills a transposed activation's mask in memory order; functional bernoulli.p draws contiguous, so the
+    mask (and the gradient) differed from eager's before; now the gradient equals eager's."""
+    from adaptdist.compiler.capture import capture
+
+    torch.manual_seed(0)
+    model = TransposedDrop()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * world, 5, 6, generator=g), torch.randn(2 * world, 5, 8, generator=g)
+    cg = capture(model, (x, y), F.mse_loss)
+    named = dict(model.named_parameters())
+    progs = lower(cg, resolve_plan(ManualPlan.parse("dp"), cg, world), LoweringOptions(rng="global", debug=True),
+                  state={f: named[f].detach().clone() for f in cg.input_fqns})
+    torch.manual_seed(SEED)
+    states = [torch.get_rng_state() for _ in range(world)]
+    ins = [[named[f].detach() for f in p.input_fqns] + list(p.local_batch((x, y))) for p in progs.values()]
+    outs = simulate_ranks([p.module for p in progs.values()], ins, rng_states=states)
+    torch.manual_seed(SEED)
+    want = torch.autograd.grad(F.mse_loss(model(x), y), model.a.weight)[0]
+    k = progs[0].output_roles.index("grad:a.weight")
+    for r in range(world):
+        torch.testing.assert_close(outs[r][k], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(states[0], torch.get_rng_state())

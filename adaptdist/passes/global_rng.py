@@ -140,6 +140,29 @@ def _whole(graph: torch.fx.Graph, like: torch.Tensor, contiguous: bool) -> torch
     return node
 
 
+def _bernoulli_whole(graph: torch.fx.Graph, like: torch.Tensor, p: float) -> torch.fx.Node:
+    """``bernoulli.p`` of the global shape of ``like``, drawn as eager's ``empty_like(like).bernoulli_(p)`` draws it:
+    CPU's ``bernoulli_`` fills in memory order and ``empty_like`` keeps a dense layout (a dropout of a transposed
+    activation), while functional ``bernoulli.p`` returns a contiguous tensor whatever its input's strides. So the
+    mask is drawn contiguous with its dims in memory order, then permuted back (and made contiguous)."""
+    strides = _dense_strides(like)
+    order = sorted(range(like.dim()), key=lambda i: (-strides[i] if like.shape[i] != 1 else 0, i))
+    order = [i for i in order if like.shape[i] != 1]
+    it = iter(order)
+    order = [i if like.shape[i] == 1 else next(it) for i in range(like.dim())]
+    if order == list(range(like.dim())):
+        full = add_op(graph, aten.bernoulli.p, (_whole(graph, like, contiguous=True), p), Replicate())
+        gmeta.mark_global_rng(full)
+        return full
+    mode = getattr(like, "fake_mode", None)
+    with mode if mode is not None else torch.no_grad():
+        mem_like = torch.empty([int(like.shape[i]) for i in order], dtype=like.dtype, device=like.device)
+    full = add_op(graph, aten.bernoulli.p, (_whole(graph, mem_like, contiguous=True), p), Replicate())
+    gmeta.mark_global_rng(full)
+    back = add_op(graph, aten.permute.default, (full, [order.index(i) for i in range(like.dim())]), Replicate())
+    return add_op(graph, aten.clone.default, (back,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
+
+
 def _eager_loc(node: torch.fx.Node, d: int) -> tuple | None:
     """``((dim, outer, rows), order)`` for a random op of the backend's joint graph (sharded on its rank dim ``d``,
     or replicated: ``d`` 0) whose draw differs from eager's drawn rank-major: one rank's batch rows are not its
@@ -271,6 +294,8 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         with graph.inserting_before(node):
             if loc is not None:
                 full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
+            elif node.target is aten.bernoulli.p and not node.kwargs:
+                full = _bernoulli_whole(graph, x.meta["val"], node.args[1])
             else:
                 whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
                 full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
@@ -325,9 +350,7 @@ def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Nod
         if loc is not None:
             full = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
         else:
-            whole = _whole(graph, x.meta["val"], contiguous=True)
-            full = add_op(graph, aten.bernoulli.p, (whole, p1m), Replicate())
-            gmeta.mark_global_rng(full)
+            full = _bernoulli_whole(graph, x.meta["val"], p1m)
     mask_f = _keep_rows(graph, full, d, x, ctx)
     with graph.inserting_before(node):
         masked = add_op(graph, aten.mul.Tensor, (x, mask_f), sp)
