@@ -17,8 +17,8 @@ How (one mesh axis at a time, like every pass):
 * :func:`global_rng` (after propagation) rewrites a random op whose input is sharded: it draws the whole
   tensor (an ``empty_strided`` of the global shape and strides, replicated, as its shape-only input), then
   keeps this rank's interval with a rank slice that localization aligns with the op's input. Dropout is
-  the mask drawn so (``bernoulli.p(1 - p)``, what eager's CPU dropout draws), times the input, times
-  ``1 / (1 - p)``.
+  the mask drawn so (``bernoulli.p(1 - p)``, what eager's CPU dropout draws, in the memory order of its
+  input: :func:`_bernoulli_whole`), times the input, times ``1 / (1 - p)``.
 
 Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds row 6)::
 
