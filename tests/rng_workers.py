@@ -109,3 +109,58 @@ def hf_gpt2_rng_worker(x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, 
         return {"losses": losses, "params": adaptdist.full_state_dict(compiled)}
     finally:
         dist.destroy_process_group()
+
+
+class TimeMajorDrop(nn.Module):
+    """The tester's ``drop_tbd``: a conv over ``[B, 3, L, 1]``, permuted to time-major ``[L, B, 8]``, then dropout
+    there (the batch on dim 1), a mean over time and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, (3, 1), padding=(1, 0))
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x)).squeeze(-1).permute(2, 0, 1)
+        h = F.dropout(self.lin(h), 0.3, self.training)
+        return self.head(h.mean(0))
+
+
+def time_major_and_batch(rows: int, seq: int = 5):
+    torch.manual_seed(0)
+    model = TimeMajorDrop()
+    g = torch.Generator().manual_seed(10)
+    return model, torch.randn(rows, 3, seq, 1, generator=g), torch.randn(rows, 2, generator=g)
+
+
+def backend_time_major_worker(rows_per_rank: int, steps: int, lr: float, seed: int, plan: str,
+                              timeout_s: float = 120.0) -> dict:
+    """:class:`TimeMajorDrop` through ``adaptdist.backend(plan=plan, rng="global")``, every rank seeded ``seed``,
+    each rank passing its rows: each step's mean loss over ranks, the first step's gradients (averaged, as DDP's)
+    and the final parameters."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, world = int(os.environ["RANK"]), dist.get_world_size()
+        model, x, y = time_major_and_batch(rows_per_rank * world)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        compiled = torch.compile(model, backend=adaptdist.backend(plan=plan, rng="global"), dynamic=False)
+        torch.manual_seed(seed)
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        losses, grads = [], None
+        for _ in range(steps):
+            loss = F.mse_loss(compiled(xs), ys)
+            loss.backward()
+            if grads is None:
+                # dp: every rank holds the whole (averaged) gradient; sharded plans hold shards, not compared
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()} if plan == "dp" else {}
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        return {"losses": losses, "grads": grads, "params": adaptdist.full_state_dict(compiled),
+                "rng": torch.get_rng_state()}
+    finally:
+        dist.destroy_process_group()

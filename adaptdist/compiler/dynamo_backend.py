@@ -436,7 +436,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
             cap_gm, cap_inputs, experts = stack_dynamo_experts(gm, inputs)
             try:
                 with torch.enable_grad():  # an eval loop's no_grad(): the program still has its backward part
-                    captured, tangent_outputs = capture_all_ranks(cap_gm, cap_inputs, world, config.batch_norm)
+                    captured, tangent_outputs = capture_all_ranks(cap_gm, cap_inputs, world, config.batch_norm,
+                                                                      config.rng)
             except Exception as e:
                 if not experts.stacked:
                     raise
@@ -447,7 +448,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], confi
                     f"{p} is not sharded as experts: running them batched failed ({why})" for p in prefixes])
                 cap_inputs = inputs
                 with torch.enable_grad():
-                    captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm)
+                    captured, tangent_outputs = capture_all_ranks(gm, inputs, world, config.batch_norm,
+                                                                      config.rng)
             if experts.stacked:
                 captured.stacked, captured.notes = experts.stacked, experts.notes
                 fold_stack_of_unbind(captured.gm)

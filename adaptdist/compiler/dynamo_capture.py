@@ -343,7 +343,7 @@ class _AllRanksStep(nn.Module):
 
 
 def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_size: int,
-                      batch_norm: str = "local") -> tuple[CapturedGraph, list[int]]:
+                      batch_norm: str = "local", rng: str = "per-rank") -> tuple[CapturedGraph, list[int]]:
     """The joint graph of all ``world_size`` ranks' forward and backward (module docstring).
 
     Args:
@@ -352,6 +352,9 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
         world_size: ``W``, the size of the stacked rank dim.
         batch_norm: training-mode BatchNorm's statistics: ``"local"`` (each rank's rows, as DDP) or ``"sync"``
             (every rank's rows, :func:`global_batch_norm`); the running statistics end as rank 0's.
+        rng: ``"global"``: each random op is annotated with where one rank's batch rows are in its shape
+            (:func:`adaptdist.compiler.eager_batch.annotate_eager_batch`), so the global-rng pass draws it in
+            the order one process on the whole batch does.
 
     Returns:
         A CapturedGraph whose batch inputs are the stacked user inputs then the stacked tangents, with
@@ -428,6 +431,10 @@ def capture_all_ranks(gm: torch.fx.GraphModule, inputs: list[GraphInput], world_
                               if n in by_name], by_name[sig.user_outputs[0]])
     captured = _finish(joint, sig, len(outputs), world_size, per_rank)
     captured.unused_param_fqns = [f for f in unused if f in captured.frozen_param_fqns]
+    if rng == "global":
+        from .eager_batch import annotate_eager_batch
+
+        annotate_eager_batch(step.gm, inputs, captured.gm.graph, world_size)
     return captured, tangent_outputs
 
 

@@ -17,8 +17,8 @@ How (one mesh axis at a time, like every pass):
 * :func:`global_rng` (after propagation) rewrites a random op whose input is sharded: it draws the whole
   tensor (an ``empty_strided`` of the global shape and strides, replicated, as its shape-only input), then
   keeps this rank's interval with a rank slice that localization aligns with the op's input. Dropout is
-  the mask drawn so (``bernoulli.p(1 - p)``, what eager's CPU dropout draws), times the input, times
-  ``1 / (1 - p)``.
+  the mask drawn so (``bernoulli.p(1 - p)``, what eager's CPU dropout draws, in the memory order of its
+  input: :func:`_bernoulli_whole`), times the input, times ``1 / (1 - p)``.
 
 Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds row 6)::
 
@@ -29,6 +29,15 @@ Before/after (batch 7 over 3 ranks, ``x: f32[7, 16] S(0)``; rank 2 holds row 6):
     slice_1 = aten.slice.Tensor(bernoulli, 0, 0, 7)            # rank slice, aligned with x: rank 2 [6, 7)
     mul = aten.mul.Tensor(aten.mul.Tensor(x, slice_1), 1.111)  # the dropout output, S(0)
     ne = aten.ne.Scalar(slice_1, 0)                            # the mask, S(0)
+
+Under the torch.compile backend the joint graph draws ``[W, *s]`` (rank dim 0, one rank's shape ``s``); one
+process on the whole batch draws ``s`` with the batch ``W`` times larger. Where the batch is the outermost
+factor of ``s`` the orders agree; where it is not (dropout on a time-major ``[L, B, D]``), the capture records
+where it is (:mod:`adaptdist.compiler.eager_batch`, node meta ``adaptdist.eager_batch``) and the op is drawn in
+eager's shape, its ranks' rows moved to dim 0 (:func:`_whole_in_eager_order`), replicated or then sliced. A draw
+whose rows the capture cannot follow keeps the rank-major draw, and the capture logs a warning naming it. CPU's
+``bernoulli_`` and ``uniform_`` fill a tensor in memory order, so the draw also keeps the layout one rank's graph
+gives the tensor it fills (a dropout of a permuted activation: ``empty_like`` keeps its strides).
 
 Cost: every rank draws the whole tensor, ``world`` times its shard's random numbers per random op (and
 holds the whole mask for a moment); measured in the README.
@@ -43,11 +52,13 @@ one process on the whole batch would draw it once).
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 
 from .. import graph_meta as gmeta
+from ..compiler.eager_batch import EAGER_BATCH, EAGER_ORDER
 from ..errors import UnsupportedOpError
 from ..placement import Replicate, Shard
 from .context import PassContext
@@ -129,6 +140,82 @@ def _whole(graph: torch.fx.Graph, like: torch.Tensor, contiguous: bool) -> torch
     return node
 
 
+def _bernoulli_whole(graph: torch.fx.Graph, like: torch.Tensor, p: float) -> torch.fx.Node:
+    """``bernoulli.p`` of the global shape of ``like``, drawn as eager's ``empty_like(like).bernoulli_(p)`` draws it:
+    CPU's ``bernoulli_`` fills in memory order and ``empty_like`` keeps a dense layout (a dropout of a transposed
+    activation), while functional ``bernoulli.p`` returns a contiguous tensor whatever its input's strides. So the
+    mask is drawn contiguous with its dims in memory order, then permuted back (and made contiguous)."""
+    strides = _dense_strides(like)
+    order = sorted(range(like.dim()), key=lambda i: (-strides[i] if like.shape[i] != 1 else 0, i))
+    order = [i for i in order if like.shape[i] != 1]
+    it = iter(order)
+    order = [i if like.shape[i] == 1 else next(it) for i in range(like.dim())]
+    if order == list(range(like.dim())):
+        full = add_op(graph, aten.bernoulli.p, (_whole(graph, like, contiguous=True), p), Replicate())
+        gmeta.mark_global_rng(full)
+        return full
+    mode = getattr(like, "fake_mode", None)
+    with mode if mode is not None else torch.no_grad():
+        mem_like = torch.empty([int(like.shape[i]) for i in order], dtype=like.dtype, device=like.device)
+    full = add_op(graph, aten.bernoulli.p, (_whole(graph, mem_like, contiguous=True), p), Replicate())
+    gmeta.mark_global_rng(full)
+    back = add_op(graph, aten.permute.default, (full, [order.index(i) for i in range(like.dim())]), Replicate())
+    return add_op(graph, aten.clone.default, (back,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
+
+
+def _eager_loc(node: torch.fx.Node, d: int) -> tuple | None:
+    """``((dim, outer, rows), order)`` for a random op of the backend's joint graph (sharded on its rank dim ``d``,
+    or replicated: ``d`` 0) whose draw differs from eager's drawn rank-major: one rank's batch rows are not its
+    outermost factor, or the tensor it fills is laid out otherwise than contiguous (``order``: one rank's dims,
+    outermost first in memory; :mod:`adaptdist.compiler.eager_batch`); else None."""
+    loc = node.meta.get(EAGER_BATCH)
+    if not isinstance(loc, tuple) or d != 0:
+        return None
+    order = tuple(node.meta.get(EAGER_ORDER) or ())
+    if loc[0] == 0 and loc[1] == 1 and order == tuple(range(len(order))):
+        return None
+    return loc, order
+
+
+def _whole_in_eager_order(graph: torch.fx.Graph, op: Any, like: torch.Tensor, args: tuple, kwargs: dict,
+                          where: tuple) -> torch.fx.Node:
+    """``op`` drawn whole as one process on the whole batch draws it, the ranks' rows then moved to dim 0:
+    ``like`` is the joint value ``[W, *s]`` (rank dim 0); ``where = ((k, outer, rows), order)``: one rank's batch
+    is at ``k`` of ``s`` and the tensor it fills is laid out in ``order`` (dims outermost first). One process
+    draws ``s`` with dim ``k`` ``W`` times larger (rank ``r``'s rows after rank ``r - 1``'s within each of the
+    ``outer`` blocks), filling it in memory order (CPU's ``bernoulli_``/``uniform_``): drawn contiguous with its
+    dims in memory order (functional ``bernoulli.p`` returns a contiguous tensor whatever its input's strides),
+    permuted back and made contiguous, viewed ``[*s[:k], outer, W, s[k] / outer,
+    *s[k+1:]]``, ``W`` moved to the front and made contiguous ``[W, *s]``: replicated, every rank holds every
+    rank's draw."""
+    (k, outer, _), order = where
+    world, s = int(like.shape[0]), [int(v) for v in like.shape[1:]]
+    order = list(order) if sorted(order) == list(range(len(s))) else list(range(len(s)))
+    eager = list(s)
+    eager[k] *= world
+    mem = [eager[i] for i in order]  # the eager tensor's dims in memory order: drawn contiguous in that shape
+    strides, acc = [], 1
+    for v in reversed(mem):
+        strides.append(acc)
+        acc *= max(v, 1)
+    whole = graph.call_function(aten.empty_strided.default, (mem, strides[::-1]),
+                                {"dtype": like.dtype, "device": like.device, "pin_memory": False})
+    mode = getattr(like, "fake_mode", None)
+    with mode if mode is not None else torch.no_grad():
+        whole.meta["val"] = torch.empty_strided(mem, strides[::-1], dtype=like.dtype, device=like.device)
+    gmeta.set_placements(whole, (Replicate(),))
+    full = add_op(graph, op, (whole, *args), Replicate(), kwargs=dict(kwargs))
+    gmeta.mark_global_rng(full)
+    if order != list(range(len(s))):  # back to the eager tensor's dim order
+        full = add_op(graph, aten.permute.default, (full, [order.index(i) for i in range(len(s))]), Replicate())
+        full = add_op(graph, aten.clone.default, (full,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
+    split = add_op(graph, aten.view.default, (full, [*s[:k], outer, world, s[k] // outer, *s[k + 1:]]), Replicate())
+    perm = [k + 1] + [i for i in range(len(s) + 2) if i != k + 1]
+    moved = add_op(graph, aten.permute.default, (split, perm), Replicate())
+    flat = add_op(graph, aten.clone.default, (moved,), Replicate(), kwargs={"memory_format": torch.contiguous_format})
+    return add_op(graph, aten.view.default, (flat, [world, *s]), Replicate())
+
+
 def _keep_rows(graph: torch.fx.Graph, full: torch.fx.Node, dim: int, align: torch.fx.Node, ctx: PassContext
                ) -> torch.fx.Node:
     """This rank's interval of ``full`` on ``dim``: a rank slice aligned with ``align`` (made contiguous when
@@ -185,9 +272,14 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         if node.op != "call_function" or node.target not in RANDOM_OPS:
             continue
         d = _sharded_dim(placement_of(node))
-        if d is None:
-            continue  # replicated: every rank draws the same whole tensor from the same generator state
         x = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        if d is None:
+            # replicated: every rank draws the same whole tensor from the same generator state; under the
+            # backend, in the order one process on the whole batch draws it when its batch is not outermost
+            loc = _eager_loc(node, 0)
+            if loc is not None and x is not None and node.target in FILL_LIKE | DROPOUT:
+                changed |= _redraw_replicated(graph, node, x, loc)
+            continue
         if node.target in VALUED or x is None:
             raise UnsupportedOpError(
                 f"node {node.name!r} ({node.target}, {gmeta.shape_str(node)}){gmeta.where_of(node)} draws random "
@@ -198,15 +290,49 @@ def global_rng(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[torch.fx.Gra
         if node.target in DROPOUT:
             changed |= _rewrite_dropout(graph, node, x, d, ctx)
             continue
+        loc = _eager_loc(node, d)
         with graph.inserting_before(node):
-            whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
-            full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
-        gmeta.mark_global_rng(full)
+            if loc is not None:
+                full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
+            elif node.target is aten.bernoulli.p and not node.kwargs:
+                full = _bernoulli_whole(graph, x.meta["val"], node.args[1])
+            else:
+                whole = _whole(graph, x.meta["val"], contiguous=node.target is aten.bernoulli.p)
+                full = add_op(graph, node.target, (whole, *node.args[1:]), Replicate(), kwargs=dict(node.kwargs))
+                gmeta.mark_global_rng(full)
         local = _keep_rows(graph, full, d, _align_target(x, node, d), ctx)
         node.replace_all_uses_with(local)
         graph.erase_node(node)
         changed = True
     return gm, changed
+
+
+def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, loc: tuple) -> bool:
+    """A replicated random op of the backend's joint graph (``[W, *s]``, rank dim 0) whose batch rows are at
+    ``loc`` of ``s``, not outermost: drawn whole in eager's order instead (:func:`_whole_in_eager_order`);
+    returns whether it rewrote (a ``train=False`` dropout draws nothing)."""
+    if node.target in DROPOUT:
+        p = float(node.args[1])
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if train is False:
+            return False
+        p1m = 1.0 - p
+        with graph.inserting_before(node):
+            mask_f = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
+            out = add_op(graph, aten.mul.Tensor, (add_op(graph, aten.mul.Tensor, (x, mask_f), Replicate()),
+                                                  0.0 if p1m == 0 else 1.0 / p1m), Replicate())
+            mask = add_op(graph, aten.ne.Scalar, (mask_f, 0), Replicate())
+        for user in list(node.users):
+            assert user.target is operator.getitem, f"native_dropout {node.name} used by {user.name} without getitem"
+            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        return True
+    with graph.inserting_before(node):
+        full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
+    node.replace_all_uses_with(full)
+    graph.erase_node(node)
+    return True
 
 
 def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> bool:
@@ -219,10 +345,12 @@ def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Nod
     p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     sp = Shard(d)
+    loc = _eager_loc(node, d)
     with graph.inserting_before(node):
-        whole = _whole(graph, x.meta["val"], contiguous=True)
-        full = add_op(graph, aten.bernoulli.p, (whole, p1m), Replicate())
-    gmeta.mark_global_rng(full)
+        if loc is not None:
+            full = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
+        else:
+            full = _bernoulli_whole(graph, x.meta["val"], p1m)
     mask_f = _keep_rows(graph, full, d, x, ctx)
     with graph.inserting_before(node):
         masked = add_op(graph, aten.mul.Tensor, (x, mask_f), sp)
