@@ -11,7 +11,10 @@ over a different number of replicas on each side, so every tensor is resharded a
 - a tensor the same on every replica (``Replicate``: a forward value computed from parameters only) goes whole from
   sender ``r % dp_sender`` to receiver ``r``;
 - a gradient of such a value is a per-replica partial sum (``Partial``): receiver ``a`` adds what the senders
-  ``b`` with ``b % dp_receiver == a`` send it (zeros where none does), so the total over the replicas is unchanged.
+  ``b`` with ``b % dp_receiver == a`` send it (zeros where none does), so the total over the replicas is unchanged;
+- so is a forward value that is ``Partial`` over the batch rows (a loss term reduced on an earlier stage, e.g.
+  ``0.1 * feat.pow(2).mean()`` of the trunk's output: each replica's sum over its rows): summed like a gradient, not
+  copied (the lowering passes each tensor's placement on the batch axis, ``combines`` of :func:`boundary_routes`).
 
 Deadlock freedom: the schedules' lists are proven to terminate with one blocking message per stage-level exchange
 (:func:`adaptdist.pipeline_schedules.check_deadlock_free`). Here one exchange is a set of messages between the two
@@ -136,10 +139,17 @@ def _batch_dim(a: Sequence[int], b: Sequence[int], dp_a: int, dp_b: int) -> int 
 
 def boundary_routes(kind: str, names: Sequence[str], send_shapes: Sequence[Sequence[int]],
                     recv_shapes: Sequence[Sequence[int]], senders: Sequence[int], receivers: Sequence[int],
-                    where: str) -> tuple[list[list[TensorRoute]], list[list[TensorRoute]]]:
+                    where: str, combines: Sequence[str | None] | None = None
+                    ) -> tuple[list[list[TensorRoute]], list[list[TensorRoute]]]:
     """Routes of one boundary's tensors from ``senders`` (the global ranks of one model-parallel coordinate of the
-    sending stage, in data-parallel order) to ``receivers`` (likewise on the receiving stage). ``kind``:
-    ``"forward"`` (unsplit tensors are replicated: copied) or ``"backward"`` (unsplit tensors are partial: summed).
+    sending stage, in data-parallel order) to ``receivers`` (likewise on the receiving stage). An unsplit tensor
+    (the same local shape on both sides) is replicated (``COPY``: each receiver copies one sender's) or a
+    per-replica partial sum (``SUM``: each sender's goes to one receiver, which adds what it gets, zeros where
+    nothing comes, so the total over the replicas is unchanged), as ``combines[i]`` says (from the value's placement
+    on the batch axis); where that is None (or ``combines`` is), by ``kind``: ``"forward"`` copies (a value of
+    parameters only), ``"backward"`` sums (the gradient of such a value). A forward partial is e.g. a loss term
+    reduced on an earlier stage (``0.1 * feat.pow(2).mean()`` over the replica's rows of the microbatch): copying it
+    would count one replica's term on every receiver.
     Returns (per sender: its send routes per tensor, per receiver: its receive routes per tensor).
 
     Raises:
@@ -148,7 +158,8 @@ def boundary_routes(kind: str, names: Sequence[str], send_shapes: Sequence[Seque
     dp_a, dp_b = len(senders), len(receivers)
     send = [[] for _ in senders]
     recv = [[] for _ in receivers]
-    for name, sa, sb in zip(names, send_shapes, recv_shapes):
+    combines = list(combines) if combines is not None else [None] * len(names)
+    for name, sa, sb, how in zip(names, send_shapes, recv_shapes, combines):
         k = _batch_dim(sa, sb, dp_a, dp_b)
         if k == "?":
             raise PipelineError(f"{where}: {kind} value {name!r} is {list(sa)} on each of the sending stage's {dp_a} "
@@ -156,7 +167,7 @@ def boundary_routes(kind: str, names: Sequence[str], send_shapes: Sequence[Seque
                                 "split of the other, so it cannot be resharded between the stages; give both stages "
                                 "the same sub-mesh")
         if k is None:
-            if kind == "forward":  # receiver b copies sender b % dp_a's (identical) tensor
+            if (how or (COPY if kind == "forward" else SUM)) == COPY:  # receiver b copies sender b % dp_a's
                 for a in range(dp_a):
                     send[a].append(TensorRoute(tuple(Piece(receivers[b]) for b in range(dp_b) if b % dp_a == a)))
                 for b in range(dp_b):

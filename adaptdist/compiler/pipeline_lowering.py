@@ -35,7 +35,8 @@ Three steps (PIPELINE.md):
    microbatches first and each over a stage's replicas (``PipelineRankProgram.microbatch_stride``), so every stage
    sees microbatch ``m`` as the same rows; at a boundary each tensor is resharded by
    :mod:`adaptdist.stage_routes` (rows cut/concatenated along the dim where the two local shapes differ by the
-   sizes' ratio, replicated values copied, partial gradients added).
+   sizes' ratio, replicated values copied, partial sums added: gradients of replicated values, and forward values
+   partial over the batch rows such as a loss term reduced on an earlier stage, by their placement on ``mb``).
 
 Not done: stages of different sizes with model-parallel axes inside or interleaved (refused naming the meshes),
 FSDP inside a stage (refused naming the parameters), mutated buffers (BatchNorm running statistics) in a pipeline.
@@ -57,10 +58,10 @@ from .. import graph_meta as gmeta
 from ..errors import InternalError, PipelineError, UsageError
 from ..lowering_options import LoweringOptions
 from ..mesh import Mesh
-from ..placement import Replicate
+from ..placement import Partial, Replicate
 from ..plan import PIPELINE_AXIS, SCHEDULES, PipelineSpec, Plan, StageSpec, graph_fingerprint
 from ..stage_program import PipelineRankProgram, PrologueProgram, StageProgram, TensorSpec
-from ..stage_routes import StageRoutes, boundary_routes
+from ..stage_routes import COPY, SUM, StageRoutes, boundary_routes
 from .capture import CapturedGraph
 
 if TYPE_CHECKING:
@@ -476,10 +477,10 @@ def lower_pipeline(captured: CapturedGraph, plan: Plan, options: LoweringOptions
                 _check_boundary(a, b, where)
                 snd, rcv = boundary_routes("forward", _io_names(a.forward, len(a.send_specs), a.is_last),
                                            [x.shape for x in a.send_specs], [x.shape for x in b.recv_specs], ra, rb,
-                                           where)
+                                           where, built_for(ga, key).send_combines[s])
                 gsnd, grcv = boundary_routes("backward", [f"grad {i}" for i in range(len(b.grad_out_specs))],
                                              [x.shape for x in b.grad_out_specs], [x.shape for x in a.grad_in_specs],
-                                             rb, ra, where)
+                                             rb, ra, where, built_for(gb, key).grad_out_combines[s + 1])
                 for i, r in enumerate(ra):
                     routes.setdefault((r, s), {})["send"] = snd[i]
                     routes[(r, s)]["grad_in"] = grcv[i]
@@ -695,6 +696,22 @@ class _Built:
     state: dict[str, torch.Tensor]
     state_placements: dict[str, list[str]]
     global_shapes: dict[str, list[int]]
+    # per stage: how each sent value / each gradient sent back combines over the batch replicas (_mb_combine)
+    send_combines: list[tuple[str | None, ...]] = dataclasses.field(default_factory=list)
+    grad_out_combines: list[tuple[str | None, ...]] = dataclasses.field(default_factory=list)
+
+
+def _mb_combine(v: torch.fx.Node) -> str | None:
+    """How the values of ``v`` on a stage's batch replicas combine, from its placement on the microbatch axis (the
+    virtual mesh's last): ``SUM`` for a partial sum (a forward loss term reduced over the replica's rows), ``COPY``
+    for a replicated value, None otherwise (split over the rows, or no placement recorded)."""
+    pls = gmeta.get_placements(v)
+    if not isinstance(pls, tuple) or not pls:
+        return None
+    last = pls[-1]
+    if isinstance(last, Partial) and last.op == "sum":
+        return SUM
+    return COPY if isinstance(last, Replicate) else None
 
 
 def _is(n: Any, kind: str) -> bool:
@@ -952,12 +969,16 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
     state_names_all = [gmeta.get_fqn(p) for p in placeholders if gmeta.get_role(p) in ("param", "buffer")]
     norm_phs = [ph for ph, _, _ in normalizers]
     stages: list[StageProgram] = []
+    send_combines: list[tuple[str | None, ...]] = []
+    grad_out_combines: list[tuple[str | None, ...]] = []
     for s in range(S):
         recv_s = ordered(recv[s])
         send_s = ordered(recv[s + 1]) if s + 1 < S else []
         saved_s = ordered(v for v in saved_ext[s] if v.op == "placeholder" or v in fw)
         gin_s = ordered(gin[s])
         gout_s = ordered(gin[s - 1]) if s > 0 else []
+        send_combines.append(tuple(_mb_combine(v) for v in send_s))
+        grad_out_combines.append(tuple(_mb_combine(v) for v in gout_s))
         # state this stage reads
         reads = [v for v in f_ext[s] + saved_s if v.op == "placeholder" and gmeta.get_fqn(v) in holders]
         state_phs = ordered(reads)
@@ -986,7 +1007,7 @@ def _build(vprog, captured: CapturedGraph, stage_of_layer: dict[str, int], S: in
             num_saved_w=len(saved_w),
             layers=tuple(layer for layer, t in stage_of_layer.items() if t == s)))
     return _Built(stages, prologue, holders, list(captured.param_fqns), state_names_all, dict(vprog.state),
-                  dict(vprog.state_placements), dict(vprog.global_shapes))
+                  dict(vprog.state_placements), dict(vprog.global_shapes), send_combines, grad_out_combines)
 
 
 _getitem = operator.getitem

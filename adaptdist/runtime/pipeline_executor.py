@@ -182,7 +182,9 @@ class PipelineStepRunner:
             self.norm_owned = norm_owned_params(program)
         self.state = {k: v.clone() for k, v in program.state.items()}
         self.params = [self.state[f] for f in program.param_fqns]
-        self.opt = make_optimizer(optimizer, self.params, lr)
+        # a rank whose stages hold no trainable parameter (frozen layers only; a head the loss does not use) still
+        # runs its forward and backward; it has nothing to update (torch's optimizers refuse an empty list)
+        self.opt = make_optimizer(optimizer, self.params, lr) if self.params else NoParameterOptimizer()
         self.last_grads: dict[str, torch.Tensor] = {}
         # rank set -> its shared-memory group (the runtime's reductions over it take the kernels)
         self.shm_names = {tuple(sorted(rs)): n for n, rs in sorted(program.shm_groups.items())}
@@ -487,6 +489,30 @@ class PipelineStepRunner:
         """The optimizer's per-parameter state keyed by parameter name (for checkpoints)."""
         sd = self.opt.state_dict()
         return {self.program.param_fqns[i]: s for i, s in sd["state"].items()}
+
+
+class NoParameterOptimizer:
+    """The optimizer of a pipeline rank whose stages hold no trainable parameter: its step does nothing and its state
+    is empty (``state_dict()`` ``{"state": {}, "param_groups": []}``), so the step, the checkpoints (which save no
+    optimizer state for it) and a resume treat it like any optimizer over no parameters."""
+
+    def __init__(self) -> None:
+        self.param_groups: list[dict] = []
+        self.state: dict = {}
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("state"):
+            raise UsageError(f"optimizer state for {len(state_dict['state'])} parameter(s) given to the optimizer of "
+                             "a pipeline rank that holds no trainable parameter")
 
 
 _NULL = contextlib.nullcontext()  # immutable: safe to share
