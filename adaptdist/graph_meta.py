@@ -80,6 +80,17 @@ RANK_DIM = "adaptdist.rank_dim"
 RANK0_FLAG = "adaptdist.rank0_flag"
 GATHER_ROWS = "adaptdist.gather_rows"  # an embedding gradient built from gathered rows (passes/gather_embedding_rows.py)
 
+# The random ops' batch location (:mod:`adaptdist.compiler.eager_batch` writes it, the global-rng pass reads it)
+EAGER_BATCH = "adaptdist.eager_batch"
+"""Node meta of a joint-graph random op: ``(dim, outer, rows)`` of one rank's shape
+(:func:`adaptdist.compiler.eager_batch.annotate_eager_batch`), or ``None`` where the location is not known."""
+
+EAGER_ORDER = "adaptdist.eager_order"
+"""Node meta of a joint-graph random op: one rank's dims from outermost to innermost in memory, as the tensor it
+fills is laid out in one rank's graph (``empty_like`` keeps a permuted layout; CPU's ``bernoulli_`` and
+``uniform_`` fill in memory order), or the identity where that tensor is not dense."""
+
+
 Layout = tuple[Placement, ...]
 
 

@@ -27,18 +27,10 @@ import torch
 import torch.fx
 
 from .. import _torch_compat as compat
+from ..graph_meta import EAGER_BATCH, EAGER_ORDER  # noqa: F401 -- the node meta this module writes
 
 log = logging.getLogger("adaptdist.compiler")
 aten = torch.ops.aten
-
-EAGER_BATCH = "adaptdist.eager_batch"
-"""Node meta of a joint-graph random op: ``(dim, outer, rows)`` of one rank's shape (:func:`annotate_eager_batch`),
-or ``None`` where the location is not known."""
-
-EAGER_ORDER = "adaptdist.eager_order"
-"""Node meta of a joint-graph random op: one rank's dims from outermost to innermost in memory, as the tensor it
-fills is laid out in one rank's graph (``empty_like`` keeps a permuted layout; CPU's ``bernoulli_`` and
-``uniform_`` fill in memory order), or the identity where that tensor is not dense."""
 
 NO_BATCH = "no batch"  # a value the same for every rank's rows (parameters, constants)
 UNKNOWN = None

@@ -58,7 +58,7 @@ import torch
 import torch.fx
 
 from .. import graph_meta as gmeta
-from ..compiler.eager_batch import EAGER_BATCH, EAGER_ORDER
+from ..graph_meta import EAGER_BATCH, EAGER_ORDER
 from ..errors import UnsupportedOpError
 from ..placement import Replicate, Shard
 from .context import PassContext
