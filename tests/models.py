@@ -234,19 +234,19 @@ class _SelfAttention(nn.Module):
         return self.head(a)
 
 
-def self_attention(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
+def _token_classifier(cls, batch_size: int, seq_len: int, seed: int, d_model: int, nhead: int):
+    """``cls(d_model, nhead)`` from ``seed``, a [B, T, 8] batch with [B, T] targets of 6 classes, cross entropy."""
     torch.manual_seed(seed)
-    model = _SelfAttention(d_model, nhead)
+    model = cls(d_model, nhead)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(batch_size, seq_len, 8, generator=g)
     y = torch.randint(0, 6, (batch_size, seq_len), generator=g)
     return model, (x, y), lambda o, t: F.cross_entropy(o.reshape(-1, 6), t.reshape(-1))
+
+
+def self_attention(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
+    return _token_classifier(_SelfAttention, batch_size, seq_len, seed, d_model, nhead)
 
 
 def transformer_encoder(batch_size: int = 4, seq_len: int = 5, seed: int = 0, d_model: int = 16, nhead: int = 2):
-    torch.manual_seed(seed)
-    model = _TransformerEncoder(d_model, nhead)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(batch_size, seq_len, 8, generator=g)
-    y = torch.randint(0, 6, (batch_size, seq_len), generator=g)
-    return model, (x, y), lambda o, t: F.cross_entropy(o.reshape(-1, 6), t.reshape(-1))
+    return _token_classifier(_TransformerEncoder, batch_size, seq_len, seed, d_model, nhead)

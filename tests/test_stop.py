@@ -83,7 +83,9 @@ LAUNCHER = textwrap.dedent("""
             raise
         print("adaptdist:", interrupted_message(e), file=sys.stderr)
         import time
-        time.sleep(2.5)  # a launcher that goes on a while (train writes its files): past one keep-alive beat (2 s)
+        from adaptdist.runtime.timeouts import Timeouts
+        # a launcher that goes on a while (train writes its files): past one rendezvous keep-alive beat
+        time.sleep(Timeouts().keep_alive_interval_s + 0.5)
         sys.exit(code)
 """)
 

@@ -51,6 +51,7 @@ def _packet(node: torch.fx.Node) -> str:
 
 
 def is_random(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an ATen op that draws from the generator (dropout, bernoulli, rand*, normal, ...)."""
     return node.op == "call_function" and _packet(node) in _RANDOM_PACKETS
 
 

@@ -312,21 +312,15 @@ def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.N
     ``loc`` of ``s``, not outermost: drawn whole in eager's order instead (:func:`_whole_in_eager_order`);
     returns whether it rewrote (a ``train=False`` dropout draws nothing)."""
     if node.target in DROPOUT:
-        p = float(node.args[1])
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        if train is False:
+        p1m = _dropout_keep(node)
+        if p1m is None:
             return False
-        p1m = 1.0 - p
         with graph.inserting_before(node):
             mask_f = _whole_in_eager_order(graph, aten.bernoulli.p, x.meta["val"], (p1m,), {}, loc)
             out = add_op(graph, aten.mul.Tensor, (add_op(graph, aten.mul.Tensor, (x, mask_f), Replicate()),
                                                   0.0 if p1m == 0 else 1.0 / p1m), Replicate())
             mask = add_op(graph, aten.ne.Scalar, (mask_f, 0), Replicate())
-        for user in list(node.users):
-            assert user.target is operator.getitem, f"native_dropout {node.name} used by {user.name} without getitem"
-            user.replace_all_uses_with(out if user.args[1] == 0 else mask)
-            graph.erase_node(user)
-        graph.erase_node(node)
+        _replace_dropout(graph, node, out, mask)
         return True
     with graph.inserting_before(node):
         full = _whole_in_eager_order(graph, node.target, x.meta["val"], node.args[1:], node.kwargs, loc)
@@ -338,11 +332,9 @@ def _redraw_replicated(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.N
 def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Node, d: int, ctx: PassContext) -> bool:
     """``native_dropout(x, p, train)`` (sharded like ``x`` on ``d``) -> whole mask, this rank's rows, ``x * mask
     * scale``; returns whether it rewrote. A ``train=False`` dropout draws nothing and stays."""
-    p = float(node.args[1])
-    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    if train is False:
+    p1m = _dropout_keep(node)
+    if p1m is None:
         return False
-    p1m = 1.0 - p
     scale = 0.0 if p1m == 0 else 1.0 / p1m
     sp = Shard(d)
     loc = _eager_loc(node, d)
@@ -359,9 +351,20 @@ def _rewrite_dropout(graph: torch.fx.Graph, node: torch.fx.Node, x: torch.fx.Nod
             gmeta.set_redistribute(masked, {(0,): needs[(0,)]})
         out = add_op(graph, aten.mul.Tensor, (masked, scale), sp)
         mask = add_op(graph, aten.ne.Scalar, (mask_f, 0), sp)
+    _replace_dropout(graph, node, out, mask)
+    return True
+
+
+def _dropout_keep(node: torch.fx.Node) -> float | None:
+    """``native_dropout(x, p, train)``'s keep probability ``1 - p``; None for ``train=False`` (it draws nothing)."""
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return None if train is False else 1.0 - float(node.args[1])
+
+
+def _replace_dropout(graph: torch.fx.Graph, node: torch.fx.Node, out: torch.fx.Node, mask: torch.fx.Node) -> None:
+    """Give ``native_dropout`` ``node``'s two outputs (read through getitem) to ``out`` and ``mask``; erase it."""
     for user in list(node.users):
         assert user.target is operator.getitem, f"native_dropout {node.name} used by {user.name} without getitem"
         user.replace_all_uses_with(out if user.args[1] == 0 else mask)
         graph.erase_node(user)
     graph.erase_node(node)
-    return True
